@@ -1,0 +1,115 @@
+"""Exponential families used as CVI variational factors, and the support -> family map.
+
+==========================  ===========================  ==================================
+support                     family                       natural parameters
+==========================  ===========================  ==================================
+real / real_vector          :class:`Gaussian` (full),    ``(Lambda m, -Lambda / 2)``
+                            :class:`GaussianDiag`        ``(m / v, -1 / (2 v))``
+positive / nonnegative      :class:`Gamma`               ``(alpha - 1, -beta)``
+unit_interval               :class:`Beta`                ``(alpha - 1, beta - 1)``
+simplex                     :class:`Dirichlet`           ``(alpha - 1,)``
+boolean                     :class:`Bernoulli`           ``(logit p,)``
+integer_interval(0, K-1)    :class:`Categorical` (K)     ``(logits[:K-1] - logits[K-1],)``
+==========================  ===========================  ==================================
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+from torch.distributions import constraints
+
+from .base import ExponentialFamily, Params, fisher_solve_mean_grad, mean_grad_via_autograd
+from .beta import Beta
+from .dirichlet import Dirichlet
+from .discrete import Bernoulli, Categorical
+from .gamma import Gamma
+from .gaussian import Gaussian, GaussianDiag
+
+__all__ = [
+    "ExponentialFamily",
+    "Params",
+    "Gaussian",
+    "GaussianDiag",
+    "Gamma",
+    "Beta",
+    "Dirichlet",
+    "Bernoulli",
+    "Categorical",
+    "family_for_support",
+    "fisher_solve_mean_grad",
+    "mean_grad_via_autograd",
+]
+
+_SUPPORTED = (
+    "real/real_vector (Gaussian), positive/nonnegative (Gamma), unit_interval (Beta), "
+    "simplex (Dirichlet), boolean (Bernoulli), integer_interval(0, K-1) (Categorical)"
+)
+
+
+def _is_number(bound: object, value: float) -> bool:
+    """True if ``bound`` is the scalar ``value`` (python number or one-element tensor)."""
+    if isinstance(bound, torch.Tensor):
+        return bound.numel() == 1 and float(bound) == value
+    return isinstance(bound, numbers.Number) and float(bound) == value
+
+
+def _unsupported(support: constraints.Constraint, event_shape: torch.Size, why: str = ""):
+    return ValueError(
+        f"pyro_cvi has no conjugate exponential family for a site with support {support} "
+        f"(event_shape={tuple(event_shape)}){why}. Supported: {_SUPPORTED}. To use CVI, "
+        "reparameterize the site as a real (or positive/unit-interval/simplex) latent followed "
+        "by a transform (e.g. sample a Normal latent and push it through a bijection via "
+        "TransformedDistribution or pyro.deterministic), or use pyro's AutoNormal for that site "
+        "(e.g. combine guides with AutoGuideList / block the site)."
+    )
+
+
+def family_for_support(
+    support: constraints.Constraint,
+    event_shape: Sequence[int] = (),
+    covariance: str = "full",
+) -> ExponentialFamily:
+    """The exponential family matching a Pyro site's ``support`` and ``event_shape``.
+
+    ``covariance`` (``"full"`` or ``"diag"``) selects the Gaussian family for real supports;
+    ``"full"`` couples all entries of the (flattened) event. ``independent(...)`` wrappers
+    are unwrapped. Raises ``ValueError`` naming the support for anything else.
+    """
+    if covariance not in ("full", "diag"):
+        raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
+    event_shape = torch.Size(event_shape)
+    base = support
+    while isinstance(base, constraints.independent):
+        base = base.base_constraint
+    if support.event_dim > len(event_shape):
+        raise _unsupported(
+            support, event_shape, f": the support has {support.event_dim} event dims"
+        )
+    if isinstance(base, type(constraints.real)):
+        return Gaussian(event_shape) if covariance == "full" else GaussianDiag(event_shape)
+    positive = (constraints.greater_than, constraints.greater_than_eq)
+    if isinstance(base, positive) and _is_number(base.lower_bound, 0.0):
+        # torch's Gamma/Exponential/HalfNormal report ``nonnegative``; a Gamma q covers it
+        return Gamma(event_shape)
+    if (
+        type(base) is constraints.interval
+        and _is_number(base.lower_bound, 0.0)
+        and _is_number(base.upper_bound, 1.0)
+    ):
+        return Beta(event_shape)
+    if isinstance(base, type(constraints.simplex)):
+        if len(event_shape) < 1 or event_shape[-1] < 2:
+            raise _unsupported(support, event_shape, ": a simplex needs K >= 2 categories")
+        return Dirichlet(event_shape)
+    if isinstance(base, type(constraints.boolean)):
+        return Bernoulli(event_shape)
+    if isinstance(base, constraints.integer_interval) and _is_number(base.lower_bound, 0.0):
+        upper = base.upper_bound
+        if isinstance(upper, torch.Tensor) and upper.numel() == 1:
+            upper = upper.item()
+        if isinstance(upper, numbers.Number) and float(upper).is_integer() and upper >= 1:
+            return Categorical(int(upper) + 1, event_shape)
+    raise _unsupported(support, event_shape)

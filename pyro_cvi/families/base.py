@@ -1,0 +1,459 @@
+"""Abstract exponential family and shared numerics.
+
+A family describes the variational distribution of one latent site,
+
+    q(z | lam) = h(z) exp(<lam, phi(z)> - A(lam)),
+
+with natural parameters ``lam``, sufficient statistics ``phi(z)``, base measure ``h`` and
+log-partition ``A`` (Appendix C of Khan & Lin 2017). The mean parameters are
+``mu = E_q[phi(z)] = grad A(lam)`` and the Fisher information is ``F = d^2 A / d lam^2 =
+d mu / d lam``; for a function ``f`` of ``mu``, ``df/dmu = F^{-1} df/dlam`` (Appendix F, eq. 72).
+
+Conventions shared by every family
+----------------------------------
+* Parameters (natural or mean) are *tuples of tensors*. Parameter ``i`` has trailing shape
+  ``family.param_shapes[i]``; any leading dimensions are batch dimensions. Natural and mean
+  parameters of a family have the same shapes.
+* ``log_partition``, ``entropy``, ``kl``, ``inner``, ``is_valid`` and ``base_log_measure``
+  reduce over the parameter (event) dimensions and return batch-shaped tensors.
+* Nothing here hard-codes a dtype or device: every result follows its input tensors.
+* The module also holds the special-function helpers (stable ``log x - digamma(x)``,
+  ``digamma(x) - digamma(x + d)``, their inverses) that the Gamma/Beta/Dirichlet families share.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.distributions import Distribution
+
+__all__ = [
+    "ExponentialFamily",
+    "Params",
+    "fisher_solve_mean_grad",
+    "mean_grad_via_autograd",
+    "sum_rightmost",
+    "log_minus_digamma",
+    "inv_log_minus_digamma",
+    "x_trigamma_minus_one",
+    "digamma_diff",
+    "inv_digamma",
+    "dirichlet_from_mean_log",
+    "exclusive_sum",
+]
+
+Params = Tuple[Tensor, ...]
+
+
+def sum_rightmost(x: Tensor, dim: int) -> Tensor:
+    """Sum out the ``dim`` rightmost dimensions of ``x`` (``dim = 0`` returns ``x``)."""
+    return x.reshape(x.shape[: x.dim() - dim] + (-1,)).sum(-1) if dim > 0 else x
+
+
+class ExponentialFamily(abc.ABC):
+    """Exponential family of one latent site with shape ``event_shape``.
+
+    Subclasses implement the maps between natural parameters, mean parameters and
+    ``torch.distributions`` objects. Generic defaults are provided for ``inner``,
+    ``entropy`` (``A - <lam, mu> - E[log h]``) and ``kl`` (the Bregman divergence
+    ``A(lam_p) - A(lam_q) - <lam_p - lam_q, mu_q>``).
+    """
+
+    name: str = ""
+    #: human readable description of the natural-parameter domain, used in error messages
+    domain: str = ""
+
+    def __init__(self, event_shape: Sequence[int] = ()) -> None:
+        self.event_shape = torch.Size(event_shape)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(event_shape={tuple(self.event_shape)})"
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def event_dim(self) -> int:
+        """Number of event dimensions of a *value* of the site."""
+        return len(self.event_shape)
+
+    @property
+    @abc.abstractmethod
+    def param_shapes(self) -> Tuple[torch.Size, ...]:
+        """Trailing shape of each natural/mean parameter tensor."""
+
+    @property
+    def num_params(self) -> int:
+        """Total number of scalar entries of one (batch element's) parameter tuple."""
+        return sum(s.numel() for s in self.param_shapes)
+
+    def batch_shape(self, params: Params) -> torch.Size:
+        """Broadcast batch shape of a parameter tuple."""
+        shapes = [p.shape[: p.dim() - len(s)] for p, s in zip(params, self.param_shapes)]
+        return torch.broadcast_shapes(*shapes)
+
+    def value_batch_shape(self, x: Tensor) -> torch.Size:
+        """Batch shape of a value ``x`` of the site."""
+        return x.shape[: x.dim() - self.event_dim]
+
+    def flatten(self, params: Params) -> Tensor:
+        """Concatenate a parameter tuple into one ``[*batch, num_params]`` tensor."""
+        batch = self.batch_shape(params)
+        parts = [
+            p.expand(batch + s).reshape(batch + (-1,)) for p, s in zip(params, self.param_shapes)
+        ]
+        return torch.cat(parts, dim=-1)
+
+    def unflatten(self, flat: Tensor) -> Params:
+        """Inverse of :meth:`flatten`."""
+        batch = flat.shape[:-1]
+        sizes = [s.numel() for s in self.param_shapes]
+        chunks = torch.split(flat, sizes, dim=-1)
+        return tuple(c.reshape(batch + s) for c, s in zip(chunks, self.param_shapes))
+
+    def zero_natural(
+        self,
+        batch_shape: Sequence[int] = (),
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> Params:
+        """All-zero natural parameters (e.g. to accumulate site messages ``lam~``)."""
+        batch = torch.Size(batch_shape)
+        return tuple(torch.zeros(batch + s, dtype=dtype, device=device) for s in self.param_shapes)
+
+    def zeros_like_natural(self, nat: Params) -> Params:
+        """Zeros with the shapes, dtypes and devices of ``nat``."""
+        return tuple(torch.zeros_like(p) for p in nat)
+
+    # ---------------------------------------------------------------- abstract
+    @abc.abstractmethod
+    def natural_to_mean(self, nat: Params) -> Params:
+        """``mu = grad A(lam) = E_q[phi(z)]``."""
+
+    @abc.abstractmethod
+    def mean_to_natural(self, mean: Params) -> Params:
+        """Inverse of :meth:`natural_to_mean`."""
+
+    @abc.abstractmethod
+    def natural_to_dist(self, nat: Params) -> Distribution:
+        """A ``pyro.distributions`` object with ``event_shape == self.event_shape``."""
+
+    @abc.abstractmethod
+    def dist_to_natural(self, d: Distribution) -> Params:
+        """Natural parameters of a matching (possibly ``Independent``-wrapped) distribution."""
+
+    @abc.abstractmethod
+    def log_partition(self, nat: Params) -> Tensor:
+        """``A(lam)``, summed over the event dimensions (batch-shaped)."""
+
+    @abc.abstractmethod
+    def sufficient_stats(self, x: Tensor) -> Params:
+        """``phi(x)`` as a parameter-shaped tuple (batch dims taken from ``x``)."""
+
+    @abc.abstractmethod
+    def _in_domain(self, nat: Params) -> Tensor:
+        """Elementwise/batch check of the natural domain, assuming finite entries."""
+
+    # ----------------------------------------------------------------- generic
+    def base_log_measure(self, x: Tensor) -> Tensor:
+        """``log h(x)`` summed over event dims; zero unless overridden."""
+        dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+        return torch.zeros(self.value_batch_shape(x), dtype=dtype, device=x.device)
+
+    def _expected_base_log_measure(self, nat: Params) -> Tensor:
+        """``E_q[log h(z)]``; zero unless overridden."""
+        return torch.zeros((), dtype=nat[0].dtype, device=nat[0].device)
+
+    def inner(self, a: Params, b: Params) -> Tensor:
+        """``<a, b> = sum_i sum(a_i * b_i)`` over each parameter's event dims (batch-shaped)."""
+        total = None
+        for ai, bi, s in zip(a, b, self.param_shapes):
+            term = sum_rightmost(ai * bi, len(s))
+            total = term if total is None else total + term
+        return total
+
+    def log_prob(self, nat: Params, x: Tensor) -> Tensor:
+        """``log h(x) + <lam, phi(x)> - A(lam)``."""
+        return (
+            self.base_log_measure(x)
+            + self.inner(nat, self.sufficient_stats(x))
+            - self.log_partition(nat)
+        )
+
+    def entropy(self, nat: Params) -> Tensor:
+        """``H[q] = A(lam) - <lam, mu> - E_q[log h(z)]``."""
+        mean = self.natural_to_mean(nat)
+        return (
+            self.log_partition(nat) - self.inner(nat, mean) - self._expected_base_log_measure(nat)
+        )
+
+    def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
+        """``KL(q || p) = A(lam_p) - A(lam_q) - <lam_p - lam_q, mu_q>`` (Bregman divergence)."""
+        mean_q = self.natural_to_mean(nat_q)
+        diff = tuple(p - q for p, q in zip(nat_p, nat_q))
+        return self.log_partition(nat_p) - self.log_partition(nat_q) - self.inner(diff, mean_q)
+
+    def is_valid(self, nat: Params) -> Tensor:
+        """Batch-shaped bool: all entries finite and inside the natural domain."""
+        finite = None
+        for p, s in zip(nat, self.param_shapes):
+            ok = torch.isfinite(p)
+            ok = ok.reshape(ok.shape[: ok.dim() - len(s)] + (-1,)).all(-1) if len(s) else ok
+            finite = ok if finite is None else finite & ok
+        safe = tuple(torch.where(torch.isfinite(p), p, torch.zeros_like(p)) for p in nat)
+        return finite & self._in_domain(safe)
+
+    def validate(self, nat: Params, site_name: str = "<unnamed>") -> None:
+        """Raise ``ValueError`` naming the site and the first invalid batch entry, if any."""
+        valid = self.is_valid(nat)
+        if bool(valid.all()):
+            return
+        bad = (~valid).nonzero()[0].tolist()
+        batch = self.batch_shape(nat)
+        values = []
+        for i, (p, s) in enumerate(zip(nat, self.param_shapes)):
+            entry = p.expand(batch + s)[tuple(bad)].detach().flatten().cpu()
+            text = ", ".join(f"{v:.6g}" for v in entry[:8].tolist())
+            more = ", ..." if entry.numel() > 8 else ""
+            values.append(f"nat[{i}]=[{text}{more}]")
+        raise ValueError(
+            f"site '{site_name}': invalid natural parameters for the {self.name} family "
+            f"(event_shape={tuple(self.event_shape)}) at batch index {tuple(bad)}: "
+            f"{'; '.join(values)}. Expected finite values with {self.domain}."
+        )
+
+    def symmetrize(self, params: Params) -> Params:
+        """Project a parameter-shaped tuple onto the parameter space (identity by default)."""
+        return params
+
+    def _fisher_null_projector(self, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+        """Projector onto directions where the flattened Fisher matrix is singular by design."""
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Fisher solve (Appendix F)
+# ---------------------------------------------------------------------------------------------
+def _fisher_matrix(family: ExponentialFamily, nat: Params) -> Tensor:
+    """Hessian of ``A`` w.r.t. the flattened natural parameters, ``[*batch, P, P]``."""
+    flat = family.flatten(tuple(p.detach() for p in nat)).requires_grad_(True)
+    with torch.enable_grad():
+        total = family.log_partition(family.unflatten(flat)).sum()
+        (mu,) = torch.autograd.grad(total, flat, create_graph=True)
+        rows = [
+            torch.autograd.grad(mu[..., i].sum(), flat, retain_graph=True)[0]
+            for i in range(mu.shape[-1])
+        ]
+    return torch.stack(rows, dim=-2)
+
+
+def fisher_solve_mean_grad(family: ExponentialFamily, nat: Params, grad_nat: Params) -> Params:
+    """Return ``df/dmu = F(lam)^{-1} df/dlam`` (eq. 72), batched over leading dims.
+
+    ``F = d^2 A / d lam^2`` is formed by double autograd through ``family.log_partition``
+    (so this is meant for the small parameter vectors of Gamma/Beta/Dirichlet/small
+    Gaussians). Directions in which the flattened Fisher is singular by construction (the
+    antisymmetric part of a full Gaussian's ``eta2``) are handled by symmetrising the
+    gradient and regularising only that null space. The result is detached.
+    """
+    fisher = _fisher_matrix(family, nat)
+    null = family._fisher_null_projector(fisher.dtype, fisher.device)
+    if null is not None:
+        fisher = fisher + null
+    batch = fisher.shape[:-2]
+    grad = family.flatten(family.symmetrize(tuple(g.detach() for g in grad_nat)))
+    grad = grad.expand(batch + grad.shape[-1:])
+    sol = torch.linalg.solve(fisher, grad.unsqueeze(-1)).squeeze(-1)
+    return family.unflatten(sol)
+
+
+def mean_grad_via_autograd(
+    family: ExponentialFamily,
+    nat: Params,
+    f: Callable[[Params], Tensor],
+    wrt: str = "mean",
+) -> Params:
+    """``df/dmu`` by autograd w.r.t. ``lam`` followed by a Fisher solve (Appendix F).
+
+    ``wrt="mean"``: ``f`` takes the mean parameters (it is composed with
+    :meth:`natural_to_mean`); ``wrt="natural"``: ``f`` takes the natural parameters directly,
+    e.g. a reparameterised Monte Carlo estimate of ``E_q[h(z)]`` built on
+    ``family.natural_to_dist(nat).rsample()``. The output of ``f`` is summed, so batched
+    ``f`` gives per-batch-element gradients.
+    """
+    if wrt not in ("mean", "natural"):
+        raise ValueError(f"wrt must be 'mean' or 'natural', got {wrt!r}")
+    leaves = tuple(p.detach().requires_grad_(True) for p in nat)
+    with torch.enable_grad():
+        arg = family.natural_to_mean(leaves) if wrt == "mean" else leaves
+        value = f(arg).sum()
+        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+    grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads))
+    return fisher_solve_mean_grad(family, nat, grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Special functions
+# ---------------------------------------------------------------------------------------------
+# Asymptotic expansions (B_2k Bernoulli numbers), used for x >= _ASYMPTOTIC_MIN:
+#   log x - psi(x) = 1/(2x) + sum_k B_2k / (2k x^2k)
+#   x psi'(x) - 1  = 1/(2x) + sum_k B_2k / x^2k
+_B2K = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66, -691 / 2730, 7 / 6)
+_PSI_COEF = tuple(b / (2 * (k + 1)) for k, b in enumerate(_B2K))
+_ASYMPTOTIC_MIN = 8.0
+_EULER_GAMMA = 0.5772156649015329
+
+
+def _poly_w(x: Tensor, coefs: Sequence[float]) -> Tensor:
+    """``sum_k coefs[k] * x^{-2(k+1)}`` by Horner's rule in ``w = 1/x^2``."""
+    w = x.reciprocal().square()
+    acc = torch.zeros_like(x)
+    for c in reversed(coefs):
+        acc = (acc + c) * w
+    return acc
+
+
+def log_minus_digamma(x: Tensor) -> Tensor:
+    """``log(x) - digamma(x) > 0`` without cancellation for large ``x``."""
+    big = x >= _ASYMPTOTIC_MIN
+    xb = torch.where(big, x, torch.full_like(x, _ASYMPTOTIC_MIN))
+    xs = torch.where(big, torch.ones_like(x), x)
+    series = 0.5 / xb + _poly_w(xb, _PSI_COEF)
+    return torch.where(big, series, torch.log(xs) - torch.digamma(xs))
+
+
+def x_trigamma_minus_one(x: Tensor) -> Tensor:
+    """``x * trigamma(x) - 1 > 0`` without cancellation for large ``x``."""
+    big = x >= _ASYMPTOTIC_MIN
+    xb = torch.where(big, x, torch.full_like(x, _ASYMPTOTIC_MIN))
+    xs = torch.where(big, torch.ones_like(x), x)
+    series = 0.5 / xb + _poly_w(xb, _B2K)
+    return torch.where(big, series, xs * torch.polygamma(1, xs) - 1)
+
+
+def _inv_trigamma_minus_x(x: Tensor) -> Tensor:
+    """``1 / trigamma(x) - x`` (tends to -1/2 for large ``x``), computed stably."""
+    big = x >= _ASYMPTOTIC_MIN
+    xb = torch.where(big, x, torch.full_like(x, _ASYMPTOTIC_MIN))
+    xs = torch.where(big, torch.ones_like(x), x)
+    p = x_trigamma_minus_one(xb)
+    return torch.where(big, -xb * p / (1 + p), torch.polygamma(1, xs).reciprocal() - xs)
+
+
+def digamma_diff(x: Tensor, d: Tensor) -> Tensor:
+    """``digamma(x) - digamma(x + d)`` for ``x > 0, d >= 0``, accurate even when ``d << x``.
+
+    Shifts both arguments by 8 with ``psi(t) = psi(t + 1) - 1/t`` (every shifted term
+    ``d / ((x+j)(x+d+j))`` is computed without cancellation) and uses the asymptotic
+    expansion, written in terms of ``log1p(d/x)`` and ``expm1``, for the shifted pair.
+    """
+    n = int(_ASYMPTOTIC_MIN)
+    y = x + d
+    shift = sum(d / ((x + j) * (y + j)) for j in range(n))
+    xs, ys = x + n, y + n
+    lg = torch.log1p(d / xs)
+    series = -lg - d / (2 * xs * ys)
+    w = xs.reciprocal().square()
+    wk = w
+    for k, c in enumerate(_PSI_COEF, start=1):
+        series = series + c * wk * torch.expm1(-2 * k * lg)
+        wk = wk * w
+    return series - shift
+
+
+def _newton_tol(dtype: torch.dtype) -> float:
+    """Step size below which one more (quadratically convergent) Newton step suffices."""
+    return math.sqrt(torch.finfo(dtype).eps)
+
+
+def inv_log_minus_digamma(s: Tensor, max_iter: int = 12) -> Tensor:
+    """Solve ``log(a) - digamma(a) = s`` for ``a > 0`` (Gamma shape from mean parameters).
+
+    Starts from Minka's closed form ``a0 = (3 - s + sqrt((s - 3)^2 + 24 s)) / (12 s)`` and
+    runs Newton on ``log(log a - digamma(a)) = log s`` in ``u = log a``; that equation is
+    nearly linear in ``u`` at both ends (slope -1), so the iteration converges in a few steps
+    from anywhere. Steps are clipped to ``|du| <= 2``. Returns NaN where ``s <= 0`` or NaN.
+    """
+    valid = s > 0
+    s_ = torch.where(valid, s, torch.ones_like(s))
+    root = torch.sqrt((s_ - 3).square() + 24 * s_)
+    a0 = torch.where(s_ > 3, 2 / (root + s_ - 3), (3 - s_ + root) / (12 * s_))
+    u = torch.log(a0)
+    log_s = torch.log(s_)
+    tol, last = _newton_tol(s.dtype), False
+    for _ in range(max_iter):
+        a = torch.exp(u)
+        fa = log_minus_digamma(a)
+        step = (torch.log(fa) - log_s) * fa / x_trigamma_minus_one(a)
+        step = step.clamp(-2.0, 2.0)
+        u = u + step
+        if last:
+            break
+        last = not bool((step.abs() > tol).any())
+    return torch.where(valid, torch.exp(u), torch.full_like(s, float("nan")))
+
+
+def inv_digamma(y: Tensor, num_iter: int = 6) -> Tensor:
+    """Solve ``digamma(x) = y`` (Minka's initialisation followed by Newton)."""
+    x = torch.where(y >= -2.22, torch.exp(y) + 0.5, -1 / (y + _EULER_GAMMA))
+    for _ in range(num_iter):
+        x = x - (torch.digamma(x) - y) / torch.polygamma(1, x)
+        x = x.clamp(min=torch.finfo(y.dtype).tiny)
+    return x
+
+
+def exclusive_sum(a: Tensor) -> Tensor:
+    """``sum_{j != k} a_j`` along the last dim, without subtracting ``a_k`` from the total."""
+    zero = torch.zeros_like(a[..., :1])
+    before = torch.cat([zero, a[..., :-1].cumsum(-1)], dim=-1)
+    rev = a.flip(-1)
+    after = torch.cat([zero, rev[..., :-1].cumsum(-1)], dim=-1).flip(-1)
+    return before + after
+
+
+def dirichlet_from_mean_log(mu: Tensor, max_iter: int = 20) -> Tensor:
+    """Solve ``digamma(a_k) - digamma(sum_j a_j) = mu_k`` for ``a > 0`` (last dim ``K``).
+
+    Initialisation: ``a0 = (K - 1) / (2 (1 - sum exp mu)) + 1/2`` (exact as all ``a_k -> inf``)
+    followed by three of Minka's fixed-point steps ``a_k = psi^{-1}(psi(a0) + mu_k)``. Then
+    Newton in ``u = log a`` with the Fisher matrix ``diag(psi'(a)) - psi'(a0) 1 1^T`` inverted
+    by Sherman-Morrison; its denominator ``1 - psi'(a0) sum 1/psi'(a_k)`` is evaluated as
+    ``psi'(a0) * (g(a0) - sum g(a_k))`` with ``g(x) = 1/psi'(x) - x`` to avoid cancellation.
+    Steps are clipped to ``|du| <= 1``; iteration stops one step after all ``|du| < sqrt(eps)``
+    (or after ``max_iter``). Invalid input (some ``mu_k >= 0``, or
+    ``sum exp mu >= 1``) gives NaN.
+    """
+    k = mu.shape[-1]
+    tiny = torch.finfo(mu.dtype).tiny
+    valid = (mu < 0).all(-1, keepdim=True) & (torch.logsumexp(mu, -1, keepdim=True) < 0)
+    mu_ = torch.where(valid, mu, torch.full_like(mu, -1.0))
+    gap = -torch.expm1(torch.logsumexp(mu_, -1, keepdim=True))
+    total = (k - 1) / (2 * gap) + 0.5
+    for _ in range(3):
+        a = inv_digamma(torch.digamma(total) + mu_)
+        total = a.sum(-1, keepdim=True)
+    u = torch.log(a)
+    tol, last = _newton_tol(mu.dtype), False
+    for _ in range(max_iter):
+        a = torch.exp(u)
+        a0 = a.sum(-1, keepdim=True)
+        r = digamma_diff(a, exclusive_sum(a)) - mu_
+        d = torch.polygamma(1, a)
+        c = torch.polygamma(1, a0)
+        denom = c * (_inv_trigamma_minus_x(a0) - _inv_trigamma_minus_x(a).sum(-1, keepdim=True))
+        denom = denom.clamp(min=tiny)
+        rd = r / d
+        corr = c * rd.sum(-1, keepdim=True) / denom
+        step = -(rd + corr / d) / a
+        step = step.clamp(-1.0, 1.0)
+        u = u + step
+        if last:
+            break
+        last = not bool((step.abs() > tol).any())
+    return torch.where(valid, torch.exp(u), torch.full_like(mu, float("nan")))
+
+
+def _log_two_pi() -> float:
+    return math.log(2 * math.pi)

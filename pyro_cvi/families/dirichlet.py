@@ -1,0 +1,87 @@
+"""Dirichlet family over the last event dimension ``K = event_shape[-1]``.
+
+* sufficient statistics  ``phi(z) = log z``  ``[..., K]``; base measure ``h(z) = 1``
+  (w.r.t. Lebesgue measure on the simplex, as in ``torch.distributions.Dirichlet``)
+* natural parameters     ``eta = alpha - 1``; domain ``eta > -1``
+* mean parameters        ``mu_k = digamma(alpha_k) - digamma(alpha_0)``, ``alpha_0 = sum_k alpha_k``
+* log-partition          ``A = sum_k lgamma(alpha_k) - lgamma(alpha_0)``
+
+Any leading event dims (``event_shape = (..., K)``) are independent Dirichlets, i.e. the
+distribution is ``Dirichlet(alpha).to_event(len(event_shape) - 1)``. ``natural_to_mean``
+evaluates ``digamma(alpha_k) - digamma(alpha_k + sum_{j != k} alpha_j)`` without cancellation
+(:func:`~pyro_cvi.families.base.digamma_diff`). ``mean_to_natural`` uses Minka's fixed point
+followed by safeguarded Newton in ``log alpha``
+(:func:`~pyro_cvi.families.base.dirichlet_from_mean_log`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+from torch.distributions import Dirichlet as _TorchDirichlet
+from torch.distributions import Distribution, Independent
+
+from .base import (
+    ExponentialFamily,
+    Params,
+    digamma_diff,
+    dirichlet_from_mean_log,
+    exclusive_sum,
+    sum_rightmost,
+)
+
+__all__ = ["Dirichlet"]
+
+
+def mean_log_dirichlet(alpha: Tensor) -> Tensor:
+    """``E[log z_k] = digamma(alpha_k) - digamma(sum alpha)`` along the last dim, stably."""
+    return digamma_diff(alpha, exclusive_sum(alpha))
+
+
+class Dirichlet(ExponentialFamily):
+    """Dirichlet(alpha) with ``eta = alpha - 1`` (see module docstring)."""
+
+    name = "dirichlet"
+    domain = "eta > -1 (concentration alpha = eta + 1 > 0)"
+
+    def __init__(self, event_shape: Sequence[int]) -> None:
+        super().__init__(event_shape)
+        if self.event_dim < 1 or self.event_shape[-1] < 2:
+            raise ValueError(
+                f"Dirichlet family needs event_shape (..., K) with K >= 2, got {tuple(event_shape)}"
+            )
+
+    @property
+    def param_shapes(self) -> Tuple[torch.Size, ...]:
+        return (self.event_shape,)
+
+    def natural_to_mean(self, nat: Params) -> Params:
+        return (mean_log_dirichlet(nat[0] + 1),)
+
+    def mean_to_natural(self, mean: Params) -> Params:
+        return (dirichlet_from_mean_log(mean[0]) - 1,)
+
+    def natural_to_dist(self, nat: Params) -> Distribution:
+        return dist.Dirichlet(nat[0] + 1).to_event(self.event_dim - 1)
+
+    def dist_to_natural(self, d: Distribution) -> Params:
+        while isinstance(d, Independent):
+            d = d.base_dist
+        if not isinstance(d, _TorchDirichlet):
+            raise TypeError(f"{self!r}: cannot convert {type(d).__name__} to natural parameters")
+        return (d.concentration - 1,)
+
+    def log_partition(self, nat: Params) -> Tensor:
+        alpha = nat[0] + 1
+        a = torch.lgamma(alpha).sum(-1) - torch.lgamma(alpha.sum(-1))
+        return sum_rightmost(a, self.event_dim - 1)
+
+    def sufficient_stats(self, x: Tensor) -> Params:
+        return (torch.log(x),)
+
+    def _in_domain(self, nat: Params) -> Tensor:
+        ok = nat[0] > -1
+        return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)

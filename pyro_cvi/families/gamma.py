@@ -1,0 +1,100 @@
+"""Gamma family (shape ``alpha``, rate ``beta``), elementwise over ``event_shape``.
+
+* sufficient statistics  ``phi(z) = (log z, z)``; base measure ``h(z) = 1``
+* natural parameters     ``eta = (alpha - 1, -beta)``; domain ``eta1 > -1, eta2 < 0``
+* mean parameters        ``mu = (digamma(alpha) - log beta, alpha / beta)``
+* log-partition          ``A = lgamma(eta1 + 1) - (eta1 + 1) log(-eta2)``
+
+``mean_to_natural`` inverts the digamma: with ``s = log mu2 - mu1 = log alpha - digamma(alpha)``
+(> 0 by Jensen) it solves for ``alpha`` by safeguarded Newton in ``log alpha`` from Minka's
+closed-form start (:func:`~pyro_cvi.families.base.inv_log_minus_digamma`), then
+``beta = alpha / mu2``. Given an exact ``s`` the solve is accurate to ~1e-14 (float64) and
+~3e-6 (float32) relative for ``alpha`` in [1e-3, 1e6]. Note that for large ``alpha``,
+``s ~ 1 / (2 alpha)`` is the small difference of ``log mu2`` and ``mu1``, so mean parameters
+themselves carry only ``~eps * alpha * |log mu2|`` relative information about ``alpha``.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+from torch.distributions import Distribution, Independent
+from torch.distributions import Gamma as _TorchGamma
+
+from .base import (
+    ExponentialFamily,
+    Params,
+    inv_log_minus_digamma,
+    sum_rightmost,
+)
+
+__all__ = ["Gamma"]
+
+
+class Gamma(ExponentialFamily):
+    """Gamma(alpha, beta) with ``eta = (alpha - 1, -beta)`` (see module docstring)."""
+
+    name = "gamma"
+    domain = "eta1 > -1 (shape alpha = eta1 + 1 > 0) and eta2 < 0 (rate beta = -eta2 > 0)"
+
+    @property
+    def param_shapes(self) -> Tuple[torch.Size, ...]:
+        return (self.event_shape, self.event_shape)
+
+    @staticmethod
+    def _shape_rate(nat: Params) -> Tuple[Tensor, Tensor]:
+        return nat[0] + 1, -nat[1]
+
+    def natural_to_mean(self, nat: Params) -> Params:
+        alpha, rate = self._shape_rate(nat)
+        return torch.digamma(alpha) - torch.log(rate), alpha / rate
+
+    def mean_to_natural(self, mean: Params) -> Params:
+        mu1, mu2 = mean
+        alpha = inv_log_minus_digamma(torch.log(mu2) - mu1)
+        return alpha - 1, -alpha / mu2
+
+    def natural_to_dist(self, nat: Params) -> Distribution:
+        alpha, rate = torch.broadcast_tensors(*self._shape_rate(nat))
+        return dist.Gamma(alpha, rate).to_event(self.event_dim)
+
+    def dist_to_natural(self, d: Distribution) -> Params:
+        while isinstance(d, Independent):
+            d = d.base_dist
+        if not isinstance(d, _TorchGamma):
+            raise TypeError(f"{self!r}: cannot convert {type(d).__name__} to natural parameters")
+        return d.concentration - 1, -d.rate
+
+    def log_partition(self, nat: Params) -> Tensor:
+        alpha, rate = self._shape_rate(nat)
+        return sum_rightmost(torch.lgamma(alpha) - alpha * torch.log(rate), self.event_dim)
+
+    def sufficient_stats(self, x: Tensor) -> Params:
+        return torch.log(x), x
+
+    def _in_domain(self, nat: Params) -> Tensor:
+        alpha, rate = torch.broadcast_tensors(*self._shape_rate(nat))
+        ok = (alpha > 0) & (rate > 0)
+        return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
+
+    def entropy(self, nat: Params) -> Tensor:
+        """``alpha - log beta + lgamma(alpha) + (1 - alpha) digamma(alpha)``."""
+        alpha, rate = self._shape_rate(nat)
+        h = alpha - torch.log(rate) + torch.lgamma(alpha) + (1 - alpha) * torch.digamma(alpha)
+        return sum_rightmost(h, self.event_dim)
+
+    def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
+        """Closed form, grouped to avoid cancelling ``alpha log beta`` terms."""
+        aq, bq = self._shape_rate(nat_q)
+        ap, bp = self._shape_rate(nat_p)
+        terms = (
+            (aq - ap) * torch.digamma(aq)
+            - torch.lgamma(aq)
+            + torch.lgamma(ap)
+            + ap * (torch.log(bq) - torch.log(bp))
+            + aq * (bp - bq) / bq
+        )
+        return sum_rightmost(terms, self.event_dim)

@@ -1,0 +1,319 @@
+"""Gaussian families: full covariance (``Gaussian``) and diagonal (``GaussianDiag``).
+
+Full covariance, over the flattened event of size ``D = prod(event_shape)``:
+
+* sufficient statistics  ``phi(z) = (z, z z^T)``
+* natural parameters     ``eta1 = Lambda m``  ``[..., D]``,  ``eta2 = -Lambda / 2``  ``[..., D, D]``
+* mean parameters        ``mu1 = m``,  ``mu2 = V + m m^T``  (``V = Lambda^{-1}``)
+* log-partition          ``A = m^T Lambda m / 2 - log|Lambda| / 2``
+  ``= |L^{-1} eta1|^2 / 2 - sum log diag L`` with ``Lambda = L L^T``;
+  base measure ``log h(z) = -D/2 log(2 pi)``.
+
+``eta2`` is treated as symmetric: every map uses ``sym(eta2) = (eta2 + eta2^T) / 2``, so the
+autograd gradient of ``A`` w.r.t. ``eta2`` is the (symmetric) ``mu2``. For a scalar site
+(``event_shape == ()``) the parameters are scalars (``eta1, eta2`` of shape ``[...]``) and the
+distribution is a ``Normal``; for ``event_shape == (D,)`` it is a ``MultivariateNormal``; for a
+multi-dimensional event it is a ``MultivariateNormal`` over the flattened event pushed through a
+``ReshapeTransform``.
+
+The covariance factor handed to ``MultivariateNormal`` is computed from the precision without
+forming ``V``: with ``J`` the index reversal, ``chol(J Lambda J) = Lf`` gives
+``Lambda = U U^T`` for the upper-triangular ``U = J Lf J``, so ``V = U^{-T} U^{-1}`` and
+``scale_tril = U^{-T}`` (one triangular solve). If a Cholesky factorisation fails in reduced
+precision (float32/float16/bfloat16) the failing batch entries are retried with a jitter of
+``1e-6, 1e-5, 1e-4`` times the mean diagonal; in float64 (or if that also fails) a
+``ValueError`` is raised.
+
+Diagonal covariance, elementwise over ``event_shape``:
+
+* ``phi(z) = (z, z^2)``; ``eta = (m / v, -1 / (2 v))``; ``mu = (m, v + m^2)``
+* ``A = -eta1^2 / (4 eta2) - log(-2 eta2) / 2`` summed over the event; ``log h = -n/2 log(2 pi)``
+* distribution ``Normal(m, sqrt(v)).to_event(len(event_shape))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+from torch.distributions import Distribution, Independent
+from torch.distributions import MultivariateNormal as _TorchMVN
+from torch.distributions import Normal as _TorchNormal
+from torch.distributions import TransformedDistribution as _TorchTransformed
+from torch.distributions.transforms import ReshapeTransform
+
+from .base import ExponentialFamily, Params, sum_rightmost
+
+__all__ = ["Gaussian", "GaussianDiag"]
+
+_LOG_2PI = math.log(2 * math.pi)
+_JITTERS = (1e-6, 1e-5, 1e-4)
+
+
+def _sym(m: Tensor) -> Tensor:
+    return 0.5 * (m + m.mT)
+
+
+def _eye_like(m: Tensor) -> Tensor:
+    return torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+
+
+def _cholesky(m: Tensor, what: str = "precision matrix") -> Tensor:
+    """Lower Cholesky factor of the SPD matrix ``m`` with float32-only fallback jitter."""
+    chol, info = torch.linalg.cholesky_ex(m)
+    failed = info != 0
+    if not bool(failed.any()):
+        return chol
+    if m.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        scale = m.diagonal(dim1=-2, dim2=-1).abs().mean(-1)[..., None, None]
+        eye = _eye_like(m)
+        for rel in _JITTERS:
+            chol2, info2 = torch.linalg.cholesky_ex(m + rel * scale * eye)
+            fix = failed & (info2 == 0)
+            chol = torch.where(fix[..., None, None], chol2, chol)
+            failed = failed & ~fix
+            if not bool(failed.any()):
+                return chol
+    raise ValueError(
+        f"Gaussian family: {what} is not positive definite (Cholesky failed for "
+        f"{int(failed.sum())} batch entries); check the parameters with family.is_valid / "
+        "family.validate before converting them"
+    )
+
+
+def _precision_to_scale_tril(prec: Tensor) -> Tensor:
+    """Cholesky factor of ``prec^{-1}`` using one Cholesky and one triangular solve."""
+    flipped = _cholesky(prec.flip(-2, -1))
+    upper = flipped.flip(-2, -1)
+    return torch.linalg.solve_triangular(upper, _eye_like(prec), upper=True).mT
+
+
+def _unwrap(d: Distribution) -> Distribution:
+    while isinstance(d, Independent):
+        d = d.base_dist
+    return d
+
+
+class Gaussian(ExponentialFamily):
+    """Full-covariance Gaussian over the flattened event (see module docstring)."""
+
+    name = "gaussian"
+    domain = "sym(eta2) negative definite"
+
+    def __init__(self, event_shape: Sequence[int] = ()) -> None:
+        super().__init__(event_shape)
+        self.dim = self.event_shape.numel()
+
+    # shapes -----------------------------------------------------------------------------------
+    @property
+    def param_shapes(self) -> Tuple[torch.Size, ...]:
+        if self.event_dim == 0:
+            return (torch.Size(), torch.Size())
+        d = self.dim
+        return (torch.Size((d,)), torch.Size((d, d)))
+
+    def _to_mat(self, params: Params) -> Tuple[Tensor, Tensor]:
+        """(vector [..., D], symmetric matrix [..., D, D]) view of a parameter tuple."""
+        p1, p2 = params
+        if self.event_dim == 0:
+            return p1.unsqueeze(-1), p2[..., None, None]
+        return p1, _sym(p2)
+
+    def _from_mat(self, v: Tensor, m: Tensor) -> Params:
+        if self.event_dim == 0:
+            return v.squeeze(-1), m[..., 0, 0]
+        return v, m
+
+    def _precision(self, nat: Params) -> Tuple[Tensor, Tensor]:
+        eta1, eta2 = self._to_mat(nat)
+        return eta1, -2 * eta2
+
+    def _flat_value(self, x: Tensor) -> Tensor:
+        if self.event_dim == 0:
+            return x.unsqueeze(-1)
+        return x.reshape(x.shape[: x.dim() - self.event_dim] + (self.dim,))
+
+    # maps ---------------------------------------------------------------------------------------
+    def natural_to_mean(self, nat: Params) -> Params:
+        eta1, prec = self._precision(nat)
+        chol = _cholesky(prec)
+        cov = torch.cholesky_inverse(chol)
+        m = torch.cholesky_solve(eta1.unsqueeze(-1), chol).squeeze(-1)
+        return self._from_mat(m, cov + m.unsqueeze(-1) * m.unsqueeze(-2))
+
+    def mean_to_natural(self, mean: Params) -> Params:
+        m, mu2 = self._to_mat(mean)
+        cov = _sym(mu2 - m.unsqueeze(-1) * m.unsqueeze(-2))
+        chol = _cholesky(cov, "covariance matrix mu2 - mu1 mu1^T")
+        prec = torch.cholesky_inverse(chol)
+        eta1 = torch.cholesky_solve(m.unsqueeze(-1), chol).squeeze(-1)
+        return self._from_mat(eta1, -0.5 * prec)
+
+    def natural_to_dist(self, nat: Params) -> Distribution:
+        eta1, prec = self._precision(nat)
+        if self.event_dim == 0:
+            var = prec[..., 0, 0].reciprocal()
+            return dist.Normal(eta1[..., 0] * var, var.sqrt())
+        scale_tril = _precision_to_scale_tril(prec)
+        loc = (scale_tril @ (scale_tril.mT @ eta1.unsqueeze(-1))).squeeze(-1)
+        mvn = dist.MultivariateNormal(loc, scale_tril=scale_tril)
+        if self.event_dim == 1:
+            return mvn
+        return dist.TransformedDistribution(
+            mvn, [ReshapeTransform(torch.Size((self.dim,)), self.event_shape)]
+        )
+
+    def dist_to_natural(self, d: Distribution) -> Params:
+        if isinstance(d, _TorchTransformed) and self.event_dim > 1:
+            if len(d.transforms) == 1 and isinstance(d.transforms[0], ReshapeTransform):
+                d = d.base_dist
+        d = _unwrap(d)
+        if isinstance(d, _TorchMVN):
+            loc, tril = d.loc, d.scale_tril
+            eta1 = torch.cholesky_solve(loc.unsqueeze(-1), tril).squeeze(-1)
+            prec = torch.cholesky_inverse(tril)
+        elif isinstance(d, _TorchNormal):
+            prec_diag = d.scale.pow(-2)
+            loc = d.loc
+            if self.event_dim == 0:
+                return loc * prec_diag, -0.5 * prec_diag
+            shape = loc.shape[: loc.dim() - self.event_dim] + (self.dim,)
+            eta1 = (loc * prec_diag).reshape(shape)
+            prec = torch.diag_embed(prec_diag.reshape(shape))
+        else:
+            raise TypeError(f"{self!r}: cannot convert {type(d).__name__} to natural parameters")
+        if eta1.shape[-1] != self.dim:
+            raise ValueError(f"{self!r}: distribution has event size {eta1.shape[-1]}")
+        return self._from_mat(eta1, -0.5 * prec)
+
+    def log_partition(self, nat: Params) -> Tensor:
+        eta1, prec = self._precision(nat)
+        chol = _cholesky(prec)
+        w = torch.linalg.solve_triangular(chol, eta1.unsqueeze(-1), upper=False).squeeze(-1)
+        return 0.5 * w.square().sum(-1) - chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+    def sufficient_stats(self, x: Tensor) -> Params:
+        z = self._flat_value(x)
+        return self._from_mat(z, z.unsqueeze(-1) * z.unsqueeze(-2))
+
+    def base_log_measure(self, x: Tensor) -> Tensor:
+        return super().base_log_measure(x) - 0.5 * self.dim * _LOG_2PI
+
+    def _expected_base_log_measure(self, nat: Params) -> Tensor:
+        return torch.full((), -0.5 * self.dim * _LOG_2PI, dtype=nat[0].dtype, device=nat[0].device)
+
+    def _in_domain(self, nat: Params) -> Tensor:
+        _, prec = self._precision(nat)
+        chol, info = torch.linalg.cholesky_ex(prec)
+        diag = chol.diagonal(dim1=-2, dim2=-1)
+        return (info == 0) & (diag > 0).all(-1) & torch.isfinite(diag).all(-1)
+
+    def entropy(self, nat: Params) -> Tensor:
+        _, prec = self._precision(nat)
+        chol = _cholesky(prec)
+        logdet_half = chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return 0.5 * self.dim * (1 + _LOG_2PI) - logdet_half
+
+    def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
+        """``(tr(Lp Vq) + (mp - mq)^T Lp (mp - mq) - D + log|Lq| - log|Lp|) / 2``."""
+        eta1_q, prec_q = self._precision(nat_q)
+        eta1_p, prec_p = self._precision(nat_p)
+        lq, lp = _cholesky(prec_q), _cholesky(prec_p)
+        mq = torch.cholesky_solve(eta1_q.unsqueeze(-1), lq)
+        mp = torch.cholesky_solve(eta1_p.unsqueeze(-1), lp)
+        lq, lp = torch.broadcast_tensors(lq, lp)
+        trace = torch.linalg.solve_triangular(lq, lp, upper=False).square().sum((-2, -1))
+        maha = (lp.mT @ (mp - mq)).square().sum((-2, -1))
+        logdet = lq.diagonal(dim1=-2, dim2=-1).log().sum(-1) - lp.diagonal(
+            dim1=-2, dim2=-1
+        ).log().sum(-1)
+        return 0.5 * (trace + maha - self.dim) + logdet
+
+    # Fisher-solve support -----------------------------------------------------------------------
+    def symmetrize(self, params: Params) -> Params:
+        if self.event_dim == 0:
+            return params
+        return params[0], _sym(params[1])
+
+    def _fisher_null_projector(self, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+        if self.event_dim == 0:
+            return None
+        d = self.dim
+        idx = torch.arange(d * d, device=device)
+        transpose = torch.zeros(d * d, d * d, dtype=dtype, device=device)
+        transpose[idx, (idx % d) * d + idx // d] = 1
+        anti = 0.5 * (torch.eye(d * d, dtype=dtype, device=device) - transpose)
+        out = torch.zeros(d + d * d, d + d * d, dtype=dtype, device=device)
+        out[d:, d:] = anti
+        return out
+
+
+class GaussianDiag(ExponentialFamily):
+    """Diagonal Gaussian, elementwise over ``event_shape`` (see module docstring)."""
+
+    name = "gaussian_diag"
+    domain = "eta2 < 0"
+
+    @property
+    def param_shapes(self) -> Tuple[torch.Size, ...]:
+        return (self.event_shape, self.event_shape)
+
+    def natural_to_mean(self, nat: Params) -> Params:
+        eta1, eta2 = nat
+        var = -0.5 / eta2
+        m = eta1 * var
+        return m, var + m.square()
+
+    def mean_to_natural(self, mean: Params) -> Params:
+        m, mu2 = mean
+        var = mu2 - m.square()
+        return m / var, -0.5 / var
+
+    def natural_to_dist(self, nat: Params) -> Distribution:
+        eta1, eta2 = nat
+        var = -0.5 / eta2
+        eta1, var = torch.broadcast_tensors(eta1, var)
+        return dist.Normal(eta1 * var, var.sqrt()).to_event(self.event_dim)
+
+    def dist_to_natural(self, d: Distribution) -> Params:
+        d = _unwrap(d)
+        if not isinstance(d, _TorchNormal):
+            raise TypeError(f"{self!r}: cannot convert {type(d).__name__} to natural parameters")
+        prec = d.scale.pow(-2)
+        return d.loc * prec, -0.5 * prec
+
+    def log_partition(self, nat: Params) -> Tensor:
+        eta1, eta2 = nat
+        a = -0.25 * eta1.square() / eta2 - 0.5 * torch.log(-2 * eta2)
+        return sum_rightmost(a, self.event_dim)
+
+    def sufficient_stats(self, x: Tensor) -> Params:
+        return x, x.square()
+
+    def base_log_measure(self, x: Tensor) -> Tensor:
+        return super().base_log_measure(x) - 0.5 * self.event_shape.numel() * _LOG_2PI
+
+    def _expected_base_log_measure(self, nat: Params) -> Tensor:
+        c = -0.5 * self.event_shape.numel() * _LOG_2PI
+        return torch.full((), c, dtype=nat[0].dtype, device=nat[0].device)
+
+    def _in_domain(self, nat: Params) -> Tensor:
+        eta1, eta2 = torch.broadcast_tensors(*nat)
+        ok = eta2 < 0
+        return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
+
+    def entropy(self, nat: Params) -> Tensor:
+        log_var = -torch.log(-2 * nat[1])
+        return sum_rightmost(0.5 * (1 + _LOG_2PI + log_var), self.event_dim)
+
+    def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
+        """``sum (log(vp / vq) + (vq + (mq - mp)^2) / vp - 1) / 2``."""
+        (e1q, e2q), (e1p, e2p) = nat_q, nat_p
+        vq, vp = -0.5 / e2q, -0.5 / e2p
+        mq, mp = e1q * vq, e1p * vp
+        ratio = vq / vp
+        terms = 0.5 * (ratio - 1 - torch.log(ratio) + (mq - mp).square() / vp)
+        return sum_rightmost(terms, self.event_dim)

@@ -1,0 +1,231 @@
+"""The conjugate computation of CVI for a Gaussian latent: Bayesian linear regression.
+
+With a Gaussian prior ``N(z | m0, Lambda0^-1)`` and Gaussian "sites" on linear functions
+``f_r = a_r^T z`` of the form ``exp(b_r f_r - w_r f_r^2 / 2)`` (exact messages of Normal
+likelihoods, or CVI's site parameters of non-conjugate ones, eq. 13 and Appendix E.1), the
+posterior is Gaussian with natural parameters (eq. 2 / Algorithm 1 step 4)::
+
+    Lambda = Lambda0 + A^T W A,        Lambda m = Lambda0 m0 + A^T b.
+
+Two equivalent forms are implemented:
+
+* primal (``D x D``): one Cholesky of ``Lambda``; cost ``O(R D^2 + D^3)``.
+* dual (``R x R``, Woodbury, for ``R < D`` and a diagonal prior covariance ``S0``): with
+  ``K = A S0 A^T`` and the stable ``B = I + W^1/2 K W^1/2`` (Rasmussen & Williams, Alg. 3.2),
+  ``m = m0 + S0 A^T alpha``, ``alpha = b - W^1/2 B^-1 W^1/2 (A m0 + K b)``; cost ``O(R^2 D + R^3)``.
+
+Only the quantities CVI needs each step are computed eagerly: the marginal means and variances
+of ``f`` (for the site gradients) and ``log|V|`` (for the ELBO). The full covariance is formed
+lazily, for ``posterior()`` and for sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["GaussianPrior", "GaussianPosterior", "solve", "NotPositiveDefinite"]
+
+
+class NotPositiveDefinite(RuntimeError):
+    """The natural parameters do not define a valid Gaussian (precision not positive definite)."""
+
+
+@dataclass
+class GaussianPrior:
+    """``N(loc, covariance)`` with either a diagonal (``var``) or a dense ``precision``."""
+
+    loc: torch.Tensor
+    var: Optional[torch.Tensor] = None
+    precision: Optional[torch.Tensor] = None
+
+    @property
+    def is_diagonal(self) -> bool:
+        return self.var is not None
+
+    def precision_matrix(self) -> torch.Tensor:
+        if self.precision is not None:
+            return self.precision
+        return torch.diag_embed(self.var.reciprocal())
+
+    def detach(self) -> "GaussianPrior":
+        d = lambda t: None if t is None else t.detach()  # noqa: E731
+        return GaussianPrior(d(self.loc), d(self.var), d(self.precision))
+
+
+class GaussianPosterior:
+    """The solved ``q(z) = N(m, V)`` with the row marginals ``f = A z`` it was solved for."""
+
+    def __init__(self, loc, logdet_cov, f_mean, f_var, form, cov_fn, diag_fn, prior):
+        self.loc = loc
+        self.logdet_cov = logdet_cov
+        self.f_mean = f_mean
+        self.f_var = f_var
+        self.form = form
+        self.prior = prior
+        self._cov_fn = cov_fn
+        self._diag_fn = diag_fn
+        self._cov = None
+        self._scale_tril = None
+
+    def covariance(self) -> torch.Tensor:
+        if self._cov is None:
+            self._cov = self._cov_fn()
+        return self._cov
+
+    def cov_diag(self) -> torch.Tensor:
+        if self._cov is not None:
+            return self._cov.diagonal()
+        return self._diag_fn()
+
+    def scale_tril(self) -> torch.Tensor:
+        if self._scale_tril is None:
+            self._scale_tril = _safe_cholesky(self.covariance())
+        return self._scale_tril
+
+    def kl_to(self, prior: GaussianPrior) -> torch.Tensor:
+        """``KL(q || prior)``; differentiable in ``prior`` (q is treated as fixed)."""
+        D = self.loc.numel()
+        diff = self.loc - prior.loc
+        if prior.is_diagonal:
+            prec = prior.var.reciprocal()
+            trace = (prec * self.cov_diag()).sum()
+            maha = (diff * diff * prec).sum()
+            logdet_p = prior.var.log().sum()
+        else:
+            P = prior.precision
+            trace = (P * self.covariance()).sum()
+            maha = diff @ P @ diff
+            logdet_p = -2 * torch.linalg.cholesky(P).diagonal().log().sum()
+        return 0.5 * (trace + maha - D + logdet_p - self.logdet_cov)
+
+
+def _safe_cholesky(M: torch.Tensor) -> torch.Tensor:
+    L, info = torch.linalg.cholesky_ex(M)
+    if int(info) == 0:
+        return L
+    jitter = 1e-6 if M.dtype == torch.float32 else 1e-10
+    scale = M.diagonal().abs().mean().clamp_min(1e-30)
+    for k in range(6):
+        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        L, info = torch.linalg.cholesky_ex(M + eye * scale * jitter * 10**k)
+        if int(info) == 0:
+            return L
+    raise NotPositiveDefinite("covariance is not positive definite even with jitter")
+
+
+def _chol(M: torch.Tensor) -> torch.Tensor:
+    L, info = torch.linalg.cholesky_ex(M)
+    if int(info) != 0 or not torch.isfinite(L).all():
+        raise NotPositiveDefinite(f"matrix is not positive definite (info={int(info)})")
+    return L
+
+
+def choose_form(prior: GaussianPrior, R: int, D: int, has_extra: bool, w) -> str:
+    """Dual when it is cheaper and valid: diagonal prior, fewer rows than dims, ``w >= 0``."""
+    if has_extra or not prior.is_diagonal or R >= D:
+        return "primal"
+    if w is not None and bool((w < 0).any()):
+        return "primal"
+    return "dual"
+
+
+def solve(
+    prior: GaussianPrior,
+    A: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    extra_h: Optional[torch.Tensor] = None,
+    extra_prec: Optional[torch.Tensor] = None,
+    form: str = "auto",
+) -> GaussianPosterior:
+    """Posterior of ``N(m0, S0)`` times row sites ``exp(b f - w f^2 / 2)``, ``f = A z``.
+
+    ``extra_h`` / ``extra_prec`` add natural parameters ``(h, Lambda)`` of other messages
+    (general non-conjugate factors; primal form only). Raises :class:`NotPositiveDefinite` when
+    the natural parameters are invalid, so callers can shrink the step.
+    """
+    prior = prior.detach()
+    R, D = A.shape
+    has_extra = extra_h is not None or extra_prec is not None
+    if form == "auto":
+        form = choose_form(prior, R, D, has_extra, w)
+    if form == "dual":
+        return _solve_dual(prior, A, w, b)
+    return _solve_primal(prior, A, w, b, extra_h, extra_prec)
+
+
+def _solve_primal(prior, A, w, b, extra_h, extra_prec):
+    D = prior.loc.numel()
+    if prior.is_diagonal:
+        Lam = torch.diag_embed(prior.var.reciprocal())
+        h = prior.loc / prior.var
+    else:
+        Lam = prior.precision
+        h = Lam @ prior.loc
+    if A.shape[0]:
+        Lam = Lam + A.T @ (w.unsqueeze(-1) * A)
+        h = h + A.T @ b
+    if extra_prec is not None:
+        Lam = Lam + extra_prec
+    if extra_h is not None:
+        h = h + extra_h
+    Lam = 0.5 * (Lam + Lam.T)
+    L = _chol(Lam)
+    m = torch.cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
+    logdet_cov = -2 * L.diagonal().log().sum()
+    if A.shape[0]:
+        U = torch.linalg.solve_triangular(L, A.T, upper=False)
+        f_var = (U * U).sum(0)
+        f_mean = A @ m
+    else:
+        f_var = f_mean = A.new_zeros(0)
+    eye = torch.eye(D, dtype=A.dtype, device=A.device)
+
+    def cov():
+        return torch.cholesky_inverse(L)
+
+    def diag():
+        Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+        return (Linv * Linv).sum(0)
+
+    post = GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
+    post.precision_cholesky = L
+    return post
+
+
+def _solve_dual(prior, A, w, b):
+    s0, m0 = prior.var, prior.loc
+    AS = A * s0
+    K = AS @ A.T
+    mu_f = A @ m0
+    sw = w.clamp_min(0).sqrt()
+    R = A.shape[0]
+    B = torch.eye(R, dtype=A.dtype, device=A.device) + sw.unsqueeze(-1) * K * sw
+    LB = _chol(B)
+    rhs = (sw * (mu_f + K @ b)).unsqueeze(-1)
+    alpha = b - sw * torch.cholesky_solve(rhs, LB).squeeze(-1)
+    f_mean = mu_f + K @ alpha
+    C = torch.linalg.solve_triangular(LB, sw.unsqueeze(-1) * K, upper=False)
+    f_var = K.diagonal() - (C * C).sum(0)
+    m = m0 + s0 * (A.T @ alpha)
+    logdet_cov = s0.log().sum() - 2 * LB.diagonal().log().sum()
+    E = None
+
+    def _E():
+        nonlocal E
+        if E is None:
+            E = torch.linalg.solve_triangular(LB, sw.unsqueeze(-1) * AS, upper=False)
+        return E
+
+    def cov():
+        e = _E()
+        return torch.diag_embed(s0) - e.T @ e
+
+    def diag():
+        e = _E()
+        return s0 - (e * e).sum(0)
+
+    return GaussianPosterior(m, logdet_cov, f_mean, f_var, "dual", cov, diag, prior)

@@ -1,0 +1,159 @@
+"""Per-factor CVI messages: exact, linear-predictor (quadrature / Monte Carlo) and general.
+
+Each function returns the factor's contribution to the ELBO (a tensor that keeps its graph to
+the model's learnable parameters, so hyperparameters get gradients) and the *target* natural
+parameters ``grad_mu E_q[log p_factor]`` that CVI averages into the factor's site parameters::
+
+    lam_tilde <- (1 - beta) lam_tilde + beta * target          (Algorithm 1, eq. 12)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .quadrature import expected_log_prob, mean_param_gradients, site_natural_params
+from .tracing import linear_param, unwrap, with_param
+
+__all__ = ["RowBlock", "normal_rows", "linear_predictor_message", "general_gaussian_message"]
+
+
+@dataclass
+class RowBlock:
+    """Sites ``exp(b f - w f^2 / 2)`` on ``f = A z`` (``c``: the offset of ``eta = f + c``)."""
+
+    A: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+
+
+def _weight(site, like: torch.Tensor) -> torch.Tensor:
+    base, mask, _ = unwrap(site["fn"])
+    w = torch.ones_like(like)
+    if mask is not None:
+        w = w * mask.to(like.dtype)
+    m = site["mask"]
+    if m is False:
+        w = w * 0
+    elif m is not None and m is not True:
+        w = w * m.to(like.dtype)
+    return w * site["scale"]
+
+
+def _flat_obs(site, like: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The observations, with masked-out entries (``obs_mask``, NaN placeholders) set to 0."""
+    obs = site["value"]
+    if obs.shape != like.shape and obs.numel() < like.numel():
+        obs = obs.expand(like.shape)
+    return torch.where(weight != 0, obs, torch.zeros_like(obs))
+
+
+def normal_rows(site, factor, z_at: torch.Tensor):
+    """Exact message of ``Normal(y | A z + c, sigma)``: rows with ``w = 1/sigma^2``.
+
+    ``z_at`` is the latent value the trace was taken at. Returns ``(rows, elbo_fn)`` where
+    ``elbo_fn(f_mean, f_var)`` gives, with ``E eta = f_mean + c``,
+    ``sum E_q[log N(y | eta, sigma^2)] = log N(y | E eta, sigma^2) - Var(eta) / (2 sigma^2)``.
+    """
+    base, _, _ = unwrap(site["fn"])
+    loc = base.loc
+    scale = base.scale.expand(loc.shape)
+    weight = _weight(site, loc)
+    y = _flat_obs(site, loc, weight)
+    A = factor.jacobian
+    prec = (weight / scale.detach() ** 2).reshape(-1)
+    c = loc.detach().reshape(-1) - A @ z_at.reshape(-1)
+    rows = RowBlock(A, prec, prec * (y.reshape(-1) - c), c)
+
+    def elbo(f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
+        mean = (f_mean + c).reshape(loc.shape) + (loc - loc.detach())
+        lp = torch.distributions.Normal(mean, scale, validate_args=False).log_prob(y)
+        return (weight * lp).sum() - (weight * f_var.reshape(loc.shape) / (2 * scale**2)).sum()
+
+    return rows, elbo
+
+
+def linear_predictor_rows(site, factor, z_at, sites: torch.Tensor) -> RowBlock:
+    """Rows of a linear-predictor factor from its site parameters ``(lam1, lam2)`` (eq. 13).
+
+    In ``f = A z`` coordinates with ``eta = f + c`` the site is
+    ``exp(lam2 f^2 + (lam1 + 2 lam2 c) f)``, i.e. ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``.
+    """
+    _, eta_at, _ = linear_param(unwrap(site["fn"])[0])
+    A = factor.jacobian
+    c = eta_at.detach().reshape(-1) - A @ z_at.reshape(-1)
+    lam1, lam2 = sites[..., 0], sites[..., 1]
+    return RowBlock(A, -2 * lam2, lam1 + 2 * lam2 * c, c)
+
+
+def linear_predictor_message(
+    site,
+    rows: RowBlock,
+    f_mean: torch.Tensor,
+    f_var: torch.Tensor,
+    num_points: int = 20,
+    num_samples: Optional[int] = None,
+):
+    """ELBO term and target sites of a linear-predictor factor (Appendix B.1, E.1).
+
+    ``E_q[log p(y | eta)]`` with ``eta ~ N(f_mean + c, f_var)`` by Gauss-Hermite (or Monte
+    Carlo gradients when ``num_samples`` is set); the target is
+    ``(df/dm - 2 m df/dv, df/dv)`` (eqs. 30-31).
+    """
+    base, _, _ = unwrap(site["fn"])
+    _, eta_now, _ = linear_param(base)
+    shape = eta_now.shape
+    weight = _weight(site, eta_now)
+    y = _flat_obs(site, eta_now, weight)
+    mean = (f_mean + rows.c).reshape(shape)
+    # keep the graph to hyperparameters through the offset c (eta_now carries it)
+    mean = mean + (eta_now - eta_now.detach())
+    var = f_var.reshape(shape)
+
+    def log_prob(eta):
+        return weight * with_param(base, eta).log_prob(y)
+
+    f, gm, gv = mean_param_gradients(log_prob, mean, var, num_points, num_samples)
+    lam1, lam2 = site_natural_params(mean.detach(), gm, gv)
+    target = torch.stack([lam1.reshape(-1), lam2.reshape(-1)], -1)
+    if mean.requires_grad:  # the offset depends on hyperparameters: keep that graph
+        return expected_log_prob(log_prob, mean, var, num_points).sum(), target
+    return f.sum(), target
+
+
+def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
+    """Bonnet/Price estimate of ``grad_mu E_q[f(z)]`` for a Gaussian ``q = N(loc, L L^T)``.
+
+    ``g = E[grad f]``, ``G = E[hess f] / 2`` (Opper & Archambeau, eq. 29), with antithetic pairs
+    ``z = m +- L eps``: the pair average cancels the linear term of ``grad f`` around the mean,
+    which is the control variate ``hess f(m) (z - m)`` at no cost. The target natural
+    parameters are ``(g - 2 G m, G)``; returned in precision form ``(h, P) = (g + P m, -2 G)``.
+    ``log_joint(z)`` must return ``(f, f_with_graph)``: the value for autograd in ``z`` and
+    one that keeps its graph to hyperparameters.
+    """
+    from .conjugacy import jacobian
+
+    D = loc.numel()
+    half = max(1, num_samples // 2)
+    eps = torch.randn(half, D, dtype=loc.dtype, device=loc.device)
+    eps = torch.cat([eps, -eps], 0)
+    g_sum = torch.zeros(D, dtype=loc.dtype, device=loc.device)
+    H_sum = torch.zeros(D, D, dtype=loc.dtype, device=loc.device)
+    value = 0.0
+    for e in eps:
+        z = (loc + scale_tril @ e).detach().requires_grad_(True)
+        with torch.enable_grad():
+            f = log_joint(z)
+            (g,) = torch.autograd.grad(f, z, create_graph=True)
+            H = jacobian(g.reshape(-1), z)
+        g_sum += g.detach().reshape(-1)
+        H_sum += 0.5 * (H + H.T).detach()
+        value = value + f
+    S = eps.shape[0]
+    g, H = g_sum / S, H_sum / S
+    P = -H
+    h = g + P @ loc
+    return value / S, h, P

@@ -1,0 +1,115 @@
+"""``CVI``: the mirror-descent optimizer, as a :class:`pyro.optim.PyroOptim`.
+
+For the CVI parameters of an :class:`~pyro_cvi.AutoCVI` guide it applies Algorithm 1's step
+(eq. 12 followed by the conjugate computation of step 4)::
+
+    lambda_tilde <- lambda_tilde + beta_t * grad = (1 - beta_t) lambda_tilde + beta_t * target
+
+shrinking ``beta_t`` where the result would be an invalid natural parameter. Every other
+parameter (hyperparameters, amortisation networks) is handed to a torch optimizer of the
+user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, Iterable, Optional, Type, Union
+
+import pyro
+import torch
+from pyro.optim import PyroOptim
+
+from .step_sizes import Schedule, as_schedule
+
+__all__ = ["CVI"]
+
+#: guides whose CVI gradients were computed by CVI_ELBO since the last CVI step (a fully
+#: conjugate model has no stateful CVI parameters, but hyperparameters may still need a step)
+PENDING: "weakref.WeakSet" = weakref.WeakSet()
+
+_AUTOGUIDE_PREFIXES = ("AutoNormal.", "AutoMultivariateNormal.", "AutoDiagonalNormal.",
+                       "AutoLowRankMultivariateNormal.", "AutoDelta.", "AutoLaplaceApproximation.")
+
+
+class CVI(PyroOptim):
+    """Conjugate-computation variational inference optimizer.
+
+    :param step_size: ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
+        :mod:`pyro_cvi.step_sizes`).
+    :param optim: torch optimizer class for every non-CVI parameter (default ``torch.optim.Adam``).
+    :param optim_args: its arguments (default ``{"lr": 0.01}``).
+    """
+
+    def __init__(
+        self,
+        step_size: Union[float, Schedule] = 0.5,
+        optim: Type[torch.optim.Optimizer] = torch.optim.Adam,
+        optim_args: Optional[Union[Dict, Callable]] = None,
+    ):
+        self.schedule = as_schedule(step_size)
+        if not callable(step_size):
+            self.schedule(1)  # validates the constant
+        self.t = 0
+        super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
+
+    @property
+    def step_size(self) -> float:
+        """The step size the next step will use."""
+        return float(self.schedule(self.t + 1))
+
+    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+        params = list(params)
+        owners, others = {}, []
+        for p in params:
+            ref = getattr(p, "_pyro_cvi_owner", None)
+            owner = ref() if isinstance(ref, weakref.ref) else None
+            if owner is not None:
+                owners[id(owner)] = owner
+            else:
+                others.append(p)
+        for guide in list(PENDING):
+            owners[id(guide)] = guide
+        PENDING.clear()
+        if not owners:
+            if others:
+                _refuse(others)
+            return
+        self.t += 1
+        beta = float(self.schedule(self.t))
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]")
+        for owner in owners.values():
+            owner._apply_step(beta)
+        others = [p for p in others if p.grad is not None]
+        if others:
+            super().__call__(others, *args, **kwargs)
+
+    def get_state(self) -> Dict:
+        state = super().get_state()
+        state["__cvi__"] = {"t": self.t}
+        return state
+
+    def set_state(self, state_dict: Dict) -> None:
+        state_dict = dict(state_dict)
+        cvi = state_dict.pop("__cvi__", None)
+        if cvi is not None:
+            self.t = int(cvi["t"])
+        super().set_state(state_dict)
+
+
+def _refuse(params) -> None:
+    store = pyro.get_param_store()
+    names = []
+    for p in params:
+        try:
+            names.append(store.param_name(p))
+        except KeyError:
+            pass
+    auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
+    hint = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
+    raise ValueError(
+        "CVI found no CVI parameters to step" + hint + ". CVI takes natural-gradient steps "
+        "on the natural parameters of an AutoCVI guide, with gradients from CVI_ELBO: use "
+        "SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO()). For AutoNormal or "
+        "AutoMultivariateNormal guides use a torch optimizer such as pyro.optim.Adam instead."
+    )

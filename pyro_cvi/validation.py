@@ -1,0 +1,58 @@
+"""Input checks that turn silent numerical failures into errors naming the site and the fix."""
+
+from __future__ import annotations
+
+import torch
+from pyro.poutine.trace_struct import Trace
+
+from .tracing import is_random
+
+__all__ = ["check_observations", "check_structure"]
+
+
+def check_observations(trace: Trace, prototype: Trace) -> None:
+    """Raise ``ValueError`` for non-finite observations or a model whose sites changed."""
+    check_structure(trace, prototype)
+    for name, site in trace.nodes.items():
+        if not is_random(site) or not site["is_observed"]:
+            continue
+        v = site["value"]
+        if not (torch.is_tensor(v) and v.is_floating_point()):
+            continue
+        bad = ~torch.isfinite(v)
+        mask = site["mask"]
+        if torch.is_tensor(mask):  # entries masked out (e.g. by obs_mask) may hold NaN
+            bad = bad & mask.reshape(mask.shape + (1,) * (bad.dim() - mask.dim()))
+        if bool(bad.any()):
+            bad = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"observed site {name!r} has a non-finite value (first at index {bad}). Remove or "
+                "impute those observations, or mark them missing with "
+                "pyro.sample(..., obs_mask=torch.isfinite(y))."
+            )
+
+
+def _sample_sites(tr: Trace):
+    return {
+        n: s["is_observed"]
+        for n, s in tr.nodes.items()
+        if is_random(s)
+    }
+
+
+def check_structure(trace: Trace, prototype: Trace) -> None:
+    now, then = _sample_sites(trace), _sample_sites(prototype)
+    if now.keys() != then.keys():
+        added = sorted(set(now) - set(then))
+        removed = sorted(set(then) - set(now))
+        raise ValueError(
+            f"the model's sample sites changed since the guide was built (added {added}, removed "
+            f"{removed}). AutoCVI needs a fixed model structure: build a new AutoCVI for the new "
+            "model, or keep control flow that adds or removes sites out of the model."
+        )
+    for n in now:
+        if then[n] and not now[n]:
+            raise ValueError(
+                f"site {n!r} was observed when the guide was built and is latent now; build "
+                "a new AutoCVI for the new model"
+            )
