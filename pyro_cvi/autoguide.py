@@ -561,10 +561,8 @@ class AutoCVI(AutoGuide):
 def _same_record(old: Optional[StepRecord], new: StepRecord) -> bool:
     if old is None or len(old.rows) != len(new.rows):
         return False
-    p, q = old.prior, new.prior
-    for a, b in ((p.loc, q.loc), (p.var, q.var), (p.precision, q.precision)):
-        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
-            return False
+    if not old.prior.equal(new.prior):
+        return False
     for (_, r1), (_, r2) in zip(old.rows, new.rows):
         if r1.A is not r2.A and not torch.equal(r1.A, r2.A):
             return False
@@ -610,7 +608,9 @@ def _gaussian_prior(fn, D: int) -> GaussianPrior:
     base, _, _ = unwrap(fn)
     if isinstance(base, torch.distributions.MultivariateNormal):
         loc = base.loc.expand(base.batch_shape + base.event_shape).reshape(-1)
-        return GaussianPrior(loc, precision=base.precision_matrix)
+        if "precision_matrix" in vars(base):  # the model gave a precision: keep it
+            return GaussianPrior(loc, precision=base.precision_matrix)
+        return GaussianPrior(loc, cov=base.covariance_matrix)
     loc = base.loc.expand(fn.shape()).reshape(-1)
     var = (base.scale**2).expand(fn.shape()).reshape(-1)
     if loc.numel() != D:

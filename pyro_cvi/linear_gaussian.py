@@ -35,11 +35,16 @@ class NotPositiveDefinite(RuntimeError):
 
 @dataclass
 class GaussianPrior:
-    """``N(loc, covariance)`` with either a diagonal (``var``) or a dense ``precision``."""
+    """``N(loc, S0)`` given by a diagonal ``var``, a dense ``precision`` or a dense ``cov``.
+
+    The form the model wrote is kept: a GP prior stays a covariance (its precision can be
+    numerically meaningless), a precision-parameterised MVN stays a precision.
+    """
 
     loc: torch.Tensor
     var: Optional[torch.Tensor] = None
     precision: Optional[torch.Tensor] = None
+    cov: Optional[torch.Tensor] = None
 
     @property
     def is_diagonal(self) -> bool:
@@ -48,11 +53,20 @@ class GaussianPrior:
     def precision_matrix(self) -> torch.Tensor:
         if self.precision is not None:
             return self.precision
+        if self.cov is not None:
+            return torch.cholesky_inverse(_safe_cholesky(self.cov))
         return torch.diag_embed(self.var.reciprocal())
 
     def detach(self) -> "GaussianPrior":
         d = lambda t: None if t is None else t.detach()  # noqa: E731
-        return GaussianPrior(d(self.loc), d(self.var), d(self.precision))
+        return GaussianPrior(d(self.loc), d(self.var), d(self.precision), d(self.cov))
+
+    def equal(self, other: "GaussianPrior") -> bool:
+        for a, b in ((self.loc, other.loc), (self.var, other.var),
+                     (self.precision, other.precision), (self.cov, other.cov)):
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                return False
+        return True
 
 
 class GaussianPosterior:
@@ -94,6 +108,12 @@ class GaussianPosterior:
             trace = (prec * self.cov_diag()).sum()
             maha = (diff * diff * prec).sum()
             logdet_p = prior.var.log().sum()
+        elif prior.cov is not None:
+            L0 = _safe_cholesky(prior.cov)
+            trace = torch.cholesky_solve(self.covariance(), L0).diagonal().sum()
+            u = torch.linalg.solve_triangular(L0, diff.unsqueeze(-1), upper=False)
+            maha = (u * u).sum()
+            logdet_p = 2 * L0.diagonal().log().sum()
         else:
             P = prior.precision
             trace = (P * self.covariance()).sum()
@@ -125,7 +145,9 @@ def _chol(M: torch.Tensor) -> torch.Tensor:
 
 def choose_form(prior: GaussianPrior, R: int, D: int, has_extra: bool, w) -> str:
     """Dual when it is cheaper and valid: diagonal prior, fewer rows than dims, ``w >= 0``."""
-    if has_extra or not prior.is_diagonal or R >= D:
+    if has_extra or prior.precision is not None or R > D:
+        return "primal"
+    if R == D and prior.cov is None:
         return "primal"
     if w is not None and bool((w < 0).any()):
         return "primal"
@@ -163,7 +185,7 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
         Lam = torch.diag_embed(prior.var.reciprocal())
         h = prior.loc / prior.var
     else:
-        Lam = prior.precision
+        Lam = prior.precision_matrix()
         h = Lam @ prior.loc
     if A.shape[0]:
         Lam = Lam + A.T @ (w.unsqueeze(-1) * A)
@@ -197,8 +219,14 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
 
 
 def _solve_dual(prior, A, w, b):
-    s0, m0 = prior.var, prior.loc
-    AS = A * s0
+    m0 = prior.loc
+    dense = prior.cov is not None
+    if dense:
+        AS = A @ prior.cov  # (R, D); S0 is symmetric
+        s0 = prior.cov.diagonal()
+    else:
+        s0 = prior.var
+        AS = A * s0
     K = AS @ A.T
     mu_f = A @ m0
     sw = w.clamp_min(0).sqrt()
@@ -210,8 +238,12 @@ def _solve_dual(prior, A, w, b):
     f_mean = mu_f + K @ alpha
     C = torch.linalg.solve_triangular(LB, sw.unsqueeze(-1) * K, upper=False)
     f_var = K.diagonal() - (C * C).sum(0)
-    m = m0 + s0 * (A.T @ alpha)
-    logdet_cov = s0.log().sum() - 2 * LB.diagonal().log().sum()
+    m = m0 + AS.T @ alpha
+    if dense:
+        logdet_s0 = 2 * _safe_cholesky(prior.cov).diagonal().log().sum()
+    else:
+        logdet_s0 = s0.log().sum()
+    logdet_cov = logdet_s0 - 2 * LB.diagonal().log().sum()
     E = None
 
     def _E():
@@ -222,7 +254,7 @@ def _solve_dual(prior, A, w, b):
 
     def cov():
         e = _E()
-        return torch.diag_embed(s0) - e.T @ e
+        return (prior.cov if dense else torch.diag_embed(s0)) - e.T @ e
 
     def diag():
         e = _E()

@@ -158,7 +158,7 @@ def test_gaussian_round_trips(case):
         assert rel(-2 * n2[1], p1) <= tol
         err1 = float(torch.linalg.norm(n2[0].double() - n1[0].double()))
         ref1 = float(torch.linalg.norm(n1[0].double()) + torch.linalg.norm(p1) * torch.norm(m))
-        assert err1 <= tol * ref1
+        assert err1 <= tol * ref1 + 100 * torch.finfo(dtype).tiny
 
     d = fam.natural_to_dist(nat)
     cov = torch.linalg.inv(prec)

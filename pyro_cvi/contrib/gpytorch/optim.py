@@ -56,6 +56,11 @@ class CVIOptimizer:
         the paper's "CVI-exact, w = 1": ``beta = w / (1 + w)``).
     :param clip_curvature: clip positive site curvature (see the module docstring). If
         ``False``, a positive ``lam2`` raises an error instead.
+    :param backtrack: for full-batch steps at unchanged hyperparameters, if the -ELBO went up
+        since the previous step, undo that step and redo it with ``step_size * shrink``
+        (down to ``min_step_size``). This makes ``step_size=1.0`` safe where the undamped
+        fixed-point iteration oscillates (probit, log sf = 5), and the returned -ELBO never
+        increases. Rejections are counted in ``num_backtracks``.
 
     ``step(x, y)`` returns the -ELBO (sum over the data, in nats) of q *before* the update,
     for monitoring; with a minibatch it is the unbiased estimate ``N/B sum_batch - KL``.
@@ -67,6 +72,9 @@ class CVIOptimizer:
         likelihood: Likelihood,
         step_size: float = 1.0,
         clip_curvature: bool = True,
+        backtrack: bool = True,
+        shrink: float = 0.5,
+        min_step_size: float = 1e-2,
     ):
         strategy = getattr(model, "variational_strategy", None)
         if not isinstance(strategy, CVIVariationalStrategy):
@@ -81,6 +89,11 @@ class CVIOptimizer:
         self.strategy = strategy
         self.step_size = float(step_size)
         self.clip_curvature = clip_curvature
+        self.backtrack = backtrack
+        self.shrink = float(shrink)
+        self.min_step_size = float(min_step_size)
+        self.num_backtracks = 0
+        self._prev: Optional[dict] = None
         self.num_clipped = 0
         self.last_num_clipped = 0
         self.num_steps = 0
@@ -165,25 +178,55 @@ class CVIOptimizer:
         with torch.no_grad():
             kl = s.kl_divergence()
         n = mean.shape[-1]
-        loss = kl - ell.sum() * (s.num_data / n)
+        loss = (kl - ell.sum() * (s.num_data / n)).detach()
 
-        beta = self.step_size
+        key = s._state_key()[1:] if (self.backtrack and indices is None) else None
+        prev = self._prev
+        if (
+            key is not None
+            and prev is not None
+            and s._keys_equal([0] + prev["key"], [0] + key)
+            and loss > prev["loss"] + 1e-9 * prev["loss"].abs()
+            and self.step_size > self.min_step_size
+        ):
+            # The previous step made things worse: undo it and retry with a smaller step.
+            self.step_size = max(self.step_size * self.shrink, self.min_step_size)
+            self.num_backtracks += 1
+            self._update(prev["lam1"], prev["lam2"], prev["g1"], prev["g2"], None)
+            self.num_steps += 1
+            return prev["loss"]
+
         old1 = s.site_lam1 if indices is None else s.site_lam1[indices]
         old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
+        if key is not None:
+            self._prev = {
+                "key": key, "loss": loss, "lam1": old1.clone(), "lam2": old2.clone(),
+                "g1": g1, "g2": g2,
+            }
+        else:
+            self._prev = None
+        self._update(old1, old2, g1, g2, indices)
+        self.num_steps += 1
+        return loss
+
+    def _update(self, old1: Tensor, old2: Tensor, g1: Tensor, g2: Tensor, indices) -> None:
+        """Eq. 13: ``lam <- (1 - beta) lam + beta g``, with ``lam2 <= 0`` kept."""
+        beta = self.step_size
         new1 = (1.0 - beta) * old1 + beta * g1
         new2 = ((1.0 - beta) * old2 + beta * g2).clamp_max(0.0)
-        s.set_sites(new1, new2, indices)
-        self.num_steps += 1
-        return loss.detach()
+        self.strategy.set_sites(new1, new2, indices)
 
     def state_dict(self) -> dict:
         return {
             "step_size": self.step_size,
             "num_clipped": self.num_clipped,
+            "num_backtracks": self.num_backtracks,
             "num_steps": self.num_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step_size = float(state["step_size"])
         self.num_clipped = int(state["num_clipped"])
+        self.num_backtracks = int(state.get("num_backtracks", 0))
         self.num_steps = int(state["num_steps"])
+        self._prev = None
