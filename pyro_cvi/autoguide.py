@@ -85,6 +85,15 @@ class AutoCVI(AutoGuide):
     :param init_sites: ``"laplace"`` (default) starts linear-predictor sites at the
         likelihood's curvature at the prior mean; ``"prior"`` starts them at zero, so that
         ``q = prior`` initially, as in Algorithm 1.
+    :param schedule: how natural-form (mean-field) sites are updated (Algorithm 2):
+        ``"parallel"`` (all from the same ``q_t``), ``"sequential"`` (coordinate ascent, in
+        reverse model order: local sites before the global ones they inform), or an explicit
+        list of latent site names. With exact factors and ``step_size=1``, ``"sequential"``
+        is CAVI and the ELBO never decreases.
+    :param init_loc_fn: optional Pyro init strategy (e.g. ``init_to_value``,
+        ``init_to_sample``) for natural-form sites: ``q`` starts with its mean there (and
+        the prior's spread) instead of at the prior; use it to break symmetries (mixtures,
+        factorisations).
     """
 
     def __init__(
@@ -97,6 +106,8 @@ class AutoCVI(AutoGuide):
         num_general_samples: int = 8,
         init_sites: str = "laplace",
         create_plates: Optional[Callable] = None,
+        schedule="parallel",
+        init_loc_fn: Optional[Callable] = None,
     ):
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
@@ -114,6 +125,17 @@ class AutoCVI(AutoGuide):
         self._args_key = None
         self.num_shrunk = 0
         self.num_rejected = 0
+        # mean-field (natural-form) options, see pyro_cvi.meanfield
+        if not (schedule in ("parallel", "sequential") or isinstance(schedule, (list, tuple))):
+            raise ValueError(
+                f"schedule must be 'parallel', 'sequential' or a list of latent site names, "
+                f"got {schedule!r}"
+            )
+        self.schedule = schedule
+        self.init_loc_fn = init_loc_fn
+        self._analysis = None
+        self._step_subsample: Dict[str, torch.Tensor] = {}
+        self._leaf_values: Dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args, **kwargs):
@@ -126,6 +148,9 @@ class AutoCVI(AutoGuide):
         self._structure = trace_model(self.model, {}, args, kwargs)
         self._classify(values, args, kwargs)
         self._args_key = _key(args, kwargs)
+        prefix = self._pyro_name + "."
+        # parameters already in the param store (a restored checkpoint) are kept as they are
+        fresh = not any(k.startswith(prefix) for k in pyro.get_param_store().keys())
         for name, info in self._latents.items():
             if info.form == SITE_FORM:
                 self._init_site_form(info)
@@ -135,7 +160,7 @@ class AutoCVI(AutoGuide):
             tr = self._trace_at_means(args, kwargs)
             for name, info in self._latents.items():
                 if info.form == SITE_FORM:
-                    if self.init_sites == "laplace":
+                    if self.init_sites == "laplace" and fresh:
                         self._init_sites_at_prior_mean(info, tr)
                     self._refresh_site_form(info, tr)
 
@@ -143,6 +168,7 @@ class AutoCVI(AutoGuide):
         tr = self.prototype_trace
         latents = [n for n in values]
         deps = cj.dependencies(self.model, values, args, kwargs)
+        deps = self._add_discrete_dependencies(values, deps, args, kwargs)
         referenced = set().union(*[d for n, d in deps.items()]) if deps else set()
         leaves = {n for n in latents if n not in referenced}
         infos = OrderedDict()
@@ -162,7 +188,10 @@ class AutoCVI(AutoGuide):
         gaussian = {
             n for n, i in infos.items() if i.family is not None and "gaussian" in i.family.name
         }
-        factors = cj.classify(self.model, values, args, kwargs, gaussian, deps, leaves, latents)
+        analysis = self._mean_field_analysis(values, args, kwargs, infos, leaves, deps)
+        factors = cj.classify(
+            self.model, values, args, kwargs, gaussian, deps, leaves, latents, analyzer=analysis
+        )
         for f in factors:
             infos[f.latent].factors.append(f)
         for name, info in infos.items():
@@ -179,6 +208,7 @@ class AutoCVI(AutoGuide):
                 for f in info.factors:
                     if f.kind == cj.GENERAL and f.site != name:
                         f.extra["general"] = True
+        self._relabel_natural_form(infos, analysis)
         self._latents = infos
         self._deps = deps
 
@@ -201,17 +231,15 @@ class AutoCVI(AutoGuide):
             )
 
     def _init_natural_form(self, info: LatentInfo, site):
-        base, _, _ = unwrap(site["fn"])
-        fam = info.family
-        try:
-            init = fam.dist_to_natural(site["fn"])
-            init = tuple(t.expand(info.batch_shape + t.shape[len(t.shape) - _ev(fam, i, info) :])
-                         for i, t in enumerate(init))
-            if not bool(fam.is_valid(init).all()):
-                raise ValueError
-        except Exception:
-            init = fam.natural_from_sample(site["value"].detach()) if hasattr(
-                fam, "natural_from_sample") else fam.dist_to_natural(fam.default_dist(site["value"]))
+        """Register the natural parameters of a natural-form site, at full plate sizes.
+
+        ``q`` starts at the prior when the prior is of ``q``'s family (Algorithm 2's
+        ``lambda_0``); with ``init_loc_fn`` (or a prior of another family) it starts with its
+        mean at the init value (:func:`pyro_cvi.meanfield.initial_natural`).
+        """
+        from .meanfield import initial_natural
+
+        init = initial_natural(info.family, site, self.init_loc_fn)
         for i, t in enumerate(init):
             t = t.detach().clone()
             self._register(self._param_name(f"natural{i}", info.name), lambda t=t: t)
@@ -247,9 +275,7 @@ class AutoCVI(AutoGuide):
                 p.data.copy_(target)
 
     def _register(self, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
-        p = pyro.param(name, init)
-        p.unconstrained()._pyro_cvi_owner = weakref.ref(self)
-        return p
+        return pyro.param(name, init)
 
     def natural_params(self) -> Dict[str, torch.Tensor]:
         """The guide's CVI parameters (site and natural parameters) by param-store name."""
@@ -271,7 +297,8 @@ class AutoCVI(AutoGuide):
         return values
 
     def _trace_at_means(self, args, kwargs):
-        return trace_model(self.model, self._current_values(), args, kwargs)
+        values = {**self._current_values(), **self._step_subsample}  # the step's minibatch
+        return trace_model(self.model, values, args, kwargs)
 
     def _maybe_reclassify(self, args, kwargs):
         key = _key(args, kwargs)
@@ -321,7 +348,11 @@ class AutoCVI(AutoGuide):
             if f.kind == cj.CONJUGATE:
                 r, fn = normal_rows(site, f, z_at)
                 rows.append((None, r))
-                elbo_fns.append((len(rows) - 1, fn))
+                if not f.extra.get("given_others"):
+                    # a factor shared with natural-form latents (e.g. an unknown noise
+                    # precision) sends rows at E_q[precision]; its ELBO term is exact in the
+                    # mean-field part (pyro_cvi.meanfield), not here
+                    elbo_fns.append((len(rows) - 1, fn))
             elif f.kind == cj.LINEAR:
                 rows.append((f.site, linear_predictor_rows(site, f, z_at, sites[f.site].detach())))
         record = StepRecord(prior.detach(), rows, z_at)
@@ -431,40 +462,59 @@ class AutoCVI(AutoGuide):
         )
 
     # ------------------------------------------------------------------ natural form
+    # Mean-field sites (Algorithm 2). The messages and targets are computed by
+    # pyro_cvi.meanfield; these methods hold the parameters and take the steps.
     def _natural_params_of(self, info):
-        n = len(info.family.zero_natural(torch.Size(), torch.float64, None))
+        n = len(info.family.param_shapes)
         return tuple(
             self._register(self._param_name(f"natural{i}", info.name), None) for i in range(n)
         )
 
-    def _natural_dist(self, info):
+    def _natural_dist(self, info, plates=None):
+        """``q`` of a natural-form site; restricted to the minibatch while a step is running
+        (or to the subsample of ``plates``, the guide's plates in :meth:`forward`)."""
+        from .meanfield import slice_params
+
         nat = tuple(p.detach() for p in self._natural_params_of(info))
+        if plates is not None:
+            sub = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+            saved, self._step_subsample = self._step_subsample, sub
+            try:
+                nat = slice_params(self, info, nat)
+            finally:
+                self._step_subsample = saved
+        else:
+            nat = slice_params(self, info, nat)
         return info.family.natural_to_dist(nat)
 
     def _apply_natural_step(self, info, beta: float) -> None:
+        """``lambda <- lambda + beta * grad`` (``grad = target - lambda``, eq. 12 / Alg. 2 step 5)
+        with per-element step shrinking to stay in the natural domain."""
+        from .meanfield import natural_step
+
         params = self._natural_params_of(info)
-        old = tuple(p.detach().clone() for p in params)
-        grads = tuple(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
-        fam = info.family
-        # per-element step sizes: halve where the new natural parameter would be invalid
-        bshape = fam.is_valid(old).shape
-        b = torch.full(bshape, float(beta), dtype=old[0].dtype, device=old[0].device)
-        for _ in range(30):
-            new = tuple(o + _bcast(b, o, fam, i) * g for i, (o, g) in enumerate(zip(old, grads)))
-            ok = fam.is_valid(new)
-            if bool(ok.all()):
-                break
-            self.num_shrunk += int((~ok).sum())
-            b = torch.where(ok, b, b / 2)
-        else:
-            new = tuple(
-                torch.where(_bcast(ok, o, fam, i), n, o)
-                for i, (o, n) in enumerate(zip(old, new))
-            )
-            self.num_rejected += int((~ok).sum())
+        if all(p.grad is None for p in params):
+            return
+        old = tuple(p.detach() for p in params)
+        target = tuple(
+            o + (p.grad if p.grad is not None else torch.zeros_like(p))
+            for o, p in zip(old, params)
+        )
+        new, shrunk, rejected = natural_step(info.family, old, target, beta, info.name)
+        self.num_shrunk += shrunk
+        self.num_rejected += rejected
+        if shrunk:
             warnings.warn(
-                f"AutoCVI: {int((~ok).sum())} elements of site {info.name!r} rejected a step "
-                "that would make the natural parameters invalid.",
+                f"AutoCVI: the step on {shrunk} elements of site {info.name!r} was shrunk to "
+                f"keep the {info.family.name} natural parameters valid",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if rejected:
+            warnings.warn(
+                f"AutoCVI: {rejected} elements of site {info.name!r} rejected a step that would "
+                "make the natural parameters invalid; lower the step size or raise "
+                "num_general_samples",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -472,13 +522,94 @@ class AutoCVI(AutoGuide):
             for p, v in zip(params, new):
                 p.copy_(v)
 
+    def _frames_of(self, name: str):
+        """The vectorised plates of a latent site (from the prototype trace)."""
+        site = self.prototype_trace.nodes[name]
+        return [f for f in site["cond_indep_stack"] if f.vectorized]
+
+    def _sequential_order(self) -> List[str]:
+        """Order of the sequential schedule: the user's list, or reverse model order."""
+        active = [n for n, i in self._latents.items() if i.form != LEAF_FORM]
+        if isinstance(self.schedule, (list, tuple)):
+            unknown = [n for n in self.schedule if n not in active]
+            if unknown:
+                raise ValueError(
+                    f"schedule names {unknown}, which are not non-leaf latent sites; "
+                    f"choose from {active}"
+                )
+            return list(self.schedule) + [n for n in active if n not in self.schedule]
+        return active[::-1]
+
+    def _add_discrete_dependencies(self, values, deps, args, kwargs):
+        """Add, for every site, the discrete latents it depends on (found by enumeration)."""
+        from .families import Bernoulli, Categorical
+        from .meanfield import discrete_dependencies, max_plate_nesting, run_model
+
+        discrete = []
+        for name in values:
+            fn = self.prototype_trace.nodes[name]["fn"]
+            try:
+                fam = family_for_support(fn.support, fn.event_shape, self.covariance)
+            except ValueError:
+                continue
+            if isinstance(fam, (Bernoulli, Categorical)):
+                discrete.append(name)
+        self._mf_structure = trace_model(self.model, dict(values), args, kwargs)
+        self._enum_dims = max_plate_nesting(self._mf_structure)
+        if not discrete:
+            return deps
+        cont = {n: v for n, v in values.items() if n not in discrete}
+        sub = self._subsample_of(self._mf_structure)
+        tr = run_model(self.model, {**cont, **sub}, args, kwargs, self._enum_dims)
+        extra = discrete_dependencies(tr, discrete)
+        return {n: set(d) | extra.get(n, set()) for n, d in deps.items()}
+
+    def _subsample_of(self, trace) -> Dict[str, torch.Tensor]:
+        from .meanfield import subsample_values
+
+        return subsample_values(trace)
+
+    def _mean_field_analysis(self, values, args, kwargs, infos, leaves, deps):
+        from .meanfield import Analysis
+
+        families = {n: i.family for n, i in infos.items() if i.family is not None}
+        self._leaf_values = {n: values[n] for n in leaves}
+        return Analysis(
+            self.model, values, args, kwargs, families, leaves, deps,
+            self._enum_dims, self._subsample_of(self._mf_structure),
+        )
+
+    def _relabel_natural_form(self, infos, analysis) -> None:
+        """Natural-form sites take every message from the mean-field analysis (Algorithm 2)."""
+        for name, info in infos.items():
+            if info.form == NATURAL_FORM:
+                info.factors = [
+                    analysis.factor(f.site, name, site_form_ok=False) for f in info.factors
+                ]
+        for name, site in self._mf_structure.nodes.items():
+            if not is_random(site) or (name in infos and infos[name].form == LEAF_FORM):
+                continue
+            if analysis.deps.get(name) or name in infos:
+                analysis.spec(name)
+        self._analysis = analysis
+
     def _apply_step(self, beta: float) -> None:
         """Called by :class:`~pyro_cvi.CVI`: one mirror-descent step on every CVI parameter."""
-        for info in self._latents.values():
-            if info.form == SITE_FORM:
-                self._apply_site_step(info, beta)
-            elif info.form == NATURAL_FORM:
-                self._apply_natural_step(info, beta)
+        from .meanfield import sweep
+
+        try:
+            if self.schedule != "parallel" and any(
+                i.form == NATURAL_FORM for i in self._latents.values()
+            ):
+                sweep(self, beta)
+                return
+            for info in self._latents.values():
+                if info.form == SITE_FORM:
+                    self._apply_site_step(info, beta)
+                elif info.form == NATURAL_FORM:
+                    self._apply_natural_step(info, beta)
+        finally:
+            self._step_subsample = {}
 
     # ------------------------------------------------------------------ the guide itself
     def forward(self, *args, **kwargs):
@@ -494,7 +625,8 @@ class AutoCVI(AutoGuide):
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:
                         stack.enter_context(plates[frame.name])
-                result[name] = pyro.sample(name, self.posterior(name))
+                q = self._natural_dist(info, plates) if info.form == NATURAL_FORM else None
+                result[name] = pyro.sample(name, q if q is not None else self.posterior(name))
         leaves = [n for n, i in self._latents.items() if i.form == LEAF_FORM]
         if leaves:
             tr = poutine.block(trace_model)(self.model, result, args, kwargs)
@@ -578,17 +710,9 @@ def _key(args, kwargs):
     )
 
 
-def _ev(fam, i, info):
-    return len(info.event_shape) if i == 0 or "gaussian" not in fam.name else 2 * len(
-        info.event_shape)
-
-
-def _bcast(b, like, fam, i):
-    extra = like.dim() - b.dim()
-    return b.reshape(b.shape + (1,) * extra)
-
-
 def _mean_of(q):
+    if q.support.is_discrete:  # discrete natural-form sites: the mode (a valid value)
+        return q.mode.detach()
     try:
         return q.mean.detach()
     except NotImplementedError:

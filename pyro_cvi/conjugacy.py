@@ -76,9 +76,16 @@ def dependencies(
     dependency of a site when the gradient of the site's parameters with respect to it is not
     identically absent. This is structural (exact), not numeric.
     """
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in values.items()}
+    # discrete latents cannot be autograd leaves: their dependants are found by enumeration
+    # (pyro_cvi.meanfield.discrete_dependencies); here they are held at their values
+    leaves = {
+        k: v.detach().clone().requires_grad_(True)
+        for k, v in values.items()
+        if v.is_floating_point()
+    }
+    fixed = {k: v for k, v in values.items() if k not in leaves}
     with torch.enable_grad():
-        tr = trace_model(model, leaves, args, kwargs)
+        tr = trace_model(model, {**fixed, **leaves}, args, kwargs)
         names = list(leaves)
         deps: Dict[str, Set[str]] = {}
         for name, site in tr.nodes.items():
@@ -167,8 +174,13 @@ def classify(
     deps: Dict[str, Set[str]],
     leaves: Set[str],
     latent_names: List[str],
+    analyzer=None,
 ) -> List[Factor]:
-    """Classify every (factor, latent) pair. ``gaussian`` names the latents with a Gaussian q."""
+    """Classify every (factor, latent) pair. ``gaussian`` names the latents with a Gaussian q.
+
+    ``analyzer`` (a :class:`pyro_cvi.meanfield.Analysis`) classifies the pairs of non-Gaussian
+    latents and of factors with several latents (conditionally conjugate pairs, eq. 18-20).
+    """
     factors: List[Factor] = []
     for site_name, site_deps in deps.items():
         for z in latent_names:
@@ -179,7 +191,12 @@ def classify(
                 continue
             if site_name in leaves:
                 continue  # a leaf's prior integrates to one: it sends no message
-            if site_name == z:
+            if analyzer is not None and (site_name == z or z in site_deps) and (
+                z not in gaussian or len(site_deps - {z}) > 0 or (site_name == z and site_deps)
+            ):
+                # non-Gaussian q, or a factor shared with other latents: mean-field analysis
+                factors.append(analyzer.factor(site_name, z))
+            elif site_name == z:
                 factors.append(_classify_prior(values, args, kwargs, model, z, site_deps, gaussian))
             elif z in site_deps:
                 factors.append(

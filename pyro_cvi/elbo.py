@@ -42,10 +42,16 @@ class CVI_ELBO(ELBO):
 
     def loss(self, model, guide, *args, **kwargs) -> float:
         with torch.no_grad():
-            return float(self._elbo(model, guide, args, kwargs, grads=False).neg())
+            try:
+                return float(self._elbo(model, guide, args, kwargs, grads=False).neg())
+            finally:
+                _end_step(guide)
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
-        return self._elbo(model, guide, args, kwargs, grads=False).neg()
+        try:
+            return self._elbo(model, guide, args, kwargs, grads=False).neg()
+        finally:
+            _end_step(guide)
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         elbo = self._elbo(model, guide, args, kwargs, grads=True)
@@ -71,6 +77,7 @@ class CVI_ELBO(ELBO):
             guide._setup_prototype(*args, **kwargs)
         guide._last_args, guide._last_kwargs = args, kwargs
         guide._maybe_reclassify(args, kwargs)
+        guide._step_subsample = _draw_subsample(guide, args, kwargs)  # one minibatch per step
         tr = guide._trace_at_means(args, kwargs)
         check_observations(tr, guide._structure)
         elbo = 0.0
@@ -93,8 +100,8 @@ class CVI_ELBO(ELBO):
             sl = post.blocks[idx][1]
             elbo = elbo + fn(post.f_mean[sl], post.f_var[sl])
         for f in info.factors:
-            if f.kind == cj.CONJUGATE:
-                counted.add(f.site)
+            if f.kind == cj.CONJUGATE and not f.extra.get("given_others"):
+                counted.add(f.site)  # (given-others factors: their term is the mean field's)
         for (site_name, sl), (_, r) in zip(post.blocks, rows):
             if site_name is None:
                 continue
@@ -125,91 +132,44 @@ class CVI_ELBO(ELBO):
         return elbo
 
     def _natural_form(self, guide: AutoCVI, infos, args, kwargs, grads, counted):
-        lams = {i.name: tuple(p.detach().clone().requires_grad_(True)
-                              for p in guide._natural_params_of(i)) for i in infos}
-        qs = {i.name: i.family.natural_to_dist(lams[i.name]) for i in infos}
-        for i in infos:
-            if not qs[i.name].has_rsample:
-                raise NotImplementedError(
-                    f"latent site {i.name!r} is discrete ({i.family.name}); CVI for discrete "
-                    "latents (enumeration, Algorithm 2) is not available yet. Marginalise it with "
-                    "@config_enumerate and TraceEnum_ELBO, or make it continuous."
-                )
-        exact_prior = {}
-        for i in infos:
-            pf = next((f for f in i.factors if f.site == i.name), None)
-            if pf is not None and pf.kind == cj.PRIOR:
-                exact_prior[i.name] = True
-        nat_names = set(lams)
-        grad_sites = []
-        for s, d in guide._deps.items():
-            latent = guide._latents.get(s)
-            if (latent is not None and latent.form == LEAF_FORM) or s in exact_prior:
-                continue
-            if d & nat_names or s in nat_names:
-                grad_sites.append(s)
-        value_sites = [s for s in grad_sites if s not in counted]
-        S = guide.num_general_samples
-        acc = {n: [torch.zeros_like(t) for t in lams[n]] for n in lams}
-        value = 0.0
-        tensors = [t for n in lams for t in lams[n]]
-        for _ in range(S):
-            vals = {}
-            for n, i in guide._latents.items():
-                if i.form == SITE_FORM:
-                    vals[n] = guide.posterior(n).sample()
-                elif i.form == NATURAL_FORM:
-                    vals[n] = qs[n].rsample()
-            with torch.enable_grad():
-                t = trace_model(guide.model, vals, args, kwargs)
-                t.compute_log_prob()
-                f = sum(t.nodes[s]["log_prob_sum"] for s in grad_sites) if grad_sites else None
-                if grads and f is not None and f.requires_grad:
-                    gs = torch.autograd.grad(f, tensors, retain_graph=True, allow_unused=True)
-                    k = 0
-                    for n in lams:
-                        for j in range(len(lams[n])):
-                            if gs[k] is not None:
-                                acc[n][j] += gs[k]
-                            k += 1
-                v = sum(t.nodes[s]["log_prob_sum"] for s in value_sites) if value_sites else 0.0
-            value = value + v
-        elbo = value / S
-        tr = guide._trace_at_means(args, kwargs)
-        for i in infos:
-            fam = i.family
-            lam = tuple(t.detach() for t in lams[i.name])
-            mu = fam.natural_to_mean(lam)
-            elbo = elbo + fam.entropy(lam).sum()
-            target = [torch.zeros_like(t) for t in lam]
-            if grads:
-                g_lam = tuple(a / S for a in acc[i.name])
-                g_mu = fam_mean_grad(fam, lam, g_lam)
-                target = [t + g for t, g in zip(target, g_mu)]
-            if i.name in exact_prior:
-                eta0 = fam.dist_to_natural(tr.nodes[i.name]["fn"])
-                eta0 = tuple(e.expand_as(t) if e.shape != t.shape else e
-                             for e, t in zip(eta0, lam))
-                scale = tr.nodes[i.name]["scale"]
-                elbo = elbo + scale * (
-                    fam.inner(eta0, mu) - fam.log_partition(eta0)
-                    + fam.base_log_measure(_mean_point(fam, mu, i))
-                ).sum()
-                target = [t + scale * e.detach() for t, e in zip(target, eta0)]
-            if grads:
-                for p, t in zip(guide._natural_params_of(i), target):
-                    p.grad = t - p.detach()
-        return elbo
+        """ELBO terms and Algorithm 2 targets of the natural-form (mean-field) sites.
+
+        Exact ``E_q[log p_a]`` for conjugate factors and Monte Carlo for the rest
+        (:func:`pyro_cvi.meanfield.compute`); the natural gradient ``target - lambda`` is
+        written into ``.grad``. Minibatch locals are first given their full update
+        (doubly stochastic CVI); with a sequential schedule the targets are computed during
+        the sweep instead (:func:`pyro_cvi.meanfield.sweep`).
+        """
+        from . import meanfield as mf
+
+        sequential = guide.schedule != "parallel"
+        if grads and guide._step_subsample and not sequential:
+            mf.update_locals(guide, args, kwargs)
+        want = None if (grads and not sequential) else set()
+        res = mf.compute(guide, args, kwargs, counted, want=want, value=True)
+        if grads and not sequential:
+            for i in infos:
+                if mf.is_local(guide, i.name):
+                    continue  # already updated (beta = 1) by update_locals
+                params = guide._natural_params_of(i)
+                target = res.targets[i.name]
+                with torch.no_grad():
+                    for p, t in zip(params, target):
+                        p.grad = t - p.detach()
+        return res.elbo
 
 
-def _mean_point(fam, mu, info):
-    return mu[0]
+def _end_step(guide) -> None:
+    if isinstance(guide, AutoCVI):
+        guide._step_subsample = {}
 
 
-def fam_mean_grad(fam, lam, g_lam):
-    from .families import fisher_solve_mean_grad
-
-    return fisher_solve_mean_grad(fam, lam, g_lam)
+def _draw_subsample(guide: AutoCVI, args, kwargs) -> Dict[str, torch.Tensor]:
+    """Fresh subsample indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
+    if not guide._prototype_frames:
+        return {}
+    plates = guide._create_plates(*args, **kwargs)
+    return {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
 
 
 def prior_g_from(tr, info):

@@ -59,17 +59,12 @@ class CVI(PyroOptim):
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         params = list(params)
-        owners, others = {}, []
-        for p in params:
-            ref = getattr(p, "_pyro_cvi_owner", None)
-            owner = ref() if isinstance(ref, weakref.ref) else None
-            if owner is not None:
-                owners[id(owner)] = owner
-            else:
-                others.append(p)
-        for guide in list(PENDING):
-            owners[id(guide)] = guide
+        owners = list(PENDING)  # guides whose CVI gradients CVI_ELBO just computed
         PENDING.clear()
+        cvi_params = set()
+        for guide in owners:
+            cvi_params.update(id(p.unconstrained()) for p in guide.natural_params().values())
+        others = [p for p in params if id(p) not in cvi_params]
         if not owners:
             if others:
                 _refuse(others)
@@ -78,7 +73,7 @@ class CVI(PyroOptim):
         beta = float(self.schedule(self.t))
         if not 0.0 < beta <= 1.0:
             raise ValueError(f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]")
-        for owner in owners.values():
+        for owner in owners:
             owner._apply_step(beta)
         others = [p for p in others if p.grad is not None]
         if others:

@@ -27,6 +27,7 @@ Writes ``results/benchmark_logreg.json``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import math
@@ -159,6 +160,8 @@ def _best_adam(
 
 def _warm_up() -> None:
     """Pay torch's and Pyro's one-time costs (BLAS, LAPACK, autograd) before any timing."""
+    importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd imports sympy
+
     g = torch.Generator().manual_seed(0)
     X = torch.randn(50, 5, generator=g, dtype=torch.float64)
     y = (X[:, 0] > 0).to(X.dtype)

@@ -69,7 +69,7 @@ def test_small_datasets_match_plain_cvi(shared_data, name):
     q = guide.posterior("w")
     ours = float(logreg_neg_elbo(data.X_train, data.y_train, q.loc, q.covariance_matrix,
                                  data.prior_precision))
-    assert ours == pytest.approx(best, abs=1e-5)
+    assert ours == pytest.approx(best, abs=1e-4)  # 20 vs 32 quadrature points
     p_ref = torch.sigmoid(data.X_test @ ref.loc)
     assert torch.allclose(torch.sigmoid(data.X_test @ q.loc), p_ref, atol=1e-3)
 

@@ -453,7 +453,3 @@ def dirichlet_from_mean_log(mu: Tensor, max_iter: int = 20) -> Tensor:
             break
         last = not bool((step.abs() > tol).any())
     return torch.where(valid, torch.exp(u), torch.full_like(mu, float("nan")))
-
-
-def _log_two_pi() -> float:
-    return math.log(2 * math.pi)
