@@ -42,6 +42,7 @@ from . import conjugacy as cj
 from .families import family_for_support
 from .linear_gaussian import GaussianPrior, GaussianPosterior, NotPositiveDefinite, solve
 from .tracing import is_random, trace_model, unwrap
+from .validation import check_observations
 
 __all__ = ["AutoCVI"]
 
@@ -146,6 +147,7 @@ class AutoCVI(AutoGuide):
                 values[name] = site["value"].detach()
         self._proto_values = values
         self._structure = trace_model(self.model, {}, args, kwargs)
+        check_observations(self._structure, self._structure)
         self._classify(values, args, kwargs)
         self._args_key = _key(args, kwargs)
         prefix = self._pyro_name + "."

@@ -17,7 +17,21 @@ def check_observations(trace: Trace, prototype: Trace) -> None:
         if not is_random(site) or not site["is_observed"]:
             continue
         v = site["value"]
-        if not (torch.is_tensor(v) and v.is_floating_point()):
+        if not torch.is_tensor(v):
+            continue
+        expected = site["fn"].shape()
+        try:
+            grown = torch.broadcast_shapes(v.shape, expected) != expected
+        except RuntimeError:
+            grown = True
+        if grown:
+            raise ValueError(
+                f"observed site {name!r} has shape {tuple(v.shape)} but its distribution has "
+                f"shape {tuple(expected)} (batch {tuple(site['fn'].batch_shape)}, event "
+                f"{tuple(site['fn'].event_shape)}); reshape the data to match, e.g. y.reshape(-1)"
+                " for a column vector, or use .to_event() for event dims"
+            )
+        if not v.is_floating_point():
             continue
         bad = ~torch.isfinite(v)
         mask = site["mask"]
