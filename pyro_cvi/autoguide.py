@@ -157,7 +157,7 @@ class AutoCVI(AutoGuide):
             if info.form == SITE_FORM:
                 self._init_site_form(info)
             elif info.form == NATURAL_FORM:
-                self._init_natural_form(info, self.prototype_trace.nodes[name])
+                self._init_natural_form(info, self._init_site(name, args, kwargs))
         with torch.no_grad():
             tr = self._trace_at_means(args, kwargs)
             for name, info in self._latents.items():
@@ -523,6 +523,18 @@ class AutoCVI(AutoGuide):
         with torch.no_grad():
             for p, v in zip(params, new):
                 p.copy_(v)
+
+    def _init_site(self, name: str, args, kwargs):
+        """The prototype site of ``name``; with ``init_loc_fn``, from a trace of the model run at
+        the init values (so that priors with latent parents are evaluated there)."""
+        if self.init_loc_fn is None:
+            return self.prototype_trace.nodes[name]
+        if getattr(self, "_init_trace", None) is None:
+            from .meanfield import init_messenger
+
+            model = init_messenger(self.init_loc_fn)(self.model)
+            self._init_trace = poutine.trace(model).get_trace(*args, **kwargs)
+        return self._init_trace.nodes[name]
 
     def _frames_of(self, name: str):
         """The vectorised plates of a latent site (from the prototype trace)."""

@@ -175,7 +175,8 @@ def solve(
     if form == "auto":
         form = choose_form(prior, R, D, has_extra, w)
     if form == "dual":
-        return _solve_dual(prior, A, w, b)
+        identity = R == D and bool((A.diagonal() == 1).all()) and int(A.count_nonzero()) == R
+        return _solve_dual(prior, None if identity else A, w, b)
     return _solve_primal(prior, A, w, b, extra_h, extra_prec)
 
 
@@ -219,19 +220,19 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
 
 
 def _solve_dual(prior, A, w, b):
+    """Dual form; ``A=None`` means the identity (a GP: the sites sit on z itself)."""
     m0 = prior.loc
     dense = prior.cov is not None
-    if dense:
-        AS = A @ prior.cov  # (R, D); S0 is symmetric
-        s0 = prior.cov.diagonal()
+    s0 = prior.cov.diagonal() if dense else prior.var
+    if A is None:
+        AS = prior.cov if dense else torch.diag_embed(s0)
+        K, mu_f = AS, m0
     else:
-        s0 = prior.var
-        AS = A * s0
-    K = AS @ A.T
-    mu_f = A @ m0
+        AS = A @ prior.cov if dense else A * s0  # (R, D); S0 is symmetric
+        K, mu_f = AS @ A.T, A @ m0
     sw = w.clamp_min(0).sqrt()
-    R = A.shape[0]
-    B = torch.eye(R, dtype=A.dtype, device=A.device) + sw.unsqueeze(-1) * K * sw
+    R = K.shape[0]
+    B = torch.eye(R, dtype=K.dtype, device=K.device) + sw.unsqueeze(-1) * K * sw
     LB = _chol(B)
     rhs = (sw * (mu_f + K @ b)).unsqueeze(-1)
     alpha = b - sw * torch.cholesky_solve(rhs, LB).squeeze(-1)

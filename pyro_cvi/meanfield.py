@@ -138,6 +138,8 @@ class FactorSpec:
     continuous: Set[str] = field(default_factory=set)  # continuous latents (incl. its value)
     discrete: Set[str] = field(default_factory=set)  # discrete latents (incl. its value)
     jacobians: Dict[str, torch.Tensor] = field(default_factory=dict)  # affine loc: (R, D)
+    dynamic: bool = False  # an affine coefficient depends on learnable parameters
+    cache: Dict = field(default_factory=dict, repr=False)  # Jacobians per data / minibatch
 
     @property
     def latents(self) -> Set[str]:
@@ -313,6 +315,11 @@ class Analysis:
                     if not cp._close(got, pred, rtol * 10):
                         return f"is not affine in {', '.join(sorted(pdeps))} (probed)"
             spec.jacobians.update(jac)
+            params = [n["value"] for n in tr.nodes.values() if n["type"] == "param"]
+            with torch.enable_grad():
+                spec.dynamic = spec.dynamic or any(
+                    cj._depends_on_params(t, leaves[p], params) for p in sorted(pdeps)
+                )
             return cp.Role(cp.AFFINE, tuple(sorted(pdeps)))
         if cp.IDENTITY in kinds and len(pdeps) == 1:
             (p,) = pdeps
@@ -418,6 +425,19 @@ def natural_at(fam, value: torch.Tensor, prior=None) -> Tuple[torch.Tensor, ...]
     if prior is not None:
         return prior
     return fam.zero_natural(v.shape[: v.dim() - fam.event_dim], dtype, v.device)
+
+
+def init_messenger(init_loc_fn):
+    """A ``pyro.poutine`` InitMessenger for ``init_loc_fn`` that leaves discrete sites to
+    their prior (Pyro's init strategies cannot place a discrete value)."""
+    from pyro.infer.autoguide.initialization import InitMessenger
+
+    def init_fn(site):
+        if site["fn"].support.is_discrete:
+            return site["fn"].sample().detach()
+        return init_loc_fn(site)
+
+    return InitMessenger(init_fn)
 
 
 def initial_natural(fam, site, init_loc_fn=None) -> Tuple[torch.Tensor, ...]:
@@ -640,9 +660,21 @@ class FactorMoments:
             return torch.zeros((), dtype=t.dtype, device=t.device)
         total = 0.0
         for p in role.parents:
-            A = cj.jacobian(t, self.q.cond[p]).detach()
-            total = total + self.q.var_of(p, A)
+            total = total + self.q.var_of(p, self._jacobian(name, p, t))
         return total.reshape(t.shape)
+
+    def _jacobian(self, name, p, t):
+        """``d theta / d z_p`` (affine, so constant): cached per data and minibatch unless
+        it depends on learnable parameters."""
+        g = self.q.guide
+        key = (g._args_key, tuple((k, tuple(v.tolist())) for k, v in
+                                  sorted((g._step_subsample or {}).items())))
+        hit = self.spec.cache.get((name, p))
+        if hit is not None and hit[0] == key and not self.spec.dynamic:
+            return hit[1]
+        A = cj.jacobian(t, self.q.cond[p]).detach()
+        self.spec.cache[(name, p)] = (key, A)
+        return A
 
     # value moments
     def x_float(self):

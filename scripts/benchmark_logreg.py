@@ -40,7 +40,6 @@ import pyro
 import torch
 
 from pyro_cvi.baselines import (
-    HistoryPoint,
     LogRegFit,
     evaluate_checkpoints,
     make_logreg_model,
@@ -333,6 +332,3 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
 if __name__ == "__main__":
     main()
-
-
-__all__ = ["main", "benchmark_dataset", "HistoryPoint"]

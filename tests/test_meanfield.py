@@ -346,7 +346,7 @@ def test_full_bayesian_mixture_sequential_is_monotone_and_stationary():
             c = pyro.sample("c", dist.Categorical(pi))
             pyro.sample("x", dist.Normal(mu[c], tau[c].rsqrt()), obs=x)
 
-    init = {"mu": x.new_tensor([-4.0, 0.5, 4.0]), "tau": x.new_ones(K), "pi": x.new_ones(K) / K}
+    init = {"mu": x.new_tensor([-3.0, 0.5, 3.0]), "tau": x.new_ones(K), "pi": x.new_ones(K) / K}
     guide = AutoCVI(model, schedule="sequential", init_loc_fn=init_to_value(values=init))
     svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
     losses = [svi.step(x) for _ in range(40)]
