@@ -102,7 +102,7 @@ class AutoCVI(AutoGuide):
         model: Callable,
         *,
         covariance: str = "full",
-        num_quad_points: int = 20,
+        num_quad_points: int = 32,
         num_samples: Optional[int] = None,
         num_general_samples: int = 8,
         init_sites: str = "laplace",
@@ -141,6 +141,7 @@ class AutoCVI(AutoGuide):
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        self._posts, self._records, self._param_names = {}, {}, set()
         values = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             if is_random(site):
@@ -277,7 +278,19 @@ class AutoCVI(AutoGuide):
                 p.data.copy_(target)
 
     def _register(self, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if init is not None:
+            if not hasattr(self, "_param_names"):
+                self._param_names = set()
+            self._param_names.add(name)
         return pyro.param(name, init)
+
+    def _params_missing(self) -> bool:
+        """Whether the param store lost this guide's parameters (``pyro.clear_param_store()``)."""
+        names = getattr(self, "_param_names", None)
+        if not names:
+            return False
+        store = pyro.get_param_store()
+        return any(n not in store for n in names)
 
     def natural_params(self) -> Dict[str, torch.Tensor]:
         """The guide's CVI parameters (site and natural parameters) by param-store name."""
@@ -299,8 +312,14 @@ class AutoCVI(AutoGuide):
         return values
 
     def _trace_at_means(self, args, kwargs):
-        values = {**self._current_values(), **self._step_subsample}  # the step's minibatch
-        return trace_model(self.model, values, args, kwargs)
+        saved = self._step_subsample
+        if not saved:  # outside a step, a subsampling model still needs one minibatch
+            self._step_subsample = self._draw_subsample(args, kwargs)
+        try:
+            values = {**self._current_values(), **self._step_subsample}  # the step's minibatch
+            return trace_model(self.model, values, args, kwargs)
+        finally:
+            self._step_subsample = saved
 
     def _maybe_reclassify(self, args, kwargs):
         key = _key(args, kwargs)
@@ -535,6 +554,14 @@ class AutoCVI(AutoGuide):
             model = init_messenger(self.init_loc_fn)(self.model)
             self._init_trace = poutine.trace(model).get_trace(*args, **kwargs)
         return self._init_trace.nodes[name]
+
+    def _draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
+        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
+        frames = getattr(self, "_prototype_frames", None) or {}
+        if not any((f.full_size or f.size) != f.size for f in frames.values()):
+            return {}
+        plates = self._create_plates(*args, **kwargs)
+        return {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
 
     def _frames_of(self, name: str):
         """The vectorised plates of a latent site (from the prototype trace)."""

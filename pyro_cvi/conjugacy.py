@@ -111,7 +111,9 @@ def _linked(tr, site_name):
     return lp
 
 
-def jacobian(out: torch.Tensor, z: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+def jacobian(
+    out: torch.Tensor, z: torch.Tensor, chunk: int = 512, loop_below: int = 200
+) -> torch.Tensor:
     """Dense Jacobian ``d out / d z`` of shape ``(out.numel(), z.numel())``.
 
     Reverse mode with batched vector-Jacobian products when ``out`` is the smaller side,
@@ -120,6 +122,19 @@ def jacobian(out: torch.Tensor, z: torch.Tensor, chunk: int = 512) -> torch.Tens
     R, D = out.numel(), z.numel()
     flat = out.reshape(-1)
     rows = []
+    if min(R, D) <= loop_below:  # plain backward passes: no vmap (and no torch.fx import)
+        if R <= D:
+            for i in range(R):
+                (g,) = torch.autograd.grad(flat[i], z, retain_graph=True)
+                rows.append(g.reshape(-1))
+            return torch.stack(rows, 0)
+        v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
+        (atv,) = torch.autograd.grad(flat, z, v, retain_graph=True, create_graph=True)
+        atv = atv.reshape(-1)
+        for j in range(D):
+            (g,) = torch.autograd.grad(atv[j], v, retain_graph=True)
+            rows.append(g)
+        return torch.stack(rows, 1)
     if R <= D:
         eye = torch.eye(R, dtype=out.dtype, device=out.device)
         for i in range(0, R, chunk):

@@ -73,7 +73,8 @@ class CVI_ELBO(ELBO):
                 f"({getattr(guide.model, '__name__', guide.model)!r}); build the guide with "
                 "AutoCVI(model) for the model you pass to SVI"
             )
-        if guide.prototype_trace is None:
+        if guide.prototype_trace is None or guide._params_missing():
+            # first call, or the param store was cleared under a live guide: start afresh
             guide._setup_prototype(*args, **kwargs)
         guide._last_args, guide._last_kwargs = args, kwargs
         guide._maybe_reclassify(args, kwargs)
@@ -166,10 +167,7 @@ def _end_step(guide) -> None:
 
 def _draw_subsample(guide: AutoCVI, args, kwargs) -> Dict[str, torch.Tensor]:
     """Fresh subsample indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
-    if not guide._prototype_frames:
-        return {}
-    plates = guide._create_plates(*args, **kwargs)
-    return {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+    return guide._draw_subsample(args, kwargs)
 
 
 def prior_g_from(tr, info):

@@ -847,6 +847,11 @@ def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = N
                 k += 1
             if n in mc_grads:
                 parts = [a + b for a, b in zip(parts, mc_grads[n])]
+            # a minibatch local's terms, its entropy included, all carry the plate scale N/B:
+            # its natural-gradient target is the unscaled message
+            s = _local_scale(guide, guide._latents[n])
+            if s != 1.0:
+                parts = [t / s for t in parts]
             targets[n] = tuple(q.fam[n].symmetrize(tuple(parts)))
     if value:
         for n in natural:

@@ -20,11 +20,7 @@ def check_observations(trace: Trace, prototype: Trace) -> None:
         if not torch.is_tensor(v):
             continue
         expected = site["fn"].shape()
-        try:
-            grown = torch.broadcast_shapes(v.shape, expected) != expected
-        except RuntimeError:
-            grown = True
-        if grown:
+        if not _broadcasts_into(v.shape, expected):
             raise ValueError(
                 f"observed site {name!r} has shape {tuple(v.shape)} but its distribution has "
                 f"shape {tuple(expected)} (batch {tuple(site['fn'].batch_shape)}, event "
@@ -44,6 +40,14 @@ def check_observations(trace: Trace, prototype: Trace) -> None:
                 "impute those observations, or mark them missing with "
                 "pyro.sample(..., obs_mask=torch.isfinite(y))."
             )
+
+
+def _broadcasts_into(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it (pure Python: the
+    torch helper imports sympy on first use, which costs seconds)."""
+    if len(shape) > len(target):
+        return False
+    return all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
 
 
 def _sample_sites(tr: Trace):

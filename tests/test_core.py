@@ -333,3 +333,14 @@ def test_float32_logistic_regression_is_stable():
     ref = float(logreg_neg_elbo(X.double(), y.double(), q.loc.double(),
                                 q.covariance_matrix.double(), 1.0))
     assert losses[-1] == pytest.approx(ref, abs=1e-3)
+
+
+def test_clearing_the_param_store_restarts_a_live_guide():
+    X, y = _toy_classification()
+    model = _logreg_model(1.0)
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
+    first = [svi.step(X, y) for _ in range(10)]
+    pyro.clear_param_store()
+    again = [svi.step(X, y) for _ in range(10)]
+    assert again == pytest.approx(first, rel=1e-10)
