@@ -91,6 +91,9 @@ class AutoCVI(AutoGuide):
         reverse model order: local sites before the global ones they inform), or an explicit
         list of latent site names. With exact factors and ``step_size=1``, ``"sequential"``
         is CAVI and the ELBO never decreases.
+    :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
+        natural-form sites in one model run, with a particle dim left of the model's plates
+        (the model must broadcast over it, as for ``Trace_ELBO(vectorize_particles=True)``).
     :param init_loc_fn: optional Pyro init strategy (e.g. ``init_to_value``,
         ``init_to_sample``) for natural-form sites: ``q`` starts with its mean there (and
         the prior's spread) instead of at the prior; use it to break symmetries (mixtures,
@@ -109,6 +112,7 @@ class AutoCVI(AutoGuide):
         create_plates: Optional[Callable] = None,
         schedule="parallel",
         init_loc_fn: Optional[Callable] = None,
+        vectorize_particles: bool = False,
     ):
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
@@ -134,6 +138,7 @@ class AutoCVI(AutoGuide):
             )
         self.schedule = schedule
         self.init_loc_fn = init_loc_fn
+        self.vectorize_particles = vectorize_particles
         self._analysis = None
         self._step_subsample: Dict[str, torch.Tensor] = {}
         self._leaf_values: Dict[str, torch.Tensor] = {}
@@ -524,21 +529,9 @@ class AutoCVI(AutoGuide):
         new, shrunk, rejected = natural_step(info.family, old, target, beta, info.name)
         self.num_shrunk += shrunk
         self.num_rejected += rejected
-        if shrunk:
-            warnings.warn(
-                f"AutoCVI: the step on {shrunk} elements of site {info.name!r} was shrunk to "
-                f"keep the {info.family.name} natural parameters valid",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        if rejected:
-            warnings.warn(
-                f"AutoCVI: {rejected} elements of site {info.name!r} rejected a step that would "
-                "make the natural parameters invalid; lower the step size or raise "
-                "num_general_samples",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        from .meanfield import _warn_step
+
+        _warn_step(info, shrunk, rejected)
         with torch.no_grad():
             for p, v in zip(params, new):
                 p.copy_(v)

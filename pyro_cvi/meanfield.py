@@ -39,6 +39,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+import pyro
+import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 import torch.nn.functional as F
@@ -712,11 +714,33 @@ class FactorMoments:
         return self._mu()[0]
 
 
+def _reduce(fn, lp: torch.Tensor) -> torch.Tensor:
+    """Reduce an elementwise log-density of ``fn``'s base distribution (shape ``batch +
+    reinterpreted event dims``) like ``fn.log_prob`` does: the ``.mask()`` and ``to_event``
+    wrappers are applied innermost first."""
+    layers = []
+    d = fn
+    while True:
+        if isinstance(d, dist.MaskedDistribution):
+            layers.append(("mask", d._mask))
+            d = d.base_dist
+        elif isinstance(d, torch.distributions.Independent):
+            layers.append(("sum", d.reinterpreted_batch_ndims))
+            d = d.base_dist
+        elif isinstance(d, dist.ExpandedDistribution):
+            d = d.base_dist
+        else:
+            break
+    for kind, v in reversed(layers):
+        if kind == "sum":
+            lp = sum_rightmost(lp, v)
+        elif v is not True:
+            lp = torch.where(v, lp, torch.zeros_like(lp)) if v is not False else lp * 0
+    return lp
+
+
 def _weight(site, lp: torch.Tensor) -> torch.Tensor:
-    """Apply the site's mask (``poutine.mask``, ``.mask()``, ``obs_mask``) and scale."""
-    _, mask, _ = unwrap(site["fn"])
-    if mask is not None:
-        lp = torch.where(mask, lp, torch.zeros_like(lp))
+    """Apply the site's ``poutine.mask`` / ``obs_mask`` and ``poutine.scale`` (plates)."""
     return scale_and_mask(lp, site["scale"], site["mask"])
 
 
@@ -743,7 +767,7 @@ def expected_log_prob(spec: FactorSpec, traces, q: QState) -> torch.Tensor:
     extra = fn.event_dim - base.event_dim
     shape = fn.batch_shape + fn.event_shape[:extra]
     lp = lp.expand(torch.broadcast_shapes(lp.shape, shape))
-    lp = sum_rightmost(lp, extra)
+    lp = _reduce(fn, lp)
     w = _discrete_weight(spec, traces["mean"], q)
     if w is not None:
         lp = lp * w
@@ -816,9 +840,20 @@ def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = N
                        device=dtype_like.device if dtype_like is not None else None)
     grad_total, elbo = zero, zero
     with torch.enable_grad():
+        mc_grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
+        first = None
+        if general:
+            v, mc_grads, first = _monte_carlo(guide, general, q, want, args, kwargs, an)
+            elbo = elbo + sum((v[s.site] for s in general if s.site not in counted), zero)
         if exact:
-            traces = {"mean": run_model(guide.model, q.values("mean"), args, kwargs,
-                                        an.enum_dims)}
+            # factors whose parameters are all free of continuous latents (e.g. priors with
+            # fixed hyperparameters) can be read off any trace: reuse a Monte Carlo one
+            plain = first is not None and all(
+                not s.discrete and all(r.kind == cp.CONST for r in s.roles.values())
+                for s in exact
+            )
+            traces = {"mean": first if plain else run_model(
+                guide.model, q.values("mean"), args, kwargs, an.enum_dims)}
             if q.geo and any(r.kind == cp.MONOMIAL for s in exact for r in s.roles.values()):
                 traces["geo"] = run_model(guide.model, q.values("geo"), args, kwargs,
                                           an.enum_dims)
@@ -827,10 +862,6 @@ def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = N
                 grad_total = grad_total + e
                 if spec.site not in counted:
                     elbo = elbo + e.detach()
-        mc_grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
-        if general:
-            v, mc_grads = _monte_carlo(guide, general, q, want, args, kwargs, an)
-            elbo = elbo + sum((v[s.site] for s in general if s.site not in counted), zero)
         targets: Dict[str, Tuple[torch.Tensor, ...]] = {}
         names = [n for n in want]
         leaves = [t for n in names for t in q.mu[n]]
@@ -861,6 +892,49 @@ def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = N
     return StepResult(elbo, targets)
 
 
+def _monte_carlo_vectorized(guide, general, q, args, kwargs, an, S, lat, cont, dists, values):
+    """All ``S`` samples in one model run, in a particle plate left of the model's plates (and
+    enumeration left of that), like ``Trace_ELBO(vectorize_particles=True)``."""
+    P = an.enum_dims if an.enum_dims is not None else guide._enum_dims
+    vals = {k: v.detach() for k, v in q.values("mean").items()}
+
+    def lead(z, batch_dims):
+        return z.reshape((S,) + (1,) * (P - batch_dims) + z.shape[1:])
+
+    for n in cont:
+        d = dists[n]
+        z = d.rsample((S,)) if d.has_rsample else d.sample((S,))
+        vals[n] = lead(z, len(d.batch_shape))
+    for n in q.site_post:
+        if n in lat:
+            vals[n] = lead(guide.posterior(n).sample((S,)), 0)
+
+    def particles(*a, **k):
+        with pyro.plate("_cvi_particles", S, dim=-1 - P):
+            return guide.model(*a, **k)
+
+    try:
+        tr = run_model(particles, vals, args, kwargs, P + 1 if an.enum_dims is not None else None)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(
+            "AutoCVI(vectorize_particles=True) runs the model once with a leading particle "
+            f"dimension of size {S} left of its plates, and the model failed to broadcast over "
+            f"it ({e}). Write the model with broadcasting operations (e.g. (Z.unsqueeze(-1) * "
+            "W).sum(-2) rather than Z @ W), or use vectorize_particles=False."
+        ) from e
+    total = 0.0
+    for spec in general:
+        site = tr.nodes[spec.site]
+        lp = site["fn"].log_prob(site["value"])
+        w = _discrete_weight(spec, tr, q)
+        if w is not None:
+            lp = lp * w
+        lp = _weight(site, lp).sum() / S
+        values[spec.site] = values[spec.site] + lp.detach()
+        total = total + lp
+    return total
+
+
 def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
     """Monte Carlo ``E_q[log p_a]`` of the general factors and its mean-parameter gradients."""
     S = max(1, int(guide.num_general_samples))
@@ -870,7 +944,11 @@ def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
     dists = {n: q.fam[n].natural_to_dist(lam_leaves[n]) for n in cont}
     values = {s.site: 0.0 for s in general}
     total = 0.0
-    for _ in range(S):
+    first = None
+    if S > 1 and getattr(guide, "vectorize_particles", False):
+        total = _monte_carlo_vectorized(guide, general, q, args, kwargs, an, S, lat, cont, dists,
+                                        values)
+    for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
         vals = {k: v.detach() for k, v in vals.items()}
         for n in cont:
@@ -880,6 +958,7 @@ def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
             if n in lat:
                 vals[n] = guide.posterior(n).sample()
         tr = run_model(guide.model, vals, args, kwargs, an.enum_dims)
+        first = tr if first is None else first
         for spec in general:
             site = tr.nodes[spec.site]
             lp = site["fn"].log_prob(site["value"])
@@ -909,7 +988,7 @@ def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
                 g = mean_grad(q.fam[n], q.lam[n], tuple(g))
                 g = tuple(torch.nan_to_num(x, nan=0.0) for x in g)
             grads[n] = tuple(g)
-    return values, grads
+    return values, grads, first
 
 
 # ------------------------------------------------------------------------------------------------
@@ -922,6 +1001,8 @@ def natural_step(fam, old: Sequence[torch.Tensor], target: Sequence[torch.Tensor
     their old value. Returns ``(new, num_shrunk, num_rejected)``."""
     old = tuple(o.detach() for o in old)
     grads = tuple(t - o for t, o in zip(target, old))
+    if fam.name in _BOX:
+        return _box_step(fam, old, grads, beta)
     bshape = fam.is_valid(old).shape
     b = torch.full(bshape, float(beta), dtype=old[0].dtype, device=old[0].device)
     shrunk = 0
@@ -940,6 +1021,54 @@ def natural_step(fam, old: Sequence[torch.Tensor], target: Sequence[torch.Tensor
     return new, shrunk, int((~ok).sum())
 
 
+# families whose natural domain is a box: (lower, upper) bound of each natural parameter
+_BOX = {"gamma": ((-1.0, None), (None, 0.0)), "beta": ((-1.0, None), (-1.0, None)),
+        "dirichlet": ((-1.0, None),)}
+#: fraction-to-the-boundary: a shrunk step covers at most this fraction of the distance from
+#: the current point to the boundary of the domain
+_TO_BOUNDARY = 0.5
+
+
+def _box_step(fam, old, grads, beta: float):
+    """:func:`natural_step` for box-shaped domains (Gamma, Beta, Dirichlet), in closed form.
+
+    Where the target ``lambda + grad`` is valid (always, for exact conjugate messages) the
+    step is the plain convex combination (the domain is convex). Where it is not (a noisy
+    Monte Carlo target), ``b = beta / 2^k`` with the smallest ``k`` such that no parameter
+    moves more than half way to its bound: a damped "shrink until within the constraints"
+    (the paper's rule, Section 7) that keeps shapes and rates from collapsing to ~0.
+    """
+    bound = None  # largest allowed step per element (inf where unconstrained)
+    finite = None
+    for o, g, (lo, hi), shape in zip(old, grads, _BOX[fam.name], fam.param_shapes):
+        lim = torch.full_like(o, float("inf"))
+        if lo is not None:
+            lim = torch.where(g < 0, (lo - o) / g, lim)
+        if hi is not None:
+            lim = torch.where(g > 0, (hi - o) / g, lim)
+        lim = lim.reshape(lim.shape[: lim.dim() - len(shape)] + (-1,)).amin(-1)
+        ok = torch.isfinite(g).reshape(lim.shape + (-1,)).all(-1)
+        bound = lim if bound is None else torch.minimum(bound, lim)
+        finite = ok if finite is None else finite & ok
+    bound = torch.where(finite, bound, torch.zeros_like(bound))
+    target_ok = bound > 1.0  # lambda + 1 * grad is inside the domain
+    allowed = torch.where(target_ok, bound, _TO_BOUNDARY * bound)
+    b = torch.full_like(bound, float(beta))
+    k = torch.ceil(torch.log2(b / allowed.clamp_min(1e-300))).clamp(min=0)
+    k = torch.where(b <= allowed, torch.zeros_like(k), torch.maximum(k, torch.ones_like(k)))
+    b = b * torch.exp2(-k)
+    b = torch.where((b <= allowed) | (b < bound), b, b / 2)
+    rejected = (k > 30) | ~finite
+    b = torch.where(rejected, torch.zeros_like(b), b)
+
+    def expand(x, like):
+        return x.reshape(x.shape + (1,) * (like.dim() - x.dim()))
+
+    new = tuple(o + expand(b, o) * torch.nan_to_num(g) for o, g in zip(old, grads))
+    shrunk = int(((k > 0) & ~rejected).sum())
+    return new, shrunk, int(rejected.sum())
+
+
 def apply_target(guide, info, target, beta: float) -> None:
     """Step the natural parameters of ``info`` (minibatch slice) towards ``target``."""
     params = guide._natural_params_of(info)
@@ -947,22 +1076,28 @@ def apply_target(guide, info, target, beta: float) -> None:
     new, shrunk, rejected = natural_step(info.family, old, target, beta, info.name)
     guide.num_shrunk += shrunk
     guide.num_rejected += rejected
+    _warn_step(info, shrunk, rejected)
+    write_params(guide, info, params, new)
+
+
+def _warn_step(info, shrunk: int, rejected: int) -> None:
+    """Warn (once per site and kind: the text has no counts; see ``guide.num_shrunk`` and
+    ``guide.num_rejected``) that a step was shrunk or rejected to keep ``q`` valid."""
     if shrunk:
         warnings.warn(
-            f"AutoCVI: step on {shrunk} elements of site {info.name!r} shrunk to keep the "
-            f"{info.family.name} natural parameters valid",
+            f"AutoCVI: steps on site {info.name!r} were shrunk to keep the {info.family.name} "
+            "natural parameters valid (counted in guide.num_shrunk)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     if rejected:
         warnings.warn(
-            f"AutoCVI: {rejected} elements of site {info.name!r} rejected a step that would "
-            "make the natural parameters invalid; lower the step size or use more samples "
-            "(num_general_samples)",
+            f"AutoCVI: elements of site {info.name!r} rejected a step that would make the "
+            "natural parameters invalid (counted in guide.num_rejected); lower the step size "
+            "or raise num_general_samples",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    write_params(guide, info, params, new)
 
 
 def is_local(guide, name: str) -> bool:

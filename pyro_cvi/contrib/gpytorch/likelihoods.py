@@ -127,7 +127,9 @@ class LogisticBernoulliLikelihood(_OneDimensionalLikelihood):
         self.num_points = int(num_points)
         self.method = method
 
-    def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> torch.distributions.Bernoulli:
+    def forward(
+        self, function_samples: Tensor, *args: Any, **kwargs: Any
+    ) -> torch.distributions.Bernoulli:
         return base_distributions.Bernoulli(logits=function_samples)
 
     def expected_log_prob(
@@ -138,7 +140,9 @@ class LogisticBernoulliLikelihood(_OneDimensionalLikelihood):
             sign * function_dist.mean, function_dist.variance, self.num_points, self.method
         )
 
-    def marginal(self, function_dist: MultivariateNormal, *args: Any, **kwargs: Any) -> torch.distributions.Bernoulli:
+    def marginal(
+        self, function_dist: MultivariateNormal, *args: Any, **kwargs: Any
+    ) -> torch.distributions.Bernoulli:
         probs = logistic_expected_prob(function_dist.mean, function_dist.variance, self.num_points)
         return base_distributions.Bernoulli(probs=probs)
 

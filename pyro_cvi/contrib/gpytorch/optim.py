@@ -157,7 +157,9 @@ class CVIOptimizer:
         gm = torch.zeros_like(mean) if gm is None else gm
         gv = torch.zeros_like(var) if gv is None else gv
         ell = ell.detach()
-        if not (torch.isfinite(gm).all() and torch.isfinite(gv).all() and torch.isfinite(ell).all()):
+        if not (
+            torch.isfinite(gm).all() and torch.isfinite(gv).all() and torch.isfinite(ell).all()
+        ):
             raise FloatingPointError(
                 "non-finite expected log-likelihood or gradient in the CVI step. Use float64 "
                 "(model.double(), likelihood.double()), a smaller step_size, or check the targets."
@@ -200,8 +202,12 @@ class CVIOptimizer:
         old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
         if key is not None:
             self._prev = {
-                "key": key, "loss": loss, "lam1": old1.clone(), "lam2": old2.clone(),
-                "g1": g1, "g2": g2,
+                "key": key,
+                "loss": loss,
+                "lam1": old1.clone(),
+                "lam2": old2.clone(),
+                "g1": g1,
+                "g2": g2,
             }
         else:
             self._prev = None

@@ -112,7 +112,9 @@ class SparseSitePosterior:
     :param lam2: site natural parameters ``<= 0``, length ``N``.
     """
 
-    def __init__(self, K_ZZ: Tensor, K_ZX: Tensor, prior_mean_X: Tensor, lam1: Tensor, lam2: Tensor):
+    def __init__(
+        self, K_ZZ: Tensor, K_ZX: Tensor, prior_mean_X: Tensor, lam1: Tensor, lam2: Tensor
+    ):
         self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrix)")
         self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)
         w = _site_precisions(lam2)
@@ -125,7 +127,7 @@ class SparseSitePosterior:
         self.prior_mean_X = prior_mean_X
 
     def predict(self, Phi_x: Tensor, prior_mean_x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Mean at ``x`` and ``Psi = L_B^-1 Phi_x``; ``cov = k(x,x) - Phi_x^T Phi_x + Psi^T Psi``."""
+        """Mean at x and ``Psi = L_B^-1 Phi_x``: ``cov = k(x,x) - Phi_x^T Phi_x + Psi^T Psi``."""
         mean = prior_mean_x + Phi_x.mT @ self.m_v
         Psi = torch.linalg.solve_triangular(self.L_B, Phi_x, upper=False)
         return mean, Psi
@@ -134,7 +136,9 @@ class SparseSitePosterior:
         """``Phi_x = L_Z^-1 k(Z, x)``."""
         return torch.linalg.solve_triangular(self.L_Z, K_Zx, upper=False)
 
-    def marginals(self, Phi_x: Tensor, kxx_diag: Tensor, prior_mean_x: Tensor) -> Tuple[Tensor, Tensor]:
+    def marginals(
+        self, Phi_x: Tensor, kxx_diag: Tensor, prior_mean_x: Tensor
+    ) -> Tuple[Tensor, Tensor]:
         mean, Psi = self.predict(Phi_x, prior_mean_x)
         var = kxx_diag - Phi_x.pow(2).sum(-2) + Psi.pow(2).sum(-2)
         return mean, var

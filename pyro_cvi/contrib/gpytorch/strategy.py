@@ -45,10 +45,11 @@ class CVISites(_VariationalDistribution):
     def __init__(
         self,
         num_sites: int,
-        dtype: torch.dtype = torch.get_default_dtype(),
+        dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
     ):
         super().__init__(num_inducing_points=num_sites)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
         self.register_buffer("lam1", torch.zeros(num_sites, dtype=dtype, device=device))
         self.register_buffer("lam2", torch.zeros(num_sites, dtype=dtype, device=device))
 
@@ -191,7 +192,9 @@ class CVIVariationalStrategy(_VariationalStrategy):
         if train_inputs.dim() == 1:
             train_inputs = train_inputs.unsqueeze(-1)
         if train_inputs.shape[-2] != self.num_data:
-            raise ValueError(f"expected {self.num_data} training inputs, got {train_inputs.shape[-2]}")
+            raise ValueError(
+                f"expected {self.num_data} training inputs, got {train_inputs.shape[-2]}"
+            )
         self.site_inputs = train_inputs.detach().clone().to(self.inducing_points)
         self._site_version += 1
         self._site_inputs_version += 1
@@ -214,6 +217,13 @@ class CVIVariationalStrategy(_VariationalStrategy):
         return self.inducing_points if self.is_full else self.site_inputs
 
     # -------------------------------------------------------------- caching
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state["_cache"] = None  # may hold autograd graphs; cannot be copied or pickled
+        state["_prior_cache"] = None
+        return state
+
     def _clear_cache(self) -> None:
         self._cache = None
         self._prior_cache = None
@@ -298,7 +308,12 @@ class CVIVariationalStrategy(_VariationalStrategy):
         key = self._state_key()
         c = self._cache
         grad = torch.is_grad_enabled()
-        if not force and c is not None and self._keys_equal(c.key, key) and (c.has_graph or not grad):
+        if (
+            not force
+            and c is not None
+            and self._keys_equal(c.key, key)
+            and (c.has_graph or not grad)
+        ):
             return c.post, c.extras
         post, extras = self._compute_posterior()
         self._cache = _Cache(key, post, grad, extras)
@@ -405,7 +420,9 @@ class CVIVariationalStrategy(_VariationalStrategy):
             covar = covar.to_dense()
         return MultivariateNormal(mean, covar)
 
-    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+    def __call__(
+        self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs
+    ) -> MultivariateNormal:
         if prior:
             return self.model.forward(x, **kwargs)
         if x.dim() != 2:

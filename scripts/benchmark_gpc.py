@@ -1,0 +1,469 @@
+#!/usr/bin/env python
+"""GP classification on USPS 3-vs-5: CVI (pyro_cvi.contrib.gpytorch) against GPyTorch baselines.
+
+Protocol (``shared/data/README.md``): the 770/770 split of ``default_rng(147)``, a zero-mean GP
+with kernel ``sf^2 exp(-|x - x'|^2 / (2 l^2))`` (``ScaleKernel(RBFKernel)``) and a logistic
+likelihood (:class:`~pyro_cvi.contrib.gpytorch.LogisticBernoulliLikelihood`, shared by every
+method; ``--likelihood probit`` swaps in GPyTorch's ``BernoulliLikelihood``). All methods use
+the same kernel, likelihood and inducing set (the 770 training inputs; ``cvi-sparse`` uses
+M = 100 k-means centres).
+
+Part 1, hyperparameters fixed at log l = 2.5 and log sf = 2 (well conditioned) or 5 (the paper's):
+
+* ``cvi``: :class:`CVIOptimizer` on a full :class:`CVIVariationalStrategy` (step 0.8, with
+  backtracking);
+* ``ngd``: GPyTorch ``NGD`` with ``NaturalVariationalDistribution`` (best of an lr grid);
+* ``adam``: GPyTorch ``Adam`` with ``CholeskyVariationalDistribution`` (best of an lr grid);
+* ``cvi-sparse``: CVI with M = 100 inducing points (dual parameterisation).
+
+Part 2, hyperparameters learned (Adam, lr 0.1, on log sf and log l, from log sf = 2,
+log l = 2.5): ``cvi`` (CVI step + Adam step per iteration), ``ngd`` (NGD + Adam, one backward),
+``adam`` (Adam on everything), ``cvi-sparse`` (CVI + Adam on hyperparameters and inducing
+locations).
+
+Reported per run: iterations and wall time until the -ELBO is within 0.5 nat of the converged
+-ELBO (the best final -ELBO of all runs in that setting), final -ELBO (gpytorch's
+``VariationalELBO`` times N), test log-loss in bits, accuracy, seconds per iteration and peak
+memory. Each run executes in a fresh (spawned) process; peak memory is that process's
+``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (peak resident set size), given in total and as
+the growth over the process's peak after data loading and model construction ("+MB"). On CUDA
+``torch.cuda.max_memory_allocated`` is reported instead.
+
+Usage::
+
+    python scripts/benchmark_gpc.py            # full benchmark (~15 min on 2 CPU cores)
+    python scripts/benchmark_gpc.py --quick    # 300 training points, few iterations (< 2 min)
+
+    python scripts/benchmark_gpc.py --likelihood probit --out results/benchmark_gpc_probit.json
+
+Writes ``results/benchmark_gpc.json`` (``--out``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+TOLERANCE_NATS = 0.5
+
+
+# --------------------------------------------------------------------------- model
+def _log_positive():
+    import gpytorch
+
+    return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
+
+
+def make_model(kind: str, X: torch.Tensor, Z: Optional[torch.Tensor], learn_z: bool = False):
+    """An ApproximateGP with a zero mean and ScaleKernel(RBF) on log-parameterised scales."""
+    import gpytorch
+
+    from pyro_cvi.contrib.gpytorch import CVIVariationalStrategy
+
+    N = X.shape[0]
+
+    class GPClassifier(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            if kind == "cvi":
+                strategy = CVIVariationalStrategy(self, X, N)
+            elif kind == "cvi-sparse":
+                strategy = CVIVariationalStrategy(
+                    self, Z, N, learn_inducing_locations=learn_z, train_inputs=X
+                )
+            elif kind == "ngd":
+                dist = gpytorch.variational.NaturalVariationalDistribution(N)
+                strategy = gpytorch.variational.VariationalStrategy(
+                    self, X, dist, learn_inducing_locations=False
+                )
+            elif kind == "adam":
+                dist = gpytorch.variational.CholeskyVariationalDistribution(N)
+                strategy = gpytorch.variational.VariationalStrategy(
+                    self, X, dist, learn_inducing_locations=False
+                )
+            else:
+                raise ValueError(kind)
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.RBFKernel(lengthscale_constraint=_log_positive()),
+                outputscale_constraint=_log_positive(),
+            )
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    return GPClassifier()
+
+
+def kmeans_centres(X: torch.Tensor, M: int, seed: int = 0) -> torch.Tensor:
+    try:
+        from sklearn.cluster import KMeans
+    except ImportError:  # pragma: no cover
+        g = torch.Generator().manual_seed(seed)
+        return X[torch.randperm(X.shape[0], generator=g)[:M]].clone()
+    km = KMeans(M, n_init=4, random_state=seed).fit(X.cpu().numpy())
+    return torch.as_tensor(km.cluster_centers_, dtype=X.dtype, device=X.device)
+
+
+# -------------------------------------------------------------------------- worker
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def run_one(cfg: dict) -> dict:
+    """Train one method under one setting; runs in its own process."""
+    torch.set_num_threads(cfg["threads"])
+    import gpytorch
+
+    from pyro_cvi.contrib.gpytorch import CVIOptimizer, LogisticBernoulliLikelihood
+    from pyro_cvi.datasets import load_usps_3vs5
+
+    device = torch.device(cfg["device"])
+    dtype = getattr(torch, cfg["dtype"])
+    data = load_usps_3vs5(cfg["data_dir"], dtype=dtype, device=device)
+    X, y = data.X_train, data.y_train
+    if cfg["n_train"] < X.shape[0]:
+        X, y = X[: cfg["n_train"]], y[: cfg["n_train"]]
+    N = X.shape[0]
+    Z = None
+    if cfg["method"] == "cvi-sparse":
+        Z = kmeans_centres(X, cfg["num_inducing"])
+    learn = cfg["learn"]
+    model = make_model(cfg["method"], X, Z, learn_z=learn).to(device=device, dtype=dtype)
+    model.covar_module.outputscale = math.exp(2 * cfg["log_sf"])
+    model.covar_module.base_kernel.lengthscale = math.exp(cfg["log_l"])
+    if cfg["likelihood"] == "probit":
+        lik = gpytorch.likelihoods.BernoulliLikelihood()
+    else:
+        lik = LogisticBernoulliLikelihood()
+    lik = lik.to(device=device, dtype=dtype)
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=N)
+    model.train()
+    lik.train()
+
+    hypers = list(model.hyperparameters())
+    if not learn:
+        for p in hypers:
+            p.requires_grad_(False)
+    method = cfg["method"]
+    lr = cfg["lr"]
+    if method in ("cvi", "cvi-sparse"):
+        cvi = CVIOptimizer(model, lik, step_size=lr)
+        params = list(model.parameters()) if learn else []
+        hyper_opt = torch.optim.Adam(params, lr=cfg["hyper_lr"]) if learn else None
+    elif method == "ngd":
+        var_opt = gpytorch.optim.NGD(model.variational_parameters(), num_data=N, lr=lr)
+        hyper_opt = torch.optim.Adam(hypers, lr=cfg["hyper_lr"]) if learn else None
+    else:
+        groups = [{"params": list(model.variational_parameters()), "lr": lr}]
+        if learn:
+            groups.append({"params": hypers, "lr": cfg["hyper_lr"]})
+        var_opt = torch.optim.Adam(groups)
+        hyper_opt = None
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = _peak_mb(device)
+    trace: List[List[float]] = []
+    error = None
+    elapsed = 0.0
+    for it in range(cfg["iters"]):
+        t0 = time.perf_counter()
+        try:
+            if method in ("cvi", "cvi-sparse"):
+                loss = cvi.step(X, y).item()
+                if hyper_opt is not None:
+                    hyper_opt.zero_grad()
+                    (-mll(model(X), y)).backward()
+                    hyper_opt.step()
+            else:
+                var_opt.zero_grad()
+                if hyper_opt is not None:
+                    hyper_opt.zero_grad()
+                out = -mll(model(X), y)
+                out.backward()
+                var_opt.step()
+                if hyper_opt is not None:
+                    hyper_opt.step()
+                loss = out.item() * N
+        except Exception as e:  # report failures (e.g. Cholesky) instead of crashing the table
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+            break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed += time.perf_counter() - t0
+        trace.append([it, elapsed, loss])
+        if not math.isfinite(loss):
+            error = "non-finite -ELBO"
+            break
+        if elapsed > cfg["max_seconds"]:
+            break
+    peak = _peak_mb(device)
+
+    result = dict(cfg)
+    result.update(
+        trace=trace,
+        iterations=len(trace),
+        total_time=elapsed,
+        time_per_iter=elapsed / max(len(trace), 1),
+        error=error,
+        peak_mb=peak,
+        peak_increase_mb=peak - rss_before,
+    )
+    if error is None:
+        with torch.no_grad():
+            model.train()
+            result["final_nelbo"] = -mll(model(X), y).item() * N
+            model.eval()
+            lik.eval()
+            p = lik(model(data.X_test)).probs.clamp(1e-12, 1 - 1e-12)
+            yt = data.y_test
+            result["test_logloss_bits"] = (
+                -(yt * torch.log2(p) + (1 - yt) * torch.log2(1 - p)).mean().item()
+            )
+            result["accuracy"] = ((p > 0.5).to(yt) == yt).to(torch.float64).mean().item()
+        result["final_log_sf"] = 0.5 * math.log(model.covar_module.outputscale.item())
+        result["final_log_l"] = math.log(model.covar_module.base_kernel.lengthscale.item())
+        if method in ("cvi", "cvi-sparse"):
+            result["num_backtracks"] = cvi.num_backtracks
+            result["num_clipped"] = cvi.num_clipped
+            result["final_step_size"] = cvi.step_size
+    return result
+
+
+# ---------------------------------------------------------------------------- main
+def reach(trace: List[List[float]], target: float):
+    for it, t, v in trace:
+        if v <= target:
+            return int(it) + 1, float(t)
+    return None, None
+
+
+def summarise(runs: List[dict]) -> dict:
+    """Pick the best lr per method and fill in iterations/time to within 0.5 nat."""
+    ok = [r for r in runs if r.get("final_nelbo") is not None and r["error"] is None]
+    full_ok = [r for r in ok if r["method"] != "cvi-sparse"]
+    ref = min(r["final_nelbo"] for r in (full_ok or ok)) if ok else float("nan")
+    for r in runs:
+        r["reference_nelbo"] = ref
+        r["iters_to_tol"], r["time_to_tol"] = reach(r["trace"], ref + TOLERANCE_NATS)
+    best: Dict[str, dict] = {}
+    for r in runs:
+        m = r["method"]
+        key = (
+            r["time_to_tol"] if r["time_to_tol"] is not None else float("inf"),
+            r.get("final_nelbo") if r.get("final_nelbo") is not None else float("inf"),
+        )
+        if m not in best or key < best[m]["_key"]:
+            best[m] = dict(r, _key=key)
+    for r in best.values():
+        r.pop("_key")
+    return {"reference_nelbo": ref, "best": best, "all_runs": runs}
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(title: str, summary: dict) -> None:
+    print(f"\n{title}   (converged -ELBO = {summary['reference_nelbo']:.3f}; tol {TOLERANCE_NATS})")
+    head = (
+        f"{'method':<11}{'lr/step':>8}{'iters':>7}{'time(s)':>9}{'s/iter':>8}{'-ELBO':>10}"
+        f"{'logloss':>9}{'acc':>7}{'peakMB':>8}{'+MB':>7}  notes"
+    )
+    print(head)
+    print("-" * len(head))
+    cvi_time = summary["best"].get("cvi", {}).get("time_to_tol")
+    for m, r in summary["best"].items():
+        notes = []
+        if r["error"]:
+            notes.append(r["error"][:60])
+        elif r["iters_to_tol"] is None:
+            notes.append(f"not within {TOLERANCE_NATS} nat in {r['iterations']} iters")
+        if m != "cvi" and cvi_time and r["time_to_tol"]:
+            notes.append(f"{r['time_to_tol'] / cvi_time:.1f}x cvi time")
+        if r.get("learn"):
+            notes.append(f"log sf {r['final_log_sf']:.2f}, log l {r['final_log_l']:.2f}")
+        print(
+            f"{m:<11}{r['lr']:>8.3g}{fmt(r['iters_to_tol'], 'd'):>7}"
+            f"{fmt(r['time_to_tol'], '.2f'):>9}{r['time_per_iter']:>8.3f}"
+            f"{fmt(r.get('final_nelbo'), '.3f'):>10}{fmt(r.get('test_logloss_bits'), '.4f'):>9}"
+            f"{fmt(r.get('accuracy'), '.3f'):>7}{r['peak_mb']:>8.0f}{r['peak_increase_mb']:>7.0f}"
+            f"  {'; '.join(notes)}"
+        )
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-dir", default=None, help="folder with usps_3vs5.npz")
+    ap.add_argument("--quick", action="store_true", help="300 training points, few iterations")
+    ap.add_argument("--out", default="results/benchmark_gpc.json")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    ap.add_argument(
+        "--likelihood",
+        default="logistic",
+        choices=["logistic", "probit"],
+        help="logistic (the protocol; our LogisticBernoulliLikelihood) or probit "
+        "(gpytorch.likelihoods.BernoulliLikelihood)",
+    )
+    ap.add_argument(
+        "--in-process", action="store_true", help="no subprocesses (memory is cumulative)"
+    )
+    args = ap.parse_args(argv)
+
+    from pyro_cvi.datasets import data_dir
+
+    root = str(data_dir(args.data_dir))
+    quick = args.quick
+    base = dict(
+        data_dir=root,
+        device=args.device,
+        dtype=args.dtype,
+        likelihood=args.likelihood,
+        threads=args.threads,
+        n_train=300 if quick else 770,
+        num_inducing=50 if quick else 100,
+        log_l=2.5,
+        hyper_lr=0.1,
+        max_seconds=60.0 if quick else 240.0,
+    )
+    # (method, learn, [step sizes / learning rates], iterations)
+    if quick:
+        fixed_plan = [
+            ("cvi", [0.8], 25),
+            ("ngd", [0.5], 25),
+            ("adam", [0.05], 60),
+            ("cvi-sparse", [0.8], 25),
+        ]
+        learned_plan = [("cvi", [0.8], 40), ("ngd", [0.5], 40), ("cvi-sparse", [0.8], 40)]
+        settings = [2.0, 5.0]
+    else:
+        fixed_plan = [
+            ("cvi", [0.5, 0.8, 1.0], 60),
+            ("ngd", [0.2, 0.5, 0.8], 60),
+            ("adam", [0.01, 0.03, 0.1], 300),
+            ("cvi-sparse", [0.8], 60),
+        ]
+        learned_plan = [
+            ("cvi", [0.8], 150),
+            ("ngd", [0.5], 150),
+            ("adam", [0.03], 300),
+            ("cvi-sparse", [0.8], 300),
+        ]
+        settings = [2.0, 5.0]
+
+    jobs = []
+    for log_sf in settings:
+        for method, lrs, iters in fixed_plan:
+            for lr in lrs:
+                jobs.append(
+                    dict(
+                        base,
+                        part=f"fixed log_sf={log_sf:g}",
+                        method=method,
+                        lr=lr,
+                        iters=iters,
+                        log_sf=log_sf,
+                        learn=False,
+                    )
+                )
+    for method, lrs, iters in learned_plan:
+        for lr in lrs:
+            jobs.append(
+                dict(
+                    base,
+                    part="learned from log_sf=2",
+                    method=method,
+                    lr=lr,
+                    iters=iters,
+                    log_sf=2.0,
+                    learn=True,
+                )
+            )
+
+    t_start = time.perf_counter()
+    results: List[dict] = []
+    if args.in_process:
+        for cfg in jobs:
+            results.append(run_one(cfg))
+    else:
+        ctx = mp.get_context("spawn")
+        for cfg in jobs:  # one fresh process per run, so that ru_maxrss is per run
+            with cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                results.append(pool.submit(run_one, cfg).result())
+            print(
+                f"  done {cfg['part']:<24} {cfg['method']:<10} lr={cfg['lr']:<5} "
+                f"({time.perf_counter() - t_start:.0f}s)",
+                file=sys.stderr,
+            )
+
+    parts: Dict[str, dict] = {}
+    for part in dict.fromkeys(r["part"] for r in results):
+        parts[part] = summarise([r for r in results if r["part"] == part])
+        print_table(part, parts[part])
+
+    report = {
+        "meta": {
+            "quick": quick,
+            "likelihood": args.likelihood,
+            "n_train": base["n_train"],
+            "num_inducing_sparse": base["num_inducing"],
+            "dtype": args.dtype,
+            "device": args.device,
+            "threads_per_run": args.threads,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "memory": "peak RSS of each run's own process via resource.getrusage(RUSAGE_SELF)"
+            ".ru_maxrss (MB); +MB = growth over the peak after setup"
+            if args.device == "cpu"
+            else "torch.cuda.max_memory_allocated (MB)",
+            "tolerance_nats": TOLERANCE_NATS,
+            "wall_seconds": time.perf_counter() - t_start,
+        },
+        "parts": parts,
+    }
+    try:
+        import gpytorch
+
+        report["meta"]["gpytorch"] = gpytorch.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    fixed2 = parts.get("fixed log_sf=2", {}).get("best", {})
+    if "cvi" in fixed2 and "ngd" in fixed2 and fixed2["cvi"]["time_to_tol"]:
+        if fixed2["ngd"]["time_to_tol"]:
+            ratio = fixed2["ngd"]["time_to_tol"] / fixed2["cvi"]["time_to_tol"]
+            report["meta"]["ngd_over_cvi_time_to_tol_logsf2"] = ratio
+            print(
+                f"\nNGD / CVI wall time to within {TOLERANCE_NATS} nat (log sf = 2): {ratio:.1f}x"
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=float))
+    print(f"wrote {out}  ({report['meta']['wall_seconds']:.0f}s)")
+    return report
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
