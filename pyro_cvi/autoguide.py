@@ -305,11 +305,13 @@ class AutoCVI(AutoGuide):
 
     # ------------------------------------------------------------------ tracing helpers
     def _current_values(self) -> Dict[str, torch.Tensor]:
+        """Latent values for the per-step trace: natural-form sites at their means; site-form
+        sites at their fixed prototype value (their factors are affine in them, so the trace
+        point does not matter, and a fixed point keeps the offsets ``c`` bitwise stable from
+        step to step, which makes checkpoint/resume exact)."""
         values = {}
         for name, info in self._latents.items():
-            if info.form == SITE_FORM and name in self._posts:
-                values[name] = self._posts[name].loc.reshape(info.event_shape)
-            elif info.form == NATURAL_FORM:
+            if info.form == NATURAL_FORM:
                 q = self._natural_dist(info)
                 values[name] = _mean_of(q)
             elif info.form != LEAF_FORM:

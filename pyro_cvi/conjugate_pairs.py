@@ -186,15 +186,31 @@ PATTERNS: Tuple[Pattern, ...] = (
         ("gamma",),
         _gamma_elp,
     ),
-    Pattern("Exponential", (tdist.Exponential,), {"rate": ((MONOMIAL,), ("gamma",))},
-            ("gamma",), _exponential_elp),
+    Pattern(
+        "Exponential",
+        (tdist.Exponential,),
+        {"rate": ((MONOMIAL,), ("gamma",))},
+        ("gamma",),
+        _exponential_elp,
+    ),
     Pattern("Poisson", (tdist.Poisson,), {"rate": ((MONOMIAL,), ("gamma",))}, (), _poisson_elp),
-    Pattern("Beta", (tdist.Beta,), {"concentration1": ((), ()), "concentration0": ((), ())},
-            ("beta",), _beta_elp),
-    Pattern("Dirichlet", (tdist.Dirichlet,), {"concentration": ((), ())}, ("dirichlet",),
-            _dirichlet_elp),
-    Pattern("Bernoulli", (tdist.Bernoulli,), {"probs": ((IDENTITY,), ("beta",))},
-            ("discrete",), _bernoulli_elp),
+    Pattern(
+        "Beta",
+        (tdist.Beta,),
+        {"concentration1": ((), ()), "concentration0": ((), ())},
+        ("beta",),
+        _beta_elp,
+    ),
+    Pattern(
+        "Dirichlet", (tdist.Dirichlet,), {"concentration": ((), ())}, ("dirichlet",), _dirichlet_elp
+    ),
+    Pattern(
+        "Bernoulli",
+        (tdist.Bernoulli,),
+        {"probs": ((IDENTITY,), ("beta",))},
+        ("discrete",),
+        _bernoulli_elp,
+    ),
     Pattern(
         "Binomial",
         (tdist.Binomial,),
@@ -202,12 +218,23 @@ PATTERNS: Tuple[Pattern, ...] = (
         (),
         _binomial_elp,
     ),
-    Pattern("Geometric", (tdist.Geometric,), {"probs": ((IDENTITY,), ("beta",))}, (),
-            _geometric_elp),
-    Pattern("Categorical", (tdist.Categorical,), {"probs": ((IDENTITY,), ("dirichlet",))},
-            ("discrete",), _categorical_elp),
-    Pattern("Multinomial", (tdist.Multinomial,), {"probs": ((IDENTITY,), ("dirichlet",))}, (),
-            _multinomial_elp),
+    Pattern(
+        "Geometric", (tdist.Geometric,), {"probs": ((IDENTITY,), ("beta",))}, (), _geometric_elp
+    ),
+    Pattern(
+        "Categorical",
+        (tdist.Categorical,),
+        {"probs": ((IDENTITY,), ("dirichlet",))},
+        ("discrete",),
+        _categorical_elp,
+    ),
+    Pattern(
+        "Multinomial",
+        (tdist.Multinomial,),
+        {"probs": ((IDENTITY,), ("dirichlet",))},
+        (),
+        _multinomial_elp,
+    ),
 )
 
 

@@ -58,8 +58,15 @@ def load_digits_counts(test_frac: float = 0.2, seed: int = 0, dtype=torch.float3
     return X, ~test, test
 
 
-def synthetic_gamma_factor(N: int = 2000, N_test: int = 1000, D: int = 20, K: int = 4,
-                           sigma2: float = 0.1, seed: int = 0, dtype=torch.float32):
+def synthetic_gamma_factor(
+    N: int = 2000,
+    N_test: int = 1000,
+    D: int = 20,
+    K: int = 4,
+    sigma2: float = 0.1,
+    seed: int = 0,
+    dtype=torch.float32,
+):
     """Data from the gamma factor model: ``Z ~ Gamma(1, 1)``, ``y = Z x + noise``,
     ``x ~ N(0, I_K)``. Returns ``(Y_train, Y_test, Z_true)``."""
     g = torch.Generator().manual_seed(seed)
@@ -77,14 +84,14 @@ def poisson_mf_model(K: int, a: float = 0.3, b: float = 0.3) -> Callable:
 
     def model(X, mask=None):
         N, V = X.shape
-        W = pyro.sample("W", dist.Gamma(X.new_tensor(a), X.new_tensor(b)).expand([K, V])
-                        .to_event(2))
+        W = pyro.sample(
+            "W", dist.Gamma(X.new_tensor(a), X.new_tensor(b)).expand([K, V]).to_event(2)
+        )
         with pyro.plate("images", N):
-            Z = pyro.sample("Z", dist.Gamma(X.new_tensor(a), X.new_tensor(b)).expand([K])
-                            .to_event(1))
-            # (Z.unsqueeze(-1) * W).sum(-2) is Z @ W written to broadcast over leading
-            # (particle) dims: AutoCVI(vectorize_particles=True) samples in one model run
-            like = dist.Poisson((Z.unsqueeze(-1) * W).sum(-2))
+            Z = pyro.sample(
+                "Z", dist.Gamma(X.new_tensor(a), X.new_tensor(b)).expand([K]).to_event(1)
+            )
+            like = dist.Poisson(Z @ W)
             if mask is not None:
                 like = like.mask(mask)
             pyro.sample("X", like.to_event(1), obs=X)
@@ -99,16 +106,21 @@ def poisson_mf_heldout(W_mean, Z_mean, X, test_mask) -> float:
         return float((lp * test_mask).sum() / test_mask.sum())
 
 
-def gamma_factor_model(D: int, K: int, sigma2: float = 0.1, a: float = 1.0,
-                       b: float = 1.0) -> Callable:
+def gamma_factor_model(
+    D: int, K: int, sigma2: float = 0.1, a: float = 1.0, b: float = 1.0
+) -> Callable:
     """``model(Y)``: the gamma factor model (Appendix J, eq. 95), ``y_i ~ N(0, Z Z^T + s2 I)``."""
 
     def model(Y):
-        Z = pyro.sample("Z", dist.Gamma(Y.new_tensor(a), Y.new_tensor(b)).expand([D, K])
-                        .to_event(2))
+        Z = pyro.sample(
+            "Z", dist.Gamma(Y.new_tensor(a), Y.new_tensor(b)).expand([D, K]).to_event(2)
+        )
         with pyro.plate("data", Y.shape[0]):
-            pyro.sample("y", dist.LowRankMultivariateNormal(Y.new_zeros(D), Z,
-                                                            Y.new_full((D,), sigma2)), obs=Y)
+            pyro.sample(
+                "y",
+                dist.LowRankMultivariateNormal(Y.new_zeros(D), Z, Y.new_full((D,), sigma2)),
+                obs=Y,
+            )
 
     return model
 
@@ -117,16 +129,19 @@ def gamma_factor_heldout(Z_mean, Y_test, sigma2: float = 0.1) -> float:
     """Mean held-out log-likelihood at the posterior mean of Z."""
     with torch.no_grad():
         D = Y_test.shape[-1]
-        like = dist.LowRankMultivariateNormal(Y_test.new_zeros(D), Z_mean,
-                                              Y_test.new_full((D,), sigma2))
+        like = dist.LowRankMultivariateNormal(
+            Y_test.new_zeros(D), Z_mean, Y_test.new_full((D,), sigma2)
+        )
         return float(like.log_prob(Y_test).mean())
 
 
 def random_init(shapes: Dict[str, Tuple[int, ...]], seed: int = 1, dtype=torch.float32):
     """Initial posterior means ``U(0.5, 1.5)`` per entry (breaks the symmetry of the factors)."""
     g = torch.Generator().manual_seed(seed)
-    return {k: (0.5 + torch.rand(s, generator=g, dtype=torch.float64)).to(dtype)
-            for k, s in shapes.items()}
+    return {
+        k: (0.5 + torch.rand(s, generator=g, dtype=torch.float64)).to(dtype)
+        for k, s in shapes.items()
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,25 +151,37 @@ def _inv_softplus(x):
     return x + torch.log(-torch.expm1(-x))
 
 
-def softplus_gamma_guide(model, init: Dict[str, torch.Tensor], *args, init_shape: float = 1.0,
-                         prefix: str = "adam", **kwargs):
+def softplus_gamma_guide(
+    model,
+    init: Dict[str, torch.Tensor],
+    *args,
+    init_shape: float = 1.0,
+    prefix: str = "adam",
+    **kwargs,
+):
     """A guide ``q(z) = Gamma(softplus(a), softplus(r))`` per latent site (the paper's Adam
     baseline), started at shape ``init_shape`` and mean ``init[name]``; plates as in the model
     (no subsampling)."""
     proto = poutine.trace(poutine.block(model, hide_fn=lambda m: m["is_observed"])).get_trace(
-        *args, **kwargs)
-    sites = {n: s for n, s in proto.nodes.items()
-             if s["type"] == "sample" and not s["is_observed"]
-             and type(s["fn"]).__name__ != "_Subsample"}
+        *args, **kwargs
+    )
+    sites = {
+        n: s
+        for n, s in proto.nodes.items()
+        if s["type"] == "sample" and not s["is_observed"] and type(s["fn"]).__name__ != "_Subsample"
+    }
 
     def guide(*a, **k):
         out = {}
         for name, site in sites.items():
             mean = init[name]
-            sa = pyro.param(f"{prefix}.shape_raw.{name}",
-                            lambda mean=mean: _inv_softplus(torch.full_like(mean, init_shape)))
-            sr = pyro.param(f"{prefix}.rate_raw.{name}",
-                            lambda mean=mean: _inv_softplus(init_shape / mean))
+            sa = pyro.param(
+                f"{prefix}.shape_raw.{name}",
+                lambda mean=mean: _inv_softplus(torch.full_like(mean, init_shape)),
+            )
+            sr = pyro.param(
+                f"{prefix}.rate_raw.{name}", lambda mean=mean: _inv_softplus(init_shape / mean)
+            )
             fn = dist.Gamma(F.softplus(sa), F.softplus(sr)).to_event(site["fn"].event_dim)
             with ExitStack() as stack:
                 for f in site["cond_indep_stack"]:
@@ -165,8 +192,13 @@ def softplus_gamma_guide(model, init: Dict[str, torch.Tensor], *args, init_shape
 
     def means():
         store = pyro.get_param_store()
-        return {n: (F.softplus(store[f"{prefix}.shape_raw.{n}"])
-                    / F.softplus(store[f"{prefix}.rate_raw.{n}"])).detach() for n in sites}
+        return {
+            n: (
+                F.softplus(store[f"{prefix}.shape_raw.{n}"])
+                / F.softplus(store[f"{prefix}.rate_raw.{n}"])
+            ).detach()
+            for n in sites
+        }
 
     return guide, means
 
@@ -212,10 +244,20 @@ def _timed(step, metric, iters: int, every: int, name: str, time_limit: Optional
     return h
 
 
-def run_cvi(model, args, init: Dict[str, torch.Tensor], metric: Callable[[Dict], float], *,
-            iters: int = 300, every: int = 10, step_size=0.3, num_samples: int = 1,
-            vectorize_particles: bool = False, time_limit: Optional[float] = None,
-            name: str = "cvi"):
+def run_cvi(
+    model,
+    args,
+    init: Dict[str, torch.Tensor],
+    metric: Callable[[Dict], float],
+    *,
+    iters: int = 300,
+    every: int = 10,
+    step_size=0.3,
+    num_samples: int = 1,
+    vectorize_particles: bool = False,
+    time_limit: Optional[float] = None,
+    name: str = "cvi",
+):
     """CVI with ``AutoCVI`` (Monte Carlo messages for the likelihood, exact prior messages).
 
     ``metric(means)`` scores the posterior means ``{site: E_q[z]}``. Returns
@@ -224,8 +266,12 @@ def run_cvi(model, args, init: Dict[str, torch.Tensor], metric: Callable[[Dict],
     from . import CVI, CVI_ELBO, AutoCVI
 
     pyro.clear_param_store()
-    guide = AutoCVI(model, num_general_samples=num_samples, init_loc_fn=init_to_value(values=init),
-                    vectorize_particles=vectorize_particles)
+    guide = AutoCVI(
+        model,
+        num_general_samples=num_samples,
+        init_loc_fn=init_to_value(values=init),
+        vectorize_particles=vectorize_particles,
+    )
     svi = SVI(model, guide, CVI(step_size=step_size), loss=CVI_ELBO())
 
     def means():
@@ -236,14 +282,25 @@ def run_cvi(model, args, init: Dict[str, torch.Tensor], metric: Callable[[Dict],
     return h, guide
 
 
-def run_adam(model, args, init: Dict[str, torch.Tensor], metric: Callable[[Dict], float], *,
-             lr: float = 0.1, iters: int = 1000, every: int = 25, num_particles: int = 1,
-             time_limit: Optional[float] = None, name: str = "adam"):
+def run_adam(
+    model,
+    args,
+    init: Dict[str, torch.Tensor],
+    metric: Callable[[Dict], float],
+    *,
+    lr: float = 0.1,
+    iters: int = 1000,
+    every: int = 25,
+    num_particles: int = 1,
+    time_limit: Optional[float] = None,
+    name: str = "adam",
+):
     """The paper's baseline: Pyro SVI, ``Trace_ELBO``, Adam on softplus Gamma parameters."""
     pyro.clear_param_store()
     guide, means = softplus_gamma_guide(model, init, *args)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}),
-              loss=Trace_ELBO(num_particles=num_particles))
+    svi = SVI(
+        model, guide, pyro.optim.Adam({"lr": lr}), loss=Trace_ELBO(num_particles=num_particles)
+    )
     svi.step(*args)  # create the parameters (not timed)
     h = _timed(lambda: svi.step(*args), lambda: metric(means()), iters, every, name, time_limit)
     return h, means

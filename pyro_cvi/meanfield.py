@@ -59,7 +59,7 @@ __all__ = [
     "run_model",
     "max_plate_nesting",
     "discrete_dependencies",
-    "natural_form_elbo",
+    "compute",
     "sweep",
     "natural_step",
 ]
@@ -118,9 +118,7 @@ def discrete_dependencies(trace, discrete: Iterable[str]) -> Dict[str, Set[str]]
         if not is_random(site):
             continue
         shape = site["fn"].batch_shape
-        out[name] = {
-            c for c, d in dims.items() if c != name and len(shape) >= -d and shape[d] > 1
-        }
+        out[name] = {c for c, d in dims.items() if c != name and len(shape) >= -d and shape[d] > 1}
     return out
 
 
@@ -181,8 +179,9 @@ class Analysis:
         return {**self.fixed, **self.subsample, **self.ref, **override}
 
     def run(self, **override):
-        return run_model(self.model, self._values(**override), self.args, self.kwargs,
-                         self.enum_dims)
+        return run_model(
+            self.model, self._values(**override), self.args, self.kwargs, self.enum_dims
+        )
 
     def leaf_trace(self):
         """A trace whose continuous latent values are autograd leaves (for dependencies)."""
@@ -193,8 +192,9 @@ class Analysis:
                 if v.is_floating_point()
             }
             with torch.enable_grad():
-                tr = run_model(self.model, self._values(**leaves), self.args, self.kwargs,
-                               self.enum_dims)
+                tr = run_model(
+                    self.model, self._values(**leaves), self.args, self.kwargs, self.enum_dims
+                )
             self._leaf_trace = (tr, leaves)
         return self._leaf_trace
 
@@ -258,8 +258,10 @@ class Analysis:
                 if torch.is_tensor(t) and t.requires_grad:
                     names = [n for n in leaves]
                     grads = torch.autograd.grad(
-                        (t * torch.randn_like(t)).sum(), [leaves[n] for n in names],
-                        allow_unused=True, retain_graph=True,
+                        (t * torch.randn_like(t)).sum(),
+                        [leaves[n] for n in names],
+                        allow_unused=True,
+                        retain_graph=True,
                     )
                     pdeps = {n for n, g in zip(names, grads) if g is not None}
                 covered |= pdeps
@@ -343,38 +345,53 @@ class Analysis:
         spec = self.spec(site_name)
         fam = self.families[z]
         if not spec.exact:
-            how = ("Monte Carlo gradient (implicit reparameterisation + Fisher solve, App. F)"
-                   if fam.name not in GAUSS else "stochastic message")
+            how = (
+                "Monte Carlo gradient (implicit reparameterisation + Fisher solve, App. F)"
+                if fam.name not in GAUSS
+                else "stochastic message"
+            )
             return cj.Factor(site_name, z, cj.GENERAL, f"{spec.reason}: non-conjugate; {how}")
         msg = f"exact {fam.name} message (eq. 20)"
         if z in self.discrete:
             K = getattr(fam, "num_categories", 2)
             if site_name == z:
                 why = f"{spec.reason}: enumerated (K={K}), exact"
-                return cj.Factor(site_name, z, cj.PRIOR if not spec.latents - {z} else
-                                 cj.CONJUGATE, why)
+                return cj.Factor(
+                    site_name, z, cj.PRIOR if not spec.latents - {z} else cj.CONJUGATE, why
+                )
             return cj.Factor(site_name, z, cj.CONJUGATE, f"{spec.reason} (K={K}): {msg}")
         if site_name == z:
             others = spec.latents - {z}
             if not others:
-                return cj.Factor(site_name, z, cj.PRIOR,
-                                 f"{spec.reason} prior (same family as q): exact")
-            return cj.Factor(site_name, z, cj.CONJUGATE,
-                             f"{spec.reason} prior given {', '.join(sorted(others))}: {msg}")
+                return cj.Factor(
+                    site_name, z, cj.PRIOR, f"{spec.reason} prior (same family as q): exact"
+                )
+            return cj.Factor(
+                site_name,
+                z,
+                cj.CONJUGATE,
+                f"{spec.reason} prior given {', '.join(sorted(others))}: {msg}",
+            )
         f = cj.Factor(site_name, z, cj.CONJUGATE, f"{spec.reason}: {msg}")
         role = next((r for r in spec.roles.values() if z in r.parents), None)
         if fam.name in GAUSS and role is not None and role.kind == cp.AFFINE:
             if spec.discrete and site_form_ok:
                 # site-form Gaussians take rows from a trace at the means: no enumeration there
-                return cj.Factor(site_name, z, cj.GENERAL,
-                                 f"{spec.reason}: a discrete parent needs the natural form")
+                return cj.Factor(
+                    site_name,
+                    z,
+                    cj.GENERAL,
+                    f"{spec.reason}: a discrete parent needs the natural form",
+                )
             f.param = "loc"
             f.jacobian = spec.jacobians[z]
             f.extra["given_others"] = bool(spec.latents - {z})
             if f.extra["given_others"] and site_form_ok:
                 others = ", ".join(sorted(spec.latents - {z}))
-                f.reason = (f"{spec.reason}: rows with E_q[precision], given {others} "
-                            "(conjugate given others, eq. 20)")
+                f.reason = (
+                    f"{spec.reason}: rows with E_q[precision], given {others} "
+                    "(conjugate given others, eq. 20)"
+                )
         return f
 
 
@@ -421,8 +438,11 @@ def natural_at(fam, value: torch.Tensor, prior=None) -> Tuple[torch.Tensor, ...]
         return k * v - 1, k * (1 - v) - 1
     if name == "dirichlet":
         K = v.shape[-1]
-        k = ((prior[0] + 1).sum(-1, keepdim=True).clamp(min=float(K)) if prior is not None
-             else float(K))
+        k = (
+            (prior[0] + 1).sum(-1, keepdim=True).clamp(min=float(K))
+            if prior is not None
+            else float(K)
+        )
         return (k * v.clamp(min=1e-6) - 1,)
     if prior is not None:
         return prior
@@ -465,8 +485,11 @@ def initial_natural(fam, site, init_loc_fn=None) -> Tuple[torch.Tensor, ...]:
             full = frame.full_size or frame.size
             if frame.vectorized and full != frame.size:
                 dim = t.dim() + frame.dim - len(s)
-                t = periodic_repeat(t, full, dim) if t.shape[dim] > 1 else t.expand(
-                    t.shape[:dim] + (full,) + t.shape[dim + 1:])
+                t = (
+                    periodic_repeat(t, full, dim)
+                    if t.shape[dim] > 1
+                    else t.expand(t.shape[:dim] + (full,) + t.shape[dim + 1 :])
+                )
         out.append(t.contiguous().clone())
     return tuple(out)
 
@@ -538,8 +561,9 @@ class QState:
         for name, info in guide._latents.items():
             if info.form == NATURAL_FORM:
                 fam = info.family
-                lam = tuple(t.detach() for t in slice_params(guide, info,
-                                                               guide._natural_params_of(info)))
+                lam = tuple(
+                    t.detach() for t in slice_params(guide, info, guide._natural_params_of(info))
+                )
                 mu = tuple(t.detach() for t in fam.natural_to_mean(lam))
                 if name in grad_names:
                     mu = tuple(t.requires_grad_(True) for t in mu)
@@ -669,8 +693,10 @@ class FactorMoments:
         """``d theta / d z_p`` (affine, so constant): cached per data and minibatch unless
         it depends on learnable parameters."""
         g = self.q.guide
-        key = (g._args_key, tuple((k, tuple(v.tolist())) for k, v in
-                                  sorted((g._step_subsample or {}).items())))
+        key = (
+            g._args_key,
+            tuple((k, tuple(v.tolist())) for k, v in sorted((g._step_subsample or {}).items())),
+        )
         hit = self.spec.cache.get((name, p))
         if hit is not None and hit[0] == key and not self.spec.dynamic:
             return hit[1]
@@ -810,8 +836,9 @@ def _specs(guide):
     return guide._analysis.specs
 
 
-def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = None,
-            value: bool = True) -> StepResult:
+def compute(
+    guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = None, value: bool = True
+) -> StepResult:
     """Exact + Monte Carlo ``E_q[log p]`` over the factors touching natural-form latents, the
     entropies, and (for the latents in ``want``) the targets ``grad_mu E_q[log p]``.
 
@@ -836,8 +863,11 @@ def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = N
     exact = [s for s in specs if s.exact]
     general = [s for s in specs if not s.exact]
     dtype_like = next(iter(q.mu.values()))[0] if q.mu else None
-    zero = torch.zeros((), dtype=dtype_like.dtype if dtype_like is not None else None,
-                       device=dtype_like.device if dtype_like is not None else None)
+    zero = torch.zeros(
+        (),
+        dtype=dtype_like.dtype if dtype_like is not None else None,
+        device=dtype_like.device if dtype_like is not None else None,
+    )
     grad_total, elbo = zero, zero
     with torch.enable_grad():
         mc_grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
@@ -849,14 +879,15 @@ def compute(guide, args, kwargs, counted: Set[str], want: Optional[Set[str]] = N
             # factors whose parameters are all free of continuous latents (e.g. priors with
             # fixed hyperparameters) can be read off any trace: reuse a Monte Carlo one
             plain = first is not None and all(
-                not s.discrete and all(r.kind == cp.CONST for r in s.roles.values())
-                for s in exact
+                not s.discrete and all(r.kind == cp.CONST for r in s.roles.values()) for s in exact
             )
-            traces = {"mean": first if plain else run_model(
-                guide.model, q.values("mean"), args, kwargs, an.enum_dims)}
+            traces = {
+                "mean": first
+                if plain
+                else run_model(guide.model, q.values("mean"), args, kwargs, an.enum_dims)
+            }
             if q.geo and any(r.kind == cp.MONOMIAL for s in exact for r in s.roles.values()):
-                traces["geo"] = run_model(guide.model, q.values("geo"), args, kwargs,
-                                          an.enum_dims)
+                traces["geo"] = run_model(guide.model, q.values("geo"), args, kwargs, an.enum_dims)
             for spec in exact:
                 e = expected_log_prob(spec, traces, q)
                 grad_total = grad_total + e
@@ -923,8 +954,17 @@ def _monte_carlo_vectorized(guide, general, q, args, kwargs, an, S, lat, cont, d
             "W).sum(-2) rather than Z @ W), or use vectorize_particles=False."
         ) from e
     total = 0.0
+    room = P + 1 + (len(tr.nodes[next(iter(an.discrete))]["value"].shape) - P if an.discrete else 0)
     for spec in general:
         site = tr.nodes[spec.site]
+        shape = site["fn"].batch_shape
+        if len(shape) > room or len(shape) < P + 1 or shape[-1 - P] != S:
+            raise ValueError(
+                f"AutoCVI(vectorize_particles=True): site {spec.site!r} has batch shape "
+                f"{tuple(shape)} with {S} particles left of {P} plate dims: the model does not "
+                "broadcast over a leading particle dimension (e.g. Z @ W mixes batch and matrix "
+                "dims; write (Z.unsqueeze(-1) * W).sum(-2)), or use vectorize_particles=False."
+            )
         lp = site["fn"].log_prob(site["value"])
         w = _discrete_weight(spec, tr, q)
         if w is not None:
@@ -946,15 +986,16 @@ def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
     total = 0.0
     first = None
     if S > 1 and getattr(guide, "vectorize_particles", False):
-        total = _monte_carlo_vectorized(guide, general, q, args, kwargs, an, S, lat, cont, dists,
-                                        values)
+        total = _monte_carlo_vectorized(
+            guide, general, q, args, kwargs, an, S, lat, cont, dists, values
+        )
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
         vals = {k: v.detach() for k, v in vals.items()}
         for n in cont:
             z = dists[n].rsample() if dists[n].has_rsample else dists[n].sample()
             vals[n] = z
-        for n, (loc, cov) in q.site_post.items():
+        for n in q.site_post:
             if n in lat:
                 vals[n] = guide.posterior(n).sample()
         tr = run_model(guide.model, vals, args, kwargs, an.enum_dims)
@@ -994,8 +1035,9 @@ def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
 # ------------------------------------------------------------------------------------------------
 # steps
 # ------------------------------------------------------------------------------------------------
-def natural_step(fam, old: Sequence[torch.Tensor], target: Sequence[torch.Tensor], beta: float,
-                 site: str = "?") -> Tuple[Tuple[torch.Tensor, ...], int, int]:
+def natural_step(
+    fam, old: Sequence[torch.Tensor], target: Sequence[torch.Tensor], beta: float, site: str = "?"
+) -> Tuple[Tuple[torch.Tensor, ...], int, int]:
     """``lambda + b (target - lambda)`` with ``b = beta`` halved per batch element (up to 30
     times) wherever the result would leave the natural domain; elements still invalid keep
     their old value. Returns ``(new, num_shrunk, num_rejected)``."""
@@ -1022,8 +1064,11 @@ def natural_step(fam, old: Sequence[torch.Tensor], target: Sequence[torch.Tensor
 
 
 # families whose natural domain is a box: (lower, upper) bound of each natural parameter
-_BOX = {"gamma": ((-1.0, None), (None, 0.0)), "beta": ((-1.0, None), (-1.0, None)),
-        "dirichlet": ((-1.0, None),)}
+_BOX = {
+    "gamma": ((-1.0, None), (None, 0.0)),
+    "beta": ((-1.0, None), (-1.0, None)),
+    "dirichlet": ((-1.0, None),),
+}
 #: fraction-to-the-boundary: a shrunk step covers at most this fraction of the distance from
 #: the current point to the boundary of the domain
 _TO_BOUNDARY = 0.5

@@ -70,13 +70,42 @@ def _problem(name: str, seed: int):
 
 SETTINGS = {
     # CVI: step-size schedule and Monte Carlo samples; Adam: learning-rate grid
-    "pmf": dict(cvi_step=lambda: step_sizes.robbins_monro(1.0, 1.0, 0.55), cvi_samples=1,
-                cvi_iters=1500, adam_lrs=(0.03, 0.1, 0.3, 1.0), adam_iters=3000),
-    "gfm": dict(cvi_step=lambda: 0.3, cvi_samples=4, cvi_iters=600,
-                adam_lrs=(0.01, 0.03, 0.1, 0.3), adam_iters=2000),
+    "pmf": dict(
+        cvi_step=lambda: step_sizes.robbins_monro(1.0, 1.0, 0.51),
+        cvi_samples=1,
+        cvi_iters=2000,
+        adam_lrs=(0.03, 0.1, 0.3, 1.0),
+        adam_iters=2000,
+    ),
+    "gfm": dict(
+        cvi_step=lambda: 0.3,
+        cvi_samples=4,
+        cvi_iters=600,
+        adam_lrs=(0.01, 0.03, 0.1, 0.3),
+        adam_iters=2000,
+    ),
 }
-QUICK = {"pmf": dict(cvi_iters=300, adam_iters=600, adam_lrs=(0.1, 0.3)),
-         "gfm": dict(cvi_iters=150, adam_iters=400, adam_lrs=(0.03, 0.1))}
+QUICK = {
+    "pmf": dict(cvi_iters=300, adam_iters=600, adam_lrs=(0.1, 0.3)),
+    "gfm": dict(cvi_iters=150, adam_iters=400, adam_lrs=(0.03, 0.1)),
+}
+
+
+def _levels(adam, cvi, fractions=(0.25, 0.5, 0.75, 1.0)):
+    """Time-to-metric at several levels of Adam's own progress: (level, t_adam, t_cvi)."""
+    out = []
+    for f in fractions:
+        i = max(0, int(round(f * len(adam.metric))) - 1)
+        level = max(adam.metric[: i + 1])
+        out.append(
+            {
+                "fraction_of_adam_run": f,
+                "metric": level,
+                "adam_seconds": adam.time_to(level),
+                "cvi_seconds": cvi.time_to(level),
+            }
+        )
+    return out
 
 
 def run_problem(name: str, seed: int, quick: bool):
@@ -88,23 +117,42 @@ def run_problem(name: str, seed: int, quick: bool):
     adam = {}
     for lr in cfg["adam_lrs"]:
         pyro.set_rng_seed(seed)
-        h, _ = gm.run_adam(model, args, init, metric, lr=lr, iters=cfg["adam_iters"],
-                           every=every, name=f"adam lr={lr}")
+        h, _ = gm.run_adam(
+            model,
+            args,
+            init,
+            metric,
+            lr=lr,
+            iters=cfg["adam_iters"],
+            every=every,
+            name=f"adam lr={lr}",
+        )
         adam[lr] = h
-        print(f"  {name} adam lr={lr:<5} best {h.best():.4f} after {h.seconds[-1]:.1f} s",
-              flush=True)
+        print(
+            f"  {name} adam lr={lr:<5} best {h.best():.4f} after {h.seconds[-1]:.1f} s", flush=True
+        )
     best_lr = max(adam, key=lambda k: adam[k].best())
     target = adam[best_lr].best()
     t_adam = adam[best_lr].time_to(target)
     pyro.set_rng_seed(seed)
-    cvi, _ = gm.run_cvi(model, args, init, metric, iters=cfg["cvi_iters"],
-                        every=max(5, cfg["cvi_iters"] // 100), step_size=cfg["cvi_step"](),
-                        num_samples=cfg["cvi_samples"], name="cvi")
+    cvi, _ = gm.run_cvi(
+        model,
+        args,
+        init,
+        metric,
+        iters=cfg["cvi_iters"],
+        every=max(5, cfg["cvi_iters"] // 100),
+        step_size=cfg["cvi_step"](),
+        num_samples=cfg["cvi_samples"],
+        name="cvi",
+    )
     t_cvi = cvi.time_to(target)
     ratio = (t_adam / t_cvi) if t_cvi else None
-    print(f"  {name} cvi best {cvi.best():.4f} after {cvi.seconds[-1]:.1f} s; "
-          f"reaches Adam's best {target:.4f} at {t_cvi if t_cvi is None else round(t_cvi, 2)} s",
-          flush=True)
+    print(
+        f"  {name} cvi best {cvi.best():.4f} after {cvi.seconds[-1]:.1f} s; "
+        f"reaches Adam's best {target:.4f} at {t_cvi if t_cvi is None else round(t_cvi, 2)} s",
+        flush=True,
+    )
     return {
         "problem": name,
         "description": desc,
@@ -113,13 +161,17 @@ def run_problem(name: str, seed: int, quick: bool):
         "adam_seconds_to_best": t_adam,
         "adam_iters_to_best": adam[best_lr].iters[adam[best_lr].metric.index(target)],
         "cvi_seconds_to_target": t_cvi,
-        "cvi_iters_to_target": (cvi.iters[[s for s in cvi.seconds].index(t_cvi)]
-                                if t_cvi is not None else None),
+        "cvi_iters_to_target": (
+            cvi.iters[[s for s in cvi.seconds].index(t_cvi)] if t_cvi is not None else None
+        ),
         "cvi_best": cvi.best(),
         "speedup_adam_over_cvi": ratio,
+        "time_to_metric_levels": _levels(adam[best_lr], cvi),
         "settings": {k: (v if not callable(v) else repr(v())) for k, v in cfg.items()},
-        "histories": {h.name: {"iters": h.iters, "seconds": h.seconds, "metric": h.metric,
-                               "elbo": h.elbo} for h in [cvi, *adam.values()]},
+        "histories": {
+            h.name: {"iters": h.iters, "seconds": h.seconds, "metric": h.metric, "elbo": h.elbo}
+            for h in [cvi, *adam.values()]
+        },
     }
 
 
@@ -137,21 +189,42 @@ def main():
     t0 = time.time()
     rows = [run_problem(p, opts.seed, opts.quick) for p in opts.problems]
 
-    head = (f"{'problem':8s} {'Adam best':>10s} {'lr':>5s} {'Adam s':>8s} {'CVI s':>8s} "
-            f"{'Adam/CVI':>9s} {'CVI best':>9s}")
+    head = (
+        f"{'problem':8s} {'Adam best':>10s} {'lr':>5s} {'Adam s':>8s} {'CVI s':>8s} "
+        f"{'Adam/CVI':>9s} {'CVI best':>9s}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         t_cvi = r["cvi_seconds_to_target"]
         ratio = r["speedup_adam_over_cvi"]
-        print(f"{r['problem']:8s} {r['target_adam_best']:10.4f} {r['adam_best_lr']:5g} "
-              f"{r['adam_seconds_to_best']:8.2f} "
-              f"{(f'{t_cvi:.2f}' if t_cvi is not None else 'never'):>8s} "
-              f"{(f'{ratio:.1f}x' if ratio else '-'):>9s} {r['cvi_best']:9.4f}")
+        print(
+            f"{r['problem']:8s} {r['target_adam_best']:10.4f} {r['adam_best_lr']:5g} "
+            f"{r['adam_seconds_to_best']:8.2f} "
+            f"{(f'{t_cvi:.2f}' if t_cvi is not None else 'never'):>8s} "
+            f"{(f'{ratio:.1f}x' if ratio else '-'):>9s} {r['cvi_best']:9.4f}"
+        )
+    print("\ntime to reach intermediate levels of Adam's best run (Adam s / CVI s):")
+    for r in rows:
+        cells = []
+        for lv in r["time_to_metric_levels"]:
+            tc = lv["cvi_seconds"]
+            cells.append(
+                f"{lv['metric']:.4f}: {lv['adam_seconds']:.1f}/"
+                f"{'never' if tc is None else f'{tc:.1f}'}"
+            )
+        print(f"  {r['problem']:6s} " + "  ".join(cells))
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "pyro": pyro.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "quick": opts.quick, "seed": opts.seed, "wall_seconds": time.time() - t0}
+    meta = {
+        "torch": torch.__version__,
+        "pyro": pyro.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "quick": opts.quick,
+        "seed": opts.seed,
+        "wall_seconds": time.time() - t0,
+    }
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     print(f"\nwrote {out} ({time.time() - t0:.0f} s)")
 

@@ -325,7 +325,7 @@ def test_pyro_api_follows_plain_cvi_iterates(bc):
     guide = AutoCVI(model, init_sites="prior")
     svi = SVI(model, guide, CVI(step_size=0.3), loss=CVI_ELBO())
     losses = [svi.step(X, y) for _ in range(10)]
-    fit = plain_cvi_logreg(X, y, delta, 0.3, 10, num_points=20)  # AutoCVI's quadrature
+    fit = plain_cvi_logreg(X, y, delta, 0.3, 10, num_points=guide.num_quad_points)
     # svi.step returns the -ELBO of q before the step: the plain history at t = 0..9
     for loss, point in zip(losses, fit.history):
         assert loss == pytest.approx(point.neg_elbo, abs=1e-9)

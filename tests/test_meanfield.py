@@ -246,10 +246,14 @@ def _mfvb_blr(X, y, a0, b0, s0, iters=500):
     Elogtau = float(torch.digamma(torch.tensor(a))) - math.log(b)
     sq = float(((y - X @ m) ** 2).sum() + torch.trace(X @ S @ X.T))
     ell = N / 2 * (Elogtau - math.log(2 * math.pi)) - 0.5 * Etau * sq
-    klw = 0.5 * float(torch.trace(S) / s0**2 + m @ m / s0**2 - D
-                      - torch.logdet(S) + 2 * D * math.log(s0))
-    klt = float(torch.distributions.kl_divergence(
-        dist.Gamma(torch.tensor(a), torch.tensor(b)), dist.Gamma(torch.tensor(a0), b0)))
+    klw = 0.5 * float(
+        torch.trace(S) / s0**2 + m @ m / s0**2 - D - torch.logdet(S) + 2 * D * math.log(s0)
+    )
+    klt = float(
+        torch.distributions.kl_divergence(
+            dist.Gamma(torch.tensor(a), torch.tensor(b)), dist.Gamma(torch.tensor(a0), b0)
+        )
+    )
     return ell - klw - klt, m, S, a, b
 
 
@@ -301,8 +305,7 @@ def _cavi_gmm(x, m, s2, sigma, iters):
         phi = torch.softmax(logits, -1)
         s2 = 1 / (1 / sigma**2 + phi.sum(0))
         m = s2 * (phi * x[:, None]).sum(0)
-        ell = (phi * (-0.5 * math.log(2 * math.pi)
-                      - 0.5 * ((x[:, None] - m) ** 2 + s2))).sum()
+        ell = (phi * (-0.5 * math.log(2 * math.pi) - 0.5 * ((x[:, None] - m) ** 2 + s2))).sum()
         prior = (-0.5 * math.log(2 * math.pi * sigma**2) - 0.5 * (m**2 + s2) / sigma**2).sum()
         ent_mu = (0.5 * torch.log(2 * math.pi * math.e * s2)).sum()
         ent_c = -(phi * torch.log(phi.clamp_min(1e-300))).sum()
@@ -315,8 +318,7 @@ def test_gaussian_mixture_reaches_the_cavi_fixed_point_monotonically():
     K, sigma = 3, 5.0
     init = torch.tensor([-1.0, 0.5, 2.0], dtype=x.dtype)
     model = _gmm_model(K, sigma)
-    guide = AutoCVI(model, schedule="sequential",
-                    init_loc_fn=init_to_value(values={"mu": init}))
+    guide = AutoCVI(model, schedule="sequential", init_loc_fn=init_to_value(values={"mu": init}))
     svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
     losses = [svi.step(x) for _ in range(25)]
     elbos, m, s2, phi = _cavi_gmm(x, init, torch.full((K,), sigma**2, dtype=x.dtype), sigma, 200)
@@ -355,8 +357,9 @@ def test_full_bayesian_mixture_sequential_is_monotone_and_stationary():
     svi.step(x)
     for k, v in guide.natural_params().items():
         assert torch.allclose(v, before[k], rtol=1e-6, atol=1e-6), k
-    assert torch.allclose(guide.posterior("mu").loc.sort().values,
-                          x.new_tensor([-6.0, 0.0, 7.0]), atol=0.4)
+    assert torch.allclose(
+        guide.posterior("mu").loc.sort().values, x.new_tensor([-6.0, 0.0, 7.0]), atol=0.4
+    )
     text = guide.explain()
     for pair in ("c -> pi", "mu -> tau", "x -> tau", "x -> mu", "x -> c"):
         line = [ln for ln in text.splitlines() if pair in ln][0]
@@ -428,8 +431,11 @@ def _gamma_shape_elbo(alpha, beta, y, a, b, n=6000):
     trapezoid quadrature on a log grid (independent of the CVI code)."""
     q = dist.Gamma(alpha, beta)
     z = torch.logspace(-8, 2.5, n, dtype=torch.float64)
-    f = (dist.Gamma(z[:, None], 1.0).log_prob(y).sum(-1) + dist.Gamma(a, b).log_prob(z)
-         - q.log_prob(z))
+    f = (
+        dist.Gamma(z[:, None], 1.0).log_prob(y).sum(-1)
+        + dist.Gamma(a, b).log_prob(z)
+        - q.log_prob(z)
+    )
     g = q.log_prob(z).exp() * f
     return ((g[1:] + g[:-1]) / 2 * torch.diff(z)).sum()
 
@@ -446,8 +452,13 @@ def test_gamma_shape_model_reaches_the_best_gamma_q():
 
     # the best Gamma q, by direct numerical optimisation of the ELBO
     p = torch.tensor([1.0, 1.0], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([p], max_iter=200, tolerance_grad=1e-12, tolerance_change=1e-15,
-                            line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [p],
+        max_iter=200,
+        tolerance_grad=1e-12,
+        tolerance_change=1e-15,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure():
         opt.zero_grad()
@@ -459,8 +470,7 @@ def test_gamma_shape_model_reaches_the_best_gamma_q():
     best = -float(closure().detach())
 
     guide = AutoCVI(model, num_general_samples=16)
-    svi = SVI(model, guide, CVI(step_size=step_sizes.robbins_monro(1.0, 1.0, 0.8)),
-              loss=CVI_ELBO())
+    svi = SVI(model, guide, CVI(step_size=step_sizes.robbins_monro(1.0, 1.0, 0.8)), loss=CVI_ELBO())
     avg = None
     for t in range(200):
         svi.step(y)
@@ -472,7 +482,8 @@ def test_gamma_shape_model_reaches_the_best_gamma_q():
     assert got == pytest.approx(best, abs=1e-3)
     q = guide.posterior("z")
     assert float(_gamma_shape_elbo(q.concentration, q.rate, y, a, b)) == pytest.approx(
-        best, abs=1e-2)
+        best, abs=1e-2
+    )
     assert "Fisher solve" in guide.explain()
 
 

@@ -30,19 +30,24 @@ Hybrid training (CVI for q, Adam for the kernel hyperparameters on the standard 
                 self.mean_module(x), self.covar_module(x))
 
     model, likelihood = GPClassifier(X).double(), LogisticBernoulliLikelihood().double()
-    cvi = CVIOptimizer(model, likelihood, step_size=1.0)      # sites: conjugate computations
+    cvi = CVIOptimizer(model, likelihood, step_size=0.8)      # sites: conjugate computations
     adam = torch.optim.Adam(model.parameters(), lr=0.05)      # hyperparameters only
     mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.shape[0])
     model.train(); likelihood.train()
     for it in range(100):
-        cvi.step(X, y)                                        # eq. 13: q <- GP regression
-        for _ in range(1):                                    # hyperparameter step(s)
-            adam.zero_grad()
-            loss = -mll(model(X), y)                          # -ELBO / N
-            loss.backward()
-            adam.step()
+        adam.zero_grad()
+        loss = -mll(model(X), y)      # -ELBO / N; q built from the current sites
+        loss.backward()               # hyperparameter gradients at fixed sites
+        cvi.step(X, y)                # eq. 13 site update (reuses q from the forward pass)
+        adam.step()                   # hyperparameter update
     model.eval(); likelihood.eval()
     probs = likelihood(model(X_test)).probs
+
+Both updates are taken at the same point; calling ``cvi.step`` between ``backward()`` and
+``adam.step()`` lets it reuse the q that the forward pass computed (one O(N^3), or O(N M^2),
+factorisation per iteration instead of two). Calling ``cvi.step`` first and then doing the Adam
+step(s) is equally valid, only slower. To fit q at fixed hyperparameters, call ``cvi.step``
+alone; it returns the -ELBO (in nats, summed over the data) and backtracks if that ever goes up.
 
 For the sparse form pass ``M < N`` inducing points and ``train_inputs=X``
 (``learn_inducing_locations=True`` lets Adam move them); for minibatches call
