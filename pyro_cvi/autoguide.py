@@ -758,6 +758,8 @@ def _mean_of(q):
 def _median_of(q):
     if isinstance(q, (dist.Normal, dist.MultivariateNormal)):
         return q.mean
+    if q.support.is_discrete:  # discrete natural-form sites: the mode
+        return q.mode
     try:
         return q.mean
     except NotImplementedError:

@@ -255,12 +255,16 @@ def run_cvi(
     step_size=0.3,
     num_samples: int = 1,
     vectorize_particles: bool = False,
+    average: Optional[float] = None,
     time_limit: Optional[float] = None,
     name: str = "cvi",
 ):
     """CVI with ``AutoCVI`` (Monte Carlo messages for the likelihood, exact prior messages).
 
-    ``metric(means)`` scores the posterior means ``{site: E_q[z]}``. Returns
+    ``metric(means)`` scores the posterior means ``{site: E_q[z]}``. With ``average=d`` the
+    metric is computed for the exponential moving average (decay ``d``) of the natural
+    parameters, i.e. iterate averaging, a standard companion of stochastic mirror descent
+    (the averaging is timed; the guide's own parameters are not changed). Returns
     ``(history, guide)``.
     """
     from . import CVI, CVI_ELBO, AutoCVI
@@ -274,11 +278,28 @@ def run_cvi(
     )
     svi = SVI(model, guide, CVI(step_size=step_size), loss=CVI_ELBO())
 
+    guide(*args)  # set-up (tracing and probing the model) is not timed
+    infos = {n: guide._latents[n] for n in init}
+    avg = {}
+
+    def step():
+        loss = svi.step(*args)
+        if average is not None:  # exponential moving average of the natural parameters
+            for n, info in infos.items():
+                nat = [p.detach() for p in guide._natural_params_of(info)]
+                if n not in avg:
+                    avg[n] = [t.clone() for t in nat]
+                else:
+                    for a, t in zip(avg[n], nat):
+                        a.mul_(average).add_(t, alpha=1 - average)
+        return loss
+
     def means():
+        if average is not None:
+            return {n: infos[n].family.natural_to_dist(tuple(avg[n])).mean for n in init}
         return {n: guide.posterior(n).mean.detach() for n in init}
 
-    guide(*args)  # set-up (tracing and probing the model) is not timed
-    h = _timed(lambda: svi.step(*args), lambda: metric(means()), iters, every, name, time_limit)
+    h = _timed(step, lambda: metric(means()), iters, every, name, time_limit)
     return h, guide
 
 

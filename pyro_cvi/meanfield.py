@@ -345,11 +345,10 @@ class Analysis:
         spec = self.spec(site_name)
         fam = self.families[z]
         if not spec.exact:
-            how = (
-                "Monte Carlo gradient (implicit reparameterisation + Fisher solve, App. F)"
-                if fam.name not in GAUSS
-                else "stochastic message"
-            )
+            if fam.name in GAUSS and site_form_ok:
+                how = "stochastic message (Bonnet/Price in the site form)"
+            else:
+                how = "Monte Carlo gradient (implicit reparameterisation + Fisher solve, App. F)"
             return cj.Factor(site_name, z, cj.GENERAL, f"{spec.reason}: non-conjugate; {how}")
         msg = f"exact {fam.name} message (eq. 20)"
         if z in self.discrete:
@@ -813,6 +812,12 @@ def mean_grad(fam, lam, g_lam) -> Tuple[torch.Tensor, ...]:
         x1 = (alpha * g1 - rate * g2) / det
         x2 = (-rate * g1 + rate.square() * torch.polygamma(1, alpha) * g2) / det
         return x1, x2
+    if fam.name == "gaussian_diag" or (fam.name == "gaussian" and fam.event_dim == 0):
+        # F = d(m, v + m^2)/d(m/v, -1/(2v)) = [[v, 2mv], [2mv, 4m^2 v + 2v^2]], det = 2 v^3
+        v = -0.5 / lam[1]
+        m = lam[0] * v
+        g1, g2 = g_lam
+        return ((2 * m.square() + v) * g1 - m * g2) / v.square(), (g2 / 2 - m * g1) / v.square()
     if fam.name == "beta":
         a, b = lam[0] + 1, lam[1] + 1
         ta, tb, tab = torch.polygamma(1, a), torch.polygamma(1, b), torch.polygamma(1, a + b)

@@ -504,3 +504,40 @@ def test_invalid_steps_are_shrunk_and_counted():
     assert guide.num_shrunk > 0
     q = guide.posterior("z")
     assert q.concentration.item() > 0 and q.rate.item() > 0
+
+
+def test_non_conjugate_factor_of_gaussian_latents_in_a_plate():
+    """Gaussian latents with batch dims (natural form) and a Poisson(exp(z)) likelihood: the
+    Monte Carlo messages reach the best Gaussian q (closed-form ELBO, E[exp z] = exp(m + v/2))."""
+    g = torch.Generator().manual_seed(0)
+    K, N = 4, 10
+    z0 = torch.randn(K, generator=g, dtype=torch.float64)
+    y = torch.poisson(torch.exp(z0)[:, None].expand(K, N), generator=g)
+
+    def model(y):
+        with pyro.plate("groups", K, dim=-2):
+            z = pyro.sample("z", dist.Normal(y.new_zeros(()), 1.0))
+            with pyro.plate("obs", N, dim=-1):
+                pyro.sample("y", dist.Poisson(torch.exp(z)), obs=y)
+
+    guide = AutoCVI(model, num_general_samples=8)
+    svi = SVI(model, guide, CVI(step_size=step_sizes.robbins_monro(1.0, 1.0, 0.7)), loss=CVI_ELBO())
+    for _ in range(200):
+        svi.step(y)
+    m = torch.zeros(K, dtype=y.dtype, requires_grad=True)
+    lv = torch.zeros(K, dtype=y.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([m, lv], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        v = lv.exp()
+        elbo = (y.sum(1) * m - N * torch.exp(m + v / 2) - 0.5 * (m**2 + v) + 0.5 * lv).sum()
+        (-elbo).backward()
+        return -elbo
+
+    opt.step(closure)
+    q = guide.posterior("z")
+    assert torch.allclose(q.loc.flatten(), m.detach(), atol=0.05)
+    assert torch.allclose(q.scale.flatten(), lv.detach().exp().sqrt(), rtol=0.1)
+    line = [ln for ln in guide.explain().splitlines() if "y -> z" in ln][0]
+    assert "general" in line and "Fisher solve" in line

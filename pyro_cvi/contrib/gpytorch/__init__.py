@@ -35,19 +35,19 @@ Hybrid training (CVI for q, Adam for the kernel hyperparameters on the standard 
     mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.shape[0])
     model.train(); likelihood.train()
     for it in range(100):
+        cvi.step(X, y)                # eq. 13: sites <- (1 - beta) sites + beta grad_mu
         adam.zero_grad()
-        loss = -mll(model(X), y)      # -ELBO / N; q built from the current sites
+        loss = -mll(model(X), y)      # -ELBO / N with q rebuilt from the new sites
         loss.backward()               # hyperparameter gradients at fixed sites
-        cvi.step(X, y)                # eq. 13 site update (reuses q from the forward pass)
-        adam.step()                   # hyperparameter update
+        adam.step()
     model.eval(); likelihood.eval()
     probs = likelihood(model(X_test)).probs
 
-Both updates are taken at the same point; calling ``cvi.step`` between ``backward()`` and
-``adam.step()`` lets it reuse the q that the forward pass computed (one O(N^3), or O(N M^2),
-factorisation per iteration instead of two). Calling ``cvi.step`` first and then doing the Adam
-step(s) is equally valid, only slower. To fit q at fixed hyperparameters, call ``cvi.step``
-alone; it returns the -ELBO (in nats, summed over the data) and backtracks if that ever goes up.
+Taking the CVI step first means the hyperparameter gradient is always evaluated at a q that has
+just been fitted to the current hyperparameters, so it is close to the gradient of the
+collapsed objective (at the site fixed point it is exact). To fit q at fixed hyperparameters,
+call ``cvi.step`` alone; it returns the -ELBO (in nats, summed over the data) of q before the
+update and backtracks if that ever goes up.
 
 For the sparse form pass ``M < N`` inducing points and ``train_inputs=X``
 (``learn_inducing_locations=True`` lets Adam move them); for minibatches call
