@@ -1,6 +1,16 @@
 import pytest
+import torch
 
 from pyro_cvi.datasets import data_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Small linear algebra is faster on one thread, and timings stay stable on shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
