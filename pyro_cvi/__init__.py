@@ -1,7 +1,7 @@
 """pyro-cvi: conjugate-computation variational inference for Pyro and GPyTorch.
 
-    from pyro_cvi import AutoCVI, CVI, CVI_ELBO
-    svi = pyro.infer.SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
+from pyro_cvi import AutoCVI, CVI, CVI_ELBO
+svi = pyro.infer.SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
 """
 
 from . import step_sizes

@@ -26,7 +26,6 @@ The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"``
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from pyro.infer.autoguide import AutoGuide
 
 from . import conjugacy as cj
 from .families import family_for_support
-from .linear_gaussian import GaussianPrior, GaussianPosterior, NotPositiveDefinite, solve
+from .linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
 from .tracing import is_random, trace_model, unwrap
 from .validation import check_observations
 
@@ -124,7 +123,7 @@ class AutoCVI(AutoGuide):
         if init_sites not in ("laplace", "prior"):
             raise ValueError(f"init_sites must be 'laplace' or 'prior', got {init_sites!r}")
         self.init_sites = init_sites
-        self._latents: "OrderedDict[str, LatentInfo]" = OrderedDict()
+        self._latents: OrderedDict[str, LatentInfo] = OrderedDict()
         self._posts: Dict[str, GaussianPosterior] = {}
         self._records: Dict[str, StepRecord] = {}
         self._args_key = None
@@ -166,7 +165,7 @@ class AutoCVI(AutoGuide):
                 self._init_natural_form(info, self._init_site(name, args, kwargs))
         with torch.no_grad():
             tr = self._trace_at_means(args, kwargs)
-            for name, info in self._latents.items():
+            for info in self._latents.values():
                 if info.form == SITE_FORM:
                     if self.init_sites == "laplace" and fresh:
                         self._init_sites_at_prior_mean(info, tr)
@@ -229,14 +228,10 @@ class AutoCVI(AutoGuide):
         for f in info.factors:
             if f.kind == cj.LINEAR:
                 R = f.jacobian.shape[0]
-                self._register(
-                    self._param_name("sites", f.site), lambda R=R: proto.new_zeros(R, 2)
-                )
+                self._register(self._param_name("sites", f.site), lambda R=R: proto.new_zeros(R, 2))
         if any(f.kind == cj.GENERAL for f in info.factors):
             self._register(self._param_name("general_h", info.name), lambda: proto.new_zeros(D))
-            self._register(
-                self._param_name("general_P", info.name), lambda: proto.new_zeros(D, D)
-            )
+            self._register(self._param_name("general_P", info.name), lambda: proto.new_zeros(D, D))
 
     def _init_natural_form(self, info: LatentInfo, site):
         """Register the natural parameters of a natural-form site, at full plate sizes.
@@ -426,8 +421,11 @@ class AutoCVI(AutoGuide):
 
     def _recompute_jacobian(self, f, tr):
         z0 = tr.nodes[f.latent]["value"].detach().clone().requires_grad_(True)
-        values = {k: v["value"].detach() for k, v in tr.nodes.items()
-                  if k in self._latents and self._latents[k].form != LEAF_FORM}
+        values = {
+            k: v["value"].detach()
+            for k, v in tr.nodes.items()
+            if k in self._latents and self._latents[k].form != LEAF_FORM
+        }
         values[f.latent] = z0
         with torch.enable_grad():
             t = trace_model(self.model, values, self._last_args, self._last_kwargs)
@@ -442,10 +440,9 @@ class AutoCVI(AutoGuide):
         old = {k: v.detach().clone() for k, v in sites.items()}
         old_g = None if general is None else tuple(t.detach().clone() for t in general)
         b = beta
-        for attempt in range(12):
+        for _ in range(12):
             new_sites = {
-                k: old[k] + b * (sites[k].grad if sites[k].grad is not None else 0)
-                for k in sites
+                k: old[k] + b * (sites[k].grad if sites[k].grad is not None else 0) for k in sites
             }
             new_g = None
             if general is not None:
@@ -469,7 +466,7 @@ class AutoCVI(AutoGuide):
             self._posts[info.name] = post
             # keep the record's rows consistent with the new site values
             rec = self._records[info.name]
-            for i, (site_name, r) in enumerate(rec.rows):
+            for site_name, r in rec.rows:
                 if site_name is not None:
                     s = new_sites[site_name]
                     r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c
@@ -525,8 +522,7 @@ class AutoCVI(AutoGuide):
             return
         old = tuple(p.detach() for p in params)
         target = tuple(
-            o + (p.grad if p.grad is not None else torch.zeros_like(p))
-            for o, p in zip(old, params)
+            o + (p.grad if p.grad is not None else torch.zeros_like(p)) for o, p in zip(old, params)
         )
         new, shrunk, rejected = natural_step(info.family, old, target, beta, info.name)
         self.num_shrunk += shrunk
@@ -611,8 +607,15 @@ class AutoCVI(AutoGuide):
         families = {n: i.family for n, i in infos.items() if i.family is not None}
         self._leaf_values = {n: values[n] for n in leaves}
         return Analysis(
-            self.model, values, args, kwargs, families, leaves, deps,
-            self._enum_dims, self._subsample_of(self._mf_structure),
+            self.model,
+            values,
+            args,
+            kwargs,
+            families,
+            leaves,
+            deps,
+            self._enum_dims,
+            self._subsample_of(self._mf_structure),
         )
 
     def _relabel_natural_form(self, infos, analysis) -> None:
@@ -683,8 +686,9 @@ class AutoCVI(AutoGuide):
         if self.prototype_trace is None:
             raise RuntimeError("AutoCVI has not seen the model yet: call svi.step(...) first")
         if name not in self._latents:
-            raise KeyError(f"{name!r} is not a latent site of the model; latent sites: "
-                           f"{list(self._latents)}")
+            raise KeyError(
+                f"{name!r} is not a latent site of the model; latent sites: {list(self._latents)}"
+            )
         info = self._latents[name]
         if info.form == SITE_FORM:
             post = self._posts[name]

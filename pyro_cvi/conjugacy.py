@@ -206,8 +206,12 @@ def classify(
                 continue
             if site_name in leaves:
                 continue  # a leaf's prior integrates to one: it sends no message
-            if analyzer is not None and (site_name == z or z in site_deps) and (
-                z not in gaussian or len(site_deps - {z}) > 0 or (site_name == z and site_deps)
+            if (
+                analyzer is not None
+                and (site_name == z or z in site_deps)
+                and (
+                    z not in gaussian or len(site_deps - {z}) > 0 or (site_name == z and site_deps)
+                )
             ):
                 # non-Gaussian q, or a factor shared with other latents: mean-field analysis
                 factors.append(analyzer.factor(site_name, z))

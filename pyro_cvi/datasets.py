@@ -68,7 +68,7 @@ class GPCData:
 
 
 def data_dir(path: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """Resolve the benchmark data directory (argument, ``$PYRO_CVI_DATA``, or ``../shared/data``)."""
+    """The benchmark data folder: the argument, ``$PYRO_CVI_DATA``, or ``../shared/data``."""
     candidates = []
     if path is not None:
         candidates.append(Path(path))

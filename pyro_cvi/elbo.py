@@ -17,8 +17,8 @@ from pyro.infer import ELBO
 
 from . import conjugacy as cj
 from .autoguide import LEAF_FORM, NATURAL_FORM, SITE_FORM, AutoCVI
-from .optim import PENDING
 from .messages import general_gaussian_message, linear_predictor_message
+from .optim import PENDING
 from .tracing import trace_model
 from .validation import check_observations
 
@@ -83,7 +83,7 @@ class CVI_ELBO(ELBO):
         check_observations(tr, guide._structure)
         elbo = 0.0
         counted = set()
-        for name, info in guide._latents.items():
+        for info in guide._latents.values():
             if info.form == SITE_FORM:
                 elbo = elbo + self._site_form(guide, info, tr, args, kwargs, grads, counted)
         natural = [i for i in guide._latents.values() if i.form == NATURAL_FORM]

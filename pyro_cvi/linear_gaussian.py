@@ -57,13 +57,17 @@ class GaussianPrior:
             return torch.cholesky_inverse(_safe_cholesky(self.cov))
         return torch.diag_embed(self.var.reciprocal())
 
-    def detach(self) -> "GaussianPrior":
+    def detach(self) -> GaussianPrior:
         d = lambda t: None if t is None else t.detach()  # noqa: E731
         return GaussianPrior(d(self.loc), d(self.var), d(self.precision), d(self.cov))
 
-    def equal(self, other: "GaussianPrior") -> bool:
-        for a, b in ((self.loc, other.loc), (self.var, other.var),
-                     (self.precision, other.precision), (self.cov, other.cov)):
+    def equal(self, other: GaussianPrior) -> bool:
+        for a, b in (
+            (self.loc, other.loc),
+            (self.var, other.var),
+            (self.precision, other.precision),
+            (self.cov, other.cov),
+        ):
             if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
                 return False
         return True

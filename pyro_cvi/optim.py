@@ -25,10 +25,16 @@ __all__ = ["CVI"]
 
 #: guides whose CVI gradients were computed by CVI_ELBO since the last CVI step (a fully
 #: conjugate model has no stateful CVI parameters, but hyperparameters may still need a step)
-PENDING: "weakref.WeakSet" = weakref.WeakSet()
+PENDING: weakref.WeakSet = weakref.WeakSet()
 
-_AUTOGUIDE_PREFIXES = ("AutoNormal.", "AutoMultivariateNormal.", "AutoDiagonalNormal.",
-                       "AutoLowRankMultivariateNormal.", "AutoDelta.", "AutoLaplaceApproximation.")
+_AUTOGUIDE_PREFIXES = (
+    "AutoNormal.",
+    "AutoMultivariateNormal.",
+    "AutoDiagonalNormal.",
+    "AutoLowRankMultivariateNormal.",
+    "AutoDelta.",
+    "AutoLaplaceApproximation.",
+)
 
 
 class CVI(PyroOptim):
@@ -72,7 +78,9 @@ class CVI(PyroOptim):
         self.t += 1
         beta = float(self.schedule(self.t))
         if not 0.0 < beta <= 1.0:
-            raise ValueError(f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]")
+            raise ValueError(
+                f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
+            )
         for owner in owners:
             owner._apply_step(beta)
         others = [p for p in others if p.grad is not None]

@@ -57,9 +57,7 @@ def latent_sites(trace: Trace, names=None):
 
 def observed_sites(trace: Trace):
     return {
-        name: site
-        for name, site in trace.nodes.items()
-        if is_random(site) and site["is_observed"]
+        name: site for name, site in trace.nodes.items() if is_random(site) and site["is_observed"]
     }
 
 

@@ -44,7 +44,10 @@ def run(dtype: torch.dtype, steps: int, samples: int, beta: float) -> dict:
     params_finite = all(bool(torch.isfinite(p).all()) for p in guide.natural_params().values())
     exact = float(
         logreg_neg_elbo(
-            data.X_train, data.y_train, q.loc.double(), q.covariance_matrix.double(),
+            data.X_train,
+            data.y_train,
+            q.loc.double(),
+            q.covariance_matrix.double(),
             data.prior_precision,
         )
     )
@@ -71,14 +74,19 @@ def main(argv=None):
     parser.add_argument("--out", default="results/stability_float32.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [run(dt, args.steps, args.samples, args.step_size)
-            for dt in (torch.float32, torch.float64)]
-    print(f"{'dtype':8s} {'steps':>6s} {'s':>7s} {'NaN':>4s} {'valid':>6s} {'shrunk':>6s} "
-          f"{'-ELBO (f64 eval)':>17s}")
+    rows = [
+        run(dt, args.steps, args.samples, args.step_size) for dt in (torch.float32, torch.float64)
+    ]
+    print(
+        f"{'dtype':8s} {'steps':>6s} {'s':>7s} {'NaN':>4s} {'valid':>6s} {'shrunk':>6s} "
+        f"{'-ELBO (f64 eval)':>17s}"
+    )
     for r in rows:
-        print(f"{r['dtype']:8s} {r['steps']:6d} {r['seconds']:7.1f} {r['nonfinite_losses']:4d} "
-              f"{str(r['params_finite']):>6s} {r['num_shrunk']:6d} "
-              f"{r['final_neg_elbo_float64_eval']:17.4f}")
+        print(
+            f"{r['dtype']:8s} {r['steps']:6d} {r['seconds']:7.1f} {r['nonfinite_losses']:4d} "
+            f"{str(r['params_finite']):>6s} {r['num_shrunk']:6d} "
+            f"{r['final_neg_elbo_float64_eval']:17.4f}"
+        )
     diff = rows[0]["final_neg_elbo_float64_eval"] - rows[1]["final_neg_elbo_float64_eval"]
     print(f"float32 - float64 final -ELBO: {diff:+.4f} nat")
     out = Path(args.out)

@@ -188,8 +188,13 @@ def _brute_force_gaussian(X, y, delta, steps=400):
     D = X.shape[1]
     m = torch.zeros(D, dtype=X.dtype, requires_grad=True)
     raw = torch.zeros(D, D, dtype=X.dtype, requires_grad=True)
-    opt = torch.optim.LBFGS([m, raw], max_iter=steps, tolerance_grad=1e-12,
-                            tolerance_change=1e-14, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [m, raw],
+        max_iter=steps,
+        tolerance_grad=1e-12,
+        tolerance_change=1e-14,
+        line_search_fn="strong_wolfe",
+    )
 
     def L():
         return torch.tril(raw, -1) + torch.diag(torch.exp(raw.diagonal()) * 0.3)
@@ -245,8 +250,9 @@ def test_general_factor_bonnet_price_converges():
     assert "general" in guide.explain()
     # exact posterior by quadrature on a grid (1-D), compare mean and sd
     grid = torch.linspace(0.5, 1.2, 20001, dtype=x.dtype)
-    logp = dist.Normal(1.0, 1.0).log_prob(grid) + dist.Normal(
-        grid[:, None] ** 3 * x, 0.1).log_prob(y).sum(-1)
+    logp = dist.Normal(1.0, 1.0).log_prob(grid) + dist.Normal(grid[:, None] ** 3 * x, 0.1).log_prob(
+        y
+    ).sum(-1)
     p = torch.softmax(logp, 0)
     mean = (p * grid).sum()
     sd = ((p * (grid - mean) ** 2).sum()).sqrt()
@@ -259,8 +265,9 @@ def test_hyperparameter_learning_recovers_noise_scale():
     X, y = _blr_data(400, 3)
 
     def model(X, y=None):
-        sigma = pyro.param("sigma", torch.tensor(1.0, dtype=X.dtype),
-                           constraint=dist.constraints.positive)
+        sigma = pyro.param(
+            "sigma", torch.tensor(1.0, dtype=X.dtype), constraint=dist.constraints.positive
+        )
         w = pyro.sample("w", dist.Normal(X.new_zeros(3), 1.0).to_event(1))
         with pyro.plate("data", X.shape[0]):
             pyro.sample("y", dist.Normal(X @ w + 0.7, sigma), obs=y)
@@ -330,8 +337,9 @@ def test_float32_logistic_regression_is_stable():
     assert all(math.isfinite(v) for v in losses)
     assert guide.posterior("w").loc.dtype == torch.float32
     q = guide.posterior("w")
-    ref = float(logreg_neg_elbo(X.double(), y.double(), q.loc.double(),
-                                q.covariance_matrix.double(), 1.0))
+    ref = float(
+        logreg_neg_elbo(X.double(), y.double(), q.loc.double(), q.covariance_matrix.double(), 1.0)
+    )
     assert losses[-1] == pytest.approx(ref, abs=1e-3)
 
 

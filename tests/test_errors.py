@@ -133,8 +133,9 @@ def case_shrunk_step():
     raise RuntimeWarning(str([r.message for r in record if "shrunk" in str(r.message)][0]))
 
 
-CASES = {name[5:].replace("_", "-"): fn for name, fn in globals().items()
-         if name.startswith("case_")}
+CASES = {
+    name[5:].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")
+}
 
 
 def test_table_and_cases_match():
