@@ -1,3 +1,4 @@
+import pyro
 import pytest
 import torch
 
@@ -11,6 +12,15 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _clean_param_store():
+    """Every test starts from an empty param store and a fixed seed."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    pyro.clear_param_store()
 
 
 @pytest.fixture(scope="session")

@@ -14,14 +14,6 @@ from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
 from pyro_cvi.baselines import logreg_neg_elbo
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
-
-
 def _blr_data(N=40, D=5, dtype=torch.float64):
     g = torch.Generator().manual_seed(1)
     X = torch.randn(N, D, generator=g, dtype=dtype)

@@ -13,14 +13,6 @@ from pyro.infer.autoguide.initialization import init_to_value
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
-
-
 def _lbeta(a, b):
     return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 

@@ -11,14 +11,6 @@ from pyro_cvi import gamma_models as gm
 from pyro_cvi import meanfield as mf
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
-
-
 def _vectorized_elbo(log_p, shapes, S=20000, seed=0):
     """ELBO(params) = E_q[log p(z)] + H[q] with fixed-seed reparameterised samples."""
 

@@ -15,14 +15,6 @@ from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
 K, SIGMA = 3, 5.0
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
-
-
 def _data(N=600, seed=0):
     g = torch.Generator().manual_seed(seed)
     centers = torch.tensor([-6.0, 0.0, 7.0], dtype=torch.float64)

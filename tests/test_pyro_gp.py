@@ -33,13 +33,6 @@ def _gp_model(kernel, likelihood):
     return model
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    pyro.clear_param_store()
-    yield
-    pyro.clear_param_store()
-
-
 def test_gp_regression_is_exact_in_one_step():
     X, f, _ = _toy()
     y = f + 0.2 * torch.randn(len(f), dtype=f.dtype)
