@@ -192,7 +192,7 @@ class CVIOptimizer:
             key is not None
             and prev is not None
             and s._keys_equal([0] + prev["key"], [0] + key)
-            and loss > prev["loss"] + 1e-9 * prev["loss"].abs()
+            and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
             and self.step_size > self.min_step_size
         ):
             # The previous step made things worse: undo it and retry with a smaller step.
@@ -218,6 +218,11 @@ class CVIOptimizer:
         self._update(old1, old2, g1, g2, indices)
         self.num_steps += 1
         return loss
+
+    @staticmethod
+    def _rel_tol(loss: Tensor) -> float:
+        """Relative increase of the -ELBO treated as real (not round-off) when backtracking."""
+        return max(1e-9, 100.0 * torch.finfo(loss.dtype).eps)
 
     def _update(self, old1: Tensor, old2: Tensor, g1: Tensor, g2: Tensor, indices) -> None:
         """Eq. 13: ``lam <- (1 - beta) lam + beta g``, with ``lam2 <= 0`` kept."""
