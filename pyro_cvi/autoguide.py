@@ -712,9 +712,7 @@ class AutoCVI(AutoGuide):
     def median(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
         """The posterior median (the mean, for Gaussian factors) of each non-leaf latent site."""
         return {
-            n: _median_of(self.posterior(n))
-            for n, i in self._latents.items()
-            if i.form != LEAF_FORM
+            n: _mean_of(self.posterior(n)) for n, i in self._latents.items() if i.form != LEAF_FORM
         }
 
     def explain(self) -> str:
@@ -757,17 +755,6 @@ def _mean_of(q):
         return q.mean.detach()
     except NotImplementedError:
         return q.sample().detach()
-
-
-def _median_of(q):
-    if isinstance(q, (dist.Normal, dist.MultivariateNormal)):
-        return q.mean
-    if q.support.is_discrete:  # discrete natural-form sites: the mode
-        return q.mode
-    try:
-        return q.mean
-    except NotImplementedError:
-        return q.sample()
 
 
 def _gaussian_prior(fn, D: int) -> GaussianPrior:

@@ -95,7 +95,7 @@ class CVI_ELBO(ELBO):
 
     def _site_form(self, guide: AutoCVI, info, tr, args, kwargs, grads, counted):
         prior_g, rows, elbo_fns, post, sites, general = guide._refresh_site_form(info, tr)
-        elbo = -post.kl_to(prior_g_from(tr, info))
+        elbo = -post.kl_to(prior_g)
         counted.add(info.name)
         for idx, fn in elbo_fns:
             sl = post.blocks[idx][1]
@@ -168,12 +168,6 @@ def _end_step(guide) -> None:
 def _draw_subsample(guide: AutoCVI, args, kwargs) -> Dict[str, torch.Tensor]:
     """Fresh subsample indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
     return guide._draw_subsample(args, kwargs)
-
-
-def prior_g_from(tr, info):
-    from .autoguide import _gaussian_prior
-
-    return _gaussian_prior(tr.nodes[info.name]["fn"], info.numel)
 
 
 def _log_joint(guide: AutoCVI, name: str, sites: List[str], args, kwargs):

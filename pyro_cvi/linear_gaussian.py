@@ -50,24 +50,30 @@ class GaussianPrior:
     def is_diagonal(self) -> bool:
         return self.var is not None
 
+    def _tensors(self):
+        return (self.loc, self.var, self.precision, self.cov)
+
+    def cov_cholesky(self) -> torch.Tensor:
+        """Cholesky factor of the dense ``cov``, computed once per prior object."""
+        if getattr(self, "_cov_chol", None) is None:
+            self._cov_chol = _safe_cholesky(self.cov)
+        return self._cov_chol
+
     def precision_matrix(self) -> torch.Tensor:
         if self.precision is not None:
             return self.precision
         if self.cov is not None:
-            return torch.cholesky_inverse(_safe_cholesky(self.cov))
+            return torch.cholesky_inverse(self.cov_cholesky())
         return torch.diag_embed(self.var.reciprocal())
 
     def detach(self) -> GaussianPrior:
-        d = lambda t: None if t is None else t.detach()  # noqa: E731
-        return GaussianPrior(d(self.loc), d(self.var), d(self.precision), d(self.cov))
+        """A copy without graph; ``self`` when there is none (keeping its memoised Cholesky)."""
+        if not any(t is not None and t.requires_grad for t in self._tensors()):
+            return self
+        return GaussianPrior(*(None if t is None else t.detach() for t in self._tensors()))
 
     def equal(self, other: GaussianPrior) -> bool:
-        for a, b in (
-            (self.loc, other.loc),
-            (self.var, other.var),
-            (self.precision, other.precision),
-            (self.cov, other.cov),
-        ):
+        for a, b in zip(self._tensors(), other._tensors()):
             if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
                 return False
         return True
@@ -113,7 +119,9 @@ class GaussianPosterior:
             maha = (diff * diff * prec).sum()
             logdet_p = prior.var.log().sum()
         elif prior.cov is not None:
-            L0 = _safe_cholesky(prior.cov)
+            # the prior this q was solved under (same storage, no graph): reuse its Cholesky
+            same = not prior.cov.requires_grad and prior.cov.data_ptr() == _ptr(self.prior.cov)
+            L0 = self.prior.cov_cholesky() if same else _safe_cholesky(prior.cov)
             trace = torch.cholesky_solve(self.covariance(), L0).diagonal().sum()
             u = torch.linalg.solve_triangular(L0, diff.unsqueeze(-1), upper=False)
             maha = (u * u).sum()
@@ -124,6 +132,10 @@ class GaussianPosterior:
             maha = diff @ P @ diff
             logdet_p = -2 * torch.linalg.cholesky(P).diagonal().log().sum()
         return 0.5 * (trace + maha - D + logdet_p - self.logdet_cov)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
 
 
 def _safe_cholesky(M: torch.Tensor) -> torch.Tensor:
@@ -218,9 +230,7 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
         Linv = torch.linalg.solve_triangular(L, eye, upper=False)
         return (Linv * Linv).sum(0)
 
-    post = GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
-    post.precision_cholesky = L
-    return post
+    return GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
 
 
 def _solve_dual(prior, A, w, b):
@@ -245,7 +255,7 @@ def _solve_dual(prior, A, w, b):
     f_var = K.diagonal() - (C * C).sum(0)
     m = m0 + AS.T @ alpha
     if dense:
-        logdet_s0 = 2 * _safe_cholesky(prior.cov).diagonal().log().sum()
+        logdet_s0 = 2 * prior.cov_cholesky().diagonal().log().sum()
     else:
         logdet_s0 = s0.log().sum()
     logdet_cov = logdet_s0 - 2 * LB.diagonal().log().sum()

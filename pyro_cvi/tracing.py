@@ -13,8 +13,6 @@ from pyro.poutine.trace_struct import Trace
 __all__ = [
     "trace_model",
     "is_random",
-    "latent_sites",
-    "observed_sites",
     "unwrap",
     "LINEAR_PARAMS",
     "linear_param",
@@ -39,26 +37,6 @@ def is_random(site) -> bool:
 
 def _is_latent(site) -> bool:
     return is_random(site) and not site["is_observed"]
-
-
-def latent_sites(trace: Trace, names=None):
-    """The model's latent sample sites, in execution order (``names`` restricts the result)."""
-    out = {}
-    for name, site in trace.nodes.items():
-        if not is_random(site):
-            continue
-        if names is not None:
-            if name in names:
-                out[name] = site
-        elif _is_latent(site):
-            out[name] = site
-    return out
-
-
-def observed_sites(trace: Trace):
-    return {
-        name: site for name, site in trace.nodes.items() if is_random(site) and site["is_observed"]
-    }
 
 
 def unwrap(fn) -> Tuple[torch.distributions.Distribution, Optional[torch.Tensor], int]:
