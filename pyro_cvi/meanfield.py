@@ -984,7 +984,7 @@ def _monte_carlo(guide, general, q: QState, want, args, kwargs, an):
     """Monte Carlo ``E_q[log p_a]`` of the general factors and its mean-parameter gradients."""
     S = max(1, int(guide.num_general_samples))
     lat = set().union(*[s.latents for s in general])
-    cont = [n for n in lat if n in q.lam and n not in an.discrete]
+    cont = [n for n in sorted(lat) if n in q.lam and n not in an.discrete]  # fixed RNG order
     lam_leaves = {n: tuple(t.clone().requires_grad_(n in want) for t in q.lam[n]) for n in cont}
     dists = {n: q.fam[n].natural_to_dist(lam_leaves[n]) for n in cont}
     values = {s.site: 0.0 for s in general}
