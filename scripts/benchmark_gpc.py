@@ -67,8 +67,15 @@ def _log_positive():
     return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
 
 
-def make_model(kind: str, X: torch.Tensor, Z: Optional[torch.Tensor], learn_z: bool = False):
-    """An ApproximateGP with a zero mean and ScaleKernel(RBF) on log-parameterised scales."""
+def make_model(
+    kind: str,
+    X: torch.Tensor,
+    Z: Optional[torch.Tensor],
+    learn_z: bool = False,
+    ard: bool = False,
+):
+    """An ApproximateGP with a zero mean and ScaleKernel(RBF) on log-parameterised scales
+    (one lengthscale per input dimension with ``ard=True``)."""
     import gpytorch
 
     from pyro_cvi.contrib.gpytorch import CVIVariationalStrategy
@@ -98,7 +105,10 @@ def make_model(kind: str, X: torch.Tensor, Z: Optional[torch.Tensor], learn_z: b
             super().__init__(strategy)
             self.mean_module = gpytorch.means.ZeroMean()
             self.covar_module = gpytorch.kernels.ScaleKernel(
-                gpytorch.kernels.RBFKernel(lengthscale_constraint=_log_positive()),
+                gpytorch.kernels.RBFKernel(
+                    ard_num_dims=X.shape[-1] if ard else None,
+                    lengthscale_constraint=_log_positive(),
+                ),
                 outputscale_constraint=_log_positive(),
             )
 

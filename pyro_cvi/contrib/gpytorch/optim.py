@@ -140,7 +140,10 @@ class CVIOptimizer:
         :param y: the matching targets.
         :param indices: rows of the training set in the minibatch (``None``: full batch).
         :param kwargs: passed to ``likelihood.expected_log_prob``.
-        :return: -ELBO of q before the update (detached 0-dim tensor).
+        :return: -ELBO of q before the update (detached 0-dim tensor). A backtracked step
+            (undone and retried with a halved step size) returns the previous value again, so
+            a convergence test on this value should also check that ``num_backtracks`` did
+            not change.
         """
         s = self.strategy
         indices = self._resolve_indices(x, indices)
