@@ -272,7 +272,7 @@ def main():
             f"{_fmt(r['cvi_avg_seconds_to_target'], r['cvi_avg_best']):>10s} "
             f"{_fmt_ratio(r['speedup_adam_over_cvi_avg']):>9s}"
         )
-    print("\ntime to reach intermediate levels of Adam's best run (Adam s / CVI s):")
+    print("\ntime to reach intermediate levels of Adam's best run (Adam s / CVI s, first seed):")
     for r in rows:
         cells = []
         for lv in r["time_to_metric_levels"]:
