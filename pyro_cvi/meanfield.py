@@ -921,10 +921,9 @@ def compute(
                 parts = [t / s for t in parts]
             targets[n] = tuple(q.fam[n].symmetrize(tuple(parts)))
     if value:
-        for n in natural:
-            info = guide._latents[n]
-            h = q.fam[n].entropy(q.lam[n]).sum() * _local_scale(guide, info)
-            elbo = elbo + h
+        for n, info in guide._latents.items():  # (the guide's order: a fixed float sum)
+            if n in natural:
+                elbo = elbo + q.fam[n].entropy(q.lam[n]).sum() * _local_scale(guide, info)
     return StepResult(elbo, targets)
 
 

@@ -141,9 +141,9 @@ def run_problem(name: str, seed: int, quick: bool):
     best_lr = max(adam, key=lambda k: adam[k].best())
     target = adam[best_lr].best()
     t_adam = adam[best_lr].time_to(target)
-    runs = []
-    for cvi_seed in cfg["cvi_seeds"]:
-        pyro.set_rng_seed(seed + cvi_seed)
+
+    def cvi_run(rng_seed, step_size, label, average=None):
+        pyro.set_rng_seed(rng_seed)
         run, _ = gm.run_cvi(
             model,
             args,
@@ -151,48 +151,32 @@ def run_problem(name: str, seed: int, quick: bool):
             metric,
             iters=cfg["cvi_iters"],
             every=max(5, cfg["cvi_iters"] // 100),
-            step_size=cfg["cvi_step"],
+            step_size=step_size,
             num_samples=cfg["cvi_samples"],
-            name=f"cvi seed={seed + cvi_seed}",
+            average=average,
+            name=label,
         )
         t = run.time_to(target)
         print(
-            f"  {name} cvi seed={seed + cvi_seed} best {run.best():.4f}; reaches Adam's best at "
+            f"  {name} {label} best {run.best():.4f}; reaches Adam's best at "
             f"{t if t is None else round(t, 2)} s",
             flush=True,
         )
-        runs.append(run)
+        return run
+
+    runs = [cvi_run(seed + s, cfg["cvi_step"], f"cvi seed={seed + s}") for s in cfg["cvi_seeds"]]
     times = [r.time_to(target) for r in runs]
     reached = sorted(t for t in times if t is not None)
     # median over seeds (a seed that never reaches the target counts as slower than all)
     # (the upper median for an even number of seeds)
     t_cvi = reached[len(runs) // 2] if len(reached) > len(runs) // 2 else None
     t_worst = max(reached) if len(reached) == len(runs) else None
-    cvi = runs[0]
     ratio = (t_adam / t_cvi) if t_cvi else None
     ratio_worst = (t_adam / t_worst) if t_worst else None
     avg = None
     if cfg.get("cvi_avg_step") is not None:
         # CVI with a constant step and iterate averaging (EMA of the natural parameters)
-        pyro.set_rng_seed(seed)
-        avg, _ = gm.run_cvi(
-            model,
-            args,
-            init,
-            metric,
-            iters=cfg["cvi_iters"],
-            every=max(5, cfg["cvi_iters"] // 100),
-            step_size=cfg["cvi_avg_step"],
-            num_samples=cfg["cvi_samples"],
-            average=cfg["cvi_avg_decay"],
-            name="cvi+avg",
-        )
-        t_avg = avg.time_to(target)
-        print(
-            f"  {name} cvi+avg best {avg.best():.4f}; reaches Adam's best at "
-            f"{t_avg if t_avg is None else round(t_avg, 2)} s",
-            flush=True,
-        )
+        avg = cvi_run(seed, cfg["cvi_avg_step"], "cvi+avg", average=cfg["cvi_avg_decay"])
     print(
         f"  {name} cvi over {len(runs)} seeds: reaches Adam's best {target:.4f} at median "
         f"{t_cvi if t_cvi is None else round(t_cvi, 2)} s, worst "
@@ -215,7 +199,7 @@ def run_problem(name: str, seed: int, quick: bool):
         "cvi_best": max(r.best() for r in runs),
         "speedup_adam_over_cvi": ratio,
         "speedup_adam_over_cvi_worst_seed": ratio_worst,
-        "time_to_metric_levels": _levels(adam[best_lr], cvi),
+        "time_to_metric_levels": _levels(adam[best_lr], runs[0]),
         "cvi_avg_seconds_to_target": None if avg is None else avg.time_to(target),
         "cvi_avg_best": None if avg is None else avg.best(),
         "speedup_adam_over_cvi_avg": (

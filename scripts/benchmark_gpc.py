@@ -130,6 +130,26 @@ def kmeans_centres(X: torch.Tensor, M: int, seed: int = 0) -> torch.Tensor:
     return torch.as_tensor(km.cluster_centers_, dtype=X.dtype, device=X.device)
 
 
+def evaluate(model, lik, X, y, X_test, y_test):
+    """``(-ELBO, test log-loss in bits, accuracy)``: the -ELBO is N times gpytorch's
+    ``VariationalELBO``; the predictive probability is ``likelihood(model(X_test))``."""
+    import gpytorch
+
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=X.shape[0])
+    with torch.no_grad():
+        model.train()
+        lik.train()
+        nelbo = -mll(model(X), y).item() * X.shape[0]
+        model.eval()
+        lik.eval()
+        p = lik(model(X_test)).probs.clamp(1e-12, 1 - 1e-12)
+        bits = -(y_test * torch.log2(p) + (1 - y_test) * torch.log2(1 - p)).mean().item()
+        acc = ((p > 0.5).to(y_test) == y_test).to(torch.float64).mean().item()
+        model.train()
+        lik.train()
+    return nelbo, bits, acc
+
+
 # -------------------------------------------------------------------------- worker
 def _peak_mb(device: torch.device) -> float:
     if device.type == "cuda":
@@ -239,17 +259,8 @@ def run_one(cfg: dict) -> dict:
         peak_increase_mb=peak - rss_before,
     )
     if error is None:
-        with torch.no_grad():
-            model.train()
-            result["final_nelbo"] = -mll(model(X), y).item() * N
-            model.eval()
-            lik.eval()
-            p = lik(model(data.X_test)).probs.clamp(1e-12, 1 - 1e-12)
-            yt = data.y_test
-            result["test_logloss_bits"] = (
-                -(yt * torch.log2(p) + (1 - yt) * torch.log2(1 - p)).mean().item()
-            )
-            result["accuracy"] = ((p > 0.5).to(yt) == yt).to(torch.float64).mean().item()
+        nelbo, bits, acc = evaluate(model, lik, X, y, data.X_test, data.y_test)
+        result.update(final_nelbo=nelbo, test_logloss_bits=bits, accuracy=acc)
         result["final_log_sf"] = 0.5 * math.log(model.covar_module.outputscale.item())
         result["final_log_l"] = math.log(model.covar_module.base_kernel.lengthscale.item())
         if method in ("cvi", "cvi-sparse"):

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_gpc import evaluate as evaluate_gpc  # noqa: E402
 from benchmark_gpc import kmeans_centres, make_model  # noqa: E402
 
 
@@ -91,20 +92,7 @@ def converge(model, lik, X, y, max_steps=300, tol=1e-7):
 
 
 def evaluate(model, lik, X, y, Xt, yt):
-    import gpytorch
-
-    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=X.shape[0])
-    with torch.no_grad():
-        model.train()
-        lik.train()
-        nelbo = -mll(model(X), y).item() * X.shape[0]
-        model.eval()
-        lik.eval()
-        p = lik(model(Xt)).probs.clamp(1e-12, 1 - 1e-12)
-        bits = -(yt * torch.log2(p) + (1 - yt) * torch.log2(1 - p)).mean().item()
-        acc = ((p > 0.5).to(yt) == yt).double().mean().item()
-        model.train()
-        lik.train()
+    nelbo, bits, acc = evaluate_gpc(model, lik, X, y, Xt, yt)
     return dict(nelbo=nelbo, bits=bits, acc=acc)
 
 

@@ -54,10 +54,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, *argv):
+def _run(tmp_path, *argv, source=SCRIPT, env=None):
     script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    subprocess.run([sys.executable, str(script), *map(str, argv)], check=True)
+    script.write_text(source)
+    subprocess.run([sys.executable, str(script), *map(str, argv)], check=True, env=env)
 
 
 def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
@@ -98,13 +98,11 @@ MF_SCRIPT = textwrap.dedent(
 def test_same_seed_is_bit_identical_across_processes(tmp_path):
     """Latents are sampled in a fixed order: Python's per-process string hashing (set order)
     must not change which random numbers a site gets."""
-    script = tmp_path / "mf.py"
-    script.write_text(MF_SCRIPT)
     outs = []
     for hash_seed in ("1", "2", "3"):
         out = tmp_path / f"mf{hash_seed}.pt"
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        subprocess.run([sys.executable, str(script), str(out)], check=True, env=env)
+        _run(tmp_path, out, source=MF_SCRIPT, env=env)
         outs.append(torch.load(out))
     for other in outs[1:]:
         assert outs[0].keys() == other.keys()
