@@ -46,7 +46,7 @@ def save_checkpoint(
     }
     if guide is not None:
         state["guide"] = {
-            "name": guide._pyro_name,
+            "name": guide.param_prefix,
             "num_shrunk": guide.num_shrunk,
             "num_rejected": guide.num_rejected,
         }
@@ -70,9 +70,9 @@ def load_checkpoint(
     random.setstate(rng["python"])
     if guide is not None and "guide" in state:
         g = state["guide"]
-        if g["name"] != guide._pyro_name:
+        if g["name"] != guide.param_prefix:
             raise ValueError(
-                f"checkpoint holds guide {g['name']!r} but got {guide._pyro_name!r}; build the "
+                f"checkpoint holds guide {g['name']!r} but got {guide.param_prefix!r}; build the "
                 "guide the same way as in the saved run"
             )
         guide.num_shrunk, guide.num_rejected = g["num_shrunk"], g["num_rejected"]

@@ -49,6 +49,8 @@ import torch
 import torch.distributions as tdist
 import torch.nn.functional as F
 
+from .families import Bernoulli, Beta, Categorical, Dirichlet, Gamma, Gaussian, GaussianDiag
+
 __all__ = [
     "CONST",
     "MONOMIAL",
@@ -86,10 +88,10 @@ class Pattern:
 
     name: str
     classes: Tuple[type, ...]
-    #: parameter -> (role kinds allowed besides const, q family the parents must have)
-    params: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]]
-    #: q families allowed for a latent value of the site ("discrete": enumerated)
-    value_families: Tuple[str, ...]
+    #: parameter -> (role kinds allowed besides const, q family classes the parents must have)
+    params: Dict[str, Tuple[Tuple[str, ...], Tuple[type, ...]]]
+    #: q family classes allowed for a latent value of the site (discrete ones: enumerated)
+    value_families: Tuple[type, ...]
     #: elementwise ``E_q[log p]`` (before masking/scaling) from a :class:`FactorMoments`
     elp: Callable = field(compare=False)
 
@@ -170,68 +172,67 @@ def _multinomial_elp(m):
     return torch.lgamma(n + 1) - torch.lgamma(y + 1).sum(-1) + (y * logp).sum(-1)
 
 
-_GAUSS = ("gaussian", "gaussian_diag")
+_GAUSS = (Gaussian, GaussianDiag)
+_DISCRETE = (Bernoulli, Categorical)  # an enumerated value
 PATTERNS: Tuple[Pattern, ...] = (
     Pattern(
         "Normal",
         (tdist.Normal,),
-        {"loc": ((AFFINE,), _GAUSS), "precision": ((MONOMIAL,), ("gamma",))},
+        {"loc": ((AFFINE,), _GAUSS), "precision": ((MONOMIAL,), (Gamma,))},
         _GAUSS,
         _normal_elp,
     ),
     Pattern(
         "Gamma",
         (tdist.Gamma,),
-        {"concentration": ((), ()), "rate": ((MONOMIAL,), ("gamma",))},
-        ("gamma",),
+        {"concentration": ((), ()), "rate": ((MONOMIAL,), (Gamma,))},
+        (Gamma,),
         _gamma_elp,
     ),
     Pattern(
         "Exponential",
         (tdist.Exponential,),
-        {"rate": ((MONOMIAL,), ("gamma",))},
-        ("gamma",),
+        {"rate": ((MONOMIAL,), (Gamma,))},
+        (Gamma,),
         _exponential_elp,
     ),
-    Pattern("Poisson", (tdist.Poisson,), {"rate": ((MONOMIAL,), ("gamma",))}, (), _poisson_elp),
+    Pattern("Poisson", (tdist.Poisson,), {"rate": ((MONOMIAL,), (Gamma,))}, (), _poisson_elp),
     Pattern(
         "Beta",
         (tdist.Beta,),
         {"concentration1": ((), ()), "concentration0": ((), ())},
-        ("beta",),
+        (Beta,),
         _beta_elp,
     ),
     Pattern(
-        "Dirichlet", (tdist.Dirichlet,), {"concentration": ((), ())}, ("dirichlet",), _dirichlet_elp
+        "Dirichlet", (tdist.Dirichlet,), {"concentration": ((), ())}, (Dirichlet,), _dirichlet_elp
     ),
     Pattern(
         "Bernoulli",
         (tdist.Bernoulli,),
-        {"probs": ((IDENTITY,), ("beta",))},
-        ("discrete",),
+        {"probs": ((IDENTITY,), (Beta,))},
+        _DISCRETE,
         _bernoulli_elp,
     ),
     Pattern(
         "Binomial",
         (tdist.Binomial,),
-        {"probs": ((IDENTITY,), ("beta",)), "total_count": ((), ())},
+        {"probs": ((IDENTITY,), (Beta,)), "total_count": ((), ())},
         (),
         _binomial_elp,
     ),
-    Pattern(
-        "Geometric", (tdist.Geometric,), {"probs": ((IDENTITY,), ("beta",))}, (), _geometric_elp
-    ),
+    Pattern("Geometric", (tdist.Geometric,), {"probs": ((IDENTITY,), (Beta,))}, (), _geometric_elp),
     Pattern(
         "Categorical",
         (tdist.Categorical,),
-        {"probs": ((IDENTITY,), ("dirichlet",))},
-        ("discrete",),
+        {"probs": ((IDENTITY,), (Dirichlet,))},
+        _DISCRETE,
         _categorical_elp,
     ),
     Pattern(
         "Multinomial",
         (tdist.Multinomial,),
-        {"probs": ((IDENTITY,), ("dirichlet",))},
+        {"probs": ((IDENTITY,), (Dirichlet,))},
         (),
         _multinomial_elp,
     ),

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .probes import jacobian
 from .quadrature import expected_log_prob, mean_param_gradients, site_natural_params
 from .tracing import linear_param, unwrap, with_param
 
@@ -131,11 +132,10 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
     ``z = m +- L eps``: the pair average cancels the linear term of ``grad f`` around the mean,
     which is the control variate ``hess f(m) (z - m)`` at no cost. The target natural
     parameters are ``(g - 2 G m, G)``; returned in precision form ``(h, P) = (g + P m, -2 G)``.
-    ``log_joint(z)`` must return ``(f, f_with_graph)``: the value for autograd in ``z`` and
-    one that keeps its graph to hyperparameters.
+    ``log_joint(z)`` returns ``(f, v)``: ``f`` for autograd in ``z``, and ``v`` the part of it
+    whose Monte Carlo average is returned as the ELBO value (it keeps its graph to
+    hyperparameters).
     """
-    from .conjugacy import jacobian
-
     D = loc.numel()
     half = max(1, num_samples // 2)
     eps = torch.randn(half, D, dtype=loc.dtype, device=loc.device)
@@ -146,12 +146,12 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
     for e in eps:
         z = (loc + scale_tril @ e).detach().requires_grad_(True)
         with torch.enable_grad():
-            f = log_joint(z)
+            f, v = log_joint(z)
             (g,) = torch.autograd.grad(f, z, create_graph=True)
             H = jacobian(g.reshape(-1), z)
         g_sum += g.detach().reshape(-1)
         H_sum += 0.5 * (H + H.T).detach()
-        value = value + f
+        value = value + v
     S = eps.shape[0]
     g, H = g_sum / S, H_sum / S
     P = -H

@@ -12,20 +12,16 @@ user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Dict, Iterable, Optional, Type, Union
 
 import pyro
 import torch
 from pyro.optim import PyroOptim
 
+from .engine import owner_of
 from .step_sizes import Schedule, as_schedule
 
 __all__ = ["CVI"]
-
-#: guides whose CVI gradients were computed by CVI_ELBO since the last CVI step (a fully
-#: conjugate model has no stateful CVI parameters, but hyperparameters may still need a step)
-PENDING: weakref.WeakSet = weakref.WeakSet()
 
 _AUTOGUIDE_PREFIXES = (
     "AutoNormal.",
@@ -64,25 +60,30 @@ class CVI(PyroOptim):
         return float(self.schedule(self.t + 1))
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
-        params = list(params)
-        owners = list(PENDING)  # guides whose CVI gradients CVI_ELBO just computed
-        PENDING.clear()
-        cvi_params = set()
-        for guide in owners:
-            cvi_params.update(id(p.unconstrained()) for p in guide.natural_params().values())
-        others = [p for p in params if id(p) not in cvi_params]
-        if not owners:
+        engines, others = {}, []
+        for p in params:
+            engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
+            if engine is None:
+                others.append(p)
+            else:
+                engines[id(engine)] = engine
+        if not engines:
             if others:
                 _refuse(others)
             return
+        if any(e.pending is None for e in engines.values()):
+            raise ValueError(
+                "CVI found CVI parameters without natural gradients: the loss must be "
+                "CVI_ELBO, e.g. SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO())"
+            )
         self.t += 1
         beta = float(self.schedule(self.t))
         if not 0.0 < beta <= 1.0:
             raise ValueError(
                 f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
             )
-        for owner in owners:
-            owner._apply_step(beta)
+        for engine in engines.values():
+            engine.step(beta)
         others = [p for p in others if p.grad is not None]
         if others:
             super().__call__(others, *args, **kwargs)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
+from pyro.infer.enum import config_enumerate
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.trace_struct import Trace
 
 __all__ = [
     "trace_model",
+    "run_model",
+    "max_plate_nesting",
+    "subsample_values",
+    "discrete_dependencies",
+    "continuous_dependencies",
     "is_random",
     "unwrap",
     "LINEAR_PARAMS",
@@ -24,6 +30,102 @@ def trace_model(model: Callable, values: Dict[str, torch.Tensor], args, kwargs) 
     """Trace ``model(*args, **kwargs)`` with the latent sites in ``values`` fixed (conditioned)."""
     conditioned = poutine.condition(model, data=values) if values else model
     return poutine.trace(conditioned).get_trace(*args, **kwargs)
+
+
+def run_model(model, values: Dict[str, torch.Tensor], args, kwargs, enum_dims: Optional[int]):
+    """Trace ``model`` with ``values`` conditioned; discrete latents left free are enumerated in
+    parallel left of ``enum_dims`` plate dims (``None``: no enumeration)."""
+    if enum_dims is None:
+        return trace_model(model, values, args, kwargs)
+    fn = poutine.condition(model, data=values) if values else model
+    fn = poutine.enum(config_enumerate(fn, default="parallel"), first_available_dim=-1 - enum_dims)
+    return poutine.trace(fn).get_trace(*args, **kwargs)
+
+
+def max_plate_nesting(trace: Trace) -> int:
+    """The number of batch dims used by vectorised plates (enumeration goes left of them)."""
+    dims = [
+        -f.dim
+        for s in trace.nodes.values()
+        if s["type"] == "sample"
+        for f in s["cond_indep_stack"]
+        if f.vectorized and f.dim is not None
+    ]
+    return max(dims, default=0)
+
+
+def subsample_values(trace: Trace) -> Dict[str, torch.Tensor]:
+    """The subsample indices of every plate in a trace (to replay the same minibatch)."""
+    return {
+        n: s["value"]
+        for n, s in trace.nodes.items()
+        if s["type"] == "sample" and isinstance(s["fn"], _Subsample)
+    }
+
+
+def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Set[str]]:
+    """For each sample site of an *enumerated* trace, the discrete latents it depends on.
+
+    Read off Pyro's enumeration bookkeeping: every enumerated site has an id, and every site
+    records the ids of the enumerated values its distribution broadcasts over
+    (``infer["_dim_to_id"]``). Ids, not dims: ``pyro.markov`` recycles enumeration dims, so
+    ``x_t`` and ``x_{t-2}`` share a dim but never an id.
+    """
+    ids = {}
+    for c in discrete:
+        infer = trace.nodes[c]["infer"]
+        d = infer.get("_enumerate_dim")
+        if d is not None:
+            ids[c] = infer["_dim_to_id"][d]
+    out: Dict[str, Set[str]] = {}
+    for name, site in trace.nodes.items():
+        if not is_random(site):
+            continue
+        infer = site["infer"]
+        own = infer.get("_dim_to_id", {}).get(infer.get("_enumerate_dim"))
+        seen = set(infer.get("_dim_to_id", {}).values()) - {own}
+        out[name] = {c for c, i in ids.items() if c != name and i in seen}
+    return out
+
+
+def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Dict[str, Set[str]]:
+    """For each sample site of ``trace``, the continuous latent sites its distribution depends on.
+
+    ``trace`` was taken with the latent values ``leaves`` as autograd leaves; a latent is a
+    dependency of a site when the gradient of the site's parameters with respect to it is not
+    identically absent. This is structural (exact), not numeric. (Discrete latents: see
+    :func:`discrete_dependencies`.)
+    """
+    names = list(leaves)
+    deps: Dict[str, Set[str]] = {}
+    with torch.enable_grad():
+        for name, site in trace.nodes.items():
+            if not is_random(site):
+                continue
+            params = [p for p in float_params(site["fn"]) if p.requires_grad]
+            deps[name] = set()
+            if not params or not names:
+                continue
+            total = sum((p * torch.randn_like(p)).sum() for p in params)
+            grads = torch.autograd.grad(
+                total, [leaves[n] for n in names], allow_unused=True, retain_graph=True
+            )
+            deps[name] = {n for n, g in zip(names, grads) if g is not None}
+    return deps
+
+
+def float_params(fn) -> list:
+    """The floating-point parameter tensors of a site's (unwrapped) distribution."""
+    base = unwrap(fn)[0]
+    out = []
+    for name in getattr(base, "arg_constraints", {}):
+        try:
+            v = getattr(base, name)
+        except Exception:  # lazy parameters that cannot be computed
+            continue
+        if torch.is_tensor(v) and v.is_floating_point():
+            out.append(v)
+    return out
 
 
 def is_random(site) -> bool:

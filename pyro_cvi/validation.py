@@ -10,7 +10,7 @@ from .tracing import is_random
 __all__ = ["check_observations", "check_structure"]
 
 
-def check_observations(trace: Trace, prototype: Trace) -> None:
+def check_observations(trace: Trace, prototype) -> None:
     """Raise ``ValueError`` for non-finite observations or a model whose sites changed."""
     check_structure(trace, prototype)
     for name, site in trace.nodes.items():
@@ -54,8 +54,10 @@ def _sample_sites(tr: Trace):
     return {n: s["is_observed"] for n, s in tr.nodes.items() if is_random(s)}
 
 
-def check_structure(trace: Trace, prototype: Trace) -> None:
-    now, then = _sample_sites(trace), _sample_sites(prototype)
+def check_structure(trace: Trace, prototype) -> None:
+    """``prototype``: a trace, or ``{site: is_observed}`` of the model when the guide was built."""
+    now = _sample_sites(trace)
+    then = prototype if isinstance(prototype, dict) else _sample_sites(prototype)
     if now.keys() != then.keys():
         added = sorted(set(now) - set(then))
         removed = sorted(set(then) - set(now))

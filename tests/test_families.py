@@ -545,3 +545,191 @@ def test_dist_to_natural_rejects_wrong_distribution():
         Gamma(()).dist_to_natural(td.Normal(0.0, 1.0))
     with pytest.raises(TypeError):
         Categorical(3).dist_to_natural(td.Bernoulli(0.2))
+
+
+# --------------------------------------------------------------------- CVI helpers per family
+CONTINUOUS = [c for c in CASES if not c.startswith(("bernoulli", "categorical"))]
+GAUSSIAN_CASES = [c for c in CASES if c.startswith("gaussian")]
+DISCRETE_CASES = ["bernoulli", "categorical", "categorical_event"]
+BOX_FAMILIES = {"gamma", "beta", "dirichlet", "dirichlet_2x3"}
+
+
+def _random_like(params, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(p.shape, dtype=torch.float64, generator=gen).to(p) for p in params)
+
+
+def _dist_mean(d, shape):
+    """``E z`` of a family's distribution, reshaped like a value (handles the Reshape wrapper)."""
+    if isinstance(d, td.TransformedDistribution):
+        d = d.base_dist
+    return d.mean.reshape(shape)
+
+
+@pytest.mark.parametrize(
+    "name", ["gaussian_scalar", "gaussian_diag", "gamma", "beta"] + ["gaussian_full_1"]
+)
+def test_mean_grad_closed_forms_equal_fisher_solve(name):
+    fam, ref = make_case(name, torch.float64, seed=20)
+    nat = fam.dist_to_natural(ref)
+    grad = _random_like(nat, seed=1)
+    closed = fam.mean_grad(nat, grad)
+    generic = fisher_solve_mean_grad(fam, nat, grad)
+    assert [c.shape for c in closed] == [g.shape for g in generic]
+    for c, g in zip(closed, generic):
+        torch.testing.assert_close(c, g, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["gaussian_full_3", "dirichlet", "bernoulli", "categorical"])
+def test_mean_grad_default_is_the_fisher_solve(name):
+    fam, ref = make_case(name, torch.float64, seed=21)
+    nat = fam.dist_to_natural(ref)
+    grad = fam.symmetrize(_random_like(nat, seed=2))
+    for c, g in zip(fam.mean_grad(nat, grad), fisher_solve_mean_grad(fam, nat, grad)):
+        assert torch.equal(c, g)
+
+
+@pytest.mark.parametrize("with_prior", [True, False], ids=["prior", "no_prior"])
+@pytest.mark.parametrize("name", CONTINUOUS)
+def test_natural_at_gives_a_q_with_that_mean(name, with_prior):
+    fam, ref = make_case(name, torch.float64, seed=22)
+    _, other = make_case(name, torch.float64, seed=23)
+    value = _dist_mean(ref, ref.sample().shape)
+    prior = fam.dist_to_natural(other) if with_prior else None
+    nat = fam.natural_at(value, prior)
+    assert bool(fam.is_valid(nat).all())
+    got = _dist_mean(fam.natural_to_dist(nat), value.shape)
+    torch.testing.assert_close(got, value, rtol=1e-10, atol=1e-12)
+    if with_prior and fam.is_gaussian:  # the spread is the prior's
+        torch.testing.assert_close(nat[1], prior[1].expand_as(nat[1]), rtol=1e-14, atol=0)
+    # integer values are cast to the default dtype
+    assert fam.natural_at(value.round().clamp(min=1).long())[0].dtype == torch.get_default_dtype()
+
+
+@pytest.mark.parametrize("name", DISCRETE_CASES)
+def test_natural_at_fallback_is_the_prior_else_zero(name):
+    fam, ref = make_case(name, torch.float64, seed=24)
+    prior = fam.dist_to_natural(ref)
+    value = ref.sample()
+    assert fam.natural_at(value, prior) is prior
+    zero = fam.natural_at(value)
+    assert [z.shape for z in zero] == [p.shape for p in prior]
+    dtype = value.dtype if value.is_floating_point() else torch.get_default_dtype()
+    assert all(z.dtype == dtype and not z.any() for z in zero)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_mean_value_and_geometric_mean(name):
+    fam, ref = make_case(name, torch.float64, seed=25)
+    nat = fam.dist_to_natural(ref)
+    mean = fam.natural_to_mean(nat)
+    value = fam.mean_value(nat, mean)
+    geo = fam.geometric_mean(nat, mean)
+    if fam.is_discrete:
+        assert value is None and geo is None
+        return
+    shape = ref.sample().shape
+    torch.testing.assert_close(value, _dist_mean(ref, shape), rtol=1e-10, atol=1e-12)
+    if isinstance(fam, Gamma):
+        d = _base(ref)
+        expected = torch.exp(torch.digamma(d.concentration) - torch.log(d.rate))
+        torch.testing.assert_close(geo, expected, rtol=1e-12, atol=0)
+    else:
+        assert geo is None
+    # differentiable w.r.t. the mean parameters where the value is a function of them
+    if fam.is_gaussian or isinstance(fam, Gamma):
+        leaves = tuple(m.detach().requires_grad_(True) for m in mean)
+        assert fam.mean_value(nat, leaves).requires_grad
+
+
+@pytest.mark.parametrize("name", DISCRETE_CASES)
+def test_probs_of_discrete_families(name):
+    fam, ref = make_case(name, torch.float64, seed=26)
+    assert fam.is_discrete and not fam.is_gaussian
+    mean = tuple(m.requires_grad_(True) for m in fam.natural_to_mean(fam.dist_to_natural(ref)))
+    probs = fam.probs(mean)
+    assert probs.shape[-1] == fam.num_values
+    assert probs.shape[:-1] == ref.sample().shape
+    assert bool((probs >= 0).all())
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs[..., 0]), rtol=0, atol=1e-12)
+    d = _base(ref)
+    expected = torch.stack([1 - d.probs, d.probs], -1) if isinstance(fam, Bernoulli) else d.probs
+    torch.testing.assert_close(probs, expected, rtol=1e-10, atol=1e-12)
+    assert probs.requires_grad  # differentiable in the mean parameters
+
+
+def test_discrete_attributes():
+    assert Bernoulli((3,)).num_values == 2 and Categorical(5, (2,)).num_values == 5
+    for fam in (Gaussian((2,)), GaussianDiag(()), Gamma(()), Beta(()), Dirichlet((3,))):
+        assert not fam.is_discrete and fam.num_values is None
+        with pytest.raises(NotImplementedError):
+            fam.probs(fam.zero_natural())
+    assert Gaussian((2,)).is_gaussian and GaussianDiag((2,)).is_gaussian
+    assert not any(f.is_gaussian for f in (Gamma(()), Beta(()), Dirichlet((3,)), Bernoulli()))
+    assert Dirichlet((2, 3)).vector_valued and Gaussian((3,)).vector_valued
+    assert not any(f.vector_valued for f in (Gaussian(()), GaussianDiag((3,)), Beta((2,))))
+
+
+@pytest.mark.parametrize("name", GAUSSIAN_CASES)
+def test_variance_along_and_marginal_variance_match_torch(name):
+    fam, ref = make_case(name, torch.float64, seed=27)
+    nat = fam.dist_to_natural(ref)
+    mean = fam.natural_to_mean(nat)
+    d = _base(ref)
+    if isinstance(d, td.MultivariateNormal):
+        blocks = list(d.covariance_matrix)
+    else:  # Normal: independent entries
+        blocks = [torch.diag(v.reshape(-1)) for v in d.variance.reshape(BATCH[0], -1)]
+    cov = torch.block_diag(*blocks)  # Cov of the flattened batched latent
+    gen = torch.Generator().manual_seed(3)
+    A = torch.randn(5, cov.shape[0], dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(
+        fam.variance_along(mean, A), (A @ cov @ A.mT).diagonal(), rtol=1e-10, atol=1e-10
+    )
+    var = fam.marginal_variance(mean)
+    assert var.shape == mean[0].shape
+    expected = torch.stack([b.diagonal() for b in blocks]).reshape(var.shape)
+    torch.testing.assert_close(var, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gamma", "beta", "dirichlet"])
+def test_non_gaussian_families_have_no_variance_along(name):
+    fam, ref = make_case(name, torch.float64)
+    mean = fam.natural_to_mean(fam.dist_to_natural(ref))
+    with pytest.raises(NotImplementedError):
+        fam.variance_along(mean, torch.ones(1, 12, dtype=torch.float64))
+    with pytest.raises(NotImplementedError):
+        fam.marginal_variance(mean)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_natural_bounds_agree_with_is_valid(name):
+    fam, ref = make_case(name, torch.float64, seed=28)
+    nat = fam.dist_to_natural(ref)
+    if name not in BOX_FAMILIES:
+        assert fam.natural_bounds is None
+        return
+    bounds = fam.natural_bounds
+    assert len(bounds) == len(fam.param_shapes)
+    for i, (lo, hi) in enumerate(bounds):
+        for bound, inside in ((lo, 1.0), (hi, -1.0)):
+            if bound is None:
+                continue
+            for offset, ok in ((0.0, False), (1e-9 * inside, True), (-0.5 * inside, False)):
+                p = nat[i].clone()
+                p.reshape(BATCH[0], -1)[1, 0] = bound + offset
+                valid = fam.is_valid(nat[:i] + (p,) + nat[i + 1 :])
+                assert valid.tolist() == [True, ok, True], (i, bound, offset)
+    # on random points the domain is exactly the box
+    gen = torch.Generator().manual_seed(4)
+    pts = tuple(
+        4 * torch.randn((200,) + s, dtype=torch.float64, generator=gen) for s in fam.param_shapes
+    )
+    box = torch.ones(200, dtype=torch.bool)
+    for p, (lo, hi) in zip(pts, bounds):
+        ok = torch.ones_like(p, dtype=torch.bool)
+        ok = ok & (p > lo) if lo is not None else ok
+        ok = ok & (p < hi) if hi is not None else ok
+        box = box & ok.reshape(200, -1).all(-1)
+    assert 0 < int(box.sum()) < 200
+    assert torch.equal(fam.is_valid(pts), box)

@@ -40,7 +40,7 @@ def test_a1a_reproduces_the_paper(shared_data):
     assert neg_elbo == pytest.approx(591.73, abs=0.05)  # the converged Gaussian
     assert log_loss == pytest.approx(0.489, abs=0.002)
     assert losses[-1] == pytest.approx(neg_elbo, abs=1e-3)  # the loss CVI reports is exact
-    assert guide._posts["w"].form == "primal"
+    assert guide.engine.block_of("w").post.form == "primal"
 
 
 def test_colon_cancer_uses_the_dual_form_and_converges(shared_data):
@@ -51,7 +51,7 @@ def test_colon_cancer_uses_the_dual_form_and_converges(shared_data):
     q_ref = ref.loc, ref.covariance
     best = float(logreg_neg_elbo(data.X_train, data.y_train, *q_ref, data.prior_precision))
     guide, losses = _fit(data, 4)
-    assert guide._posts["w"].form == "dual"
+    assert guide.engine.block_of("w").post.form == "dual"
     q = guide.posterior("w")
     neg_elbo = float(
         logreg_neg_elbo(

@@ -8,7 +8,6 @@ import torch
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
 from pyro_cvi import gamma_models as gm
-from pyro_cvi import meanfield as mf
 
 
 def _vectorized_elbo(log_p, shapes, S=20000, seed=0):
@@ -100,7 +99,7 @@ def _averaged_q(svi, guide, args, shapes, steps, last):
         svi.step(*args)
         if t >= steps - last:
             nat = {
-                n: [p.detach().clone() for p in guide._natural_params_of(guide._latents[n])]
+                n: [p.detach().clone() for p in guide.engine.natural[n].params()]
                 for n in shapes
             }
             acc = (
@@ -168,9 +167,9 @@ def test_monte_carlo_messages_are_unbiased_and_vectorize():
         guide(X)
         if mode != "exact":
             assert "conjugate" in guide.explain()  # K = 1: a monomial, probed
-            spec = guide._analysis.specs["X"]
+            spec = guide.engine.analysis.spec("X")
             spec.exact = False  # force the Monte Carlo path on a factor with a closed form
-        targets[mode] = mf.compute(guide, (X,), {}, set()).targets
+        targets[mode] = guide.engine.natural_targets((X,), {})
     for n in ("W", "Z"):
         for i in range(2):
             exact = targets["exact"][n][i]

@@ -50,7 +50,7 @@ def test_gp_regression_is_exact_in_one_step():
     assert torch.allclose(q.loc, mean, atol=1e-8)
     assert torch.allclose(q.covariance_matrix, cov, atol=1e-8)
     assert "y -> f" in guide.explain().replace("  ", " ").replace("  ", " ")
-    assert guide._posts["f"].form == "dual"  # the B = I + W^1/2 K W^1/2 form
+    assert guide.engine.block_of("f").post.form == "dual"  # the B = I + W^1/2 K W^1/2 form
 
 
 def test_gp_classification_matches_whitened_logistic_regression():

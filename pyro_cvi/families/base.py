@@ -17,6 +17,12 @@ Conventions shared by every family
 * ``log_partition``, ``entropy``, ``kl``, ``inner``, ``is_valid`` and ``base_log_measure``
   reduce over the parameter (event) dimensions and return batch-shaped tensors.
 * Nothing here hard-codes a dtype or device: every result follows its input tensors.
+* The per-family maths that mean-field CVI needs lives on the classes (generic defaults here,
+  overrides per family): ``mean_grad`` (the Fisher solve of eq. 72), ``natural_at`` (a ``q``
+  with a given mean), the plug-in values ``mean_value`` / ``geometric_mean``, ``probs`` of
+  discrete families, ``variance_along`` / ``marginal_variance`` of Gaussians, and the
+  attributes ``is_discrete``, ``is_gaussian``, ``num_values``, ``natural_bounds`` (box-shaped
+  natural domains) and ``vector_valued``.
 * The module also holds the special-function helpers (stable ``log x - digamma(x)``,
   ``digamma(x) - digamma(x + d)``, their inverses) that the Gamma/Beta/Dirichlet families share.
 """
@@ -34,6 +40,7 @@ from torch.distributions import Distribution
 __all__ = [
     "ExponentialFamily",
     "Params",
+    "Bounds",
     "fisher_solve_mean_grad",
     "mean_grad_via_autograd",
     "sum_rightmost",
@@ -47,11 +54,19 @@ __all__ = [
 ]
 
 Params = Tuple[Tensor, ...]
+#: ``(lower, upper)`` bound of each natural parameter of a box-shaped domain (``None``: unbounded)
+Bounds = Tuple[Tuple[Optional[float], Optional[float]], ...]
 
 
 def sum_rightmost(x: Tensor, dim: int) -> Tensor:
     """Sum out the ``dim`` rightmost dimensions of ``x`` (``dim = 0`` returns ``x``)."""
     return x.reshape(x.shape[: x.dim() - dim] + (-1,)).sum(-1) if dim > 0 else x
+
+
+def _float_value(value: Tensor) -> Tensor:
+    """``value`` detached, as a floating tensor (the default dtype for integer values)."""
+    v = value.detach()
+    return v.to(v.dtype if v.is_floating_point() else torch.get_default_dtype())
 
 
 class ExponentialFamily(abc.ABC):
@@ -66,6 +81,20 @@ class ExponentialFamily(abc.ABC):
     name: str = ""
     #: human readable description of the natural-parameter domain, used in error messages
     domain: str = ""
+    #: ``True`` for finite-valued families (CVI enumerates them instead of sampling)
+    is_discrete: bool = False
+    #: ``True`` for the Gaussian families (affine conjugacy, the site form, Bonnet/Price)
+    is_gaussian: bool = False
+    #: a full-covariance Gaussian (one joint Gaussian over the flattened event)
+    full_covariance: bool = False
+    #: number of values of one entry of a discrete family (``None`` for continuous families)
+    num_values: Optional[int] = None
+    #: ``((lo, hi), ...)`` per natural parameter when the natural domain is the open box
+    #: ``lo < lam_i < hi`` (elementwise; ``None``: unbounded); ``None`` if it is not a box
+    natural_bounds: Optional[Bounds] = None
+    #: ``True`` when the last value dim holds one vector-valued draw (a Dirichlet's simplex),
+    #: ``False`` when the value's entries are scalars
+    vector_valued: bool = False
 
     def __init__(self, event_shape: Sequence[int] = ()) -> None:
         self.event_shape = torch.Size(event_shape)
@@ -227,6 +256,47 @@ class ExponentialFamily(abc.ABC):
     def symmetrize(self, params: Params) -> Params:
         """Project a parameter-shaped tuple onto the parameter space (identity by default)."""
         return params
+
+    # ------------------------------------------------------------- CVI helpers
+    def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
+        """``df/dmu = F(lam)^{-1} df/dlam`` (eq. 72) from the gradient w.r.t. ``lam``.
+
+        Default: :func:`fisher_solve_mean_grad` (Fisher matrix by double autograd; detached).
+        Families with a small Fisher matrix override this with a closed-form solve.
+        """
+        return fisher_solve_mean_grad(self, nat, grad_nat)
+
+    def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
+        """Natural parameters of a ``q`` with mean ``value`` and the spread of ``prior_nat``
+        (natural parameters of a prior of this family, batch-shaped like ``value``; ``None``:
+        a unit spread). Default (no mean-matching map): ``prior_nat`` itself, else zeros."""
+        if prior_nat is not None:
+            return prior_nat
+        v = _float_value(value)
+        return self.zero_natural(self.value_batch_shape(v), v.dtype, v.device)
+
+    def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """The plug-in value ``E_q[z]`` (shaped like a sample) at which conjugate factors are
+        evaluated, differentiable w.r.t. ``mean`` where it is a function of it; ``None`` for
+        families that are not plugged in (discrete families are enumerated)."""
+        return None
+
+    def geometric_mean(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``exp(E_q[log z])`` (shaped like a sample) for positive families whose monomial
+        parameters enter through ``E[log theta]``; ``None`` otherwise."""
+        return None
+
+    def probs(self, mean: Params) -> Tensor:
+        """``q`` probabilities of the ``num_values`` values on a new last dim (discrete only)."""
+        raise NotImplementedError(f"{self.name} family is not discrete")
+
+    def variance_along(self, mean: Params, A: Tensor) -> Tensor:
+        """``diag(A Cov(z) A^T)`` for ``A`` of shape ``(R, numel z)`` (Gaussian only)."""
+        raise NotImplementedError(f"{self.name} family is not Gaussian")
+
+    def marginal_variance(self, mean: Params) -> Tensor:
+        """``Var(z_i)`` of every entry, shaped like ``mean[0]`` (Gaussian only)."""
+        raise NotImplementedError(f"{self.name} family is not Gaussian")
 
     def _fisher_null_projector(self, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
         """Projector onto directions where the flattened Fisher matrix is singular by design."""

@@ -14,7 +14,7 @@ iterates stay positive (:func:`~pyro_cvi.families.base.dirichlet_from_mean_log`)
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import pyro.distributions as dist
 import torch
@@ -22,7 +22,15 @@ from torch import Tensor
 from torch.distributions import Beta as _TorchBeta
 from torch.distributions import Distribution, Independent
 
-from .base import ExponentialFamily, Params, digamma_diff, dirichlet_from_mean_log, sum_rightmost
+from .base import (
+    Bounds,
+    ExponentialFamily,
+    Params,
+    _float_value,
+    digamma_diff,
+    dirichlet_from_mean_log,
+    sum_rightmost,
+)
 
 __all__ = ["Beta"]
 
@@ -32,6 +40,7 @@ class Beta(ExponentialFamily):
 
     name = "beta"
     domain = "eta1 > -1 and eta2 > -1 (alpha = eta1 + 1 > 0, beta = eta2 + 1 > 0)"
+    natural_bounds: Optional[Bounds] = ((-1.0, None), (-1.0, None))
 
     @property
     def param_shapes(self) -> Tuple[torch.Size, ...]:
@@ -70,3 +79,27 @@ class Beta(ExponentialFamily):
         e1, e2 = torch.broadcast_tensors(*nat)
         ok = (e1 > -1) & (e2 > -1)
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
+
+    # CVI helpers --------------------------------------------------------------------------------
+    def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
+        """Closed-form 2x2 solve with ``F = [[psi'(a) - psi'(a+b), -psi'(a+b)],
+        [-psi'(a+b), psi'(b) - psi'(a+b)]]``."""
+        a, b = nat[0] + 1, nat[1] + 1
+        ta, tb, tab = torch.polygamma(1, a), torch.polygamma(1, b), torch.polygamma(1, a + b)
+        f11, f22, f12 = ta - tab, tb - tab, -tab
+        det = f11 * f22 - f12 * f12
+        g1, g2 = grad_nat
+        return (f22 * g1 - f12 * g2) / det, (-f12 * g1 + f11 * g2) / det
+
+    def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
+        """Mean ``a / (a + b) = value`` (clamped to ``[1e-6, 1 - 1e-6]``) with the prior's
+        concentration ``k = a + b`` (at least 2; else 2): ``(k v - 1, k (1 - v) - 1)``."""
+        v = _float_value(value)
+        k = (prior_nat[0] + prior_nat[1] + 2).clamp(min=2.0) if prior_nat is not None else 2.0
+        v = v.clamp(1e-6, 1 - 1e-6)
+        return k * v - 1, k * (1 - v) - 1
+
+    def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``E z = a / (a + b)`` (from ``nat``; not differentiable w.r.t. ``mean``)."""
+        a, b = nat[0] + 1, nat[1] + 1
+        return a / (a + b)

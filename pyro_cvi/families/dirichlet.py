@@ -16,7 +16,7 @@ followed by safeguarded Newton in ``log alpha``
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import pyro.distributions as dist
 import torch
@@ -25,8 +25,10 @@ from torch.distributions import Dirichlet as _TorchDirichlet
 from torch.distributions import Distribution, Independent
 
 from .base import (
+    Bounds,
     ExponentialFamily,
     Params,
+    _float_value,
     digamma_diff,
     dirichlet_from_mean_log,
     exclusive_sum,
@@ -46,6 +48,8 @@ class Dirichlet(ExponentialFamily):
 
     name = "dirichlet"
     domain = "eta > -1 (concentration alpha = eta + 1 > 0)"
+    natural_bounds: Optional[Bounds] = ((-1.0, None),)
+    vector_valued = True
 
     def __init__(self, event_shape: Sequence[int]) -> None:
         super().__init__(event_shape)
@@ -85,3 +89,21 @@ class Dirichlet(ExponentialFamily):
     def _in_domain(self, nat: Params) -> Tensor:
         ok = nat[0] > -1
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
+
+    # CVI helpers --------------------------------------------------------------------------------
+    def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
+        """Mean ``alpha / alpha_0 = value`` (entries clamped below at ``1e-6``) with the prior's
+        total concentration ``alpha_0`` (at least ``K``; else ``K``): ``(alpha_0 v - 1,)``."""
+        v = _float_value(value)
+        K = v.shape[-1]
+        k = (
+            (prior_nat[0] + 1).sum(-1, keepdim=True).clamp(min=float(K))
+            if prior_nat is not None
+            else float(K)
+        )
+        return (k * v.clamp(min=1e-6) - 1,)
+
+    def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``E z = alpha / sum alpha`` (from ``nat``; not differentiable w.r.t. ``mean``)."""
+        a = nat[0] + 1
+        return a / a.sum(-1, keepdim=True)

@@ -50,6 +50,8 @@ class Bernoulli(ExponentialFamily):
 
     name = "bernoulli"
     domain = "any finite logit"
+    is_discrete = True
+    num_values = 2
 
     @property
     def param_shapes(self) -> Tuple[torch.Size, ...]:
@@ -82,12 +84,18 @@ class Bernoulli(ExponentialFamily):
         ok = torch.ones_like(nat[0], dtype=torch.bool)
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
 
+    def probs(self, mean: Params) -> Tensor:
+        """``(1 - p, p)`` on a new last dim (values 0 and 1), differentiable in ``p = mu``."""
+        mu = mean[0]
+        return torch.stack([1 - mu, mu], -1)
+
 
 class Categorical(ExponentialFamily):
     """Categorical over ``num_categories`` classes, minimal parameterisation (module docstring)."""
 
     name = "categorical"
     domain = "any finite logits"
+    is_discrete = True
 
     def __init__(self, num_categories: int, event_shape: Sequence[int] = ()) -> None:
         super().__init__(event_shape)
@@ -100,6 +108,10 @@ class Categorical(ExponentialFamily):
             f"Categorical(num_categories={self.num_categories}, "
             f"event_shape={tuple(self.event_shape)})"
         )
+
+    @property
+    def num_values(self) -> int:  # type: ignore[override]
+        return self.num_categories
 
     @property
     def param_shapes(self) -> Tuple[torch.Size, ...]:
@@ -140,3 +152,8 @@ class Categorical(ExponentialFamily):
     def _in_domain(self, nat: Params) -> Tensor:
         ok = torch.ones_like(nat[0], dtype=torch.bool)
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim - 1] + (-1,)).all(-1)
+
+    def probs(self, mean: Params) -> Tensor:
+        """``(p_1, ..., p_{K-1}, 1 - sum_k p_k)`` on the last dim, differentiable in ``mu``."""
+        mu = mean[0]
+        return torch.cat([mu, 1 - mu.sum(-1, keepdim=True)], -1)

@@ -16,7 +16,7 @@ themselves carry only ``~eps * alpha * |log mu2|`` relative information about ``
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import pyro.distributions as dist
 import torch
@@ -25,10 +25,13 @@ from torch.distributions import Distribution, Independent
 from torch.distributions import Gamma as _TorchGamma
 
 from .base import (
+    Bounds,
     ExponentialFamily,
     Params,
+    _float_value,
     inv_log_minus_digamma,
     sum_rightmost,
+    x_trigamma_minus_one,
 )
 
 __all__ = ["Gamma"]
@@ -39,6 +42,7 @@ class Gamma(ExponentialFamily):
 
     name = "gamma"
     domain = "eta1 > -1 (shape alpha = eta1 + 1 > 0) and eta2 < 0 (rate beta = -eta2 > 0)"
+    natural_bounds: Optional[Bounds] = ((-1.0, None), (None, 0.0))
 
     @property
     def param_shapes(self) -> Tuple[torch.Size, ...]:
@@ -98,3 +102,31 @@ class Gamma(ExponentialFamily):
             + aq * (bp - bq) / bq
         )
         return sum_rightmost(terms, self.event_dim)
+
+    # CVI helpers --------------------------------------------------------------------------------
+    def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
+        """Closed-form 2x2 solve with ``F = [[psi'(a), 1/b], [1/b, a/b^2]]``,
+        ``det F = (a psi'(a) - 1) / b^2``:
+        ``F^{-1} g = (a g1 - b g2, -b g1 + b^2 psi'(a) g2) / (a psi'(a) - 1)``."""
+        alpha, rate = self._shape_rate(nat)
+        g1, g2 = grad_nat
+        det = x_trigamma_minus_one(alpha)
+        x1 = (alpha * g1 - rate * g2) / det
+        x2 = (-rate * g1 + rate.square() * torch.polygamma(1, alpha) * g2) / det
+        return x1, x2
+
+    def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
+        """Mean ``alpha / beta = value`` with the prior's shape ``alpha`` (at least 1; else
+        1): ``(alpha - 1, -alpha / value)``."""
+        v = _float_value(value)
+        tiny = torch.finfo(v.dtype).tiny
+        alpha = (prior_nat[0] + 1).clamp(min=1.0) if prior_nat is not None else torch.ones_like(v)
+        return alpha - 1, -alpha / v.clamp(min=tiny)
+
+    def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``E z = alpha / beta = mu2``."""
+        return mean[1]
+
+    def geometric_mean(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``exp(E log z) = exp(mu1) = exp(digamma(alpha)) / beta``."""
+        return torch.exp(mean[0])

@@ -45,7 +45,7 @@ from torch.distributions import Normal as _TorchNormal
 from torch.distributions import TransformedDistribution as _TorchTransformed
 from torch.distributions.transforms import ReshapeTransform
 
-from .base import ExponentialFamily, Params, sum_rightmost
+from .base import ExponentialFamily, Params, _float_value, sum_rightmost
 
 __all__ = ["Gaussian", "GaussianDiag"]
 
@@ -97,15 +97,45 @@ def _unwrap(d: Distribution) -> Distribution:
     return d
 
 
+# elementwise (diagonal / scalar) maths shared by GaussianDiag and the scalar Gaussian
+def _elementwise_mean_grad(nat: Params, grad_nat: Params) -> Params:
+    """``F^{-1} g`` for ``F = d(m, v + m^2) / d(m / v, -1 / (2v)) = [[v, 2mv], [2mv, 4m^2 v +
+    2v^2]]`` (``det = 2 v^3``): ``((2m^2 + v) g1 - m g2, g2 / 2 - m g1) / v^2``."""
+    v = -0.5 / nat[1]
+    m = nat[0] * v
+    g1, g2 = grad_nat
+    return ((2 * m.square() + v) * g1 - m * g2) / v.square(), (g2 / 2 - m * g1) / v.square()
+
+
+def _elementwise_natural_at(value: Tensor, prior_nat: Optional[Params]) -> Params:
+    """``(m / v, -1 / (2v))`` with ``m = value`` and ``v`` the prior variance (else 1)."""
+    v = _float_value(value)
+    var = -0.5 / prior_nat[1] if prior_nat is not None else torch.ones_like(v)
+    return v / var, -0.5 / var
+
+
+def _plug_in_mean(family: ExponentialFamily, nat: Params, mean: Params) -> Tensor:
+    """``mu1 = E z`` reshaped to ``batch + event_shape`` (batch taken from ``nat[0]``)."""
+    n0 = nat[0]
+    batch = n0.shape[: n0.dim() - len(family.param_shapes[0])]
+    return mean[0].reshape(batch + family.event_shape)
+
+
 class Gaussian(ExponentialFamily):
     """Full-covariance Gaussian over the flattened event (see module docstring)."""
 
     name = "gaussian"
     domain = "sym(eta2) negative definite"
+    is_gaussian = True
+    full_covariance = True
 
     def __init__(self, event_shape: Sequence[int] = ()) -> None:
         super().__init__(event_shape)
         self.dim = self.event_shape.numel()
+
+    @property
+    def vector_valued(self) -> bool:  # the flattened event is one draw (unless scalar)
+        return self.event_dim > 0
 
     # shapes -----------------------------------------------------------------------------------
     @property
@@ -238,6 +268,50 @@ class Gaussian(ExponentialFamily):
             return params
         return params[0], _sym(params[1])
 
+    # CVI helpers --------------------------------------------------------------------------------
+    def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
+        """Closed-form 2x2 solve for a scalar site (see :class:`GaussianDiag`); otherwise the
+        generic Fisher solve."""
+        if self.event_dim == 0:
+            return _elementwise_mean_grad(nat, grad_nat)
+        return super().mean_grad(nat, grad_nat)
+
+    def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
+        """``(Lambda m, -Lambda / 2)`` with ``m = value`` and ``Lambda`` the prior precision
+        ``-2 eta2`` (else the identity)."""
+        if self.event_dim == 0:
+            return _elementwise_natural_at(value, prior_nat)
+        v = _float_value(value)
+        D = self.dim
+        vb = v.reshape(v.shape[: v.dim() - self.event_dim] + (D,))
+        if prior_nat is not None:
+            P = -2 * prior_nat[1]
+        else:
+            P = torch.eye(D, dtype=v.dtype, device=v.device).expand(vb.shape[:-1] + (D, D))
+        return (P @ vb.unsqueeze(-1)).squeeze(-1), -0.5 * P
+
+    def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``E z = mu1``, reshaped to ``batch + event_shape``."""
+        return _plug_in_mean(self, nat, mean)
+
+    def variance_along(self, mean: Params, A: Tensor) -> Tensor:
+        """``diag(A V A^T)`` with ``V = mu2 - mu1 mu1^T`` per batch element; ``A`` is
+        ``(R, batch numel * D)`` (the flattened batched latent)."""
+        m, m2 = mean
+        if self.event_dim == 0:
+            return A.square() @ (m2 - m.square()).reshape(-1)
+        D = self.dim
+        cov = m2 - m.unsqueeze(-1) * m.unsqueeze(-2)
+        Ab = A.reshape(A.shape[0], -1, D)
+        return torch.einsum("rbi,bij,rbj->r", Ab, cov.reshape(-1, D, D), Ab)
+
+    def marginal_variance(self, mean: Params) -> Tensor:
+        """``diag(mu2) - mu1^2`` (``mu2 - mu1^2`` for a scalar site)."""
+        m, m2 = mean
+        if self.event_dim == 0:
+            return m2 - m.square()
+        return m2.diagonal(dim1=-2, dim2=-1) - m.square()
+
     def _fisher_null_projector(self, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
         if self.event_dim == 0:
             return None
@@ -256,6 +330,7 @@ class GaussianDiag(ExponentialFamily):
 
     name = "gaussian_diag"
     domain = "eta2 < 0"
+    is_gaussian = True
 
     @property
     def param_shapes(self) -> Tuple[torch.Size, ...]:
@@ -317,3 +392,27 @@ class GaussianDiag(ExponentialFamily):
         ratio = vq / vp
         terms = 0.5 * (ratio - 1 - torch.log(ratio) + (mq - mp).square() / vp)
         return sum_rightmost(terms, self.event_dim)
+
+    # CVI helpers --------------------------------------------------------------------------------
+    def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
+        """Elementwise closed form: ``F = [[v, 2mv], [2mv, 4m^2 v + 2v^2]]`` per entry, so
+        ``F^{-1} g = ((2m^2 + v) g1 - m g2, g2 / 2 - m g1) / v^2``."""
+        return _elementwise_mean_grad(nat, grad_nat)
+
+    def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
+        """``(m / v, -1 / (2v))`` with ``m = value`` and ``v`` the prior variance (else 1)."""
+        return _elementwise_natural_at(value, prior_nat)
+
+    def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
+        """``E z = mu1``."""
+        return _plug_in_mean(self, nat, mean)
+
+    def variance_along(self, mean: Params, A: Tensor) -> Tensor:
+        """``diag(A diag(v) A^T) = A^2 v`` with ``v = mu2 - mu1^2`` flattened."""
+        m, m2 = mean
+        return A.square() @ (m2 - m.square()).reshape(-1)
+
+    def marginal_variance(self, mean: Params) -> Tensor:
+        """``mu2 - mu1^2``."""
+        m, m2 = mean
+        return m2 - m.square()

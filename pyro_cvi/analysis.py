@@ -1,0 +1,404 @@
+"""Model analysis: the one classifier of CVI (step 1 of the pipeline, see docs/architecture.md).
+
+From traces of the model at a prior draw, :class:`Analysis` decides
+
+* the **q family** of every latent site, from its support (:func:`~pyro_cvi.families.family_for_support`);
+* the **leaves**: latent sites no other site depends on. Their ``q`` is their conditional prior,
+  which integrates them out exactly; they send and receive no message;
+* the **Gaussian blocks** (site form, Algorithm 1): Gaussian latents with no batch dims and a
+  Normal/MVN prior free of other latents, grouped into connected components over shared
+  factors, so one block holds one joint Gaussian with full covariance across its sites
+  (as AutoMultivariateNormal does). A conjugate linear-Gaussian model is then exact in one
+  step however its coefficients are split into sample sites;
+* the **kind** of every (factor, latent or block) pair: ``conjugate prior``, ``conjugate``
+  (exact natural-parameter message, eq. 2 / eq. 20), ``linear-predictor`` (O(N) sites, App. E.1),
+  ``general`` (Monte Carlo), ``leaf``; for the natural-form (mean-field, Algorithm 2) latents
+  through the conjugate-pair registry (:mod:`~pyro_cvi.factor_roles`);
+* the **owner** of every factor's ELBO term: the Gaussian block it lies in, the mean-field
+  expectations, or nobody (a constant of q), so that every factor is counted exactly once.
+
+Dependencies come from autograd (structural) and from Pyro's enumeration bookkeeping for
+discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.probes`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from . import probes
+from .factor_roles import FactorSpec, analyze_factor
+from .families import ExponentialFamily, family_for_support
+from .tracing import (
+    continuous_dependencies,
+    discrete_dependencies,
+    is_random,
+    linear_param,
+    max_plate_nesting,
+    run_model,
+    subsample_values,
+    trace_model,
+    unwrap,
+)
+
+__all__ = ["Analysis", "BlockSpec", "Factor", "LatentInfo", "SITE", "NATURAL", "LEAF_FORM"]
+
+# kinds of (factor, latent) pairs
+PRIOR = "conjugate prior"
+CONJUGATE = "conjugate"
+LINEAR = "linear-predictor"
+GENERAL = "general"
+LEAF = "leaf"
+
+# forms of a latent's q
+SITE = "site"
+NATURAL = "natural"
+LEAF_FORM = "leaf"
+
+# owners of ELBO terms (besides a block index)
+MEANFIELD = "meanfield"
+CONSTANT = "constant"
+
+
+@dataclass
+class Factor:
+    """One (factor site, latent site or block) pair and how CVI treats it."""
+
+    site: str
+    latent: str
+    kind: str
+    reason: str
+    param: Optional[str] = None
+    jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
+    dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
+    given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
+
+    def describe(self) -> str:
+        return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
+
+
+@dataclass
+class LatentInfo:
+    name: str
+    family: Optional[ExponentialFamily]
+    form: str
+    event_shape: torch.Size
+    batch_shape: torch.Size
+    frames: list  # the site's vectorised plates (CondIndepStackFrame)
+    block: Optional[int] = None
+    factors: List[Factor] = field(default_factory=list)
+
+
+@dataclass
+class BlockSpec:
+    """A joint Gaussian over the flattened, concatenated values of ``names``."""
+
+    index: int
+    names: Tuple[str, ...]
+    shapes: Tuple[torch.Size, ...]
+    factors: List[Factor] = field(default_factory=list)
+
+    @property
+    def sizes(self) -> Tuple[int, ...]:
+        return tuple(int(s.numel()) for s in self.shapes)
+
+    @property
+    def dim(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def label(self) -> str:
+        return ", ".join(self.names)
+
+    def split(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Site values from a joint vector ``z`` (trailing dim ``D``; leading dims kept)."""
+        out, i = {}, 0
+        for n, s, k in zip(self.names, self.shapes, self.sizes):
+            out[n] = z[..., i : i + k].reshape(z.shape[:-1] + s)
+            i += k
+        return out
+
+    def join(self, values: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([values[n].reshape(-1) for n in self.names])
+
+
+class Analysis:
+    """Classifies a model's latents and factors for CVI (see the module docstring).
+
+    :param model: the Pyro model. :param args, kwargs: its arguments (the training data).
+    :param prototype_trace: a trace of the model (a prior draw of every latent).
+    :param covariance: ``"full"`` or ``"diag"`` Gaussians.
+    """
+
+    def __init__(self, model: Callable, args, kwargs, prototype_trace, covariance: str = "full"):
+        self.model, self.args, self.kwargs = model, args, kwargs
+        proto = prototype_trace
+        self.values: Dict[str, torch.Tensor] = {
+            n: s["value"].detach() for n, s in proto.iter_stochastic_nodes() if is_random(s)
+        }
+        self.families: Dict[str, ExponentialFamily] = {}
+        unsupported: Dict[str, ValueError] = {}
+        for name in self.values:
+            fn = proto.nodes[name]["fn"]
+            try:
+                self.families[name] = family_for_support(fn.support, fn.event_shape, covariance)
+            except ValueError as e:
+                unsupported[name] = e
+        self.discrete = {n for n, f in self.families.items() if f.is_discrete}
+        self.continuous = {
+            n for n, v in self.values.items() if n not in self.discrete and v.is_floating_point()
+        }
+        # one trace at the prototype values with every continuous latent an autograd leaf:
+        # the structure, the plates and the continuous dependencies
+        leaves = {n: self.values[n].clone().requires_grad_(True) for n in self.continuous}
+        fixed = {n: v for n, v in self.values.items() if n not in leaves}
+        with torch.enable_grad():
+            self.structure = trace_model(model, {**fixed, **leaves}, args, kwargs)
+        self.subsample = subsample_values(self.structure)
+        self.plate_dims = max_plate_nesting(self.structure)
+        self.enum_dims = self.plate_dims if self.discrete else None
+        self.deps = continuous_dependencies(self.structure, leaves)
+        self._leaf_trace = (self.structure, leaves)
+        if self.discrete:  # a second, enumerated, trace: discrete dependencies
+            cont = {n: v for n, v in self.values.items() if n not in self.discrete}
+            with torch.enable_grad():
+                tr = run_model(
+                    model, {**cont, **leaves, **self.subsample}, args, kwargs, self.plate_dims
+                )
+            extra = discrete_dependencies(tr, self.discrete)
+            self.deps = {n: d | extra.get(n, set()) for n, d in self.deps.items()}
+            self._leaf_trace = (tr, leaves)
+        referenced = set().union(*self.deps.values()) if self.deps else set()
+        self.leaves = {n for n in self.values if n not in referenced}
+        for name, e in unsupported.items():
+            if name not in self.leaves:
+                raise ValueError(f"latent site {name!r}: {e}") from None
+        self.continuous -= self.leaves
+        self.ref = {n: self.values[n] for n in self.continuous}
+        self.fixed = {n: self.values[n] for n in self.leaves}
+        self.latents: OrderedDict[str, LatentInfo] = OrderedDict()
+        for name in self.values:
+            site = proto.nodes[name]
+            form = LEAF_FORM if name in self.leaves else NATURAL
+            frames = [f for f in site["cond_indep_stack"] if f.vectorized]
+            fam = None if name in self.leaves else self.families[name]
+            fn = site["fn"]
+            self.latents[name] = LatentInfo(
+                name, fam, form, fn.event_shape, fn.batch_shape, frames
+            )
+        self.blocks = self._group_blocks()
+        self.specs: Dict[str, FactorSpec] = {}
+        self.owner: Dict[str, object] = {}
+        self._probe_cache: Dict[int, list] = {}
+        self._classify()
+        self._probe_cache.clear()
+
+    # ------------------------------------------------------------------ model runs
+    def run(self, **override):
+        """Trace the model at the reference values (discrete latents enumerated), overridden."""
+        values = {**self.fixed, **self.subsample, **self.ref, **override}
+        return run_model(self.model, values, self.args, self.kwargs, self.enum_dims)
+
+    def leaf_trace(self):
+        """A trace whose continuous latent values are autograd leaves, and the leaves."""
+        return self._leaf_trace
+
+    # ------------------------------------------------------------------ blocks
+    def _site_form_candidate(self, name: str) -> bool:
+        info = self.latents[name]
+        fam = info.family
+        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance:
+            return False
+        if len(info.batch_shape) or self.deps.get(name):
+            return False
+        base = unwrap(self.structure.nodes[name]["fn"])[0]
+        return isinstance(base, (torch.distributions.Normal, torch.distributions.MultivariateNormal))
+
+    def _group_blocks(self) -> List[BlockSpec]:
+        """Connected components of the site-form candidates over shared factors (union-find)."""
+        cand = [n for n in self.latents if self._site_form_candidate(n)]
+        parent = {n: n for n in cand}
+
+        def find(n):
+            while parent[n] != n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        for site, deps in self.deps.items():
+            if site in self.leaves:
+                continue
+            members = [n for n in cand if n in deps or n == site]
+            if self.deps[site] & self.discrete:
+                continue  # a discrete parent: the factor is enumerated by the mean field
+            for m in members[1:]:
+                parent[find(m)] = find(members[0])
+        groups: OrderedDict[str, List[str]] = OrderedDict()
+        for n in cand:
+            groups.setdefault(find(n), []).append(n)
+        blocks = []
+        for i, names in enumerate(groups.values()):
+            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in names)
+            blocks.append(BlockSpec(i, tuple(names), shapes))
+            for n in names:
+                self.latents[n].form, self.latents[n].block = SITE, i
+        return blocks
+
+    # ------------------------------------------------------------------ classification
+    def spec(self, site: str) -> FactorSpec:
+        """The mean-field analysis of a factor (conjugate pair roles, or general)."""
+        if site not in self.specs:
+            self.specs[site] = analyze_factor(self, site)
+        return self.specs[site]
+
+    def _latents_of(self, site: str) -> Set[str]:
+        own = {site} if site in self.latents and site not in self.leaves else set()
+        return (self.deps.get(site, set()) | own) - self.leaves
+
+    def _classify(self) -> None:
+        natural = {n for n, i in self.latents.items() if i.form == NATURAL}
+        for site, node in self.structure.nodes.items():
+            if not is_random(node) or site in self.leaves:
+                continue
+            lat = self._latents_of(site)
+            blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
+            if not lat:
+                self.owner[site] = CONSTANT
+            elif not (lat & natural) and len(blocks) == 1:
+                (b,) = blocks
+                self.owner[site] = b
+                self.blocks[b].factors.append(self._block_factor(site, self.blocks[b]))
+            else:
+                self.owner[site] = MEANFIELD
+                spec = self.spec(site)
+                for b in sorted(blocks):
+                    self.blocks[b].factors.append(self._shared_block_factor(spec, self.blocks[b]))
+                for z in sorted(lat & natural, key=list(self.latents).index):
+                    self.latents[z].factors.append(self._natural_factor(spec, z))
+        for name in self.leaves:
+            why = "no site depends on it: q is its conditional prior (exact)"
+            self.latents[name].factors.append(Factor(name, name, LEAF, why))
+        for block in self.blocks:
+            for n in block.names:
+                self.latents[n].factors = block.factors
+
+    def _block_factor(self, site: str, block: BlockSpec) -> Factor:
+        """A factor whose latents all lie in one Gaussian block: prior, conjugate Normal,
+        linear predictor (the linked parameter affine in the joint z, probed) or general."""
+        label = block.label
+        tr, leaves = self.leaf_trace()
+        base = unwrap(tr.nodes[site]["fn"])[0]
+        kind_name = type(base).__name__
+        if site in block.names:
+            return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
+        linked = linear_param(base)
+        if linked is None:
+            return Factor(site, label, GENERAL, f"{kind_name} is not a registered likelihood")
+        name, value, others = linked
+        zs = [leaves[n] for n in block.names]
+        with torch.enable_grad():
+            for oname, ov in others.items():
+                if torch.is_tensor(ov) and ov.requires_grad:
+                    gs = torch.autograd.grad(ov.sum(), zs, allow_unused=True, retain_graph=True)
+                    if any(g is not None for g in gs):
+                        why = f"{kind_name} {oname} depends on {label}"
+                        return Factor(site, label, GENERAL, why)
+            if not value.requires_grad:
+                why = f"{kind_name} {name} does not depend on {label}"
+                return Factor(site, label, GENERAL, why)
+            jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
+            params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
+            dynamic = probes.depends_on_params(value, zs, params)
+
+        link = "log(rate)" if name == "rate" else name
+        moved = [
+            (dz, linear_param(unwrap(t.nodes[site]["fn"])[0])[1]) for dz, t in self._probes(block)
+        ]
+        if not probes.affine_at(value.detach(), moved, jac):
+            why = f"{kind_name} {link} is not affine in {label} (probed)"
+            return Factor(site, label, GENERAL, why)
+        A = torch.cat([jac[n] for n in block.names], 1)
+        R, D = A.shape
+        if isinstance(base, torch.distributions.Normal) and name == "loc":
+            why = f"Normal loc affine in {label} (probed, A: {R}x{D}), scale free of them"
+            return Factor(site, label, CONJUGATE, why, name, A, dynamic)
+        why = f"{kind_name} {link} = A z + c (probed, A: {R}x{D}); {R} sites"
+        return Factor(site, label, LINEAR, why, name, A, dynamic)
+
+    def _probes(self, block: BlockSpec):
+        """Two model runs at joint random perturbations of the block's sites, shared by every
+        factor of the block: ``[(perturbations by site, trace)]``."""
+        if block.index not in self._probe_cache:
+            at = {n: self.ref[n] for n in block.names}
+            out = []
+            for dz in probes.perturbations(at):
+                with torch.no_grad():
+                    out.append((dz, self.run(**{n: at[n] + dz[n] for n in block.names})))
+            self._probe_cache[block.index] = out
+        return self._probe_cache[block.index]
+
+    def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:
+        """A factor shared by a Gaussian block and natural-form latents: exact rows at the
+        other latents' expectations when conjugate given them (eq. 20), else general."""
+        label = block.label
+        others = ", ".join(sorted(spec.latents - set(block.names)))
+        loc = spec.roles.get("loc")
+        if spec.exact and not spec.discrete and loc is not None and loc.kind == "affine":
+            if set(loc.parents) - set(block.names):
+                why = f"{spec.reason}: loc also affine in another Gaussian q"
+                return Factor(spec.site, label, GENERAL, why)
+            ref = next(iter(spec.jacobians.values()))
+            A = torch.cat(
+                [
+                    spec.jacobians.get(n, ref.new_zeros(ref.shape[0], k))
+                    for n, k in zip(block.names, block.sizes)
+                ],
+                1,
+            )
+            why = f"{spec.reason}: rows with E_q[precision], given {others} (eq. 20)"
+            return Factor(spec.site, label, CONJUGATE, why, "loc", A, spec.dynamic, True)
+        why = f"{spec.reason or 'shared'}; given {others}: stochastic message (Bonnet/Price)"
+        return Factor(spec.site, label, GENERAL, why)
+
+    def _natural_factor(self, spec: FactorSpec, z: str) -> Factor:
+        fam = self.families[z]
+        if not spec.exact:
+            how = "Monte Carlo gradient (implicit reparameterisation + Fisher solve, App. F)"
+            return Factor(spec.site, z, GENERAL, f"{spec.reason}: non-conjugate; {how}")
+        msg = f"exact {fam.name} message (eq. 20)"
+        others = spec.latents - {z}
+        if spec.site == z:
+            if z in self.discrete:
+                K = fam.num_values
+                kind = PRIOR if not others else CONJUGATE
+                return Factor(spec.site, z, kind, f"{spec.reason}: enumerated (K={K}), exact")
+            if not others:
+                return Factor(spec.site, z, PRIOR, f"{spec.reason} prior (same family as q): exact")
+            why = f"{spec.reason} prior given {', '.join(sorted(others))}: {msg}"
+            return Factor(spec.site, z, CONJUGATE, why)
+        if z in self.discrete:
+            K = fam.num_values
+            return Factor(spec.site, z, CONJUGATE, f"{spec.reason} (K={K}): {msg}")
+        return Factor(spec.site, z, CONJUGATE, f"{spec.reason}: {msg}")
+
+    # ------------------------------------------------------------------ text
+    def explain(self) -> str:
+        lines = [f"{'factor':>20s}    {'latent':<12s} {'kind':<17s} why"]
+        done = set()
+        for name, info in self.latents.items():
+            if info.form == SITE:
+                if info.block in done:
+                    continue
+                done.add(info.block)
+                block = self.blocks[info.block]
+                what = "gaussian" if len(block.names) == 1 else f"joint gaussian, D={block.dim}"
+                lines.append(f"# {block.label}: q = {what} (site form)")
+                lines.extend(f.describe() for f in block.factors)
+                continue
+            fam = info.family.name if info.family is not None else "conditional prior"
+            lines.append(f"# {name}: q = {fam} ({info.form} form)")
+            lines.extend(f.describe() for f in info.factors)
+        return "\n".join(lines)

@@ -1,0 +1,20 @@
+"""Blocks: one parameterisation of part of ``q`` each, with one small protocol.
+
+A block holds its parameters in Pyro's param store and answers to the engine
+(:mod:`pyro_cvi.engine`):
+
+* ``setup(...)``: register its parameters (the start of Algorithm 1 / 2);
+* the loss writes ``target - lambda`` into the parameters' ``.grad`` (its messages);
+* ``step(beta, ...) -> StepCounts``: the CVI update with the one step policy
+  (:mod:`pyro_cvi.update`);
+* ``marginal(name)`` / ``joint(...)``: the current ``q`` as a torch Distribution.
+
+:class:`GaussianBlock` is the site form (a joint Gaussian over a group of sites, Algorithm 1);
+:class:`NaturalBlock` is a mean-field exponential-family factor (Algorithm 2). A new kind of
+site (K-dimensional softmax sites, Markov/Kalman chains) is a new block.
+"""
+
+from .gaussian import GaussianBlock
+from .natural import NaturalBlock, init_messenger, initial_natural
+
+__all__ = ["GaussianBlock", "NaturalBlock", "init_messenger", "initial_natural"]

@@ -1,0 +1,351 @@
+"""The Gaussian site block (Algorithm 1): one joint Gaussian over a group of latent sites.
+
+The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, eq. 11):
+
+* ``eta``: the exact messages of the conjugate factors (the Normal/MVN priors of the sites,
+  and Normal likelihoods whose loc is affine in the joint ``z`` and whose scale is free of it,
+  possibly at the expectation of other latents, eq. 20), recomputed from the model every step,
+  so a conjugate model is solved exactly and hyperparameters may move;
+* ``lambda_tilde_f``: one ``(lam1_n, lam2_n)`` site per element of every linear-predictor
+  factor ``eta_f = A_f z + c_f`` (eq. 13, Appendix E.1), O(N) parameters;
+* one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo).
+
+The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
+dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
+``.grad`` holds ``target - lambda_tilde`` after the loss, and :meth:`step` applies eq. 12 with the
+step policy of :mod:`~pyro_cvi.update`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from ..analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
+from ..context import Options, StepContext
+from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
+from ..messages import (
+    RowBlock,
+    general_gaussian_message,
+    linear_predictor_message,
+    linear_predictor_rows,
+    normal_rows,
+)
+from ..probes import jacobian
+from ..tracing import linear_param, trace_model, unwrap
+from ..update import StepCounts, damped_step
+
+__all__ = ["GaussianBlock"]
+
+
+class GaussianBlock:
+    """Site-form CVI for the latent sites of one :class:`~pyro_cvi.analysis.BlockSpec`.
+
+    :param spec: the block (its sites and classified factors).
+    :param prefix: the param-store prefix of the guide.
+    :param owned: the factor sites whose ELBO term this block computes.
+    """
+
+    def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
+        self.spec = spec
+        self.names = spec.names
+        self.options = options
+        self.owned = set(owned)
+        self.linear = [f for f in spec.factors if f.kind == LINEAR]
+        self.conjugate = [f for f in spec.factors if f.kind == CONJUGATE]
+        self.general = [f for f in spec.factors if f.kind == GENERAL]
+        key = "+".join(self.names)
+        self.site_names = {f.site: f"{prefix}.sites.{f.site}" for f in self.linear}
+        self.general_names = (
+            (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
+        )
+        self.z_at: Optional[torch.Tensor] = None
+        self.prior: Optional[GaussianPrior] = None
+        self.rows: List[Tuple[Optional[str], RowBlock]] = []
+        self.elbo_rows: List[Tuple[int, object]] = []
+        self.post: Optional[GaussianPosterior] = None
+        self.counts = StepCounts()
+
+    # ------------------------------------------------------------------ parameters
+    def param_names(self) -> List[str]:
+        return list(self.site_names.values()) + list(self.general_names)
+
+    def setup(self, values: Dict[str, torch.Tensor]) -> None:
+        """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""
+        self.z_at = self.spec.join(values).detach()
+        like, D = self.z_at, self.spec.dim
+        for f in self.linear:
+            R = f.jacobian.shape[0]
+            pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
+        if self.general:
+            pyro.param(self.general_names[0], lambda: like.new_zeros(D))
+            pyro.param(self.general_names[1], lambda: like.new_zeros(D, D))
+
+    def _sites(self) -> Dict[str, torch.Tensor]:
+        return {s: pyro.param(n) for s, n in self.site_names.items()}
+
+    def _general(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        if not self.general:
+            return None
+        return pyro.param(self.general_names[0]), pyro.param(self.general_names[1])
+
+    def params(self) -> List[torch.Tensor]:
+        out = list(self._sites().values())
+        g = self._general()
+        return out + (list(g) if g is not None else [])
+
+    def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
+        """Start each linear-predictor site at the factor's curvature at the prior mean.
+
+        The site target of eq. 13 for a point mass at ``eta = A m0 + c`` is
+        ``(f'(eta) - f''(eta) eta, f''(eta) / 2)``: a Newton/Laplace step from the prior mean.
+        It starts q near the posterior instead of at the prior, which matters for flat priors
+        (australian, ``delta = 1e-5``). Positive curvature is clipped to zero.
+        """
+        m0 = self._prior(trace).loc.detach()
+        sites = self._sites()
+        for f in self.linear:
+            p = sites[f.site]
+            rows = linear_predictor_rows(trace.nodes[f.site], f, self.z_at, p.detach())
+            f_mean = f.jacobian @ m0
+            var = torch.full_like(f_mean, 1e-4)
+            with torch.enable_grad():
+                _, target = linear_predictor_message(
+                    trace.nodes[f.site], rows, f_mean, var, num_quad_points, None
+                )
+            target[:, 1] = target[:, 1].clamp(max=0.0)
+            target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
+            if bool(torch.isfinite(target).all()):
+                p.data.copy_(target)
+
+    # ------------------------------------------------------------------ conjugate computation
+    def _prior(self, trace) -> GaussianPrior:
+        parts = [
+            _gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(self.names, self.spec.sizes)
+        ]
+        return parts[0] if len(parts) == 1 else _block_diag(parts)
+
+    def refresh(self, ctx: StepContext) -> GaussianPrior:
+        """Rebuild ``eta`` (prior and conjugate rows) and the site rows from the step's trace,
+        and solve for the current q (skipped when nothing changed since the last solve)."""
+        tr = ctx.trace
+        prior = self._prior(tr)
+        sites = self._sites()
+        rows, elbo_rows = [], []
+        for f in self.spec.factors:
+            if f.kind not in (CONJUGATE, LINEAR):
+                continue
+            if f.dynamic:
+                f.jacobian = self._jacobian(f, ctx)
+            site = tr.nodes[f.site]
+            if f.kind == CONJUGATE:
+                r, fn = normal_rows(site, f, self.z_at)
+                rows.append((None, r))
+                if f.site in self.owned:
+                    elbo_rows.append((len(rows) - 1, fn))
+            else:
+                rows.append((f.site, linear_predictor_rows(site, f, self.z_at, sites[f.site].detach())))
+        same = self.post is not None and not self.general and _same(self.prior, self.rows, prior, rows)
+        self.prior, self.rows, self.elbo_rows = prior.detach(), rows, elbo_rows
+        if not same:
+            self.post = self._solve()
+        return prior
+
+    def _jacobian(self, f, ctx: StepContext) -> torch.Tensor:
+        """Recompute an affine coefficient that depends on learnable parameters."""
+        leaves = {n: v.detach().clone().requires_grad_(True) for n, v in self.spec.split(self.z_at).items()}
+        values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
+        with torch.enable_grad():
+            t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
+            value = linear_param(unwrap(t.nodes[f.site]["fn"])[0])[1]
+            return torch.cat([jacobian(value, leaves[n]).detach() for n in self.names], 1)
+
+    def _solve(self, site_values=None, general_values=None) -> GaussianPosterior:
+        blocks = []
+        for site_name, r in self.rows:
+            if site_name is not None and site_values is not None:
+                s = site_values[site_name]
+                blocks.append((r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c))
+            else:
+                blocks.append((r.A, r.w, r.b))
+        like, D = self.prior.loc, self.spec.dim
+        if blocks:
+            A = torch.cat([b[0] for b in blocks], 0)
+            w = torch.cat([b[1] for b in blocks], 0)
+            b = torch.cat([b[2] for b in blocks], 0)
+        else:
+            A, w, b = like.new_zeros(0, D), like.new_zeros(0), like.new_zeros(0)
+        h = P = None
+        general = general_values if general_values is not None else self._general()
+        if general is not None:
+            h, P = (t.detach() for t in general)
+        post = solve(self.prior, A, w, b, h, P)
+        post.blocks, i = [], 0
+        for site_name, r in self.rows:
+            post.blocks.append((site_name, slice(i, i + r.A.shape[0])))
+            i += r.A.shape[0]
+        return post
+
+    # ------------------------------------------------------------------ ELBO and targets
+    def elbo(self, ctx: StepContext, prior: GaussianPrior) -> torch.Tensor:
+        """``-KL(q || prior)`` plus the owned factors' expected log-densities; with
+        ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``."""
+        post, tr = self.post, ctx.trace
+        elbo = -post.kl_to(prior)
+        for idx, fn in self.elbo_rows:
+            sl = post.blocks[idx][1]
+            elbo = elbo + fn(post.f_mean[sl], post.f_var[sl])
+        sites = self._sites()
+        for (site_name, sl), (_, r) in zip(post.blocks, self.rows):
+            if site_name is None:
+                continue
+            value, target = linear_predictor_message(
+                tr.nodes[site_name],
+                r,
+                post.f_mean[sl],
+                post.f_var[sl],
+                self.options.num_quad_points,
+                self.options.num_samples,
+            )
+            elbo = elbo + value
+            if ctx.grads:
+                p = sites[site_name]
+                p.grad = target - p.detach()
+        general = self._general()
+        if general is not None:
+            value, h, P = general_gaussian_message(
+                self._log_joint(ctx), post.loc, post.scale_tril(), self.options.num_general_samples
+            )
+            elbo = elbo + value
+            if ctx.grads:
+                general[0].grad = h - general[0].detach()
+                general[1].grad = P - general[1].detach()
+        return elbo
+
+    def _log_joint(self, ctx: StepContext):
+        """``z -> (sum of the general factors' log p, the owned ones)``, the other latents drawn
+        once from q (one draw per message)."""
+        others = ctx.sample_q(exclude=set(self.names))
+        sites = [f.site for f in self.general]
+        owned = [s for s in sites if s in self.owned]
+
+        def f(z):
+            t = trace_model(ctx.model, {**others, **self.spec.split(z)}, ctx.args, ctx.kwargs)
+            t.compute_log_prob(site_filter=lambda s, site: s in sites)
+            total = sum(t.nodes[s]["log_prob_sum"] for s in sites)
+            mine = sum((t.nodes[s]["log_prob_sum"] for s in owned), torch.zeros_like(total))
+            return total, mine
+
+        return f
+
+    # ------------------------------------------------------------------ the step
+    def step(self, beta: float) -> StepCounts:
+        """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
+        sites, general = self._sites(), self._general()
+        params = list(sites.values()) + (list(general) if general is not None else [])
+        if not params or all(p.grad is None for p in params):
+            return StepCounts()
+        old = tuple(p.detach() for p in params)
+        target = tuple(
+            o + (p.grad if p.grad is not None else torch.zeros_like(o)) for o, p in zip(old, params)
+        )
+        keys, solved = list(sites), {}
+
+        def valid(new) -> torch.Tensor:
+            s = dict(zip(keys, new[: len(keys)]))
+            g = tuple(new[len(keys) :]) or None
+            try:
+                post = self._solve(s, g)
+                ok = bool(torch.isfinite(post.loc).all())
+            except NotPositiveDefinite:
+                ok = False
+            if ok:
+                solved["post"] = post
+            return torch.tensor(ok, device=old[0].device)
+
+        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        if counts.rejected:
+            return counts
+        with torch.no_grad():
+            for p, v in zip(params, new):
+                p.copy_(v)
+        self.post = solved["post"]
+        for site_name, r in self.rows:  # keep the rows consistent with the new site values
+            if site_name is not None:
+                s = sites[site_name]
+                r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c
+        return counts
+
+    # ------------------------------------------------------------------ q
+    def joint(self, names: Optional[Sequence[str]] = None) -> dist.MultivariateNormal:
+        """``q`` of the concatenated flattened values of ``names`` (default: the whole block)."""
+        post = self.post
+        if names is None or tuple(names) == self.names:
+            return dist.MultivariateNormal(post.loc, scale_tril=post.scale_tril())
+        idx = torch.cat([self._index(n) for n in names])
+        cov = post.covariance()[idx][:, idx]
+        return dist.MultivariateNormal(post.loc[idx], covariance_matrix=cov)
+
+    def _index(self, name: str) -> torch.Tensor:
+        i = self.names.index(name)
+        start = sum(self.spec.sizes[:i])
+        return torch.arange(start, start + self.spec.sizes[i], device=self.post.loc.device)
+
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        shape = self.spec.shapes[self.names.index(name)]
+        if len(self.names) == 1:
+            post = self.post
+            if len(shape) == 0:
+                return dist.Normal(post.loc[0], post.covariance()[0, 0].sqrt())
+            mvn = dist.MultivariateNormal(post.loc, scale_tril=post.scale_tril())
+        else:
+            mvn = self.joint([name])
+            if len(shape) == 0:
+                return dist.Normal(mvn.loc[0], mvn.covariance_matrix[0, 0].sqrt())
+        if len(shape) == 1:
+            return mvn
+        return dist.TransformedDistribution(
+            mvn, torch.distributions.transforms.ReshapeTransform(mvn.event_shape, shape)
+        )
+
+    def mean_values(self) -> Dict[str, torch.Tensor]:
+        return self.spec.split(self.post.loc.detach())
+
+
+def _gaussian_prior(fn, D: int) -> GaussianPrior:
+    base, _, _ = unwrap(fn)
+    if isinstance(base, torch.distributions.MultivariateNormal):
+        loc = base.loc.expand(base.batch_shape + base.event_shape).reshape(-1)
+        if "precision_matrix" in vars(base):  # the model gave a precision: keep it
+            return GaussianPrior(loc, precision=base.precision_matrix)
+        return GaussianPrior(loc, cov=base.covariance_matrix)
+    loc = base.loc.expand(fn.shape()).reshape(-1)
+    var = (base.scale**2).expand(fn.shape()).reshape(-1)
+    if loc.numel() != D:
+        raise ValueError(f"prior has {loc.numel()} elements, expected {D}")
+    return GaussianPrior(loc, var=var)
+
+
+def _block_diag(parts: List[GaussianPrior]) -> GaussianPrior:
+    """The joint prior of independent sites: diagonal, precision or covariance form."""
+    loc = torch.cat([p.loc for p in parts])
+    if all(p.is_diagonal for p in parts):
+        return GaussianPrior(loc, var=torch.cat([p.var for p in parts]))
+    if any(p.precision is not None for p in parts):
+        return GaussianPrior(loc, precision=torch.block_diag(*[p.precision_matrix() for p in parts]))
+    covs = [torch.diag_embed(p.var) if p.is_diagonal else p.cov for p in parts]
+    return GaussianPrior(loc, cov=torch.block_diag(*covs))
+
+
+def _same(old_prior, old_rows, prior, rows) -> bool:
+    if old_prior is None or len(old_rows) != len(rows) or not old_prior.equal(prior.detach()):
+        return False
+    for (_, r1), (_, r2) in zip(old_rows, rows):
+        if r1.A is not r2.A and not torch.equal(r1.A, r2.A):
+            return False
+        if not (torch.equal(r1.w, r2.w) and torch.equal(r1.b, r2.b)):
+            return False
+    return True

@@ -1,0 +1,44 @@
+"""The state of one CVI step, passed as an argument through the pipeline.
+
+A :class:`StepContext` is made by the engine when a loss is evaluated and consumed by the
+optimizer's step: the model's arguments, the minibatch (subsample indices of every subsampled
+plate, one draw per step), the trace of the model at the current ``q`` (natural-form latents at
+their means, Gaussian blocks at a fixed point), and a sampler of the current ``q``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["StepContext", "Options"]
+
+
+@dataclass
+class Options:
+    """The guide's numerical options (see :class:`~pyro_cvi.AutoCVI`)."""
+
+    covariance: str = "full"
+    num_quad_points: int = 32
+    num_samples: Optional[int] = None
+    num_general_samples: int = 8
+    init_sites: str = "laplace"
+    schedule: Any = "parallel"
+    vectorize_particles: bool = False
+
+
+@dataclass
+class StepContext:
+    model: Callable
+    args: Tuple
+    kwargs: Dict
+    subsample: Dict[str, torch.Tensor] = field(default_factory=dict)
+    trace: Any = None
+    #: ``exclude -> {site: value}``: one joint draw of every non-leaf latent from the current q
+    #: (minibatch-restricted), except the sites in ``exclude``
+    sample_q: Optional[Callable] = None
+    grads: bool = False
+    #: identifies the data (the arguments' identities, versions and shapes)
+    data_key: Any = None

@@ -1,0 +1,345 @@
+"""The CVI engine: one pipeline from a model's traces to ``q`` (see docs/architecture.md).
+
+    trace -> analyse factors -> messages per factor -> one update engine -> q
+             (analysis.py)     (blocks, mean_field)   (update.py)
+
+An :class:`Engine` belongs to one :class:`~pyro_cvi.AutoCVI` guide. It owns the blocks (the
+Gaussian site blocks of Algorithm 1 and the natural-parameter blocks of Algorithm 2), assembles
+the ELBO so that every factor is counted exactly once (its owner is decided by the analysis),
+writes the natural gradients ``target - lambda`` of every block into ``.grad``, and takes the
+step with the schedule: ``parallel`` (every block from the same ``q_t``), ``sequential``
+(coordinate ascent; with exact factors and ``beta = 1`` it is CAVI) or a list of site names;
+inside a subsampled plate the local natural blocks first take a full (``beta = 1``) update for
+the minibatch (doubly stochastic CVI, Hoffman et al. 2013).
+
+Model runs per step (parallel schedule): one trace at the current means, plus for the
+mean-field part one enumerated trace at the means (and one at the geometric means where a Gamma
+latent enters a rate), plus ``num_general_samples`` traces per Monte Carlo message (one if
+vectorised), plus ``num_general_samples`` per Gaussian block with general factors.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import pyro
+import torch
+
+from .analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
+from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
+from .context import Options, StepContext
+from .expectations import site_weight
+from .mean_field import compute
+from .tracing import is_random, trace_model
+from .update import StepCounts
+from .validation import check_observations
+
+__all__ = ["Engine", "owner_of"]
+
+#: the registry of CVI parameters: ``id(unconstrained param) -> (weak param, weak engine)``.
+#: The engines register their parameters at every loss; the :class:`~pyro_cvi.CVI` optimizer
+#: looks the parameters it is handed up here (weak references: nothing is kept alive, and a
+#: checkpoint of the param store stays plain tensors).
+_OWNERS: Dict[int, tuple] = {}
+
+
+def owner_of(param: torch.Tensor) -> Optional["Engine"]:
+    """The engine a parameter belongs to, or ``None`` for any other parameter."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def _register(param: torch.Tensor, engine: "Engine") -> None:
+    key = id(param)
+    entry = _OWNERS.get(key)
+    if entry is not None and entry[0]() is param and entry[1]() is engine:
+        return
+    _OWNERS[key] = (weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)), weakref.ref(engine))
+
+
+class Engine:
+    """The CVI pipeline of one guide (see the module docstring)."""
+
+    def __init__(self, model, prefix: str, options: Options):
+        self.model, self.prefix, self.options = model, prefix, options
+        self.analysis: Optional[Analysis] = None
+        self.gaussian: List[GaussianBlock] = []
+        self.natural: "OrderedDict[str, NaturalBlock]" = OrderedDict()
+        self.pending: Optional[StepContext] = None
+        self.cache: Dict = {}
+        self.counts = StepCounts()
+        self.data_key = None
+        self.steps_name = f"{prefix}.num_steps"
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, args, kwargs, prototype_trace, init_loc_fn=None, subsample=None) -> None:
+        """Analyse the model and register every block's parameters. Parameters already in the
+        param store (a restored checkpoint) are kept as they are."""
+        store = pyro.get_param_store()
+        fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
+        self._analyse(args, kwargs, prototype_trace)
+        an = self.analysis
+        init_trace = None
+        if init_loc_fn is not None and self.natural:
+            model = init_messenger(init_loc_fn)(self.model)
+            init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        for block in self.gaussian:
+            block.setup(an.values)
+        for name, nb in self.natural.items():
+            site = (init_trace or prototype_trace).nodes[name]
+            nb.setup(initial_natural(nb.family, site, init_loc_fn))
+        like = next(iter(an.values.values()), torch.zeros(()))
+        pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
+        with torch.no_grad():
+            ctx = self.context(args, kwargs, subsample or {}, grads=False)
+            for block in self.gaussian:
+                if self.options.init_sites == "laplace" and fresh:
+                    block.init_sites_at_prior_mean(ctx.trace, self.options.num_quad_points)
+                block.refresh(ctx)
+
+    def _analyse(self, args, kwargs, prototype_trace) -> None:
+        an = Analysis(self.model, args, kwargs, prototype_trace, self.options.covariance)
+        self.analysis = an
+        self.data_key = data_key(args, kwargs)
+        # the sample sites, and which are observed (the analysis trace conditions the latents)
+        self.structure = {
+            n: n not in an.values for n, s in an.structure.nodes.items() if is_random(s)
+        }
+        check_observations(an.structure, self.structure)
+        self.gaussian = [
+            GaussianBlock(
+                spec, self.prefix, [s for s, o in an.owner.items() if o == spec.index], self.options
+            )
+            for spec in an.blocks
+        ]
+        self.natural = OrderedDict(
+            (n, NaturalBlock(i, self.prefix)) for n, i in an.latents.items() if i.form == NATURAL
+        )
+        self.leaf_values = {n: an.values[n] for n in an.leaves}
+
+    def block_of(self, name: str) -> GaussianBlock:
+        """The Gaussian block that holds latent site ``name``."""
+        for block in self.gaussian:
+            if name in block.names:
+                return block
+        raise KeyError(f"{name!r} is not in a Gaussian block")
+
+    def natural_targets(self, args, kwargs, subsample=None) -> Dict:
+        """The Algorithm 2 targets of every natural block at the current q (no step)."""
+        ctx = self.context(args, kwargs, subsample or {}, grads=False)
+        return self._mean_field(ctx, want=None, value=False).targets
+
+    def param_names(self) -> List[str]:
+        names = [n for b in self.gaussian for n in b.param_names()]
+        return names + [n for b in self.natural.values() for n in b.param_names()]
+
+    def params_missing(self) -> bool:
+        """Whether the param store lost this engine's parameters (``pyro.clear_param_store()``)."""
+        store = pyro.get_param_store()
+        return self.steps_name not in store or any(n not in store for n in self.param_names())
+
+    def reanalyse_if_new_data(self, args, kwargs, prototype_trace) -> None:
+        """New data (other tensors): the affine coefficients are re-probed; the site
+        parameters are kept, so the number of data points must not change."""
+        key = data_key(args, kwargs)
+        if key == self.data_key:
+            return
+        old = {b.spec.names: b for b in self.gaussian}
+        self._analyse(args, kwargs, prototype_trace)
+        for block in self.gaussian:
+            prev = old.get(block.spec.names)
+            if prev is not None:
+                block.z_at = prev.z_at
+            for f in block.linear:
+                p = pyro.param(block.site_names[f.site])
+                if p.shape[0] != f.jacobian.shape[0]:
+                    raise ValueError(
+                        f"site {f.site!r} now has {f.jacobian.shape[0]} elements but the guide "
+                        f"was fitted with {p.shape[0]}. AutoCVI keeps one site per data point: "
+                        "pass the training data to svi.step, and use "
+                        "Predictive(model, guide=guide) for new inputs."
+                    )
+            if block.z_at is None:
+                block.z_at = block.spec.join(self.analysis.values).detach()
+
+    def _tag_params(self) -> None:
+        """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
+        for name in self.param_names() + [self.steps_name]:
+            _register(pyro.param(name).unconstrained(), self)
+
+    # ------------------------------------------------------------------ the current q
+    def trace_values(self, subsample) -> Dict[str, torch.Tensor]:
+        """Latent values for the step's trace: natural-form latents at their means (discrete:
+        the mode); Gaussian blocks at a fixed point (their factors are affine in them, so the
+        point does not matter, and a fixed one keeps the offsets ``c`` bitwise stable, which
+        makes checkpoint/resume exact)."""
+        values = {}
+        for name, nb in self.natural.items():
+            values[name] = nb.mean_value(subsample)
+        for block in self.gaussian:
+            values.update(block.spec.split(block.z_at))
+        return values
+
+    def sample_q(self, subsample, exclude=(), at_means: bool = False) -> Dict[str, torch.Tensor]:
+        """One joint draw (or the means) of every non-leaf latent outside ``exclude``."""
+        out = {}
+        for name, nb in self.natural.items():
+            if name not in exclude:
+                out[name] = nb.mean_value(subsample) if at_means else nb.dist(subsample).sample()
+        for block in self.gaussian:
+            if set(block.names) & set(exclude):
+                continue
+            z = block.post.loc if at_means else block.joint().sample()
+            out.update(block.spec.split(z.detach()))
+        out.update(subsample)
+        return out
+
+    def context(self, args, kwargs, subsample, grads: bool) -> StepContext:
+        ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
+        ctx.data_key = self.data_key
+        ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
+            ctx.subsample, exclude, at_means
+        )
+        values = {**self.trace_values(ctx.subsample), **ctx.subsample}
+        ctx.trace = trace_model(self.model, values, args, kwargs)
+        return ctx
+
+    # ------------------------------------------------------------------ the loss
+    def loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
+        """The ELBO of the current q (exact where closed forms exist, an unbiased estimate
+        otherwise); with ``grads``, the natural gradients of every block are written and the
+        step's context is kept for :meth:`step`."""
+        ctx = self.context(args, kwargs, subsample, grads)
+        check_observations(ctx.trace, self.structure)
+        if grads:
+            self._tag_params()
+        elbo = self._constant_terms(ctx.trace)
+        sequential = self.options.schedule != "parallel"
+        for block in self.gaussian:
+            elbo = elbo + block.elbo(ctx, block.refresh(ctx))
+        if self.natural:
+            if grads and ctx.subsample and not sequential:
+                self.update_locals(ctx)
+            want = None if (grads and not sequential) else set()
+            res = self._mean_field(ctx, want=want, value=True)
+            elbo = elbo + res.elbo
+            if grads and not sequential:
+                for name, target in res.targets.items():
+                    nb = self.natural[name]
+                    if nb.is_local(ctx.subsample):
+                        continue  # already updated (beta = 1) by update_locals
+                    for p, t in zip(nb.params(), target):
+                        p.grad = (t - p.detach()).detach()
+        self.pending = ctx if grads else None
+        return elbo
+
+    def _constant_terms(self, trace) -> torch.Tensor:
+        """Factors that depend on no latent (e.g. observations with learnable parameters only):
+        constants of q, but part of the bound and of the hyperparameter gradients."""
+        total = torch.zeros(())
+        for site, owner in self.analysis.owner.items():
+            if owner == CONSTANT:
+                node = trace.nodes[site]
+                lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
+                total = total.to(lp) + lp
+        return total
+
+    def _mean_field(self, ctx, want=None, value=True):
+        return compute(
+            ctx, self.analysis, self.natural, self.gaussian, self.options, self.cache,
+            self.leaf_values, want=want, value=value,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def step(self, beta: float) -> None:
+        """Apply the pending step (the last loss computed with gradients) with step size beta."""
+        ctx, self.pending = self.pending, None
+        if ctx is None:
+            return
+        if self.options.schedule != "parallel" and self.natural:
+            self._sweep(ctx, beta)
+        else:
+            for block in self.gaussian:
+                self._report(block.spec.label, "precision", beta, block.step(beta))
+            for name, nb in self.natural.items():
+                if not nb.is_local(ctx.subsample):
+                    self._report(name, nb.family.name, beta, nb.step(beta, ctx.subsample))
+        with torch.no_grad():
+            pyro.param(self.steps_name).add_(1)
+
+    def sequential_order(self) -> List[str]:
+        """Order of the sequential schedule: the user's list, or reverse model order."""
+        active = [n for n, i in self.analysis.latents.items() if i.form != LEAF_FORM]
+        schedule = self.options.schedule
+        if isinstance(schedule, (list, tuple)):
+            unknown = [n for n in schedule if n not in active]
+            if unknown:
+                raise ValueError(
+                    f"schedule names {unknown}, which are not non-leaf latent sites; "
+                    f"choose from {active}"
+                )
+            return list(schedule) + [n for n in active if n not in schedule]
+        return active[::-1]
+
+    def update_locals(self, ctx: StepContext) -> None:
+        """Doubly stochastic CVI: a full (``beta = 1``) update of every local natural block
+        (in a subsampled plate), for the current minibatch, in the sequential order."""
+        for name in self.sequential_order():
+            nb = self.natural.get(name)
+            if nb is None or not nb.is_local(ctx.subsample):
+                continue
+            res = self._mean_field(ctx, want={name}, value=False)
+            self._report(name, nb.family.name, 1.0, nb.step_to(res.targets[name], 1.0, ctx.subsample))
+
+    def _sweep(self, ctx: StepContext, beta: float) -> None:
+        """One sequential (coordinate-ascent) sweep: each block in turn gets its target from
+        the current q of the others and takes the step (minibatch locals: ``beta = 1``)."""
+        done = set()
+        for name in self.sequential_order():
+            info = self.analysis.latents[name]
+            if info.form == NATURAL:
+                nb = self.natural[name]
+                res = self._mean_field(ctx, want={name}, value=False)
+                b = 1.0 if nb.is_local(ctx.subsample) else beta
+                self._report(name, nb.family.name, b, nb.step_to(res.targets[name], b, ctx.subsample))
+            elif info.form == SITE and info.block not in done:
+                done.add(info.block)
+                block = self.gaussian[info.block]
+                values = {**self.trace_values(ctx.subsample), **ctx.subsample}
+                ctx.trace = trace_model(self.model, values, ctx.args, ctx.kwargs)
+                ctx.grads = True
+                block.elbo(ctx, block.refresh(ctx))
+                self._report(block.spec.label, "precision", beta, block.step(beta))
+
+    def _report(self, label: str, what: str, beta: float, counts: StepCounts) -> None:
+        """Count shrunk and rejected steps and warn (once per site and kind: the text carries
+        no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
+        self.counts += counts
+        if counts.shrunk:
+            warnings.warn(
+                f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
+                "natural parameters valid (counted in guide.num_shrunk)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        if counts.rejected:
+            warnings.warn(
+                f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
+                f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
+                "step size, or raise num_general_samples.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+
+def data_key(args, kwargs):
+    """Identifies the data: the arguments' identities, versions and shapes."""
+    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return tuple(
+        (id(a), a._version, tuple(a.shape)) if torch.is_tensor(a) else id(a) for a in items
+    )

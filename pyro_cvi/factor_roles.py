@@ -1,0 +1,159 @@
+"""The roles a factor's parameters play for the mean-field latents (conditionally conjugate pairs).
+
+For a factor (sample site) of the model, :func:`analyze_factor` reads its distribution off a
+trace whose continuous latents are autograd leaves, finds which latents each parameter depends
+on, and asks the registry (:mod:`~pyro_cvi.conjugate_pairs`) whether the factor is *exact*:
+``log p_a`` multilinear in the sufficient statistics of all its latents, so that
+``E_q[log p_a]`` is a closed-form function of the mean parameters and its gradient is the VMP
+message (eq. 20 / 89). Every role is confirmed by probing the model (:mod:`~pyro_cvi.probes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Set, Union
+
+import torch
+
+from . import conjugate_pairs as cp
+from . import probes
+from .tracing import unwrap
+
+__all__ = ["FactorSpec", "analyze_factor"]
+
+
+@dataclass
+class FactorSpec:
+    """How the mean-field part of CVI treats one factor (sample site) of the model."""
+
+    site: str
+    exact: bool
+    reason: str
+    pattern: Optional[cp.Pattern] = None
+    roles: Dict[str, cp.Role] = field(default_factory=dict)
+    value_kind: str = "observed"  # observed | discrete | latent
+    continuous: Set[str] = field(default_factory=set)  # continuous latents (incl. its value)
+    discrete: Set[str] = field(default_factory=set)  # discrete latents (incl. its value)
+    jacobians: Dict[str, torch.Tensor] = field(default_factory=dict)  # affine loc: (R, D)
+    dynamic: bool = False  # an affine coefficient depends on learnable parameters
+
+    @property
+    def latents(self) -> Set[str]:
+        return self.continuous | self.discrete
+
+
+def analyze_factor(an: "Analysis", site_name: str) -> FactorSpec:
+    """Classify one factor: exact (every parameter in a registered conjugate role) or not."""
+    tr, leaves = an.leaf_trace()
+    site = tr.nodes[site_name]
+    deps = set(an.deps.get(site_name, set())) - an.leaves
+    cont = {d for d in deps if d in an.continuous}
+    disc = {d for d in deps if d in an.discrete}
+    spec = FactorSpec(site_name, False, "", continuous=set(cont), discrete=set(disc))
+    # (the latents are conditioned in analysis traces: decide by name, not is_observed)
+    if site_name in an.discrete:
+        spec.value_kind = "discrete"
+        spec.discrete.add(site_name)
+    elif site_name in an.continuous:
+        spec.value_kind = "latent"
+        spec.continuous.add(site_name)
+    base = unwrap(site["fn"])[0]
+    dname = type(base).__name__
+    enumerated = f", enumerated over {', '.join(sorted(disc))}" if disc else ""
+    if not cont and spec.value_kind != "latent":
+        spec.exact = True
+        spec.reason = f"{dname} with no continuous latent parameter{enumerated}"
+        return spec
+    pattern = cp.lookup(base)
+    if pattern is None:
+        spec.reason = f"{dname} has no conjugate pattern"
+        return spec
+    spec.pattern = pattern
+    value_fam = an.families.get(site_name)
+    if spec.value_kind == "latent" and not isinstance(value_fam, pattern.value_families):
+        spec.reason = f"{dname} density of a {value_fam.name} q"
+        return spec
+    if spec.value_kind == "discrete" and not isinstance(value_fam, pattern.value_families):
+        spec.reason = f"{dname} of a discrete latent"
+        return spec
+    covered: Set[str] = set()
+    names = list(leaves)
+    with torch.enable_grad():
+        for name, (kinds, fams) in pattern.params.items():
+            t = pattern.read(base, name)
+            pdeps: Set[str] = set()
+            if torch.is_tensor(t) and t.requires_grad and names:
+                grads = torch.autograd.grad(
+                    (t * torch.randn_like(t)).sum(),
+                    [leaves[n] for n in names],
+                    allow_unused=True,
+                    retain_graph=True,
+                )
+                pdeps = {n for n, g in zip(names, grads) if g is not None}
+            covered |= pdeps
+            role = _role(an, spec, name, t, pdeps, kinds, fams)
+            if isinstance(role, str):
+                spec.reason = f"{dname} {name} {role}"
+                return spec
+            spec.roles[name] = role
+    if cont - covered:
+        spec.reason = f"{dname} depends on {', '.join(sorted(cont - covered))} otherwise"
+        return spec
+    parents = [set(r.parents) for r in spec.roles.values() if r.kind != cp.CONST]
+    for i in range(len(parents)):
+        for j in range(i + 1, len(parents)):
+            if parents[i] & parents[j]:
+                both = ", ".join(sorted(parents[i] & parents[j]))
+                spec.reason = f"{dname}: {both} enters two parameters"
+                return spec
+    spec.exact = True
+    text = cp.roles_text(pattern, spec.roles)
+    spec.reason = (f"{dname} {text} (probed)" if text else dname) + enumerated
+    return spec
+
+
+def _param_reader(an: "Analysis", site_name: str, pattern: cp.Pattern, name: str):
+    def read(values):
+        return pattern.read(unwrap(an.run(**values).nodes[site_name]["fn"])[0], name)
+
+    return read
+
+
+def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
+    """The role of parameter ``name`` (value ``t``, latent parents ``pdeps``), or why none."""
+    if not pdeps:
+        return cp.Role(cp.CONST)
+    pf = {p: an.families[p] for p in pdeps}
+    listed = ", ".join(f"{p} ({f.name})" for p, f in sorted(pf.items()))
+    read = _param_reader(an, spec.site, spec.pattern, name)
+    tol = probes.rtol(t.dtype)
+    if cp.MONOMIAL in kinds and all(isinstance(f, fams) for f in pf.values()):
+        for p in sorted(pdeps):
+            why = cp.check_monomial(lambda z, p=p: read({p: z}), an.ref[p], tol)
+            if why is not None:
+                return why.replace("it", p)
+        return cp.Role(cp.MONOMIAL, tuple(sorted(pdeps)))
+    if cp.AFFINE in kinds and all(isinstance(f, fams) for f in pf.values()):
+        _, leaves = an.leaf_trace()
+        with torch.enable_grad():
+            jac = {p: probes.jacobian(t, leaves[p]).detach() for p in sorted(pdeps)}
+        if not probes.check_affine(read, {p: an.ref[p] for p in pdeps}, jac, f0=t.detach()):
+            return f"is not affine in {', '.join(sorted(pdeps))} (probed)"
+        spec.jacobians.update(jac)
+        tr, _ = an.leaf_trace()
+        params = [n["value"] for n in tr.nodes.values() if n["type"] == "param"]
+        with torch.enable_grad():
+            dyn = probes.depends_on_params(t, [leaves[p] for p in sorted(pdeps)], params)
+        spec.dynamic = spec.dynamic or dyn
+        return cp.Role(cp.AFFINE, tuple(sorted(pdeps)))
+    if cp.IDENTITY in kinds and len(pdeps) == 1:
+        (p,) = pdeps
+        if isinstance(pf[p], fams):
+            z0 = an.ref[p]
+            idx, why = cp.find_identity_index(
+                lambda z: read({p: z}), z0.shape, pf[p].vector_valued, z0.dtype, z0.device, tol
+            )
+            if idx is None:
+                return why
+            return cp.Role(cp.IDENTITY, (p,), idx)
+    return f"depends on {listed}: no conjugate pattern"

@@ -1,0 +1,118 @@
+"""Messages to the natural-form latents (Algorithm 2 of Khan & Lin, 2017).
+
+For a mean-field ``q(z) = prod_i q_i(z_i | lambda_i)`` one step of Algorithm 2 is
+
+    lambda~_i = sum_{a in N_i} [ eta~_{a,i} + grad_{mu_i} E_q[log p~_nc^{a,i}] ]     (step 4)
+    lambda_i <- (1 - beta) lambda_i + beta lambda~_i                               (step 5)
+
+Both kinds of message are ``grad_{mu_i} E_q[log p_a]`` (eq. 89): exact factors through the
+closed form of :mod:`~pyro_cvi.expectations` (so with ``beta = 1`` a sequential sweep is CAVI),
+general factors by Monte Carlo (:mod:`~pyro_cvi.montecarlo`). :func:`compute` also returns the
+mean-field part of the ELBO: every factor touching a natural-form latent, and their entropies.
+Inside ``pyro.plate(..., subsample_size=B)`` a local latent's terms all carry the scale ``N/B``;
+its target is the unscaled message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Set, Tuple
+
+import torch
+
+from . import conjugate_pairs as cp
+from .context import Options, StepContext
+from .expectations import QState, expected_log_prob
+from .montecarlo import monte_carlo
+from .tracing import run_model
+
+__all__ = ["MeanFieldResult", "compute"]
+
+
+@dataclass
+class MeanFieldResult:
+    elbo: torch.Tensor
+    targets: Dict[str, Tuple[torch.Tensor, ...]]
+
+
+def compute(
+    ctx: StepContext,
+    analysis,
+    natural: Dict,
+    gaussian,
+    options: Options,
+    cache: Dict,
+    fixed: Dict[str, torch.Tensor],
+    want: Optional[Set[str]] = None,
+    value: bool = True,
+) -> MeanFieldResult:
+    """``E_q[log p]`` over the factors touching natural-form latents, their entropies, and
+    (for the latents in ``want``, default all) the targets ``grad_mu E_q[log p]``.
+
+    With ``value=False`` only the factors touching ``want`` are evaluated.
+    """
+    want = set(natural) if want is None else set(want) & set(natural)
+    sub = ctx.subsample
+    q = QState(natural, gaussian, sub, want, fixed)
+    specs = []
+    for site, owner in analysis.owner.items():
+        if owner != "meanfield":
+            continue
+        spec = analysis.spec(site)
+        if value or spec.latents & want:
+            specs.append(spec)
+    exact = [s for s in specs if s.exact]
+    general = [s for s in specs if not s.exact]
+    like = next(iter(q.mu.values()))[0] if q.mu else None
+    zero = torch.zeros((), dtype=None if like is None else like.dtype,
+                       device=None if like is None else like.device)
+    key = (ctx.data_key, tuple((k, tuple(v.tolist())) for k, v in sorted(sub.items())))
+    grad_total, elbo = zero, zero
+    with torch.enable_grad():
+        mc_grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
+        first = None
+        if general:
+            total, mc_grads, first = monte_carlo(ctx, general, q, want, analysis, gaussian, options)
+            elbo = elbo + total
+        if exact:
+            # factors whose parameters are all free of continuous latents (e.g. priors with
+            # fixed hyperparameters) can be read off any trace: reuse a Monte Carlo one
+            plain = first is not None and all(
+                not s.discrete and all(r.kind == cp.CONST for r in s.roles.values()) for s in exact
+            )
+            mean_trace = first if plain else run_model(
+                ctx.model, q.values("mean"), ctx.args, ctx.kwargs, analysis.enum_dims
+            )
+            traces = {"mean": mean_trace}
+            if q.geo and any(r.kind == cp.MONOMIAL for s in exact for r in s.roles.values()):
+                traces["geo"] = run_model(
+                    ctx.model, q.values("geo"), ctx.args, ctx.kwargs, analysis.enum_dims
+                )
+            for spec in exact:
+                e = expected_log_prob(spec, traces, q, cache, key)
+                grad_total = grad_total + e
+        elbo = elbo + grad_total
+        targets: Dict[str, Tuple[torch.Tensor, ...]] = {}
+        names = sorted(want, key=list(natural).index)
+        leaves = [t for n in names for t in q.mu[n]]
+        if leaves and grad_total.requires_grad:
+            gs = torch.autograd.grad(grad_total, leaves, allow_unused=True, retain_graph=value)
+        else:
+            gs = [None] * len(leaves)
+        k = 0
+        for n in names:
+            parts = []
+            for t in q.mu[n]:
+                g = gs[k]
+                parts.append(torch.zeros_like(t) if g is None else g.detach())
+                k += 1
+            if n in mc_grads:
+                parts = [a + b for a, b in zip(parts, mc_grads[n])]
+            s = natural[n].local_scale(sub)
+            if s != 1.0:
+                parts = [t / s for t in parts]
+            targets[n] = tuple(q.fam[n].symmetrize(tuple(parts)))
+    if value:
+        for n, nb in natural.items():  # (a fixed order: a reproducible float sum)
+            elbo = elbo + q.fam[n].entropy(q.lam[n]).sum() * nb.local_scale(sub)
+    return MeanFieldResult(elbo, targets)

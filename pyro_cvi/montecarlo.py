@@ -1,0 +1,133 @@
+"""Monte Carlo messages of general (non-conjugate) factors for the mean-field latents.
+
+For a factor ``a`` whose ``log p_a`` is not multilinear in the sufficient statistics of its
+latents, the message ``grad_mu E_q[log p_a]`` is estimated from ``S`` joint draws of ``q``
+(Algorithm 2 with stochastic gradients, eq. 29 / Appendix F).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import pyro
+import torch
+
+from .context import Options, StepContext
+from .expectations import QState, discrete_weight, site_weight
+from .tracing import run_model
+
+__all__ = ["monte_carlo"]
+
+
+def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
+    """All ``S`` samples in one model run, in a particle plate left of the model's plates (and
+    enumeration left of that), like ``Trace_ELBO(vectorize_particles=True)``."""
+    P = an.plate_dims
+    vals = {k: v.detach() for k, v in q.values("mean").items()}
+
+    def lead(z, batch_dims):
+        return z.reshape((S,) + (1,) * (P - batch_dims) + z.shape[1:])
+
+    for n in cont:
+        d = dists[n]
+        z = d.rsample((S,)) if d.has_rsample else d.sample((S,))
+        vals[n] = lead(z, len(d.batch_shape))
+    for block in blocks:
+        if lat & set(block.names):
+            for n, z in block.spec.split(block.joint().sample((S,))).items():
+                vals[n] = lead(z, 0)
+
+    def particles(*a, **k):
+        with pyro.plate("_cvi_particles", S, dim=-1 - P):
+            return ctx.model(*a, **k)
+
+    try:
+        tr = run_model(
+            particles, vals, ctx.args, ctx.kwargs, P + 1 if an.enum_dims is not None else None
+        )
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(
+            "AutoCVI(vectorize_particles=True) runs the model once with a leading particle "
+            f"dimension of size {S} left of its plates, and the model failed to broadcast over "
+            f"it ({e}). Write the model with broadcasting operations (e.g. (Z.unsqueeze(-1) * "
+            "W).sum(-2) rather than Z @ W), or use vectorize_particles=False."
+        ) from e
+    total = 0.0
+    room = P + 1 + (len(tr.nodes[next(iter(an.discrete))]["value"].shape) - P if an.discrete else 0)
+    for spec in general:
+        site = tr.nodes[spec.site]
+        shape = site["fn"].batch_shape
+        if len(shape) > room or len(shape) < P + 1 or shape[-1 - P] != S:
+            raise ValueError(
+                f"AutoCVI(vectorize_particles=True): site {spec.site!r} has batch shape "
+                f"{tuple(shape)} with {S} particles left of {P} plate dims: the model does not "
+                "broadcast over a leading particle dimension (e.g. Z @ W mixes batch and matrix "
+                "dims; write (Z.unsqueeze(-1) * W).sum(-2)), or use vectorize_particles=False."
+            )
+        lp = site["fn"].log_prob(site["value"])
+        w = discrete_weight(spec, tr, q)
+        if w is not None:
+            lp = lp * w
+        lp = site_weight(site, lp).sum() / S
+        total = total + lp
+    return total
+
+
+def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options: Options):
+    """Monte Carlo ``E_q[log p_a]`` of the general factors and its mean-parameter gradients.
+
+    Returns ``(the estimate with its graph to hyperparameters, grads by latent, the first
+    sampled trace)``. Gradients with respect to ``lambda`` by implicit reparameterisation
+    (``rsample``), mapped to mean parameters by the family's Fisher solve (Appendix F,
+    eq. 72); discrete latents are enumerated and weighted by their q probabilities
+    (differentiable in their ``mu``).
+    """
+    S = max(1, int(options.num_general_samples))
+    lat = set().union(*[s.latents for s in general])
+    cont = [n for n in sorted(lat) if n in q.lam and n not in an.discrete]  # fixed RNG order
+    lam_leaves = {n: tuple(t.clone().requires_grad_(n in want) for t in q.lam[n]) for n in cont}
+    dists = {n: q.fam[n].natural_to_dist(lam_leaves[n]) for n in cont}
+    total = 0.0
+    first = None
+    if S > 1 and options.vectorize_particles:
+        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists)
+    for _ in range(0 if torch.is_tensor(total) else S):
+        vals = q.values("mean")
+        vals = {k: v.detach() for k, v in vals.items()}
+        for n in cont:
+            z = dists[n].rsample() if dists[n].has_rsample else dists[n].sample()
+            vals[n] = z
+        for block in blocks:
+            if lat & set(block.names):
+                vals.update(block.spec.split(block.joint().sample()))
+        tr = run_model(ctx.model, vals, ctx.args, ctx.kwargs, an.enum_dims)
+        first = tr if first is None else first
+        for spec in general:
+            site = tr.nodes[spec.site]
+            lp = site["fn"].log_prob(site["value"])
+            w = discrete_weight(spec, tr, q)
+            if w is not None:
+                lp = lp * w
+            lp = site_weight(site, lp).sum()
+            total = total + lp / S
+    grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
+    targets = [n for n in want if n in lam_leaves] + [
+        n for n in want if n in an.discrete and n in lat
+    ]
+    if torch.is_tensor(total) and total.requires_grad and targets:
+        inputs = []
+        for n in targets:
+            inputs.extend(lam_leaves[n] if n in lam_leaves else q.mu[n])
+        gs = torch.autograd.grad(total, inputs, allow_unused=True, retain_graph=True)
+        k = 0
+        for n in targets:
+            src = lam_leaves[n] if n in lam_leaves else q.mu[n]
+            g = []
+            for t in src:
+                g.append(torch.zeros_like(t) if gs[k] is None else gs[k].detach())
+                k += 1
+            if n in lam_leaves:
+                g = q.fam[n].mean_grad(q.lam[n], tuple(g))
+                g = tuple(torch.nan_to_num(x, nan=0.0) for x in g)
+            grads[n] = tuple(g)
+    return total, grads, first

@@ -1,0 +1,154 @@
+"""Probing a model: Jacobians by autograd, and numeric confirmation of affine structure.
+
+Detection never trusts a pattern match alone (DESIGN.md): a parameter that autograd says is a
+function of a latent ``z`` is confirmed to be *affine* in ``z`` by replaying the model at random
+points and comparing with its Jacobian. All probes share one tolerance policy,
+:func:`rtol`, and a local random generator (the user's RNG stream is not consumed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "jacobian",
+    "rtol",
+    "close",
+    "perturbations",
+    "affine_at",
+    "check_affine",
+    "depends_on_params",
+]
+
+
+def rtol(dtype: torch.dtype) -> float:
+    """The one relative tolerance of every probe: 1e-3 in reduced precision, 1e-6 in float64."""
+    return 1e-3 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-6
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """``|a - b| <= tol * (1 + max(|a|, |b|))`` elementwise, and both finite."""
+    if a.shape != b.shape:
+        a, b = torch.broadcast_tensors(a, b)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return False
+    scale = 1.0 + torch.maximum(a.abs(), b.abs())
+    return bool(((a - b).abs() <= tol * scale).all())
+
+
+def jacobian(
+    out: torch.Tensor, z: torch.Tensor, chunk: int = 512, loop_below: int = 200
+) -> torch.Tensor:
+    """Dense Jacobian ``d out / d z`` of shape ``(out.numel(), z.numel())``.
+
+    Reverse mode with batched vector-Jacobian products when ``out`` is the smaller side,
+    otherwise reverse-of-reverse (a batched Jacobian of the linear map ``v -> A^T v``).
+    """
+    R, D = out.numel(), z.numel()
+    flat = out.reshape(-1)
+    rows = []
+    if min(R, D) <= loop_below:  # plain backward passes: no vmap (and no torch.fx import)
+        if R <= D:
+            for i in range(R):
+                (g,) = torch.autograd.grad(flat[i], z, retain_graph=True, allow_unused=True)
+                rows.append(torch.zeros_like(z).reshape(-1) if g is None else g.reshape(-1))
+            return torch.stack(rows, 0) if rows else flat.new_zeros(0, D)
+        v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
+        (atv,) = torch.autograd.grad(flat, z, v, retain_graph=True, create_graph=True)
+        atv = atv.reshape(-1)
+        for j in range(D):
+            if not atv.requires_grad:
+                rows.append(torch.zeros_like(v))
+                continue
+            (g,) = torch.autograd.grad(atv[j], v, retain_graph=True, allow_unused=True)
+            rows.append(torch.zeros_like(v) if g is None else g)
+        return torch.stack(rows, 1)
+    if R <= D:
+        eye = torch.eye(R, dtype=out.dtype, device=out.device)
+        for i in range(0, R, chunk):
+            (g,) = torch.autograd.grad(
+                flat, z, eye[i : i + chunk], retain_graph=True, is_grads_batched=True
+            )
+            rows.append(g.reshape(-1, D))
+        return torch.cat(rows, 0)
+    v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
+    (atv,) = torch.autograd.grad(flat, z, v, retain_graph=True, create_graph=True)
+    atv = atv.reshape(-1)
+    eye = torch.eye(D, dtype=out.dtype, device=out.device)
+    for i in range(0, D, chunk):
+        (g,) = torch.autograd.grad(
+            atv, v, eye[i : i + chunk], retain_graph=True, is_grads_batched=True
+        )
+        rows.append(g)
+    return torch.cat(rows, 0).T.contiguous()
+
+
+def perturbations(at: Dict[str, torch.Tensor], num_probes: int = 2, seed: int = 7):
+    """Random joint perturbations of the values ``at``, of the size of the values (>= 1)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for _ in range(num_probes):
+        dz = {}
+        for p, z0 in at.items():
+            s = z0.abs().mean().clamp_min(1.0) if z0.numel() else 1.0
+            dz[p] = (s * torch.randn(z0.shape, generator=g, dtype=torch.float64)).to(z0)
+        out.append(dz)
+    return out
+
+
+def affine_at(
+    f0: torch.Tensor,
+    moved: Sequence[Tuple[Dict[str, torch.Tensor], torch.Tensor]],
+    jacobians: Dict[str, torch.Tensor],
+) -> bool:
+    """Confirm ``f(z0 + dz) = f(z0) + sum_p A_p dz_p`` for every probe ``(dz, f(z0 + dz))``."""
+    f0 = f0.reshape(-1)
+    tol = rtol(f0.dtype)
+    with torch.no_grad():
+        for dz, f in moved:
+            pred = f0.clone()
+            for p, A in jacobians.items():
+                if p in dz:
+                    pred = pred + A @ dz[p].reshape(-1)
+            if not close(f.reshape(-1), pred, tol):
+                return False
+    return True
+
+
+def check_affine(
+    fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor],
+    at: Dict[str, torch.Tensor],
+    jacobians: Dict[str, torch.Tensor],
+    num_probes: int = 2,
+    f0: Optional[torch.Tensor] = None,
+) -> bool:
+    """Confirm ``fn(z) = fn(z0) + sum_p A_p (z_p - z0_p)`` at random joint perturbations.
+
+    ``at``: the reference values ``z0`` by latent name; ``jacobians``: ``A_p`` of shape
+    ``(numel fn, numel z_p)``; ``f0``: ``fn(z0)`` if known (saves a model run).
+    """
+    with torch.no_grad():
+        f0 = fn(dict(at)) if f0 is None else f0
+        moved = []
+        for dz in perturbations(at, num_probes):
+            moved.append((dz, fn({p: z + dz[p] for p, z in at.items()})))
+    return affine_at(f0, moved, jacobians)
+
+
+def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], params) -> bool:
+    """Whether ``d value / d z`` (for any ``z`` in ``leaves``) depends on learnable ``params``:
+    then an affine coefficient moves with the hyperparameters and is recomputed every step."""
+    params = [p for p in params if torch.is_tensor(p) and p.requires_grad]
+    if not params:
+        return False
+    grads = torch.autograd.grad(
+        value, list(leaves), torch.randn_like(value), retain_graph=True, create_graph=True,
+        allow_unused=True,
+    )
+    total = sum(g.sum() for g in grads if g is not None and g.requires_grad)
+    if not torch.is_tensor(total):
+        return False
+    second = torch.autograd.grad(total, params, allow_unused=True, retain_graph=True)
+    return any(x is not None for x in second)

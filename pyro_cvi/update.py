@@ -1,0 +1,120 @@
+"""The CVI update and the one step policy (Algorithm 1 eq. 12, Algorithm 2 step 5).
+
+Every block takes the same step in its own parameters::
+
+    lambda <- lambda + b * (target - lambda) = (1 - b) lambda + b target       (eq. 12)
+
+with ``b = beta`` unless that leaves the natural domain. The policy, for every batch element
+independently (a Gaussian block is one element): halve ``b`` until the new point is valid; an
+element still invalid after ``max_halvings`` halvings keeps its old value (rejected). Where the
+family's domain is a box (Gamma, Beta, Dirichlet: ``family.natural_bounds``) the halving count
+is computed in closed form, and when the target itself lies outside the domain (a noisy Monte
+Carlo target) the shrunk step also stops at most half way to the boundary, so shapes and rates
+do not collapse to ~0 (the paper's "shrink until within the constraints", Section 7).
+Shrunk and rejected elements are counted and reported by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["StepCounts", "cvi_update", "damped_step"]
+
+Params = Tuple[torch.Tensor, ...]
+
+#: a shrunk step covers at most this fraction of the distance to a box boundary
+TO_BOUNDARY = 0.5
+
+
+@dataclass
+class StepCounts:
+    """How many batch elements had their step shrunk, or rejected, in one step."""
+
+    shrunk: int = 0
+    rejected: int = 0
+
+    def __iadd__(self, other: "StepCounts") -> "StepCounts":
+        self.shrunk += other.shrunk
+        self.rejected += other.rejected
+        return self
+
+
+def _expand(b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return b.reshape(b.shape + (1,) * (like.dim() - b.dim()))
+
+
+def cvi_update(old: Sequence[torch.Tensor], target: Sequence[torch.Tensor], b) -> Params:
+    """``old + b (target - old)``; ``b`` a float or a tensor of the batch shape (eq. 12)."""
+    if not torch.is_tensor(b):
+        return tuple(o + b * (t - o) for o, t in zip(old, target))
+    return tuple(o + _expand(b, o) * (t - o) for o, t in zip(old, target))
+
+
+def damped_step(
+    old: Sequence[torch.Tensor],
+    target: Sequence[torch.Tensor],
+    beta: float,
+    valid: Callable[[Params], torch.Tensor],
+    bounds: Optional[Sequence[Tuple[Optional[float], Optional[float]]]] = None,
+    param_shapes: Optional[Sequence[torch.Size]] = None,
+    max_halvings: int = 30,
+) -> Tuple[Params, StepCounts]:
+    """The CVI update with the step policy of the module docstring.
+
+    :param valid: ``params -> bool`` tensor of the batch shape (a 0-dim tensor for one element).
+    :param bounds: box bounds ``(lo, hi)`` per natural parameter, if the domain is a box, with
+        ``param_shapes`` the trailing (event) shape of each parameter.
+    """
+    old = tuple(o.detach() for o in old)
+    target = tuple(t.detach() for t in target)
+    if bounds is not None:
+        return _box_step(old, target, beta, bounds, param_shapes, max_halvings)
+    ok = valid(cvi_update(old, target, beta))
+    if bool(ok.all()):
+        return cvi_update(old, target, beta), StepCounts()
+    b = torch.full(ok.shape, float(beta), dtype=old[0].dtype, device=old[0].device)
+    shrunk = 0
+    for _ in range(max_halvings):
+        shrunk += int((~ok).sum())
+        b = torch.where(ok, b, b / 2)
+        new = cvi_update(old, target, b)
+        ok = valid(new)
+        if bool(ok.all()):
+            return new, StepCounts(shrunk, 0)
+    new = tuple(torch.where(_expand(ok, o), n, o) for o, n in zip(old, new))
+    return new, StepCounts(shrunk, int((~ok).sum()))
+
+
+def _box_step(old, target, beta, bounds, param_shapes, max_halvings):
+    """:func:`damped_step` on a box domain, in closed form.
+
+    Where the target is inside the domain (always, for exact conjugate messages) the step is
+    the plain convex combination. Where it is not, ``b = beta / 2^k`` with the smallest ``k``
+    such that no parameter moves more than :data:`TO_BOUNDARY` of the way to its bound.
+    """
+    grads = tuple(t - o for t, o in zip(target, old))
+    limit, finite = None, None  # largest allowed step per element (inf where unconstrained)
+    for o, g, (lo, hi), shape in zip(old, grads, bounds, param_shapes):
+        lim = torch.full_like(o, float("inf"))
+        if lo is not None:
+            lim = torch.where(g < 0, (lo - o) / g, lim)
+        if hi is not None:
+            lim = torch.where(g > 0, (hi - o) / g, lim)
+        lim = lim.reshape(lim.shape[: lim.dim() - len(shape)] + (-1,)).amin(-1)
+        ok = torch.isfinite(g).reshape(lim.shape + (-1,)).all(-1)
+        limit = lim if limit is None else torch.minimum(limit, lim)
+        finite = ok if finite is None else finite & ok
+    limit = torch.where(finite, limit, torch.zeros_like(limit))
+    allowed = torch.where(limit > 1.0, limit, TO_BOUNDARY * limit)
+    b = torch.full_like(limit, float(beta))
+    k = torch.ceil(torch.log2(b / allowed.clamp_min(1e-300))).clamp(min=0)
+    k = torch.where(b <= allowed, torch.zeros_like(k), torch.maximum(k, torch.ones_like(k)))
+    b = b * torch.exp2(-k)
+    b = torch.where((b <= allowed) | (b < limit), b, b / 2)
+    rejected = (k > max_halvings) | ~finite
+    b = torch.where(rejected, torch.zeros_like(b), b)
+    new = tuple(o + _expand(b, o) * torch.nan_to_num(g) for o, g in zip(old, grads))
+    return new, StepCounts(int(((k > 0) & ~rejected).sum()), int(rejected.sum()))
