@@ -6,8 +6,8 @@ import pyro.distributions as dist
 import pytest
 import torch
 
+from benchmarks import gamma_models as gm
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
-from pyro_cvi import gamma_models as gm
 from pyro_cvi import meanfield as mf
 
 

@@ -267,7 +267,7 @@ def run_cvi(
     (the averaging is timed; the guide's own parameters are not changed). Returns
     ``(history, guide)``.
     """
-    from . import CVI, CVI_ELBO, AutoCVI
+    from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
     pyro.clear_param_store()
     guide = AutoCVI(
