@@ -1,6 +1,6 @@
 """Gamma-model benchmark: mean-field CVI versus the paper's Adam baseline (Khan & Lin 2017, Fig. 1).
 
-Two non-conjugate models with Gamma posteriors (``pyro_cvi.gamma_models``):
+Two non-conjugate models with Gamma posteriors (``benchmarks.gamma_models``):
 
 * ``pmf``: Poisson-gamma matrix factorisation (Appendix K) of scikit-learn's digits (1797 x 64
   counts), K factors; 20% of the entries are held out; metric: their mean Poisson
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -42,7 +43,8 @@ from pathlib import Path
 import pyro
 import torch
 
-from pyro_cvi import gamma_models as gm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+from benchmarks import gamma_models as gm  # noqa: E402
 
 
 def _problem(name: str, seed: int):

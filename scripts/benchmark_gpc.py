@@ -57,6 +57,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+
 TOLERANCE_NATS = 0.5
 
 
@@ -162,8 +164,8 @@ def run_one(cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     import gpytorch
 
+    from benchmarks.datasets import load_usps_3vs5
     from pyro_cvi.contrib.gpytorch import CVIOptimizer, LogisticBernoulliLikelihood
-    from pyro_cvi.datasets import load_usps_3vs5
 
     device = torch.device(cfg["device"])
     dtype = getattr(torch, cfg["dtype"])
@@ -381,7 +383,7 @@ def main(argv=None) -> dict:
     )
     args = ap.parse_args(argv)
 
-    from pyro_cvi.datasets import data_dir
+    from benchmarks.datasets import data_dir
 
     root = str(data_dir(args.data_dir))
     quick = args.quick

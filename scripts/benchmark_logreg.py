@@ -11,7 +11,7 @@ log-loss (bits) by Gauss-Hermite quadrature. Methods, side by side on each datas
 * ``cvi_api_prior``: ``AutoCVI(model, init_sites="prior")`` (Algorithm 1's start, ``q`` = the
   prior) with the paper's step size ``beta = w / (1 + w)`` (Table 2): the same iterates as
   ``plain_cvi``, so the pair measures the framework's overhead.
-* ``plain_cvi``: :func:`pyro_cvi.baselines.plain_cvi_logreg`, the same algorithm in a lean
+* ``plain_cvi``: :func:`benchmarks.baselines.plain_cvi_logreg`, the same algorithm in a lean
   plain-torch loop: the floor for the framework's overhead.
 * ``adam``: Pyro SVI, ``AutoMultivariateNormal``, ``Trace_ELBO`` (one particle by default),
   ``pyro.optim.Adam``: the best of a small learning-rate grid (the first to reach the target,
@@ -34,6 +34,7 @@ import inspect
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -41,7 +42,8 @@ from typing import Dict, List, Optional
 import pyro
 import torch
 
-from pyro_cvi.baselines import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+from benchmarks.baselines import (  # noqa: E402
     LogRegFit,
     evaluate_checkpoints,
     make_logreg_model,
@@ -50,7 +52,7 @@ from pyro_cvi.baselines import (
     run_svi_checkpoints,
     time_to_target,
 )
-from pyro_cvi.datasets import LogRegData, load_logreg
+from benchmarks.datasets import LogRegData, load_logreg  # noqa: E402
 
 DATASETS = ["a1a", "australian", "breast-cancer", "colon-cancer"]
 #: The paper's step sizes (Table 2): beta = w / (1 + w).

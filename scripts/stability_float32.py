@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -22,8 +23,10 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.baselines import logreg_neg_elbo, make_logreg_model
-from pyro_cvi.datasets import load_breast_cancer_sklearn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+from benchmarks.baselines import logreg_neg_elbo, make_logreg_model  # noqa: E402
+from benchmarks.datasets import load_breast_cancer_sklearn  # noqa: E402
 
 
 def run(dtype: torch.dtype, steps: int, samples: int, beta: float) -> dict:

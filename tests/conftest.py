@@ -2,7 +2,7 @@ import pyro
 import pytest
 import torch
 
-from pyro_cvi.datasets import data_dir
+from benchmarks.datasets import data_dir
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,8 +10,8 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
+from benchmarks.baselines import logreg_neg_elbo
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
-from pyro_cvi.baselines import logreg_neg_elbo
 
 
 def _blr_data(N=40, D=5, dtype=torch.float64):

@@ -95,7 +95,7 @@ def toy_classification(n=200, dtype=torch.float64, seed=0):
 
 @pytest.fixture(scope="module")
 def usps():
-    from pyro_cvi.datasets import load_usps_3vs5
+    from benchmarks.datasets import load_usps_3vs5
 
     try:
         return load_usps_3vs5()

@@ -5,14 +5,14 @@ import pytest
 import torch
 from pyro.infer import SVI
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.baselines import (
+from benchmarks.baselines import (
     logreg_log_loss_bits,
     logreg_neg_elbo,
     make_logreg_model,
     plain_cvi_logreg,
 )
-from pyro_cvi.datasets import load_breast_cancer_sklearn, load_logreg
+from benchmarks.datasets import load_breast_cancer_sklearn, load_logreg
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
 pytestmark = [pytest.mark.slow, pytest.mark.data]
 

@@ -6,8 +6,8 @@ import pyro.distributions as dist
 import pytest
 import torch
 
+from benchmarks import gamma_models as gm
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
-from pyro_cvi import gamma_models as gm
 
 
 def _vectorized_elbo(log_p, shapes, S=20000, seed=0):

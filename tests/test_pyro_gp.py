@@ -7,8 +7,8 @@ import pytest
 import torch
 from pyro.infer import SVI
 
+from benchmarks.baselines import logreg_neg_elbo, plain_cvi_logreg
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.baselines import logreg_neg_elbo, plain_cvi_logreg
 
 
 def _toy(N=40, seed=0):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -14,6 +15,8 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
@@ -57,6 +60,9 @@ SCRIPT = textwrap.dedent(
 def _run(tmp_path, *argv, source=SCRIPT, env=None):
     script = tmp_path / "run.py"
     script.write_text(source)
+    env = dict(os.environ if env is None else env)
+    # the script runs from tmp_path: put the repository root (benchmarks/) on its path
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     subprocess.run([sys.executable, str(script), *map(str, argv)], check=True, env=env)
 
 
@@ -79,7 +85,7 @@ MF_SCRIPT = textwrap.dedent(
     import sys, torch, pyro
     from pyro.infer import SVI
     from pyro_cvi import AutoCVI, CVI, CVI_ELBO
-    from pyro_cvi import gamma_models as gm
+    from benchmarks import gamma_models as gm
 
     g = torch.Generator().manual_seed(0)
     X = torch.poisson(torch.rand(8, 5, generator=g) * 3, generator=g)

@@ -267,7 +267,7 @@ def run_cvi(
     (the averaging is timed; the guide's own parameters are not changed). Returns
     ``(history, guide)``.
     """
-    from . import CVI, CVI_ELBO, AutoCVI
+    from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
     pyro.clear_param_store()
     guide = AutoCVI(
@@ -279,14 +279,14 @@ def run_cvi(
     svi = SVI(model, guide, CVI(step_size=step_size), loss=CVI_ELBO())
 
     guide(*args)  # set-up (tracing and probing the model) is not timed
-    infos = {n: guide._latents[n] for n in init}
+    infos = {n: guide.engine.natural[n] for n in init}
     avg = {}
 
     def step():
         loss = svi.step(*args)
         if average is not None:  # exponential moving average of the natural parameters
             for n, info in infos.items():
-                nat = [p.detach() for p in guide._natural_params_of(info)]
+                nat = [p.detach() for p in info.params()]
                 if n not in avg:
                     avg[n] = [t.clone() for t in nat]
                 else:

@@ -1,8 +1,8 @@
 """Reference computations for Bayesian logistic regression, independent of the CVI Pyro API.
 
 The model is ``w ~ N(0, I / delta)``, ``y_n ~ Bernoulli(sigmoid(x_n^T w))``, and ``q = N(m, V)``.
-Everything here is used by the tests, the benchmark (``scripts/benchmark_logreg.py``), the demo
-(``python -m pyro_cvi.demo``) and the tutorial:
+Everything here is used by the tests, the benchmark (``scripts/benchmark_logreg.py``) and the
+tutorial (``tutorials/logistic_regression.ipynb``):
 
 * :func:`logreg_neg_elbo` and :func:`logreg_log_loss_bits`: the metrics of the benchmark
   protocol (``shared/data/README.md``), with expectations by Gauss-Hermite quadrature, since
