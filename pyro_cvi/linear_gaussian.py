@@ -13,6 +13,11 @@ Two equivalent forms are implemented:
 * dual (``R x R``, Woodbury, for ``R < D`` and a diagonal prior covariance ``S0``): with
   ``K = A S0 A^T`` and the stable ``B = I + W^1/2 K W^1/2`` (Rasmussen & Williams, Alg. 3.2),
   ``m = m0 + S0 A^T alpha``, ``alpha = b - W^1/2 B^-1 W^1/2 (A m0 + K b)``; cost ``O(R^2 D + R^3)``.
+  The solve itself is :func:`pyro_cvi.linalg.dual_solve`, shared with ``contrib.gpytorch``.
+
+Cholesky factors come from :func:`pyro_cvi.linalg.cholesky`: strict for precisions (a failure
+raises :class:`NotPositiveDefinite` so that the caller shrinks the CVI step), growing jitter
+for covariances.
 
 Only the quantities CVI needs each step are computed eagerly: the marginal means and variances
 of ``f`` (for the site gradients) and ``log|V|`` (for the ELBO). The full covariance is formed
@@ -26,11 +31,9 @@ from typing import Optional
 
 import torch
 
+from .linalg import NotPositiveDefinite, cholesky, dual_solve
+
 __all__ = ["GaussianPrior", "GaussianPosterior", "solve", "NotPositiveDefinite"]
-
-
-class NotPositiveDefinite(RuntimeError):
-    """The natural parameters do not define a valid Gaussian (precision not positive definite)."""
 
 
 @dataclass
@@ -56,7 +59,7 @@ class GaussianPrior:
     def cov_cholesky(self) -> torch.Tensor:
         """Cholesky factor of the dense ``cov``, computed once per prior object."""
         if getattr(self, "_cov_chol", None) is None:
-            self._cov_chol = _safe_cholesky(self.cov)
+            self._cov_chol = cholesky(self.cov, jitter="grow", what="prior covariance")
         return self._cov_chol
 
     def precision_matrix(self) -> torch.Tensor:
@@ -106,7 +109,9 @@ class GaussianPosterior:
 
     def scale_tril(self) -> torch.Tensor:
         if self._scale_tril is None:
-            self._scale_tril = _safe_cholesky(self.covariance())
+            self._scale_tril = cholesky(
+                self.covariance(), jitter="grow", what="posterior covariance"
+            )
         return self._scale_tril
 
     def kl_to(self, prior: GaussianPrior) -> torch.Tensor:
@@ -121,7 +126,11 @@ class GaussianPosterior:
         elif prior.cov is not None:
             # the prior this q was solved under (same storage, no graph): reuse its Cholesky
             same = not prior.cov.requires_grad and prior.cov.data_ptr() == _ptr(self.prior.cov)
-            L0 = self.prior.cov_cholesky() if same else _safe_cholesky(prior.cov)
+            L0 = (
+                self.prior.cov_cholesky()
+                if same
+                else cholesky(prior.cov, jitter="grow", what="prior covariance")
+            )
             trace = torch.cholesky_solve(self.covariance(), L0).diagonal().sum()
             u = torch.linalg.solve_triangular(L0, diff.unsqueeze(-1), upper=False)
             maha = (u * u).sum()
@@ -130,33 +139,12 @@ class GaussianPosterior:
             P = prior.precision
             trace = (P * self.covariance()).sum()
             maha = diff @ P @ diff
-            logdet_p = -2 * torch.linalg.cholesky(P).diagonal().log().sum()
+            logdet_p = -2 * cholesky(P, what="prior precision").diagonal().log().sum()
         return 0.5 * (trace + maha - D + logdet_p - self.logdet_cov)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
-
-
-def _safe_cholesky(M: torch.Tensor) -> torch.Tensor:
-    L, info = torch.linalg.cholesky_ex(M)
-    if int(info) == 0:
-        return L
-    jitter = 1e-6 if M.dtype == torch.float32 else 1e-10
-    scale = M.diagonal().abs().mean().clamp_min(1e-30)
-    for k in range(6):
-        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-        L, info = torch.linalg.cholesky_ex(M + eye * scale * jitter * 10**k)
-        if int(info) == 0:
-            return L
-    raise NotPositiveDefinite("covariance is not positive definite even with jitter")
-
-
-def _chol(M: torch.Tensor) -> torch.Tensor:
-    L, info = torch.linalg.cholesky_ex(M)
-    if int(info) != 0 or not torch.isfinite(L).all():
-        raise NotPositiveDefinite(f"matrix is not positive definite (info={int(info)})")
-    return L
 
 
 def choose_form(prior: GaussianPrior, R: int, D: int, has_extra: bool, w) -> str:
@@ -212,7 +200,7 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
     if extra_h is not None:
         h = h + extra_h
     Lam = 0.5 * (Lam + Lam.T)
-    L = _chol(Lam)
+    L = cholesky(Lam, what="posterior precision Lambda0 + A^T W A")
     m = torch.cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
     logdet_cov = -2 * L.diagonal().log().sum()
     if A.shape[0]:
@@ -244,27 +232,20 @@ def _solve_dual(prior, A, w, b):
     else:
         AS = A @ prior.cov if dense else A * s0  # (R, D); S0 is symmetric
         K, mu_f = AS @ A.T, A @ m0
-    sw = w.clamp_min(0).sqrt()
-    R = K.shape[0]
-    B = torch.eye(R, dtype=K.dtype, device=K.device) + sw.unsqueeze(-1) * K * sw
-    LB = _chol(B)
-    rhs = (sw * (mu_f + K @ b)).unsqueeze(-1)
-    alpha = b - sw * torch.cholesky_solve(rhs, LB).squeeze(-1)
-    f_mean = mu_f + K @ alpha
-    C = torch.linalg.solve_triangular(LB, sw.unsqueeze(-1) * K, upper=False)
-    f_var = K.diagonal() - (C * C).sum(0)
-    m = m0 + AS.T @ alpha
+    sol = dual_solve(K, w, b, mu_f)
+    m = m0 + AS.T @ sol.alpha
     if dense:
         logdet_s0 = 2 * prior.cov_cholesky().diagonal().log().sum()
     else:
         logdet_s0 = s0.log().sum()
-    logdet_cov = logdet_s0 - 2 * LB.diagonal().log().sum()
+    logdet_cov = logdet_s0 - sol.logdet_B
     E = None
 
     def _E():
+        # E = L_B^-1 W^1/2 A S0, so that V = S0 - E^T E (equal to sol.V for a GP: A S0 = K)
         nonlocal E
         if E is None:
-            E = torch.linalg.solve_triangular(LB, sw.unsqueeze(-1) * AS, upper=False)
+            E = sol.V if AS is K else sol.whiten(AS)
         return E
 
     def cov():
@@ -275,4 +256,4 @@ def _solve_dual(prior, A, w, b):
         e = _E()
         return s0 - (e * e).sum(0)
 
-    return GaussianPosterior(m, logdet_cov, f_mean, f_var, "dual", cov, diag, prior)
+    return GaussianPosterior(m, logdet_cov, sol.mean, sol.var, "dual", cov, diag, prior)

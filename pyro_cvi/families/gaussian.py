@@ -45,12 +45,12 @@ from torch.distributions import Normal as _TorchNormal
 from torch.distributions import TransformedDistribution as _TorchTransformed
 from torch.distributions.transforms import ReshapeTransform
 
+from ..linalg import cholesky
 from .base import ExponentialFamily, Params, _float_value, sum_rightmost
 
 __all__ = ["Gaussian", "GaussianDiag"]
 
 _LOG_2PI = math.log(2 * math.pi)
-_JITTERS = (1e-6, 1e-5, 1e-4)
 
 
 def _sym(m: Tensor) -> Tensor:
@@ -63,24 +63,11 @@ def _eye_like(m: Tensor) -> Tensor:
 
 def _cholesky(m: Tensor, what: str = "precision matrix") -> Tensor:
     """Lower Cholesky factor of the SPD matrix ``m`` with float32-only fallback jitter."""
-    chol, info = torch.linalg.cholesky_ex(m)
-    failed = info != 0
-    if not bool(failed.any()):
-        return chol
-    if m.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        scale = m.diagonal(dim1=-2, dim2=-1).abs().mean(-1)[..., None, None]
-        eye = _eye_like(m)
-        for rel in _JITTERS:
-            chol2, info2 = torch.linalg.cholesky_ex(m + rel * scale * eye)
-            fix = failed & (info2 == 0)
-            chol = torch.where(fix[..., None, None], chol2, chol)
-            failed = failed & ~fix
-            if not bool(failed.any()):
-                return chol
-    raise ValueError(
-        f"Gaussian family: {what} is not positive definite (Cholesky failed for "
-        f"{int(failed.sum())} batch entries); check the parameters with family.is_valid / "
-        "family.validate before converting them"
+    return cholesky(
+        m,
+        jitter="float32",
+        what=f"Gaussian family: {what}",
+        hint="Check the parameters with family.is_valid / family.validate before converting them.",
     )
 
 

@@ -11,7 +11,8 @@ i.e. GP regression with pseudo-targets ``lam1 / W`` and noise variances ``1 / W`
 below are written so that ``W = 0`` (an empty site) needs no special case and ``K`` is never
 inverted.
 
-* :class:`FullSitePosterior` (sites on every training input; Rasmussen & Williams Alg. 3.2)::
+* :class:`FullSitePosterior` (sites on every training input; Rasmussen & Williams Alg. 3.2,
+  computed by :func:`pyro_cvi.linalg.dual_solve`, shared with the Pyro guide)::
 
       B = I + W^1/2 K W^1/2 = L L^T,     alpha = r - W^1/2 B^-1 W^1/2 K r,
       m(x) = m0(x) + k(x, X) alpha,       v(x) = k(x, x) - |L^-1 W^1/2 k(X, x)|^2,
@@ -38,19 +39,23 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ...linalg import cholesky, dual_solve
+
 __all__ = ["FullSitePosterior", "SparseSitePosterior", "safe_cholesky"]
+
+_ADVICE = (
+    "Use float64 (model.double(), likelihood.double()), increase jitter_val, or reduce the CVI "
+    "step_size."
+)
 
 
 def safe_cholesky(A: Tensor, what: str) -> Tensor:
-    """Cholesky factor of ``A``, or a clear error naming the matrix and what to do."""
-    L, info = torch.linalg.cholesky_ex(A)
-    if torch.any(info != 0):
-        raise RuntimeError(
-            f"Cholesky factorisation of {what} failed (matrix not positive definite in "
-            f"{A.dtype}). Use float64 (model.double(), likelihood.double()), increase "
-            "jitter_val, or reduce the CVI step_size."
-        )
-    return L
+    """Cholesky factor of ``A`` (no jitter), or a clear error naming the matrix and what to do.
+
+    :raises pyro_cvi.linalg.NotPositiveDefinite: (a ``RuntimeError``) if ``A`` is not positive
+        definite.
+    """
+    return cholesky(A, what=what, hint=_ADVICE)
 
 
 def _site_precisions(lam2: Tensor) -> Tensor:
@@ -68,34 +73,27 @@ class FullSitePosterior:
 
     def __init__(self, K: Tensor, prior_mean: Tensor, lam1: Tensor, lam2: Tensor):
         w = _site_precisions(lam2)
-        sw = w.sqrt()
-        n = K.shape[-1]
-        eye = torch.eye(n, dtype=K.dtype, device=K.device)
-        B = eye + sw.unsqueeze(-1) * K * sw.unsqueeze(-2)
-        self.L = safe_cholesky(B, "B = I + W^1/2 K W^1/2")
-        r = lam1 - w * prior_mean
-        Kr = K @ r
-        corr = torch.cholesky_solve((sw * Kr).unsqueeze(-1), self.L).squeeze(-1)
-        self.alpha = r - sw * corr
+        # centred sites r = lam1 - W m0: the solve is for f - m0 (see pyro_cvi.linalg.dual_solve)
+        self._sol = sol = dual_solve(K, w, lam1 - w * prior_mean, hint=_ADVICE)
+        self.L = sol.L
+        self.alpha = sol.alpha
         self.K = K
         self.w = w
-        self.sqrt_w = sw
+        self.sqrt_w = sol.sqrt_w
         # Posterior marginals at the site inputs.
-        self.Vh = torch.linalg.solve_triangular(self.L, sw.unsqueeze(-1) * K, upper=False)
-        self.mean = prior_mean + K @ self.alpha
-        self.var = K.diagonal(dim1=-2, dim2=-1) - self.Vh.pow(2).sum(-2)
+        self.Vh = sol.V
+        self.mean = prior_mean + sol.mean
+        self.var = sol.var
 
     def predict(self, K_Xx: Tensor, prior_mean_x: Tensor) -> Tuple[Tensor, Tensor]:
         """Return the predictive mean at ``x`` and ``R`` with ``cov = k(x, x) - R^T R``."""
         mean = prior_mean_x + K_Xx.mT @ self.alpha
-        R = torch.linalg.solve_triangular(self.L, self.sqrt_w.unsqueeze(-1) * K_Xx, upper=False)
-        return mean, R
+        return mean, self._sol.whiten(K_Xx)
 
     def kl(self) -> Tensor:
         """``KL[q(f(X)) || p(f(X))]`` in closed form (uses ``tr B^-1 = N - sum_n W_n v_n``)."""
-        logdet_B = 2.0 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
         quad = self.alpha @ (self.K @ self.alpha)
-        return 0.5 * (quad + logdet_B - (self.w * self.var).sum(-1))
+        return 0.5 * (quad + self._sol.logdet_B - (self.w * self.var).sum(-1))
 
     def q_u(self) -> Tuple[Tensor, Tensor]:
         """Dense mean and covariance of q(f(X)) (O(N^2) memory; for inspection only)."""
