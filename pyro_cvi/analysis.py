@@ -2,7 +2,8 @@
 
 From traces of the model at a prior draw, :class:`Analysis` decides
 
-* the **q family** of every latent site, from its support (:func:`~pyro_cvi.families.family_for_support`);
+* the **q family** of every latent site, from its support
+  (:func:`~pyro_cvi.families.family_for_support`);
 * the **leaves**: latent sites no other site depends on. Their ``q`` is their conditional prior,
   which integrates them out exactly; they send and receive no message;
 * the **Gaussian blocks** (site form, Algorithm 1): Gaussian latents with no batch dims and a
@@ -186,9 +187,7 @@ class Analysis:
             frames = [f for f in site["cond_indep_stack"] if f.vectorized]
             fam = None if name in self.leaves else self.families[name]
             fn = site["fn"]
-            self.latents[name] = LatentInfo(
-                name, fam, form, fn.event_shape, fn.batch_shape, frames
-            )
+            self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.blocks = self._group_blocks()
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
@@ -215,7 +214,9 @@ class Analysis:
         if len(info.batch_shape) or self.deps.get(name):
             return False
         base = unwrap(self.structure.nodes[name]["fn"])[0]
-        return isinstance(base, (torch.distributions.Normal, torch.distributions.MultivariateNormal))
+        return isinstance(
+            base, (torch.distributions.Normal, torch.distributions.MultivariateNormal)
+        )
 
     def _group_blocks(self) -> List[BlockSpec]:
         """Connected components of the site-form candidates over shared factors (union-find)."""

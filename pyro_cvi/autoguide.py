@@ -89,7 +89,12 @@ class AutoCVI(AutoGuide):
             )
         super().__init__(model, create_plates=create_plates)
         self.options = Options(
-            covariance, num_quad_points, num_samples, num_general_samples, init_sites, schedule,
+            covariance,
+            num_quad_points,
+            num_samples,
+            num_general_samples,
+            init_sites,
+            schedule,
             vectorize_particles,
         )
         self.init_loc_fn = init_loc_fn

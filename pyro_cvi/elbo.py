@@ -35,8 +35,8 @@ class CVI_ELBO(ELBO):
         super().__init__(**kwargs)
 
     def loss(self, model, guide, *args, **kwargs) -> float:
-        with torch.no_grad():
-            return float(_checked(model, guide).elbo(args, kwargs, grads=False).neg())
+        # (not under no_grad: quadrature and mean-field expectations use autograd inside)
+        return float(_checked(model, guide).elbo(args, kwargs, grads=False).detach().neg())
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         return _checked(model, guide).elbo(args, kwargs, grads=False).neg()

@@ -46,7 +46,7 @@ __all__ = ["Engine", "owner_of"]
 _OWNERS: Dict[int, tuple] = {}
 
 
-def owner_of(param: torch.Tensor) -> Optional["Engine"]:
+def owner_of(param: torch.Tensor) -> Optional[Engine]:
     """The engine a parameter belongs to, or ``None`` for any other parameter."""
     entry = _OWNERS.get(id(param))
     if entry is None or entry[0]() is not param:
@@ -54,12 +54,15 @@ def owner_of(param: torch.Tensor) -> Optional["Engine"]:
     return entry[1]()
 
 
-def _register(param: torch.Tensor, engine: "Engine") -> None:
+def _register(param: torch.Tensor, engine: Engine) -> None:
     key = id(param)
     entry = _OWNERS.get(key)
     if entry is not None and entry[0]() is param and entry[1]() is engine:
         return
-    _OWNERS[key] = (weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)), weakref.ref(engine))
+    _OWNERS[key] = (
+        weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)),
+        weakref.ref(engine),
+    )
 
 
 class Engine:
@@ -69,7 +72,7 @@ class Engine:
         self.model, self.prefix, self.options = model, prefix, options
         self.analysis: Optional[Analysis] = None
         self.gaussian: List[GaussianBlock] = []
-        self.natural: "OrderedDict[str, NaturalBlock]" = OrderedDict()
+        self.natural: OrderedDict[str, NaturalBlock] = OrderedDict()
         self.pending: Optional[StepContext] = None
         self.cache: Dict = {}
         self.counts = StepCounts()
@@ -213,7 +216,13 @@ class Engine:
     def loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
         """The ELBO of the current q (exact where closed forms exist, an unbiased estimate
         otherwise); with ``grads``, the natural gradients of every block are written and the
-        step's context is kept for :meth:`step`."""
+        step's context is kept for :meth:`step`. (Autograd is on inside, also under
+        ``torch.no_grad()`` as in ``SVI.evaluate_loss``: quadrature and the mean-field
+        messages differentiate expectations.)"""
+        with torch.enable_grad():
+            return self._loss(args, kwargs, subsample, grads)
+
+    def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads)
         check_observations(ctx.trace, self.structure)
         if grads:
@@ -251,8 +260,15 @@ class Engine:
 
     def _mean_field(self, ctx, want=None, value=True):
         return compute(
-            ctx, self.analysis, self.natural, self.gaussian, self.options, self.cache,
-            self.leaf_values, want=want, value=value,
+            ctx,
+            self.analysis,
+            self.natural,
+            self.gaussian,
+            self.options,
+            self.cache,
+            self.leaf_values,
+            want=want,
+            value=value,
         )
 
     # ------------------------------------------------------------------ the step
@@ -294,7 +310,9 @@ class Engine:
             if nb is None or not nb.is_local(ctx.subsample):
                 continue
             res = self._mean_field(ctx, want={name}, value=False)
-            self._report(name, nb.family.name, 1.0, nb.step_to(res.targets[name], 1.0, ctx.subsample))
+            self._report(
+                name, nb.family.name, 1.0, nb.step_to(res.targets[name], 1.0, ctx.subsample)
+            )
 
     def _sweep(self, ctx: StepContext, beta: float) -> None:
         """One sequential (coordinate-ascent) sweep: each block in turn gets its target from
@@ -306,7 +324,9 @@ class Engine:
                 nb = self.natural[name]
                 res = self._mean_field(ctx, want={name}, value=False)
                 b = 1.0 if nb.is_local(ctx.subsample) else beta
-                self._report(name, nb.family.name, b, nb.step_to(res.targets[name], b, ctx.subsample))
+                self._report(
+                    name, nb.family.name, b, nb.step_to(res.targets[name], b, ctx.subsample)
+                )
             elif info.form == SITE and info.block not in done:
                 done.add(info.block)
                 block = self.gaussian[info.block]

@@ -89,7 +89,9 @@ class QState:
         for block, parts in per_block.values():
             R = next(iter(parts.values())).shape[0]
             cols = [
-                parts.get(n, torch.zeros(R, k, dtype=block.post.loc.dtype, device=block.post.loc.device))
+                parts.get(
+                    n, torch.zeros(R, k, dtype=block.post.loc.dtype, device=block.post.loc.device)
+                )
                 for n, k in zip(block.names, block.spec.sizes)
             ]
             A = torch.cat(cols, 1)

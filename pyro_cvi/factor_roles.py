@@ -42,8 +42,11 @@ class FactorSpec:
         return self.continuous | self.discrete
 
 
-def analyze_factor(an: "Analysis", site_name: str) -> FactorSpec:
-    """Classify one factor: exact (every parameter in a registered conjugate role) or not."""
+def analyze_factor(an, site_name: str) -> FactorSpec:
+    """Classify one factor: exact (every parameter in a registered conjugate role) or not.
+
+    ``an``: the :class:`~pyro_cvi.analysis.Analysis` (its traces, dependencies, families).
+    """
     tr, leaves = an.leaf_trace()
     site = tr.nodes[site_name]
     deps = set(an.deps.get(site_name, set())) - an.leaves
@@ -112,7 +115,7 @@ def analyze_factor(an: "Analysis", site_name: str) -> FactorSpec:
     return spec
 
 
-def _param_reader(an: "Analysis", site_name: str, pattern: cp.Pattern, name: str):
+def _param_reader(an, site_name: str, pattern: cp.Pattern, name: str):
     def read(values):
         return pattern.read(unwrap(an.run(**values).nodes[site_name]["fn"])[0], name)
 

@@ -64,8 +64,9 @@ def compute(
     exact = [s for s in specs if s.exact]
     general = [s for s in specs if not s.exact]
     like = next(iter(q.mu.values()))[0] if q.mu else None
-    zero = torch.zeros((), dtype=None if like is None else like.dtype,
-                       device=None if like is None else like.device)
+    zero = torch.zeros(
+        (), dtype=None if like is None else like.dtype, device=None if like is None else like.device
+    )
     key = (ctx.data_key, tuple((k, tuple(v.tolist())) for k, v in sorted(sub.items())))
     grad_total, elbo = zero, zero
     with torch.enable_grad():
@@ -80,8 +81,12 @@ def compute(
             plain = first is not None and all(
                 not s.discrete and all(r.kind == cp.CONST for r in s.roles.values()) for s in exact
             )
-            mean_trace = first if plain else run_model(
-                ctx.model, q.values("mean"), ctx.args, ctx.kwargs, analysis.enum_dims
+            mean_trace = (
+                first
+                if plain
+                else run_model(
+                    ctx.model, q.values("mean"), ctx.args, ctx.kwargs, analysis.enum_dims
+                )
             )
             traces = {"mean": mean_trace}
             if q.geo and any(r.kind == cp.MONOMIAL for s in exact for r in s.roles.values()):

@@ -144,7 +144,11 @@ def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], param
     if not params:
         return False
     grads = torch.autograd.grad(
-        value, list(leaves), torch.randn_like(value), retain_graph=True, create_graph=True,
+        value,
+        list(leaves),
+        torch.randn_like(value),
+        retain_graph=True,
+        create_graph=True,
         allow_unused=True,
     )
     total = sum(g.sum() for g in grads if g is not None and g.requires_grad)

@@ -36,7 +36,7 @@ class StepCounts:
     shrunk: int = 0
     rejected: int = 0
 
-    def __iadd__(self, other: "StepCounts") -> "StepCounts":
+    def __iadd__(self, other: StepCounts) -> StepCounts:
         self.shrunk += other.shrunk
         self.rejected += other.rejected
         return self

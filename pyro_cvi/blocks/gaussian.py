@@ -147,8 +147,12 @@ class GaussianBlock:
                 if f.site in self.owned:
                     elbo_rows.append((len(rows) - 1, fn))
             else:
-                rows.append((f.site, linear_predictor_rows(site, f, self.z_at, sites[f.site].detach())))
-        same = self.post is not None and not self.general and _same(self.prior, self.rows, prior, rows)
+                rows.append(
+                    (f.site, linear_predictor_rows(site, f, self.z_at, sites[f.site].detach()))
+                )
+        same = (
+            self.post is not None and not self.general and _same(self.prior, self.rows, prior, rows)
+        )
         self.prior, self.rows, self.elbo_rows = prior.detach(), rows, elbo_rows
         if not same:
             self.post = self._solve()
@@ -156,7 +160,10 @@ class GaussianBlock:
 
     def _jacobian(self, f, ctx: StepContext) -> torch.Tensor:
         """Recompute an affine coefficient that depends on learnable parameters."""
-        leaves = {n: v.detach().clone().requires_grad_(True) for n, v in self.spec.split(self.z_at).items()}
+        leaves = {
+            n: v.detach().clone().requires_grad_(True)
+            for n, v in self.spec.split(self.z_at).items()
+        }
         values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
         with torch.enable_grad():
             t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
@@ -335,7 +342,9 @@ def _block_diag(parts: List[GaussianPrior]) -> GaussianPrior:
     if all(p.is_diagonal for p in parts):
         return GaussianPrior(loc, var=torch.cat([p.var for p in parts]))
     if any(p.precision is not None for p in parts):
-        return GaussianPrior(loc, precision=torch.block_diag(*[p.precision_matrix() for p in parts]))
+        return GaussianPrior(
+            loc, precision=torch.block_diag(*[p.precision_matrix() for p in parts])
+        )
     covs = [torch.diag_embed(p.var) if p.is_diagonal else p.cov for p in parts]
     return GaussianPrior(loc, cov=torch.block_diag(*covs))
 

@@ -299,7 +299,7 @@ class Gaussian(ExponentialFamily):
             return m2 - m.square()
         return m2.diagonal(dim1=-2, dim2=-1) - m.square()
 
-    def _fisher_null_projector(self, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+    def fisher_null_projector(self, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
         if self.event_dim == 0:
             return None
         d = self.dim

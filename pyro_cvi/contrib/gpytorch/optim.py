@@ -189,12 +189,12 @@ class CVIOptimizer:
         n = mean.shape[-1]
         loss = (kl - ell.sum() * (s.num_data / n)).detach()
 
-        key = s._state_key()[1:] if (self.backtrack and indices is None) else None
+        key = s.state_key()[1:] if (self.backtrack and indices is None) else None
         prev = self._prev
         if (
             key is not None
             and prev is not None
-            and s._keys_equal([0] + prev["key"], [0] + key)
+            and s.keys_equal([0] + prev["key"], [0] + key)
             and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
             and self.step_size > self.min_step_size
         ):

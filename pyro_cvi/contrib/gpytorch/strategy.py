@@ -229,7 +229,7 @@ class CVIVariationalStrategy(_VariationalStrategy):
         self._prior_cache = None
         super()._clear_cache()
 
-    def _state_key(self) -> List:
+    def state_key(self) -> List:
         key: List = [self._site_version]
         for p in self.model.parameters():
             key.append(p.detach().clone())
@@ -237,7 +237,7 @@ class CVIVariationalStrategy(_VariationalStrategy):
         return key
 
     @staticmethod
-    def _keys_equal(a: List, b: List) -> bool:
+    def keys_equal(a: List, b: List) -> bool:
         if len(a) != len(b) or a[0] != b[0]:
             return False
         for x, y in zip(a[1:], b[1:]):
@@ -284,9 +284,9 @@ class CVIVariationalStrategy(_VariationalStrategy):
         if torch.is_grad_enabled():
             self._prior_cache = None
             return self._blocks()
-        key = [self._site_inputs_version] + self._state_key()[1:]
+        key = [self._site_inputs_version] + self.state_key()[1:]
         c = self._prior_cache
-        if c is not None and self._keys_equal(c[0], key):
+        if c is not None and self.keys_equal(c[0], key):
             return c[1]
         blocks = self._blocks()
         self._prior_cache = (key, blocks)
@@ -305,13 +305,13 @@ class CVIVariationalStrategy(_VariationalStrategy):
         return post, b
 
     def _posterior(self, force: bool = False) -> Tuple[Posterior, dict]:
-        key = self._state_key()
+        key = self.state_key()
         c = self._cache
         grad = torch.is_grad_enabled()
         if (
             not force
             and c is not None
-            and self._keys_equal(c.key, key)
+            and self.keys_equal(c.key, key)
             and (c.has_graph or not grad)
         ):
             return c.post, c.extras
