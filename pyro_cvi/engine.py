@@ -124,6 +124,18 @@ class Engine:
             (n, NaturalBlock(i, self.prefix)) for n, i in an.latents.items() if i.form == NATURAL
         )
         self.leaf_values = {n: an.values[n] for n in an.leaves}
+        # A model with no learnable parameter, no natural-form latent and no subsampling has
+        # the same trace at the blocks' fixed point every step: it is traced once per data.
+        self._static = not self.natural and not any(
+            s["type"] == "param"
+            or (
+                s["type"] == "sample"
+                and s["name"] in an.subsample
+                and s["fn"].subsample_size not in (None, s["fn"].size)
+            )
+            for s in an.structure.nodes.values()
+        )
+        self._static_trace = None
 
     def block_of(self, name: str) -> GaussianBlock:
         """The Gaussian block that holds latent site ``name``."""
@@ -208,8 +220,14 @@ class Engine:
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
         )
+        if self._static_trace is not None and not ctx.subsample:
+            ctx.trace = self._static_trace
+            return ctx
         values = {**self.trace_values(ctx.subsample), **ctx.subsample}
         ctx.trace = trace_model(self.model, values, args, kwargs)
+        check_observations(ctx.trace, self.structure)
+        if self._static:
+            self._static_trace = ctx.trace
         return ctx
 
     # ------------------------------------------------------------------ the loss
@@ -224,7 +242,6 @@ class Engine:
 
     def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads)
-        check_observations(ctx.trace, self.structure)
         if grads:
             self._tag_params()
         elbo = self._constant_terms(ctx.trace)

@@ -53,7 +53,7 @@ class GaussianPrior:
     def is_diagonal(self) -> bool:
         return self.var is not None
 
-    def _tensors(self):
+    def tensors(self):
         return (self.loc, self.var, self.precision, self.cov)
 
     def cov_cholesky(self) -> torch.Tensor:
@@ -71,12 +71,12 @@ class GaussianPrior:
 
     def detach(self) -> GaussianPrior:
         """A copy without graph; ``self`` when there is none (keeping its memoised Cholesky)."""
-        if not any(t is not None and t.requires_grad for t in self._tensors()):
+        if not any(t is not None and t.requires_grad for t in self.tensors()):
             return self
-        return GaussianPrior(*(None if t is None else t.detach() for t in self._tensors()))
+        return GaussianPrior(*(None if t is None else t.detach() for t in self.tensors()))
 
     def equal(self, other: GaussianPrior) -> bool:
-        for a, b in zip(self._tensors(), other._tensors()):
+        for a, b in zip(self.tensors(), other.tensors()):
             if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
                 return False
         return True
@@ -96,6 +96,9 @@ class GaussianPosterior:
         self._diag_fn = diag_fn
         self._cov = None
         self._scale_tril = None
+        #: ``tr(S0^-1 V) = D - sum_n w_n Var(f_n)`` when the precision is ``S0^-1 + A^T W A``
+        #: (no extra message), set by the solver: the KL then needs no ``D x D`` inverse
+        self.site_trace: Optional[torch.Tensor] = None
 
     def covariance(self) -> torch.Tensor:
         if self._cov is None:
@@ -118,9 +121,14 @@ class GaussianPosterior:
         """``KL(q || prior)``; differentiable in ``prior`` (q is treated as fixed)."""
         D = self.loc.numel()
         diff = self.loc - prior.loc
+        cheap = (
+            self.site_trace is not None
+            and not any(t is not None and t.requires_grad for t in prior.tensors())
+            and prior.equal(self.prior)
+        )
         if prior.is_diagonal:
             prec = prior.var.reciprocal()
-            trace = (prec * self.cov_diag()).sum()
+            trace = self.site_trace if cheap else (prec * self.cov_diag()).sum()
             maha = (diff * diff * prec).sum()
             logdet_p = prior.var.log().sum()
         elif prior.cov is not None:
@@ -193,13 +201,12 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
         Lam = prior.precision_matrix()
         h = Lam @ prior.loc
     if A.shape[0]:
-        Lam = Lam + A.T @ (w.unsqueeze(-1) * A)
+        Lam = torch.addmm(Lam, A.T, w.unsqueeze(-1) * A)
         h = h + A.T @ b
-    if extra_prec is not None:
-        Lam = Lam + extra_prec
+    if extra_prec is not None:  # (A^T W A is symmetric; the Cholesky reads one triangle)
+        Lam = Lam + 0.5 * (extra_prec + extra_prec.T)
     if extra_h is not None:
         h = h + extra_h
-    Lam = 0.5 * (Lam + Lam.T)
     L = cholesky(Lam, what="posterior precision Lambda0 + A^T W A")
     m = torch.cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
     logdet_cov = -2 * L.diagonal().log().sum()
@@ -218,7 +225,10 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
         Linv = torch.linalg.solve_triangular(L, eye, upper=False)
         return (Linv * Linv).sum(0)
 
-    return GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
+    post = GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
+    if extra_prec is None:
+        post.site_trace = D - (w * f_var).sum() if A.shape[0] else f_var.new_tensor(float(D))
+    return post
 
 
 def _solve_dual(prior, A, w, b):
@@ -256,4 +266,6 @@ def _solve_dual(prior, A, w, b):
         e = _E()
         return s0 - (e * e).sum(0)
 
-    return GaussianPosterior(m, logdet_cov, sol.mean, sol.var, "dual", cov, diag, prior)
+    post = GaussianPosterior(m, logdet_cov, sol.mean, sol.var, "dual", cov, diag, prior)
+    post.site_trace = m0.numel() - (w.clamp_min(0) * sol.var).sum()
+    return post

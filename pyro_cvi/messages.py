@@ -122,7 +122,7 @@ def linear_predictor_message(
     target = torch.stack([lam1.reshape(-1), lam2.reshape(-1)], -1)
     if mean.requires_grad:  # the offset depends on hyperparameters: keep that graph
         return expected_log_prob(log_prob, mean, var, num_points).sum(), target
-    return f.sum(), target
+    return f.sum().detach(), target  # (no graph to keep: no backward pass for it)
 
 
 def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):

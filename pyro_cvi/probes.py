@@ -56,7 +56,8 @@ def jacobian(
                 rows.append(torch.zeros_like(z).reshape(-1) if g is None else g.reshape(-1))
             return torch.stack(rows, 0) if rows else flat.new_zeros(0, D)
         v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
-        (atv,) = torch.autograd.grad(flat, z, v, retain_graph=True, create_graph=True)
+        # (a scalar output, not grad_outputs=v: torch imports sympy for explicit grad_outputs)
+        (atv,) = torch.autograd.grad((flat * v).sum(), z, retain_graph=True, create_graph=True)
         atv = atv.reshape(-1)
         for j in range(D):
             if not atv.requires_grad:
@@ -144,9 +145,8 @@ def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], param
     if not params:
         return False
     grads = torch.autograd.grad(
-        value,
+        (value * torch.randn_like(value)).sum(),
         list(leaves),
-        torch.randn_like(value),
         retain_graph=True,
         create_graph=True,
         allow_unused=True,

@@ -67,9 +67,10 @@ def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Se
     """For each sample site of an *enumerated* trace, the discrete latents it depends on.
 
     Read off Pyro's enumeration bookkeeping: every enumerated site has an id, and every site
-    records the ids of the enumerated values its distribution broadcasts over
-    (``infer["_dim_to_id"]``). Ids, not dims: ``pyro.markov`` recycles enumeration dims, so
-    ``x_t`` and ``x_{t-2}`` share a dim but never an id.
+    records the ids of the live enumeration dims (``infer["_dim_to_id"]``); a site depends on
+    those its distribution's batch shape broadcasts over. Ids, not dims alone:
+    ``pyro.markov`` recycles enumeration dims, so ``x_t`` and ``x_{t-2}`` share a dim but never
+    an id.
     """
     ids = {}
     for c in discrete:
@@ -82,8 +83,12 @@ def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Se
         if not is_random(site):
             continue
         infer = site["infer"]
+        shape = site["fn"].batch_shape
         own = infer.get("_dim_to_id", {}).get(infer.get("_enumerate_dim"))
-        seen = set(infer.get("_dim_to_id", {}).values()) - {own}
+        # the live enumeration dims the distribution actually broadcasts over
+        seen = {
+            i for d, i in infer.get("_dim_to_id", {}).items() if len(shape) >= -d and shape[d] > 1
+        } - {own}
         out[name] = {c for c, i in ids.items() if c != name and i in seen}
     return out
 

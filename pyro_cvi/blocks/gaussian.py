@@ -67,7 +67,7 @@ class GaussianBlock:
         self.rows: List[Tuple[Optional[str], RowBlock]] = []
         self.elbo_rows: List[Tuple[int, object]] = []
         self.post: Optional[GaussianPosterior] = None
-        self.counts = StepCounts()
+        self._refreshed_from = None
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
@@ -132,6 +132,8 @@ class GaussianBlock:
         """Rebuild ``eta`` (prior and conjugate rows) and the site rows from the step's trace,
         and solve for the current q (skipped when nothing changed since the last solve)."""
         tr = ctx.trace
+        if tr is self._refreshed_from:  # the same trace (a static model): nothing changed
+            return self.prior
         prior = self._prior(tr)
         sites = self._sites()
         rows, elbo_rows = [], []
@@ -156,6 +158,7 @@ class GaussianBlock:
         self.prior, self.rows, self.elbo_rows = prior.detach(), rows, elbo_rows
         if not same:
             self.post = self._solve()
+        self._refreshed_from = tr if not prior.loc.requires_grad else None
         return prior
 
     def _jacobian(self, f, ctx: StepContext) -> torch.Tensor:
@@ -179,7 +182,9 @@ class GaussianBlock:
             else:
                 blocks.append((r.A, r.w, r.b))
         like, D = self.prior.loc, self.spec.dim
-        if blocks:
+        if len(blocks) == 1:
+            A, w, b = blocks[0]
+        elif blocks:
             A = torch.cat([b[0] for b in blocks], 0)
             w = torch.cat([b[1] for b in blocks], 0)
             b = torch.cat([b[2] for b in blocks], 0)
