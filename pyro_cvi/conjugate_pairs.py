@@ -104,7 +104,7 @@ class Pattern:
 
 
 # -------------------------------------------------------------------------------------------------
-# Expected log-densities. ``m`` is a FactorMoments (meanfield.py) giving, per parameter,
+# Expected log-densities. ``m`` is a FactorMoments (expectations.py) giving, per parameter,
 # E(name), Elog(name), Elog1m(name), Var(name), Elogvec(name), and for the value x:
 # m.x (observed / enumerated), or the moments m.Ex, m.Vx, m.Elogx, m.Elog1mx of a latent value.
 # -------------------------------------------------------------------------------------------------

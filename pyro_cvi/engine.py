@@ -126,6 +126,7 @@ class Engine:
         self.leaf_values = {n: an.values[n] for n in an.leaves}
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
+        self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
         self._static = not self.natural and not any(
             s["type"] == "param"
             or (
@@ -262,7 +263,8 @@ class Engine:
                     for p, t in zip(nb.params(), target):
                         p.grad = (t - p.detach()).detach()
         self.pending = ctx if grads else None
-        return elbo
+        # without learnable parameters in the model there is nothing to back-propagate into
+        return elbo if self._has_params else elbo.detach()
 
     def _constant_terms(self, trace) -> torch.Tensor:
         """Factors that depend on no latent (e.g. observations with learnable parameters only):

@@ -21,6 +21,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from . import conjugate_pairs as cp
+from .analysis import MEANFIELD
 from .context import Options, StepContext
 from .expectations import QState, expected_log_prob
 from .montecarlo import monte_carlo
@@ -56,7 +57,7 @@ def compute(
     q = QState(natural, gaussian, sub, want, fixed)
     specs = []
     for site, owner in analysis.owner.items():
-        if owner != "meanfield":
+        if owner != MEANFIELD:
             continue
         spec = analysis.spec(site)
         if value or spec.latents & want:

@@ -116,5 +116,7 @@ def _box_step(old, target, beta, bounds, param_shapes, max_halvings):
     b = torch.where((b <= allowed) | (b < limit), b, b / 2)
     rejected = (k > max_halvings) | ~finite
     b = torch.where(rejected, torch.zeros_like(b), b)
-    new = tuple(o + _expand(b, o) * torch.nan_to_num(g) for o, g in zip(old, grads))
-    return new, StepCounts(int(((k > 0) & ~rejected).sum()), int(rejected.sum()))
+    target = tuple(o + torch.nan_to_num(g) for o, g in zip(old, grads))
+    return cvi_update(old, target, b), StepCounts(
+        int(((k > 0) & ~rejected).sum()), int(rejected.sum())
+    )
