@@ -50,6 +50,7 @@ import torch.distributions as tdist
 import torch.nn.functional as F
 
 from .families import Bernoulli, Beta, Categorical, Dirichlet, Gamma, Gaussian, GaussianDiag
+from .probes import close
 
 __all__ = [
     "CONST",
@@ -257,15 +258,6 @@ def lookup(base) -> Optional[Pattern]:
 # -------------------------------------------------------------------------------------------------
 # Probes
 # -------------------------------------------------------------------------------------------------
-def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
-    if a.shape != b.shape:
-        a, b = torch.broadcast_tensors(a, b)
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return False
-    scale = 1.0 + torch.maximum(a.abs(), b.abs())
-    return bool(((a - b).abs() <= rtol * scale).all())
-
-
 def check_monomial(
     theta_of: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, rtol: float
 ) -> Optional[str]:
@@ -292,11 +284,11 @@ def check_monomial(
             return "is not positive"
         r1, r2 = rand(0.5, 2.0), rand(0.5, 2.0)
         f1, f2, f12 = theta_of(z0 * r1), theta_of(z0 * r2), theta_of(z0 * r1 * r2)
-        if not _close(f12.log() + f0.log(), f1.log() + f2.log(), rtol):
+        if not close(f12.log() + f0.log(), f1.log() + f2.log(), rtol):
             return "is not a monomial (log-affine) in it (probed)"
         d1, d2 = z0 * rand(0.1, 1.0), z0 * rand(0.1, 1.0)
         g1, g2, g12 = theta_of(z0 + d1), theta_of(z0 + d2), theta_of(z0 + d1 + d2)
-        if not _close(g12 + f0, g1 + g2, rtol):
+        if not close(g12 + f0, g1 + g2, rtol):
             return "is not linear in it (probed)"
     return None
 
@@ -338,7 +330,7 @@ def find_identity_index(
         lo = (pos - 1).clamp(min=0)
         pick = torch.where((key[lo] - th[:, 0]).abs() < (key[pos] - th[:, 0]).abs(), lo, pos)
         cand = order[pick]
-        if not _close(tag[cand], th, rtol):
+        if not close(tag[cand], th, rtol):
             return None, "is not a copy of its entries (probed by tagging)"
         cand = cand.reshape(theta.shape[:-1] if vector else theta.shape)
         if idx is not None and not torch.equal(idx, cand):
