@@ -33,6 +33,7 @@ import torch
 from . import probes
 from .factor_roles import FactorSpec, analyze_factor
 from .families import ExponentialFamily, family_for_support
+from .families.transformed import UnconstrainedGaussian
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -126,6 +127,17 @@ class BlockSpec:
         return torch.cat([values[n].reshape(-1) for n in self.names])
 
 
+def _unconstrained(fn) -> Optional[ExponentialFamily]:
+    """A Gaussian on the unconstrained space for a continuous support with a bijection."""
+    support = fn.support
+    if support.is_discrete:
+        return None
+    try:
+        return UnconstrainedGaussian(support, fn.event_shape)
+    except NotImplementedError:
+        return None
+
+
 class Analysis:
     """Classifies a model's latents and factors for CVI (see the module docstring).
 
@@ -147,7 +159,11 @@ class Analysis:
             try:
                 self.families[name] = family_for_support(fn.support, fn.event_shape, covariance)
             except ValueError as e:
-                unsupported[name] = e
+                fallback = _unconstrained(fn)
+                if fallback is None:
+                    unsupported[name] = e
+                else:
+                    self.families[name] = fallback
         self.discrete = {n for n, f in self.families.items() if f.is_discrete}
         self.continuous = {
             n for n, v in self.values.items() if n not in self.discrete and v.is_floating_point()

@@ -2,8 +2,9 @@
 
 Each latent site gets ``q`` from the family its support calls for (real -> Gaussian, positive
 -> Gamma, unit interval -> Beta, simplex -> Dirichlet, finite discrete -> Bernoulli /
-Categorical). Gaussian sites with no batch dims and a Normal/MVN prior are grouped by shared
-factors into joint Gaussian blocks (site form, Algorithm 1: one full covariance per block, as
+Categorical, any other continuous support -> a Gaussian on its unconstrained space).
+Gaussian sites with no batch dims and a Normal/MVN prior are grouped by shared factors into
+joint Gaussian blocks (site form, Algorithm 1: one full covariance per block, as
 AutoMultivariateNormal); every other site is a natural-parameter block (mean field,
 Algorithm 2). The guide is thin: the analysis, messages and steps live in
 :class:`~pyro_cvi.engine.Engine` (see docs/architecture.md).

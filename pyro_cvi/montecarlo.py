@@ -89,12 +89,17 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     dists = {n: q.fam[n].natural_to_dist(lam_leaves[n]) for n in cont}
     total = 0.0
     first = None
-    if S > 1 and options.vectorize_particles:
+    pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
+    if S > 1 and options.vectorize_particles and not pushed:
         total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists)
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
         vals = {k: v.detach() for k, v in vals.items()}
+        ladj = {}
         for n in cont:
+            if n in pushed:  # z = T(u): the entropy's E log|det dT/du| joins E_q[log p]
+                vals[n], ladj[n] = q.fam[n].sample_with_log_det(lam_leaves[n])
+                continue
             z = dists[n].rsample() if dists[n].has_rsample else dists[n].sample()
             vals[n] = z
         for block in blocks:
@@ -102,6 +107,8 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
                 vals.update(block.spec.split(block.joint().sample()))
         tr = run_model(ctx.model, vals, ctx.args, ctx.kwargs, an.enum_dims)
         first = tr if first is None else first
+        for n, t in ladj.items():
+            total = total + site_weight(tr.nodes[n], t).sum() / S
         for spec in general:
             site = tr.nodes[spec.site]
             lp = site["fn"].log_prob(site["value"])

@@ -271,8 +271,42 @@ def assert_loss_is_bound(model, guide, svi, args, M=200, P=10, cvi_repeats=30):
     return cvi, mc, mc_se
 
 
+def uniform_noise_regression():
+    """Pyro's Bayesian regression tutorial shape: ``sigma ~ Uniform(0, 10)`` (an interval
+    support: a Gaussian q on the unconstrained space)."""
+    g = _gen(11)
+    X = torch.randn(40, 2, generator=g, dtype=F64)
+    y = X @ torch.tensor([1.0, -2.0], dtype=F64) + 0.8 * torch.randn(40, generator=g, dtype=F64)
+
+    def model(X, y):
+        a = pyro.sample("a", dist.Normal(X.new_tensor(0.0), 10.0))
+        w = pyro.sample("w", dist.Normal(X.new_zeros(2), 1.0).to_event(1))
+        sigma = pyro.sample("sigma", dist.Uniform(X.new_tensor(0.0), 10.0))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("obs", dist.Normal(a + X @ w, sigma), obs=y)
+
+    return Case(model, (X, y), step_size=0.2, steps=40)
+
+
+def pareto_hierarchical_binomial():
+    """examples/baseball.py's shape: ``kappa ~ Pareto(1, 1.5)`` (support ``>= 1``)."""
+    at_bats = torch.tensor([45.0, 40.0, 50.0, 38.0, 44.0], dtype=F64)
+    hits = torch.tensor([18.0, 9.0, 15.0, 12.0, 20.0], dtype=F64)
+
+    def model(at_bats, hits):
+        phi = pyro.sample("phi", dist.Uniform(at_bats.new_tensor(0.0), 1.0))
+        kappa = pyro.sample("kappa", dist.Pareto(at_bats.new_tensor(1.0), 1.5))
+        with pyro.plate("players", len(at_bats)):
+            theta = pyro.sample("theta", dist.Beta(phi * kappa, (1 - phi) * kappa))
+            pyro.sample("obs", dist.Binomial(at_bats, theta), obs=hits)
+
+    return Case(model, (at_bats, hits), step_size=0.2, steps=40)
+
+
 MODELS = [
     two_site_regression,
+    uniform_noise_regression,
+    pareto_hierarchical_binomial,
     halfnormal_noise_regression,
     enumerated_hmm_masked,
     logistic_regression,

@@ -27,12 +27,14 @@ from .dirichlet import Dirichlet
 from .discrete import Bernoulli, Categorical
 from .gamma import Gamma
 from .gaussian import Gaussian, GaussianDiag
+from .transformed import UnconstrainedGaussian
 
 __all__ = [
     "ExponentialFamily",
     "Params",
     "Gaussian",
     "GaussianDiag",
+    "UnconstrainedGaussian",
     "Gamma",
     "Beta",
     "Dirichlet",
