@@ -224,12 +224,16 @@ class Engine:
         if self._static_trace is not None and not ctx.subsample:
             ctx.trace = self._static_trace
             return ctx
-        values = {**self.trace_values(ctx.subsample), **ctx.subsample}
-        ctx.trace = trace_model(self.model, values, args, kwargs)
+        ctx.trace = self._trace(ctx)
         check_observations(ctx.trace, self.structure)
         if self._static:
             self._static_trace = ctx.trace
         return ctx
+
+    def _trace(self, ctx: StepContext):
+        """The model traced at the current q (:meth:`trace_values`) and the step's minibatch."""
+        values = {**self.trace_values(ctx.subsample), **ctx.subsample}
+        return trace_model(self.model, values, ctx.args, ctx.kwargs)
 
     # ------------------------------------------------------------------ the loss
     def loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
@@ -303,7 +307,7 @@ class Engine:
                 self._report(block.spec.label, "precision", beta, block.step(beta))
             for name, nb in self.natural.items():
                 if not nb.is_local(ctx.subsample):
-                    self._report(name, nb.family.name, beta, nb.step(beta, ctx.subsample))
+                    self._report(name, nb.family.name, beta, nb.step(beta))
         with torch.no_grad():
             pyro.param(self.steps_name).add_(1)
 
@@ -349,8 +353,7 @@ class Engine:
             elif info.form == SITE and info.block not in done:
                 done.add(info.block)
                 block = self.gaussian[info.block]
-                values = {**self.trace_values(ctx.subsample), **ctx.subsample}
-                ctx.trace = trace_model(self.model, values, ctx.args, ctx.kwargs)
+                ctx.trace = self._trace(ctx)
                 ctx.grads = True
                 block.elbo(ctx, block.refresh(ctx))
                 self._report(block.spec.label, "precision", beta, block.step(beta))

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StepCounts", "cvi_update", "damped_step"]
+__all__ = ["StepCounts", "cvi_update", "damped_step", "targets_from_grads"]
 
 Params = Tuple[torch.Tensor, ...]
 
@@ -51,6 +51,16 @@ def cvi_update(old: Sequence[torch.Tensor], target: Sequence[torch.Tensor], b) -
     if not torch.is_tensor(b):
         return tuple(o + b * (t - o) for o, t in zip(old, target))
     return tuple(o + _expand(b, o) * (t - o) for o, t in zip(old, target))
+
+
+def targets_from_grads(params: Sequence[torch.Tensor]) -> Optional[Tuple[Params, Params]]:
+    """``(lambda, target)`` from parameters whose ``.grad`` holds ``target - lambda`` (written
+    by the loss); ``None`` when no parameter has a gradient."""
+    if all(p.grad is None for p in params):
+        return None
+    old = tuple(p.detach() for p in params)
+    grads = (p.grad if p.grad is not None else torch.zeros_like(o) for o, p in zip(old, params))
+    return old, tuple(o + g for o, g in zip(old, grads))
 
 
 def damped_step(

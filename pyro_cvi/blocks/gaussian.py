@@ -36,7 +36,7 @@ from ..messages import (
 )
 from ..probes import jacobian
 from ..tracing import linear_param, trace_model, unwrap
-from ..update import StepCounts, damped_step
+from ..update import StepCounts, damped_step, targets_from_grads
 
 __all__ = ["GaussianBlock"]
 
@@ -91,11 +91,6 @@ class GaussianBlock:
         if not self.general:
             return None
         return pyro.param(self.general_names[0]), pyro.param(self.general_names[1])
-
-    def params(self) -> List[torch.Tensor]:
-        out = list(self._sites().values())
-        g = self._general()
-        return out + (list(g) if g is not None else [])
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """Start each linear-predictor site at the factor's curvature at the prior mean.
@@ -258,12 +253,10 @@ class GaussianBlock:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, general = self._sites(), self._general()
         params = list(sites.values()) + (list(general) if general is not None else [])
-        if not params or all(p.grad is None for p in params):
+        pair = targets_from_grads(params) if params else None
+        if pair is None:
             return StepCounts()
-        old = tuple(p.detach() for p in params)
-        target = tuple(
-            o + (p.grad if p.grad is not None else torch.zeros_like(o)) for o, p in zip(old, params)
-        )
+        old, target = pair
         keys, solved = list(sites), {}
 
         def valid(new) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pyro.ops.tensor_utils import periodic_repeat
 
 from ..analysis import LatentInfo
 from ..tracing import unwrap
-from ..update import StepCounts, damped_step
+from ..update import StepCounts, damped_step, targets_from_grads
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
 
@@ -105,16 +105,13 @@ class NaturalBlock:
         self._write(new, subsample)
         return counts
 
-    def step(self, beta: float, subsample) -> StepCounts:
-        """The step with the target held in ``.grad`` (``target - lambda``, written by the loss)."""
-        params = self.params()
-        if all(p.grad is None for p in params):
+    def step(self, beta: float) -> StepCounts:
+        """The step of a global block with the target held in ``.grad`` (``target - lambda``,
+        written by the loss over the full parameters)."""
+        pair = targets_from_grads(self.params())
+        if pair is None:
             return StepCounts()
-        old = tuple(p.detach() for p in params)
-        target = tuple(
-            o + (p.grad if p.grad is not None else torch.zeros_like(o)) for o, p in zip(old, params)
-        )
-        return self.step_to(target, beta, {})
+        return self.step_to(pair[1], beta, {})
 
     def _write(self, values: Sequence[torch.Tensor], subsample) -> None:
         sl = self._slices(subsample)
