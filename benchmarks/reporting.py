@@ -15,6 +15,7 @@ Usage in a new script (``scripts/benchmark_x.py``)::
         ...
     table.add("cvi", seconds_or_none)                          # None prints as "never"
     table.note("adam", reached_then_left(history, target))     # remarks under the table
+    table.ratio("adam_over_cvi", 12.3, "Adam's time / CVI's")  # explained derived numbers
     table.plot("seconds", "-ELBO - target", {"cvi": [(t, v), ...]}, logy=True)
     table.print()                                              # the table, then its legend
     line = verdict_line("CVI", 0.05, "Adam", None, budget=30.0)
@@ -60,9 +61,7 @@ def progress(iterable: Iterable, desc: str, total: Optional[int] = None, **kwarg
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, **kwargs)
 
 
-def reached_then_left(
-    values: Sequence[float], target: float, tol: float = 0.0
-) -> Optional[str]:
+def reached_then_left(values: Sequence[float], target: float, tol: float = 0.0) -> Optional[str]:
     """A remark if a loss curve got within ``tol`` of ``target`` and then ended above it
     (noisy Monte Carlo steps, a learning rate too large); ``None`` otherwise."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
@@ -87,9 +86,9 @@ def absurd_value(final: Optional[float], target: float, what: str = "-ELBO") -> 
     scale = max(abs(target), 1.0)
     if final - target > (ABSURD_FACTOR - 1.0) * scale:
         return (
-            f"ended at {what} {final:.3g}, {final / scale:.0f}x the target {target:.4g}: this "
-            "run diverged or never got started (its learning rate is wrong for this problem); "
-            "the method's best run is the one to compare"
+            f"ended at {what} {final:.3g}, {final / scale:.0f}x the target {target:.4g}: far "
+            "from converged (it diverged, or its learning rate is too small or too large for "
+            "this problem and budget); not a fair picture of the method at its best"
         )
     return None
 
@@ -148,6 +147,7 @@ class Table:
         self.text = text
         self.rows: List[List[str]] = []
         self.remarks: List[str] = []
+        self.ratios: List[str] = []
         self.plots: List[Dict[str, Any]] = []
 
     def add(self, *cells: Any) -> None:
@@ -159,6 +159,11 @@ class Table:
         """A remark about one row (``None`` is ignored, so checks can be passed directly)."""
         if remark:
             self.remarks.append(f"{row}: {remark}")
+
+    def ratio(self, name: str, value: Optional[float], meaning: str) -> None:
+        """A derived number printed under the table with what it means (skipped if None)."""
+        if value is not None and math.isfinite(value):
+            self.ratios.append(f"{name} = {value:.3g}: {meaning}")
 
     def plot(
         self,
@@ -181,20 +186,21 @@ class Table:
     def render(self) -> str:
         names = [c for c, _ in self.columns]
         widths = [max(len(n), *(len(r[i]) for r in self.rows)) for i, n in enumerate(names)]
-        line = "  ".join(n.rjust(w) if i else n.ljust(w) for i, (n, w) in enumerate(zip(names, widths)))
-        out = [f"\n{self.heading}"]
-        if self.text:
-            out.append(self.text)
-        out += [line, "-" * len(line)]
-        for r in self.rows:
-            out.append(
-                "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+        def line(cells: Sequence[str]) -> str:  # first column left-aligned, numbers right
+            return "  ".join(
+                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
             )
-        out.append("columns:")
-        out += [f"  {n:<{max(widths)}}  {e}" for n, e in self.columns]
+
+        head = line(names)
+        out = [f"\n{self.heading}"] + ([self.text] if self.text else [])
+        out += [head, "-" * len(head)] + [line(r) for r in self.rows]
+        pad = max(len(n) for n in names)
+        out += ["columns:"] + [f"  {n:<{pad}}  {e}" for n, e in self.columns]
+        if self.ratios:
+            out += ["ratios:"] + [f"  {r}" for r in self.ratios]
         if self.remarks:
-            out.append("remarks:")
-            out += [f"  ! {r}" for r in self.remarks]
+            out += ["remarks:"] + [f"  ! {r}" for r in self.remarks]
         return "\n".join(out)
 
     def print(self) -> None:
@@ -208,6 +214,7 @@ class Table:
             "legend": {c: e for c, e in self.columns},
             "rows": self.rows,
             "remarks": self.remarks,
+            "ratios": self.ratios,
             "plots": self.plots,
         }
 

@@ -81,7 +81,8 @@ def render_file(path: Path, img_dir: Path, rel: str) -> List[str]:
         return lines + _markdown_table(["key", "value"], _scalars(data)) + [""]
     lines = [f"## {rep.get('title') or path.stem}", ""]
     if rep.get("quick"):
-        lines += ["```{note}", "These numbers are from a `--quick` run (small settings).", "```", ""]
+        note = "These numbers are from a `--quick` run (small settings)."
+        lines += ["```{note}", note, "```", ""]
     if rep.get("verdict"):
         lines += [f"**{rep['verdict']}**", ""]
     if rep.get("command"):
@@ -97,6 +98,8 @@ def render_file(path: Path, img_dir: Path, rel: str) -> List[str]:
         if legend:
             lines += ["Columns:", ""]
             lines += [f"- **{_escape(c)}**: {e}" for c, e in legend.items()] + [""]
+        if table.get("ratios"):
+            lines += ["Ratios:", ""] + [f"- {r}" for r in table["ratios"]] + [""]
         if table.get("remarks"):
             lines += ["Remarks:", ""] + [f"- {r}" for r in table["remarks"]] + [""]
         for p, spec in enumerate(table.get("plots", [])):

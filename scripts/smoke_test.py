@@ -42,4 +42,5 @@ guide = AutoCVI(model)
 svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
 losses = [svi.step(X, y) for _ in range(5)]
 assert losses[-1] < losses[0], losses
-print(f"pyro-cvi {pyro_cvi.__version__} from {where.parent}: -ELBO {losses[0]:.2f} -> {losses[-1]:.2f}")
+print(f"pyro-cvi {pyro_cvi.__version__} from {where.parent}:")
+print(f"  -ELBO {losses[0]:.2f} -> {losses[-1]:.2f} in 5 CVI steps")
