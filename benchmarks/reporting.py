@@ -54,6 +54,11 @@ def fmt_reach(x: Any, spec: str = "") -> str:
     return fmt(x, spec, missing=NEVER)
 
 
+def fmt_seconds(x: Optional[float], spec: str = ".2f") -> str:
+    """``"1.23 s"``, or ``"never"`` when the target was not reached."""
+    return NEVER if x is None else f"{format(x, spec)} s"
+
+
 def progress(iterable: Iterable, desc: str, total: Optional[int] = None, **kwargs):
     """A tqdm progress bar on stderr (so the printed tables stay clean)."""
     from tqdm.auto import tqdm
@@ -61,19 +66,25 @@ def progress(iterable: Iterable, desc: str, total: Optional[int] = None, **kwarg
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, **kwargs)
 
 
-def reached_then_left(values: Sequence[float], target: float, tol: float = 0.0) -> Optional[str]:
-    """A remark if a loss curve got within ``tol`` of ``target`` and then ended above it
-    (noisy Monte Carlo steps, a learning rate too large); ``None`` otherwise."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
+def reached_then_left(
+    values: Sequence[float], target: float, tol: float = 0.0, higher_is_better: bool = False
+) -> Optional[str]:
+    """A remark if a curve got within ``tol`` of ``target`` and then ended on the wrong side of
+    it (noisy Monte Carlo steps, a learning rate too large); ``None`` otherwise. By default
+    lower is better (a -ELBO); pass ``higher_is_better=True`` for a log-likelihood."""
+    sign = -1.0 if higher_is_better else 1.0
+    finite = [sign * v for v in values if v is not None and math.isfinite(v)]
     if not finite:
         return None
-    bound = target + tol
+    bound = sign * target + tol
     first = next((i for i, v in enumerate(finite) if v <= bound), None)
     if first is None or finite[-1] <= bound:
         return None
+    gap = abs(finite[-1] - sign * target)
+    side = "below" if higher_is_better else "above"
     return (
-        f"reached the target, then left it: ended at {finite[-1]:.4g}, "
-        f"{finite[-1] - target:.3g} above the target (its time to the target counts the first hit)"
+        f"reached the target, then left it: ended at {sign * finite[-1]:.4g}, {gap:.3g} {side} "
+        "the target (its time to the target counts the first hit)"
     )
 
 
