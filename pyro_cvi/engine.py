@@ -33,8 +33,8 @@ from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
 from .expectations import site_weight
 from .mean_field import compute
-from .tracing import is_random, trace_model
 from .step_control import Snapshot, StepControl, is_numerical_error
+from .tracing import is_random, trace_model
 from .update import StepCounts
 from .validation import check_observations
 

@@ -23,7 +23,6 @@ import time
 import warnings
 
 import pyro
-import torch
 from pyro.infer import SVI, Trace_ELBO
 from tqdm import tqdm
 

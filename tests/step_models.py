@@ -8,7 +8,6 @@ hand-written guide of Pyro's ``examples/sparse_gamma_def.py`` structure.
 import pyro
 import pyro.distributions as dist
 import torch
-from torch.distributions import constraints
 
 F64 = torch.float64
 
