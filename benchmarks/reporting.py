@@ -244,7 +244,9 @@ def thin(obj: Any, max_points: int = MAX_POINTS) -> Any:
         if n > max_points:
             half = max_points // 2
             idx = {round(i * (n - 1) / (half - 1)) for i in range(half)}
-            idx |= {min(n - 1, round(math.exp(i * math.log(n) / (half - 1))) - 1) for i in range(half)}
+            idx |= {
+                min(n - 1, round(math.exp(i * math.log(n) / (half - 1))) - 1) for i in range(half)
+            }
             obj = [obj[i] for i in sorted(idx)]
         return [thin(v, max_points) for v in obj]
     if isinstance(obj, float) and math.isfinite(obj):

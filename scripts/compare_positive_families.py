@@ -8,14 +8,13 @@ evaluations), so the comparison does not trust either method's own loss. Sparse 
 gets the hand-written guide of Pyro's ``examples/sparse_gamma_def.py`` (Gamma q with softplus
 parameters), trained by Adam on ``Trace_ELBO``.
 
-Columns: model; guide; -ELBO (the common Trace_ELBO estimate, lower is better); se (its
-standard error); fit_s (wall time of the fit, on a shared, loaded machine).
+Prints a table with what each column means, and a one-line verdict; writes JSON (``--out``)
+with a ``report`` section for the docs' results page (``scripts/report.py``).
 
     python scripts/compare_positive_families.py [--quick] [--out results/positive_families.json]
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from step_models import MODELS, sparse_gamma_def  # noqa: E402
 
+from benchmarks.reporting import Table, fmt, progress, write_results  # noqa: E402
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 
 POSITIVE = {
@@ -73,19 +73,29 @@ def fit_hand(model, guide, args, steps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer steps and samples (a smoke run)")
     p.add_argument("--out", default="results/positive_families.json")
     a = p.parse_args()
     steps, reps, particles, hand_steps = (60, 20, 20, 1000) if a.quick else (200, 50, 50, 4000)
     warnings.simplefilter("ignore")
+    table = Table(
+        "Gamma q versus a Gaussian on log z for positive latents (default CVI())",
+        [
+            ("model", "the test model (tests/step_models.py) and its positive sites"),
+            ("guide", "AutoCVI with Gamma q on the positive sites, or families=gaussian there"),
+            ("-ELBO", "a common Trace_ELBO estimate of the bound (nats, lower is better)"),
+            ("se", "standard error of that estimate over repeated evaluations"),
+            ("fit_s", "wall time of the fit in seconds (a shared, loaded machine)"),
+        ],
+        text=f"{steps} CVI steps per fit; the bound scored with {reps} x {particles} particles.",
+    )
     rows = []
-    for name, sites in POSITIVE.items():
+    for name, sites in progress(POSITIVE.items(), "models", total=len(POSITIVE)):
         model, args, gk = MODELS[name]()
         for label, fams in (("gamma", {}), ("gaussian", {s: "gaussian" for s in sites})):
             guide, secs = fit_cvi(model, args, {**gk, "families": fams}, steps)
             m, se = score(model, guide, args, reps, particles)
             rows.append(dict(model=name, guide=f"AutoCVI ({label})", neg_elbo=m, se=se, fit_s=secs))
-            print(f"{name:24s} {rows[-1]['guide']:22s} {m:12.3f} {se:8.3f} {secs:7.1f}", flush=True)
         if name == "sparse_gamma_def":
             model, args, _, hand = sparse_gamma_def()
             guide, secs = fit_hand(model, hand, args, hand_steps)
@@ -93,10 +103,15 @@ def main():
             rows.append(
                 dict(model=name, guide="hand-written (Adam)", neg_elbo=m, se=se, fit_s=secs)
             )
-            print(f"{name:24s} {rows[-1]['guide']:22s} {m:12.3f} {se:8.3f} {secs:7.1f}", flush=True)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    for r in rows:
+        table.add(
+            r["model"],
+            r["guide"],
+            fmt(r["neg_elbo"], ".3f"),
+            fmt(r["se"], ".3f"),
+            fmt(r["fit_s"], ".1f"),
+        )
+    table.print()
     wins = {}
     for r in rows:
         if r["guide"].startswith("AutoCVI"):
@@ -106,9 +121,19 @@ def main():
         for rs in wins.values()
         if min(rs, key=lambda r: r["neg_elbo"])["guide"].endswith("(gamma)")
     )
-    print(
-        f"Gamma gave the better evaluated ELBO on {better} of {len(wins)} models "
+    verdict = (
+        f"Verdict: Gamma q gave the better evaluated ELBO on {better} of {len(wins)} models "
         f"(the Gaussian on log z on {len(wins) - better})."
+    )
+    print(verdict)
+    write_results(
+        a.out,
+        {"config": dict(quick=a.quick, steps=steps, reps=reps, particles=particles), "rows": rows},
+        title="Positive latents: Gamma q or a Gaussian on log z",
+        verdict=verdict,
+        tables=[table],
+        command="python scripts/compare_positive_families.py",
+        quick=a.quick,
     )
 
 
