@@ -230,6 +230,13 @@ def logreg_log_loss_bits(
     ``log p = logsumexp_k(log w_k + log sigmoid(eta_k))``, so it never rounds to 0 or 1.
     """
     mean, var = _predictive_moments(X, m, V, scale_tril)
+    return bernoulli_log_loss_bits(mean, var, y, num_points)
+
+
+def bernoulli_log_loss_bits(
+    mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor, num_points: int = 32
+) -> float:
+    """Log-loss in bits of ``p_n = E[sigmoid(eta_n)]``, ``eta_n ~ N(mean_n, var_n)`` (quadrature)."""
     t, w = gauss_hermite(num_points, mean.dtype, mean.device)
     eta = mean + var.sqrt() * t[:, None]
     logw = w.log()[:, None]
