@@ -230,7 +230,7 @@ class StructuredSVI:
             raise ValueError(
                 f"StructuredSVI: site '{name}' is not conditionally conjugate given the globals "
                 f"(its log-density is not affine in the {fam.name} sufficient statistics; "
-                f"probe residual {float(resid.abs().max()):.3g}); SSVI needs exact local "
+                f"probe residual {float(resid.detach().abs().max()):.3g}); SSVI needs exact local "
                 "conditionals: make the local's likelihood conjugate or enumerate it"
             )
         eta = fam.unflatten(coef[..., :-1])

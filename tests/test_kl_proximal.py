@@ -142,6 +142,7 @@ def test_gp_dual_form_equals_the_primal_glm_form():
         assert math.isclose(gp_neg_elbo(K, y, fit.a, fit.w), float(expected), rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_proximal_point_ascends_and_reaches_the_cvi_optimum():
     """Eq. 2: each proximal-point step cannot lower the ELBO (KL >= 0), and the fixed point
     is the ELBO's optimum (the one CVI reaches)."""
