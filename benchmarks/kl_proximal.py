@@ -13,7 +13,8 @@ and a Gaussian ``q(z) = N(m, V)``, with ``r = 1 / (1 + beta)`` (``beta`` the pro
   (eqs. 11-17, ``linearize="moments"``)::
 
       V_{k+1}^-1 = r V_k^-1 + (1 - r) (Sigma^-1 + X^T diag(gamma_k) X)                  (16)
-      m_{k+1} = [(1-r) Sigma^-1 + r V_k^-1]^-1 [(1-r)(Sigma^-1 mu - X^T alpha_k) + r V_k^-1 m_k]  (17)
+      m_{k+1} = [(1-r) Sigma^-1 + r V_k^-1]^-1
+                [(1-r)(Sigma^-1 mu - X^T alpha_k) + r V_k^-1 m_k]                             (17)
 
   with ``alpha_n = -df_n/dm~_n`` and ``gamma_n = -2 df_n/dv~_n`` (eq. 12). Linearising in the
   *mean parameters* ``(m, V + m m^T)`` instead (``linearize="mean"``) gives Khan & Lin (2017,
@@ -193,7 +194,7 @@ def kl_proximal_point_glm(
             [m_v, d_v, o_v], max_iter=inner_iters, line_search_fn="strong_wolfe"
         )
 
-        def closure():
+        def closure(opt=opt, m_v=m_v, d_v=d_v, o_v=o_v, qk=qk):
             opt.zero_grad()
             L_ = build(d_v, o_v)
             q = torch.distributions.MultivariateNormal(m_v, scale_tril=L_)
@@ -223,7 +224,8 @@ class GPFit:
         self.K, self.a, self.w, self.history = K, a, w, history
 
     def predict(self, K_cross: torch.Tensor, k_diag: torch.Tensor):
-        """Predictive mean and variance of ``f(x*)``; ``K_cross = k(X, x*)``, ``k_diag = k(x*, x*)``."""
+        """Predictive mean and variance of ``f(x*)``; ``K_cross = k(X, x*)``,
+        ``k_diag = k(x*, x*)``."""
         sol = dual_solve(self.K, self.w, torch.zeros_like(self.w))
         Vs = sol.whiten(K_cross)
         return K_cross.T @ self.a, (k_diag - Vs.square().sum(-2)).clamp_min(1e-12)
@@ -263,7 +265,8 @@ def kl_prox_gradient_gp(
 
     State: ``a = K^-1 m`` and the site precisions ``w = g~`` of eq. 18. ``"moments"``:
     eq. 17/19, ``m_{k+1} = (K^-1 + r W_k)^-1 [K^-1 r m_k + r W_k m_k - (1 - r) alpha_k]``;
-    ``"mean"``: the CVI site update ``b <- r b + (1 - r)(gamma m - alpha)``, ``m = (K^-1 + W)^-1 b``.
+    ``"mean"``: the CVI site update ``b <- r b + (1 - r)(gamma m - alpha)``,
+    ``m = (K^-1 + W)^-1 b``.
     Both: ``w_{k+1} = r w_k + (1 - r) gamma_k``. Starts at the prior (``w = 0``).
     """
     _check_linearize(linearize)

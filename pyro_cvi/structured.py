@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
-import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer import TraceEnum_ELBO, config_enumerate
@@ -37,6 +36,9 @@ from .step_sizes import Schedule, as_schedule, robbins_monro
 from .update import StepCounts, damped_step
 
 __all__ = ["StructuredSVI", "ssvi_target"]
+
+#: ``rho_t = t^-0.75``, the step-size schedule of Hoffman & Blei's experiments.
+PAPER_SCHEDULE = robbins_monro(1.0, 0.0, 0.75)
 
 
 def ssvi_target(
@@ -89,7 +91,9 @@ class StructuredSVI:
         either all discrete (enumerated in parallel) or one continuous site whose conditional
         given the globals is in the family of its support (checked by probing).
     :param step_size: ``rho_t``; default the paper's ``t^-0.75``.
-    :param init_values: optional global values to start ``q(beta)`` at (its mean).
+    :param init_values: optional start of ``q(beta_k)`` per global site: a value (the mean,
+        with the prior's spread) or a distribution of the site's family (e.g. a narrow one:
+        a single-sample step from a broad ``q`` has a high variance).
     """
 
     def __init__(
@@ -97,8 +101,10 @@ class StructuredSVI:
         model: Callable,
         *,
         local: Optional[Sequence[str]] = None,
-        step_size: Union[float, Schedule] = robbins_monro(1.0, 0.0, 0.75),
-        init_values: Optional[Dict[str, torch.Tensor]] = None,
+        step_size: Union[float, Schedule] = PAPER_SCHEDULE,
+        init_values: Optional[
+            Dict[str, Union[torch.Tensor, torch.distributions.Distribution]]
+        ] = None,
         probe_rtol: float = 1e-6,
     ) -> None:
         self.model = model
@@ -129,7 +135,9 @@ class StructuredSVI:
         }
         if self.local_names is None:
             self.local_names = tuple(
-                n for n, s in latent.items() if {f.name for f in s["cond_indep_stack"]} & data_plates
+                n
+                for n, s in latent.items()
+                if {f.name for f in s["cond_indep_stack"]} & data_plates
             )
         self.global_names = tuple(n for n in latent if n not in self.local_names)
         discrete = [n for n in self.local_names if latent[n]["fn"].support.is_discrete]
@@ -145,8 +153,13 @@ class StructuredSVI:
             )
         self.discrete = bool(discrete)
         self.max_plate_nesting = max(
-            (-f.dim for s in trace.nodes.values() if s["type"] == "sample"
-             for f in s["cond_indep_stack"] if f.dim is not None),
+            (
+                -f.dim
+                for s in trace.nodes.values()
+                if s["type"] == "sample"
+                for f in s["cond_indep_stack"]
+                if f.dim is not None
+            ),
             default=0,
         )
         for name in self.global_names:
@@ -162,8 +175,14 @@ class StructuredSVI:
             batch = fn.batch_shape
             eta = tuple(p.expand(batch + s).detach().clone() for p, s in zip(eta, fam.param_shapes))
             self.families[name], self.prior_nat[name] = fam, eta
-            if name in self.init_values:
-                self.lam[name] = fam.natural_at(self.init_values[name].detach(), eta)
+            init = self.init_values.get(name)
+            if isinstance(init, torch.distributions.Distribution):
+                nat = fam.dist_to_natural(init)
+                self.lam[name] = tuple(
+                    p.expand(batch + s).detach().clone() for p, s in zip(nat, fam.param_shapes)
+                )
+            elif init is not None:
+                self.lam[name] = fam.natural_at(init.detach(), eta)
             else:
                 self.lam[name] = tuple(p.clone() for p in eta)
 
@@ -185,11 +204,15 @@ class StructuredSVI:
 
     def _enumerated_log_lik(self, globals_, args, kwargs):
         # TraceEnum_ELBO.differentiable_loss refuses a value without a graph: give it one
-        globals_ = {n: v if v.requires_grad else v.detach().requires_grad_() for n, v in globals_.items()}
+        globals_ = {
+            n: v if v.requires_grad else v.detach().requires_grad_() for n, v in globals_.items()
+        }
         model = poutine.condition(config_enumerate(self.model, "parallel"), data=globals_)
         elbo = TraceEnum_ELBO(max_plate_nesting=self.max_plate_nesting)
         log_joint = -elbo.differentiable_loss(model, _empty_guide, *args, **kwargs)
-        trace = poutine.trace(poutine.condition(self.model, data=globals_)).get_trace(*args, **kwargs)
+        trace = poutine.trace(poutine.condition(self.model, data=globals_)).get_trace(
+            *args, **kwargs
+        )
         log_prior = sum(trace.nodes[n]["fn"].log_prob(globals_[n]).sum() for n in self.global_names)
         return log_joint - log_prior
 
@@ -214,10 +237,17 @@ class StructuredSVI:
             tr = poutine.trace(poutine.condition(cond, data={name: z})).get_trace(*args, **kwargs)
             logf = 0.0
             for site, s in tr.nodes.items():
-                if s["type"] == "sample" and site not in self.global_names and not site_is_subsample(s):
+                if (
+                    s["type"] == "sample"
+                    and site not in self.global_names
+                    and not site_is_subsample(s)
+                ):
                     logf = logf + _sum_to(s["fn"].log_prob(s["value"]), batch, site, name)
-            stats = fam.flatten(tuple(t.expand(batch + sh) for t, sh in
-                                      zip(fam.sufficient_stats(z), fam.param_shapes)))
+            stats = fam.flatten(
+                tuple(
+                    t.expand(batch + sh) for t, sh in zip(fam.sufficient_stats(z), fam.param_shapes)
+                )
+            )
             rows.append(torch.cat([stats, torch.ones_like(stats[..., :1])], -1))
             targets.append(logf - fam.base_log_measure(z))
         A = torch.stack(rows, -2)  # [*batch, P, dim + 1]

@@ -139,7 +139,10 @@ def test_exact_posterior_is_the_fixed_point_of_the_expected_step():
     mean, var = _exact_posterior(Y)
     fam = family_for_support(dist.constraints.real, torch.Size())
     lam = tuple(p.expand(20000) for p in fam.dist_to_natural(dist.Normal(mean, var.sqrt())))
-    prior = tuple(p.expand(20000) for p in fam.dist_to_natural(dist.Normal(0.0 * mean, torch.tensor(S0, dtype=D))))
+    prior = tuple(
+        p.expand(20000)
+        for p in fam.dist_to_natural(dist.Normal(0.0 * mean, torch.tensor(S0, dtype=D)))
+    )
     cov = torch.eye(J, dtype=D) + torch.ones(J, J, dtype=D)
 
     def log_lik(beta):  # sum_n log p(y_n | beta), batched over the draws
@@ -160,5 +163,7 @@ def test_ssvi_run_finds_the_exact_posterior_mean():
         ssvi.step(Y)
     mean, var = _exact_posterior(Y)
     q = ssvi.posterior("mu")
-    assert abs(float(q.mean - mean)) < 0.4 * float(var.sqrt())  # a noisy 60-step run; the sharp check is above
+    assert abs(float(q.mean - mean)) < 0.4 * float(
+        var.sqrt()
+    )  # a noisy 60-step run; the sharp check is above
     assert abs(float(q.variance / var) - 1) < 0.3
