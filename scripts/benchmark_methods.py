@@ -232,8 +232,8 @@ def structured_section(args) -> dict:
     seeds = range(1 if args.quick else 4)
     n = 100 if args.quick else 200
     plan = {  # problem: (CVI sweeps, SSVI steps)
-        "gmm": (8, 40) if args.quick else (30, 150),
-        "topics": (8, 40) if args.quick else (30, 150),
+        "gmm": (8, 30) if args.quick else (30, 150),
+        "topics": (8, 30) if args.quick else (30, 150),
         "hierarchical": (8, 30) if args.quick else (30, 100),
     }
     table = Table(
