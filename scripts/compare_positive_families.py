@@ -76,7 +76,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer steps and samples (a smoke run)")
     p.add_argument("--out", default="results/positive_families.json")
     a = p.parse_args()
-    steps, reps, particles, hand_steps = (60, 20, 20, 1000) if a.quick else (200, 50, 50, 4000)
+    steps, reps, particles, hand_steps = (30, 10, 10, 300) if a.quick else (200, 50, 50, 4000)
     warnings.simplefilter("ignore")
     table = Table(
         "Gamma q versus a Gaussian on log z for positive latents (default CVI())",
