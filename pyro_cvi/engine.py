@@ -33,7 +33,7 @@ from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
 from .expectations import site_weight
 from .mean_field import compute
-from .step_control import Snapshot, StepControl, is_numerical_error
+from .step_control import Snapshot, StepControl, initial_failure, is_numerical_error
 from .tracing import is_random, trace_model
 from .update import StepCounts
 from .validation import check_observations
@@ -258,6 +258,8 @@ class Engine:
             except (ValueError, RuntimeError, FloatingPointError) as e:
                 if not is_numerical_error(e) or not grads:
                     raise
+                if float(pyro.param(self.steps_name)) == 0:
+                    raise initial_failure(e) from e
                 raise ValueError(
                     "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
                     f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
@@ -309,15 +311,13 @@ class Engine:
             c.accepted(Snapshot(self._param_values(), value, var), comparable)
             return elbo
         if c.snapshot is None:
-            raise FloatingPointError(
-                "AutoCVI: the ELBO of the initial q is not finite"
-                + (f" ({str(error).splitlines()[0][:200]})" if error else "")
-                + ". Check the model's priors and data, or start q elsewhere with init_loc_fn."
-            )
+            raise initial_failure(error)
         self._restore(c.snapshot.values)
         beta = c.rejected()
         self._warn_backtrack(beta, error)
-        return self._loss(args, kwargs, subsample, True)
+        elbo = self._loss(args, kwargs, subsample, True)
+        c.reevaluated(self.pending.elbo, self.pending.mc_var)
+        return elbo
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)

@@ -133,6 +133,52 @@ def case_shrunk_step():
     raise RuntimeWarning(str([r.message for r in record if "shrunk" in str(r.message)][0]))
 
 
+def case_unknown_family():
+    AutoCVI(logreg, families={"w": "student"})
+
+
+def case_family_not_a_site():
+    X, y = _data()
+    _svi(guide=AutoCVI(logreg, families={"v": "gaussian"})).step(X, y)
+
+
+def case_family_does_not_apply():
+    X, y = _data()
+    _svi(guide=AutoCVI(logreg, families={"w": "gamma"})).step(X, y)
+
+
+def _exponential_rate(y):
+    # a real latent used as a rate: fine near its prior, invalid where a long step sends it
+    w = pyro.sample("w", dist.Normal(y.new_tensor(3.0), 0.3))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Exponential(w), obs=y)
+
+
+def case_initial_q_invalid():
+    def model(y):
+        w = pyro.sample("w", dist.Normal(y.new_tensor(0.0), 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Exponential(w), obs=y)
+
+    SVI(model, AutoCVI(model), CVI(), CVI_ELBO()).step(torch.ones(3, dtype=torch.float64))
+
+
+def case_fixed_step_failed():
+    y = torch.full((20,), 30.0, dtype=torch.float64)
+    svi = _svi(_exponential_rate, step=1.0)
+    for _ in range(3):
+        svi.step(y)
+
+
+def case_backtracked_step():
+    y = torch.full((20,), 30.0, dtype=torch.float64)
+    svi = SVI(_exponential_rate, AutoCVI(_exponential_rate), CVI(), CVI_ELBO())
+    with pytest.warns(RuntimeWarning) as record:
+        for _ in range(3):
+            svi.step(y)
+    raise RuntimeWarning(str([r.message for r in record if "undone" in str(r.message)][0]))
+
+
 CASES = {
     name[5:].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")
 }
