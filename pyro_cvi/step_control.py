@@ -63,9 +63,9 @@ class StepControl:
     grow_exact: float = 1.5
     grow_mc: float = 1.1
     z: float = 2.0
-    patience: int = 3
+    patience: int = 5
     decay: float = 0.8
-    min_ceiling: float = 0.05
+    min_ceiling: float = 0.1
     min_beta: float = 1e-4
     beta: Optional[float] = None
     ceiling: Optional[float] = None
