@@ -313,7 +313,7 @@ class Engine:
         if c.snapshot is None:
             raise initial_failure(error)
         self._restore(c.snapshot.values)
-        beta = c.rejected()
+        beta = c.rejected(numerical=error is not None)
         self._warn_backtrack(beta, error)
         elbo = self._loss(args, kwargs, subsample, True)
         c.reevaluated(self.pending.elbo, self.pending.mc_var)
@@ -396,7 +396,7 @@ class Engine:
                 if not is_numerical_error(e) or self.control.snapshot is None:
                     raise
                 self._restore(self.control.snapshot.values)
-                self._warn_backtrack(self.control.rejected(), e)
+                self._warn_backtrack(self.control.rejected(numerical=True), e)
             return
         try:
             self._step(ctx, beta)

@@ -73,6 +73,7 @@ class StepControl:
     num_backtracks: int = 0
     t: int = 0
     _flat: int = field(default=0, repr=False)
+    _in_row: int = field(default=0, repr=False)
 
     def start(self, stochastic: bool) -> None:
         if self.beta is None:
@@ -116,15 +117,23 @@ class StepControl:
             if self._flat >= self.patience:
                 self.ceiling = max(self.min_ceiling, self.ceiling * self.decay)
                 self._flat = 0
-        self.snapshot = snapshot
+        self.snapshot, self._in_row = snapshot, 0
         grow = self.grow_mc if stochastic else self.grow_exact
         self.beta = min(self.ceiling, self.beta * grow)
 
-    def rejected(self) -> float:
-        """Shrink ``beta`` after an undone step; returns the new value."""
+    def rejected(self, numerical: bool = False) -> float:
+        """Shrink ``beta`` after an undone step; returns the new value. Under Monte Carlo noise
+        the first worse estimate after an accepted step halves ``beta`` no lower than the
+        floor ``min_ceiling`` (it may be noise); a second one in a row, or a numerical
+        failure, halves it below."""
         self.num_backtracks += 1
-        self.beta = max(self.min_beta, self.beta * self.shrink)
-        if self.snapshot is not None and self.snapshot.var is not None:
+        self._in_row += 1
+        noisy = self.snapshot is not None and self.snapshot.var is not None
+        beta = self.beta * self.shrink
+        if noisy and not numerical and self._in_row == 1:
+            beta = max(beta, min(self.beta, self.min_ceiling))
+        self.beta = max(self.min_beta, beta)
+        if noisy:
             self.ceiling = max(self.min_ceiling, min(self.ceiling, 2.0 * self.beta))
         return self.beta
 
@@ -138,7 +147,7 @@ class StepControl:
 
     def state(self) -> Dict:
         """Everything an exact resume needs (for :mod:`pyro_cvi.checkpoint`)."""
-        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat")
+        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat", "_in_row")
         out = {k: getattr(self, k) for k in keys}
         snap = self.snapshot
         out["snapshot"] = None if snap is None else (dict(snap.values), snap.elbo, snap.var)

@@ -100,6 +100,13 @@ def test_control_rules():
     # after an undo, a fresh evaluation at the restored point replaces the selected one
     m.reevaluated(-11.0, 0.3)
     assert (m.snapshot.elbo, m.snapshot.var) == (-11.0, 0.3)
+    # one worse Monte Carlo estimate may be noise: beta halves no lower than the floor 0.1;
+    # a second in a row, or a numerical failure, goes below
+    m.beta = 0.15
+    assert m.rejected() == pytest.approx(0.1) and m.rejected() == pytest.approx(0.05)
+    m.accepted(Snapshot({}, -11.0, 0.3), comparable=True)
+    m.beta = 0.15
+    assert m.rejected(numerical=True) == pytest.approx(0.075)
     assert is_numerical_error(torch.linalg.LinAlgError("linalg.solve: singular"))
     assert is_numerical_error(ValueError("Expected parameter rate ... to satisfy the constraint"))
     assert not is_numerical_error(ValueError("observed site 'y' has a non-finite value"))
