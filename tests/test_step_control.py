@@ -225,5 +225,6 @@ def test_explain_names_the_fallback_sites_and_why():
     text = guide.explain()
     fallback = "# sigma: q = gaussian (unconstrained) (natural form; no native family for Interval"
     assert fallback in text
-    assert "# tau: q = gaussian (unconstrained) (natural form; user override (families=...))" in text
+    override = "# tau: q = gaussian (unconstrained) (natural form; user override (families=...))"
+    assert override in text
     assert "# rho: q = gamma (natural form)" in text  # the native default where one exists
