@@ -27,6 +27,7 @@ from pyro.infer.autoguide import AutoGuide
 
 from .analysis import LEAF_FORM, SITE
 from .context import Options
+from .collapsed import check_mode, sample_posterior
 from .engine import Engine
 from .tracing import trace_model
 from .update import StepCounts
@@ -63,6 +64,11 @@ class AutoCVI(AutoGuide):
         sites: ``q`` starts with its mean there instead of at the prior (to break symmetries).
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
+    :param discrete: ``"mean_field"`` (default) gives every finite discrete latent its own
+        Categorical/Bernoulli factor of ``q``; ``"collapse"`` sums them out exactly in the
+        ELBO, as ``TraceEnum_ELBO`` does, and the guide has no site for them
+        (:mod:`pyro_cvi.collapsed`; ``Predictive`` then draws them from the model's prior,
+        :meth:`sample_discrete` from their posterior).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class AutoCVI(AutoGuide):
         schedule="parallel",
         init_loc_fn: Optional[Callable] = None,
         vectorize_particles: bool = False,
+        discrete: str = "mean_field",
     ):
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
@@ -97,6 +104,7 @@ class AutoCVI(AutoGuide):
             init_sites,
             schedule,
             vectorize_particles,
+            check_mode(discrete),
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -211,6 +219,11 @@ class AutoCVI(AutoGuide):
         if self.prototype_trace is None:
             raise RuntimeError("AutoCVI has not seen the model yet: call svi.step(...) first")
         latents = self.engine.analysis.latents
+        if name in self.engine.analysis.collapsed:
+            raise ValueError(
+                f"{name!r} is summed out (AutoCVI(discrete='collapse')): it has no q; draw it "
+                "from its posterior with guide.sample_discrete(*args)"
+            )
         if name not in latents:
             raise KeyError(
                 f"{name!r} is not a latent site of the model; latent sites: {list(latents)}"
@@ -287,6 +300,19 @@ class AutoCVI(AutoGuide):
                 )
         return out
 
+    @torch.no_grad()
+    def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
+        """One joint draw of every latent: the continuous ones from ``q``, the collapsed
+        discrete ones (``discrete="collapse"``) from ``p(z | x, theta)`` given that draw."""
+        tr = poutine.trace(self).get_trace(*args, **kwargs)
+        values = {n: s["value"] for n, s in tr.iter_stochastic_nodes()}
+        if not self.engine.analysis.collapsed:
+            return values
+        dims = self.engine.analysis.plate_dims
+        post = sample_posterior(self.model, values, dims, args, kwargs)
+        values.update({n: post.nodes[n]["value"] for n in self.engine.analysis.collapsed})
+        return values
+
     def explain(self) -> str:
         """One line per (factor, latent or block): the kind CVI gives it, and why."""
         if self.prototype_trace is None:
@@ -312,6 +338,7 @@ for _name in (
     "init_sites",
     "schedule",
     "vectorize_particles",
+    "discrete",
 ):
     setattr(AutoCVI, _name, _option(_name))
 

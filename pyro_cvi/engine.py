@@ -106,7 +106,14 @@ class Engine:
                 block.refresh(ctx)
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
-        an = Analysis(self.model, args, kwargs, prototype_trace, self.options.covariance)
+        an = Analysis(
+            self.model,
+            args,
+            kwargs,
+            prototype_trace,
+            self.options.covariance,
+            self.options.discrete,
+        )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
         # the sample sites, and which are observed (the analysis trace conditions the latents)
@@ -253,7 +260,7 @@ class Engine:
         sequential = self.options.schedule != "parallel"
         for block in self.gaussian:
             elbo = elbo + block.elbo(ctx, block.refresh(ctx))
-        if self.natural:
+        if self.natural or self.analysis.collapsed_sites:
             if grads and ctx.subsample and not sequential:
                 self.update_locals(ctx)
             want = None if (grads and not sequential) else set()

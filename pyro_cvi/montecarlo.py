@@ -12,6 +12,7 @@ from typing import Dict, Tuple
 import pyro
 import torch
 
+from .collapsed import collapsed_log_prob
 from .context import Options, StepContext
 from .expectations import QState, discrete_weight, site_weight
 from .tracing import run_model
@@ -90,7 +91,9 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     total = 0.0
     first = None
     pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
-    if S > 1 and options.vectorize_particles and not pushed:
+    group = [s.site for s in general if s.collapsed]
+    general = [s for s in general if not s.collapsed]
+    if S > 1 and options.vectorize_particles and not pushed and not group:
         total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists)
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
@@ -109,6 +112,8 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
         first = tr if first is None else first
         for n, t in ladj.items():
             total = total + site_weight(tr.nodes[n], t).sum() / S
+        if group:  # log sum_z p over the collapsed group (weights p(z | x, theta) in autograd)
+            total = total + collapsed_log_prob(tr, group) / S
         for spec in general:
             site = tr.nodes[spec.site]
             lp = site["fn"].log_prob(site["value"])
