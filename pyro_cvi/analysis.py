@@ -213,7 +213,8 @@ class Analysis:
                 continue
             if fn.support.is_discrete and not fn.has_enumerate_support:
                 raise infinite_support_error(name, fn)
-            raise ValueError(f"latent site {name!r}: {e}") from None
+            hint = " Or AutoCVI(discrete='collapse') sums it out." if fn.support.is_discrete else ""
+            raise ValueError(f"latent site {name!r}: {e}{hint}") from None
         # collapsed discrete latents (discrete="collapse"): no q; their group is summed out
         self.collapsed = (self.discrete - self.leaves) if discrete == "collapse" else set()
         self.collapsed_sites = collapsed_sites(self.structure.nodes, self.deps, self.collapsed)

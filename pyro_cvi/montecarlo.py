@@ -20,7 +20,7 @@ from .tracing import run_model
 __all__ = ["monte_carlo"]
 
 
-def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
+def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
     """All ``S`` samples in one model run, in a particle plate left of the model's plates (and
     enumeration left of that), like ``Trace_ELBO(vectorize_particles=True)``."""
     P = an.plate_dims
@@ -71,6 +71,8 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
             lp = lp * w
         lp = site_weight(site, lp).sum() / S
         total = total + lp
+    if group:  # the particle plate is one more plate of the contraction: sum_s log sum_z p
+        total = total + collapsed_log_prob(tr, group) / S
     return total
 
 
@@ -93,8 +95,8 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
     group = [s.site for s in general if s.collapsed]
     general = [s for s in general if not s.collapsed]
-    if S > 1 and options.vectorize_particles and not pushed and not group:
-        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists)
+    if S > 1 and options.vectorize_particles and not pushed:
+        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group)
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
         vals = {k: v.detach() for k, v in vals.items()}
