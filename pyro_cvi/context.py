@@ -28,6 +28,7 @@ class Options:
     schedule: Any = "parallel"
     vectorize_particles: bool = False
     discrete: str = "mean_field"
+    init_scale: Optional[float] = None
 
 
 @dataclass

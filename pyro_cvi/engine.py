@@ -88,6 +88,7 @@ class Engine:
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         init_trace = None
+        init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
@@ -95,7 +96,7 @@ class Engine:
             block.setup(an.values)
         for name, nb in self.natural.items():
             site = (init_trace or prototype_trace).nodes[name]
-            nb.setup(initial_natural(nb.family, site, init_loc_fn))
+            nb.setup(initial_natural(nb.family, site, init_loc_fn, init_scale))
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         with torch.no_grad():

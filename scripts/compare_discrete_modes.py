@@ -74,7 +74,7 @@ def gmm_problem():
 
     init = {
         "weights": torch.full((K,), 1.0 / K),
-        "scale": data.std() / 2,
+        "scale": torch.tensor(1.0),
         "locs": data[torch.tensor([1, 3])],
     }
     return model, (data,), init, ["assignment"], 1
@@ -115,6 +115,9 @@ def hmm_problem(num_seqs=10, T=12, D=4, H=3, seed=0):
 
 PROBLEMS = {"gmm": gmm_problem, "hmm": hmm_problem}
 
+#: AutoCVI's ``init_scale`` (AutoNormal's default spread: both methods start alike)
+INIT_SCALE = 0.1
+
 
 # ------------------------------------------------------------------------------------ runs
 def _run(svi, args, budget, desc):
@@ -150,8 +153,10 @@ def run_cvi(problem, mode, beta0, budget, seed, ev):
     model, args, init, _, plate_dims = problem
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    guide = AutoCVI(model, discrete=mode, init_loc_fn=init_to_value(values=init))
-    step = step_sizes.robbins_monro(beta0, 10.0, 0.7)
+    guide = AutoCVI(
+        model, discrete=mode, init_loc_fn=init_to_value(values=init), init_scale=INIT_SCALE
+    )
+    step = step_sizes.robbins_monro(beta0, 1.0, 0.7)
     svi = SVI(model, guide, CVI(step_size=step), loss=CVI_ELBO())
     steps, secs, first = _run(svi, args, budget, f"{mode} beta0={beta0}")
     loss, se = evaluate(model, guide, args, plate_dims, *ev)
