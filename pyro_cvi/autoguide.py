@@ -26,9 +26,10 @@ import torch
 from pyro.infer.autoguide import AutoGuide
 
 from .analysis import LEAF_FORM, SITE
-from .context import Options
 from .collapsed import check_mode, sample_posterior
+from .context import Options
 from .engine import Engine
+from .families import FAMILY_NAMES
 from .tracing import trace_model
 from .update import StepCounts
 
@@ -62,6 +63,10 @@ class AutoCVI(AutoGuide):
         factors and ``step_size=1``, ``"sequential"`` is CAVI and the ELBO never decreases.
     :param init_loc_fn: optional Pyro init strategy (e.g. ``init_to_value``) for natural-form
         sites: ``q`` starts with its mean there instead of at the prior (to break symmetries).
+    :param families: ``{site: name}`` to choose a site's ``q`` family: ``"gaussian"`` puts a
+        Gaussian on the unconstrained space of ``biject_to(support)`` (e.g. on ``log sigma``
+        for a positive site instead of the native Gamma); a native name (``"gamma"``,
+        ``"beta"``, ...) must match the support. ``explain()`` names the fallback sites.
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
     :param discrete: ``"mean_field"`` (default) gives every finite discrete latent its own
@@ -89,6 +94,7 @@ class AutoCVI(AutoGuide):
         schedule="parallel",
         init_loc_fn: Optional[Callable] = None,
         vectorize_particles: bool = False,
+        families: Optional[Dict[str, str]] = None,
         discrete: str = "mean_field",
         init_scale: Optional[float] = None,
     ):
@@ -101,6 +107,11 @@ class AutoCVI(AutoGuide):
                 f"schedule must be 'parallel', 'sequential' or a list of latent site names, "
                 f"got {schedule!r}"
             )
+        bad = {k: v for k, v in (families or {}).items() if v not in FAMILY_NAMES}
+        if bad:
+            raise ValueError(
+                f"AutoCVI(families={bad}): unknown family name; use one of {FAMILY_NAMES}"
+            )
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")
         super().__init__(model, create_plates=create_plates)
@@ -112,6 +123,7 @@ class AutoCVI(AutoGuide):
             init_sites,
             schedule,
             vectorize_particles,
+            dict(families or {}),
             check_mode(discrete),
             init_scale,
         )
@@ -137,6 +149,12 @@ class AutoCVI(AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def num_backtracks(self) -> int:
+        """Steps undone by the adaptive step control (``CVI()``, ``step_size="auto"``)."""
+        control = self.engine.control if self.engine is not None else None
+        return 0 if control is None else control.num_backtracks
 
     @property
     def param_prefix(self) -> str:

@@ -28,7 +28,7 @@ by Pyro's ``infer_discrete``.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Set
+from typing import Dict, Iterable, List, Optional, Set
 
 import pyro.poutine as poutine
 import torch
@@ -77,9 +77,14 @@ def collapsed_spec(site: str, deps: Set[str], continuous: Set[str], latents: Set
     return FactorSpec(site, False, reason, continuous=cont, collapsed=True)
 
 
-def collapsed_log_prob(trace: Trace, sites: Iterable[str]) -> torch.Tensor:
+def collapsed_log_prob(
+    trace: Trace, sites: Iterable[str], plate: Optional[str] = None
+) -> torch.Tensor:
     """``log sum_z prod_{a in sites} p_a`` on an enumerated trace, scaled like TraceEnum_ELBO
-    (masks inside the sum, the plates' common subsampling scale outside); differentiable."""
+    (masks inside the sum, the plates' common subsampling scale outside); differentiable.
+
+    With ``plate`` (the particle plate of vectorised Monte Carlo), the contraction stops at
+    that plate and the result is one value per particle (their sum is the scalar result)."""
     sub = Trace()
     for name in sites:
         node = trace.nodes[name]
@@ -87,17 +92,33 @@ def collapsed_log_prob(trace: Trace, sites: Iterable[str]) -> torch.Tensor:
     sub.compute_log_prob()
     sub.pack_tensors()
     costs, log_factors, _, sum_dims, scale = _compute_model_factors(sub, Trace())
+    target, sym, size = frozenset(), None, 1
+    if plate is not None:
+        size = next(
+            f.size for n in sub.nodes.values() for f in n["cond_indep_stack"] if f.name == plate
+        )
+        sym = sub.plate_to_symbol[plate]
+        target = frozenset([sym])  # TraceEnum's ordinals are sets of plate symbols
+
+    def reduce(t):  # a packed tensor -> its sum, or one sum per particle
+        if sym is None:
+            return t.sum()
+        if sym not in t._pyro_dims:
+            return t.sum().expand(size) / size
+        d = t._pyro_dims.index(sym)
+        return t.transpose(0, d).reshape(size, -1).sum(-1)
+
     total = None
     for terms in costs.values():  # group members that broadcast over no enumerated dim
         for t in terms:
-            total = t.sum() if total is None else total + t.sum()
+            total = reduce(t) if total is None else total + reduce(t)
     if log_factors:
         with shared_intermediates() as cache:
-            lp = contract_to_tensor(log_factors, sum_dims, target_ordinal=frozenset(), cache=cache)
-        lp = packed.scale_and_mask(lp, scale=scale).sum()
+            lp = contract_to_tensor(log_factors, sum_dims, target_ordinal=target, cache=cache)
+        lp = reduce(packed.scale_and_mask(lp, scale=scale))
         total = lp if total is None else total + lp
     if total is None:
-        return torch.zeros(())
+        return torch.zeros(size) if sym is not None else torch.zeros(())
     return total
 
 

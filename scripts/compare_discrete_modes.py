@@ -24,8 +24,9 @@ are sampled and scored as in any guide). Only optimisation is timed; the machine
 loaded, and all methods run back to back in one process.
 
 Columns: ``model``; ``method``; ``setting`` (beta0 or Adam's lr); ``steps`` done in the budget;
-``time_s`` (optimisation wall time, after a first set-up step timed apart as ``first_s``); ``-ELBO`` (the common estimate) and ``se`` (its standard
-error); ``vs adam`` (-ELBO minus the Adam baseline's: negative is better).
+``time_s`` (optimisation wall time, after a first set-up step timed apart as ``first_s``);
+``-ELBO`` (the common estimate) and ``se`` (its standard error); ``vs adam`` (-ELBO minus the
+Adam baseline's: negative is better).
 
     python scripts/compare_discrete_modes.py [--quick] [--out results/compare_discrete_modes.json]
 """

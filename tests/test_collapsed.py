@@ -17,8 +17,8 @@ import pytest
 import torch
 from pyro.infer import SVI, Predictive, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide.initialization import init_to_value
-from pyro.poutine.util import site_is_subsample
 from pyro.ops.indexing import Vindex
+from pyro.poutine.util import site_is_subsample
 from test_loss_is_bound import (
     F64,
     Case,
