@@ -22,8 +22,9 @@ Methods, all from the same initial values and for the same wall-time budget per 
 CVI uses its default adaptive step (``CVI()``), with ``init_scale`` None (natural-form sites
 start with the prior's spread) or 0.1 (AutoNormal's default spread). Every final guide is
 scored by one estimator: a large-sample TraceEnum_ELBO (the model under
-``config_enumerate``; a guide's own discrete sites are sampled and scored as in any guide). Only optimisation is timed; the machine may be
-loaded, and all methods run back to back in one process.
+``config_enumerate``; a guide's own discrete sites are sampled and scored as in any guide).
+Only optimisation is timed; the machine may be loaded, and all methods run back to back in
+one process.
 
 Columns: ``model``; ``method``; ``setting`` (init_scale or Adam's lr); ``steps`` done in the budget;
 ``time_s`` (optimisation wall time, after a first set-up step timed apart as ``first_s``);
