@@ -91,6 +91,7 @@ class Engine:
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         init_trace = None
+        init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
@@ -98,7 +99,7 @@ class Engine:
             block.setup(an.values)
         for name, nb in self.natural.items():
             site = (init_trace or prototype_trace).nodes[name]
-            nb.setup(initial_natural(nb.family, site, init_loc_fn))
+            nb.setup(initial_natural(nb.family, site, init_loc_fn, init_scale))
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         with torch.no_grad():
@@ -116,6 +117,7 @@ class Engine:
             prototype_trace,
             self.options.covariance,
             self.options.families,
+            self.options.discrete,
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -339,7 +341,7 @@ class Engine:
         sequential = self.options.schedule != "parallel"
         for block in self.gaussian:
             elbo = elbo + block.elbo(ctx, block.refresh(ctx))
-        if self.natural:
+        if self.natural or self.analysis.collapsed_sites:
             if grads and ctx.subsample and not sequential:
                 self.update_locals(ctx)
             want = None if (grads and not sequential) else set()
