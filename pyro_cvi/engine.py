@@ -33,7 +33,13 @@ from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
 from .expectations import site_weight
 from .mean_field import compute
-from .step_control import Snapshot, StepControl, initial_failure, is_numerical_error
+from .step_control import (
+    Snapshot,
+    StepControl,
+    backtrack_message,
+    initial_failure,
+    is_numerical_error,
+)
 from .tracing import is_random, trace_model
 from .update import StepCounts
 from .validation import check_observations
@@ -323,15 +329,7 @@ class Engine:
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
-        why = "a numerical failure" if error is not None else "a worse ELBO"
-        warnings.warn(
-            f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "
-            f"with a smaller step size (now {beta:.3g}; counted in guide.num_backtracks). If "
-            "this repeats, raise num_general_samples (Monte Carlo noise) or cap the step with "
-            "CVI(max_step_size=...).",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
 
     def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads)

@@ -40,7 +40,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["StepControl", "Snapshot", "is_numerical_error", "initial_failure"]
+__all__ = ["StepControl", "Snapshot", "is_numerical_error", "initial_failure", "backtrack_message"]
 
 
 @dataclass
@@ -184,4 +184,15 @@ def initial_failure(error: Optional[BaseException]) -> ValueError:
         f"AutoCVI: the ELBO of the initial q is not finite or cannot be evaluated{why}. Before "
         "any CVI step this is not a step-size problem: check the model's priors, parameters and "
         "data, or start q elsewhere with AutoCVI(init_loc_fn=...)."
+    )
+
+
+def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> str:
+    """The warning for an undone step: which sites, why, the new step, and what to do."""
+    why = "a numerical failure" if error is not None else "a worse ELBO"
+    return (
+        f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "
+        f"with a smaller step size (now {beta:.3g}; counted in guide.num_backtracks). If "
+        "this repeats, raise num_general_samples (Monte Carlo noise) or cap the step with "
+        "CVI(max_step_size=...)."
     )
