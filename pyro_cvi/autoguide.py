@@ -27,6 +27,7 @@ from pyro.infer.autoguide import AutoGuide
 
 from .analysis import LEAF_FORM, SITE
 from .context import Options
+from .distributed import as_reducer
 from .engine import Engine
 from .tracing import trace_model
 from .update import StepCounts
@@ -63,6 +64,11 @@ class AutoCVI(AutoGuide):
         sites: ``q`` starts with its mean there instead of at the prior (to break symmetries).
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
+    :param process_group: data-parallel CVI on ``torch.distributed``
+        (:mod:`pyro_cvi.distributed`): ``None`` (one process, default),
+        :data:`pyro_cvi.distributed.WORLD` or a process group. Each rank passes its own shard
+        of the data; the conjugate statistics are all-reduced every step, so every rank holds
+        the exact full-batch ``q``.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class AutoCVI(AutoGuide):
         schedule="parallel",
         init_loc_fn: Optional[Callable] = None,
         vectorize_particles: bool = False,
+        process_group=None,
     ):
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
@@ -97,6 +104,7 @@ class AutoCVI(AutoGuide):
             init_sites,
             schedule,
             vectorize_particles,
+            as_reducer(process_group),
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -120,6 +128,11 @@ class AutoCVI(AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def reducer(self):
+        """The data-parallel :class:`~pyro_cvi.distributed.Reducer`, or ``None``."""
+        return self.options.reducer
 
     @property
     def param_prefix(self) -> str:

@@ -27,6 +27,9 @@ class Options:
     init_sites: str = "laplace"
     schedule: Any = "parallel"
     vectorize_particles: bool = False
+    #: sums row statistics and ELBO terms over the ranks of a data-parallel run
+    #: (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
+    reducer: Any = None
 
 
 @dataclass

@@ -87,6 +87,18 @@ class Engine:
         fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
+        reducer = self.options.reducer
+        if reducer is not None:
+            if self.natural:
+                raise NotImplementedError(
+                    f"data-parallel CVI (process_group) covers Gaussian blocks; sites "
+                    f"{list(self.natural)} are mean-field natural blocks. Run this model in "
+                    "one process (process_group=None)."
+                )
+            # the model's parameters start equal on every rank (rank 0's values)
+            reducer.broadcast(
+                v for k, v in sorted(store.named_parameters()) if not k.startswith(self.prefix)
+            )
         init_trace = None
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
@@ -279,6 +291,8 @@ class Engine:
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
+        if self.options.reducer is not None:  # observed data of this rank
+            return self.options.reducer.combine(torch.zeros_like(total), total)
         return total
 
     def _mean_field(self, ctx, want=None, value=True):

@@ -1,0 +1,81 @@
+"""One data-parallel CVI run, for tests/test_distributed.py (not collected by pytest).
+
+``python tests/distributed_worker.py OUT`` runs in one process; ``torchrun --nproc_per_node=2
+tests/distributed_worker.py OUT`` runs the same script on two gloo ranks, each with its shard.
+Rank 0 saves the iterates (q's mean and covariance, the loss, the hyperparameters) per step.
+A third argument ``ckpt`` checkpoints after 3 steps, restores into fresh objects, and goes on.
+"""
+
+import os
+import sys
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.distributed as tdist
+from pyro.infer import SVI
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.distributed import WORLD, shard
+
+N, D, STEPS = 300, 4, 6
+
+
+def model(X, y, t):
+    scale = pyro.param("prior_scale", torch.tensor(1.5, dtype=X.dtype), dist.constraints.positive)
+    sigma = pyro.param("sigma", torch.tensor(0.7, dtype=X.dtype), dist.constraints.positive)
+    w = pyro.sample("w", dist.Normal(torch.zeros(D, dtype=X.dtype), scale).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        pyro.sample("t", dist.Normal(X[:, :2] @ w[:2], sigma), obs=t)
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(N, D, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.float64)
+    y = torch.bernoulli(torch.sigmoid(X @ w), generator=g)
+    t = X[:, :2] @ w[:2] + 0.3 * torch.randn(N, generator=g, dtype=torch.float64)
+    return X, y, t
+
+
+def build(group):
+    guide = AutoCVI(model, process_group=group)
+    optim = CVI(step_size=0.8, optim_args={"lr": 0.05})
+    return guide, optim, SVI(model, guide, optim, loss=CVI_ELBO())
+
+
+def main(out, ckpt=False):
+    distributed = "RANK" in os.environ
+    if distributed:
+        tdist.init_process_group("gloo")
+    torch.manual_seed(0)
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    X, y, t = (shard(a) for a in data())
+    group = WORLD if distributed else None
+    guide, optim, svi = build(group)
+    rows = []
+    for step in range(STEPS):
+        loss = svi.step(X, y, t)
+        q = guide.posterior("w")
+        hyper = [pyro.param("prior_scale").detach(), pyro.param("sigma").detach()]
+        rows.append(
+            [torch.tensor([loss]), q.loc.detach(), q.covariance_matrix.detach().reshape(-1)]
+            + [h.reshape(1) for h in hyper]
+        )
+        if ckpt and step == 2:
+            path = os.path.join(os.path.dirname(out), "run.pt")
+            save_checkpoint(path, optim, guide)
+            pyro.clear_param_store()
+            guide, optim, svi = build(group)
+            load_checkpoint(path, optim, guide)
+    if not distributed or tdist.get_rank() == 0:
+        torch.save(torch.stack([torch.cat(r) for r in rows]), out)
+    if distributed:
+        tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], ckpt=len(sys.argv) > 2)
