@@ -38,7 +38,7 @@ from ..probes import jacobian
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
-__all__ = ["GaussianBlock"]
+__all__ = ["GaussianBlock", "block_prior"]
 
 
 class GaussianBlock:
@@ -124,10 +124,7 @@ class GaussianBlock:
 
     # ------------------------------------------------------------------ conjugate computation
     def _prior(self, trace) -> GaussianPrior:
-        parts = [
-            _gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(self.names, self.spec.sizes)
-        ]
-        return parts[0] if len(parts) == 1 else _block_diag(parts)
+        return block_prior(self.spec, trace)
 
     def refresh(self, ctx: StepContext) -> GaussianPrior:
         """Rebuild ``eta`` (prior and conjugate rows) and the site rows from the step's trace,
@@ -329,6 +326,12 @@ class GaussianBlock:
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         return self.spec.split(self.post.loc.detach())
+
+
+def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
+    """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
+    parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
+    return parts[0] if len(parts) == 1 else _block_diag(parts)
 
 
 def _gaussian_prior(fn, D: int) -> GaussianPrior:
