@@ -45,7 +45,7 @@ def test_one_pass_is_the_in_memory_step(device, beta):
     pyro.clear_param_store()
     guide = AutoCVI(logistic, init_sites="prior")
     svi = SVI(logistic, guide, CVI(step_size=beta), loss=CVI_ELBO())
-    stream = StreamingCVI(logistic, step_size=beta, update="pass")
+    stream = StreamingCVI(logistic, step_size=beta, update="pass", init_sites="prior")
     loader = DataLoader(TensorDataset(X, y), batch_size=128)
     for _ in range(3):
         loss = svi.step(X, y)
