@@ -51,6 +51,7 @@ import torch
 
 from .analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
 from .blocks.gaussian import block_prior
+from .distributed import as_reducer
 from .linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, solve_statistics
 from .messages import linear_predictor_message, linear_predictor_rows, normal_rows
 from .tracing import linear_param, trace_model, unwrap
@@ -72,6 +73,9 @@ class StreamingCVI:
         at the likelihood's curvature at the current mean (a Newton step; a vague prior and
         ``beta = 1`` can otherwise overshoot), as ``AutoCVI``'s default; ``"prior"``: they
         start at zero and the first pass takes the CVI step from ``q = prior``.
+    :param process_group: data-parallel streaming (:mod:`pyro_cvi.distributed`): each rank
+        streams its own shard (the same number of minibatches on every rank); the statistics'
+        changes are all-reduced per minibatch (``update="batch"``) or per pass.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class StreamingCVI:
         num_quad_points: int = 32,
         progress: bool = False,
         init_sites: str = "laplace",
+        process_group=None,
     ):
         if update not in ("batch", "pass"):
             raise ValueError(f"update must be 'batch' or 'pass', got {update!r}")
@@ -92,6 +97,7 @@ class StreamingCVI:
             raise ValueError(f"init_sites must be 'laplace' or 'prior', got {init_sites!r}")
         self.num_quad_points, self.progress = num_quad_points, progress
         self.init_sites = init_sites
+        self.reducer = as_reducer(process_group)
         self.spec: Optional[BlockSpec] = None
         self.prior: Optional[GaussianPrior] = None
         self.post: Optional[GaussianPosterior] = None
@@ -195,6 +201,7 @@ class StreamingCVI:
         post = self.post
         value = None
         first = not self.stats
+        self._check_lengths(loader)
         for i, (args, kwargs) in enumerate(self._batches(loader)):
             if self.spec is None:
                 self._setup(args, kwargs)
@@ -216,13 +223,15 @@ class StreamingCVI:
             b = 1.0 if laplace else self.beta
             new = [(1 - b) * old[0] + b * target[0], (1 - b) * old[1] + b * target[1]]
             new += target[2:]  # conjugate rows: exact, in full
-            self.total[0] = self.total[0] + (new[0] + new[2]) - (old[0] + old[2])
-            self.total[1] = self.total[1] + (new[1] + new[3]) - (old[1] + old[3])
             if first:
                 self.stats.append(new)
             else:
                 self.stats[i] = new
             if self.update == "batch":
+                delta = [new[0] + new[2] - old[0] - old[2], new[1] + new[3] - old[1] - old[3]]
+                if self.reducer is not None:  # every rank's batch i, in one all-reduce
+                    delta = self.reducer(delta)
+                self.total = [t + d for t, d in zip(self.total, delta)]
                 post = self.post = solve_statistics(self.prior, *self.total)
         if value is None:
             raise ValueError("StreamingCVI: the loader yielded no minibatch")
@@ -235,6 +244,8 @@ class StreamingCVI:
             sum(s[0] + s[2] for s in self.stats),
             sum(s[1] + s[3] for s in self.stats),
         ]
+        if self.reducer is not None:
+            *self.total, value = self.reducer(self.total + [value])
         start = post if self.update == "batch" else self.post
         elbo = value - start.kl_to(self.prior)
         self.post = solve_statistics(self.prior, *self.total)
@@ -248,8 +259,24 @@ class StreamingCVI:
         if self.post is None:
             raise RuntimeError("StreamingCVI has not seen data yet: call run_pass(loader) first")
         cov = self.post.covariance()
+        self._check_lengths(loader)
         total = sum(self._batch(a, k, self.post, cov)[0] for a, k in self._batches(loader))
+        if self.reducer is not None:
+            (total,) = self.reducer([total])
         return float(total - self.post.kl_to(self.prior))
+
+    def _check_lengths(self, loader) -> None:
+        """Data-parallel: every rank must see the same number of minibatches."""
+        if self.reducer is None:
+            return
+        n = len(loader)
+        like = self.z_at if self.spec is not None else torch.zeros(())
+        (total,) = self.reducer([like.new_tensor(float(n)).reshape(1)])
+        if not self.reducer.all_agree(float(total) == n * self.reducer.world_size, like):
+            raise ValueError(
+                "StreamingCVI: the ranks' loaders have different numbers of minibatches; give "
+                "every rank the same number (e.g. equal shards and batch sizes, drop_last=True)"
+            )
 
     def posterior(self) -> torch.distributions.MultivariateNormal:
         """The current ``q`` of the block (its sites' values flattened and concatenated)."""

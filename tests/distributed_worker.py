@@ -2,7 +2,8 @@
 
 ``python tests/distributed_worker.py OUT`` runs in one process; ``torchrun --nproc_per_node=2
 tests/distributed_worker.py OUT`` runs the same script on two gloo ranks, each with its shard.
-Rank 0 saves the iterates (q's mean and covariance, the loss, the hyperparameters) per step.
+Rank 0 saves the iterates (q's mean and covariance, the loss, the hyperparameters) per step,
+and those of a data-parallel StreamingCVI (update="pass", minibatches of 64 from each shard).
 A third argument ``ckpt`` checkpoints after 3 steps, restores into fresh objects, and goes on.
 """
 
@@ -14,10 +15,12 @@ import pyro.distributions as dist
 import torch
 import torch.distributed as tdist
 from pyro.infer import SVI
+from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.checkpoint import load_checkpoint, save_checkpoint
 from pyro_cvi.distributed import WORLD, shard
+from pyro_cvi.streaming import StreamingCVI
 
 N, D, STEPS = 300, 4, 6
 
@@ -38,6 +41,26 @@ def data():
     y = torch.bernoulli(torch.sigmoid(X @ w), generator=g)
     t = X[:, :2] @ w[:2] + 0.3 * torch.randn(N, generator=g, dtype=torch.float64)
     return X, y, t
+
+
+def logistic(X, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(D, dtype=X.dtype), 1.5).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def stream(X, y, group):
+    """StreamingCVI, update="pass" (exact whatever the batching): q after each of 3 passes."""
+    loader = DataLoader(TensorDataset(X, y), batch_size=64)
+    st = StreamingCVI(
+        logistic, step_size=0.7, update="pass", init_sites="prior", process_group=group
+    )
+    out = []
+    for _ in range(3):
+        elbo = st.run_pass(loader)
+        q = st.posterior()
+        out.append(torch.cat([torch.tensor([elbo]), q.loc, q.covariance_matrix.reshape(-1)]))
+    return torch.stack(out)
 
 
 def build(group):
@@ -71,8 +94,9 @@ def main(out, ckpt=False):
             pyro.clear_param_store()
             guide, optim, svi = build(group)
             load_checkpoint(path, optim, guide)
+    streamed = stream(X, y, group)
     if not distributed or tdist.get_rank() == 0:
-        torch.save(torch.stack([torch.cat(r) for r in rows]), out)
+        torch.save({"svi": torch.stack([torch.cat(r) for r in rows]), "stream": streamed}, out)
     if distributed:
         tdist.destroy_process_group()
 

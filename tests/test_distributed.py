@@ -88,7 +88,8 @@ def test_mean_field_latents_are_refused_by_name(one_rank_group):
 def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     """torchrun, 2 gloo processes, float64: the same iterates (q's mean and covariance, the
     loss, two hyperparameters learned by Adam) as one process, to 1e-10; the 2-process run
-    checkpoints after 3 steps (one file per rank), restores into fresh objects and goes on."""
+    checkpoints after 3 steps (one file per rank), restores into fresh objects and goes on.
+    The same for data-parallel StreamingCVI (3 passes)."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "distributed_worker.py")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
@@ -103,6 +104,9 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
     subprocess.run(launch + [worker, str(two), "ckpt"], env=env, check=True, timeout=300)
     a, b = torch.load(one), torch.load(two)
+    # StreamingCVI: 2 ranks streaming their shards (each its own minibatches) == 1 process
+    assert (a["stream"] - b["stream"]).abs().max() < 1e-10
+    a, b = a["svi"], b["svi"]
     assert a.dtype == torch.float64 and a.shape[0] == 6
     assert (a[1:, -2:] - a[:-1, -2:]).abs().min() > 1e-3  # the hyperparameters do move
     assert (a - b).abs().max() < 1e-10
