@@ -58,6 +58,12 @@ class Reducer:
         self.group = group
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)
+        #: where this group's collectives need their tensors (nccl: the current GPU)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if tdist.get_backend(group) == "nccl"
+            else torch.device("cpu")
+        )
 
     def __call__(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """Sum every tensor over the ranks: one flat all-reduce for the whole list."""

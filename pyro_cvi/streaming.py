@@ -270,7 +270,7 @@ class StreamingCVI:
         if self.reducer is None:
             return
         n = len(loader)
-        like = self.z_at if self.spec is not None else torch.zeros(())
+        like = torch.zeros((), device=self.reducer.device)
         (total,) = self.reducer([like.new_tensor(float(n)).reshape(1)])
         if not self.reducer.all_agree(float(total) == n * self.reducer.world_size, like):
             raise ValueError(

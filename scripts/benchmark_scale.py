@@ -26,8 +26,9 @@ w)]`` by 32-point Gauss-Hermite quadrature (no Monte Carlo). Parts:
 
     python scripts/benchmark_scale.py [--quick] [--out results/benchmark_scale.json]
 
-``--quick`` (< 2 min): N = 50,000, 300k streamed rows (200k subset), short baselines. Timings are wall-clock
-on this machine (shared: see the note for the load); the device is printed.
+``--quick`` (< 2 min): N = 50,000, 300k streamed rows (200k subset), short baselines.
+Timings are wall-clock on this machine (shared: see the note for the load); the device is
+printed.
 """
 
 from __future__ import annotations
