@@ -142,6 +142,8 @@ def cvi_trajectory(X, y, steps, group=None):
     for _ in range(steps):
         marks.append(time.perf_counter() - t0)  # q_{k-1} existed at this time
         elbos.append(-svi.step(X, y))
+    if len(marks) > 1:  # q_0 exists only after the set-up inside the first step
+        marks[0] = marks[1]
     q = guide.posterior("w")
     return guide, q, marks, elbos
 
