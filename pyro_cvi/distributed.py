@@ -100,6 +100,17 @@ class Reducer:
         for p, g in zip(params, self(grads)):
             p.grad = g.to(p.dtype)
 
+    def setup(self, natural: List[str], named_params, prefix: str) -> None:
+        """At a guide's set-up: refuse what is not covered, and start every model parameter
+        (outside the guide's ``prefix``) from rank 0's value, so every rank holds the same."""
+        if natural:
+            raise NotImplementedError(
+                f"data-parallel CVI (process_group) covers Gaussian blocks; sites {natural} "
+                "are mean-field natural blocks. Run this model in one process "
+                "(process_group=None)."
+            )
+        self.broadcast(v for k, v in sorted(named_params) if not k.startswith(prefix))
+
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
         """Overwrite every tensor in place with rank 0's value."""
         src = tdist.get_global_rank(self.group, 0) if self.group is not None else 0
