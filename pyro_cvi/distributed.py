@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Set, Union
 
 import torch
 import torch.distributed as tdist
+import torch.distributed.nn.functional as tdist_nn
 
-__all__ = ["Reducer", "WORLD", "as_reducer", "shard", "rank_path"]
+from .analysis import MEANFIELD, SITE, Analysis
+
+__all__ = ["Reducer", "WORLD", "as_reducer", "replicated_sites", "shard", "rank_path"]
 
 #: pass as ``process_group`` for the default (world) group
 WORLD = "world"
@@ -66,9 +69,16 @@ class Reducer:
         )
 
     def __call__(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Sum every tensor over the ranks: one flat all-reduce for the whole list."""
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, group=self.group)
+        """Sum every tensor over the ranks: one flat all-reduce for the whole list. Where a
+        tensor depends on learnable parameters (e.g. rows ``A`` with a learned lengthscale) the
+        sum is differentiable: its backward all-reduces the incoming gradient, so each rank's
+        parameters get the full-data gradient's share of their own rows."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if flat.requires_grad and torch.is_grad_enabled():
+            flat = tdist_nn.all_reduce(flat, op=tdist.ReduceOp.SUM, group=self.group)
+        else:
+            flat = flat.detach().clone()
+            tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, group=self.group)
         out, i = [], 0
         for t in tensors:
             out.append(flat[i : i + t.numel()].reshape(t.shape))
@@ -100,16 +110,37 @@ class Reducer:
         for p, g in zip(params, self(grads)):
             p.grad = g.to(p.dtype)
 
-    def setup(self, natural: List[str], named_params, prefix: str) -> None:
-        """At a guide's set-up: refuse what is not covered, and start every model parameter
+    def setup(self, analysis: Analysis, named_params, prefix: str) -> None:
+        """At a guide's set-up: refuse what is not covered (Gaussian latents local to a rank's
+        data; Monte Carlo factors of the mean-field part), and start every model parameter
         (outside the guide's ``prefix``) from rank 0's value, so every rank holds the same."""
-        if natural:
+        gaussian = {n for n, i in analysis.latents.items() if i.form == SITE}
+        # (site-form latents have no plate dims today: a guard for sequential plates and beyond)
+        local = sorted(gaussian - replicated_sites(analysis))
+        general = [
+            s for s, o in analysis.owner.items() if o == MEANFIELD and not analysis.spec(s).exact
+        ]
+        if local or general:
+            what = (
+                f"Gaussian latents {local} sit in a plate of the observations (rank-local)"
+                if local
+                else f"factors {general} of the mean-field latents need Monte Carlo"
+            )
             raise NotImplementedError(
-                f"data-parallel CVI (process_group) covers Gaussian blocks; sites {natural} "
-                "are mean-field natural blocks. Run this model in one process "
-                "(process_group=None)."
+                "data-parallel CVI (process_group) covers global Gaussian latents, mean-field "
+                f"latents and exact (closed-form or quadrature) factors; {what}. Run this "
+                "model in one process (process_group=None)."
             )
         self.broadcast(v for k, v in sorted(named_params) if not k.startswith(prefix))
+
+    def reduce_targets(self, targets: Dict, names) -> None:
+        """Sum the targets of the global latents ``names`` over the ranks, in place (one
+        all-reduce); each rank computed them with its replicated factors scaled by ``1/R``."""
+        keys = [(n, i) for n in names for i in range(len(targets[n]))]
+        if keys:
+            summed = self([targets[n][i] for n, i in keys])
+            for n in names:
+                targets[n] = tuple(summed[keys.index((n, i))] for i in range(len(targets[n])))
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
         """Overwrite every tensor in place with rank 0's value."""
@@ -117,6 +148,20 @@ class Reducer:
         with torch.no_grad():
             for t in tensors:
                 tdist.broadcast(t.data, src=src, group=self.group)
+
+
+def replicated_sites(analysis: Analysis) -> Set[str]:
+    """The latent sites every rank holds in full (the same factor on every rank): those in no
+    plate that also holds an observed site. The others (observations, per-row latents) are
+    the rank's shard. Shard the data along the observations' plate."""
+    nodes = {n: v for n, v in analysis.structure.nodes.items() if v["type"] == "sample"}
+    latent = set(analysis.values)
+    data = {f.name for n, v in nodes.items() if n not in latent for f in v["cond_indep_stack"]}
+    return {
+        n
+        for n in latent
+        if n in nodes and not any(f.name in data for f in nodes[n]["cond_indep_stack"])
+    }
 
 
 def as_reducer(process_group) -> Optional[Reducer]:

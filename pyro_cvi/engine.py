@@ -91,7 +91,7 @@ class Engine:
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         if self.options.reducer is not None:  # refuses what it cannot do; broadcasts params
-            self.options.reducer.setup(list(self.natural), store.named_parameters(), self.prefix)
+            self.options.reducer.setup(an, store.named_parameters(), self.prefix)
         init_trace = None
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)

@@ -3,7 +3,9 @@
 ``python tests/distributed_worker.py OUT`` runs in one process; ``torchrun --nproc_per_node=2
 tests/distributed_worker.py OUT`` runs the same script on two gloo ranks, each with its shard.
 Rank 0 saves the iterates (q's mean and covariance, the loss, the hyperparameters) per step,
-and those of a data-parallel StreamingCVI (update="pass", minibatches of 64 from each shard).
+and those of a data-parallel StreamingCVI (update="pass", minibatches of 64 from each shard),
+of a model with mean-field latents (global and per-row Gamma) under the adaptive ``CVI()``, and
+of a sparse GP classifier.
 A third argument ``ckpt`` checkpoints after 3 steps, restores into fresh objects, and goes on.
 """
 
@@ -63,6 +65,46 @@ def stream(X, y, group):
     return torch.stack(out)
 
 
+def mixture(X, t):
+    """Mean-field latents: a global Gamma noise precision ``tau``, per-row Gamma scales ``lam``
+    (a Student-t likelihood; rank-local), and the global Gaussian ``w``."""
+    two = torch.tensor(2.0, dtype=X.dtype)
+    tau = pyro.sample("tau", dist.Gamma(two, 1.0))
+    w = pyro.sample("w", dist.Normal(torch.zeros(D, dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        lam = pyro.sample("lam", dist.Gamma(two, 2.0))
+        pyro.sample("t", dist.Normal(X @ w, (tau * lam).rsqrt()), obs=t)
+
+
+def sparse_gp(X, y):
+    """A sparse GP classifier: ``u ~ N(0, K_mm)`` at 5 inducing points, ``f = K_nm K_mm^-1 u``.
+    (The lengthscale is fixed: on main the autograd gradient of a hyperparameter inside a
+    site Jacobian is not deterministic, see the closing note of issue 13.)"""
+    ell = torch.tensor(1.5, dtype=X.dtype)
+    Z = torch.linspace(-2, 2, 5, dtype=X.dtype)[:, None].expand(5, D)
+    k = lambda a, b: torch.exp(-0.5 * torch.cdist(a, b) ** 2 / ell**2)  # noqa: E731
+    Kmm = k(Z, Z) + 1e-6 * torch.eye(5, dtype=X.dtype)
+    u = pyro.sample("u", dist.MultivariateNormal(torch.zeros(5, dtype=X.dtype), Kmm))
+    A = torch.linalg.solve(Kmm, k(Z, X)).T
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=A @ u), obs=y)
+
+
+def others(X, y, t, group):
+    """The default adaptive CVI() on the mean-field model, and the sparse GP: q per step."""
+    rows = []
+    for fn, data, site in ((mixture, (X, t), "w"), (sparse_gp, (X, y), "u")):
+        pyro.clear_param_store()
+        guide = AutoCVI(fn, process_group=group)
+        svi = SVI(fn, guide, CVI(optim_args={"lr": 0.05}), loss=CVI_ELBO())
+        for _ in range(5):
+            loss = svi.step(*data)
+            q = guide.posterior(site)
+            extra = guide.posterior("tau").mean if fn is mixture else q.covariance_matrix[0]
+            rows.append(torch.cat([torch.tensor([loss]), q.loc, extra.detach().reshape(-1)]))
+    return torch.cat(rows)
+
+
 def build(group):
     guide = AutoCVI(model, process_group=group)
     optim = CVI(step_size=0.8, optim_args={"lr": 0.05})
@@ -95,8 +137,10 @@ def main(out, ckpt=False):
             guide, optim, svi = build(group)
             load_checkpoint(path, optim, guide)
     streamed = stream(X, y, group)
+    more = others(X, y, t, group)
     if not distributed or tdist.get_rank() == 0:
-        torch.save({"svi": torch.stack([torch.cat(r) for r in rows]), "stream": streamed}, out)
+        svi = torch.stack([torch.cat(r) for r in rows])
+        torch.save({"svi": svi, "stream": streamed, "others": more}, out)
     if distributed:
         tdist.destroy_process_group()
 

@@ -14,10 +14,11 @@ import torch.distributed as tdist
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.distributed import WORLD, Reducer, rank_path, shard
+from pyro_cvi.distributed import WORLD, Reducer, rank_path, replicated_sites, shard
 from pyro_cvi.linear_gaussian import GaussianPrior, row_statistics, solve, solve_statistics
 
 HERE = Path(__file__).resolve().parent
+D = 4  # tests/distributed_worker.py
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -72,16 +73,32 @@ def test_process_group_needs_torch_distributed():
         AutoCVI(lambda: None, process_group=WORLD)
 
 
-def test_mean_field_latents_are_refused_by_name(one_rank_group):
+def test_monte_carlo_mean_field_factors_are_refused_by_name(one_rank_group):
     def model(y):
         tau = pyro.sample("tau", dist.Gamma(2.0, 1.0))
         with pyro.plate("data", len(y)):
-            pyro.sample("y", dist.Normal(0.0, tau.rsqrt()), obs=y)
+            pyro.sample("y", dist.StudentT(3.0, 0.0, tau.rsqrt()), obs=y)
 
     pyro.clear_param_store()
     svi = SVI(model, AutoCVI(model, process_group=WORLD), CVI(), loss=CVI_ELBO())
-    with pytest.raises(NotImplementedError, match="tau"):
+    with pytest.raises(NotImplementedError, match=r"factors \['y'\].*Monte Carlo"):
         svi.step(torch.randn(20))
+
+
+def test_replicated_sites_are_the_latents_outside_the_observations_plates():
+    def model(y):
+        tau = pyro.sample("tau", dist.Gamma(2.0, 1.0))
+        with pyro.plate("k", 3):
+            pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            lam = pyro.sample("lam", dist.Gamma(2.0, 2.0))
+            pyro.sample("y", dist.Normal(0.0, (tau * lam).rsqrt()), obs=y)
+
+    from pyro_cvi.analysis import Analysis
+
+    y = torch.randn(10)
+    trace = pyro.poutine.trace(model).get_trace(y)
+    assert replicated_sites(Analysis(model, (y,), {}, trace)) == {"tau", "mu"}
 
 
 @pytest.mark.slow
@@ -89,7 +106,8 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     """torchrun, 2 gloo processes, float64: the same iterates (q's mean and covariance, the
     loss, two hyperparameters learned by Adam) as one process, to 1e-10; the 2-process run
     checkpoints after 3 steps (one file per rank), restores into fresh objects and goes on.
-    The same for data-parallel StreamingCVI (3 passes)."""
+    The same for data-parallel StreamingCVI (3 passes), for a model with global and per-row
+    mean-field (Gamma) latents under the adaptive CVI(), and for a sparse GP classifier."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "distributed_worker.py")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
@@ -104,6 +122,9 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
     subprocess.run(launch + [worker, str(two), "ckpt"], env=env, check=True, timeout=300)
     a, b = torch.load(one), torch.load(two)
+    # mean-field latents (adaptive CVI()) and a sparse GP
+    assert a["others"].shape == (5 * (1 + D + 1) + 5 * (1 + 5 + 5),)
+    assert (a["others"] - b["others"]).abs().max() < 1e-10
     # StreamingCVI: 2 ranks streaming their shards (each its own minibatches) == 1 process
     assert (a["stream"] - b["stream"]).abs().max() < 1e-10
     a, b = a["svi"], b["svi"]
