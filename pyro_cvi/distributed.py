@@ -22,9 +22,13 @@ Enable it in one line; the same script runs on 1 or R processes (``torchrun``)::
     guide = AutoCVI(model, process_group=WORLD)          # or a group from new_group()
     svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
 
-Covered: Gaussian blocks with conjugate Normal and linear-predictor factors (GLMs, Bayesian
-linear regression, any number of such factors), with hyperparameters. Not covered (a clear
-error at set-up): mean-field natural blocks and general (Monte Carlo) factors.
+Covered: global Gaussian blocks with conjugate Normal and linear-predictor factors (GLMs,
+Bayesian linear regression, sparse GPs written in Pyro with ``f = K_nm K_mm^-1 u``), mean-field
+latents with exact factors (global ones: their targets and ELBO terms all-reduced, the
+replicated factors counted ``1/R`` per rank, see :func:`replicated_sites`; per-row ones: local,
+no communication), hyperparameters, the adaptive ``CVI()`` step (decided on the all-reduced
+ELBO, so identically on every rank), checkpoints (one file per rank). Refused with an error
+naming the sites: general (Monte Carlo) factors. Not covered: ``pyro_cvi.contrib.gpytorch``.
 """
 
 from __future__ import annotations
