@@ -124,7 +124,7 @@ def first_within(times, values, target):
     return None
 
 
-def fmt(t):
+def fmt_s(t):
     return "never" if t is None else f"{t:.2f} s"
 
 
@@ -218,7 +218,7 @@ def adam(X, y, guide_cls, budget, eval_every, target, batch=4096, lr=0.01):
 
 
 # ------------------------------------------------------------------------------ streaming
-def stream_child(n, passes, subset, out):
+def stream_child(n, passes, subset, out, subset_passes=None):
     """In a fresh process (its own peak RSS): stream n rows; then the 1M-subset check."""
     torch.set_num_threads(1)
     res = {}
@@ -238,7 +238,7 @@ def stream_child(n, passes, subset, out):
     # the 1M subset: streamed vs in memory
     sub_loader = DataLoader(Chunks(subset), batch_size=None)
     st1 = StreamingCVI(model, update="batch")
-    for _ in range(passes):
+    for _ in range(subset_passes or passes):
         st1.run_pass(sub_loader)
     res["subset_stream_elbo"] = st1.elbo(sub_loader)
     X, y = dataset(subset)
@@ -263,11 +263,15 @@ def main():
     ap.add_argument("--subset-rows", type=int, default=1_000_000)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--parts", default="covtype,parallel,stream")
-    ap.add_argument("--stream-child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--subset-passes", type=int, default=3, help="passes on the 1M subset")
+    ap.add_argument("--stream-child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--render", metavar="JSON", help="only print the tables of a written run")
     a = ap.parse_args()
+    if a.render:
+        return render(a.render)
     if a.stream_child:
-        n, p, s, out = a.stream_child
-        return stream_child(int(n), int(p), int(s), out)
+        n, p, s, out, sp = a.stream_child
+        return stream_child(int(n), int(p), int(s), out, int(sp))
     if a.quick:
         a.rows, a.cvi_steps, a.adam_budget, a.eval_every = 50_000, 6, 6.0, 1.0
         a.stream_rows, a.subset_rows, a.passes = 300_000, 200_000, 3
@@ -277,7 +281,6 @@ def main():
     print(f"device: {device}; load average {os.getloadavg()}")
     report = {"device": device, "args": vars(a), "load_average_start": os.getloadavg()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    lines = []
     if "covtype" in parts:
         X, y = dataset(a.rows)
         print(f"covtype-sized problem: {a.rows:,} x {D}")
@@ -300,7 +303,7 @@ def main():
             "peak_rss_mb_after_cvi": rss_cvi,
         }
         print(
-            f"  CVI: optimum ELBO {opt:.2f}; within 0.5 nat at {fmt(t_cvi)}; "
+            f"  CVI: optimum ELBO {opt:.2f}; within 0.5 nat at {fmt_s(t_cvi)}; "
             f"sites {sites / 1e6:.1f} MB (N x 2), q {q_bytes / 1e3:.1f} kB (D + D^2), "
             f"peak RSS {rss_cvi:.0f} MB"
         )
@@ -317,7 +320,7 @@ def main():
         for cls in (pyro.infer.autoguide.AutoNormal, pyro.infer.autoguide.AutoMultivariateNormal):
             ad[cls.__name__] = r = adam(X, y, cls, a.adam_budget, a.eval_every, opt - 5.0)
             print(
-                f"  Adam {cls.__name__}: within 5 nat at {fmt(r['time_to_5nat'])} "
+                f"  Adam {cls.__name__}: within 5 nat at {fmt_s(r['time_to_5nat'])} "
                 f"(best ELBO {r['best_elbo']:.1f} after {r['seconds']:.0f} s, {r['steps']} steps)"
             )
         report["covtype"] = {
@@ -327,16 +330,7 @@ def main():
             "sklearn_map_vs_cvi_mean": map_gap,
             "adam": ad,
         }
-        adam_t = [r["time_to_5nat"] for r in ad.values()]
-        reached = [t for t in adam_t if t is not None]
-        lines.append(
-            f"CVI reached 0.5 nat of its optimum in {fmt(t_cvi)}; Adam reached 5 nat "
-            + (
-                f"at best in {min(reached):.2f} s"
-                if reached
-                else f"never in {a.adam_budget:.0f} s per guide"
-            )
-        )
+        Path(a.out).write_text(json.dumps(report, indent=1, default=str))  # (kept if cut off)
         del X, y, guide
     if "parallel" in parts:
         import tempfile
@@ -354,14 +348,13 @@ def main():
                 "rows_per_s": a.rows * len(r["marks"]) / r["marks"][-1],
             }
             print(
-                f"  {w} process(es): within 0.5 nat at {fmt(t)}; {par[w]['rows_per_s']:,.0f} rows/s"
+                f"  {w} process(es): within 0.5 nat at {fmt_s(t)}; "
+                f"{par[w]['rows_per_s']:,.0f} rows/s"
             )
         par["max_mean_difference"] = float((res[1]["loc"] - res[2]["loc"]).abs().max())
         print(f"  max |m_1proc - m_2proc| = {par['max_mean_difference']:.2e}")
         report["parallel"] = par
-        lines.append(
-            f"2 processes: {fmt(par[2]['time_to_0.5nat'])} vs 1: {fmt(par[1]['time_to_0.5nat'])}"
-        )
+        Path(a.out).write_text(json.dumps(report, indent=1, default=str))
     if "stream" in parts:
         out = Path(a.out).with_suffix(".stream.json")
         cmd = [
@@ -372,8 +365,12 @@ def main():
             str(a.passes),
             str(a.subset_rows),
             str(out),
+            str(a.subset_passes),
         ]
-        print(f"streaming {a.stream_rows:,} rows, {a.passes} passes (child process)")
+        print(
+            f"streaming {a.stream_rows:,} rows, {a.passes} passes (child process); the "
+            f"{a.subset_rows:,}-row subset: {a.subset_passes} passes"
+        )
         subprocess.run(cmd, check=True)
         st = json.loads(out.read_text())
         out.unlink()
@@ -383,19 +380,147 @@ def main():
             f"1M-subset gap to in-memory optimum {st['subset_gap_nats']:.3f} nat "
             f"({100 * st['subset_gap_rel']:.4f} %)"
         )
-        lines.append(
-            f"streamed {a.stream_rows:,} rows with peak RSS {st['peak_rss_mb_streaming']:.0f} MB, "
-            f"{100 * st['subset_gap_rel']:.4f} % from the in-memory optimum on the subset"
-        )
     report["load_average_end"] = os.getloadavg()
     Path(a.out).write_text(json.dumps(report, indent=1, default=str))
-    print(
-        "columns: time_to_* = optimisation seconds until the ELBO is within the tolerance of "
-        "CVI's optimum ('never' = not in the budget); rows/s = data rows processed per second; "
-        "RSS = the process's resident memory peak"
+    render(a.out, quick=a.quick)
+
+
+def render(path: str, quick: bool = False) -> None:
+    """Print the tables (every column explained) and the verdict of a run's JSON, and add the
+    ``report`` section for the docs' results page (``scripts/report.py``)."""
+    from benchmarks.reporting import Table, fmt, fmt_seconds, verdict_line, write_results
+
+    rep = json.loads(Path(path).read_text())
+    rep.pop("report", None)
+    tables, words = [], []
+    cov = rep.get("covtype")
+    if cov:
+        c, opt = cov["cvi"], cov["cvi"]["optimum"]
+        t = Table(
+            f"covtype-sized logistic regression ({cov['rows']:,} x {D}, prior precision {DELTA})",
+            [
+                ("method", "the inference method (one process, one torch thread)"),
+                ("target", "the tolerance below CVI's optimum ELBO that counts as reached"),
+                ("s->target", "optimisation seconds until the exact ELBO is within the target"),
+                ("best gap", "nats between CVI's optimum and the method's best ELBO"),
+                ("rows/s", "data rows processed per second of optimisation"),
+                ("memory", "CVI: bytes of its sites (O(N)) and of q (O(D^2)); peak RSS"),
+            ],
+        )
+        t.add(
+            "CVI (AutoCVI, step 1)",
+            "0.5 nat",
+            fmt_seconds(c["time_to_0.5nat"]),
+            "0",
+            fmt(c["rows_per_s"], ",.0f"),
+            f"sites {c['sites_bytes'] / 1e6:.1f} MB, q {c['q_bytes'] / 1e3:.1f} kB, "
+            f"RSS {c['peak_rss_mb_after_cvi']:.0f} MB",
+        )
+        for name, r in cov["adam"].items():
+            t.add(
+                f"Pyro Adam {name}",
+                "5 nat",
+                fmt_seconds(r["time_to_5nat"]),
+                f"{opt - r['best_elbo']:,.1f}",
+                f"{r['rows_per_s']:,.0f}",
+                f"{r['steps']} steps of 4096 rows in {r['seconds']:.0f} s",
+            )
+        t.add(
+            "scikit-learn MAP (speed floor)",
+            "-",
+            f"{cov['sklearn_map_seconds']:.2f} (fit)",
+            "-",
+            "-",
+            f"point estimate; max |w_MAP - m_CVI| = {cov['sklearn_map_vs_cvi_mean']:.1e}",
+        )
+        elbos, times = c["elbo_per_step"], c["time_per_step"]
+        t.plot(
+            "seconds",
+            "optimum - ELBO (nat)",
+            {"CVI": [(x, max(opt - e, 1e-3)) for x, e in zip(times, elbos)]},
+            logy=True,
+        )
+        tables.append(t)
+        adam_t = [r["time_to_5nat"] for r in cov["adam"].values()]
+        reached = [x for x in adam_t if x is not None]
+        words.append(
+            verdict_line(
+                "CVI (0.5 nat)",
+                c["time_to_0.5nat"],
+                "Pyro Adam (5 nat, best guide)",
+                min(reached) if reached else None,
+                budget=rep["args"]["adam_budget"],
+            )[len("Verdict: ") : -1]
+        )
+    par = rep.get("parallel")
+    if par:
+        t = Table(
+            "data-parallel CVI: the same run in 1 and 2 gloo processes",
+            [
+                ("processes", "gloo ranks, each with its shard of the rows and its sites"),
+                ("s->0.5 nat", "seconds until the ELBO is within 0.5 nat of the optimum"),
+                ("s total", "seconds of the CVI steps (without process start-up)"),
+                ("wall", "seconds with process start-up and data generation"),
+                ("rows/s", "rows per second of CVI steps, all ranks together"),
+            ],
+            text=f"max |m_1 process - m_2 processes| = {par['max_mean_difference']:.1e}",
+        )
+        for w in ("1", "2"):
+            r = par.get(w) or par.get(int(w))
+            t.add(
+                w,
+                fmt_seconds(r["time_to_0.5nat"]),
+                fmt(r["seconds"], ".1f"),
+                fmt(r["wall_with_startup"], ".1f"),
+                fmt(r["rows_per_s"], ",.0f"),
+            )
+        tables.append(t)
+        words.append(
+            f"2 processes reached it in {fmt_seconds(par['2']['time_to_0.5nat'])}, "
+            f"1 in {fmt_seconds(par['1']['time_to_0.5nat'])} (means equal to "
+            f"{par['max_mean_difference']:.0e})"
+        )
+    st = rep.get("stream")
+    if st:
+        n = rep["args"]["stream_rows"]
+        t = Table(
+            "streaming CVI (StreamingCVI, update='batch', chunks of 100k rows from a DataLoader)",
+            [
+                ("rows", "rows streamed per pass (never all in memory)"),
+                ("passes", "passes over the data"),
+                ("seconds", "wall seconds of the passes"),
+                ("rows/s", "rows per second"),
+                ("peak RSS", "the streaming process's peak resident memory (MB)"),
+                ("subset gap", "in-memory optimum minus streamed ELBO on the 1M-row subset"),
+            ],
+        )
+        t.add(
+            f"{n:,}",
+            str(rep["args"]["passes"]),
+            f"{st['seconds']:.0f}",
+            f"{st['rows_per_s']:,.0f}",
+            f"{st['peak_rss_mb_streaming']:.0f} MB",
+            f"{st['subset_gap_nats']:.3f} nat ({100 * st['subset_gap_rel']:.4f} %)",
+        )
+        tables.append(t)
+        words.append(
+            f"streamed {n:,} rows in {st['peak_rss_mb_streaming']:.0f} MB peak RSS, "
+            f"{100 * st['subset_gap_rel']:.4f} % from the in-memory optimum on the subset"
+        )
+    for t in tables:
+        t.print()
+    verdict = "Verdict: " + "; ".join(words) + "."
+    print(verdict)
+    write_results(
+        path,
+        rep,
+        title="Scale: covtype-sized logistic regression, data-parallel and streaming CVI",
+        verdict=verdict,
+        tables=tables,
+        command="python scripts/benchmark_scale.py",
+        quick=quick,
+        text=f"Device: {rep['device']}. Load average at start {rep['load_average_start']}.",
     )
-    print(f"wrote {a.out}")
-    print("verdict: " + "; ".join(lines) + ".")
 
 
 if __name__ == "__main__":
