@@ -218,35 +218,57 @@ def adam(X, y, guide_cls, budget, eval_every, target, batch=4096, lr=0.01):
 
 
 # ------------------------------------------------------------------------------ streaming
-def stream_child(n, passes, subset, out, subset_passes=None):
-    """In a fresh process (its own peak RSS): stream n rows; then the 1M-subset check."""
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Progress(IterableDataset):
+    """The chunks of ``Chunks(n)``, printing rows done, seconds and peak RSS every 10 chunks and
+    saving them to ``out`` (a cut-off run keeps what it measured)."""
+
+    def __init__(self, n: int, res: dict, out: str):
+        self.n, self.res, self.out, self.t0 = n, res, out, time.perf_counter()
+
+    def __iter__(self):
+        for i, c in enumerate(Chunks(self.n)):
+            yield c
+            rows = min(self.n, (i + 1) * CHUNK)
+            if (i + 1) % 10 == 0 or rows == self.n:
+                t, rss = time.perf_counter() - self.t0, _rss_mb()
+                self.res.update(rows_done=rows, seconds_so_far=t, peak_rss_mb_so_far=rss)
+                Path(self.out).write_text(json.dumps(self.res))
+                print(f"  streamed {rows:,} rows, {t:.0f} s, peak RSS {rss:.0f} MB", flush=True)
+
+
+def stream_child(part, n, passes, out):
+    """In a fresh process (its own peak RSS). ``memory``: stream ``n`` rows ``passes`` times.
+    ``subset``: stream the first ``n`` rows ``passes`` times, then in-memory AutoCVI on them."""
     torch.set_num_threads(1)
     res = {}
-    loader = DataLoader(Chunks(n), batch_size=None)
-    st = StreamingCVI(model, update="batch")
     t0 = time.perf_counter()
-    for p in range(passes):
-        st.run_pass(loader)
-        print(
-            f"  stream {n:,} rows: pass {p + 1} done at {time.perf_counter() - t0:.1f} s",
-            flush=True,
-        )
-    res["seconds"] = time.perf_counter() - t0
-    res["rows_per_s"] = n * passes / res["seconds"]
-    res["loc_error_vs_truth"] = float((st.posterior().loc - w_true() / 4).abs().max())
-    res["peak_rss_mb_streaming"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    # the 1M subset: streamed vs in memory
-    sub_loader = DataLoader(Chunks(subset), batch_size=None)
-    st1 = StreamingCVI(model, update="batch")
-    for _ in range(subset_passes or passes):
-        st1.run_pass(sub_loader)
-    res["subset_stream_elbo"] = st1.elbo(sub_loader)
-    X, y = dataset(subset)
-    _, q, _, _ = cvi_trajectory(X, y, 12)
-    res["subset_memory_elbo"] = elbo(X, y, q.loc.detach(), q.covariance_matrix.detach())
-    res["subset_gap_nats"] = res["subset_memory_elbo"] - res["subset_stream_elbo"]
-    res["subset_gap_rel"] = abs(res["subset_gap_nats"]) / abs(res["subset_memory_elbo"])
-    res["peak_rss_mb_total"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if part == "memory":
+        st = StreamingCVI(model, update="batch")
+        for p in range(passes):
+            st.run_pass(DataLoader(_Progress(n, res, out), batch_size=None))
+            print(f"  stream {n:,} rows: pass {p + 1} done at {time.perf_counter() - t0:.1f} s")
+        res["seconds"] = time.perf_counter() - t0
+        res["rows_per_s"] = n * passes / res["seconds"]
+        res["loc_error_vs_truth"] = float((st.posterior().loc - w_true() / 4).abs().max())
+        res["peak_rss_mb_streaming"] = _rss_mb()
+    else:
+        loader = DataLoader(Chunks(n), batch_size=None)
+        st = StreamingCVI(model, update="batch")
+        for _ in range(passes):
+            st.run_pass(loader)
+        res["subset_stream_elbo"] = st.elbo(loader)
+        res["subset_stream_seconds"] = time.perf_counter() - t0
+        print(f"  subset streamed: ELBO {res['subset_stream_elbo']:.2f}", flush=True)
+        X, y = dataset(n)
+        _, q, _, _ = cvi_trajectory(X, y, 12)
+        res["subset_memory_elbo"] = elbo(X, y, q.loc.detach(), q.covariance_matrix.detach())
+        res["subset_gap_nats"] = res["subset_memory_elbo"] - res["subset_stream_elbo"]
+        res["subset_gap_rel"] = abs(res["subset_gap_nats"]) / abs(res["subset_memory_elbo"])
+        res["peak_rss_mb_subset_process"] = _rss_mb()
     Path(out).write_text(json.dumps(res))
 
 
@@ -264,14 +286,14 @@ def main():
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--parts", default="covtype,parallel,stream")
     ap.add_argument("--subset-passes", type=int, default=3, help="passes on the 1M subset")
-    ap.add_argument("--stream-child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--stream-child", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--render", metavar="JSON", help="only print the tables of a written run")
     a = ap.parse_args()
     if a.render:
         return render(a.render)
     if a.stream_child:
-        n, p, s, out, sp = a.stream_child
-        return stream_child(int(n), int(p), int(s), out, int(sp))
+        part, n, p, out = a.stream_child
+        return stream_child(part, int(n), int(p), out)
     if a.quick:
         a.rows, a.cvi_steps, a.adam_budget, a.eval_every = 50_000, 6, 6.0, 1.0
         a.stream_rows, a.subset_rows, a.passes = 300_000, 200_000, 3
@@ -356,30 +378,29 @@ def main():
         report["parallel"] = par
         Path(a.out).write_text(json.dumps(report, indent=1, default=str))
     if "stream" in parts:
-        out = Path(a.out).with_suffix(".stream.json")
-        cmd = [
-            sys.executable,
-            __file__,
-            "--stream-child",
-            str(a.stream_rows),
-            str(a.passes),
-            str(a.subset_rows),
-            str(out),
-            str(a.subset_passes),
+        outs = {k: str(Path(a.out).with_suffix(f".{k}.json")) for k in ("memory", "subset")}
+        print(
+            f"streaming {a.stream_rows:,} rows, {a.passes} pass(es); the {a.subset_rows:,}-row "
+            f"subset: {a.subset_passes} passes and in memory (two child processes at once)"
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--stream-child", k, str(n), str(p), str(o)]
+            )
+            for k, n, p, o in (
+                ("memory", a.stream_rows, a.passes, outs["memory"]),
+                ("subset", a.subset_rows, a.subset_passes, outs["subset"]),
+            )
         ]
-        print(
-            f"streaming {a.stream_rows:,} rows, {a.passes} passes (child process); the "
-            f"{a.subset_rows:,}-row subset: {a.subset_passes} passes"
-        )
-        subprocess.run(cmd, check=True)
-        st = json.loads(out.read_text())
-        out.unlink()
+        codes = [p.wait() for p in procs]
+        st = {}
+        for o in map(Path, outs.values()):
+            if o.exists():
+                st.update(json.loads(o.read_text()))
+                o.unlink()
+        if any(codes):
+            st["failed"] = f"child exit codes {codes}"
         report["stream"] = st
-        print(
-            f"  {st['rows_per_s']:,.0f} rows/s; peak RSS {st['peak_rss_mb_streaming']:.0f} MB; "
-            f"1M-subset gap to in-memory optimum {st['subset_gap_nats']:.3f} nat "
-            f"({100 * st['subset_gap_rel']:.4f} %)"
-        )
     report["load_average_end"] = os.getloadavg()
     Path(a.out).write_text(json.dumps(report, indent=1, default=str))
     render(a.out, quick=a.quick)
@@ -494,18 +515,27 @@ def render(path: str, quick: bool = False) -> None:
                 ("subset gap", "in-memory optimum minus streamed ELBO on the 1M-row subset"),
             ],
         )
+        done = st.get("rows_done", n)
+        gap = st.get("subset_gap_nats")
+        gap_s = "-" if gap is None else f"{gap:.3f} nat ({100 * st['subset_gap_rel']:.4f} %)"
+        rss = st.get("peak_rss_mb_streaming", st.get("peak_rss_mb_so_far"))
+        secs = st.get("seconds", st.get("seconds_so_far"))
         t.add(
-            f"{n:,}",
+            f"{done:,}" + ("" if "seconds" in st else f" of {n:,} (cut off)"),
             str(rep["args"]["passes"]),
-            f"{st['seconds']:.0f}",
-            f"{st['rows_per_s']:,.0f}",
-            f"{st['peak_rss_mb_streaming']:.0f} MB",
-            f"{st['subset_gap_nats']:.3f} nat ({100 * st['subset_gap_rel']:.4f} %)",
+            fmt(secs, ".0f"),
+            fmt(None if secs is None else done / secs, ",.0f"),
+            fmt(rss, ".0f") + " MB",
+            gap_s,
         )
         tables.append(t)
         words.append(
-            f"streamed {n:,} rows in {st['peak_rss_mb_streaming']:.0f} MB peak RSS, "
-            f"{100 * st['subset_gap_rel']:.4f} % from the in-memory optimum on the subset"
+            f"streamed {done:,} rows in {fmt(rss, '.0f')} MB peak RSS, "
+            + (
+                "gap on the subset not measured"
+                if gap is None
+                else f"{100 * st['subset_gap_rel']:.4f} % from the in-memory optimum on the subset"
+            )
         )
     for t in tables:
         t.print()
