@@ -43,7 +43,16 @@ import torch.distributed.nn.functional as tdist_nn
 
 from .analysis import MEANFIELD, SITE, Analysis
 
-__all__ = ["Reducer", "WORLD", "as_reducer", "replicated_sites", "shard", "rank_path"]
+__all__ = [
+    "Reducer",
+    "WORLD",
+    "as_reducer",
+    "replicated_sites",
+    "start_ranks",
+    "combine",
+    "shard",
+    "rank_path",
+]
 
 #: pass as ``process_group`` for the default (world) group
 WORLD = "world"
@@ -152,6 +161,17 @@ class Reducer:
         with torch.no_grad():
             for t in tensors:
                 tdist.broadcast(t.data, src=src, group=self.group)
+
+
+def start_ranks(reducer: Optional[Reducer], analysis: Analysis, named_params, prefix: str):
+    """:meth:`Reducer.setup` in a data-parallel run; nothing for one process."""
+    if reducer is not None:
+        reducer.setup(analysis, named_params, prefix)
+
+
+def combine(reducer: Optional[Reducer], shared: torch.Tensor, local: torch.Tensor):
+    """:meth:`Reducer.combine` in a data-parallel run; ``shared + local`` for one process."""
+    return shared + local if reducer is None else reducer.combine(shared, local)
 
 
 def replicated_sites(analysis: Analysis) -> Set[str]:

@@ -31,6 +31,7 @@ import torch
 from .analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
 from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
+from .distributed import combine, start_ranks
 from .expectations import site_weight
 from .mean_field import compute
 from .step_control import Snapshot, StepControl, is_numerical_error
@@ -90,9 +91,9 @@ class Engine:
         fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
-        if self.options.reducer is not None:  # refuses what it cannot do; broadcasts params
-            self.options.reducer.setup(an, store.named_parameters(), self.prefix)
+        start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
         init_trace = None
+        init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
@@ -100,7 +101,7 @@ class Engine:
             block.setup(an.values)
         for name, nb in self.natural.items():
             site = (init_trace or prototype_trace).nodes[name]
-            nb.setup(initial_natural(nb.family, site, init_loc_fn))
+            nb.setup(initial_natural(nb.family, site, init_loc_fn, init_scale))
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         with torch.no_grad():
@@ -111,13 +112,9 @@ class Engine:
                 block.refresh(ctx)
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
+        o = self.options
         an = Analysis(
-            self.model,
-            args,
-            kwargs,
-            prototype_trace,
-            self.options.covariance,
-            self.options.families,
+            self.model, args, kwargs, prototype_trace, o.covariance, o.families, o.discrete
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -341,7 +338,7 @@ class Engine:
         sequential = self.options.schedule != "parallel"
         for block in self.gaussian:
             elbo = elbo + block.elbo(ctx, block.refresh(ctx))
-        if self.natural:
+        if self.natural or self.analysis.collapsed_sites:
             if grads and ctx.subsample and not sequential:
                 self.update_locals(ctx)
             want = None if (grads and not sequential) else set()
@@ -368,8 +365,7 @@ class Engine:
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
-        reducer = self.options.reducer  # data-parallel: the observed data of this rank
-        return total if reducer is None else reducer.combine(torch.zeros_like(total), total)
+        return combine(self.options.reducer, torch.zeros_like(total), total)  # rank's data
 
     def _mean_field(self, ctx, want=None, value=True):
         return compute(

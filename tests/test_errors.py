@@ -58,6 +58,26 @@ def case_shape_mismatch():
 
 def case_unsupported_support():
     def model():
+        k = pyro.sample("k", dist.OneHotCategorical(torch.ones(3) / 3))
+        pyro.sample("y", dist.Normal((k * torch.arange(3.0)).sum(-1), 1.0), obs=torch.tensor(0.0))
+
+    _svi(model).step()
+
+
+@pytest.mark.parametrize("discrete", ["mean_field", "collapse"])
+@pytest.mark.parametrize("prior", [dist.Poisson(3.0), dist.Geometric(0.3)], ids=["poisson", "geo"])
+def test_infinite_discrete_latent(prior, discrete):
+    def model():
+        k = pyro.sample("k", prior)
+        pyro.sample("y", dist.Normal(k, 1.0), obs=torch.tensor(0.0))
+
+    guide = AutoCVI(model, discrete=discrete)
+    with pytest.raises(ValueError, match=r"latent site 'k' is discrete.*Truncate it"):
+        _svi(model, guide).step()
+
+
+def case_infinite_discrete_latent():
+    def model():
         k = pyro.sample("k", dist.Poisson(3.0))
         pyro.sample("y", dist.Normal(k, 1.0), obs=torch.tensor(0.0))
 
