@@ -34,6 +34,7 @@ from . import probes
 from .factor_roles import FactorSpec, analyze_factor
 from .families import ExponentialFamily, family_for_support
 from .families.transformed import UnconstrainedGaussian
+from .statespace import detect as markov
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -76,6 +77,7 @@ class Factor:
     param: Optional[str] = None
     jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
     dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
+    time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
     given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
 
     def describe(self) -> str:
@@ -102,6 +104,7 @@ class BlockSpec:
     names: Tuple[str, ...]
     shapes: Tuple[torch.Size, ...]
     factors: List[Factor] = field(default_factory=list)
+    chain: Optional[markov.ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
 
     @property
     def sizes(self) -> Tuple[int, ...]:
@@ -204,6 +207,7 @@ class Analysis:
             fam = None if name in self.leaves else self.families[name]
             fn = site["fn"]
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
+        self.chains = markov.find_chains(self)
         self.blocks = self._group_blocks()
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
@@ -228,6 +232,8 @@ class Analysis:
         if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance:
             return False
         if len(info.batch_shape) or self.deps.get(name):
+            return False
+        if any(name in c.names for c in self.chains):
             return False
         base = unwrap(self.structure.nodes[name]["fn"])[0]
         return isinstance(
@@ -261,6 +267,12 @@ class Analysis:
             shapes = tuple(torch.Size(self.latents[n].event_shape) for n in names)
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
+                self.latents[n].form, self.latents[n].block = SITE, i
+        for chain in self.chains:
+            i = len(blocks)
+            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in chain.names)
+            blocks.append(BlockSpec(i, chain.names, shapes, chain=chain))
+            for n in chain.names:
                 self.latents[n].form, self.latents[n].block = SITE, i
         return blocks
 
@@ -309,6 +321,8 @@ class Analysis:
         tr, leaves = self.leaf_trace()
         base = unwrap(tr.nodes[site]["fn"])[0]
         kind_name = type(base).__name__
+        if block.chain is not None:
+            return self._chain_factor(site, block, base)
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
         linked = linear_param(base)
@@ -355,6 +369,56 @@ class Analysis:
                 with torch.no_grad():
                     out.append((dz, self.run(**{n: at[n] + dz[n] for n in block.names})))
             self._probe_cache[block.index] = out
+        return self._probe_cache[block.index]
+
+    def _chain_factor(self, site: str, block: BlockSpec, base) -> Factor:
+        """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
+        whose linked parameter is affine in one step's state (linear-predictor sites)."""
+        chain, tr, leaves = block.chain, *self.leaf_trace()
+        label = f"{block.names[0]}..{block.names[-1]}" if len(block.names) > 1 else block.label
+        dx, moved = self._chain_probe(block)
+        if site in block.names:
+            if site != block.names[0]:
+                return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
+            if not chain.ssm:
+                with torch.enable_grad():
+                    markov.prepare_loop(chain, tr, leaves, moved, label)
+            T, d = chain.length, chain.state_dim
+            why = f"Markov prior: Kalman smoother, O(T d^3) (T={T}, d={d})"
+            return Factor(site, label, PRIOR, why)
+        linked = linear_param(base)
+        kind_name = type(base).__name__
+        advice = "an observation of a Markov chain needs a registered likelihood whose"
+        if linked is None:
+            raise ValueError(f"site {site!r}: {kind_name}: {advice} parameter is affine in x_t")
+        name, value, others = linked
+        zs = [leaves[n] for n in block.names]
+        with torch.enable_grad():
+            for oname, ov in others.items():
+                if torch.is_tensor(ov) and ov.requires_grad:
+                    if any(markov.depends(ov, z) for z in zs):
+                        raise ValueError(f"site {site!r}: {advice} {oname} is free of the states")
+            try:
+                rows = markov.observation_rows(chain, value, leaves)
+            except ValueError as e:
+                raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step")
+        eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
+        if not markov.confirm_affine(chain, rows, value.detach(), eta_moved, dx):
+            raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")
+        R = rows[0].numel()
+        link = "log(rate)" if name == "rate" else name
+        why = f"{kind_name} {link} = h' x_t + c (probed); {R} sites"
+        return Factor(site, label, LINEAR, why, name, rows[1], False, time_index=rows[0])
+
+    def _chain_probe(self, block: BlockSpec):
+        """One model run at a random joint perturbation of the chain: ``(dx (T, d), trace)``."""
+        if block.index not in self._probe_cache:
+            at = {n: self.ref[n] for n in block.names}
+            (dz,) = probes.perturbations(at, num_probes=1)
+            with torch.no_grad():
+                tr = self.run(**{n: at[n] + dz[n] for n in block.names})
+            dx = block.chain.states(torch.cat([dz[n].reshape(-1) for n in block.names]))
+            self._probe_cache[block.index] = (dx, tr)
         return self._probe_cache[block.index]
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:
@@ -412,6 +476,9 @@ class Analysis:
                 done.add(info.block)
                 block = self.blocks[info.block]
                 what = "gaussian" if len(block.names) == 1 else f"joint gaussian, D={block.dim}"
+                if block.chain is not None:
+                    T, d = block.chain.length, block.chain.state_dim
+                    what = f"Markov gaussian chain, T={T}, d={d}"
                 lines.append(f"# {block.label}: q = {what} (site form)")
                 lines.extend(f.describe() for f in block.factors)
                 continue
