@@ -204,6 +204,17 @@ class MarkovBlock:
             self._solved_for = (self._solved_for[0], self._versions(sites))
         return counts
 
+    def forget(self) -> None:
+        """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
+        self._solved_for = None
+        if self.post is not None:
+            sites = self._sites()
+            self.rows = [
+                RowBlock(r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c, r.c)
+                for r, s in zip(self.rows, (sites[f.site].detach() for f in self.linear))
+            ]
+            self.post = self._solve(self.rows)
+
     # ------------------------------------------------------------------ q
     def marginals(self) -> Marginals:
         """The smoothed marginals of every step: means ``(T, d)``, covariances ``(T, d, d)``."""

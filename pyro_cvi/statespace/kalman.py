@@ -24,6 +24,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..linalg import NotPositiveDefinite
+
 __all__ = [
     "LinearGaussianChain",
     "Marginals",
@@ -34,10 +36,6 @@ __all__ = [
     "sample_posterior",
     "log_prob_chain",
 ]
-
-
-class NotPositiveDefinite(RuntimeError):
-    """The sites make ``q`` improper (a kernel's normaliser diverges)."""
 
 
 @dataclass
@@ -203,14 +201,14 @@ def smooth(
         ch = chain if keep_graph else chain.detach()
         log_z = log_normalizer(ch, e, Jl)
         if not bool(torch.isfinite(log_z)):
-            raise NotPositiveDefinite("the sites make q improper (log Z is not finite)")
+            raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
         g_e, g_J = torch.autograd.grad(log_z, (e, Jl), retain_graph=keep_graph)
     mean = g_e.detach()
     second = -(g_J + g_J.transpose(-1, -2)).detach()  # E[x x'] (symmetrised)
     cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
     diag = cov.diagonal(dim1=-2, dim2=-1)
     if not bool(torch.isfinite(cov).all()) or bool((diag <= 0).any()):
-        raise NotPositiveDefinite("the sites make q improper (a marginal variance <= 0)")
+        raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
     return Marginals(mean, cov, log_z if keep_graph else log_z.detach())
 
 
