@@ -204,6 +204,10 @@ class MarkovBlock:
             self._solved_for = (self._solved_for[0], self._versions(sites))
         return counts
 
+    def information(self):
+        """The sites gathered per step: ``eta (T, d)``, ``J (T, d, d)`` (``q = p x sites``)."""
+        return self._site_rows(self.rows).information()
+
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
         self._solved_for = None

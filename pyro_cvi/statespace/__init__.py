@@ -14,6 +14,7 @@
 from .distribution import LinearGaussianSSM, MarkovGP, markov_gp
 from .kalman import LinearGaussianChain, Marginals, log_normalizer, smooth
 from .kernels_sde import Matern12, Matern32, Matern52, SDEKernel, SumKernel
+from .predict import predict, predict_f
 
 __all__ = [
     "LinearGaussianSSM",
@@ -28,4 +29,6 @@ __all__ = [
     "Matern52",
     "SDEKernel",
     "SumKernel",
+    "predict",
+    "predict_f",
 ]

@@ -74,14 +74,14 @@ class MarkovGP(LinearGaussianSSM):
             )
         self.times, self.kernel = times, kernel
         A, Q = kernel.transitions(dt)
-        P = kernel.stationary_cov()
-        m0 = torch.zeros(P.shape[-1], dtype=P.dtype, device=P.device)
-        b = torch.zeros(A.shape[:-1], dtype=P.dtype, device=P.device)
+        P = kernel.stationary_cov(times)
+        m0 = times.new_zeros(P.shape[-1])
+        b = times.new_zeros(A.shape[:-1])
         super().__init__(m0, P, A, b, Q)
 
     @property
     def emission(self) -> torch.Tensor:
-        return self.kernel.emission().to(self.m0)
+        return self.kernel.emission(self.m0)
 
 
 def markov_gp(name: str, times: torch.Tensor, kernel: SDEKernel) -> torch.Tensor:

@@ -8,7 +8,8 @@ covariance ``P_inf``. Between inputs ``dt`` apart the exact discretisation is
 
 so irregularly spaced inputs cost nothing extra, and ``k(tau) = H expm(F tau) P_inf H'``.
 Sums of kernels stack their states (block-diagonal ``F``, ``P_inf``; ``H`` concatenated).
-Lengthscale and variance are tensors (e.g. ``pyro.param``): gradients flow through ``expm``.
+Lengthscale and variance are numbers or tensors (e.g. ``pyro.param``; gradients flow through
+``expm``); everything is computed in the dtype and on the device of the inputs (``like``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ class SDEKernel:
 
     state_dim: int
 
-    def feedback(self) -> torch.Tensor:
+    def feedback(self, like: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def stationary_cov(self) -> torch.Tensor:
+    def stationary_cov(self, like: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def emission(self) -> torch.Tensor:
+    def emission(self, like: torch.Tensor) -> torch.Tensor:
         """``H`` of shape ``(state_dim,)``: ``f = H x``."""
         raise NotImplementedError
 
@@ -44,7 +45,7 @@ class SDEKernel:
 
     def transitions(self, dt: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``A = expm(F dt)`` and ``Q = P_inf - A P_inf A'`` for every gap ``dt (T-1,)``."""
-        F, P = self.feedback(), self.stationary_cov()
+        F, P = self.feedback(dt), self.stationary_cov(dt)
         # a regular grid has few distinct gaps: exponentiate each once
         gaps, inverse = torch.unique(dt.detach(), return_inverse=True)
         if gaps.numel() < dt.numel():
@@ -62,26 +63,27 @@ class _Matern(SDEKernel):
     order = 0  # p, with nu = p + 1/2
 
     def __init__(self, lengthscale: Number = 1.0, variance: Number = 1.0):
-        self.lengthscale = torch.as_tensor(lengthscale, dtype=torch.get_default_dtype())
-        self.variance = torch.as_tensor(variance, dtype=self.lengthscale.dtype)
+        self.lengthscale, self.variance = lengthscale, variance
         self.state_dim = self.order + 1
 
-    @property
-    def lam(self) -> torch.Tensor:
-        return math.sqrt(2 * self.order + 1) / self.lengthscale
+    def params(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(lengthscale, variance, lam = sqrt(2 nu) / lengthscale)`` as tensors like ``like``."""
+        ls = torch.as_tensor(self.lengthscale).to(like)
+        s2 = torch.as_tensor(self.variance).to(like)
+        return ls, s2, math.sqrt(2 * self.order + 1) / ls
 
-    def emission(self) -> torch.Tensor:
-        H = torch.zeros(self.state_dim, dtype=self.lengthscale.dtype)
+    def emission(self, like: torch.Tensor) -> torch.Tensor:
+        H = like.new_zeros(self.state_dim)
         H[0] = 1.0
-        return H.to(self.lengthscale.device)
+        return H
 
-    def feedback(self) -> torch.Tensor:
+    def feedback(self, like: torch.Tensor) -> torch.Tensor:
         """Companion matrix of ``(s + lam)^(p+1)``."""
-        p, lam = self.order, self.lam
+        p, lam = self.order, self.params(like)[2]
         coef = [math.comb(p + 1, k) * lam ** (p + 1 - k) for k in range(p + 1)]
         d = self.state_dim
         top = torch.eye(d, dtype=lam.dtype, device=lam.device)[1:]  # shifts: x_k' = x_{k+1}
-        last = -torch.stack([torch.as_tensor(c, dtype=lam.dtype) for c in coef])
+        last = -torch.stack(coef)
         return torch.cat([top, last.reshape(1, d)], 0)
 
 
@@ -90,12 +92,13 @@ class Matern12(_Matern):
 
     order = 0
 
-    def stationary_cov(self) -> torch.Tensor:
-        return self.variance.reshape(1, 1)
+    def stationary_cov(self, like: torch.Tensor) -> torch.Tensor:
+        return self.params(like)[1].reshape(1, 1)
 
     def covariance(self, t1, t2):
+        ls, s2, _ = self.params(t1)
         r = (t1[:, None] - t2[None, :]).abs()
-        return self.variance * torch.exp(-r / self.lengthscale)
+        return s2 * torch.exp(-r / ls)
 
 
 class Matern32(_Matern):
@@ -103,13 +106,14 @@ class Matern32(_Matern):
 
     order = 1
 
-    def stationary_cov(self) -> torch.Tensor:
-        s2, lam = self.variance, self.lam
+    def stationary_cov(self, like: torch.Tensor) -> torch.Tensor:
+        _, s2, lam = self.params(like)
         return torch.diag(torch.stack([s2, lam**2 * s2]))
 
     def covariance(self, t1, t2):
-        a = self.lam * (t1[:, None] - t2[None, :]).abs()
-        return self.variance * (1 + a) * torch.exp(-a)
+        _, s2, lam = self.params(t1)
+        a = lam * (t1[:, None] - t2[None, :]).abs()
+        return s2 * (1 + a) * torch.exp(-a)
 
 
 class Matern52(_Matern):
@@ -117,8 +121,8 @@ class Matern52(_Matern):
 
     order = 2
 
-    def stationary_cov(self) -> torch.Tensor:
-        s2, lam = self.variance, self.lam
+    def stationary_cov(self, like: torch.Tensor) -> torch.Tensor:
+        _, s2, lam = self.params(like)
         kappa = lam**2 * s2 / 3
         z = torch.zeros_like(s2)
         rows = [torch.stack([s2, z, -kappa]), torch.stack([z, kappa, z])]
@@ -126,8 +130,9 @@ class Matern52(_Matern):
         return torch.stack(rows)
 
     def covariance(self, t1, t2):
-        a = self.lam * (t1[:, None] - t2[None, :]).abs()
-        return self.variance * (1 + a + a**2 / 3) * torch.exp(-a)
+        _, s2, lam = self.params(t1)
+        a = lam * (t1[:, None] - t2[None, :]).abs()
+        return s2 * (1 + a + a**2 / 3) * torch.exp(-a)
 
 
 class SumKernel(SDEKernel):
@@ -140,14 +145,14 @@ class SumKernel(SDEKernel):
         self.parts = flat
         self.state_dim = sum(p.state_dim for p in flat)
 
-    def feedback(self):
-        return torch.block_diag(*[p.feedback() for p in self.parts])
+    def feedback(self, like):
+        return torch.block_diag(*[p.feedback(like) for p in self.parts])
 
-    def stationary_cov(self):
-        return torch.block_diag(*[p.stationary_cov() for p in self.parts])
+    def stationary_cov(self, like):
+        return torch.block_diag(*[p.stationary_cov(like) for p in self.parts])
 
-    def emission(self):
-        return torch.cat([p.emission() for p in self.parts])
+    def emission(self, like):
+        return torch.cat([p.emission(like) for p in self.parts])
 
     def covariance(self, t1, t2):
         return sum(p.covariance(t1, t2) for p in self.parts)
