@@ -186,11 +186,11 @@ class CoalData:
 
 def load_coal(
     T: int = 200,
-    data_dir_: Optional[Union[str, os.PathLike]] = None,
+    path: Optional[Union[str, os.PathLike]] = None,
     dtype: torch.dtype = torch.float64,
 ) -> CoalData:
     """Bin the 191 event dates on ``[min, max]`` into ``T`` bins (Poisson counts)."""
-    events = np.loadtxt(data_dir(data_dir_) / "coal_mining_disasters.txt")
+    events = np.loadtxt(data_dir(path) / "coal_mining_disasters.txt")
     edges = np.linspace(events.min(), events.max(), T + 1)
     counts = np.histogram(events, edges)[0]
     test = np.zeros(T, dtype=bool)

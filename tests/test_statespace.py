@@ -20,6 +20,7 @@ from pyro_cvi.statespace import (
     predict,
     smooth,
 )
+from pyro_cvi.statespace import kalman
 from pyro_cvi.statespace.kalman import log_prob_chain
 
 D64 = torch.float64
@@ -47,8 +48,11 @@ def _random_chain(T, d, seed=0):
     return LinearGaussianChain(r(d), spd(), 0.5 * r(T - 1, d, d), r(T - 1, d), spd(T - 1)), r, spd
 
 
+@pytest.mark.parametrize("pack_below", [0, 2048], ids=["arrays", "stacked"])
 @pytest.mark.parametrize("d", [1, 2, 3])
-def test_smoother_equals_dense_gaussian(d):
+def test_smoother_equals_dense_gaussian(d, pack_below, monkeypatch):
+    """Both storage forms of the reduction (structure of arrays, stacked tensors)."""
+    monkeypatch.setattr(kalman, "PACK_BELOW", pack_below)
     T = 9
     chain, r, spd = _random_chain(T, d)
     eta, J = r(T, d), spd(T)

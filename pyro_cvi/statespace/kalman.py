@@ -80,10 +80,13 @@ class LinearGaussianChain:
 
 
 # An element is the kernel K(x, y) = exp(g + e'x - x'Jx/2) N(y; A x + b, C), stacked on a
-# leading dim n and stored as a "structure of arrays": a d x d matrix is a list of d rows of d
-# tensors (n,), a vector a list of d tensors. For d <= 4 elementwise ops on contiguous arrays
-# are several times faster on a CPU than batched GEMMs of tiny matrices (and fuse into addcmul).
+# leading dim n. Long stacks are stored as a "structure of arrays": a d x d matrix is a list of
+# d rows of d tensors (n,), a vector a list of d tensors; for d <= 4 elementwise ops on
+# contiguous arrays are several times faster on a CPU than batched GEMMs of tiny matrices.
+# Short stacks (n <= PACK_BELOW, the tree's top levels) are plain tensors (n, d, d) / (n, d):
+# fewer, larger ops, where per-op overhead dominates. The helpers below take either form.
 Element = Tuple  # (A, b, C, e, J, g)
+PACK_BELOW = 2048
 
 
 def _mat(M: torch.Tensor):
@@ -96,7 +99,20 @@ def _vec(v: torch.Tensor):
     return [vt[i] for i in range(v.shape[-1])]
 
 
+def _pack(X):
+    """Structure of arrays -> stacked tensors."""
+    if isinstance(X, tuple):
+        return tuple(_pack(x) for x in X)
+    if isinstance(X, list) and isinstance(X[0], list):
+        return torch.stack([torch.stack(row, -1) for row in X], -2)
+    if isinstance(X, list):
+        return torch.stack(X, -1)
+    return X
+
+
 def _dot(xs, ys):
+    if torch.is_tensor(xs):
+        return (xs * ys).sum(-1)
     out = xs[0] * ys[0]
     for x, y in zip(xs[1:], ys[1:]):
         out = torch.addcmul(out, x, y)
@@ -104,14 +120,20 @@ def _dot(xs, ys):
 
 
 def _mv(M, v):
+    if torch.is_tensor(M):
+        return (M @ v.unsqueeze(-1)).squeeze(-1)
     return [_dot(row, v) for row in M]
 
 
 def _t(M):
+    if torch.is_tensor(M):
+        return M.transpose(-1, -2)
     return [list(col) for col in zip(*M)]
 
 
 def _mm(X, Y):
+    if torch.is_tensor(X):
+        return X @ Y
     Yt = _t(Y)
     return [[_dot(row, col) for col in Yt] for row in X]
 
@@ -142,6 +164,8 @@ def _leaves(X):
 
 def _inv_det(M):
     """``(M^-1, det M)`` of a batch of small matrices: closed forms for d = 1, 2."""
+    if torch.is_tensor(M):
+        return torch.linalg.inv(M), torch.linalg.det(M)
     d = len(M)
     if d == 1:
         return [[M[0][0].reciprocal()]], M[0][0]
@@ -159,8 +183,11 @@ def combine(i: Element, j: Element) -> Element:
     Ai, bi, Ci, ei, Ji, gi = i
     Aj, bj, Cj, ej, Jj, gj = j
     CJ = _mm(Ci, Jj)
-    for k in range(len(CJ)):
-        CJ[k][k] = CJ[k][k] + 1.0
+    if torch.is_tensor(CJ):
+        CJ = CJ + torch.eye(CJ.shape[-1], dtype=CJ.dtype, device=CJ.device)
+    else:
+        for k in range(len(CJ)):
+            CJ[k][k] = CJ[k][k] + 1.0
     Minv, det = _inv_det(CJ)  # (I + C_i J_j)^-1
     Minv_Ci = _mm(Minv, Ci)  # = (C_i^-1 + J_j)^-1, symmetric
     Jb = _mv(Jj, bi)
@@ -182,6 +209,11 @@ def combine(i: Element, j: Element) -> Element:
 
 def _identity_like(el: Element, n: int) -> Element:
     like = el[5]
+    if torch.is_tensor(el[1]):
+        d = el[1].shape[-1]
+        eye = torch.eye(d, dtype=like.dtype, device=like.device).expand(n, d, d)
+        z, zz = like.new_zeros(n, d), like.new_zeros(n, d, d)
+        return eye, z, zz, z, zz, like.new_zeros(n)
     d = len(el[1])
     one, zero = like.new_ones(n), like.new_zeros(n)
     eye = [[one if i == j else zero for j in range(d)] for i in range(d)]
@@ -194,6 +226,8 @@ def reduce(elements: Element) -> Element:
     el = elements
     while el[5].shape[0] > 1:
         n = el[5].shape[0]
+        if n <= PACK_BELOW and not torch.is_tensor(el[1]):
+            el = _pack(el)
         if n % 2:
             pad = _leaves(_identity_like(el, 1))
             flat = [torch.cat([t, p], 0) for t, p in zip(_leaves(el), pad)]
