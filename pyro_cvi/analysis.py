@@ -115,6 +115,8 @@ class BlockSpec:
 
     @property
     def label(self) -> str:
+        if self.chain is not None and len(self.names) > 3:
+            return f"{self.names[0]}..{self.names[-1]}"
         return ", ".join(self.names)
 
     def split(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -382,7 +384,7 @@ class Analysis:
         """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
         whose linked parameter is affine in one step's state (linear-predictor sites)."""
         chain, tr, leaves = block.chain, *self.leaf_trace()
-        label = f"{block.names[0]}..{block.names[-1]}" if len(block.names) > 1 else block.label
+        label = block.label
         dx, moved = self._chain_probe(block)
         if site in block.names:
             if site != block.names[0]:

@@ -304,26 +304,27 @@ def main() -> None:
             ("wall s", "training wall time (evaluation excluded)"),
             ("held-out ll", "final held-out Poisson log-likelihood (sum over 20 bins; higher is "
              "better)"),
-            ("s to svgp best", "first time the method's held-out log-lik reached SVGP's best"),
+            ("s to svgp", "training time until the held-out log-lik first reached SVGP's final "
+             "value (checked every 5 iterations)"),
             ("lengthscale", "learned lengthscale (years)"),
             ("variance", "learned kernel variance"),
         ],
     )
-    svgp_best = max(ll for _, ll, _ in sh)
+    svgp_final = sh[-1][1]
     for name, h, hyp, n in (("markov-cvi", mh, mhyp, iters), ("svgp-ngd", sh, shyp, None)):
         coal.add(name, n or (2 * iters if args.quick else 400), fmt(h[-1][0], ".2f"),
-                 fmt(h[-1][1], ".3f"), fmt_reach(first_time_at(h, svgp_best), ".2f"),
+                 fmt(h[-1][1], ".3f"), fmt_reach(first_time_at(h, svgp_final), ".2f"),
                  fmt(hyp["lengthscale"], ".2f"), fmt(hyp["variance"], ".3f"))
     coal.plot("seconds", "held-out log-lik", {"markov-cvi": [(t, ll) for t, ll, _ in mh],
                                               "svgp-ngd": [(t, ll) for t, ll, _ in sh]})
     coal.print()
 
-    t_cvi = first_time_at(mh, svgp_best)
+    t_cvi = first_time_at(mh, svgp_final)
     big = mk[-1]
     line = (
         f"Verdict: Markov CVI took {big['step_s']:.2f} s per step at T = {big['T']:.0e} "
-        f"(slope {fmt(slope, '.2f')} in log-log); on the coal data it reached SVGP+NGD's best "
-        f"held-out log-lik ({svgp_best:.3f}) in "
+        f"(slope {fmt(slope, '.2f')} in log-log); on the coal data it reached SVGP+NGD's final "
+        f"held-out log-lik ({svgp_final:.3f}) in "
         + (f"{t_cvi:.2f} s" if t_cvi is not None else "never")
         + f" against SVGP's {sh[-1][0]:.2f} s of training, ending at {mh[-1][1]:.3f}."
     )
