@@ -123,10 +123,12 @@ def _fit(model, t, y, steps, optim):
     pyro.clear_param_store()
     guide = AutoCVI(model)
     svi = SVI(model, guide, optim, loss=CVI_ELBO())
-    losses = [svi.step(t, y) for _ in range(steps)]
+    args = (t,) if y is None else (t, y)
+    losses = [svi.step(*args) for _ in range(steps)]
     return guide, losses
 
 
+@pytest.mark.slow
 def test_coal_markov_cvi_equals_dense_cvi(shared_data):
     """The Done-means check: T = 200, Matern-3/2 with fixed hyperparameters."""
     data = load_coal(200, shared_data)
@@ -151,6 +153,7 @@ def test_coal_markov_cvi_equals_dense_cvi(shared_data):
     assert torch.allclose(var, ref_var, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_hyperparameters_follow_the_dense_path_in_the_hybrid_step(shared_data):
     """Lengthscale and variance learned in the same svi.step: the Markov and dense paths take
     the same Adam steps (log Z's graph gives the same hyperparameter gradients)."""
@@ -201,6 +204,7 @@ def _ar1(T, a=0.9, b=0.1, q=0.3):
     return loop, dense
 
 
+@pytest.mark.slow
 def test_pyro_markov_loop_is_fitted_by_plain_autocvi():
     T = 25
     g = torch.Generator().manual_seed(1)
@@ -219,3 +223,42 @@ def test_pyro_markov_loop_is_fitted_by_plain_autocvi():
     assert losses[-1] == pytest.approx(ld[-1], rel=1e-6)
     means = torch.stack([guide.posterior(f"x_{t}").mean for t in range(T)])
     assert torch.allclose(means, gd.posterior("x").mean, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_vector_state_loop_equals_dense_cvi():
+    """A ``pyro.markov`` loop of 2-d states (``.to_event(1)``), the Poisson log-rate a
+    combination of both components: Kalman-smoother CVI equals dense CVI on the same joint."""
+    T = 8
+    A = torch.tensor([[0.9, 0.1], [-0.2, 0.8]], dtype=D64)
+    h = torch.tensor([1.0, 0.5], dtype=D64)
+    y = torch.poisson(torch.full((T,), 2.0, dtype=D64), generator=torch.Generator().manual_seed(2))
+
+    def loop(y):
+        x = pyro.sample("x_0", dist.Normal(torch.zeros(2, dtype=D64), 1.0).to_event(1))
+        for t in pyro.markov(range(T)):
+            if t > 0:
+                x = pyro.sample(f"x_{t}", dist.Normal(A @ x + 0.1, 0.3).to_event(1))
+            pyro.sample(f"y_{t}", dist.Poisson(torch.exp(h @ x)), obs=y[t])
+
+    eye = torch.eye(2, dtype=D64)
+    chain = LinearGaussianChain(
+        torch.zeros(2, dtype=D64),
+        eye,
+        A.expand(T - 1, 2, 2),
+        torch.full((T - 1, 2), 0.1, dtype=D64),
+        (0.09 * eye).expand(T - 1, 2, 2),
+    )
+    mu, S = _dense(chain, T, 2)
+
+    def dense(y):
+        x = pyro.sample("x", dist.MultivariateNormal(mu, covariance_matrix=S)).reshape(T, 2)
+        with pyro.plate("t", T):
+            pyro.sample("y", dist.Poisson(torch.exp(x @ h)), obs=y)
+
+    gl, ll = _fit(loop, y, None, 15, CVI())
+    gd, ld = _fit(dense, y, None, 15, CVI())
+    assert "(T=8, d=2)" in gl.explain()
+    assert ll[-1] == pytest.approx(ld[-1], rel=1e-8)
+    q = gl.posterior("x_5")
+    assert torch.allclose(q.mean, gd.posterior("x").mean.reshape(T, 2)[5], atol=1e-6)
