@@ -410,7 +410,7 @@ class Analysis:
             try:
                 rows = markov.observation_rows(chain, value, leaves)
             except ValueError as e:
-                raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step")
+                raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step") from e
         eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
         if not markov.confirm_affine(chain, rows, value.detach(), eta_moved, dx):
             raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")

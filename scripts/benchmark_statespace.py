@@ -214,7 +214,10 @@ def coal_svgp(data, iters: int, lr: float, ngd_lr: float, every: int, M: int = 5
                 ll = heldout_loglik(p.mean, p.variance, data.y[test], binsize)
             history.append((elapsed, ll, float(loss.detach()) * len(y_tr)))
     k = model.covar_module
-    hyper = dict(lengthscale=float(k.base_kernel.lengthscale.detach()), variance=float(k.outputscale.detach()))
+    hyper = dict(
+        lengthscale=float(k.base_kernel.lengthscale.detach()),
+        variance=float(k.outputscale.detach()),
+    )
     return history, hyper
 
 
@@ -247,8 +250,11 @@ def main() -> None:
             ("T", "number of time points (one Poisson count each)"),
             ("setup s", "the first svi.step: analysis, probes, initial q"),
             ("s/step", "median wall time of one svi.step after the first"),
-            ("steps", f"steps until the -ELBO changed by < {REL_TOL:g} relative ('never' if "
-             "not within the step cap)"),
+            (
+                "steps",
+                f"steps until the -ELBO changed by < {REL_TOL:g} relative ('never' if "
+                "not within the step cap)",
+            ),
             ("-ELBO/T", "the last -ELBO per time point"),
             ("peak MB", "peak resident memory of the process that ran this row"),
         ],
@@ -258,33 +264,64 @@ def main() -> None:
     rows = []
     for T in progress(Ts, "Markov CVI scaling"):
         cap = 30 if T <= 10000 else (8 if T <= 100000 else 3)
-        rows.append(in_process(run_scaling, dict(T=T, path="markov", threads=args.threads,
-                                                  quad=quad, max_steps=cap)))
+        rows.append(
+            in_process(
+                run_scaling,
+                dict(T=T, path="markov", threads=args.threads, quad=quad, max_steps=cap),
+            )
+        )
     for T in progress(dense_Ts, "dense CVI"):
         need_gb = 6 * T * T * 8 / 2**30  # K, its Cholesky and the solves' copies
         if need_gb > args.dense_mem_gb:
             scale.note(f"dense T={T}", f"not run: needs ~{need_gb:.1f} GB > --dense-mem-gb")
             continue
-        rows.append(in_process(run_scaling, dict(T=T, path="dense", threads=args.threads,
-                                                  quad=quad, max_steps=30 if T <= 2000 else 3)))
+        rows.append(
+            in_process(
+                run_scaling,
+                dict(
+                    T=T,
+                    path="dense",
+                    threads=args.threads,
+                    quad=quad,
+                    max_steps=30 if T <= 2000 else 3,
+                ),
+            )
+        )
     for r in rows:
-        scale.add(r["path"], r["T"], fmt(r["setup_s"], ".2f"), fmt(r["step_s"], ".3f"),
-                  fmt_reach(r["converged"]), fmt(r["neg_elbo_per_point"], ".6f"),
-                  fmt(r["peak_mb"], ".0f"))
+        scale.add(
+            r["path"],
+            r["T"],
+            fmt(r["setup_s"], ".2f"),
+            fmt(r["step_s"], ".3f"),
+            fmt_reach(r["converged"]),
+            fmt(r["neg_elbo_per_point"], ".6f"),
+            fmt(r["peak_mb"], ".0f"),
+        )
     mk = [r for r in rows if r["path"] == "markov"]
     slope = None
     if len(mk) >= 2:
         slope = math.log(mk[-1]["step_s"] / mk[0]["step_s"]) / math.log(mk[-1]["T"] / mk[0]["T"])
-        scale.ratio("slope", slope, f"d log(s/step) / d log T from T={mk[0]['T']} to "
-                    f"T={mk[-1]['T']} (1 = linear)")
+        scale.ratio(
+            "slope",
+            slope,
+            f"d log(s/step) / d log T from T={mk[0]['T']} to T={mk[-1]['T']} (1 = linear)",
+        )
     for T in dense_Ts:
         d = [r for r in rows if r["path"] == "dense" and r["T"] == T]
         m = [r for r in mk if r["T"] == T]
         if d and m:
-            scale.ratio(f"dense/markov T={T}", d[0]["step_s"] / m[0]["step_s"],
-                        "dense time per step / Markov time per step")
-    scale.plot("T", "seconds per step", {p: [(r["T"], r["step_s"]) for r in rows if r["path"] == p]
-                                         for p in ("markov", "dense")}, logx=True, logy=True)
+            scale.ratio(
+                f"dense/markov T={T}",
+                d[0]["step_s"] / m[0]["step_s"],
+                "dense time per step / Markov time per step",
+            )
+    scale.plot(
+        "T",
+        "seconds per step",
+        {p: [(r["T"], r["step_s"]) for r in rows if r["path"] == p] for p in ("markov", "dense")},
+        logx=True,
+        logy=True,
+    )
     scale.print()
 
     # ---------------------------------------------------------------- coal
@@ -298,25 +335,42 @@ def main() -> None:
     coal = Table(
         "Coal-mining disasters: T = 200 bins, 20 held out, Matern-3/2 with learned hyperparameters",
         [
-            ("method", "markov-cvi: AutoCVI on markov_gp (Kalman smoother) + Adam lr 0.05; "
-             "svgp-ngd: GPyTorch SVGP, M = 50 fixed inducing points, NGD lr 0.1 + Adam lr 0.05"),
+            (
+                "method",
+                "markov-cvi: AutoCVI on markov_gp (Kalman smoother) + Adam lr 0.05; "
+                "svgp-ngd: GPyTorch SVGP, M = 50 fixed inducing points, NGD lr 0.1 + Adam lr 0.05",
+            ),
             ("iters", "training iterations (one svi.step / one NGD + Adam step each)"),
             ("wall s", "training wall time (evaluation excluded)"),
-            ("held-out ll", "final held-out Poisson log-likelihood (sum over 20 bins; higher is "
-             "better)"),
-            ("s to svgp", "training time until the held-out log-lik first reached SVGP's final "
-             "value (checked every 5 iterations)"),
+            (
+                "held-out ll",
+                "final held-out Poisson log-likelihood (sum over 20 bins; higher is better)",
+            ),
+            (
+                "s to svgp",
+                "training time until the held-out log-lik first reached SVGP's final "
+                "value (checked every 5 iterations)",
+            ),
             ("lengthscale", "learned lengthscale (years)"),
             ("variance", "learned kernel variance"),
         ],
     )
     svgp_final = sh[-1][1]
     for name, h, hyp, n in (("markov-cvi", mh, mhyp, iters), ("svgp-ngd", sh, shyp, None)):
-        coal.add(name, n or (2 * iters if args.quick else 400), fmt(h[-1][0], ".2f"),
-                 fmt(h[-1][1], ".3f"), fmt_reach(first_time_at(h, svgp_final), ".2f"),
-                 fmt(hyp["lengthscale"], ".2f"), fmt(hyp["variance"], ".3f"))
-    coal.plot("seconds", "held-out log-lik", {"markov-cvi": [(t, ll) for t, ll, _ in mh],
-                                              "svgp-ngd": [(t, ll) for t, ll, _ in sh]})
+        coal.add(
+            name,
+            n or (2 * iters if args.quick else 400),
+            fmt(h[-1][0], ".2f"),
+            fmt(h[-1][1], ".3f"),
+            fmt_reach(first_time_at(h, svgp_final), ".2f"),
+            fmt(hyp["lengthscale"], ".2f"),
+            fmt(hyp["variance"], ".3f"),
+        )
+    coal.plot(
+        "seconds",
+        "held-out log-lik",
+        {"markov-cvi": [(t, ll) for t, ll, _ in mh], "svgp-ngd": [(t, ll) for t, ll, _ in sh]},
+    )
     coal.print()
 
     t_cvi = first_time_at(mh, svgp_final)
@@ -329,12 +383,21 @@ def main() -> None:
         + f" against SVGP's {sh[-1][0]:.2f} s of training, ending at {mh[-1][1]:.3f}."
     )
     print(line)
-    payload = dict(scaling=rows, slope=slope, coal=dict(markov=mh, svgp=sh, markov_hyper=mhyp,
-                                                       svgp_hyper=shyp), threads=args.threads)
-    write_results(args.out, payload, title="State-space CVI: scaling and coal mining",
-                  verdict=line, tables=[scale, coal],
-                  command="python scripts/benchmark_statespace.py" + (" --quick" * args.quick),
-                  quick=args.quick)
+    payload = dict(
+        scaling=rows,
+        slope=slope,
+        coal=dict(markov=mh, svgp=sh, markov_hyper=mhyp, svgp_hyper=shyp),
+        threads=args.threads,
+    )
+    write_results(
+        args.out,
+        payload,
+        title="State-space CVI: scaling and coal mining",
+        verdict=line,
+        tables=[scale, coal],
+        command="python scripts/benchmark_statespace.py" + (" --quick" * args.quick),
+        quick=args.quick,
+    )
 
 
 if __name__ == "__main__":

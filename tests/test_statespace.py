@@ -15,12 +15,12 @@ from pyro_cvi.statespace import (
     Matern12,
     Matern32,
     Matern52,
+    kalman,
     log_normalizer,
     markov_gp,
     predict,
     smooth,
 )
-from pyro_cvi.statespace import kalman
 from pyro_cvi.statespace.kalman import log_prob_chain
 
 D64 = torch.float64
@@ -103,7 +103,7 @@ def test_markov_gp_has_the_kernel_covariance_at_irregular_inputs(kernel):
 
 
 def _coal_models(data, kernel):
-    t, y, binsize = data.t, data.y, data.binsize
+    binsize = data.binsize
 
     def markov(t, y):
         f = markov_gp("x", t, kernel())
@@ -168,7 +168,7 @@ def test_hyperparameters_follow_the_dense_path_in_the_hybrid_step(shared_data):
     out = []
     for model in (markov, dense):
         _, losses = _fit(model, data.t, data.y, 15, CVI(step_size=1.0, optim_args={"lr": 0.05}))
-        out.append((losses, float(pyro.param("ls")), float(pyro.param("var"))))
+        out.append((losses, pyro.param("ls").item(), pyro.param("var").item()))
     (lm, ls_m, v_m), (ld, ls_d, v_d) = out
     assert ls_m != pytest.approx(8.0, abs=0.2)  # it moved
     assert ls_m == pytest.approx(ls_d, rel=1e-6)

@@ -11,8 +11,8 @@ A block holds its parameters in Pyro's param store and answers to the engine
 
 :class:`GaussianBlock` is the site form (a joint Gaussian over a group of sites, Algorithm 1);
 :class:`MarkovBlock` is the site form on a linear-Gaussian chain prior (Kalman smoother,
-App. E.2); :class:`NaturalBlock` is a mean-field exponential-family factor (Algorithm 2). A new kind of
-site (K-dimensional softmax sites, Markov/Kalman chains) is a new block.
+App. E.2); :class:`NaturalBlock` is a mean-field exponential-family factor (Algorithm 2). A new
+kind of site (e.g. K-dimensional softmax sites) is a new block.
 """
 
 from .gaussian import GaussianBlock

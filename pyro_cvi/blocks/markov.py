@@ -128,10 +128,7 @@ class MarkovBlock:
         tr = ctx.trace
         self.prior = self._chain_prior(tr, ctx)
         sites = self._sites()
-        self.rows = [
-            self._rows(tr.nodes[f.site], f, sites[f.site].detach())
-            for f in self.linear
-        ]
+        self.rows = [self._rows(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
         graph = self.prior.requires_grad()
         key = (tr, self._versions(sites))
         if graph or self.post is None or key != self._solved_for:

@@ -137,9 +137,7 @@ def loop_transitions(names, trace, leaves, create_graph: bool = False) -> torch.
         gs = torch.autograd.grad(
             locs[:, k].sum(), prev, retain_graph=True, create_graph=create_graph, allow_unused=True
         )
-        rows.append(
-            torch.stack([g.reshape(d) if g is not None else locs.new_zeros(d) for g in gs])
-        )
+        rows.append(torch.stack([g.reshape(d) if g is not None else locs.new_zeros(d) for g in gs]))
     return torch.stack(rows, 1)  # (T-1, d, d): row k of A_t
 
 

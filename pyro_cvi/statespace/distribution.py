@@ -46,7 +46,7 @@ class LinearGaussianSSM(TorchDistribution):
             return torch.stack([self.log_prob(v) for v in value.reshape((-1,) + value.shape[-2:])])
         return log_prob_chain(self.chain, value)
 
-    def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
+    def sample(self, sample_shape=()) -> torch.Tensor:
         n = int(torch.Size(sample_shape).numel())
         with torch.no_grad():
             draws = [sample_prior(self.chain) for _ in range(n)]

@@ -162,6 +162,13 @@ def _leaves(X):
     return [X]
 
 
+def _unflatten(template, flat):
+    """``template``'s structure filled with the tensors of the iterator ``flat``."""
+    if isinstance(template, (list, tuple)):
+        return type(template)(_unflatten(x, flat) for x in template)
+    return next(flat)
+
+
 def _inv_det(M):
     """``(M^-1, det M)`` of a batch of small matrices: closed forms for d = 1, 2."""
     if torch.is_tensor(M):
@@ -231,8 +238,7 @@ def reduce(elements: Element) -> Element:
         if n % 2:
             pad = _leaves(_identity_like(el, 1))
             flat = [torch.cat([t, p], 0) for t, p in zip(_leaves(el), pad)]
-            it = iter(flat)
-            el = _map(lambda _: next(it), el)
+            el = _unflatten(el, iter(flat))
         left = _map(lambda t: t[0::2], el)
         right = _map(lambda t: t[1::2], el)
         el = combine(left, right)

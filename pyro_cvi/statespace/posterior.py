@@ -75,7 +75,9 @@ class MarkovPosterior(TorchDistribution):
         return self.post.cov.diagonal(dim1=-2, dim2=-1).reshape(self.event_shape)
 
     def _states(self, value):
-        return value.reshape(value.shape[: value.dim() - len(self.event_shape)] + (-1, self.prior.dim))
+        return value.reshape(
+            value.shape[: value.dim() - len(self.event_shape)] + (-1, self.prior.dim)
+        )
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         x = self._states(value)
@@ -86,7 +88,7 @@ class MarkovPosterior(TorchDistribution):
         quad = (self.eta * x).sum() - 0.5 * torch.einsum("ti,tij,tj->", x, self.J, x)
         return log_prob_chain(self.prior, x) + quad - self.post.log_z.detach()
 
-    def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
+    def sample(self, sample_shape=()) -> torch.Tensor:
         if bool((self.rows.w < 0).any()):
             raise NotImplementedError(
                 "sampling a Markov q with a negative site precision (a non-log-concave "
