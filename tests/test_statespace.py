@@ -262,3 +262,32 @@ def test_vector_state_loop_equals_dense_cvi():
     assert ll[-1] == pytest.approx(ld[-1], rel=1e-8)
     q = gl.posterior("x_5")
     assert torch.allclose(q.mean, gd.posterior("x").mean.reshape(T, 2)[5], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_markov_posterior_log_prob_and_samples_match_the_dense_q():
+    """``q`` as a distribution: exact log-density against the dense Gaussian, and draws (by
+    perturbation) with the right mean and covariance."""
+    from pyro_cvi.statespace.kalman import smooth as _smooth
+    from pyro_cvi.statespace.posterior import MarkovPosterior, SiteRows
+
+    T, d = 5, 2
+    chain, r, _ = _random_chain(T, d, seed=3)
+    g = torch.Generator().manual_seed(4)
+    H = torch.randn(T, d, generator=g, dtype=D64)
+    rows = SiteRows(torch.arange(T), H, torch.rand(T, generator=g, dtype=D64) + 0.5, r(T), T)
+    eta, J = rows.information()
+    q = MarkovPosterior(chain, rows, _smooth(chain, eta, J), torch.Size([T, d]))
+    mu, S = _dense(chain, T, d)
+    P = torch.linalg.inv(S) + torch.block_diag(*J)
+    cov = torch.linalg.inv(P)
+    mean = cov @ (torch.linalg.solve(S, mu) + eta.reshape(-1))
+    ref = dist.MultivariateNormal(mean, covariance_matrix=cov)
+    x = ref.sample((3,))
+    assert torch.allclose(q.log_prob(x.reshape(3, T, d)), ref.log_prob(x), atol=1e-9)
+    torch.manual_seed(0)
+    n = 200
+    xs = q.sample((n,)).reshape(n, -1)
+    se = cov.diagonal().sqrt() / n**0.5
+    assert ((xs.mean(0) - mean).abs() < 5 * se).all()
+    assert torch.allclose(torch.cov(xs.T), cov, atol=0.4 * float(cov.diagonal().max()))
