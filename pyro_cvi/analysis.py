@@ -76,8 +76,8 @@ class Factor:
     param: Optional[str] = None
     jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
     dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
-    time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
     given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
+    time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
 
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
