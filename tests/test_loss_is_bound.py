@@ -236,8 +236,9 @@ def _mean_se(values):
     return float(v.mean()), float(v.std() / math.sqrt(len(v))), float(v.std())
 
 
-def assert_loss_is_bound(model, guide, svi, args, M=200, P=10, cvi_repeats=30):
-    """CVI's -ELBO of the current ``q`` against Trace_ELBO's Monte Carlo estimate of it.
+def assert_loss_is_bound(model, guide, svi, args, M=200, P=10, cvi_repeats=30, referee=None):
+    """CVI's -ELBO of the current ``q`` against Trace_ELBO's Monte Carlo estimate of it
+    (or ``referee``'s, e.g. TraceEnum_ELBO for a guide with collapsed discrete latents).
 
     ``evaluate_loss`` is called twice: when both agree bitwise CVI's value is exact
     (closed forms and quadrature), and the next ``svi.step`` must return it exactly; otherwise
@@ -252,11 +253,11 @@ def assert_loss_is_bound(model, guide, svi, args, M=200, P=10, cvi_repeats=30):
         cvi, cvi_se, cvi_sd = _mean_se(
             [first] + [svi.evaluate_loss(*args) for _ in range(cvi_repeats - 1)]
         )
-    elbo = Trace_ELBO(num_particles=P)
+    elbo = Trace_ELBO(num_particles=P) if referee is None else referee
     mc, mc_se, _ = _mean_se([elbo.loss(model, guide, *args) for _ in range(M)])
     se = math.sqrt(mc_se**2 + cvi_se**2)
     msg = (
-        f"CVI -ELBO {cvi:.6g} (se {cvi_se:.3g}, exact={exact}) vs Trace_ELBO "
+        f"CVI -ELBO {cvi:.6g} (se {cvi_se:.3g}, exact={exact}) vs {type(elbo).__name__} "
         f"{mc:.6g} (se {mc_se:.3g}, M={M}, P={P}): difference {cvi - mc:.4g} = "
         f"{(cvi - mc) / max(se, 1e-300):.1f} se"
     )
