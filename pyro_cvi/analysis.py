@@ -117,9 +117,8 @@ class BlockSpec:
 
     @property
     def label(self) -> str:
-        if self.chain is not None and len(self.names) > 3:
-            return f"{self.names[0]}..{self.names[-1]}"
-        return ", ".join(self.names)
+        long = self.chain is not None and len(self.names) > 3
+        return f"{self.names[0]}..{self.names[-1]}" if long else ", ".join(self.names)
 
     def split(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Site values from a joint vector ``z`` (trailing dim ``D``; leading dims kept)."""
@@ -260,12 +259,10 @@ class Analysis:
     # ------------------------------------------------------------------ blocks
     def _site_form_candidate(self, name: str) -> bool:
         info = self.latents[name]
-        fam = info.family
-        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance:
+        fam, chained = info.family, any(name in c.names for c in self.chains)
+        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance or chained:
             return False
         if len(info.batch_shape) or self.deps.get(name) or name in self._feeds_collapsed:
-            return False
-        if any(name in c.names for c in self.chains):
             return False
         base = unwrap(self.structure.nodes[name]["fn"])[0]
         return isinstance(
@@ -300,12 +297,11 @@ class Analysis:
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
                 self.latents[n].form, self.latents[n].block = SITE, i
-        for chain in self.chains:
-            i = len(blocks)
-            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in chain.names)
-            blocks.append(BlockSpec(i, chain.names, shapes, chain=chain))
-            for n in chain.names:
-                self.latents[n].form, self.latents[n].block = SITE, i
+        for c in self.chains:  # a Markov block per chain
+            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in c.names)
+            blocks.append(BlockSpec(len(blocks), c.names, shapes, chain=c))
+            for n in c.names:
+                self.latents[n].form, self.latents[n].block = SITE, len(blocks) - 1
         return blocks
 
     # ------------------------------------------------------------------ classification
@@ -414,53 +410,25 @@ class Analysis:
 
     def _chain_factor(self, site: str, block: BlockSpec, base) -> Factor:
         """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
-        whose linked parameter is affine in one step's state (linear-predictor sites)."""
-        chain, tr, leaves = block.chain, *self.leaf_trace()
-        label = block.label
-        dx, moved = self._chain_probe(block)
-        if site in block.names:
-            if site != block.names[0]:
-                return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
-            if not chain.ssm:
-                with torch.enable_grad():
-                    markov.prepare_loop(chain, tr, leaves, moved, label)
-            T, d = chain.length, chain.state_dim
-            why = f"Markov prior: Kalman smoother, O(T d^3) (T={T}, d={d})"
-            return Factor(site, label, PRIOR, why)
-        linked = linear_param(base)
-        kind_name = type(base).__name__
-        advice = "an observation of a Markov chain needs a registered likelihood whose"
-        if linked is None:
-            raise ValueError(f"site {site!r}: {kind_name}: {advice} parameter is affine in x_t")
-        name, value, others = linked
-        zs = [leaves[n] for n in block.names]
-        with torch.enable_grad():
-            for oname, ov in others.items():
-                if torch.is_tensor(ov) and ov.requires_grad:
-                    if any(markov.depends(ov, z) for z in zs):
-                        raise ValueError(f"site {site!r}: {advice} {oname} is free of the states")
-            try:
-                rows = markov.observation_rows(chain, value, leaves)
-            except ValueError as e:
-                raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step") from e
-        eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
-        if not markov.confirm_affine(chain, rows, value.detach(), eta_moved, dx):
-            raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")
-        R = rows[0].numel()
-        link = "log(rate)" if name == "rate" else name
-        why = f"{kind_name} {link} = h' x_t + c (probed); {R} sites"
-        return Factor(site, label, LINEAR, why, name, rows[1], False, time_index=rows[0])
-
-    def _chain_probe(self, block: BlockSpec):
-        """One model run at a random joint perturbation of the chain: ``(dx (T, d), trace)``."""
+        affine in one step's state (linear-predictor sites); one shared probe run."""
+        chain, (tr, leaves), label = block.chain, self.leaf_trace(), block.label
         if block.index not in self._probe_cache:
-            at = {n: self.ref[n] for n in block.names}
-            (dz,) = probes.perturbations(at, num_probes=1)
+            (dz,) = probes.perturbations({n: self.ref[n] for n in block.names}, num_probes=1)
             with torch.no_grad():
-                tr = self.run(**{n: at[n] + dz[n] for n in block.names})
-            dx = block.chain.states(torch.cat([dz[n].reshape(-1) for n in block.names]))
-            self._probe_cache[block.index] = (dx, tr)
-        return self._probe_cache[block.index]
+                moved = self.run(**{n: self.ref[n] + dz[n] for n in block.names})
+            dx = chain.states(torch.cat([dz[n].reshape(-1) for n in block.names]))
+            self._probe_cache[block.index] = (dx, moved)
+        dx, moved = self._probe_cache[block.index]
+        if site not in block.names:
+            name, rows, why = markov.observation_factor(site, chain, base, tr, leaves, moved, dx)
+            return Factor(site, label, LINEAR, why, name, rows[1], False, time_index=rows[0])
+        if site != block.names[0]:
+            return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
+        if not chain.ssm:
+            with torch.enable_grad():
+                markov.prepare_loop(chain, tr, leaves, moved, label)
+        why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
+        return Factor(site, label, PRIOR, why)
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:
         """A factor shared by a Gaussian block and natural-form latents: exact rows at the
@@ -518,8 +486,7 @@ class Analysis:
                 block = self.blocks[info.block]
                 what = "gaussian" if len(block.names) == 1 else f"joint gaussian, D={block.dim}"
                 if block.chain is not None:
-                    T, d = block.chain.length, block.chain.state_dim
-                    what = f"Markov gaussian chain, T={T}, d={d}"
+                    what = f"Markov gaussian chain, {block.chain.size_text}"
                 lines.append(f"# {block.label}: q = {what} (site form)")
                 lines.extend(f.describe() for f in block.factors)
                 continue

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import probes
-from ..tracing import unwrap
+from ..tracing import linear_param, unwrap
 from .distribution import LinearGaussianSSM
 from .kalman import LinearGaussianChain
 
@@ -35,6 +35,7 @@ __all__ = [
     "observation_rows",
     "confirm_affine",
     "depends",
+    "observation_factor",
 ]
 
 MIN_LOOP_LENGTH = 3
@@ -50,6 +51,10 @@ class ChainSpec:
     ssm: bool
     A: Optional[torch.Tensor] = None  # loop transitions (T-1, d, d), when static
     dynamic: bool = False  # loop transitions depend on learnable parameters
+
+    @property
+    def size_text(self) -> str:
+        return f"T={self.length}, d={self.state_dim}"
 
     def states(self, z: torch.Tensor) -> torch.Tensor:
         return z.reshape(self.length, self.state_dim)
@@ -219,3 +224,29 @@ def confirm_affine(spec, rows, eta_at, eta_moved, dx) -> bool:
     t, H = rows
     pred = eta_at.reshape(-1) + (H * dx[t]).sum(-1)
     return probes.close(eta_moved.reshape(-1), pred, probes.rtol(eta_at.dtype))
+
+
+def observation_factor(site: str, spec: ChainSpec, base, trace, leaves, moved, dx):
+    """An observation of a chain: its linked parameter must be affine in one step's state per
+    element, its other parameters free of the states. Returns ``(param name, (t, H), why)``."""
+    linked = linear_param(base)
+    kind_name = type(base).__name__
+    advice = "an observation of a Markov chain needs a registered likelihood whose"
+    if linked is None:
+        raise ValueError(f"site {site!r}: {kind_name}: {advice} parameter is affine in x_t")
+    name, value, others = linked
+    zs = [leaves[n] for n in spec.names]
+    with torch.enable_grad():
+        for oname, ov in others.items():
+            if torch.is_tensor(ov) and ov.requires_grad:
+                if any(depends(ov, z) for z in zs):
+                    raise ValueError(f"site {site!r}: {advice} {oname} is free of the states")
+        try:
+            rows = observation_rows(spec, value, leaves)
+        except ValueError as e:
+            raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step") from e
+    eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
+    if not confirm_affine(spec, rows, value.detach(), eta_moved, dx):
+        raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")
+    link = "log(rate)" if name == "rate" else name
+    return name, rows, f"{kind_name} {link} = h' x_t + c (probed); {rows[0].numel()} sites"
