@@ -29,7 +29,7 @@ import pyro
 import torch
 
 from .analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
-from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
+from .blocks import GaussianBlock, MarkovBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
 from .distributed import combine, start_ranks
 from .expectations import site_weight
@@ -130,7 +130,7 @@ class Engine:
         }
         check_observations(an.structure, self.structure)
         self.gaussian = [
-            GaussianBlock(
+            (MarkovBlock if spec.chain is not None else GaussianBlock)(
                 spec, self.prefix, [s for s, o in an.owner.items() if o == spec.index], self.options
             )
             for spec in an.blocks
