@@ -24,6 +24,8 @@ __all__ = [
     "load_logreg",
     "load_breast_cancer_sklearn",
     "load_usps_3vs5",
+    "CoalData",
+    "load_coal",
 ]
 
 #: Prior precision ``delta`` of ``w ~ N(0, I / delta)`` per dataset (the paper's Table 1).
@@ -168,3 +170,34 @@ def load_usps_3vs5(
     Xtr, ytr = _to_tensors(X[tr], y[tr], dtype, device)
     Xt, yt = _to_tensors(X[te], y[te], dtype, device)
     return GPCData("usps_3vs5", Xtr, ytr, Xt, yt)
+
+
+@dataclass
+class CoalData:
+    """Coal-mining disasters binned into ``T`` equal bins (data/README.md protocol): bin
+    centres ``t``, counts ``y``, ``binsize``, and the held-out bins (the first ``T // 10`` of
+    ``numpy.random.default_rng(0).permutation(T)``) as a boolean mask ``test``."""
+
+    t: torch.Tensor
+    y: torch.Tensor
+    binsize: float
+    test: torch.Tensor
+
+
+def load_coal(
+    T: int = 200,
+    path: Optional[Union[str, os.PathLike]] = None,
+    dtype: torch.dtype = torch.float64,
+) -> CoalData:
+    """Bin the 191 event dates on ``[min, max]`` into ``T`` bins (Poisson counts)."""
+    events = np.loadtxt(data_dir(path) / "coal_mining_disasters.txt")
+    edges = np.linspace(events.min(), events.max(), T + 1)
+    counts = np.histogram(events, edges)[0]
+    test = np.zeros(T, dtype=bool)
+    test[np.random.default_rng(0).permutation(T)[: T // 10]] = True
+    return CoalData(
+        torch.tensor(0.5 * (edges[1:] + edges[:-1]), dtype=dtype),
+        torch.tensor(counts, dtype=dtype),
+        float(edges[1] - edges[0]),
+        torch.from_numpy(test),
+    )

@@ -34,6 +34,7 @@ from . import probes
 from .collapsed import collapsed_sites, collapsed_spec, infinite_support_error
 from .factor_roles import FactorSpec, analyze_factor
 from .families import ExponentialFamily, choose_family
+from .statespace import detect as markov
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -78,6 +79,7 @@ class Factor:
     jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
     dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
     given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
+    time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
 
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
@@ -103,6 +105,7 @@ class BlockSpec:
     names: Tuple[str, ...]
     shapes: Tuple[torch.Size, ...]
     factors: List[Factor] = field(default_factory=list)
+    chain: Optional[markov.ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
 
     @property
     def sizes(self) -> Tuple[int, ...]:
@@ -114,7 +117,8 @@ class BlockSpec:
 
     @property
     def label(self) -> str:
-        return ", ".join(self.names)
+        long = self.chain is not None and len(self.names) > 3
+        return f"{self.names[0]}..{self.names[-1]}" if long else ", ".join(self.names)
 
     def split(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Site values from a joint vector ``z`` (trailing dim ``D``; leading dims kept)."""
@@ -234,6 +238,7 @@ class Analysis:
             fam = None if name in self.leaves else self.families[name]
             fn = site["fn"]
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
+        self.chains = markov.find_chains(self)
         self.blocks = self._group_blocks()
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
@@ -254,8 +259,8 @@ class Analysis:
     # ------------------------------------------------------------------ blocks
     def _site_form_candidate(self, name: str) -> bool:
         info = self.latents[name]
-        fam = info.family
-        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance:
+        fam, chained = info.family, any(name in c.names for c in self.chains)
+        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance or chained:
             return False
         if len(info.batch_shape) or self.deps.get(name) or name in self._feeds_collapsed:
             return False
@@ -292,6 +297,11 @@ class Analysis:
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
                 self.latents[n].form, self.latents[n].block = SITE, i
+        for c in self.chains:  # a Markov block per chain
+            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in c.names)
+            blocks.append(BlockSpec(len(blocks), c.names, shapes, chain=c))
+            for n in c.names:
+                self.latents[n].form, self.latents[n].block = SITE, len(blocks) - 1
         return blocks
 
     # ------------------------------------------------------------------ classification
@@ -348,6 +358,8 @@ class Analysis:
         tr, leaves = self.leaf_trace()
         base = unwrap(tr.nodes[site]["fn"])[0]
         kind_name = type(base).__name__
+        if block.chain is not None:
+            return self._chain_factor(site, block, base)
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
         linked = linear_param(base)
@@ -395,6 +407,28 @@ class Analysis:
                     out.append((dz, self.run(**{n: at[n] + dz[n] for n in block.names})))
             self._probe_cache[block.index] = out
         return self._probe_cache[block.index]
+
+    def _chain_factor(self, site: str, block: BlockSpec, base) -> Factor:
+        """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
+        affine in one step's state (linear-predictor sites); one shared probe run."""
+        chain, (tr, leaves), label = block.chain, self.leaf_trace(), block.label
+        if block.index not in self._probe_cache:
+            (dz,) = probes.perturbations({n: self.ref[n] for n in block.names}, num_probes=1)
+            with torch.no_grad():
+                moved = self.run(**{n: self.ref[n] + dz[n] for n in block.names})
+            dx = chain.states(torch.cat([dz[n].reshape(-1) for n in block.names]))
+            self._probe_cache[block.index] = (dx, moved)
+        dx, moved = self._probe_cache[block.index]
+        if site not in block.names:
+            name, rows, why = markov.observation_factor(site, chain, base, tr, leaves, moved, dx)
+            return Factor(site, label, LINEAR, why, name, rows[1], False, time_index=rows[0])
+        if site != block.names[0]:
+            return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
+        if not chain.ssm:
+            with torch.enable_grad():
+                markov.prepare_loop(chain, tr, leaves, moved, label)
+        why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
+        return Factor(site, label, PRIOR, why)
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:
         """A factor shared by a Gaussian block and natural-form latents: exact rows at the
@@ -451,6 +485,8 @@ class Analysis:
                 done.add(info.block)
                 block = self.blocks[info.block]
                 what = "gaussian" if len(block.names) == 1 else f"joint gaussian, D={block.dim}"
+                if block.chain is not None:
+                    what = f"Markov gaussian chain, {block.chain.size_text}"
                 lines.append(f"# {block.label}: q = {what} (site form)")
                 lines.extend(f.describe() for f in block.factors)
                 continue

@@ -28,6 +28,7 @@ from pyro.infer.autoguide import AutoGuide
 from .analysis import LEAF_FORM, SITE
 from .collapsed import check_mode, sample_posterior
 from .context import Options
+from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .tracing import trace_model
@@ -81,6 +82,11 @@ class AutoCVI(AutoGuide):
         the log scale for Gamma and the logit scale for Beta/Dirichlet) around the
         ``init_loc_fn`` value. A tight start keeps multimodal models (mixtures) near the
         mode they start in, as AutoNormal's default 0.1 does.
+    :param process_group: data-parallel CVI on ``torch.distributed``
+        (:mod:`pyro_cvi.distributed`): ``None`` (one process, default),
+        :data:`pyro_cvi.distributed.WORLD` or a process group. Each rank passes its own shard
+        of the data; the conjugate statistics are all-reduced every step, so every rank holds
+        the exact full-batch ``q``.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class AutoCVI(AutoGuide):
         families: Optional[Dict[str, str]] = None,
         discrete: str = "mean_field",
         init_scale: Optional[float] = None,
+        process_group=None,
     ):
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
@@ -128,6 +135,7 @@ class AutoCVI(AutoGuide):
             dict(families or {}),
             check_mode(discrete),
             init_scale,
+            as_reducer(process_group),
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -151,6 +159,11 @@ class AutoCVI(AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def reducer(self):
+        """The data-parallel :class:`~pyro_cvi.distributed.Reducer`, or ``None``."""
+        return self.options.reducer
 
     @property
     def num_backtracks(self) -> int:

@@ -10,6 +10,10 @@ process and calling ``svi.step`` continues on exactly the trajectory of an unint
     ...                                    # new process: build model, guide, optim, svi as before
     load_checkpoint("run.pt", optim, guide)
     svi.step(X, y)                         # identical to the uninterrupted run's next step
+
+In a data-parallel run (``AutoCVI(..., process_group=...)``) every rank writes and reads its
+own file, ``run.rank{r}-of-{R}.pt`` (its shard's sites; ``q`` and the hyperparameters are the
+same on all ranks): call both functions on every rank with the same ``path`` and ``guide``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pyro
 import torch
 
 from .autoguide import AutoCVI
+from .distributed import rank_path
 from .optim import CVI
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -50,13 +55,14 @@ def save_checkpoint(
             "num_shrunk": guide.num_shrunk,
             "num_rejected": guide.num_rejected,
         }
-    torch.save(state, path)
+    torch.save(state, rank_path(path, guide.reducer if guide is not None else None))
 
 
 def load_checkpoint(
     path: Union[str, os.PathLike], optim: CVI, guide: Optional[AutoCVI] = None
 ) -> None:
     """Restore a checkpoint written by :func:`save_checkpoint` (before the next ``svi.step``)."""
+    path = rank_path(path, guide.reducer if guide is not None else None)
     state = torch.load(path, weights_only=False)
     if state.get("version") != _VERSION:
         raise ValueError(f"{path}: not a pyro-cvi checkpoint of version {_VERSION}")

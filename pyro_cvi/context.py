@@ -34,6 +34,9 @@ class Options:
     discrete: str = "mean_field"
     #: initial spread of natural-form sites (``None``: the prior's)
     init_scale: Optional[float] = None
+    #: sums row statistics and ELBO terms over the ranks of a data-parallel run
+    #: (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
+    reducer: Any = None
 
 
 @dataclass

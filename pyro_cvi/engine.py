@@ -29,8 +29,9 @@ import pyro
 import torch
 
 from .analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
-from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
+from .blocks import GaussianBlock, MarkovBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
+from .distributed import combine, start_ranks
 from .expectations import site_weight
 from .mean_field import compute
 from .step_control import (
@@ -96,6 +97,7 @@ class Engine:
         fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
+        start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
         init_trace = None
         init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
@@ -116,14 +118,9 @@ class Engine:
                 block.refresh(ctx)
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
+        o = self.options
         an = Analysis(
-            self.model,
-            args,
-            kwargs,
-            prototype_trace,
-            self.options.covariance,
-            self.options.families,
-            self.options.discrete,
+            self.model, args, kwargs, prototype_trace, o.covariance, o.families, o.discrete
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -133,7 +130,7 @@ class Engine:
         }
         check_observations(an.structure, self.structure)
         self.gaussian = [
-            GaussianBlock(
+            (MarkovBlock if spec.chain is not None else GaussianBlock)(
                 spec, self.prefix, [s for s, o in an.owner.items() if o == spec.index], self.options
             )
             for spec in an.blocks
@@ -366,7 +363,7 @@ class Engine:
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
-        return total
+        return combine(self.options.reducer, torch.zeros_like(total), total)  # rank's data
 
     def _mean_field(self, ctx, want=None, value=True):
         return compute(

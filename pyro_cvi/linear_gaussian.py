@@ -27,13 +27,24 @@ lazily, for ``posterior()`` and for sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from .linalg import NotPositiveDefinite, cholesky, dual_solve
 
-__all__ = ["GaussianPrior", "GaussianPosterior", "solve", "NotPositiveDefinite"]
+__all__ = [
+    "GaussianPrior",
+    "GaussianPosterior",
+    "solve",
+    "row_statistics",
+    "solve_statistics",
+    "NotPositiveDefinite",
+]
+
+#: ``[local sums] -> [global sums]``: sums the row statistics over the ranks of a data-parallel
+#: run (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
+Reduce = Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]]
 
 
 @dataclass
@@ -174,16 +185,22 @@ def solve(
     extra_h: Optional[torch.Tensor] = None,
     extra_prec: Optional[torch.Tensor] = None,
     form: str = "auto",
+    reduce: Reduce = None,
 ) -> GaussianPosterior:
     """Posterior of ``N(m0, S0)`` times row sites ``exp(b f - w f^2 / 2)``, ``f = A z``.
 
     ``extra_h`` / ``extra_prec`` add natural parameters ``(h, Lambda)`` of other messages
     (general non-conjugate factors; primal form only). Raises :class:`NotPositiveDefinite` when
-    the natural parameters are invalid, so callers can shrink the step.
+    the natural parameters are invalid, so callers can shrink the step. With ``reduce`` the rows
+    are this rank's shard: their statistics ``(A^T W A, A^T b)`` are summed over the ranks
+    (primal form) and every rank gets the full-data posterior.
     """
     prior = prior.detach()
     R, D = A.shape
     has_extra = extra_h is not None or extra_prec is not None
+    if reduce is not None:
+        S, s = reduce(list(row_statistics(A, w, b)))
+        return solve_statistics(prior, S, s, A, extra_h, extra_prec)
     if form == "auto":
         form = choose_form(prior, R, D, has_extra, w)
     if form == "dual":
@@ -192,7 +209,34 @@ def solve(
     return _solve_primal(prior, A, w, b, extra_h, extra_prec)
 
 
-def _solve_primal(prior, A, w, b, extra_h, extra_prec):
+def row_statistics(
+    A: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The sufficient statistics of the rows: ``(A^T W A, A^T b)``, sums over data points
+    (Algorithm 1 step 4 needs nothing else from them; data-parallel and streaming CVI sum
+    these over shards and minibatches)."""
+    return A.T @ (w.unsqueeze(-1) * A), A.T @ b
+
+
+def solve_statistics(
+    prior: GaussianPrior,
+    S: torch.Tensor,
+    s: torch.Tensor,
+    A: Optional[torch.Tensor] = None,
+    extra_h: Optional[torch.Tensor] = None,
+    extra_prec: Optional[torch.Tensor] = None,
+) -> GaussianPosterior:
+    """Primal posterior from summed statistics: ``Lambda = Lambda0 + S``, ``Lambda m =
+    Lambda0 m0 + s`` (eq. 2); the row marginals are those of ``A`` (this shard's rows)."""
+    prior = prior.detach()
+    if A is None:
+        A = S.new_zeros(0, S.shape[0])
+    post = _solve_primal(prior, A, None, None, extra_h, extra_prec, stats=(S, s))
+    post.site_trace = None  # needs all rows' w Var(f): the KL takes tr(S0^-1 V) directly
+    return post
+
+
+def _solve_primal(prior, A, w, b, extra_h, extra_prec, stats=None):
     D = prior.loc.numel()
     if prior.is_diagonal:
         Lam = torch.diag_embed(prior.var.reciprocal())
@@ -200,7 +244,9 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
     else:
         Lam = prior.precision_matrix()
         h = Lam @ prior.loc
-    if A.shape[0]:
+    if stats is not None:
+        Lam, h = Lam + stats[0], h + stats[1]
+    elif A.shape[0]:
         Lam = torch.addmm(Lam, A.T, w.unsqueeze(-1) * A)
         h = h + A.T @ b
     if extra_prec is not None:  # (A^T W A is symmetric; the Cholesky reads one triangle)
@@ -226,7 +272,7 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec):
         return (Linv * Linv).sum(0)
 
     post = GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
-    if extra_prec is None:
+    if extra_prec is None and stats is None:
         post.site_trace = D - (w * f_var).sum() if A.shape[0] else f_var.new_tensor(float(D))
     return post
 

@@ -23,6 +23,7 @@ import torch
 from . import conjugate_pairs as cp
 from .analysis import MEANFIELD
 from .context import Options, StepContext
+from .distributed import replicated_sites
 from .expectations import QState, expected_log_prob
 from .montecarlo import monte_carlo
 from .tracing import run_model
@@ -71,6 +72,10 @@ def compute(
     zero = torch.zeros(
         (), dtype=None if like is None else like.dtype, device=None if like is None else like.device
     )
+    # data-parallel (options.reducer): factors every rank holds in full count 1/R per rank
+    reducer = options.reducer
+    shared = replicated_sites(analysis) if reducer is not None else set()
+    share = 1.0 / reducer.world_size if reducer is not None else 1.0
     key = (ctx.data_key, tuple((k, tuple(v.tolist())) for k, v in sorted(sub.items())))
     grad_total, elbo = zero, zero
     with torch.enable_grad():
@@ -99,6 +104,7 @@ def compute(
                 )
             for spec in exact:
                 e = expected_log_prob(spec, traces, q, cache, key)
+                e = e * share if spec.site in shared else e
                 grad_total = grad_total + e
         elbo = elbo + grad_total
         targets: Dict[str, Tuple[torch.Tensor, ...]] = {}
@@ -121,7 +127,12 @@ def compute(
             if s != 1.0:
                 parts = [t / s for t in parts]
             targets[n] = tuple(q.fam[n].symmetrize(tuple(parts)))
+    if reducer is not None:  # the global latents' targets: the sums over every rank's data
+        reducer.reduce_targets(targets, [n for n in names if n in shared])
     if value:
         for n, nb in natural.items():  # (a fixed order: a reproducible float sum)
-            elbo = elbo + q.fam[n].entropy(q.lam[n]).sum() * nb.local_scale(sub)
+            h = q.fam[n].entropy(q.lam[n]).sum() * nb.local_scale(sub)
+            elbo = elbo + (h * share if n in shared else h)
+        if reducer is not None:
+            elbo = reducer.combine(torch.zeros_like(elbo), elbo)
     return MeanFieldResult(elbo, targets)

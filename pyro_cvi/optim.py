@@ -111,6 +111,9 @@ class CVI(PyroOptim):
                 )
             for engine in engines.values():
                 engine.step(beta)
+        reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
+        for reducer in reducers.values():  # data-parallel: the full-data gradients
+            reducer.reduce_grads(others)
         others = [p for p in others if p.grad is not None]
         if others:
             super().__call__(others, *args, **kwargs)

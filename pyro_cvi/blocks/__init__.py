@@ -10,11 +10,13 @@ A block holds its parameters in Pyro's param store and answers to the engine
 * ``marginal(name)`` / ``joint(...)``: the current ``q`` as a torch Distribution.
 
 :class:`GaussianBlock` is the site form (a joint Gaussian over a group of sites, Algorithm 1);
-:class:`NaturalBlock` is a mean-field exponential-family factor (Algorithm 2). A new kind of
-site (K-dimensional softmax sites, Markov/Kalman chains) is a new block.
+:class:`MarkovBlock` is the site form on a linear-Gaussian chain prior (Kalman smoother,
+App. E.2); :class:`NaturalBlock` is a mean-field exponential-family factor (Algorithm 2). A new
+kind of site (e.g. K-dimensional softmax sites) is a new block.
 """
 
 from .gaussian import GaussianBlock
+from .markov import MarkovBlock
 from .natural import NaturalBlock, init_messenger, initial_natural
 
-__all__ = ["GaussianBlock", "NaturalBlock", "init_messenger", "initial_natural"]
+__all__ = ["GaussianBlock", "MarkovBlock", "NaturalBlock", "init_messenger", "initial_natural"]

@@ -38,7 +38,7 @@ from ..probes import jacobian
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
-__all__ = ["GaussianBlock"]
+__all__ = ["GaussianBlock", "block_prior"]
 
 
 class GaussianBlock:
@@ -77,6 +77,12 @@ class GaussianBlock:
         """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""
         self.z_at = self.spec.join(values).detach()
         like, D = self.z_at, self.spec.dim
+        if self.general and self.options.reducer is not None:
+            raise NotImplementedError(
+                f"block {self.spec.label!r}: data-parallel CVI (process_group) covers "
+                f"conjugate and linear-predictor factors; {[f.site for f in self.general]} are "
+                "general (Monte Carlo) factors. Run it in one process (process_group=None)."
+            )
         for f in self.linear:
             R = f.jacobian.shape[0]
             pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
@@ -118,10 +124,7 @@ class GaussianBlock:
 
     # ------------------------------------------------------------------ conjugate computation
     def _prior(self, trace) -> GaussianPrior:
-        parts = [
-            _gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(self.names, self.spec.sizes)
-        ]
-        return parts[0] if len(parts) == 1 else _block_diag(parts)
+        return block_prior(self.spec, trace)
 
     def refresh(self, ctx: StepContext) -> GaussianPrior:
         """Rebuild ``eta`` (prior and conjugate rows) and the site rows from the step's trace,
@@ -150,6 +153,8 @@ class GaussianBlock:
         same = (
             self.post is not None and not self.general and _same(self.prior, self.rows, prior, rows)
         )
+        if self.options.reducer is not None:  # every rank must take the same branch
+            same = self.options.reducer.all_agree(same, prior.loc)
         self.prior, self.rows, self.elbo_rows = prior.detach(), rows, elbo_rows
         if not same:
             self.post = self._solve()
@@ -189,7 +194,7 @@ class GaussianBlock:
         general = general_values if general_values is not None else self._general()
         if general is not None:
             h, P = (t.detach() for t in general)
-        post = solve(self.prior, A, w, b, h, P)
+        post = solve(self.prior, A, w, b, h, P, reduce=self.options.reducer)
         post.blocks, i = [], 0
         for site_name, r in self.rows:
             post.blocks.append((site_name, slice(i, i + r.A.shape[0])))
@@ -201,7 +206,8 @@ class GaussianBlock:
         """``-KL(q || prior)`` plus the owned factors' expected log-densities; with
         ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``."""
         post, tr = self.post, ctx.trace
-        elbo = -post.kl_to(prior)
+        shared = -post.kl_to(prior)
+        elbo = torch.zeros_like(shared)  # the factors' terms: this rank's data points
         for idx, fn in self.elbo_rows:
             sl = post.blocks[idx][1]
             elbo = elbo + fn(post.f_mean[sl], post.f_var[sl])
@@ -234,7 +240,9 @@ class GaussianBlock:
             if ctx.grads:
                 general[0].grad = h - general[0].detach()
                 general[1].grad = P - general[1].detach()
-        return elbo
+        if self.options.reducer is not None:
+            return self.options.reducer.combine(shared, elbo)
+        return shared + elbo
 
     def _log_joint(self, ctx: StepContext):
         """``z -> (sum of the general factors' log p, the owned ones)``, the other latents drawn
@@ -334,6 +342,12 @@ class GaussianBlock:
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         return self.spec.split(self.post.loc.detach())
+
+
+def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
+    """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
+    parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
+    return parts[0] if len(parts) == 1 else _block_diag(parts)
 
 
 def _gaussian_prior(fn, D: int) -> GaussianPrior:

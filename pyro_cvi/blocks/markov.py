@@ -1,0 +1,248 @@
+"""The Markov Gaussian block: site-form CVI whose prior is a linear-Gaussian chain (App. E.2).
+
+``q(x) = p(x) prod_r t_r(h_r' x_{t_r}) / Z`` with one linear-predictor site
+``t_r(f) = exp(b_r f - w_r f^2 / 2)`` per observation element (eq. 13; in ``eta = f + c``
+coordinates ``(lam1, lam2)``, as in :mod:`~pyro_cvi.blocks.gaussian`). The conjugate
+computation (step 4 of Algorithm 1) is a Kalman smoother
+(:func:`~pyro_cvi.statespace.kalman.smooth`), O(T d^3), and
+
+    ELBO = log Z - sum_r E_q[log t_r] + sum_r E_q[log p(y_r | eta_r)],
+
+whose first two terms are ``-KL(q || p)``; ``log Z`` keeps its graph to the prior's
+hyperparameters (Fisher's identity: the fixed-q gradient of ``-KL``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from ..analysis import LINEAR, BlockSpec
+from ..context import Options, StepContext
+from ..messages import RowBlock, linear_predictor_message
+from ..statespace import detect
+from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
+from ..statespace.posterior import MarkovPosterior, SiteRows
+from ..tracing import linear_param, trace_model, unwrap
+from ..update import StepCounts, damped_step, targets_from_grads
+
+__all__ = ["MarkovBlock"]
+
+
+class MarkovBlock:
+    """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.analysis.BlockSpec`."""
+
+    def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
+        self.spec, self.names, self.options = spec, spec.names, options
+        self.chain = spec.chain
+        self.owned = set(owned)
+        self.linear = [f for f in spec.factors if f.kind == LINEAR]
+        self.site_names = {f.site: f"{prefix}.sites.{f.site}" for f in self.linear}
+        self.z_at: Optional[torch.Tensor] = None
+        self.prior: Optional[LinearGaussianChain] = None
+        self.rows: List[RowBlock] = []
+        self.post: Optional[Marginals] = None
+        self._solved_for = None
+
+    def param_names(self) -> List[str]:
+        return list(self.site_names.values())
+
+    def setup(self, values: Dict[str, torch.Tensor]) -> None:
+        """Register the site parameters at zero (``q = prior``)."""
+        self.z_at = self.spec.join(values).detach()
+        for f in self.linear:
+            R = f.jacobian.shape[0]
+            pyro.param(self.site_names[f.site], lambda R=R: self.z_at.new_zeros(R, 2))
+
+    def _sites(self) -> Dict[str, torch.Tensor]:
+        return {s: pyro.param(n) for s, n in self.site_names.items()}
+
+    def _versions(self, sites) -> tuple:
+        return tuple(sites[f.site]._version for f in self.linear)
+
+    # ------------------------------------------------------------------ sites on the steps
+    def _rows(self, site, f, sites: torch.Tensor) -> RowBlock:
+        """As :func:`~pyro_cvi.messages.linear_predictor_rows`, with ``f_r = h_r' x_{t_r}``:
+        ``c = eta_at - f_at``, ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``."""
+        eta_at = linear_param(unwrap(site["fn"])[0])[1].detach().reshape(-1)
+        x = self.chain.states(self.z_at)
+        c = eta_at - (f.jacobian.to(x) * x[f.time_index]).sum(-1)
+        lam1, lam2 = sites[..., 0], sites[..., 1]
+        return RowBlock(f.jacobian, -2 * lam2, lam1 + 2 * lam2 * c, c)
+
+    def _site_rows(self, rows: Sequence[RowBlock]) -> SiteRows:
+        """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``)."""
+        t = torch.cat([f.time_index for f in self.linear])
+        H = torch.cat([f.jacobian.to(self.z_at) for f in self.linear])
+        w = torch.cat([r.w for r in rows])
+        b = torch.cat([r.b for r in rows])
+        return SiteRows(t, H, w, b, self.chain.length)
+
+    def _solve(self, rows: Sequence[RowBlock], keep_graph: bool = False) -> Marginals:
+        sr = self._site_rows(rows)
+        eta, J = sr.information()
+        prior = self.prior if keep_graph else self.prior.detach()
+        return smooth(prior, eta, J, keep_graph=keep_graph)
+
+    def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
+        """As :meth:`GaussianBlock.init_sites_at_prior_mean`: a Newton step from the prior mean."""
+        self.prior = self._chain_prior(trace, None)
+        d, T = self.chain.state_dim, self.chain.length
+        zero = self.z_at.new_zeros(T, d)
+        m0 = smooth(self.prior.detach(), zero, zero.new_zeros(T, d, d)).mean
+        sites = self._sites()
+        for f in self.linear:
+            p = sites[f.site]
+            rows = self._rows(trace.nodes[f.site], f, p.detach())
+            f_mean = (f.jacobian * m0[f.time_index]).sum(-1)
+            var = torch.full_like(f_mean, 1e-4)
+            with torch.enable_grad():
+                _, target = linear_predictor_message(
+                    trace.nodes[f.site], rows, f_mean, var, num_quad_points, None
+                )
+            target[:, 1] = target[:, 1].clamp(max=0.0)
+            target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
+            if bool(torch.isfinite(target).all()):
+                p.data.copy_(target)
+
+    # ------------------------------------------------------------------ conjugate computation
+    def _chain_prior(self, trace, ctx: Optional[StepContext]) -> LinearGaussianChain:
+        A = None
+        if not self.chain.ssm and self.chain.dynamic and ctx is not None:
+            leaves = {
+                n: v.detach().clone().requires_grad_(True)
+                for n, v in self.spec.split(self.z_at).items()
+            }
+            values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
+            with torch.enable_grad():
+                trace = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
+                A = detect.loop_transitions(self.names, trace, leaves, create_graph=True)
+        return detect.chain_prior(self.chain, trace, A)
+
+    def refresh(self, ctx: StepContext) -> LinearGaussianChain:
+        """The prior and the site rows from the step's trace; the smoother at the current
+        sites (kept when neither changed, and no hyperparameter needs ``log Z``'s graph)."""
+        tr = ctx.trace
+        self.prior = self._chain_prior(tr, ctx)
+        sites = self._sites()
+        self.rows = [self._rows(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
+        graph = self.prior.requires_grad()
+        key = (tr, self._versions(sites))
+        if graph or self.post is None or key != self._solved_for:
+            self.post = self._solve(self.rows, keep_graph=graph)
+        self._solved_for = key if not graph else None
+        return self.prior
+
+    # ------------------------------------------------------------------ ELBO and targets
+    def elbo(self, ctx: StepContext, prior: LinearGaussianChain) -> torch.Tensor:
+        """``log Z - E_q[log sites]`` (= ``-KL``) plus the observations' expected
+        log-densities; with ``ctx.grads``, ``target - lambda_tilde`` goes into ``.grad``."""
+        post, tr = self.post, ctx.trace
+        sr = self._site_rows(self.rows)
+        f_mean, f_var = sr.moments(post.mean, post.cov)
+        elbo = post.log_z - sr.expected_log_sites(f_mean, f_var)
+        sites, i = self._sites(), 0
+        for f, r in zip(self.linear, self.rows):
+            R = r.c.shape[0]
+            sl = slice(i, i + R)
+            i += R
+            value, target = linear_predictor_message(
+                tr.nodes[f.site],
+                r,
+                f_mean[sl],
+                f_var[sl],
+                self.options.num_quad_points,
+                self.options.num_samples,
+            )
+            if f.site in self.owned:
+                elbo = elbo + value
+            if ctx.grads:
+                p = sites[f.site]
+                p.grad = target - p.detach()
+        return elbo
+
+    # ------------------------------------------------------------------ the step
+    def step(self, beta: float) -> StepCounts:
+        """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
+        sites = self._sites()
+        params = list(sites.values())
+        pair = targets_from_grads(params) if params else None
+        if pair is None:
+            return StepCounts()
+        old, target = pair
+        solved = {}
+
+        def rows_for(new):
+            out = []
+            for r, s in zip(self.rows, new):
+                out.append(RowBlock(r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c, r.c))
+            return out
+
+        def valid(new) -> torch.Tensor:
+            try:
+                solved["post"] = self._solve(rows_for(new))
+                ok = True
+            except NotPositiveDefinite:
+                ok = False
+            return torch.tensor(ok, device=old[0].device)
+
+        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        if counts.rejected:
+            return counts
+        with torch.no_grad():
+            for p, v in zip(params, new):
+                p.copy_(v)
+        self.rows = rows_for(new)
+        self.post = solved["post"]
+        if self._solved_for is not None:  # q is solved for the new sites already
+            self._solved_for = (self._solved_for[0], self._versions(sites))
+        return counts
+
+    def information(self):
+        """The sites gathered per step: ``eta (T, d)``, ``J (T, d, d)`` (``q = p x sites``)."""
+        return self._site_rows(self.rows).information()
+
+    def forget(self) -> None:
+        """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
+        self._solved_for = None
+        if self.post is not None:
+            sites = self._sites()
+            self.rows = [
+                RowBlock(r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c, r.c)
+                for r, s in zip(self.rows, (sites[f.site].detach() for f in self.linear))
+            ]
+            self.post = self._solve(self.rows)
+
+    # ------------------------------------------------------------------ q
+    def marginals(self) -> Marginals:
+        """The smoothed marginals of every step: means ``(T, d)``, covariances ``(T, d, d)``."""
+        return self.post
+
+    def joint(self, names: Optional[Sequence[str]] = None) -> MarkovPosterior:
+        """``q`` over the concatenated flattened states of the whole chain."""
+        if names is not None and tuple(names) != self.names:
+            raise ValueError(f"a Markov block gives the joint q of all of {self.label}")
+        sr = self._site_rows(self.rows)
+        return MarkovPosterior(self.prior.detach(), sr, self.post, torch.Size([self.spec.dim]))
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        if self.chain.ssm:
+            sr = self._site_rows(self.rows)
+            shape = self.spec.shapes[0]
+            return MarkovPosterior(self.prior.detach(), sr, self.post, shape)
+        t = self.names.index(name)
+        shape = self.spec.shapes[t]
+        m, S = self.post.mean[t], self.post.cov[t]
+        if len(shape) == 0:
+            return dist.Normal(m[0], S[0, 0].sqrt())
+        return dist.MultivariateNormal(m, covariance_matrix=S)
+
+    def mean_values(self) -> Dict[str, torch.Tensor]:
+        return self.spec.split(self.post.mean.reshape(-1))

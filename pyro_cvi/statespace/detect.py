@@ -1,0 +1,252 @@
+"""Recognising Markov Gaussian priors in a traced Pyro model, in O(T) (used by the analysis).
+
+Two forms, both turned into one :class:`ChainSpec` (states ``x (T, d)``):
+
+* **ssm**: one site whose distribution is a
+  :class:`~pyro_cvi.statespace.distribution.LinearGaussianSSM` (e.g. ``MarkovGP``);
+* **loop**: a ``pyro.markov`` loop of Normal sites ``x_t ~ Normal(A_t x_{t-1} + b_t, Q_t)``
+  (scalar, ``.to_event(1)`` or MVN): every site's prior depends on its predecessor only
+  (read off autograd, structural), each site has one successor, and the transition is
+  confirmed affine by one probe run at a random joint perturbation.
+
+Observation factors must have their linked parameter affine in the states, each element in
+one step: ``eta_r = h_r' x_{t_r} + c_r``. ``(t_r, h_r)`` come from Jacobian-vector products
+on the analysis' leaf trace (O(T), no dense Jacobian) and are confirmed by the same probe run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import probes
+from ..tracing import linear_param, unwrap
+from .distribution import LinearGaussianSSM
+from .kalman import LinearGaussianChain
+
+__all__ = [
+    "ChainSpec",
+    "find_chains",
+    "prepare_loop",
+    "chain_prior",
+    "loop_transitions",
+    "observation_rows",
+    "confirm_affine",
+    "depends",
+    "observation_factor",
+]
+
+MIN_LOOP_LENGTH = 3
+
+
+@dataclass
+class ChainSpec:
+    """A Markov Gaussian chain: its sites in time order, state dim, length and form."""
+
+    names: Tuple[str, ...]
+    state_dim: int
+    length: int
+    ssm: bool
+    A: Optional[torch.Tensor] = None  # loop transitions (T-1, d, d), when static
+    dynamic: bool = False  # loop transitions depend on learnable parameters
+
+    @property
+    def size_text(self) -> str:
+        return f"T={self.length}, d={self.state_dim}"
+
+    def states(self, z: torch.Tensor) -> torch.Tensor:
+        return z.reshape(self.length, self.state_dim)
+
+
+def _normal_parts(fn):
+    """``(loc (d,), cov (d, d))`` of a Normal / Independent(Normal) / MVN site, else None."""
+    base, mask, _ = unwrap(fn)
+    if mask is not None:
+        return None
+    shape = fn.event_shape
+    if len(fn.batch_shape) or len(shape) > 1:
+        return None
+    d = int(shape.numel())
+    if isinstance(base, torch.distributions.MultivariateNormal):
+        return base.loc.expand(shape).reshape(d), base.covariance_matrix.reshape(d, d)
+    if type(base) is torch.distributions.Normal or isinstance(base, torch.distributions.Normal):
+        loc = base.loc.expand(shape).reshape(d)
+        var = (base.scale**2).expand(shape).reshape(d)
+        return loc, torch.diag_embed(var)
+    return None
+
+
+def find_chains(an) -> List[ChainSpec]:
+    """Every Markov chain of the model (see the module docstring); ``an`` is the Analysis."""
+    tr = an.structure
+    latents = [n for n in an.values if n in an.continuous]
+    out = []
+    for n in latents:
+        fn = tr.nodes[n]["fn"]
+        if isinstance(unwrap(fn)[0], LinearGaussianSSM) and not an.deps.get(n):
+            T, d = fn.event_shape
+            out.append(ChainSpec((n,), int(d), int(T), True))
+    used = {c.names[0] for c in out}
+    cand = [n for n in latents if n not in used and _normal_parts(tr.nodes[n]["fn"]) is not None]
+    cset = set(cand)
+    parent: Dict[str, str] = {}
+    children: Dict[str, List[str]] = {n: [] for n in cand}
+    for n in cand:
+        deps = an.deps.get(n, set())
+        if len(deps) == 1 and next(iter(deps)) in cset:
+            (p,) = deps
+            parent[n] = p
+            children[p].append(n)
+    for root in cand:
+        if root in parent or an.deps.get(root):
+            continue
+        names, cur = [root], root
+        while len(children[cur]) == 1:
+            cur = children[cur][0]
+            names.append(cur)
+        if len(names) < MIN_LOOP_LENGTH or len(children[cur]) > 1:
+            continue
+        shapes = {tuple(tr.nodes[m]["fn"].event_shape) for m in names}
+        if len(shapes) != 1:
+            continue
+        if _closed(an, set(names)):
+            d = int(torch.Size(shapes.pop()).numel())
+            out.append(ChainSpec(tuple(names), d, len(names), False))
+    return out
+
+
+def _closed(an, names: set) -> bool:
+    """Every factor touching the chain depends on chain sites only, at most one besides its
+    own predecessor link (observations of one step)."""
+    for site, deps in an.deps.items():
+        if site in an.leaves:
+            continue
+        touch = deps & names
+        if not touch or site in names:
+            continue
+        if deps - names or len(touch) > 1:
+            return False
+    return True
+
+
+def loop_transitions(names, trace, leaves, create_graph: bool = False) -> torch.Tensor:
+    """``A_t = d loc_t / d x_{t-1}`` for every step of a loop, one backward pass per state
+    component (the chain's locs depend on their own predecessor only)."""
+    locs = torch.stack([_normal_parts(trace.nodes[n]["fn"])[0] for n in names[1:]])  # (T-1,d)
+    prev = [leaves[n] for n in names[:-1]]
+    d = locs.shape[-1]
+    rows = []
+    for k in range(d):
+        gs = torch.autograd.grad(
+            locs[:, k].sum(), prev, retain_graph=True, create_graph=create_graph, allow_unused=True
+        )
+        rows.append(torch.stack([g.reshape(d) if g is not None else locs.new_zeros(d) for g in gs]))
+    return torch.stack(rows, 1)  # (T-1, d, d): row k of A_t
+
+
+def prepare_loop(spec: ChainSpec, trace, leaves, moved, label: str) -> None:
+    """Read a loop's transitions off the leaf trace (static, or ``dynamic`` when they depend
+    on learnable parameters) and confirm them affine on the probe run ``moved``."""
+    spec.A = loop_transitions(spec.names, trace, leaves).detach()
+    params = [s["value"] for s in trace.nodes.values() if s["type"] == "param"]
+    locs = [_normal_parts(trace.nodes[n]["fn"])[0] for n in spec.names[1:]]
+    zs = [leaves[n] for n in spec.names]
+    spec.dynamic = any(probes.depends_on_params(v, zs, params) for v in locs)
+    ref, new = chain_prior(spec, trace), chain_prior(spec, moved)
+    if not probes.close(new.b, ref.b, probes.rtol(ref.b.dtype)):
+        raise ValueError(
+            f"sites {label}: the Normal chain's loc is not affine in the previous state "
+            "(probed); write x_t ~ Normal(a * x_(t-1) + b, q)"
+        )
+
+
+def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> LinearGaussianChain:
+    """The chain's prior read off a trace (loops: ``b_t = loc_t - A_t x_{t-1}`` at the trace's
+    values, with the given or stored transitions ``A``)."""
+    if spec.ssm:
+        return unwrap(trace.nodes[spec.names[0]]["fn"])[0].chain
+    parts = [_normal_parts(trace.nodes[n]["fn"]) for n in spec.names]
+    m0, P0 = parts[0]
+    A = spec.A if A is None else A
+    x = torch.stack([trace.nodes[n]["value"].reshape(spec.state_dim) for n in spec.names])
+    locs = torch.stack([p[0] for p in parts[1:]])
+    b = locs - (A @ x[:-1].unsqueeze(-1)).squeeze(-1)
+    Q = torch.stack([p[1] for p in parts[1:]])
+    return LinearGaussianChain(m0, P0, A.to(locs), b, Q)
+
+
+def observation_rows(spec: ChainSpec, value: torch.Tensor, leaves) -> Tuple[torch.Tensor, ...]:
+    """``(t_r, h_r)`` of ``eta = value`` (flattened) on the leaf trace: ``eta_r`` depends on
+    ``x_{t_r}`` only, with gradient ``h_r``. Returns ``(time_index (R,), H (R, d))``, or
+    raises ``ValueError`` when an element depends on two steps."""
+    flat = value.reshape(-1)
+    R, d, T = flat.numel(), spec.state_dim, spec.length
+    if not spec.ssm:
+        (touched,) = [n for n in spec.names if depends(flat, leaves[n])]
+        t = spec.names.index(touched)
+        H = probes.jacobian(flat, leaves[touched]).reshape(R, d)
+        return torch.full((R,), t, dtype=torch.long, device=flat.device), H
+    x = leaves[spec.names[0]]
+    u = torch.zeros_like(flat, requires_grad=True)
+    (vjp,) = torch.autograd.grad(flat, x, u, create_graph=True)
+
+    def jvp(dx):
+        (out,) = torch.autograd.grad((vjp * dx).sum(), u, retain_graph=True)
+        return out.detach()
+
+    H = torch.stack([jvp(_component(x, k)) for k in range(d)], -1)  # (R, d)
+    weights = torch.rand(d, generator=torch.Generator().manual_seed(3), dtype=x.dtype).to(x) + 0.5
+    steps = torch.arange(1, T + 1, dtype=x.dtype, device=x.device)[:, None] * weights
+    denom = H @ weights
+    ratio = jvp(steps) / torch.where(denom == 0, torch.ones_like(denom), denom)
+    t = torch.where(denom == 0, torch.zeros_like(ratio), ratio - 1).round().long().clamp(0, T - 1)
+    check = torch.randn(T, d, generator=torch.Generator().manual_seed(5), dtype=x.dtype).to(x)
+    if not probes.close(jvp(check), (H * check[t]).sum(-1), probes.rtol(x.dtype)):
+        raise ValueError("an element depends on more than one step")
+    return t, H
+
+
+def _component(x, k):
+    e = torch.zeros_like(x)
+    e[..., k] = 1.0
+    return e
+
+
+def depends(value, leaf) -> bool:
+    (g,) = torch.autograd.grad(value.sum(), leaf, retain_graph=True, allow_unused=True)
+    return g is not None
+
+
+def confirm_affine(spec, rows, eta_at, eta_moved, dx) -> bool:
+    """One probe: ``eta(x + dx) = eta(x) + h_r' dx_{t_r}`` for every element."""
+    t, H = rows
+    pred = eta_at.reshape(-1) + (H * dx[t]).sum(-1)
+    return probes.close(eta_moved.reshape(-1), pred, probes.rtol(eta_at.dtype))
+
+
+def observation_factor(site: str, spec: ChainSpec, base, trace, leaves, moved, dx):
+    """An observation of a chain: its linked parameter must be affine in one step's state per
+    element, its other parameters free of the states. Returns ``(param name, (t, H), why)``."""
+    linked = linear_param(base)
+    kind_name = type(base).__name__
+    advice = "an observation of a Markov chain needs a registered likelihood whose"
+    if linked is None:
+        raise ValueError(f"site {site!r}: {kind_name}: {advice} parameter is affine in x_t")
+    name, value, others = linked
+    zs = [leaves[n] for n in spec.names]
+    with torch.enable_grad():
+        for oname, ov in others.items():
+            if torch.is_tensor(ov) and ov.requires_grad:
+                if any(depends(ov, z) for z in zs):
+                    raise ValueError(f"site {site!r}: {advice} {oname} is free of the states")
+        try:
+            rows = observation_rows(spec, value, leaves)
+        except ValueError as e:
+            raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step") from e
+    eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
+    if not confirm_affine(spec, rows, value.detach(), eta_moved, dx):
+        raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")
+    link = "log(rate)" if name == "rate" else name
+    return name, rows, f"{kind_name} {link} = h' x_t + c (probed); {rows[0].numel()} sites"

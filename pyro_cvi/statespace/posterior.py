@@ -1,0 +1,104 @@
+"""The Markov block's ``q``: site rows on the steps, and ``q`` as a Pyro distribution.
+
+``q(x) = p(x) prod_t exp(eta_t' x_t - x_t' J_t x_t / 2) / Z`` where the per-step information
+``(eta_t, J_t) = sum_{r: t_r = t} (b_r h_r, w_r h_r h_r')`` gathers the linear-predictor sites
+``exp(b_r f_r - w_r f_r^2 / 2)`` on ``f_r = h_r' x_{t_r}`` (eq. 13).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pyro.distributions import TorchDistribution, constraints
+
+from .kalman import LinearGaussianChain, Marginals, log_prob_chain, sample_posterior
+
+__all__ = ["SiteRows", "MarkovPosterior"]
+
+
+@dataclass
+class SiteRows:
+    """Rows ``r``: step ``t (R,)``, coefficients ``H (R, d)``, site ``w (R,)``, ``b (R,)``."""
+
+    t: torch.Tensor
+    H: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor
+    length: int
+
+    def scatter(self, v: torch.Tensor) -> torch.Tensor:
+        """``sum_{r: t_r = t} v_r h_r`` for every step: ``(T, d)``."""
+        out = self.H.new_zeros(self.length, self.H.shape[-1])
+        return out.index_add_(0, self.t, v[:, None] * self.H)
+
+    def information(self):
+        """``eta (T, d)`` and ``J (T, d, d)``."""
+        d = self.H.shape[-1]
+        outer = self.w[:, None, None] * self.H[:, :, None] * self.H[:, None, :]
+        J = self.H.new_zeros(self.length, d, d).index_add_(0, self.t, outer)
+        return self.scatter(self.b), J
+
+    def moments(self, mean: torch.Tensor, cov: torch.Tensor):
+        """``E_q[f_r]`` and ``Var_q[f_r]`` from the smoothed marginals."""
+        f_mean = (self.H * mean[self.t]).sum(-1)
+        f_var = torch.einsum("rd,rde,re->r", self.H, cov[self.t], self.H)
+        return f_mean, f_var
+
+    def expected_log_sites(self, f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
+        return (self.b * f_mean - 0.5 * self.w * (f_var + f_mean**2)).sum()
+
+
+class MarkovPosterior(TorchDistribution):
+    """``q`` of a Markov block over its states (any ``event_shape`` with ``T * d`` elements):
+    ``log_prob`` is exact, O(T d^3); ``sample`` draws by perturbation (needs every site
+    ``w_r >= 0``, true for log-concave likelihoods)."""
+
+    arg_constraints = {}
+    has_rsample = False
+
+    def __init__(self, prior: LinearGaussianChain, rows: SiteRows, post: Marginals, event_shape):
+        self.prior, self.rows, self.post = prior, rows, post
+        self.eta, self.J = rows.information()
+        super().__init__(torch.Size(), torch.Size(event_shape), validate_args=False)
+
+    @property
+    def support(self):
+        return constraints.independent(constraints.real, len(self.event_shape))
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.post.mean.reshape(self.event_shape)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self.post.cov.diagonal(dim1=-2, dim2=-1).reshape(self.event_shape)
+
+    def _states(self, value):
+        return value.reshape(
+            value.shape[: value.dim() - len(self.event_shape)] + (-1, self.prior.dim)
+        )
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        x = self._states(value)
+        if x.dim() > 2:
+            return torch.stack([self.log_prob(v) for v in x.reshape((-1,) + x.shape[-2:])]).reshape(
+                x.shape[:-2]
+            )
+        quad = (self.eta * x).sum() - 0.5 * torch.einsum("ti,tij,tj->", x, self.J, x)
+        return log_prob_chain(self.prior, x) + quad - self.post.log_z.detach()
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        if bool((self.rows.w < 0).any()):
+            raise NotImplementedError(
+                "sampling a Markov q with a negative site precision (a non-log-concave "
+                "likelihood such as Student-t) is not implemented; use the marginals"
+            )
+        n = int(torch.Size(sample_shape).numel())
+        scale = self.rows.w.sqrt()
+        with torch.no_grad():
+            draws = [
+                sample_posterior(self.prior, self.eta, self.J, scale, self.rows.scatter)
+                for _ in range(n)
+            ]
+        return torch.stack(draws).reshape(torch.Size(sample_shape) + self.event_shape)
