@@ -13,6 +13,7 @@ From traces of the model at a prior draw, :class:`Analysis` decides
   step however its coefficients are split into sample sites;
 * the **kind** of every (factor, latent or block) pair: ``conjugate prior``, ``conjugate``
   (exact natural-parameter message, eq. 2 / eq. 20), ``linear-predictor`` (O(N) sites, App. E.1),
+  ``softmax-predictor`` (O(N K^2) coupled K-dimensional sites, :mod:`~pyro_cvi.softmax_sites`),
   ``general`` (Monte Carlo), ``leaf``; for the natural-form (mean-field, Algorithm 2) latents
   through the conjugate-pair registry (:mod:`~pyro_cvi.factor_roles`);
 * the **owner** of every factor's ELBO term: the Gaussian block it lies in, the mean-field
@@ -34,6 +35,7 @@ from . import probes
 from .factor_roles import FactorSpec, analyze_factor
 from .families import ExponentialFamily, family_for_support
 from .families.transformed import UnconstrainedGaussian
+from .softmax_sites import SOFTMAX, centred_logits
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -77,6 +79,7 @@ class Factor:
     jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
     dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
     given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
+    num_classes: int = 0  # K of a softmax factor (its Jacobian has N K point-major rows)
 
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
@@ -311,6 +314,8 @@ class Analysis:
         kind_name = type(base).__name__
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
+        if centred_logits(base) is not None:
+            return self._softmax_factor(site, block, base)
         linked = linear_param(base)
         if linked is None:
             return Factor(site, label, GENERAL, f"{kind_name} is not a registered likelihood")
@@ -344,6 +349,35 @@ class Analysis:
             return Factor(site, label, CONJUGATE, why, name, A, dynamic)
         why = f"{kind_name} {link} = A z + c (probed, A: {R}x{D}); {R} sites"
         return Factor(site, label, LINEAR, why, name, A, dynamic)
+
+    def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
+        """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
+        logits are affine in the block's z (Jacobian by autograd, confirmed by probing)."""
+        label, kind_name = block.label, type(base).__name__
+        tr, leaves = self.leaf_trace()
+        value = centred_logits(base)
+        zs = [leaves[n] for n in block.names]
+        K = value.shape[-1]
+        with torch.enable_grad():
+            if not value.requires_grad:
+                why = f"{kind_name} logits do not depend on {label}"
+                return Factor(site, label, GENERAL, why)
+            jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
+            params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
+            dynamic = probes.depends_on_params(value, zs, params)
+        moved = [
+            (dz, centred_logits(unwrap(t.nodes[site]["fn"])[0])) for dz, t in self._probes(block)
+        ]
+        if not probes.affine_at(value.detach(), moved, jac):
+            why = f"{kind_name} logits are not affine in {label} (probed)"
+            return Factor(site, label, GENERAL, why)
+        A = torch.cat([jac[n] for n in block.names], 1)
+        R, D = A.shape
+        why = (
+            f"{kind_name} logits = A z + c (probed, A: {R}x{D}); {R // K} coupled "
+            f"K={K} sites (K x K each)"
+        )
+        return Factor(site, label, SOFTMAX, why, "logits", A, dynamic, num_classes=K)
 
     def _probes(self, block: BlockSpec):
         """Two model runs at joint random perturbations of the block's sites, shared by every

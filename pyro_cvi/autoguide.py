@@ -28,6 +28,7 @@ from pyro.infer.autoguide import AutoGuide
 from .analysis import LEAF_FORM, SITE
 from .context import Options
 from .engine import Engine
+from .softmax import METHODS
 from .tracing import trace_model
 from .update import StepCounts
 
@@ -63,6 +64,10 @@ class AutoCVI(AutoGuide):
         sites: ``q`` starts with its mean there instead of at the prior (to break symmetries).
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
+    :param softmax: expectations of softmax factors (Categorical logits affine in a Gaussian):
+        ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
+        (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
+        see :mod:`pyro_cvi.softmax`.
     """
 
     def __init__(
@@ -78,7 +83,10 @@ class AutoCVI(AutoGuide):
         schedule="parallel",
         init_loc_fn: Optional[Callable] = None,
         vectorize_particles: bool = False,
+        softmax: str = "cubature",
     ):
+        if softmax not in METHODS:
+            raise ValueError(f"softmax must be one of {METHODS}, got {softmax!r}")
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
         if init_sites not in ("laplace", "prior"):
@@ -97,6 +105,7 @@ class AutoCVI(AutoGuide):
             init_sites,
             schedule,
             vectorize_particles,
+            softmax,
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -312,6 +321,7 @@ for _name in (
     "init_sites",
     "schedule",
     "vectorize_particles",
+    "softmax",
 ):
     setattr(AutoCVI, _name, _option(_name))
 

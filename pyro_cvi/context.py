@@ -27,6 +27,7 @@ class Options:
     init_sites: str = "laplace"
     schedule: Any = "parallel"
     vectorize_particles: bool = False
+    softmax: str = "cubature"
 
 
 @dataclass
