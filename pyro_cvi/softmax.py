@@ -59,10 +59,16 @@ class LSEMoments:
 
 
 def cov_sqrt(cov: torch.Tensor) -> torch.Tensor:
-    """A square root ``L`` with ``L L^T = S`` for PSD (possibly singular) ``S``, by ``eigh``."""
-    cov = 0.5 * (cov + cov.mT)
-    e, U = torch.linalg.eigh(cov)
-    return U * e.clamp_min(0).sqrt().unsqueeze(-2)
+    """``L`` with ``L L^T = S``: the Cholesky factor (differentiable) where ``S`` is positive
+    definite, else a square root by ``eigh`` of the symmetrised, clipped ``S`` (no graph)."""
+    L, info = torch.linalg.cholesky_ex(cov)
+    bad = info != 0
+    if bool(bad.any()):
+        c = cov.detach()
+        e, U = torch.linalg.eigh(0.5 * (c + c.mT))
+        R = U * e.clamp_min(0).sqrt().unsqueeze(-2)
+        L = torch.where(bad[..., None, None], R, L)
+    return L
 
 
 def cubature_rule(
@@ -96,24 +102,26 @@ def _at_points(eta: torch.Tensor, w: torch.Tensor) -> LSEMoments:
 
 def _cubature(mean, cov, kappa):
     xi, w = cubature_rule(mean.shape[-1], kappa, mean.dtype, mean.device)
-    eta = mean.unsqueeze(-2) + xi @ cov_sqrt(cov.detach()).mT
-    return _at_points(eta, w)
+    eta = mean.unsqueeze(-2) + xi @ cov_sqrt(cov).mT
+    out = _at_points(eta.detach(), w)
+    if eta.requires_grad:  # the value keeps its graph to mean and cov
+        out.value = (w * eta.logsumexp(-1)).sum(-1)
+    return out
 
 
 def _pairwise(mean, cov, num_points):
     """K = 2: ``lse(eta) = eta_0 + softplus(eta_1 - eta_0)``, Gauss-Hermite in the difference."""
-    md = (mean[..., 1] - mean[..., 0]).detach().requires_grad_(True)
-    c = cov.detach()
-    vd = (c[..., 0, 0] + c[..., 1, 1] - c[..., 0, 1] - c[..., 1, 0]).requires_grad_(True)
+    softplus = torch.nn.functional.softplus
+    d = mean[..., 1] - mean[..., 0]
+    vd = cov[..., 0, 0] + cov[..., 1, 1] - cov[..., 0, 1] - cov[..., 1, 0]
+    md0, vd0 = d.detach().requires_grad_(True), vd.detach().requires_grad_(True)
     with torch.enable_grad():
-        f = expected_log_prob(torch.nn.functional.softplus, md, vd, num_points)
-        gm, gv = torch.autograd.grad(f.sum(), (md, vd))
-    value = mean[..., 0] + f.detach()
-    if mean.requires_grad:  # keep the graph to hyperparameters through the mean
-        d = mean[..., 1] - mean[..., 0]
-        value = mean[..., 0] + expected_log_prob(
-            torch.nn.functional.softplus, d, vd.detach(), num_points
-        )
+        f = expected_log_prob(softplus, md0, vd0, num_points)
+        gm, gv = torch.autograd.grad(f.sum(), (md0, vd0))
+    if d.requires_grad or vd.requires_grad:  # keep the graph to mean and cov
+        value = mean[..., 0] + expected_log_prob(softplus, d, vd, num_points)
+    else:
+        value = mean[..., 0] + f.detach()
     grad = torch.stack([1 - gm, gm], -1)
     u = torch.tensor([-1.0, 1.0], dtype=mean.dtype, device=mean.device)
     hess = 2 * gv[..., None, None] * (u[:, None] * u[None, :])
@@ -124,21 +132,17 @@ def _monte_carlo(mean, cov, num_samples, generator):
     half = max(1, num_samples // 2)
     eps = torch.randn((half,) + mean.shape, dtype=mean.dtype, generator=generator)
     eps = eps.to(mean.device)
-    L = cov_sqrt(cov.detach())
-    d = (L.unsqueeze(0) @ eps.unsqueeze(-1)).squeeze(-1)
+    d = (cov_sqrt(cov).unsqueeze(0) @ eps.unsqueeze(-1)).squeeze(-1)
     d = torch.cat([d, -d], 0)  # antithetic pairs
     m = mean.detach()
-    p0 = m.softmax(-1)
+    p0, lse0 = m.softmax(-1), m.logsumexp(-1)
     H0 = _hess(p0)
-    lse0 = m.logsumexp(-1)
-    eta = m + d
-    taylor = lse0 + (d * p0).sum(-1) + 0.5 * (d.unsqueeze(-2) @ H0 @ d.unsqueeze(-1))[..., 0, 0]
-    resid = (eta.logsumexp(-1) - taylor).mean(0)
-    exact_cv = lse0 + 0.5 * (H0 * cov.detach()).sum((-2, -1))
-    value = exact_cv + resid
-    if mean.requires_grad:  # first-order graph to the mean (d value / d m = E softmax)
-        value = value + ((mean - m) * eta.softmax(-1).mean(0)).sum(-1)
-    p = eta.softmax(-1)
+    eta = mean + d
+    # value: E[taylor_2] in closed form + the Monte Carlo mean of (lse - taylor_2)
+    quad = 0.5 * (d.unsqueeze(-2) @ H0 @ d.unsqueeze(-1))[..., 0, 0]
+    resid = (eta.logsumexp(-1) - lse0 - (d * p0).sum(-1) - quad).mean(0)
+    value = lse0 + 0.5 * (H0 * cov).sum((-2, -1)) + resid
+    p = eta.detach().softmax(-1)
     return LSEMoments(value, p.mean(0), _hess(p).mean(0))
 
 
@@ -146,7 +150,7 @@ def _bound(mean, cov):
     K = mean.shape[-1]
     eye = torch.eye(K, dtype=mean.dtype, device=mean.device)
     HB = 0.5 * (eye - 1.0 / K)
-    value = mean.logsumexp(-1) + 0.5 * (HB * cov.detach()).sum((-2, -1))
+    value = mean.logsumexp(-1) + 0.5 * (HB * cov).sum((-2, -1))
     grad = mean.detach().softmax(-1)
     return LSEMoments(value, grad, HB.expand(mean.shape + (K,)))
 
@@ -165,7 +169,7 @@ def lse_expectations(
 
     ``method``: ``"cubature"`` (default), ``"mc"`` or ``"bound"`` (module docstring).
     ``num_points``: Gauss-Hermite points of the K = 2 cubature; ``num_samples``: Monte Carlo
-    draws. The value keeps its graph to ``mean`` (not to ``cov``); the moments have none.
+    draws. The value keeps its graph to ``mean`` and ``cov``; the moments have none.
     """
     if method not in METHODS:
         raise ValueError(f"softmax method must be one of {METHODS}, got {method!r}")
@@ -175,10 +179,7 @@ def lse_expectations(
         return _monte_carlo(mean, cov, num_samples, generator)
     if mean.shape[-1] == 2:
         return _pairwise(mean, cov, num_points)
-    out = _cubature(mean.detach(), cov, kappa)
-    if mean.requires_grad:
-        out.value = out.value + ((mean - mean.detach()) * out.grad).sum(-1)
-    return out
+    return _cubature(mean, cov, kappa)
 
 
 def site_targets(

@@ -52,8 +52,8 @@ def test_cubature_rule_is_exact_for_cubics_and_has_positive_weights():
 @pytest.mark.parametrize("K", [2, 3])
 def test_cubature_matches_brute_force(K):
     # K = 2: Gauss-Hermite in the logit difference, exact to 1e-10. K = 3: the 6-point
-    # spherical-radial rule, |error| < 2e-3 at posterior-like covariances (eigenvalues <= ~0.5)
-    tol = 1e-10 if K == 2 else 2e-3
+    # spherical-radial rule, |error| < 5e-3 at posterior-like covariances (eigenvalues <= ~0.6)
+    tol = 1e-10 if K == 2 else 5e-3
     for seed in range(3):
         m, S = _problem(K, 0.3, seed)
         ref = brute_lse(m, S)
