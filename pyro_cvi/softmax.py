@@ -13,15 +13,17 @@ and the site natural parameters ``lam2 = dF/dS`` (K x K), ``lam1 = dF/dm - 2 lam
 it with positive weights gives ``lam2 <= 0``: the sites stay valid. :func:`lse_expectations`
 returns ``(E lse, E softmax, E H)`` three ways:
 
-* ``"cubature"`` (default): the 2K+1-point unscented rule ``m``, ``m +- sqrt(K + kappa) L e_i``
-  (``L L^T = S``), weights ``kappa / (K + kappa)`` and ``1 / (2 (K + kappa))``, exact for
-  polynomials of degree 3; ``kappa = max(3 - K, 0)``, so for ``K >= 3`` it is the third-order
-  spherical-radial rule (2K points). Cost linear in K (vs. ``P^K`` for a product rule). At
-  ``K = 2`` the expectation is one-dimensional in the logit difference and Gauss-Hermite on it
-  is used: the binary logistic path exactly;
-* ``"mc"``: Monte Carlo with antithetic pairs ``m +- L eps`` (the first-order Taylor control
-  variate ``softmax(m) + H(m)(eta - m)`` cancels exactly) and the second-order Taylor control
-  variate ``lse(m) + (eta-m)^T softmax(m) + (eta-m)^T H(m) (eta-m) / 2`` for the value;
+* ``"cubature"`` (default): the unscented rule in the ``d = K - 1`` logit contrasts (softmax
+  ignores a common shift; :func:`contrasts`), ``2d + 1`` points ``c``, ``c +- sqrt(d + kappa) L
+  e_i`` (``L L^T`` the contrasts' covariance), weights ``kappa / (d + kappa)`` and
+  ``1 / (2 (d + kappa))``, exact for polynomials of degree 3; ``kappa = max(3 - d, 0)``, so for
+  ``K >= 4`` it is the third-order spherical-radial rule (``2 (K - 1)`` points). Cost linear in
+  K (vs. ``P^K`` for a product rule). At ``K = 2`` the expectation is one-dimensional in the
+  logit difference and Gauss-Hermite on it is used: the binary logistic path exactly;
+* ``"mc"``: Monte Carlo (in the contrasts) with antithetic pairs ``m +- L eps`` (the
+  first-order Taylor control variate ``softmax(m) + H(m)(eta - m)`` cancels exactly) and the
+  second-order Taylor control variate
+  ``lse(m) + (eta-m)^T softmax(m) + (eta-m)^T H(m) (eta-m) / 2`` for the value;
 * ``"bound"``: Böhning's bound ``H <= H_B = (I - 1 1^T / K) / 2`` (NCVMP supplement, eq. 29):
   ``E lse <= lse(m) + tr(H_B S) / 2``. Fixed curvature: ``lam2 = -n H_B / 2`` every step, so the
   site precisions never change and one factorisation serves every step. A lower bound on the
@@ -41,6 +43,7 @@ __all__ = [
     "METHODS",
     "LSEMoments",
     "cov_sqrt",
+    "contrasts",
     "cubature_rule",
     "lse_expectations",
     "site_targets",
@@ -100,9 +103,25 @@ def _at_points(eta: torch.Tensor, w: torch.Tensor) -> LSEMoments:
     return LSEMoments(value, grad, hess)
 
 
+def contrasts(K: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """An orthonormal basis ``Q [K, K - 1]`` of the logit contrasts (``Q^T 1 = 0``)."""
+    C = torch.eye(K, dtype=torch.float64) - 1.0 / K
+    Q, _ = torch.linalg.qr(C[:, : K - 1])
+    return Q.to(dtype=dtype, device=device)
+
+
+def _contrast_sqrt(mean, cov):
+    """``eta = mean(m) 1 + Q (Q^T m + L xi)``: the basis ``Q`` and ``L L^T = Q^T S Q``. The softmax
+    ignores the direction ``1``, so rules run in the K - 1 contrasts (shift-invariant)."""
+    Q = contrasts(mean.shape[-1], mean.dtype, mean.device)
+    return Q, cov_sqrt(Q.mT @ cov @ Q)
+
+
 def _cubature(mean, cov, kappa):
-    xi, w = cubature_rule(mean.shape[-1], kappa, mean.dtype, mean.device)
-    eta = mean.unsqueeze(-2) + xi @ cov_sqrt(cov).mT
+    K = mean.shape[-1]
+    Q, L = _contrast_sqrt(mean, cov)
+    xi, w = cubature_rule(K - 1, kappa, mean.dtype, mean.device)
+    eta = mean.unsqueeze(-2) + (xi @ L.mT) @ Q.mT
     out = _at_points(eta.detach(), w)
     if eta.requires_grad:  # the value keeps its graph to mean and cov
         out.value = (w * eta.logsumexp(-1)).sum(-1)
@@ -132,7 +151,8 @@ def _monte_carlo(mean, cov, num_samples, generator):
     half = max(1, num_samples // 2)
     eps = torch.randn((half,) + mean.shape, dtype=mean.dtype, generator=generator)
     eps = eps.to(mean.device)
-    d = (cov_sqrt(cov).unsqueeze(0) @ eps.unsqueeze(-1)).squeeze(-1)
+    Q, L = _contrast_sqrt(mean, cov)
+    d = (L.unsqueeze(0) @ eps[..., : mean.shape[-1] - 1].unsqueeze(-1)).squeeze(-1) @ Q.mT
     d = torch.cat([d, -d], 0)  # antithetic pairs
     m = mean.detach()
     p0, lse0 = m.softmax(-1), m.logsumexp(-1)
