@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import probes
 from .softmax import lse_expectations, site_targets
 from .tracing import unwrap
 
@@ -88,30 +89,75 @@ class SoftmaxRows:
     n: torch.Tensor
     weight: torch.Tensor
     const: torch.Tensor
+    kron: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def N(self) -> int:
         return self.A.shape[0] // self.K
 
     def rows(self, sites: torch.Tensor):
-        """``(A_rot [N K, D], w [N K], b [N K], U [N, K, K])``: the sites as scalar rows
-        (module docstring); ``U`` rotates them back (:meth:`moments`)."""
+        """The sites as a Bayesian-linear-regression contribution: ``(A_rot [N K, D], w [N K],
+        b [N K], U [N, K, K], None)`` (rotated scalar rows, module docstring), or, when
+        ``A = X (x) G`` (:attr:`kron`), no rows and the natural parameters ``(h, P)`` summed in
+        ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G``, ``h = sum_n x_n (x) G^T b_n``."""
         N, K = self.N, self.K
         lam1, lam2 = sites[..., 0], sites[..., 1:]
         W = -(lam2 + lam2.mT)  # -2 lam2, symmetrised
-        s, U = torch.linalg.eigh(W)
         b = lam1 + 2 * (lam2 @ self.c.reshape(N, K, 1)).squeeze(-1)
+        if self.kron is not None:
+            X, G = self.kron
+            Dx = X.shape[1]
+            GWG = (G.mT @ W @ G).reshape(N, K * K)
+            P = (_outer(X).mT @ GWG).reshape(Dx, Dx, K, K).permute(0, 2, 1, 3)
+            h = X.mT @ (b @ G)
+            none = self.A.new_zeros(0)
+            return self.A[:0], none, none, None, (h.reshape(-1), P.reshape(Dx * K, Dx * K))
+        s, U = torch.linalg.eigh(W)
         A_rot = U.mT @ self.A.reshape(N, K, -1)
         b_rot = (U.mT @ b.unsqueeze(-1)).squeeze(-1)
-        return A_rot.reshape(N * K, -1), s.reshape(-1), b_rot.reshape(-1), U
+        return A_rot.reshape(N * K, -1), s.reshape(-1), b_rot.reshape(-1), U, None
 
-    def moments(self, loc: torch.Tensor, row_cov: torch.Tensor, U: torch.Tensor):
-        """Mean ``[N, K]`` and covariance ``[N, K, K]`` of ``eta`` from q's mean and the
-        covariance blocks of the rotated rows (``U Cov(U^T A z) U^T``)."""
+    def cov_blocks(self, post, sl: slice, U: Optional[torch.Tensor]) -> torch.Tensor:
+        """``Cov(eta_n) [N, K, K]`` under the solved ``post``: from the rotated rows' covariance
+        blocks (``U Cov(U^T A_n z) U^T``), or ``G (x_n^T (x) I) V (x_n (x) I) G^T``."""
         N, K = self.N, self.K
-        mean = (self.A @ loc).reshape(N, K) + self.c.reshape(N, K)
-        cov = U @ row_cov @ U.mT
-        return mean, 0.5 * (cov + cov.mT)
+        if self.kron is None:
+            cov = U @ post.row_cov_blocks(sl, K) @ U.mT
+        else:
+            X, G = self.kron
+            Dx = X.shape[1]
+            V = post.covariance().reshape(Dx, K, Dx, K).permute(0, 2, 1, 3)
+            cov = G @ (_outer(X) @ V.reshape(Dx * Dx, K * K)).reshape(N, K, K) @ G.mT
+        return 0.5 * (cov + cov.mT)
+
+    def mean(self, loc: torch.Tensor) -> torch.Tensor:
+        """``E eta_n = A_n m + c_n``, ``[N, K]``."""
+        return (self.A @ loc).reshape(self.N, self.K) + self.c.reshape(self.N, self.K)
+
+
+def _outer(X: torch.Tensor) -> torch.Tensor:
+    """``[N, D * D]``: the rows' outer products ``x_n x_n^T``, flattened."""
+    return (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(X.shape[0], -1)
+
+
+def kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(X [N, D'], G [K, K])`` with ``A = X (x) G`` (rows point-major, columns ``d * K + l``)
+    when the Jacobian has that structure (``logits = X @ W`` and a bias), else ``None``."""
+    R, Dz = A.shape
+    if Dz % K or R % K or not R:
+        return None
+    A4 = A.reshape(R // K, K, Dz // K, K)
+    flat = int(A4.abs().argmax())  # (plain arithmetic: torch.unravel_index imports sympy)
+    n0, k0, d0, l0 = (
+        flat // (K * Dz),
+        flat // Dz % K,
+        flat // K % (Dz // K),
+        flat % K,
+    )
+    G = A4[n0, :, d0, :]
+    X = A4[:, k0, :, l0] / G[k0, l0]
+    approx = X[:, None, :, None] * G[None, :, None, :]
+    return (X, G) if probes.close(A4, approx, probes.rtol(A.dtype)) else None
 
 
 def softmax_rows(site, factor, z_at: torch.Tensor) -> SoftmaxRows:
@@ -122,27 +168,26 @@ def softmax_rows(site, factor, z_at: torch.Tensor) -> SoftmaxRows:
     A = factor.jacobian
     c = eta.detach().reshape(-1) - A @ z_at.reshape(-1)
     Y, n, weight, const = _counts(site, base, K)
-    return SoftmaxRows(A, c, K, Y, n, weight, const)
+    return SoftmaxRows(A, c, K, Y, n, weight, const, kron_factors(A, K))
 
 
 def softmax_message(
     site,
     rows: SoftmaxRows,
     loc: torch.Tensor,
-    row_cov: torch.Tensor,
-    U: torch.Tensor,
+    cov: torch.Tensor,
     method: str = "cubature",
     num_points: int = 32,
     num_samples: int = 100,
 ):
     """ELBO term and target sites ``[N, K, K + 1]`` of a softmax factor under the current q.
 
-    ``row_cov``: the ``[N, K, K]`` covariance blocks of the rotated rows, ``U`` their
-    rotation. The value keeps its graph to hyperparameters through the offset ``c`` (as the
-    scalar linear predictor does).
+    ``loc``: q's mean; ``cov``: ``Cov(eta_n) [N, K, K]`` (:meth:`SoftmaxRows.cov_blocks`). The
+    value keeps its graph to hyperparameters through the offset ``c`` (as the scalar linear
+    predictor does).
     """
     N, K = rows.N, rows.K
-    mean, cov = rows.moments(loc.detach(), row_cov.detach(), U)
+    mean, cov = rows.mean(loc.detach()), cov.detach()
     eta_now = centred_logits(unwrap(site["fn"])[0])
     if eta_now.requires_grad:
         mean = mean + (eta_now - eta_now.detach()).reshape(N, K)

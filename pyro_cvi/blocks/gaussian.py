@@ -126,9 +126,7 @@ class GaussianBlock:
             r = softmax_rows(trace.nodes[f.site], f, self.z_at)
             N, K = r.N, r.K
             eye = torch.eye(K, dtype=m0.dtype, device=m0.device)
-            _, target = softmax_message(
-                trace.nodes[f.site], r, m0, 5e-5 * eye.expand(N, K, K), eye.expand(N, K, K)
-            )
+            _, target = softmax_message(trace.nodes[f.site], r, m0, 5e-5 * eye.expand(N, K, K))
             if bool(torch.isfinite(target).all()):
                 sites[f.site].data.copy_(target)
 
@@ -190,12 +188,13 @@ class GaussianBlock:
             return torch.cat([jacobian(value, leaves[n]).detach() for n in self.names], 1)
 
     def _solve(self, site_values=None, general_values=None) -> GaussianPosterior:
-        blocks, rotations = [], {}
+        blocks, rotations, extra = [], {}, []
         for site_name, r in self.rows:
             if isinstance(r, SoftmaxRows):
                 s = (site_values or self._sites())[site_name].detach()
-                *block, rotations[site_name] = r.rows(s)
+                *block, rotations[site_name], nat = r.rows(s)
                 blocks.append(tuple(block))
+                extra += [nat] if nat is not None else []
             elif site_name is not None and site_values is not None:
                 s = site_values[site_name]
                 blocks.append((r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c))
@@ -213,13 +212,15 @@ class GaussianBlock:
         h = P = None
         general = general_values if general_values is not None else self._general()
         if general is not None:
-            h, P = (t.detach() for t in general)
+            extra.append(tuple(t.detach() for t in general))
+        if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
+            h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
         post = solve(self.prior, A, w, b, h, P)
         post.rotations = rotations
         post.blocks, i = [], 0
-        for site_name, r in self.rows:
-            post.blocks.append((site_name, slice(i, i + r.A.shape[0])))
-            i += r.A.shape[0]
+        for (site_name, _), blk in zip(self.rows, blocks):
+            post.blocks.append((site_name, slice(i, i + blk[0].shape[0])))
+            i += blk[0].shape[0]
         return post
 
     # ------------------------------------------------------------------ ELBO and targets
@@ -240,8 +241,7 @@ class GaussianBlock:
                     tr.nodes[site_name],
                     r,
                     post.loc,
-                    post.row_cov_blocks(sl, r.K),
-                    post.rotations[site_name],
+                    r.cov_blocks(post, sl, post.rotations[site_name]),
                     self.options.softmax,
                     self.options.num_quad_points,
                     self.options.num_samples or 100,
