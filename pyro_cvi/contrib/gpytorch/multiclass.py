@@ -115,7 +115,7 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         if x is not None and x.dim() == 1:
             x = x.unsqueeze(-1)
         self.register_buffer("site_inputs", x)
-        self._version = 0
+        self._site_version = 0
         self._cache = None
 
     # ------------------------------------------------------------------ sites
@@ -141,7 +141,7 @@ class MultiClassCVIStrategy(_VariationalStrategy):
             else:
                 self.site_lam1[indices] = lam1.to(self.site_lam1)
                 self.site_lam2[indices] = lam2.to(self.site_lam2)
-        self._version += 1
+        self._site_version += 1
         self._cache = None
 
     def site_bytes(self) -> int:
@@ -182,7 +182,7 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         }
 
     def _key(self):
-        return [self._version] + [p.detach().clone() for p in self.model.parameters()]
+        return [self._site_version] + [p.detach().clone() for p in self.model.parameters()]
 
     def posterior(self, force: bool = False) -> Tuple[MultiClassSitePosterior, dict]:
         """q from the current sites, cached while the sites and hyperparameters are unchanged
