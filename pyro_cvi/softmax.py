@@ -163,7 +163,9 @@ def _monte_carlo(mean, cov, num_samples, generator):
     resid = (eta.logsumexp(-1) - lse0 - (d * p0).sum(-1) - quad).mean(0)
     value = lse0 + 0.5 * (H0 * cov).sum((-2, -1)) + resid
     p = eta.detach().softmax(-1)
-    return LSEMoments(value, p.mean(0), _hess(p).mean(0))
+    pbar = p.mean(0)  # E[H] = diag(E p) - E[p p^T], without an [S, ..., K, K] intermediate
+    outer = torch.einsum("s...k,s...l->...kl", p, p) / p.shape[0]
+    return LSEMoments(value, pbar, torch.diag_embed(pbar) - outer)
 
 
 def _bound(mean, cov):

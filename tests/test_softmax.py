@@ -106,7 +106,7 @@ def test_site_targets_are_the_mean_parameter_gradients():
     _, lam1, lam2 = site_targets(y, n, w, m, mom)
     assert torch.allclose(lam2, gS, atol=2e-3)
     assert torch.allclose(lam1, gm - 2 * gS @ m, atol=5e-3)
-    assert float(torch.linalg.eigvalsh(lam2).max()) <= 0
+    assert float(torch.linalg.eigvalsh(lam2).max()) <= 1e-12  # NSD up to round-off
 
 
 # ------------------------------------------------------------------------------------------------

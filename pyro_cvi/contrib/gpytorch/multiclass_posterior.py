@@ -32,6 +32,17 @@ from .posterior import safe_cholesky
 __all__ = ["MultiClassSitePosterior"]
 
 
+def _coupled_gram(Phi: Tensor, W: Tensor, chunk: int = 1024) -> Tensor:
+    """``sum_n Phi_n^T W_n Phi_n`` as ``[K, M, K, M]``: for each class pair ``(k, l)`` the
+    matrix product ``Phi_k diag(W_:kl) Phi_l^T``, batched, in chunks of the data."""
+    K, M, N = Phi.shape
+    out = Phi.new_zeros(K, K, M, M)
+    for s in range(0, N, chunk):
+        ph, w = Phi[..., s : s + chunk], W[s : s + chunk].permute(1, 2, 0)  # [K, K, c]
+        out = out + (ph.unsqueeze(1) * w.unsqueeze(2)) @ ph.mT.unsqueeze(0)
+    return out.permute(0, 2, 1, 3)
+
+
 class MultiClassSitePosterior:
     """q(v) of K whitened GPs from coupled sites (module docstring).
 
@@ -50,7 +61,7 @@ class MultiClassSitePosterior:
         self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)  # [K, M, N]
         W = -(lam2 + lam2.mT)
         r = lam1 - (W @ prior_mean_X.mT.unsqueeze(-1)).squeeze(-1)  # [N, K]
-        P = torch.einsum("kin,nkl,ljn->kilj", self.Phi, W, self.Phi).reshape(K * M, K * M)
+        P = _coupled_gram(self.Phi, W).reshape(K * M, K * M)
         P = P + torch.eye(K * M, dtype=P.dtype, device=P.device)
         self.L_P = safe_cholesky(0.5 * (P + P.mT), "P = I + sum_n Phi_n^T W_n Phi_n")
         h = torch.einsum("kin,nk->ki", self.Phi, r).reshape(K * M, 1)
@@ -79,8 +90,8 @@ class MultiClassSitePosterior:
         covs = []
         for s in range(0, Phi_x.shape[-1], chunk):
             ph = Phi_x[..., s : s + chunk]  # [K, M, c]
-            Q = torch.einsum("kilj,ljn->kinl", S_v, ph)
-            covs.append(torch.einsum("kin,kinl->nkl", ph, Q))
+            B = S_v.permute(0, 2, 1, 3) @ ph.unsqueeze(0)  # [K, K, M, c] (batched matmuls)
+            covs.append((ph.unsqueeze(1) * B).sum(-2).permute(2, 0, 1))
         cov = torch.cat(covs, 0) if covs else mean.new_zeros(0, self.K, self.K)
         prior_part = kxx_diag - Phi_x.pow(2).sum(-2)  # [K, n]
         cov = cov + torch.diag_embed(prior_part.mT.clamp_min(0))
