@@ -8,7 +8,7 @@ conditional means ``g_n``, ``g_nk = m_k(x_n) + phi_nk^T v_k``, ``phi_nk = L_k^-1
 
     exp(lam1_n^T g_n + g_n^T lam2_n g_n),   W_n = -2 lam2_n  (K x K, PSD: classes coupled).
 
-The conjugate computation (Khan & Lin 2017, eq. 14, with K-variate pseudo-observations) is
+The conjugate computation (Khan & Lin 2017, eq. 14, with K-variate pseudo-observations) is::
 
     P = I + sum_n Phi_n^T W_n Phi_n     (KM x KM: P_(ki),(lj) = d + sum_n W_nkl phi_nki phi_nlj)
     h = sum_n Phi_n^T r_n,              r_n = lam1_n - W_n m(x_n),
