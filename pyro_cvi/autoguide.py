@@ -31,6 +31,7 @@ from .context import Options
 from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
+from .softmax import METHODS
 from .tracing import trace_model
 from .update import StepCounts
 
@@ -87,6 +88,10 @@ class AutoCVI(AutoGuide):
         :data:`pyro_cvi.distributed.WORLD` or a process group. Each rank passes its own shard
         of the data; the conjugate statistics are all-reduced every step, so every rank holds
         the exact full-batch ``q``.
+    :param softmax: expectations of softmax factors (Categorical logits affine in a Gaussian):
+        ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
+        (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
+        see :mod:`pyro_cvi.softmax`.
     """
 
     def __init__(
@@ -106,7 +111,10 @@ class AutoCVI(AutoGuide):
         discrete: str = "mean_field",
         init_scale: Optional[float] = None,
         process_group=None,
+        softmax: str = "cubature",
     ):
+        if softmax not in METHODS:
+            raise ValueError(f"softmax must be one of {METHODS}, got {softmax!r}")
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
         if init_sites not in ("laplace", "prior"):
@@ -136,6 +144,7 @@ class AutoCVI(AutoGuide):
             check_mode(discrete),
             init_scale,
             as_reducer(process_group),
+            softmax,
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -381,6 +390,7 @@ for _name in (
     "schedule",
     "vectorize_particles",
     "discrete",
+    "softmax",
 ):
     setattr(AutoCVI, _name, _option(_name))
 
