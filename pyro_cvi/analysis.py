@@ -77,6 +77,7 @@ class Factor:
     jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
     dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
     given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
+    plate: Optional[str] = None  # a subsampled plate it lies in (its sites change per minibatch)
 
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
@@ -175,6 +176,9 @@ class Analysis:
         with torch.enable_grad():
             self.structure = trace_model(model, {**fixed, **leaves}, args, kwargs)
         self.subsample = subsample_values(self.structure)
+        self.minibatch_plates = {
+            n for n, v in self.subsample.items() if len(v) < self.structure.nodes[n]["fn"].size
+        }
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
         self.deps = continuous_dependencies(self.structure, leaves)
@@ -311,6 +315,12 @@ class Analysis:
         kind_name = type(base).__name__
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
+        plate = self.minibatch_plate(site)
+        if plate is not None:
+            # its rows change with every minibatch: a damped stochastic message (doubly
+            # stochastic CVI) instead of rows or sites fitted to one minibatch
+            why = f"{kind_name} in subsampled plate {plate!r}: minibatch message (Bonnet/Price)"
+            return Factor(site, label, GENERAL, why, plate=plate)
         linked = linear_param(base)
         if linked is None:
             return Factor(site, label, GENERAL, f"{kind_name} is not a registered likelihood")
@@ -344,6 +354,13 @@ class Analysis:
             return Factor(site, label, CONJUGATE, why, name, A, dynamic)
         why = f"{kind_name} {link} = A z + c (probed, A: {R}x{D}); {R} sites"
         return Factor(site, label, LINEAR, why, name, A, dynamic)
+
+    def minibatch_plate(self, site: str) -> Optional[str]:
+        """The subsampled plate (``subsample_size < size``) that factor ``site`` lies in."""
+        for frame in self.structure.nodes[site]["cond_indep_stack"]:
+            if frame.name in self.minibatch_plates:
+                return frame.name
+        return None
 
     def _probes(self, block: BlockSpec):
         """Two model runs at joint random perturbations of the block's sites, shared by every

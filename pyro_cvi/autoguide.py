@@ -28,7 +28,7 @@ from pyro.infer.autoguide import AutoGuide
 from .analysis import LEAF_FORM, SITE
 from .context import Options
 from .engine import Engine
-from .tracing import trace_model
+from .tracing import subsample_values, trace_model
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
@@ -101,6 +101,7 @@ class AutoCVI(AutoGuide):
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
         self.engine: Optional[Engine] = None
+        self._minibatch_plates: set = set()
 
     # ------------------------------------------------------------------ counters
     @property
@@ -129,6 +130,11 @@ class AutoCVI(AutoGuide):
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        self._minibatch_plates = {
+            n
+            for n, v in subsample_values(self.prototype_trace).items()
+            if len(v) < self.prototype_trace.nodes[n]["fn"].size
+        }
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
         sub = self.draw_subsample(args, kwargs)
@@ -144,12 +150,18 @@ class AutoCVI(AutoGuide):
         return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
-        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
+        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the
+        guide's plates for those with latents; a fresh draw for observation-only plates
+        (vectorised or sequential), so every model run of a step sees the same minibatch."""
         frames = self._prototype_frames or {}
-        if not any((f.full_size or f.size) != f.size for f in frames.values()):
-            return {}
-        plates = self._create_plates(*args, **kwargs)
-        return {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+        out = {}
+        if any((f.full_size or f.size) != f.size for f in frames.values()):
+            plates = self._create_plates(*args, **kwargs)
+            out = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+        for name, node in self.prototype_trace.nodes.items():
+            if name not in out and name in self._minibatch_plates:
+                out[name] = node["fn"].sample()
+        return out
 
     def natural_params(self) -> Dict[str, torch.Tensor]:
         """The guide's CVI parameters (site and natural parameters) by param-store name."""
