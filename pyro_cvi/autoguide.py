@@ -138,7 +138,8 @@ class AutoCVI(AutoGuide):
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
         sub = self.draw_subsample(args, kwargs)
-        self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+        with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
+            self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
 
     def elbo(self, args, kwargs, grads: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural

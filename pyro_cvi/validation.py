@@ -51,9 +51,7 @@ def _broadcasts_into(shape, target) -> bool:
 
 
 def _sample_sites(tr: Trace):
-    return {
-        n: s["is_observed"] for n, s in tr.nodes.items() if is_random(s) and not per_index(s)
-    }
+    return {n: s["is_observed"] for n, s in tr.nodes.items() if is_random(s) and not per_index(s)}
 
 
 def per_index(site) -> bool:
