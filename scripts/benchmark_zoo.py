@@ -1,0 +1,266 @@
+"""The zoo benchmark: AutoCVI against Pyro's own guides on models from Pyro's tutorials/examples.
+
+For every model of ``tests/zoo`` (see ``tests/zoo/__init__.py``), in one process, back to back:
+
+* ``cvi``: ``SVI(model, AutoCVI(model), CVI(step_size), CVI_ELBO())`` for the entry's number of
+  steps (its ``step_size`` is the one that converges today; see the notes). Its wall time ``T``
+  is the budget of every baseline.
+* ``normal``: ``AutoNormal`` + Adam (``Trace_ELBO``; ``TraceEnum_ELBO`` with the discrete sites
+  enumerated where the model has any), trained for the same wall time ``T``, best of a small
+  learning-rate grid (each grid point gets ``T``).
+* ``mvn``: ``AutoMultivariateNormal`` + Adam, likewise, where the latent dimension is <= 300.
+* extra baselines of an entry (the hand-written guide of Pyro's sparse gamma DEF example).
+
+Every guide is then scored by ONE common estimator: the -ELBO of its bound estimated by
+``Trace_ELBO`` (``TraceEnum_ELBO`` for models with discrete latents; AutoCVI's guide samples
+its discrete sites, the baselines' are enumerated) with ``M`` calls of ``P`` particles, with its
+standard error; and by the entry's held-out metric where one exists (mean log predictive
+density of held-out points, nats, higher is better).
+
+Columns: ``model``; ``kinds``: CVI's q families and factor kinds found by its analysis (as in
+``guide.explain()``); ``cvi``: -ELBO +- se, and wall time; ``normal`` / ``mvn`` / ``extra``: the
+same for the baselines at equal wall time; ``heldout``: the held-out metric (cvi / best
+baseline); ``verdict``: ``better`` (CVI's -ELBO lower by more than 2 combined se), ``tie``
+(within 2 se), ``worse`` (with the reason, from ``REASONS`` or the numbers).
+
+    python scripts/benchmark_zoo.py [--quick] [--models coin lda] [--out results/benchmark_zoo.json]
+
+Timings are wall-clock on a shared machine, one torch thread, Pyro validation off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
+from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root: tests/zoo
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
+from tests.zoo import ZOO  # noqa: E402
+
+# Why CVI loses where it does (filled from measurements; see the notes of issue 10).
+REASONS = {}
+
+
+def _hide_discrete(model):
+    """The model with its enumerated discrete sites hidden from a baseline autoguide."""
+
+    def enumerated(msg):
+        return msg["type"] == "sample" and msg["infer"].get("enumerate") == "parallel"
+
+    return poutine.block(model, hide_fn=enumerated)
+
+
+def _elbo_cls(entry):
+    return TraceEnum_ELBO if entry.has_discrete else Trace_ELBO
+
+
+def _elbo(entry, **kw):
+    if entry.has_discrete:
+        return TraceEnum_ELBO(max_plate_nesting=3, **kw)
+    return Trace_ELBO(**kw)
+
+
+def evaluate(entry, guide, data, M: int, P: int):
+    """Common estimator: mean and standard error of the -ELBO over ``M`` calls of ``P``
+    particles, the same for every guide of a model."""
+    elbo = _elbo(entry, num_particles=P)
+    vals = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(M):
+            vals.append(elbo.loss(entry.model, guide, *data.args, **data.kwargs))
+    v = torch.tensor(vals, dtype=torch.float64)
+    ok = torch.isfinite(v)
+    if not bool(ok.all()):
+        return float("inf"), float("inf")
+    return float(v.mean()), float(v.std() / math.sqrt(M))
+
+
+def kinds(guide) -> str:
+    """CVI's q families and factor kinds, from its analysis (what explain() prints)."""
+    fams, facs = {}, {}
+    for name, info in guide.engine.analysis.latents.items():
+        fam = info.family.name if info.family is not None else "leaf"
+        key = f"{fam}/{info.form}"
+        fams[key] = fams.get(key, 0) + 1
+        for f in info.factors:
+            facs[f.kind] = facs.get(f.kind, 0) + 1
+    q = ", ".join(f"{k} x{v}" for k, v in fams.items())
+    return f"q: {q}; factors: " + ", ".join(f"{k} {v}" for k, v in facs.items())
+
+
+def run_cvi(entry, data, steps: int):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(entry.model, **entry.guide_kwargs)
+    svi = SVI(entry.model, guide, CVI(step_size=entry.step_size), CVI_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = svi.step(*data.args, **data.kwargs)
+        wall = time.perf_counter() - t0
+    return guide, wall, loss
+
+
+def run_adam(entry, data, make_guide, lr: float, budget: float, desc: str):
+    """Adam on ``make_guide(model)`` for ``budget`` seconds of wall time (set-up included)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = make_guide(entry)
+    elbo = _elbo(entry)
+    svi = SVI(entry.model, guide, pyro.optim.Adam({"lr": lr}), elbo)
+    steps, t0 = 0, time.perf_counter()
+    with warnings.catch_warnings(), tqdm(desc=desc, leave=False, unit="step") as bar:
+        warnings.simplefilter("ignore")
+        while time.perf_counter() - t0 < budget:
+            loss = svi.step(*data.args, **data.kwargs)
+            steps += 1
+            bar.update()
+            if not math.isfinite(loss):
+                break
+    return guide, time.perf_counter() - t0, steps
+
+
+def _init_kwargs(entry):
+    init = entry.guide_kwargs.get("init_loc_fn")
+    return {"init_loc_fn": init} if init is not None else {}
+
+
+def _normal(entry):
+    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    return AutoNormal(model, **_init_kwargs(entry))
+
+
+def _mvn(entry):
+    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    return AutoMultivariateNormal(model, **_init_kwargs(entry))
+
+
+def _latent_dim(guide) -> int:
+    return sum(
+        int(info.event_shape.numel() * torch.Size(info.batch_shape).numel())
+        for info in guide.engine.analysis.latents.values()
+        if info.family is None or not info.family.is_discrete
+    )
+
+
+def bench(name, entry, quick: bool, lrs, M: int, P: int):
+    data = entry.data()
+    steps = max(3, entry.steps // 4) if quick else entry.steps
+    guide, wall, _ = run_cvi(entry, data, steps)
+    row = {"model": name, "source": entry.source, "kinds": kinds(guide), "cvi_steps": steps}
+    row["cvi"] = dict(zip(("elbo", "se"), evaluate(entry, guide, data, M, P)), time=wall)
+    if entry.heldout is not None:
+        row["cvi"]["heldout"] = entry.heldout(entry.model, guide, data)
+    makers = {"normal": _normal}
+    if _latent_dim(guide) <= 300:
+        makers["mvn"] = _mvn
+    for extra, factory in entry.baselines.items():
+        makers[extra] = lambda e, factory=factory: factory(e.model)
+    for base, make in makers.items():
+        best = None
+        for lr in lrs:
+            try:
+                g, t, n = run_adam(entry, data, make, lr, wall, f"{name}/{base}/lr={lr}")
+                res = dict(zip(("elbo", "se"), evaluate(entry, g, data, M, P)))
+                res.update(time=t, steps=n, lr=lr)
+                if entry.heldout is not None and math.isfinite(res["elbo"]):
+                    res["heldout"] = entry.heldout(entry.model, g, data)
+            except Exception as e:  # a baseline that cannot run is reported, not fatal
+                res = {"elbo": float("inf"), "se": 0.0, "time": wall, "error": repr(e)[:200]}
+            if best is None or res["elbo"] < best["elbo"]:
+                best = res
+        row[base] = best
+    row["verdict"], row["reason"] = verdict(name, row, list(makers))
+    return row
+
+
+def verdict(name, row, bases):
+    cvi = row["cvi"]
+    best_name = min(bases, key=lambda b: row[b]["elbo"])
+    best = row[best_name]
+    if not math.isfinite(best["elbo"]):
+        return "better", "no baseline produced a finite bound"
+    se = math.sqrt(cvi["se"] ** 2 + best["se"] ** 2)
+    diff = cvi["elbo"] - best["elbo"]
+    if diff < -2 * se:
+        return "better", f"{-diff:.3g} nats below {best_name}"
+    if diff <= 2 * se:
+        return "tie", f"within 2 se ({diff:+.3g} vs se {se:.2g}) of {best_name}"
+    return "worse", REASONS.get(name, f"{diff:.3g} nats above {best_name} (se {se:.2g})")
+
+
+def _fmt(r):
+    if r is None:
+        return "-"
+    if not math.isfinite(r["elbo"]):
+        return "failed"
+    return f"{r['elbo']:.2f}+-{r['se']:.2f} ({r['time']:.1f}s)"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps and particles (< 2 min)")
+    p.add_argument("--models", nargs="*", default=None, help="zoo names (default: all)")
+    p.add_argument("--out", default=str(ROOT / "results" / "benchmark_zoo.json"))
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    pyro.enable_validation(False)
+    names = a.models or list(ZOO)
+    lrs = (0.05,) if a.quick else (0.01, 0.05)
+    M, P = (10, 10) if a.quick else (50, 20)
+    rows = []
+    for name in tqdm(names, desc="zoo"):
+        rows.append(bench(name, ZOO[name], a.quick, lrs, M, P))
+        r = rows[-1]
+        tqdm.write(f"{name}: cvi {_fmt(r['cvi'])} normal {_fmt(r['normal'])} -> {r['verdict']}")
+    head = f"{'model':32s} {'cvi -ELBO (time)':>24s} {'AutoNormal':>24s} {'AutoMVN':>24s} verdict"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        extra = [k for k in r if k not in ("model", "source", "kinds", "cvi_steps", "cvi",
+                                           "normal", "mvn", "verdict", "reason")]
+        print(
+            f"{r['model']:32s} {_fmt(r['cvi']):>24s} {_fmt(r['normal']):>24s} "
+            f"{_fmt(r.get('mvn')):>24s} {r['verdict']}: {r['reason']}"
+        )
+        for k in extra:
+            print(f"{'':32s} {k}: {_fmt(r[k])}")
+        if "heldout" in r["cvi"]:
+            hb = {b: r[b].get("heldout") for b in ("normal", "mvn") if b in r}
+            hb = ", ".join(f"{b} {v:.3f}" for b, v in hb.items() if v is not None)
+            print(f"{'':32s} held-out lpd: cvi {r['cvi']['heldout']:.3f}; {hb}")
+        print(f"{'':32s} {r['kinds']}")
+    ok = [r for r in rows if r["verdict"] in ("better", "tie")]
+    worse = [f"{r['model']} ({r['reason']})" for r in rows if r["verdict"] == "worse"]
+    line = (
+        f"CVI was no worse than the best baseline at equal wall time on {len(ok)} of "
+        f"{len(rows)} zoo models"
+        + (f"; worse on: {'; '.join(worse)}." if worse else ".")
+    )
+    print(line)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"quick": a.quick, "M": M, "P": P, "lrs": lrs, "python": platform.python_version(),
+            "torch": torch.__version__, "pyro": pyro.__version__}
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": line}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
