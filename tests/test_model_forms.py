@@ -133,7 +133,7 @@ def test_deterministic_factor_kwargs_and_predictive_means():
     assert torch.allclose(q.covariance_matrix, cov, atol=1e-10)
     assert_loss_is_bound(regression_with_extras, guide, svi, args, M=50, kwargs=kwargs)
     # posterior predictive (y=None: obs is sampled): "mean" is X w, so its average is X E_q[w]
-    S = 1000
+    S = 500
     pred = Predictive(regression_with_extras, guide=guide, num_samples=S)(x, None, 7, **kwargs)
     assert pred["w"].shape == (S, 1, 2) and pred["obs"].shape == (S, N)
     for site in ("mean", "obs"):
@@ -172,10 +172,10 @@ REPARAMS = {
 def test_poutine_reparam_models_run_and_report_their_bound(which):
     _, y = _data()
     model = REPARAMS[which]
-    guide, svi = _fit(model, y[:12], step=0.2, steps=30)
+    guide, svi = _fit(model, y[:12], step=0.2, steps=15)
     new_site = {"loc_scale": "theta_decentered", "transform": "theta_base"}[which]
     assert "theta" not in guide.median() and new_site in guide.median()
-    assert_loss_is_bound(model, guide, svi, (y[:12],), M=60)
+    assert_loss_is_bound(model, guide, svi, (y[:12],), M=30)
 
 
 def markov_chain(y):
@@ -240,13 +240,13 @@ def test_sequential_subsampled_plate_estimates_the_full_bound():
         for i in pyro.plate("data", len(x), subsample_size=6):
             pyro.sample(f"obs_{i}", dist.Normal(w[0] + w[1] * x[i], 0.5), obs=y[i])
 
-    guide, svi = _fit(model, x, y, step=0.3, steps=40)
+    guide, svi = _fit(model, x, y, step=0.3, steps=25)
     X = torch.stack([torch.ones_like(x), x], 1)
     mean, cov = _blr(X, y, torch.full((2,), 0.01, dtype=F64), 0.5)
     q = guide.posterior("w")
     # a stochastic approximation: near the full posterior mean (well within its spread)
     assert ((q.loc - mean).abs() < 3 * cov.diagonal().sqrt()).all(), (q.loc, mean)
-    assert_loss_is_bound(model, guide, svi, (x, y), M=60, cvi_repeats=60)
+    assert_loss_is_bound(model, guide, svi, (x, y), M=40, cvi_repeats=40)
 
 
 # --------------------------------------------------------------------------- guide duties
