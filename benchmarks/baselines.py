@@ -18,6 +18,7 @@ tutorial (``tutorials/logistic_regression.ipynb``):
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
@@ -325,7 +326,7 @@ def plain_cvi_logreg(
     num_points: int = 32,
     num_samples: Optional[int] = None,
     return_covariance: bool = True,
-    progress: bool = False,
+    progress: Union[bool, str] = False,
 ) -> LogRegFit:
     """CVI for Bayesian logistic regression as a sequence of Bayesian linear regressions.
 
@@ -428,7 +429,7 @@ def run_svi_checkpoints(
     checkpoint_every: Union[int, Callable[[int], bool]] = 10,
     time_limit: Optional[float] = None,
     kwargs: Optional[dict] = None,
-    progress: bool = False,
+    progress: Union[bool, str] = False,
     start_seconds: float = 0.0,
 ) -> Tuple[List[Checkpoint], List[float]]:
     """Run ``svi.step(*args)`` and snapshot ``q`` at checkpoints.
@@ -463,7 +464,8 @@ def run_svi_checkpoints(
     if progress:
         from tqdm.auto import tqdm
 
-        pbar = tqdm(total=num_iters)
+        desc = progress if isinstance(progress, str) else None
+        pbar = tqdm(total=num_iters, desc=desc, leave=False, mininterval=0.5, file=sys.stderr)
     take(0)
     i = 0
     for i in range(1, num_iters + 1):
@@ -519,7 +521,7 @@ def pyro_adam_logreg(
     time_limit: Optional[float] = None,
     init_scale: float = 0.1,
     seed: Optional[int] = 0,
-    progress: bool = False,
+    progress: Union[bool, str] = False,
 ) -> LogRegFit:
     """Pyro's standard recipe: ``SVI(model, AutoMultivariateNormal(model), Adam(lr), Trace_ELBO)``.
 

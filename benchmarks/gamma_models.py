@@ -228,9 +228,11 @@ class History:
 
 
 def _timed(step, metric, iters: int, every: int, name: str, time_limit: Optional[float]):
+    from benchmarks.reporting import progress
+
     h = History(name)
     elapsed = 0.0
-    for i in range(1, iters + 1):
+    for i in progress(range(1, iters + 1), name, total=iters, mininterval=0.5):
         t0 = time.perf_counter()
         loss = step()
         elapsed += time.perf_counter() - t0

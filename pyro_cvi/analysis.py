@@ -32,8 +32,7 @@ import torch
 
 from . import probes
 from .factor_roles import FactorSpec, analyze_factor
-from .families import ExponentialFamily, family_for_support
-from .families.transformed import UnconstrainedGaussian
+from .families import ExponentialFamily, choose_family
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -128,17 +127,6 @@ class BlockSpec:
         return torch.cat([values[n].reshape(-1) for n in self.names])
 
 
-def _unconstrained(fn) -> Optional[ExponentialFamily]:
-    """A Gaussian on the unconstrained space for a continuous support with a bijection."""
-    support = fn.support
-    if support.is_discrete:
-        return None
-    try:
-        return UnconstrainedGaussian(support, fn.event_shape)
-    except NotImplementedError:
-        return None
-
-
 class Analysis:
     """Classifies a model's latents and factors for CVI (see the module docstring).
 
@@ -147,24 +135,43 @@ class Analysis:
     :param covariance: ``"full"`` or ``"diag"`` Gaussians.
     """
 
-    def __init__(self, model: Callable, args, kwargs, prototype_trace, covariance: str = "full"):
+    def __init__(
+        self,
+        model: Callable,
+        args,
+        kwargs,
+        prototype_trace,
+        covariance: str = "full",
+        families: Optional[Dict[str, str]] = None,
+    ):
         self.model, self.args, self.kwargs = model, args, kwargs
         proto = prototype_trace
         self.values: Dict[str, torch.Tensor] = {
             n: s["value"].detach() for n, s in proto.iter_stochastic_nodes() if is_random(s)
         }
+        families = dict(families or {})
+        unknown = sorted(set(families) - set(self.values))
+        if unknown:
+            raise ValueError(
+                f"AutoCVI(families=...) names {unknown}, which are not latent sites of the "
+                f"model; latent sites: {list(self.values)}"
+            )
         self.families: Dict[str, ExponentialFamily] = {}
+        #: sites whose q is the unconstrained-Gaussian fallback, and why
+        self.fallback: Dict[str, str] = {}
         unsupported: Dict[str, ValueError] = {}
         for name in self.values:
             fn = proto.nodes[name]["fn"]
             try:
-                self.families[name] = family_for_support(fn.support, fn.event_shape, covariance)
+                fam, why = choose_family(fn.support, fn.event_shape, covariance, families.get(name))
             except ValueError as e:
-                fallback = _unconstrained(fn)
-                if fallback is None:
-                    unsupported[name] = e
-                else:
-                    self.families[name] = fallback
+                if name in families:
+                    raise ValueError(f"latent site {name!r}: {e}") from None
+                unsupported[name] = e
+                continue
+            self.families[name] = fam
+            if why is not None:
+                self.fallback[name] = why
         self.discrete = {n for n, f in self.families.items() if f.is_discrete}
         self.continuous = {
             n for n, v in self.values.items() if n not in self.discrete and v.is_floating_point()
@@ -433,6 +440,7 @@ class Analysis:
                 lines.extend(f.describe() for f in block.factors)
                 continue
             fam = info.family.name if info.family is not None else "conditional prior"
-            lines.append(f"# {name}: q = {fam} ({info.form} form)")
+            why = f"; {self.fallback[name]}" if name in self.fallback else ""
+            lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
             lines.extend(f.describe() for f in info.factors)
         return "\n".join(lines)

@@ -28,6 +28,7 @@ from pyro.infer.autoguide import AutoGuide
 from .analysis import LEAF_FORM, SITE
 from .context import Options
 from .engine import Engine
+from .families import FAMILY_NAMES
 from .tracing import subsample_values, trace_model
 from .update import StepCounts
 
@@ -61,6 +62,10 @@ class AutoCVI(AutoGuide):
         factors and ``step_size=1``, ``"sequential"`` is CAVI and the ELBO never decreases.
     :param init_loc_fn: optional Pyro init strategy (e.g. ``init_to_value``) for natural-form
         sites: ``q`` starts with its mean there instead of at the prior (to break symmetries).
+    :param families: ``{site: name}`` to choose a site's ``q`` family: ``"gaussian"`` puts a
+        Gaussian on the unconstrained space of ``biject_to(support)`` (e.g. on ``log sigma``
+        for a positive site instead of the native Gamma); a native name (``"gamma"``,
+        ``"beta"``, ...) must match the support. ``explain()`` names the fallback sites.
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
     """
@@ -78,6 +83,7 @@ class AutoCVI(AutoGuide):
         schedule="parallel",
         init_loc_fn: Optional[Callable] = None,
         vectorize_particles: bool = False,
+        families: Optional[Dict[str, str]] = None,
     ):
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
@@ -88,6 +94,11 @@ class AutoCVI(AutoGuide):
                 f"schedule must be 'parallel', 'sequential' or a list of latent site names, "
                 f"got {schedule!r}"
             )
+        bad = {k: v for k, v in (families or {}).items() if v not in FAMILY_NAMES}
+        if bad:
+            raise ValueError(
+                f"AutoCVI(families={bad}): unknown family name; use one of {FAMILY_NAMES}"
+            )
         super().__init__(model, create_plates=create_plates)
         self.options = Options(
             covariance,
@@ -97,6 +108,7 @@ class AutoCVI(AutoGuide):
             init_sites,
             schedule,
             vectorize_particles,
+            dict(families or {}),
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -121,6 +133,12 @@ class AutoCVI(AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def num_backtracks(self) -> int:
+        """Steps undone by the adaptive step control (``CVI()``, ``step_size="auto"``)."""
+        control = self.engine.control if self.engine is not None else None
+        return 0 if control is None else control.num_backtracks
 
     @property
     def param_prefix(self) -> str:

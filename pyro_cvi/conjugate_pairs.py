@@ -20,9 +20,9 @@ const       no continuous latent parent (discrete parents are      the value its
 monomial    ``theta = c * z1[e1] * z2[e2] ...`` for Gamma latents  ``E[theta]``: model run at
             (affine *and* log-affine in each parent, probed)       ``E z``; ``E[log theta]``:
                                                                    run at ``exp(E log z)``
-affine      ``theta = sum_g A_g z_g + b`` for Gaussian latents      ``E[theta]``: run at the
+affine      ``theta = sum_g A_g z_g + b`` for Gaussian latents     ``E[theta]``: run at the
             (joint affinity probed; ``A`` by autograd)             means; ``Var = A Sigma A^T``
-identity    ``theta = z[idx]`` for one Beta / Dirichlet latent      ``E[log theta]`` gathered
+identity    ``theta = z[idx]`` for one Beta / Dirichlet latent     ``E[log theta]`` gathered
             (``idx`` found and confirmed by tagging)               from ``mu``
 ==========  =====================================================  =========================
 

@@ -27,6 +27,9 @@ class Options:
     init_sites: str = "laplace"
     schedule: Any = "parallel"
     vectorize_particles: bool = False
+    #: ``{site: family name}`` overrides of the q family (``"gaussian"``: on the unconstrained
+    #: space), see :func:`~pyro_cvi.families.choose_family`
+    families: Optional[Dict[str, str]] = None
 
 
 @dataclass
@@ -42,3 +45,14 @@ class StepContext:
     grads: bool = False
     #: identifies the data (the arguments' identities, versions and shapes)
     data_key: Any = None
+    #: the variance of the loss's Monte Carlo part (``None``: the loss is exact), summed over
+    #: the Monte Carlo estimators that ran (for the step control, :mod:`~pyro_cvi.step_control`)
+    mc_var: Optional[float] = None
+    #: the ELBO value of the loss computed in this context (set by the engine)
+    elbo: Optional[float] = None
+
+    def add_mc_samples(self, values: torch.Tensor) -> None:
+        """Record the i.i.d. per-sample values whose mean is a Monte Carlo term of the loss."""
+        values = values.detach().reshape(-1)
+        var = float(values.var()) / values.numel() if values.numel() > 1 else float("inf")
+        self.mc_var = (self.mc_var or 0.0) + var

@@ -33,6 +33,7 @@ from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
 from .expectations import site_weight
 from .mean_field import compute
+from .step_control import Snapshot, StepControl, is_numerical_error
 from .tracing import is_random, trace_model
 from .update import StepCounts
 from .validation import check_observations, per_index
@@ -77,6 +78,8 @@ class Engine:
         self.cache: Dict = {}
         self.counts = StepCounts()
         self.data_key = None
+        #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
+        self.control: Optional[StepControl] = None
         self.steps_name = f"{prefix}.num_steps"
 
     # ------------------------------------------------------------------ set-up
@@ -106,7 +109,14 @@ class Engine:
                 block.refresh(ctx)
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
-        an = Analysis(self.model, args, kwargs, prototype_trace, self.options.covariance)
+        an = Analysis(
+            self.model,
+            args,
+            kwargs,
+            prototype_trace,
+            self.options.covariance,
+            self.options.families,
+        )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
         # the sample sites, and which are observed (the analysis trace conditions the latents)
@@ -129,15 +139,13 @@ class Engine:
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
         self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
-        self._static = not self.natural and not any(
-            s["type"] == "param"
-            or (
-                s["type"] == "sample"
-                and s["name"] in an.subsample
-                and s["fn"].subsample_size not in (None, s["fn"].size)
-            )
+        self.minibatch = any(
+            s["type"] == "sample"
+            and s["name"] in an.subsample
+            and s["fn"].subsample_size not in (None, s["fn"].size)
             for s in an.structure.nodes.values()
         )
+        self._static = not self.natural and not self.minibatch and not self._has_params
         self._static_trace = None
 
     def block_of(self, name: str) -> GaussianBlock:
@@ -245,7 +253,85 @@ class Engine:
         ``torch.no_grad()`` as in ``SVI.evaluate_loss``: quadrature and the mean-field
         messages differentiate expectations.)"""
         with torch.enable_grad():
-            return self._loss(args, kwargs, subsample, grads)
+            if grads and self.control is not None:
+                return self._controlled_loss(args, kwargs, subsample)
+            try:
+                return self._loss(args, kwargs, subsample, grads)
+            except (ValueError, RuntimeError, FloatingPointError) as e:
+                if not is_numerical_error(e) or not grads:
+                    raise
+                raise ValueError(
+                    "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
+                    f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
+                    "CVI() (step_size='auto'), which undoes and shrinks such steps, or a "
+                    "smaller step_size."
+                ) from e
+
+    # ------------------------------------------------------------------ step control
+    def _param_values(self) -> Dict[str, torch.Tensor]:
+        return {n: pyro.param(n).unconstrained().detach().clone() for n in self.param_names()}
+
+    def _restore(self, values: Dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, v in values.items():
+                pyro.param(n).unconstrained().copy_(v)
+        for block in self.gaussian:
+            block.forget()
+
+    def enable_control(self, max_beta: float, state: Optional[Dict] = None) -> StepControl:
+        """Switch on the adaptive step (:mod:`~pyro_cvi.step_control`); the pending loss's
+        point becomes the first accepted one (or ``state`` is restored, from a checkpoint)."""
+        if self.control is None:
+            self.control = StepControl(max_beta=max_beta)
+            if state is not None:
+                self.control.load(state)
+                return self.control
+            ctx = self.pending
+            self.control.start(ctx is not None and ctx.mc_var is not None)
+            if ctx is not None and ctx.elbo is not None:
+                snap = Snapshot(self._param_values(), ctx.elbo, ctx.mc_var)
+                self.control.accepted(snap, comparable=not (ctx.subsample or self.minibatch))
+        return self.control
+
+    def _controlled_loss(self, args, kwargs, subsample) -> torch.Tensor:
+        """The loss with the backtracking of :mod:`~pyro_cvi.step_control`: a point worse
+        than the last accepted one (beyond its noise), non-finite, or numerically invalid is
+        undone: the parameters are restored and re-evaluated, and ``beta`` is halved."""
+        c = self.control
+        comparable = not (subsample or self.minibatch)
+        try:
+            elbo = self._loss(args, kwargs, subsample, True)
+            value, var = float(elbo.detach()), self.pending.mc_var
+            ok, error = c.accepts(value, var, comparable), None
+        except (ValueError, RuntimeError, FloatingPointError) as e:
+            if not is_numerical_error(e):
+                raise
+            ok, error, value = False, e, float("nan")
+        if ok:
+            c.accepted(Snapshot(self._param_values(), value, var), comparable)
+            return elbo
+        if c.snapshot is None:
+            raise FloatingPointError(
+                "AutoCVI: the ELBO of the initial q is not finite"
+                + (f" ({str(error).splitlines()[0][:200]})" if error else "")
+                + ". Check the model's priors and data, or start q elsewhere with init_loc_fn."
+            )
+        self._restore(c.snapshot.values)
+        beta = c.rejected()
+        self._warn_backtrack(beta, error)
+        return self._loss(args, kwargs, subsample, True)
+
+    def _warn_backtrack(self, beta: float, error) -> None:
+        labels = [b.spec.label for b in self.gaussian] + list(self.natural)
+        why = "a numerical failure" if error is not None else "a worse ELBO"
+        warnings.warn(
+            f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "
+            f"with a smaller step size (now {beta:.3g}; counted in guide.num_backtracks). If "
+            "this repeats, raise num_general_samples (Monte Carlo noise) or cap the step with "
+            "CVI(max_step_size=...).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads)
@@ -269,6 +355,7 @@ class Engine:
                     for p, t in zip(nb.params(), target):
                         p.grad = (t - p.detach()).detach()
         self.pending = ctx if grads else None
+        ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params else elbo.detach()
 
@@ -297,11 +384,34 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ the step
-    def step(self, beta: float) -> None:
-        """Apply the pending step (the last loss computed with gradients) with step size beta."""
+    def step(self, beta: Optional[float]) -> None:
+        """Apply the pending step (the last loss computed with gradients) with step size beta
+        (``None``: the adaptive step of :attr:`control`, see :meth:`enable_control`)."""
         ctx, self.pending = self.pending, None
         if ctx is None:
             return
+        if beta is None:
+            beta = self.control.step_size(minibatch=bool(ctx.subsample) or self.minibatch)
+            try:
+                self._step(ctx, beta)
+            except (ValueError, RuntimeError, FloatingPointError) as e:
+                if not is_numerical_error(e) or self.control.snapshot is None:
+                    raise
+                self._restore(self.control.snapshot.values)
+                self._warn_backtrack(self.control.rejected(), e)
+            return
+        try:
+            self._step(ctx, beta)
+        except (ValueError, RuntimeError, FloatingPointError) as e:
+            if not is_numerical_error(e):
+                raise
+            raise ValueError(
+                f"AutoCVI: a CVI step of size {beta:g} failed numerically "
+                f"({str(e).splitlines()[0][:200]}). Use the adaptive default CVI() "
+                "(step_size='auto'), which undoes and shrinks such steps, or a smaller step_size."
+            ) from e
+
+    def _step(self, ctx: StepContext, beta: float) -> None:
         if self.options.schedule != "parallel" and self.natural:
             self._sweep(ctx, beta)
         else:

@@ -125,7 +125,7 @@ def linear_predictor_message(
     return f.sum().detach(), target  # (no graph to keep: no backward pass for it)
 
 
-def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
+def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int, on_samples=None):
     """Bonnet/Price estimate of ``grad_mu E_q[f(z)]`` for a Gaussian ``q = N(loc, L L^T)``.
 
     ``g = E[grad f]``, ``G = E[hess f] / 2`` (Opper & Archambeau, eq. 29), with antithetic pairs
@@ -134,7 +134,7 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
     parameters are ``(g - 2 G m, G)``; returned in precision form ``(h, P) = (g + P m, -2 G)``.
     ``log_joint(z)`` returns ``(f, v)``: ``f`` for autograd in ``z``, and ``v`` the part of it
     whose Monte Carlo average is returned as the ELBO value (it keeps its graph to
-    hyperparameters).
+    hyperparameters). ``on_samples``, if given, receives the i.i.d. per-pair values of ``v``.
     """
     D = loc.numel()
     half = max(1, num_samples // 2)
@@ -142,7 +142,7 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
     eps = torch.cat([eps, -eps], 0)
     g_sum = torch.zeros(D, dtype=loc.dtype, device=loc.device)
     H_sum = torch.zeros(D, D, dtype=loc.dtype, device=loc.device)
-    value = 0.0
+    values = []
     for e in eps:
         z = (loc + scale_tril @ e).detach().requires_grad_(True)
         with torch.enable_grad():
@@ -151,9 +151,12 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int):
             H = jacobian(g.reshape(-1), z)
         g_sum += g.detach().reshape(-1)
         H_sum += 0.5 * (H + H.T).detach()
-        value = value + v
+        values.append(v)
     S = eps.shape[0]
     g, H = g_sum / S, H_sum / S
     P = -H
     h = g + P @ loc
-    return value / S, h, P
+    if on_samples is not None:  # the antithetic pairs' means are the i.i.d. samples
+        pairs = torch.stack([torch.as_tensor(v).detach() for v in values]).reshape(2, -1)
+        on_samples(pairs.mean(0))
+    return sum(values) / S, h, P

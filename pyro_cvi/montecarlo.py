@@ -52,7 +52,7 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
             f"it ({e}). Write the model with broadcasting operations (e.g. (Z.unsqueeze(-1) * "
             "W).sum(-2) rather than Z @ W), or use vectorize_particles=False."
         ) from e
-    total = 0.0
+    total, per = 0.0, 0.0
     room = P + 1 + (len(tr.nodes[next(iter(an.discrete))]["value"].shape) - P if an.discrete else 0)
     for spec in general:
         site = tr.nodes[spec.site]
@@ -68,8 +68,11 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
         w = discrete_weight(spec, tr, q)
         if w is not None:
             lp = lp * w
-        lp = site_weight(site, lp).sum() / S
-        total = total + lp
+        lp = site_weight(site, lp)
+        d = lp.dim() - 1 - P  # the particle dim
+        per = per + lp.detach().transpose(0, d).reshape(lp.shape[d], -1).sum(-1)
+        total = total + lp.sum() / S
+    ctx.add_mc_samples(per)
     return total
 
 
@@ -92,6 +95,7 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
     if S > 1 and options.vectorize_particles and not pushed:
         total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists)
+    per = []
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
         vals = {k: v.detach() for k, v in vals.items()}
@@ -107,16 +111,20 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
                 vals.update(block.spec.split(block.joint().sample()))
         tr = run_model(ctx.model, vals, ctx.args, ctx.kwargs, an.enum_dims)
         first = tr if first is None else first
+        one = 0.0
         for n, t in ladj.items():
-            total = total + site_weight(tr.nodes[n], t).sum() / S
+            one = one + site_weight(tr.nodes[n], t).sum()
         for spec in general:
             site = tr.nodes[spec.site]
             lp = site["fn"].log_prob(site["value"])
             w = discrete_weight(spec, tr, q)
             if w is not None:
                 lp = lp * w
-            lp = site_weight(site, lp).sum()
-            total = total + lp / S
+            one = one + site_weight(site, lp).sum()
+        total = total + one / S
+        per.append(torch.as_tensor(one).detach())
+    if per:
+        ctx.add_mc_samples(torch.stack(per))
     grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
     targets = [n for n in want if n in lam_leaves] + [
         n for n in want if n in an.discrete and n in lat

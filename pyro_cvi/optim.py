@@ -12,6 +12,7 @@ user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Iterable, Optional, Type, Union
 
 import pyro
@@ -36,28 +37,46 @@ _AUTOGUIDE_PREFIXES = (
 class CVI(PyroOptim):
     """Conjugate-computation variational inference optimizer.
 
-    :param step_size: ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
-        :mod:`pyro_cvi.step_sizes`).
+    :param step_size: ``"auto"`` (default): the adaptive step of :mod:`pyro_cvi.step_control`
+        (backtracking on the ELBO, shrinking on numerical failure, damping under Monte Carlo
+        noise; ``beta`` starts at 1 for exact losses, 0.5 with Monte Carlo terms). Or a fixed
+        ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
+        :mod:`pyro_cvi.step_sizes`), applied as given (only shrunk to keep ``q`` valid).
+    :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
     :param optim: torch optimizer class for every non-CVI parameter (default ``torch.optim.Adam``).
     :param optim_args: its arguments (default ``{"lr": 0.01}``).
     """
 
     def __init__(
         self,
-        step_size: Union[float, Schedule] = 0.5,
+        step_size: Union[float, str, Schedule] = "auto",
         optim: Type[torch.optim.Optimizer] = torch.optim.Adam,
         optim_args: Optional[Union[Dict, Callable]] = None,
+        max_step_size: float = 1.0,
     ):
-        self.schedule = as_schedule(step_size)
+        self.auto = isinstance(step_size, str)
+        if self.auto and step_size != "auto":
+            raise ValueError(f"step_size must be 'auto', a number or a callable, got {step_size!r}")
+        self.max_step_size = float(as_schedule(max_step_size)(1))
+        self.schedule = as_schedule(self.max_step_size if self.auto else step_size)
         if not callable(step_size):
             self.schedule(1)  # validates the constant
         self.t = 0
+        self.engines: Dict[int, object] = {}
+        self.saved_controls: Dict[str, Dict] = {}  # from set_state, until the engines appear
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
     def step_size(self) -> float:
-        """The step size the next step will use."""
+        """The step size the next step will use (``"auto"``: the current adaptive ``beta`` of
+        the last engine stepped, before its minibatch decay)."""
+        if self.auto:
+            betas = [e.control.beta for e in self._live() if e.control is not None]
+            return float(betas[-1]) if betas else self.max_step_size
         return float(self.schedule(self.t + 1))
+
+    def _live(self):
+        return [e for e in (r() for r in self.engines.values()) if e is not None]
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         engines, others = {}, []
@@ -77,13 +96,21 @@ class CVI(PyroOptim):
                 "CVI_ELBO, e.g. SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO())"
             )
         self.t += 1
-        beta = float(self.schedule(self.t))
-        if not 0.0 < beta <= 1.0:
-            raise ValueError(
-                f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
-            )
-        for engine in engines.values():
-            engine.step(beta)
+        if self.auto:
+            for key, engine in engines.items():
+                self.engines[key] = weakref.ref(engine)
+                engine.enable_control(
+                    self.max_step_size, self.saved_controls.pop(engine.prefix, None)
+                )
+                engine.step(None)
+        else:
+            beta = float(self.schedule(self.t))
+            if not 0.0 < beta <= 1.0:
+                raise ValueError(
+                    f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
+                )
+            for engine in engines.values():
+                engine.step(beta)
         others = [p for p in others if p.grad is not None]
         if others:
             super().__call__(others, *args, **kwargs)
@@ -91,6 +118,9 @@ class CVI(PyroOptim):
     def get_state(self) -> Dict:
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
+        controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
+        if controls:
+            state["__cvi__"]["control"] = controls
         return state
 
     def set_state(self, state_dict: Dict) -> None:
@@ -98,6 +128,7 @@ class CVI(PyroOptim):
         cvi = state_dict.pop("__cvi__", None)
         if cvi is not None:
             self.t = int(cvi["t"])
+            self.saved_controls = dict(cvi.get("control", {}))
         super().set_state(state_dict)
 
 

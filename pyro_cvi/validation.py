@@ -13,10 +13,18 @@ __all__ = ["check_observations", "check_structure", "per_index"]
 def check_observations(trace: Trace, prototype) -> None:
     """Raise ``ValueError`` for non-finite observations or a model whose sites changed."""
     check_structure(trace, prototype)
+    latent = {n for n, obs in prototype.items() if not obs} if isinstance(prototype, dict) else ()
     for name, site in trace.nodes.items():
         if not is_random(site) or not site["is_observed"]:
             continue
         v = site["value"]
+        if name in latent:  # a latent conditioned on q's value: q itself went bad
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise FloatingPointError(
+                    f"latent site {name!r} got a non-finite value from q: the CVI step was "
+                    "too long. Use the adaptive CVI() (step_size='auto') or a smaller step_size."
+                )
+            continue
         if not torch.is_tensor(v):
             continue
         expected = site["fn"].shape()

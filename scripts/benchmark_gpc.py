@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import math
 import multiprocessing as mp
 import os
@@ -58,6 +57,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+from benchmarks.reporting import (  # noqa: E402
+    Table,
+    absurd_value,
+    fmt,
+    fmt_reach,
+    progress,
+    reach_phrase,
+    reached_then_left,
+    write_results,
+)
 
 TOLERANCE_NATS = 0.5
 
@@ -331,36 +340,88 @@ def summarise(runs: List[dict]) -> dict:
     return {"reference_nelbo": ref, "best": best, "all_runs": runs}
 
 
-def fmt(x, spec):
-    return "-" if x is None else format(x, spec)
+COLUMNS = [
+    (
+        "method",
+        "cvi: CVIOptimizer on the full CVIVariationalStrategy; ngd: GPyTorch NGD on "
+        "NaturalVariationalDistribution; adam: GPyTorch Adam on CholeskyVariationalDistribution; "
+        "cvi-sparse: CVI with M inducing points (its -ELBO is a looser bound, not the target)",
+    ),
+    ("lr/step", "the step size or learning rate of the method's best run of the grid"),
+    (
+        "iters",
+        "iterations until the -ELBO is within 0.5 nat of the converged -ELBO (the best "
+        "final -ELBO of the full methods); 'never': not within the run",
+    ),
+    ("time(s)", "seconds until then"),
+    ("s/iter", "seconds per iteration"),
+    ("-ELBO", "final -ELBO (GPyTorch VariationalELBO x N, nats, lower is better)"),
+    ("logloss", "test log-loss in bits per point (lower is better)"),
+    ("acc", "test accuracy"),
+    ("peakMB", "peak resident memory of the run's own process (MB)"),
+    ("+MB", "growth of that peak over the peak after data loading and model set-up (MB)"),
+]
 
 
-def print_table(title: str, summary: dict) -> None:
-    print(f"\n{title}   (converged -ELBO = {summary['reference_nelbo']:.3f}; tol {TOLERANCE_NATS})")
-    head = (
-        f"{'method':<11}{'lr/step':>8}{'iters':>7}{'time(s)':>9}{'s/iter':>8}{'-ELBO':>10}"
-        f"{'logloss':>9}{'acc':>7}{'peakMB':>8}{'+MB':>7}  notes"
-    )
-    print(head)
-    print("-" * len(head))
+def gpc_table(title: str, summary: dict) -> Table:
+    ref = summary["reference_nelbo"]
+    table = Table(f"{title}   (converged -ELBO = {ref:.3f}; tol {TOLERANCE_NATS} nat)", COLUMNS)
     cvi_time = summary["best"].get("cvi", {}).get("time_to_tol")
     for m, r in summary["best"].items():
-        notes = []
-        if r["error"]:
-            notes.append(r["error"][:60])
-        elif r["iters_to_tol"] is None:
-            notes.append(f"not within {TOLERANCE_NATS} nat in {r['iterations']} iters")
-        if m != "cvi" and cvi_time and r["time_to_tol"]:
-            notes.append(f"{r['time_to_tol'] / cvi_time:.1f}x cvi time")
-        if r.get("learn"):
-            notes.append(f"log sf {r['final_log_sf']:.2f}, log l {r['final_log_l']:.2f}")
-        print(
-            f"{m:<11}{r['lr']:>8.3g}{fmt(r['iters_to_tol'], 'd'):>7}"
-            f"{fmt(r['time_to_tol'], '.2f'):>9}{r['time_per_iter']:>8.3f}"
-            f"{fmt(r.get('final_nelbo'), '.3f'):>10}{fmt(r.get('test_logloss_bits'), '.4f'):>9}"
-            f"{fmt(r.get('accuracy'), '.3f'):>7}{r['peak_mb']:>8.0f}{r['peak_increase_mb']:>7.0f}"
-            f"  {'; '.join(notes)}"
+        table.add(
+            m,
+            f"{r['lr']:.3g}",
+            fmt_reach(r["iters_to_tol"], "d"),
+            fmt_reach(r["time_to_tol"], ".2f"),
+            f"{r['time_per_iter']:.3f}",
+            fmt(r.get("final_nelbo"), ".3f"),
+            fmt(r.get("test_logloss_bits"), ".4f"),
+            fmt(r.get("accuracy"), ".3f"),
+            f"{r['peak_mb']:.0f}",
+            f"{r['peak_increase_mb']:.0f}",
         )
+        if r["error"]:
+            table.note(m, "failed: " + r["error"][:120])
+        table.note(m, reached_then_left([v for _, _, v in r["trace"]], ref, TOLERANCE_NATS))
+        table.note(m, absurd_value(r.get("final_nelbo"), ref))
+        if m != "cvi" and cvi_time and r["time_to_tol"]:
+            table.ratio(f"{m}/cvi time", r["time_to_tol"] / cvi_time, f"{m}'s time(s) / cvi's")
+        if r.get("learn"):
+            table.note(m, f"learned log sf {r['final_log_sf']:.2f}, log l {r['final_log_l']:.2f}")
+    series = {
+        m: [(t, v - ref) for _, t, v in r["trace"] if t > 0 and v - ref > 1e-3]
+        for m, r in summary["best"].items()
+        if m != "cvi-sparse"
+    }
+    table.plot(
+        "seconds",
+        "-ELBO minus the converged -ELBO (nats)",
+        series,
+        logx=True,
+        logy=True,
+        title=title,
+    )
+    return table
+
+
+def _verdict(parts: Dict[str, dict], budget: float) -> str:
+    out = []
+    for part, summary in parts.items():
+        best = summary["best"]
+        if "cvi" not in best:
+            continue
+        cvi = reach_phrase("CVI", best["cvi"]["time_to_tol"])
+        others = [
+            reach_phrase(
+                m.upper(),
+                best[m]["time_to_tol"],
+                best[m]["trace"][-1][1] if best[m]["trace"] else budget,
+            )
+            for m in ("ngd", "adam")
+            if m in best
+        ]
+        out.append(f"{part}: " + ", ".join([cvi] + others))
+    return "Verdict: " + "; ".join(out) + "."
 
 
 def main(argv=None) -> dict:
@@ -460,19 +521,19 @@ def main(argv=None) -> dict:
             results.append(run_one(cfg))
     else:
         ctx = mp.get_context("spawn")
-        for cfg in jobs:  # one fresh process per run, so that ru_maxrss is per run
+        # one fresh process per run, so that ru_maxrss is per run
+        bar = progress(jobs, "GPC runs (one process each)")
+        for cfg in bar:
+            bar.set_postfix_str(f"{cfg['part']}, {cfg['method']} lr={cfg['lr']}")
             with cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 results.append(pool.submit(run_one, cfg).result())
-            print(
-                f"  done {cfg['part']:<24} {cfg['method']:<10} lr={cfg['lr']:<5} "
-                f"({time.perf_counter() - t_start:.0f}s)",
-                file=sys.stderr,
-            )
 
     parts: Dict[str, dict] = {}
+    tables: List[Table] = []
     for part in dict.fromkeys(r["part"] for r in results):
         parts[part] = summarise([r for r in results if r["part"] == part])
-        print_table(part, parts[part])
+        tables.append(gpc_table(part, parts[part]))
+        tables[-1].print()
 
     report = {
         "meta": {
@@ -507,21 +568,46 @@ def main(argv=None) -> dict:
             ratio = fixed2["ngd"]["time_to_tol"] / fixed2["cvi"]["time_to_tol"]
             report["meta"]["ngd_over_cvi_time_to_tol_logsf2"] = ratio
             print(
-                f"\nNGD / CVI wall time to within {TOLERANCE_NATS} nat (log sf = 2): {ratio:.1f}x"
+                f"\nNGD / CVI wall time to within {TOLERANCE_NATS} nat (log sf = 2): {ratio:.1f}x "
+                "(how many times longer NGD takes than CVI to reach the same -ELBO)"
             )
     sizes = [1000, 2000, 4000] if quick else [1000, 2000, 4000, 8000, 16000]
     scaling = sparse_scaling(sizes, 100, args.threads, args.dtype, args.device)
     report["sparse_scaling"] = scaling
-    print("\nsparse CVI step (M = 100, D = 256; the kernel matrix K_ZX dominates):")
+    scale = Table(
+        "sparse CVI step (M = 100, D = 256; the kernel matrix K_ZX dominates)",
+        [
+            ("N", "training points (synthetic, D = 256 inputs)"),
+            ("s/step", "seconds per sparse CVI step"),
+            ("ns/(N M^2)", "nanoseconds per N M^2: constant if the step is O(N M^2)"),
+        ],
+    )
     for r in scaling:
-        print(
-            f"  N = {r['n']:>6}: {r['seconds_per_step']:.3f} s/step, "
-            f"{r['ns_per_nm2']:.2f} ns / (N M^2)"
-        )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=float))
-    print(f"wrote {out}  ({report['meta']['wall_seconds']:.0f}s)")
+        scale.add(str(r["n"]), f"{r['seconds_per_step']:.3f}", f"{r['ns_per_nm2']:.2f}")
+    scale.plot(
+        "N",
+        "seconds per step",
+        {"sparse CVI": [(r["n"], r["seconds_per_step"]) for r in scaling]},
+        logx=True,
+        logy=True,
+    )
+    scale.print()
+    tables.append(scale)
+    verdict = _verdict(parts, base["max_seconds"])
+    report["meta"]["wall_seconds"] = time.perf_counter() - t_start
+    write_results(
+        args.out,
+        report,
+        title=f"GP classification (USPS 3 vs 5, {args.likelihood}): CVI against GPyTorch NGD "
+        "and Adam",
+        verdict=verdict,
+        tables=tables,
+        command="python scripts/benchmark_gpc.py" + (" --quick" if quick else ""),
+        quick=quick,
+        text=f"{base['n_train']} training points, the same kernel, likelihood and inducing set "
+        "for every method; the best step size or learning rate of each method's grid.",
+    )
+    print(verdict)
     return report
 
 

@@ -7,12 +7,12 @@ whether any loss or parameter became non-finite, how many steps were shrunk, and
 ``results/stability_float32.json``.
 
     python scripts/stability_float32.py [--steps 10000] [--samples 4] [--step-size 0.05]
+    python scripts/stability_float32.py --quick     # 1,000 steps per precision (a smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -27,6 +27,17 @@ from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
 from benchmarks.baselines import logreg_neg_elbo, make_logreg_model  # noqa: E402
 from benchmarks.datasets import load_breast_cancer_sklearn  # noqa: E402
+from benchmarks.reporting import Table, progress, write_results  # noqa: E402
+
+COLUMNS = [
+    ("dtype", "the precision of the data, q and every CVI computation"),
+    ("steps", "CVI steps with Monte Carlo gradients (eq. 29)"),
+    ("s", "seconds for all steps"),
+    ("NaN", "steps whose reported loss was NaN or infinite (0 is the requirement)"),
+    ("valid", "whether every natural parameter was finite at the end"),
+    ("shrunk", "steps shrunk to keep the precision positive definite (guide.num_shrunk)"),
+    ("-ELBO (f64 eval)", "the final q's -ELBO, computed exactly (quadrature) in float64"),
+]
 
 
 def run(dtype: torch.dtype, steps: int, samples: int, beta: float) -> dict:
@@ -38,7 +49,8 @@ def run(dtype: torch.dtype, steps: int, samples: int, beta: float) -> dict:
     guide = AutoCVI(model, num_samples=samples)
     svi = SVI(model, guide, CVI(step_size=beta), loss=CVI_ELBO())
     losses, nonfinite, t0 = [], 0, time.perf_counter()
-    for _ in range(steps):
+    name = str(dtype).replace("torch.", "")
+    for _ in progress(range(steps), f"CVI {name}", mininterval=0.5):
         loss = svi.step(X, y)
         nonfinite += not math.isfinite(loss)
         losses.append(loss)
@@ -70,31 +82,62 @@ def run(dtype: torch.dtype, steps: int, samples: int, beta: float) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--steps", type=int, default=None, help="default 10,000 (1,000 quick)")
+    parser.add_argument("--quick", action="store_true", help="1,000 steps (a smoke run)")
     parser.add_argument("--samples", type=int, default=4, help="Monte Carlo samples per step")
     parser.add_argument("--step-size", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="results/stability_float32.json")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 1_000 if args.quick else 10_000
     torch.set_num_threads(args.threads)
     rows = [
         run(dt, args.steps, args.samples, args.step_size) for dt in (torch.float32, torch.float64)
     ]
-    print(
-        f"{'dtype':8s} {'steps':>6s} {'s':>7s} {'NaN':>4s} {'valid':>6s} {'shrunk':>6s} "
-        f"{'-ELBO (f64 eval)':>17s}"
+    table = Table(
+        f"Monte Carlo CVI on breast-cancer, {args.steps} steps, step size {args.step_size}",
+        COLUMNS,
     )
     for r in rows:
-        print(
-            f"{r['dtype']:8s} {r['steps']:6d} {r['seconds']:7.1f} {r['nonfinite_losses']:4d} "
-            f"{str(r['params_finite']):>6s} {r['num_shrunk']:6d} "
-            f"{r['final_neg_elbo_float64_eval']:17.4f}"
+        table.add(
+            r["dtype"],
+            str(r["steps"]),
+            f"{r['seconds']:.1f}",
+            str(r["nonfinite_losses"]),
+            str(r["params_finite"]),
+            str(r["num_shrunk"]),
+            f"{r['final_neg_elbo_float64_eval']:.4f}",
         )
     diff = rows[0]["final_neg_elbo_float64_eval"] - rows[1]["final_neg_elbo_float64_eval"]
-    print(f"float32 - float64 final -ELBO: {diff:+.4f} nat")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": rows, "difference": diff, "args": vars(args)}, indent=2))
+    table.ratio(
+        "float32 - float64 final -ELBO",
+        diff,
+        "nats; Monte Carlo noise alone moves the final -ELBO by a few hundredths",
+    )
+    table.print()
+    healthy = all(r["nonfinite_losses"] == 0 and r["params_finite"] for r in rows)
+    verdict = (
+        f"Verdict: after {args.steps} Monte Carlo CVI steps "
+        + (
+            "neither precision produced a NaN or an invalid parameter"
+            if healthy
+            else "a precision produced a NaN or an invalid parameter (see the table)"
+        )
+        + f", and float32 ended {abs(diff):.3f} nat "
+        + ("above" if diff > 0 else "below")
+        + " float64."
+    )
+    write_results(
+        args.out,
+        {"runs": rows, "difference": diff, "args": vars(args)},
+        title="Long-run stability: float32 against float64",
+        verdict=verdict,
+        tables=[table],
+        command="python scripts/stability_float32.py" + (" --quick" if args.quick else ""),
+        quick=args.quick,
+    )
+    print(verdict)
 
 
 if __name__ == "__main__":

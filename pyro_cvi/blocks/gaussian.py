@@ -224,7 +224,11 @@ class GaussianBlock:
         general = self._general()
         if general is not None:
             value, h, P = general_gaussian_message(
-                self._log_joint(ctx), post.loc, post.scale_tril(), self.options.num_general_samples
+                self._log_joint(ctx),
+                post.loc,
+                post.scale_tril(),
+                self.options.num_general_samples,
+                ctx.add_mc_samples,
             )
             elbo = elbo + value
             if ctx.grads:
@@ -284,11 +288,23 @@ class GaussianBlock:
             for p, v in zip(params, new):
                 p.copy_(v)
         self.post = solved["post"]
-        for site_name, r in self.rows:  # keep the rows consistent with the new site values
-            if site_name is not None:
-                s = sites[site_name]
-                r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c
+        self._sync_rows()
         return counts
+
+    def _sync_rows(self) -> None:
+        """Keep the rows consistent with the current site values."""
+        sites = self._sites()
+        for site_name, r in self.rows:
+            if site_name is not None:
+                s = sites[site_name].detach()
+                r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c
+
+    def forget(self) -> None:
+        """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
+        self._refreshed_from = None
+        if self.post is not None:
+            self._sync_rows()
+            self.post = self._solve()
 
     # ------------------------------------------------------------------ q
     def joint(self, names: Optional[Sequence[str]] = None) -> dist.MultivariateNormal:

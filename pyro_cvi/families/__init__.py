@@ -16,7 +16,7 @@ integer_interval(0, K-1)    :class:`Categorical` (K)     ``(logits[:K-1] - logit
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch.distributions import constraints
@@ -41,6 +41,8 @@ __all__ = [
     "Bernoulli",
     "Categorical",
     "family_for_support",
+    "choose_family",
+    "FAMILY_NAMES",
     "fisher_solve_mean_grad",
     "mean_grad_via_autograd",
 ]
@@ -115,3 +117,45 @@ def family_for_support(
         if isinstance(upper, numbers.Number) and float(upper).is_integer() and upper >= 1:
             return Categorical(int(upper) + 1, event_shape)
     raise _unsupported(support, event_shape)
+
+
+#: the names ``AutoCVI(families={site: name})`` accepts
+FAMILY_NAMES = ("gaussian", "gamma", "beta", "dirichlet", "bernoulli", "categorical")
+
+
+def choose_family(
+    support: constraints.Constraint,
+    event_shape: Sequence[int] = (),
+    covariance: str = "full",
+    override: Optional[str] = None,
+) -> Tuple[ExponentialFamily, Optional[str]]:
+    """The family of a latent site's ``q`` and, when it is the unconstrained-Gaussian fallback,
+    why (``None`` for a native family).
+
+    ``override`` is the user's choice (``AutoCVI(families=...)``): ``"gaussian"`` puts a
+    Gaussian on the unconstrained space of ``biject_to(support)`` (native for real supports);
+    any other name must be the support's native family. Raises ``ValueError`` saying what
+    applies otherwise.
+    """
+    if override is not None and override not in FAMILY_NAMES:
+        raise ValueError(
+            f"unknown family {override!r}; AutoCVI(families=...) takes one of {FAMILY_NAMES}"
+        )
+    try:
+        native = family_for_support(support, event_shape, covariance)
+    except ValueError:
+        if override not in (None, "gaussian") or support.is_discrete:
+            raise
+        try:
+            fallback = UnconstrainedGaussian(support, event_shape)
+        except NotImplementedError:  # no bijection to the reals
+            raise _unsupported(support, event_shape) from None
+        return fallback, f"no native family for {support}"
+    if override is None or native.name.startswith(override):
+        return native, None
+    if override == "gaussian" and not support.is_discrete:
+        return UnconstrainedGaussian(support, event_shape), "user override (families=...)"
+    options = [native.name.split("_")[0]] + ([] if support.is_discrete else ["gaussian"])
+    raise ValueError(
+        f"family {override!r} does not apply to a site with support {support}; use one of {options}"
+    )

@@ -1,0 +1,154 @@
+"""Adaptive step control for ``CVI(step_size="auto")`` (the default).
+
+A fixed ``beta`` in eq. 12 is a gamble: ``beta = 1`` is exact in one step for conjugate models
+but oscillates or diverges with non-conjugate factors and Monte Carlo messages. The control
+makes the step safe, in the spirit of a trust region on the ELBO ``L``:
+
+* **Backtracking.** At every loss evaluation with gradients the new ``L_t`` is compared with
+  the last accepted ``L_{t-1}``. The step that led here is *undone* (the CVI parameters are
+  restored) and retried with ``beta / 2`` when
+
+  - ``L_t`` is not finite, or the loss raised a numerical error (a singular solve, a
+    distribution parameter outside its constraint);
+  - ``L_t < L_{t-1} - tol``: with an exact loss (closed forms, quadrature) ``tol`` is
+    round-off, so an exact -ELBO never increases over accepted steps; with Monte Carlo terms
+    ``tol = z * sqrt(se_t^2 + se_{t-1}^2)`` from the estimators' standard errors (``z = 2``),
+    so noise alone rarely triggers it.
+
+* **Growth.** After an accepted step ``beta`` grows back by ``grow`` (fast for exact losses,
+  slowly for Monte Carlo ones) up to the ceiling ``max_beta``.
+
+* **Decay under noise.** With Monte Carlo messages a constant ``beta`` leaves ``q`` jittering
+  around the optimum with an amplitude that scales with ``beta``. When the accepted losses
+  stop improving beyond their noise (``|L_t - L_{t-1}| < z se`` for ``patience`` steps in a
+  row) the ceiling decays as ``max_beta <- max_beta * decay`` (a Robbins-Monro-style decay,
+  switched on only once the iterates oscillate), down to ``min_ceiling``.
+
+* **Minibatches** (subsampled plates): losses of different minibatches are not comparable;
+  only non-finite losses and errors backtrack, and the ceiling follows the Robbins-Monro
+  schedule ``beta0 (1 + t / 10) ** -0.6`` (Hoffman et al. 2013).
+
+The engine does the restoring and re-evaluation; this module only decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["StepControl", "Snapshot", "is_numerical_error"]
+
+
+@dataclass
+class Snapshot:
+    """The last accepted point: CVI parameter values, the ELBO there, its MC variance."""
+
+    values: Dict[str, torch.Tensor]
+    elbo: float
+    var: Optional[float]
+
+
+@dataclass
+class StepControl:
+    """The state of the adaptive step size of one engine (see the module docstring)."""
+
+    max_beta: float = 1.0
+    start_exact: float = 1.0
+    start_mc: float = 0.5
+    shrink: float = 0.5
+    grow_exact: float = 1.5
+    grow_mc: float = 1.1
+    z: float = 2.0
+    patience: int = 3
+    decay: float = 0.8
+    min_ceiling: float = 0.05
+    min_beta: float = 1e-4
+    beta: Optional[float] = None
+    ceiling: Optional[float] = None
+    snapshot: Optional[Snapshot] = None
+    num_backtracks: int = 0
+    t: int = 0
+    _flat: int = field(default=0, repr=False)
+
+    def start(self, stochastic: bool) -> None:
+        if self.beta is None:
+            self.ceiling = self.max_beta
+            self.beta = min(self.max_beta, self.start_mc if stochastic else self.start_exact)
+
+    def step_size(self, minibatch: bool) -> float:
+        """The ``beta`` for the next step."""
+        self.t += 1
+        beta = float(self.beta)
+        if minibatch:
+            beta = min(beta, self.max_beta * (1.0 + self.t / 10.0) ** -0.6)
+        return beta
+
+    def tolerance(self, elbo: float, var: Optional[float]) -> float:
+        """How far below the last accepted ELBO a new one may fall and still be accepted."""
+        prev = self.snapshot
+        tol = max(1e-9, 100.0 * torch.finfo(torch.float64).eps) * max(1.0, abs(prev.elbo))
+        if var is not None or prev.var is not None:
+            tol += self.z * math.sqrt((var or 0.0) + (prev.var or 0.0))
+        return tol
+
+    def accepts(self, elbo: float, var: Optional[float], comparable: bool) -> bool:
+        """Whether the point just evaluated is kept (``False``: undo the last step)."""
+        if not math.isfinite(elbo):
+            return False
+        if self.snapshot is None or not comparable:
+            return True
+        return elbo >= self.snapshot.elbo - self.tolerance(elbo, var)
+
+    def accepted(self, snapshot: Snapshot, comparable: bool) -> None:
+        """Record an accepted point and grow ``beta`` (and decay the ceiling under noise)."""
+        prev, stochastic = self.snapshot, snapshot.var is not None
+        if prev is not None and comparable and stochastic:
+            noise = self.z * math.sqrt(snapshot.var + (prev.var or 0.0))
+            self._flat = self._flat + 1 if abs(snapshot.elbo - prev.elbo) < noise else 0
+            if self._flat >= self.patience:
+                self.ceiling = max(self.min_ceiling, self.ceiling * self.decay)
+                self._flat = 0
+        self.snapshot = snapshot
+        grow = self.grow_mc if stochastic else self.grow_exact
+        self.beta = min(self.ceiling, self.beta * grow)
+
+    def rejected(self) -> float:
+        """Shrink ``beta`` after an undone step; returns the new value."""
+        self.num_backtracks += 1
+        self.beta = max(self.min_beta, self.beta * self.shrink)
+        if self.snapshot is not None and self.snapshot.var is not None:
+            self.ceiling = max(self.min_ceiling, min(self.ceiling, 2.0 * self.beta))
+        return self.beta
+
+    def state(self) -> Dict:
+        """Everything an exact resume needs (for :mod:`pyro_cvi.checkpoint`)."""
+        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat")
+        out = {k: getattr(self, k) for k in keys}
+        snap = self.snapshot
+        out["snapshot"] = None if snap is None else (dict(snap.values), snap.elbo, snap.var)
+        return out
+
+    def load(self, state: Dict) -> None:
+        for k, v in state.items():
+            if k != "snapshot":
+                setattr(self, k, v)
+        snap = state.get("snapshot")
+        self.snapshot = None if snap is None else Snapshot(*snap)
+
+
+def is_numerical_error(e: BaseException) -> bool:
+    """A failure caused by an invalid point of ``q`` (too long a step), not by bad input: a
+    singular or non-positive-definite linear solve, or a distribution parameter outside its
+    constraint (``validate_args``)."""
+    if isinstance(e, (torch.linalg.LinAlgError, FloatingPointError)):
+        return True
+    text = str(e)
+    return isinstance(e, (ValueError, RuntimeError)) and (
+        "to satisfy the constraint" in text
+        or "singular" in text
+        or "positive-definite" in text
+        or "not positive definite" in text
+    )

@@ -1,0 +1,148 @@
+"""Regenerate the docs' results page from the benchmark JSON files.
+
+Reads every ``results/*.json`` (``--results``) and writes ``docs/_generated/results.md`` with
+one section per file and PNG plots beside it (``--out``). A file written through
+:func:`benchmarks.reporting.write_results` has a ``report`` section (title, command, verdict,
+tables with a legend for every column, remarks, plots) and is rendered in full; any other JSON
+file is listed with its top-level numbers, so a new script shows up without editing this one.
+The Sphinx build runs this script itself (``docs/conf.py``).
+
+    python scripts/report.py [--results results] [--out docs/_generated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "plot"
+
+
+def _escape(cell: str) -> str:
+    return str(cell).replace("|", "\\|")
+
+
+def _markdown_table(columns: List[str], rows: List[List[str]]) -> List[str]:
+    out = ["| " + " | ".join(_escape(c) for c in columns) + " |"]
+    out.append("|" + "---|" * len(columns))
+    out += ["| " + " | ".join(_escape(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def _plot(spec: Dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    for label, points in spec["series"].items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
+    if spec.get("logx"):
+        ax.set_xscale("log")
+    if spec.get("logy"):
+        ax.set_yscale("log")
+    ax.set_xlabel(spec["xlabel"])
+    ax.set_ylabel(spec["ylabel"])
+    if spec.get("title"):
+        ax.set_title(spec["title"], fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _scalars(data: Dict[str, Any], prefix: str = "", depth: int = 0) -> List[List[str]]:
+    rows = []
+    for k, v in data.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, (int, float, str, bool)) and len(str(v)) < 80:
+            rows.append([name, str(v)])
+        elif isinstance(v, dict) and depth < 1:
+            rows += _scalars(v, name + ".", depth + 1)
+    return rows[:40]
+
+
+def render_file(path: Path, img_dir: Path, rel: str) -> List[str]:
+    data = json.loads(path.read_text())
+    rep = data.get("report")
+    if not isinstance(rep, dict):
+        lines = [f"## {path.stem}", "", f"`{path.name}` has no `report` section; its numbers:", ""]
+        return lines + _markdown_table(["key", "value"], _scalars(data)) + [""]
+    lines = [f"## {rep.get('title') or path.stem}", ""]
+    if rep.get("quick"):
+        note = "These numbers are from a `--quick` run (small settings)."
+        lines += ["```{note}", note, "```", ""]
+    if rep.get("verdict"):
+        lines += [f"**{rep['verdict']}**", ""]
+    if rep.get("command"):
+        lines += [f"Reproduce: `{rep['command']}` (writes `{path.name}`).", ""]
+    if rep.get("text"):
+        lines += [rep["text"], ""]
+    for t, table in enumerate(rep.get("tables", [])):
+        lines += [f"### {table['heading']}", ""]
+        if table.get("text"):
+            lines += [table["text"], ""]
+        lines += _markdown_table(table["columns"], table["rows"]) + [""]
+        legend = table.get("legend", {})
+        if legend:
+            lines += ["Columns:", ""]
+            lines += [f"- **{_escape(c)}**: {e}" for c, e in legend.items()] + [""]
+        if table.get("ratios"):
+            lines += ["Ratios:", ""] + [f"- {r}" for r in table["ratios"]] + [""]
+        if table.get("remarks"):
+            lines += ["Remarks:", ""] + [f"- {r}" for r in table["remarks"]] + [""]
+        for p, spec in enumerate(table.get("plots", [])):
+            name = f"{_slug(path.stem)}-{t}-{p}.png"
+            _plot(spec, img_dir / name)
+            alt = spec.get("title") or f"{spec['ylabel']} against {spec['xlabel']}"
+            lines += [f"![{_escape(alt)}]({rel}/{name})", ""]
+    return lines
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(ROOT / "results"), help="folder of JSON files")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "_generated"), help="output folder")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    img = out / "results"
+    img.mkdir(parents=True, exist_ok=True)
+    for old in img.glob("*.png"):
+        old.unlink()
+    files = sorted(Path(args.results).glob("*.json"))
+    lines = [
+        "# Results",
+        "",
+        "Generated by `scripts/report.py` from the JSON files in `results/`, which the",
+        "benchmark scripts write (`python scripts/<name>.py`, or `--quick` for a smoke run).",
+        "Times are wall-clock seconds on the machine that ran the script, with CVI and its",
+        "baselines run back to back in one process; the target of a comparison is the best",
+        "-ELBO any method reached, and a method reaches it when it gets within the stated",
+        "tolerance.",
+        "",
+    ]
+    if not files:
+        lines += ["No results yet: run a benchmark script, then `python scripts/report.py`.", ""]
+    for f in files:
+        lines += render_file(f, img, "results")
+    page = out / "results.md"
+    page.write_text("\n".join(lines))
+    if not args.quiet:
+        print(f"wrote {page} ({len(files)} result files)")
+    return page
+
+
+if __name__ == "__main__":
+    main()
