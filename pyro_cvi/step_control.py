@@ -12,8 +12,9 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
     distribution parameter outside its constraint);
   - ``L_t < L_{t-1} - tol``: with an exact loss (closed forms, quadrature) ``tol`` is
     round-off, so an exact -ELBO never increases over accepted steps; with Monte Carlo terms
-    ``tol = z * sqrt(se_t^2 + se_{t-1}^2)`` from the estimators' standard errors (``z = 2``),
-    so noise alone rarely triggers it.
+    ``tol = z * sqrt(min(se_t^2, se_{t-1}^2) + se_{t-1}^2)`` from the estimators' standard
+    errors (``z = 2``), so noise alone rarely triggers it, while a step that blows ``q`` up
+    cannot excuse its drop by the noise of its own estimate.
 
 * **Growth.** After an accepted step ``beta`` grows back by ``grow`` (fast for exact losses,
   slowly for Monte Carlo ones) up to the ceiling ``max_beta``.
@@ -91,7 +92,10 @@ class StepControl:
         prev = self.snapshot
         tol = max(1e-9, 100.0 * torch.finfo(torch.float64).eps) * max(1.0, abs(prev.elbo))
         if var is not None or prev.var is not None:
-            tol += self.z * math.sqrt((var or 0.0) + (prev.var or 0.0))
+            # the new point's variance counts at most as much as the accepted one's: a step
+            # that blows q up makes its own estimate noisy, and must not excuse itself by it
+            new = var or 0.0 if prev.var is None else min(var or 0.0, prev.var)
+            tol += self.z * math.sqrt(new + (prev.var or 0.0))
         return tol
 
     def accepts(self, elbo: float, var: Optional[float], comparable: bool) -> bool:

@@ -2,8 +2,8 @@
 
 For every model of ``tests/zoo`` (see ``tests/zoo/__init__.py``), in one process, back to back:
 
-* ``cvi``: ``SVI(model, AutoCVI(model), CVI(step_size), CVI_ELBO())`` for the entry's number of
-  steps (its ``step_size`` is the one that converges today; see the notes). Its wall time ``T``
+* ``cvi``: ``SVI(model, AutoCVI(model), CVI(), CVI_ELBO())`` for the entry's number of
+  steps (the default adaptive step, no per-model tuning). Its wall time ``T``
   is the budget of every baseline.
 * ``normal``: ``AutoNormal`` + Adam (``Trace_ELBO``; ``TraceEnum_ELBO`` with the discrete sites
   enumerated where the model has any), trained for the same wall time ``T``, best of a small
@@ -23,7 +23,7 @@ same for the baselines at equal wall time; ``heldout``: the held-out metric (cvi
 baseline); ``verdict``: ``better`` (CVI's -ELBO lower by more than 2 combined se), ``tie``
 (within 2 se), ``worse`` (with the reason, from ``REASONS`` or the numbers).
 
-    python scripts/benchmark_zoo.py [--quick] [--models coin lda] [--out results/benchmark_zoo.json]
+    python scripts/benchmark_zoo.py [--quick] [--bound-only] [--models coin lda] [--out FILE]
 
 Timings are wall-clock on a shared machine, one torch thread, Pyro validation off.
 """
@@ -93,7 +93,7 @@ def evaluate(entry, guide, data, M: int, P: int):
 def kinds(guide) -> str:
     """CVI's q families and factor kinds, from its analysis (what explain() prints)."""
     fams, facs = {}, {}
-    for name, info in guide.engine.analysis.latents.items():
+    for info in guide.engine.analysis.latents.values():
         fam = info.family.name if info.family is not None else "leaf"
         key = f"{fam}/{info.form}"
         fams[key] = fams.get(key, 0) + 1
@@ -114,7 +114,26 @@ def run_cvi(entry, data, steps: int):
         for _ in range(steps):
             loss = svi.step(*data.args, **data.kwargs)
         wall = time.perf_counter() - t0
-    return guide, wall, loss
+    return guide, svi, wall, loss
+
+
+def bound_check(entry, svi, data, mc, mc_se, repeats: int):
+    """The loss CVI reports against the common estimator of the same ``q``: CVI's
+    ``evaluate_loss`` averaged over ``repeats`` calls (once if it is exact), and
+    ``z = (cvi - mc) / se`` with the combined standard error (floored at 1e-7 relative)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vals = [svi.evaluate_loss(*data.args, **data.kwargs) for _ in range(2)]
+        if vals[0] != vals[1]:
+            vals += [svi.evaluate_loss(*data.args, **data.kwargs) for _ in range(repeats - 2)]
+        else:
+            vals = vals[:1]
+    v = torch.tensor(vals, dtype=torch.float64)
+    se = float(v.std() / math.sqrt(len(v))) if len(v) > 1 else 0.0
+    tot = math.sqrt(se**2 + mc_se**2)
+    tot = max(tot, 1e-7 * abs(mc))  # round-off floor where q is exact and both se vanish
+    z = (float(v.mean()) - mc) / tot
+    return {"cvi_loss": float(v.mean()), "cvi_loss_se": se, "z": z, "exact": len(v) == 1}
 
 
 def run_adam(entry, data, make_guide, lr: float, budget: float, desc: str):
@@ -159,14 +178,18 @@ def _latent_dim(guide) -> int:
     )
 
 
-def bench(name, entry, quick: bool, lrs, M: int, P: int):
+def bench(name, entry, quick: bool, lrs, M: int, P: int, baselines: bool = True):
     data = entry.data()
     steps = max(3, entry.steps // 4) if quick else entry.steps
-    guide, wall, _ = run_cvi(entry, data, steps)
+    guide, svi, wall, _ = run_cvi(entry, data, steps)
     row = {"model": name, "source": entry.source, "kinds": kinds(guide), "cvi_steps": steps}
     row["cvi"] = dict(zip(("elbo", "se"), evaluate(entry, guide, data, M, P)), time=wall)
+    row["bound"] = bound_check(entry, svi, data, row["cvi"]["elbo"], row["cvi"]["se"], M)
     if entry.heldout is not None:
         row["cvi"]["heldout"] = entry.heldout(entry.model, guide, data)
+    if not baselines:
+        row["verdict"], row["reason"] = "-", "baselines skipped"
+        return row
     makers = {"normal": _normal}
     if _latent_dim(guide) <= 300:
         makers["mvn"] = _mvn
@@ -217,6 +240,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and particles (< 2 min)")
     p.add_argument("--models", nargs="*", default=None, help="zoo names (default: all)")
+    p.add_argument(
+        "--bound-only", action="store_true", help="CVI and its bound check only, no baselines"
+    )
     p.add_argument("--out", default=str(ROOT / "results" / "benchmark_zoo.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -226,17 +252,21 @@ def main(argv=None):
     M, P = (10, 10) if a.quick else (50, 20)
     rows = []
     for name in tqdm(names, desc="zoo"):
-        rows.append(bench(name, ZOO[name], a.quick, lrs, M, P))
+        rows.append(bench(name, ZOO[name], a.quick, lrs, M, P, not a.bound_only))
         r = rows[-1]
-        tqdm.write(f"{name}: cvi {_fmt(r['cvi'])} normal {_fmt(r['normal'])} -> {r['verdict']}")
+        b = r["bound"]
+        tqdm.write(
+            f"{name}: cvi {_fmt(r['cvi'])} reported {b['cvi_loss']:.2f} (z {b['z']:+.1f}) "
+            f"normal {_fmt(r.get('normal'))} -> {r['verdict']}"
+        )
     head = f"{'model':32s} {'cvi -ELBO (time)':>24s} {'AutoNormal':>24s} {'AutoMVN':>24s} verdict"
     print(head)
     print("-" * len(head))
     for r in rows:
-        extra = [k for k in r if k not in ("model", "source", "kinds", "cvi_steps", "cvi",
-                                           "normal", "mvn", "verdict", "reason")]
+        skip = ("model", "source", "kinds", "cvi_steps", "cvi", "normal", "mvn", "verdict")
+        extra = [k for k in r if k not in skip + ("reason", "bound")]
         print(
-            f"{r['model']:32s} {_fmt(r['cvi']):>24s} {_fmt(r['normal']):>24s} "
+            f"{r['model']:32s} {_fmt(r['cvi']):>24s} {_fmt(r.get('normal')):>24s} "
             f"{_fmt(r.get('mvn')):>24s} {r['verdict']}: {r['reason']}"
         )
         for k in extra:
@@ -245,19 +275,35 @@ def main(argv=None):
             hb = {b: r[b].get("heldout") for b in ("normal", "mvn") if b in r}
             hb = ", ".join(f"{b} {v:.3f}" for b, v in hb.items() if v is not None)
             print(f"{'':32s} held-out lpd: cvi {r['cvi']['heldout']:.3f}; {hb}")
+        b = r["bound"]
+        print(
+            f"{'':32s} bound: svi reports {b['cvi_loss']:.3f}+-{b['cvi_loss_se']:.3f}"
+            f"{' (exact)' if b['exact'] else ''}, z = {b['z']:+.2f}"
+        )
         print(f"{'':32s} {r['kinds']}")
+    near = sum(abs(r["bound"]["z"]) <= 3 for r in rows)
+    print(
+        f"The loss svi.step reports matched the common estimator within 3 se on {near} of "
+        f"{len(rows)} models."
+    )
     ok = [r for r in rows if r["verdict"] in ("better", "tie")]
     worse = [f"{r['model']} ({r['reason']})" for r in rows if r["verdict"] == "worse"]
     line = (
         f"CVI was no worse than the best baseline at equal wall time on {len(ok)} of "
-        f"{len(rows)} zoo models"
-        + (f"; worse on: {'; '.join(worse)}." if worse else ".")
+        f"{len(rows)} zoo models" + (f"; worse on: {'; '.join(worse)}." if worse else ".")
     )
     print(line)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"quick": a.quick, "M": M, "P": P, "lrs": lrs, "python": platform.python_version(),
-            "torch": torch.__version__, "pyro": pyro.__version__}
+    meta = {
+        "quick": a.quick,
+        "M": M,
+        "P": P,
+        "lrs": lrs,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyro": pyro.__version__,
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": line}, indent=1))
     print(f"wrote {out}")
 

@@ -3,8 +3,8 @@
 Each entry is a :class:`ZooModel`: the model (written anew, keeping the structure of its
 source), a builder of its data (synthetic with a fixed seed, or small published textbook
 numbers), and metadata: whether it has discrete latents (then the baseline uses
-``TraceEnum_ELBO``), a held-out metric where one exists, the CVI settings that make it
-converge today, and optional baseline guides (e.g. the hand-written guide of Pyro's
+``TraceEnum_ELBO``), a held-out metric where one exists, the number of CVI steps (with the
+default adaptive ``CVI()``) of a converged benchmark row, and optional baseline guides (e.g. the hand-written guide of Pyro's
 ``examples/sparse_gamma_def.py``).
 
 Usage (tests put ``tests/`` on ``sys.path``; scripts put the repository root)::
@@ -13,7 +13,7 @@ Usage (tests put ``tests/`` on ``sys.path``; scripts put the repository root)::
     entry = ZOO["eight_schools_noncentered"]
     data = entry.data()                # a ZooData: args, kwargs, test args
     guide = AutoCVI(entry.model, **entry.guide_kwargs)
-    svi = SVI(entry.model, guide, CVI(step_size=entry.step_size), CVI_ELBO())
+    svi = SVI(entry.model, guide, CVI(), CVI_ELBO())   # the default adaptive step
     svi.step(*data.args, **data.kwargs)
 """
 
@@ -49,7 +49,7 @@ class ZooModel:
     :param has_discrete: discrete latents (the baseline then uses ``TraceEnum_ELBO``).
     :param heldout: ``(model, guide, data) -> float``, higher is better (e.g. the mean log
         predictive density of held-out points), or ``None``.
-    :param step_size: a CVI step size with which the model converges today.
+    :param step_size: the CVI step size: ``"auto"`` (the default ``CVI()``) for every entry.
     :param steps: CVI steps that suffice for a converged benchmark row.
     :param guide_kwargs: extra ``AutoCVI`` options (and, for ``init_loc_fn``, the baselines').
     :param baselines: extra baseline guides by name: ``model -> guide``.
@@ -62,7 +62,7 @@ class ZooModel:
     source: str
     has_discrete: bool = False
     heldout: Optional[Callable] = None
-    step_size: object = 0.5
+    step_size: object = "auto"
     steps: int = 50
     guide_kwargs: Dict = field(default_factory=dict)
     baselines: Dict[str, Callable] = field(default_factory=dict)

@@ -116,7 +116,6 @@ ENTRIES = [
         eight_schools_centered,
         eight_schools_data,
         "Pyro examples/eight_schools; Gelman et al. BDA ch. 5",
-        step_size=0.1,
         steps=200,
     ),
     ZooModel(
@@ -124,7 +123,6 @@ ENTRIES = [
         eight_schools_noncentered,
         eight_schools_data,
         "Pyro examples/eight_schools (non-centred, pyro.deterministic)",
-        step_size=0.2,
         steps=150,
     ),
     ZooModel(
@@ -132,7 +130,6 @@ ENTRIES = [
         eight_schools_reparam,
         eight_schools_data,
         "Pyro tutorial: poutine.reparam with TransformReparam",
-        step_size=0.2,
         steps=150,
     ),
     ZooModel(
@@ -140,7 +137,6 @@ ENTRIES = [
         baseball_partially_pooled,
         baseball_data,
         "Pyro examples/baseball.py (partially pooled); Efron & Morris 1975",
-        step_size=0.1,
         steps=200,
     ),
     ZooModel(
@@ -149,7 +145,6 @@ ENTRIES = [
         hierarchical_logistic_data,
         "Gelman & Hill ch. 14 (varying intercepts)",
         heldout=_lpd,
-        step_size=0.2,
         steps=150,
     ),
 ]

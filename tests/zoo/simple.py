@@ -168,14 +168,13 @@ def _lpd(model, guide, data):
 BNN_MODEL = BNN()
 
 ENTRIES = [
-    ZooModel("coin", coin, coin_data, "Pyro tutorial: SVI Part I", step_size=1.0, steps=3),
+    ZooModel("coin", coin, coin_data, "Pyro tutorial: SVI Part I", steps=3),
     ZooModel(
         "bayesian_regression",
         bayesian_regression,
         bayesian_regression_data,
         "Pyro tutorial: Bayesian regression (Part I)",
         heldout=_lpd,
-        step_size=0.2,
         steps=80,
     ),
     ZooModel(
@@ -184,7 +183,6 @@ ENTRIES = [
         poisson_regression_data,
         "Gelman & Hill, ch. 6 (Poisson GLM)",
         heldout=_lpd,
-        step_size=1.0,
         steps=20,
     ),
     ZooModel(
@@ -193,15 +191,13 @@ ENTRIES = [
         bnn_data,
         "numpyro examples/bnn.py, with PyroModule/PyroSample",
         heldout=_lpd,
-        step_size=0.1,
-        steps=200,
+        steps=100,
     ),
     ZooModel(
         "subsampled_logistic",
         subsampled_logistic,
         subsampled_logistic_data,
         "Pyro tutorial: SVI Part II (subsampling)",
-        step_size=0.3,
         steps=60,
         subsampled=True,
     ),
@@ -210,7 +206,6 @@ ENTRIES = [
         subsampled_logistic_sequential,
         subsampled_logistic_sequential_data,
         "Pyro tutorial: SVI Part II (sequential plate)",
-        step_size=0.3,
         steps=60,
         subsampled=True,
     ),
@@ -220,7 +215,6 @@ ENTRIES = [
         lkj_data,
         "Pyro examples/lkj.py",
         heldout=_lpd,
-        step_size=0.1,
         steps=200,
     ),
 ]
