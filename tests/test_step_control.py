@@ -89,6 +89,13 @@ def test_control_rules():
     m.accepted(Snapshot({}, -10.0, 0.25), comparable=True)  # se 0.5
     assert m.accepts(-10.0 - 2 * math.sqrt(0.5) + 1e-6, 0.25, True)
     assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 0.25, True)
+    # a step that blows q up makes its own estimate noisy: that noise does not excuse its drop
+    # (the tolerance is the same as with the accepted point's variance)
+    assert not m.accepts(-1e8, 1e16, True)
+    assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 1e4, True)
+    # a quieter new point is judged with its own (smaller) variance
+    assert m.accepts(-10.0 - 2 * math.sqrt(0.25 + 0.01) + 1e-6, 0.01, True)
+    assert not m.accepts(-10.0 - 2 * math.sqrt(0.25 + 0.01) - 1e-3, 0.01, True)
     # when the accepted values stop moving beyond the noise, the ceiling decays
     for _ in range(3):
         m.accepted(Snapshot({}, -10.0, 0.25), comparable=True)
