@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tests/zoo
+from benchmarks.reporting import Table, write_results  # noqa: E402
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 from tests.zoo import ZOO  # noqa: E402
 
@@ -236,6 +237,65 @@ def _fmt(r):
     return f"{r['elbo']:.2f}+-{r['se']:.2f} ({r['time']:.1f}s)"
 
 
+COLUMNS = [
+    ("model", "zoo entry (tests/zoo)"),
+    ("cvi", "AutoCVI + default CVI(): common -ELBO estimate +- se (wall seconds of its steps)"),
+    ("normal", "AutoNormal + Adam, best lr of the grid, same wall time: -ELBO +- se (s)"),
+    ("mvn", "AutoMultivariateNormal + Adam likewise ('-': latent dimension > 300)"),
+    ("other", "extra baselines of the entry (sparse gamma: the example's hand-written guide)"),
+    ("lpd", "held-out mean log predictive density, CVI / best baseline (higher is better)"),
+    (
+        "bound z",
+        "(loss svi.step reports - common estimate) / combined se; |z| <= 3: it is the bound",
+    ),
+    ("verdict", "better / tie (within 2 combined se) / worse than the best baseline's -ELBO"),
+]
+BASES = ("normal", "mvn")
+
+
+def _extras(r):
+    skip = ("model", "source", "kinds", "cvi_steps", "cvi", "verdict", "reason", "bound")
+    return [k for k in r if k not in skip + BASES]
+
+
+def _heldout(r):
+    if "heldout" not in r["cvi"]:
+        return "-"
+    base = [r[b]["heldout"] for b in BASES + tuple(_extras(r)) if r[b].get("heldout") is not None]
+    return f"{r['cvi']['heldout']:.3f} / " + (f"{max(base):.3f}" if base else "-")
+
+
+def report(rows):
+    """The table of ``rows`` (a :class:`benchmarks.reporting.Table`) and the verdict line."""
+    table = Table("AutoCVI on the zoo, against Pyro's autoguides at equal wall time", COLUMNS)
+    for r in rows:
+        other = "; ".join(f"{k} {_fmt(r[k])}" for k in _extras(r)) or "-"
+        table.add(
+            r["model"],
+            _fmt(r["cvi"]),
+            _fmt(r.get("normal")),
+            _fmt(r.get("mvn")),
+            other,
+            _heldout(r),
+            f"{r['bound']['z']:+.1f}" + (" (exact)" if r["bound"]["exact"] else ""),
+            r["verdict"],
+        )
+        table.note(r["model"], f"{r['verdict']}: {r['reason']}")
+        table.note(r["model"], r["kinds"])
+    table.print()
+    near = sum(abs(r["bound"]["z"]) <= 3 for r in rows)
+    ok = [r["model"] for r in rows if r["verdict"] in ("better", "tie")]
+    worse = [f"{r['model']} ({r['reason']})" for r in rows if r["verdict"] == "worse"]
+    line = (
+        f"Verdict: CVI's -ELBO was no worse than the best baseline's at equal wall time on "
+        f"{len(ok)} of {len(rows)} zoo models"
+        + (f"; worse on: {'; '.join(worse)}" if worse else "")
+        + f". The loss svi.step reports was the bound (|z| <= 3) on {near} of {len(rows)}."
+    )
+    print(line)
+    return table, line
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and particles (< 2 min)")
@@ -244,7 +304,21 @@ def main(argv=None):
         "--bound-only", action="store_true", help="CVI and its bound check only, no baselines"
     )
     p.add_argument("--out", default=str(ROOT / "results" / "benchmark_zoo.json"))
+    p.add_argument(
+        "--report",
+        nargs="*",
+        default=None,
+        help="print the table of earlier JSON outputs (e.g. runs split by --models) and exit",
+    )
     a = p.parse_args(argv)
+    if a.report:
+        rows = [r for f in a.report for r in json.loads(Path(f).read_text())["rows"]]
+        order = {n: i for i, n in enumerate(ZOO)}
+        rows = sorted(rows, key=lambda r: order.get(r["model"], len(order)))
+        table, line = report(rows)
+        meta = json.loads(Path(a.report[0]).read_text())["meta"]
+        _write(a.out, meta, rows, table, line, "--report " + " ".join(a.report))
+        return
     torch.set_num_threads(1)
     pyro.enable_validation(False)
     names = a.models or list(ZOO)
@@ -259,42 +333,7 @@ def main(argv=None):
             f"{name}: cvi {_fmt(r['cvi'])} reported {b['cvi_loss']:.2f} (z {b['z']:+.1f}) "
             f"normal {_fmt(r.get('normal'))} -> {r['verdict']}"
         )
-    head = f"{'model':32s} {'cvi -ELBO (time)':>24s} {'AutoNormal':>24s} {'AutoMVN':>24s} verdict"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        skip = ("model", "source", "kinds", "cvi_steps", "cvi", "normal", "mvn", "verdict")
-        extra = [k for k in r if k not in skip + ("reason", "bound")]
-        print(
-            f"{r['model']:32s} {_fmt(r['cvi']):>24s} {_fmt(r.get('normal')):>24s} "
-            f"{_fmt(r.get('mvn')):>24s} {r['verdict']}: {r['reason']}"
-        )
-        for k in extra:
-            print(f"{'':32s} {k}: {_fmt(r[k])}")
-        if "heldout" in r["cvi"]:
-            hb = {b: r[b].get("heldout") for b in ("normal", "mvn") if b in r}
-            hb = ", ".join(f"{b} {v:.3f}" for b, v in hb.items() if v is not None)
-            print(f"{'':32s} held-out lpd: cvi {r['cvi']['heldout']:.3f}; {hb}")
-        b = r["bound"]
-        print(
-            f"{'':32s} bound: svi reports {b['cvi_loss']:.3f}+-{b['cvi_loss_se']:.3f}"
-            f"{' (exact)' if b['exact'] else ''}, z = {b['z']:+.2f}"
-        )
-        print(f"{'':32s} {r['kinds']}")
-    near = sum(abs(r["bound"]["z"]) <= 3 for r in rows)
-    print(
-        f"The loss svi.step reports matched the common estimator within 3 se on {near} of "
-        f"{len(rows)} models."
-    )
-    ok = [r for r in rows if r["verdict"] in ("better", "tie")]
-    worse = [f"{r['model']} ({r['reason']})" for r in rows if r["verdict"] == "worse"]
-    line = (
-        f"CVI was no worse than the best baseline at equal wall time on {len(ok)} of "
-        f"{len(rows)} zoo models" + (f"; worse on: {'; '.join(worse)}." if worse else ".")
-    )
-    print(line)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    table, line = report(rows)
     meta = {
         "quick": a.quick,
         "M": M,
@@ -304,8 +343,20 @@ def main(argv=None):
         "torch": torch.__version__,
         "pyro": pyro.__version__,
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": line}, indent=1))
-    print(f"wrote {out}")
+    _write(a.out, meta, rows, table, line, " ".join(sys.argv[1:]))
+
+
+def _write(out, meta, rows, table, line, args):
+    write_results(
+        out,
+        {"meta": meta, "rows": rows},
+        title="Zoo: AutoCVI on models from Pyro's tutorials and examples",
+        verdict=line,
+        tables=[table],
+        command=f"python scripts/benchmark_zoo.py {args}".strip(),
+        quick=bool(meta.get("quick")),
+        text="Timings on a shared 2-core machine under load; CVI and baselines back to back.",
+    )
 
 
 if __name__ == "__main__":
