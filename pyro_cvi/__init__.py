@@ -8,6 +8,7 @@ from . import step_sizes
 from .autoguide import AutoCVI
 from .elbo import CVI_ELBO
 from .optim import CVI
+from .structured import StructuredSVI
 
 __version__ = "0.1.0"
-__all__ = ["AutoCVI", "CVI", "CVI_ELBO", "step_sizes"]
+__all__ = ["AutoCVI", "CVI", "CVI_ELBO", "StructuredSVI", "step_sizes"]

@@ -29,7 +29,6 @@ Writes ``results/benchmark_logreg.json``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import platform
 import sys
@@ -49,6 +48,7 @@ from benchmarks.baselines import (  # noqa: E402
     pyro_adam_logreg,
     run_svi_checkpoints,
     time_to_target,
+    warm_up,
 )
 from benchmarks.datasets import LogRegData, load_logreg  # noqa: E402
 from benchmarks.reporting import (  # noqa: E402
@@ -173,18 +173,6 @@ def _best_adam(
         return (0, hit[1]) if hit is not None else (1, fit.history[-1].neg_elbo)
 
     return min(fits.items(), key=key)
-
-
-def _warm_up() -> None:
-    """Pay torch's and Pyro's one-time costs (BLAS, LAPACK, autograd) before any timing."""
-    importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd imports sympy
-
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(50, 5, generator=g, dtype=torch.float64)
-    y = (X[:, 0] > 0).to(X.dtype)
-    plain_cvi_logreg(X, y, 1.0, 0.5, 3)
-    plain_cvi_logreg(X, y, 1.0, 0.5, 3, form="dual")
-    pyro_adam_logreg(make_logreg_model(1.0), X, y, 0.01, 3, prior_precision=1.0)
 
 
 def benchmark_dataset(data: LogRegData, args, api_ok: bool, api_prior: bool) -> dict:
@@ -383,7 +371,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         print(f"pyro_cvi.AutoCVI is not available ({e}); benchmarking the baselines only")
         api_ok = api_prior = False
 
-    _warm_up()
+    warm_up()
     results = {
         "config": {
             "datasets": args.datasets,
