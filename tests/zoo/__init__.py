@@ -4,8 +4,8 @@ Each entry is a :class:`ZooModel`: the model (written anew, keeping the structur
 source), a builder of its data (synthetic with a fixed seed, or small published textbook
 numbers), and metadata: whether it has discrete latents (then the baseline uses
 ``TraceEnum_ELBO``), a held-out metric where one exists, the number of CVI steps (with the
-default adaptive ``CVI()``) of a converged benchmark row, and optional baseline guides (e.g. the hand-written guide of Pyro's
-``examples/sparse_gamma_def.py``).
+default adaptive ``CVI()``) of a converged benchmark row, and optional baseline guides
+(e.g. the hand-written guide of Pyro's ``examples/sparse_gamma_def.py``).
 
 Usage (tests put ``tests/`` on ``sys.path``; scripts put the repository root)::
 
