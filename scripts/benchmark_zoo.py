@@ -333,6 +333,9 @@ def main(argv=None):
             f"{name}: cvi {_fmt(r['cvi'])} reported {b['cvi_loss']:.2f} (z {b['z']:+.1f}) "
             f"normal {_fmt(r.get('normal'))} -> {r['verdict']}"
         )
+        partial = Path(a.out).with_suffix(".partial.json")  # rows so far, for long runs
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"meta": {"quick": a.quick}, "rows": rows}, default=float))
     table, line = report(rows)
     meta = {
         "quick": a.quick,
