@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from . import probes
+from .collapsed import collapsed_sites, collapsed_spec, infinite_support_error
 from .factor_roles import FactorSpec, analyze_factor
 from .families import ExponentialFamily, choose_family
 from .tracing import (
@@ -53,6 +54,7 @@ CONJUGATE = "conjugate"
 LINEAR = "linear-predictor"
 GENERAL = "general"
 LEAF = "leaf"
+COLLAPSED = "collapsed"
 
 # forms of a latent's q
 SITE = "site"
@@ -133,6 +135,8 @@ class Analysis:
     :param model: the Pyro model. :param args, kwargs: its arguments (the training data).
     :param prototype_trace: a trace of the model (a prior draw of every latent).
     :param covariance: ``"full"`` or ``"diag"`` Gaussians.
+    :param discrete: ``"collapse"`` sums the finite discrete latents out (:mod:`.collapsed`);
+        ``"mean_field"`` gives each its own Categorical/Bernoulli ``q``.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class Analysis:
         prototype_trace,
         covariance: str = "full",
         families: Optional[Dict[str, str]] = None,
+        discrete: str = "mean_field",
     ):
         self.model, self.args, self.kwargs = model, args, kwargs
         proto = prototype_trace
@@ -173,6 +178,11 @@ class Analysis:
             if why is not None:
                 self.fallback[name] = why
         self.discrete = {n for n, f in self.families.items() if f.is_discrete}
+        for name in list(unsupported):
+            fn = proto.nodes[name]["fn"]
+            if fn.support.is_discrete and fn.has_enumerate_support and discrete == "collapse":
+                self.discrete.add(name)  # summed out: no q family needed
+                del unsupported[name]
         self.continuous = {
             n for n, v in self.values.items() if n not in self.discrete and v.is_floating_point()
         }
@@ -202,13 +212,26 @@ class Analysis:
         referenced = set().union(*self.deps.values()) if self.deps else set()
         self.leaves = {n for n in self.values if n not in referenced}
         for name, e in unsupported.items():
-            if name not in self.leaves:
-                raise ValueError(f"latent site {name!r}: {e}") from None
+            fn = proto.nodes[name]["fn"]
+            if name in self.leaves:
+                continue
+            if fn.support.is_discrete and not fn.has_enumerate_support:
+                raise infinite_support_error(name, fn)
+            hint = " Or AutoCVI(discrete='collapse') sums it out." if fn.support.is_discrete else ""
+            raise ValueError(f"latent site {name!r}: {e}{hint}") from None
+        # collapsed discrete latents (discrete="collapse"): no q; their group is summed out
+        self.collapsed = (self.discrete - self.leaves) if discrete == "collapse" else set()
+        self.collapsed_sites = collapsed_sites(self.structure.nodes, self.deps, self.collapsed)
+        self._feeds_collapsed = set().union(
+            set(self.collapsed_sites), *[self.deps[s] for s in self.collapsed_sites]
+        )
         self.continuous -= self.leaves
         self.ref = {n: self.values[n] for n in self.continuous}
         self.fixed = {n: self.values[n] for n in self.leaves}
         self.latents: OrderedDict[str, LatentInfo] = OrderedDict()
         for name in self.values:
+            if name in self.collapsed:
+                continue
             site = proto.nodes[name]
             form = LEAF_FORM if name in self.leaves else NATURAL
             frames = [f for f in site["cond_indep_stack"] if f.vectorized]
@@ -238,7 +261,7 @@ class Analysis:
         fam = info.family
         if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance:
             return False
-        if len(info.batch_shape) or self.deps.get(name):
+        if len(info.batch_shape) or self.deps.get(name) or name in self._feeds_collapsed:
             return False
         base = unwrap(self.structure.nodes[name]["fn"])[0]
         return isinstance(
@@ -278,6 +301,9 @@ class Analysis:
     # ------------------------------------------------------------------ classification
     def spec(self, site: str) -> FactorSpec:
         """The mean-field analysis of a factor (conjugate pair roles, or general)."""
+        if site not in self.specs and site in self.collapsed_sites:
+            deps = self.deps.get(site, set())
+            self.specs[site] = collapsed_spec(site, deps, self.continuous, self.collapsed)
         if site not in self.specs:
             self.specs[site] = analyze_factor(self, site)
         return self.specs[site]
@@ -291,9 +317,15 @@ class Analysis:
         for site, node in self.structure.nodes.items():
             if not is_random(node) or site in self.leaves:
                 continue
-            lat = self._latents_of(site)
+            lat = self._latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
-            if not lat:
+            if site in self.collapsed_sites:  # (its latents are all natural-form)
+                self.owner[site] = MEANFIELD
+                spec = self.spec(site)
+                why = f"{spec.reason}: Monte Carlo message weighted by p(z | x, theta)"
+                for z in sorted(lat, key=list(self.latents).index):
+                    self.latents[z].factors.append(Factor(site, z, COLLAPSED, why))
+            elif not lat:
                 self.owner[site] = CONSTANT
             elif not (lat & natural) and len(blocks) == 1:
                 (b,) = blocks
@@ -443,4 +475,6 @@ class Analysis:
             why = f"; {self.fallback[name]}" if name in self.fallback else ""
             lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
             lines.extend(f.describe() for f in info.factors)
+        for name in sorted(self.collapsed, key=list(self.values).index):
+            lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
         return "\n".join(lines)

@@ -30,6 +30,10 @@ class Options:
     #: ``{site: family name}`` overrides of the q family (``"gaussian"``: on the unconstrained
     #: space), see :func:`~pyro_cvi.families.choose_family`
     families: Optional[Dict[str, str]] = None
+    #: ``"mean_field"`` or ``"collapse"`` (finite discrete latents summed out)
+    discrete: str = "mean_field"
+    #: initial spread of natural-form sites (``None``: the prior's)
+    init_scale: Optional[float] = None
 
 
 @dataclass

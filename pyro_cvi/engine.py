@@ -33,7 +33,13 @@ from .blocks import GaussianBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
 from .expectations import site_weight
 from .mean_field import compute
-from .step_control import Snapshot, StepControl, is_numerical_error
+from .step_control import (
+    Snapshot,
+    StepControl,
+    backtrack_message,
+    initial_failure,
+    is_numerical_error,
+)
 from .tracing import is_random, trace_model
 from .update import StepCounts
 from .validation import check_observations, per_index
@@ -91,6 +97,7 @@ class Engine:
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         init_trace = None
+        init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
@@ -98,7 +105,7 @@ class Engine:
             block.setup(an.values)
         for name, nb in self.natural.items():
             site = (init_trace or prototype_trace).nodes[name]
-            nb.setup(initial_natural(nb.family, site, init_loc_fn))
+            nb.setup(initial_natural(nb.family, site, init_loc_fn, init_scale))
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         with torch.no_grad():
@@ -116,6 +123,7 @@ class Engine:
             prototype_trace,
             self.options.covariance,
             self.options.families,
+            self.options.discrete,
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -260,6 +268,8 @@ class Engine:
             except (ValueError, RuntimeError, FloatingPointError) as e:
                 if not is_numerical_error(e) or not grads:
                     raise
+                if float(pyro.param(self.steps_name)) == 0:
+                    raise initial_failure(e) from e
                 raise ValueError(
                     "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
                     f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
@@ -311,27 +321,17 @@ class Engine:
             c.accepted(Snapshot(self._param_values(), value, var), comparable)
             return elbo
         if c.snapshot is None:
-            raise FloatingPointError(
-                "AutoCVI: the ELBO of the initial q is not finite"
-                + (f" ({str(error).splitlines()[0][:200]})" if error else "")
-                + ". Check the model's priors and data, or start q elsewhere with init_loc_fn."
-            )
+            raise initial_failure(error)
         self._restore(c.snapshot.values)
-        beta = c.rejected()
+        beta = c.rejected(numerical=error is not None)
         self._warn_backtrack(beta, error)
-        return self._loss(args, kwargs, subsample, True)
+        elbo = self._loss(args, kwargs, subsample, True)
+        c.reevaluated(self.pending.elbo, self.pending.mc_var)
+        return elbo
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
-        why = "a numerical failure" if error is not None else "a worse ELBO"
-        warnings.warn(
-            f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "
-            f"with a smaller step size (now {beta:.3g}; counted in guide.num_backtracks). If "
-            "this repeats, raise num_general_samples (Monte Carlo noise) or cap the step with "
-            "CVI(max_step_size=...).",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
 
     def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads)
@@ -341,7 +341,7 @@ class Engine:
         sequential = self.options.schedule != "parallel"
         for block in self.gaussian:
             elbo = elbo + block.elbo(ctx, block.refresh(ctx))
-        if self.natural:
+        if self.natural or self.analysis.collapsed_sites:
             if grads and ctx.subsample and not sequential:
                 self.update_locals(ctx)
             want = None if (grads and not sequential) else set()
@@ -398,7 +398,7 @@ class Engine:
                 if not is_numerical_error(e) or self.control.snapshot is None:
                     raise
                 self._restore(self.control.snapshot.values)
-                self._warn_backtrack(self.control.rejected(), e)
+                self._warn_backtrack(self.control.rejected(numerical=True), e)
             return
         try:
             self._step(ctx, beta)

@@ -36,6 +36,7 @@ class FactorSpec:
     discrete: Set[str] = field(default_factory=set)  # discrete latents (incl. its value)
     jacobians: Dict[str, torch.Tensor] = field(default_factory=dict)  # affine loc: (R, D)
     dynamic: bool = False  # an affine coefficient depends on learnable parameters
+    collapsed: bool = False  # in the collapsed group (summed over discrete latents, collapsed.py)
 
     @property
     def latents(self) -> Set[str]:

@@ -62,6 +62,9 @@ def compute(
         spec = analysis.spec(site)
         if value or spec.latents & want:
             specs.append(spec)
+    if any(s.collapsed for s in specs):  # the collapsed group is one factor: all or nothing
+        group = [analysis.spec(s) for s in analysis.collapsed_sites]
+        specs += [s for s in group if s not in specs]
     exact = [s for s in specs if s.exact]
     general = [s for s in specs if not s.exact]
     like = next(iter(q.mu.values()))[0] if q.mu else None

@@ -12,6 +12,7 @@ from typing import Dict, Tuple
 import pyro
 import torch
 
+from .collapsed import collapsed_log_prob
 from .context import Options, StepContext
 from .expectations import QState, discrete_weight, site_weight
 from .tracing import run_model
@@ -19,7 +20,7 @@ from .tracing import run_model
 __all__ = ["monte_carlo"]
 
 
-def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
+def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
     """All ``S`` samples in one model run, in a particle plate left of the model's plates (and
     enumeration left of that), like ``Trace_ELBO(vectorize_particles=True)``."""
     P = an.plate_dims
@@ -72,6 +73,10 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists):
         d = lp.dim() - 1 - P  # the particle dim
         per = per + lp.detach().transpose(0, d).reshape(lp.shape[d], -1).sum(-1)
         total = total + lp.sum() / S
+    if group:  # the particle plate is one more plate of the contraction: log sum_z p each
+        lp = collapsed_log_prob(tr, group, "_cvi_particles")
+        per = per + lp.detach()
+        total = total + lp.sum() / S
     ctx.add_mc_samples(per)
     return total
 
@@ -93,8 +98,10 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     total = 0.0
     first = None
     pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
+    group = [s.site for s in general if s.collapsed]
+    general = [s for s in general if not s.collapsed]
     if S > 1 and options.vectorize_particles and not pushed:
-        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists)
+        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group)
     per = []
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
@@ -114,6 +121,8 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
         one = 0.0
         for n, t in ladj.items():
             one = one + site_weight(tr.nodes[n], t).sum()
+        if group:  # log sum_z p over the collapsed group (weights p(z | x, theta) in autograd)
+            one = one + collapsed_log_prob(tr, group)
         for spec in general:
             site = tr.nodes[spec.site]
             lp = site["fn"].log_prob(site["value"])

@@ -12,9 +12,9 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
     distribution parameter outside its constraint);
   - ``L_t < L_{t-1} - tol``: with an exact loss (closed forms, quadrature) ``tol`` is
     round-off, so an exact -ELBO never increases over accepted steps; with Monte Carlo terms
-    ``tol = z * sqrt(min(se_t^2, se_{t-1}^2) + se_{t-1}^2)`` from the estimators' standard
-    errors (``z = 2``), so noise alone rarely triggers it, while a step that blows ``q`` up
-    cannot excuse its drop by the noise of its own estimate.
+    ``tol = z * sqrt(min(se_t, se_{t-1})^2 + se_{t-1}^2)`` from the estimators' standard errors
+    (``z = 2``), so noise alone rarely triggers it, while a step into a region where the
+    estimator's variance explodes gets no wider tolerance than the accepted point had.
 
 * **Growth.** After an accepted step ``beta`` grows back by ``grow`` (fast for exact losses,
   slowly for Monte Carlo ones) up to the ceiling ``max_beta``.
@@ -40,7 +40,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["StepControl", "Snapshot", "is_numerical_error"]
+__all__ = ["StepControl", "Snapshot", "is_numerical_error", "initial_failure", "backtrack_message"]
 
 
 @dataclass
@@ -63,9 +63,9 @@ class StepControl:
     grow_exact: float = 1.5
     grow_mc: float = 1.1
     z: float = 2.0
-    patience: int = 3
+    patience: int = 5
     decay: float = 0.8
-    min_ceiling: float = 0.05
+    min_ceiling: float = 0.1
     min_beta: float = 1e-4
     beta: Optional[float] = None
     ceiling: Optional[float] = None
@@ -73,6 +73,7 @@ class StepControl:
     num_backtracks: int = 0
     t: int = 0
     _flat: int = field(default=0, repr=False)
+    _in_row: int = field(default=0, repr=False)
 
     def start(self, stochastic: bool) -> None:
         if self.beta is None:
@@ -92,10 +93,11 @@ class StepControl:
         prev = self.snapshot
         tol = max(1e-9, 100.0 * torch.finfo(torch.float64).eps) * max(1.0, abs(prev.elbo))
         if var is not None or prev.var is not None:
-            # the new point's variance counts at most as much as the accepted one's: a step
-            # that blows q up makes its own estimate noisy, and must not excuse itself by it
-            new = var or 0.0 if prev.var is None else min(var or 0.0, prev.var)
-            tol += self.z * math.sqrt(new + (prev.var or 0.0))
+            # the new point's variance counts no more than the accepted one's: a step into a
+            # region where the estimator explodes must not buy itself a wider tolerance
+            v_prev = prev.var or 0.0
+            v_new = v_prev if var is None else min(var, v_prev if prev.var is not None else var)
+            tol += self.z * math.sqrt(v_new + v_prev)
         return tol
 
     def accepts(self, elbo: float, var: Optional[float], comparable: bool) -> bool:
@@ -115,21 +117,37 @@ class StepControl:
             if self._flat >= self.patience:
                 self.ceiling = max(self.min_ceiling, self.ceiling * self.decay)
                 self._flat = 0
-        self.snapshot = snapshot
+        self.snapshot, self._in_row = snapshot, 0
         grow = self.grow_mc if stochastic else self.grow_exact
         self.beta = min(self.ceiling, self.beta * grow)
 
-    def rejected(self) -> float:
-        """Shrink ``beta`` after an undone step; returns the new value."""
+    def rejected(self, numerical: bool = False) -> float:
+        """Shrink ``beta`` after an undone step; returns the new value. Under Monte Carlo noise
+        the first worse estimate after an accepted step halves ``beta`` no lower than the
+        floor ``min_ceiling`` (it may be noise); a second one in a row, or a numerical
+        failure, halves it below."""
         self.num_backtracks += 1
-        self.beta = max(self.min_beta, self.beta * self.shrink)
-        if self.snapshot is not None and self.snapshot.var is not None:
+        self._in_row += 1
+        noisy = self.snapshot is not None and self.snapshot.var is not None
+        beta = self.beta * self.shrink
+        if noisy and not numerical and self._in_row == 1:
+            beta = max(beta, min(self.beta, self.min_ceiling))
+        self.beta = max(self.min_beta, beta)
+        if noisy:
             self.ceiling = max(self.min_ceiling, min(self.ceiling, 2.0 * self.beta))
         return self.beta
 
+    def reevaluated(self, elbo: float, var: Optional[float]) -> None:
+        """A fresh evaluation at the restored point replaces the stored Monte Carlo one: the
+        stored value was *selected* (accepted because it was high), and comparing against it
+        would reject ever more good steps (the winner's curse)."""
+        snap = self.snapshot
+        if snap is not None and snap.var is not None and var is not None and math.isfinite(elbo):
+            self.snapshot = Snapshot(snap.values, elbo, var)
+
     def state(self) -> Dict:
         """Everything an exact resume needs (for :mod:`pyro_cvi.checkpoint`)."""
-        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat")
+        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat", "_in_row")
         out = {k: getattr(self, k) for k in keys}
         snap = self.snapshot
         out["snapshot"] = None if snap is None else (dict(snap.values), snap.elbo, snap.var)
@@ -155,4 +173,26 @@ def is_numerical_error(e: BaseException) -> bool:
         or "singular" in text
         or "positive-definite" in text
         or "not positive definite" in text
+    )
+
+
+def initial_failure(error: Optional[BaseException]) -> ValueError:
+    """The error for a model that fails (or has a non-finite ELBO) at the initial ``q``, before
+    any CVI step: no step size can fix that, the model, its data or the start of ``q`` must."""
+    why = f" ({str(error).splitlines()[0][:200]})" if error is not None else ""
+    return ValueError(
+        f"AutoCVI: the ELBO of the initial q is not finite or cannot be evaluated{why}. Before "
+        "any CVI step this is not a step-size problem: check the model's priors, parameters and "
+        "data, or start q elsewhere with AutoCVI(init_loc_fn=...)."
+    )
+
+
+def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> str:
+    """The warning for an undone step: which sites, why, the new step, and what to do."""
+    why = "a numerical failure" if error is not None else "a worse ELBO"
+    return (
+        f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "
+        f"with a smaller step size (now {beta:.3g}; counted in guide.num_backtracks). If "
+        "this repeats, raise num_general_samples (Monte Carlo noise) or cap the step with "
+        "CVI(max_step_size=...)."
     )

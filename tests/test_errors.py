@@ -58,6 +58,26 @@ def case_shape_mismatch():
 
 def case_unsupported_support():
     def model():
+        k = pyro.sample("k", dist.OneHotCategorical(torch.ones(3) / 3))
+        pyro.sample("y", dist.Normal((k * torch.arange(3.0)).sum(-1), 1.0), obs=torch.tensor(0.0))
+
+    _svi(model).step()
+
+
+@pytest.mark.parametrize("discrete", ["mean_field", "collapse"])
+@pytest.mark.parametrize("prior", [dist.Poisson(3.0), dist.Geometric(0.3)], ids=["poisson", "geo"])
+def test_infinite_discrete_latent(prior, discrete):
+    def model():
+        k = pyro.sample("k", prior)
+        pyro.sample("y", dist.Normal(k, 1.0), obs=torch.tensor(0.0))
+
+    guide = AutoCVI(model, discrete=discrete)
+    with pytest.raises(ValueError, match=r"latent site 'k' is discrete.*Truncate it"):
+        _svi(model, guide).step()
+
+
+def case_infinite_discrete_latent():
+    def model():
         k = pyro.sample("k", dist.Poisson(3.0))
         pyro.sample("y", dist.Normal(k, 1.0), obs=torch.tensor(0.0))
 
@@ -131,6 +151,52 @@ def case_shrunk_step():
         for _ in range(30):
             svi.step(x, y)
     raise RuntimeWarning(str([r.message for r in record if "shrunk" in str(r.message)][0]))
+
+
+def case_unknown_family():
+    AutoCVI(logreg, families={"w": "student"})
+
+
+def case_family_not_a_site():
+    X, y = _data()
+    _svi(guide=AutoCVI(logreg, families={"v": "gaussian"})).step(X, y)
+
+
+def case_family_does_not_apply():
+    X, y = _data()
+    _svi(guide=AutoCVI(logreg, families={"w": "gamma"})).step(X, y)
+
+
+def _exponential_rate(y):
+    # a real latent used as a rate: fine near its prior, invalid where a long step sends it
+    w = pyro.sample("w", dist.Normal(y.new_tensor(3.0), 0.3))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Exponential(w), obs=y)
+
+
+def case_initial_q_invalid():
+    def model(y):
+        w = pyro.sample("w", dist.Normal(y.new_tensor(0.0), 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Exponential(w), obs=y)
+
+    SVI(model, AutoCVI(model), CVI(), CVI_ELBO()).step(torch.ones(3, dtype=torch.float64))
+
+
+def case_fixed_step_failed():
+    y = torch.full((20,), 30.0, dtype=torch.float64)
+    svi = _svi(_exponential_rate, step=1.0)
+    for _ in range(3):
+        svi.step(y)
+
+
+def case_backtracked_step():
+    y = torch.full((20,), 30.0, dtype=torch.float64)
+    svi = SVI(_exponential_rate, AutoCVI(_exponential_rate), CVI(), CVI_ELBO())
+    with pytest.warns(RuntimeWarning) as record:
+        for _ in range(3):
+            svi.step(y)
+    raise RuntimeWarning(str([r.message for r in record if "undone" in str(r.message)][0]))
 
 
 CASES = {

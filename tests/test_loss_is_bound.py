@@ -237,15 +237,16 @@ def _mean_se(values):
 
 
 def assert_loss_is_bound(
-    model, guide, svi, args, M=200, P=10, cvi_repeats=30, kwargs=None, referee=Trace_ELBO
+    model, guide, svi, args, M=200, P=10, cvi_repeats=30, kwargs=None, referee=None
 ):
-    """CVI's -ELBO of the current ``q`` against Trace_ELBO's Monte Carlo estimate of it.
+    """CVI's -ELBO of the current ``q`` against Trace_ELBO's Monte Carlo estimate of it
+    (or ``referee``'s: an ELBO instance, or a Pyro ELBO class made with ``P`` particles, e.g.
+    TraceEnum_ELBO for a guide with collapsed or model-enumerated discrete latents).
 
     ``evaluate_loss`` is called twice: when both agree bitwise CVI's value is exact
     (closed forms and quadrature), and the next ``svi.step`` must return it exactly; otherwise
     it is averaged over ``cvi_repeats`` calls and its standard error joins the tolerance.
-    ``referee``: the Pyro ELBO class of the independent estimate (``TraceEnum_ELBO`` when the
-    guide leaves discrete sites to the model's enumeration). Returns ``(cvi, mc_mean, mc_se)``.
+    Returns ``(cvi, mc_mean, mc_se)``.
     """
     kwargs = kwargs or {}
     first = svi.evaluate_loss(*args, **kwargs)
@@ -256,11 +257,13 @@ def assert_loss_is_bound(
         cvi, cvi_se, cvi_sd = _mean_se(
             [first] + [svi.evaluate_loss(*args, **kwargs) for _ in range(cvi_repeats - 1)]
         )
-    elbo = referee(num_particles=P)
+    if referee is None:
+        referee = Trace_ELBO
+    elbo = referee(num_particles=P) if isinstance(referee, type) else referee
     mc, mc_se, _ = _mean_se([elbo.loss(model, guide, *args, **kwargs) for _ in range(M)])
     se = math.sqrt(mc_se**2 + cvi_se**2)
     msg = (
-        f"CVI -ELBO {cvi:.6g} (se {cvi_se:.3g}, exact={exact}) vs {referee.__name__} "
+        f"CVI -ELBO {cvi:.6g} (se {cvi_se:.3g}, exact={exact}) vs {type(elbo).__name__} "
         f"{mc:.6g} (se {mc_se:.3g}, M={M}, P={P}): difference {cvi - mc:.4g} = "
         f"{(cvi - mc) / max(se, 1e-300):.1f} se"
     )

@@ -89,17 +89,24 @@ def test_control_rules():
     m.accepted(Snapshot({}, -10.0, 0.25), comparable=True)  # se 0.5
     assert m.accepts(-10.0 - 2 * math.sqrt(0.5) + 1e-6, 0.25, True)
     assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 0.25, True)
-    # a step that blows q up makes its own estimate noisy: that noise does not excuse its drop
-    # (the tolerance is the same as with the accepted point's variance)
-    assert not m.accepts(-1e8, 1e16, True)
-    assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 1e4, True)
-    # a quieter new point is judged with its own (smaller) variance
-    assert m.accepts(-10.0 - 2 * math.sqrt(0.25 + 0.01) + 1e-6, 0.01, True)
-    assert not m.accepts(-10.0 - 2 * math.sqrt(0.25 + 0.01) - 1e-3, 0.01, True)
+    # a step into a region where the estimator explodes buys no wider tolerance (issue 10: the
+    # Bayesian regression's -ELBO went from 476 to 2.8e9 with a standard error of 1.5e9)
+    assert not m.accepts(-2.8e9, 2.2e18, True)
+    assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 100.0, True)
     # when the accepted values stop moving beyond the noise, the ceiling decays
-    for _ in range(3):
+    for _ in range(m.patience):
         m.accepted(Snapshot({}, -10.0, 0.25), comparable=True)
     assert m.ceiling == pytest.approx(0.8)
+    # after an undo, a fresh evaluation at the restored point replaces the selected one
+    m.reevaluated(-11.0, 0.3)
+    assert (m.snapshot.elbo, m.snapshot.var) == (-11.0, 0.3)
+    # one worse Monte Carlo estimate may be noise: beta halves no lower than the floor 0.1;
+    # a second in a row, or a numerical failure, goes below
+    m.beta = 0.15
+    assert m.rejected() == pytest.approx(0.1) and m.rejected() == pytest.approx(0.05)
+    m.accepted(Snapshot({}, -11.0, 0.3), comparable=True)
+    m.beta = 0.15
+    assert m.rejected(numerical=True) == pytest.approx(0.075)
     assert is_numerical_error(torch.linalg.LinAlgError("linalg.solve: singular"))
     assert is_numerical_error(ValueError("Expected parameter rate ... to satisfy the constraint"))
     assert not is_numerical_error(ValueError("observed site 'y' has a non-finite value"))
@@ -120,10 +127,13 @@ def test_fixed_step_sizes_are_applied_as_given():
 # (model, steps, reference -ELBO, tolerance). The references are the median of the last 20 of
 # 300 steps at the fixed step 0.1 (the setting the issue found to work everywhere):
 #   PYTHONPATH=. python - <<< see tests/step_models.py; CVI(step_size=0.1), 300 steps.
+# The tolerances cover the noise of a median of 10 Monte Carlo losses at the step floor 0.1
+# (HalfNormal regression: medians between 59.1 and 59.8 over 60-150 steps, two seeds); a
+# diverging or stalled run is off by far more.
 CASES = [
     ("eight_schools_centred", 80, 33.0, 1.0),
     ("eight_schools_noncentred", 80, 31.2, 1.0),
-    ("halfnormal_regression", 60, 59.0, 0.5),
+    ("halfnormal_regression", 60, 59.0, 1.0),
     ("baseball_pooled", 80, 56.0, 1.5),
     ("baseball_logit", 80, 53.0, 1.5),
     ("gaussian_mixture", 60, 18.3, 0.5),
@@ -142,3 +152,79 @@ def test_default_cvi_converges_where_fixed_steps_failed(name, steps, ref, tol):
         losses = [svi.step(*args) for _ in range(steps)]
     assert all(math.isfinite(v) for v in losses)
     assert statistics.median(losses[-10:]) <= ref + tol
+
+
+def _matrix_regression():
+    g = torch.Generator().manual_seed(3)
+    N, D, H = 40, 3, 2
+    X = torch.randn(N, D, generator=g, dtype=F64)
+    Y = X @ torch.randn(D, H, generator=g, dtype=F64)
+    Y = Y + 0.5 * torch.randn(N, H, generator=g, dtype=F64)
+
+    def model(X, Y):
+        prec = pyro.sample("prec", dist.Gamma(X.new_tensor(2.0), 1.0))
+        W = pyro.sample("W", dist.Normal(X.new_zeros(D, H), 1.0).to_event(2))
+        with pyro.plate("n", N):
+            pyro.sample("y", dist.Normal(X @ W, prec**-0.5).to_event(1), obs=Y)
+
+    return model, X, Y
+
+
+def test_matrix_weight_next_to_a_gamma_site_is_the_cavi_fixed_point():
+    """A ``.to_event(2)`` weight matrix with a Gamma noise precision (issue 10: a bare
+    NotImplementedError from Distribution.mean): the default CVI() reaches the mean-field fixed
+    point computed here by coordinate ascent (CAVI), column by column in closed form."""
+    model, X, Y = _matrix_regression()
+    (N, D), H = X.shape, Y.shape[1]
+    a, b = 2.0 + N * H / 2, 1.0
+    for _ in range(200):  # CAVI: q(W) columns N(M, S), q(prec) Gamma(a, b)
+        S = torch.linalg.inv(torch.eye(D, dtype=F64) + (a / b) * X.T @ X)
+        M = (a / b) * S @ X.T @ Y
+        b = 1.0 + 0.5 * (((Y - X @ M) ** 2).sum() + H * torch.trace(X.T @ X @ S))
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(X, Y) for _ in range(15)]
+    assert all(math.isfinite(v) for v in losses)
+    assert torch.allclose(guide.median()["W"], M, atol=1e-6)
+    assert guide.num_backtracks == 0  # every factor is conjugate: no step is undone
+
+
+@pytest.mark.slow
+def test_bnn_with_matrix_weights_and_a_gamma_precision_runs():
+    """numpyro's bnn.py in Pyro (tanh layers, ``.to_event(2)`` weights, Gamma precision): Monte
+    Carlo messages, no error, finite losses, and a fit better than the first step's."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, generator=g, dtype=F64)
+    y = torch.sin(X.sum(-1)) + 0.1 * torch.randn(30, generator=g, dtype=F64)
+
+    def model(X, y):
+        w1 = pyro.sample("w1", dist.Normal(X.new_zeros(2, 4), 1.0).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(X.new_zeros(4, 1), 1.0).to_event(2))
+        prec = pyro.sample("prec", dist.Gamma(X.new_tensor(3.0), 1.0))
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.Normal((torch.tanh(X @ w1) @ w2)[..., 0], prec**-0.5), obs=y)
+
+    pyro.set_rng_seed(0)
+    losses, guide = _run(model, (X, y), CVI(), 15)
+    assert all(math.isfinite(v) for v in losses)
+    assert statistics.median(losses[-5:]) < losses[0] - 5.0
+    assert "Monte Carlo" in guide.explain()
+
+
+def test_explain_names_the_fallback_sites_and_why():
+    def model(y):
+        s = pyro.sample("sigma", dist.Uniform(y.new_tensor(0.0), 10.0))
+        t = pyro.sample("tau", dist.Gamma(y.new_tensor(2.0), 1.0))
+        r = pyro.sample("rho", dist.Gamma(y.new_tensor(2.0), 1.0))
+        m = pyro.sample("m", dist.Normal(y.new_tensor(0.0), t * r))
+        with pyro.plate("d", len(y)):
+            pyro.sample("y", dist.Normal(m, s), obs=y)
+
+    guide = AutoCVI(model, families={"tau": "gaussian"})
+    SVI(model, guide, CVI(), CVI_ELBO()).step(torch.randn(10, dtype=F64))
+    text = guide.explain()
+    fallback = "# sigma: q = gaussian (unconstrained) (natural form; no native family for Interval"
+    assert fallback in text
+    override = "# tau: q = gaussian (unconstrained) (natural form; user override (families=...))"
+    assert override in text
+    assert "# rho: q = gamma (natural form)" in text  # the native default where one exists

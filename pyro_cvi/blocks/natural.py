@@ -152,16 +152,20 @@ def init_messenger(init_loc_fn):
     return InitMessenger(init_fn)
 
 
-def initial_natural(fam, site, init_loc_fn=None) -> Params:
+def initial_natural(fam, site, init_loc_fn=None, init_scale: Optional[float] = None) -> Params:
     """Initial natural parameters of a natural-form site, at full plate sizes.
 
     The prior's natural parameters when the prior is of ``q``'s family and no ``init_loc_fn``
     is given (Algorithm 2's ``lambda_0``); otherwise ``family.natural_at`` the init value (or
-    the prototype draw) with the prior's spread.
+    the prototype draw) with the prior's spread, or with spread ``init_scale`` when given
+    (``family.natural_with_spread``; continuous families only).
     """
     fn = site["fn"]
     prior = _prior_natural(fam, fn)
-    if prior is not None and (init_loc_fn is None or fam.is_discrete):
+    if init_scale is not None and not fam.is_discrete:
+        value = init_loc_fn(site) if init_loc_fn is not None else site["value"]
+        nat = fam.natural_with_spread(value, init_scale)
+    elif prior is not None and (init_loc_fn is None or fam.is_discrete):
         nat = prior  # discrete sites start at their prior (symmetry is broken by the others)
     else:
         value = init_loc_fn(site) if init_loc_fn is not None else site["value"]

@@ -284,6 +284,12 @@ class ExponentialFamily(abc.ABC):
         v = _float_value(value)
         return self.zero_natural(self.value_batch_shape(v), v.dtype, v.device)
 
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """Natural parameters of a ``q`` at ``value`` with spread ``scale`` (the standard
+        deviation on the family's natural unconstrained scale, as AutoNormal's
+        ``init_scale``). Default: :meth:`natural_at` with a unit spread."""
+        return self.natural_at(value, None)
+
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """The plug-in value ``E_q[z]`` (shaped like a sample) at which conjugate factors are
         evaluated, differentiable w.r.t. ``mean`` where it is a function of it; ``None`` for

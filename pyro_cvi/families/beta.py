@@ -99,6 +99,13 @@ class Beta(ExponentialFamily):
         v = v.clamp(1e-6, 1 - 1e-6)
         return k * v - 1, k * (1 - v) - 1
 
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """Mean ``value``, concentration ``k = 1 / (scale^2 v (1 - v))`` (so
+        ``sd(logit z) ~ scale``)."""
+        v = _float_value(value).clamp(1e-6, 1 - 1e-6)
+        k = 1.0 / (scale**2 * v * (1 - v))
+        return self.natural_at(value, (k - 2, torch.zeros_like(k)))
+
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """``E z = a / (a + b)`` (from ``nat``; not differentiable w.r.t. ``mean``)."""
         a, b = nat[0] + 1, nat[1] + 1

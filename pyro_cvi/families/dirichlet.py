@@ -103,6 +103,13 @@ class Dirichlet(ExponentialFamily):
         )
         return (k * v.clamp(min=1e-6) - 1,)
 
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """Mean ``value``, total concentration ``max_k 1 / (scale^2 v_k (1 - v_k))`` (so
+        every ``sd(logit z_k) <~ scale``)."""
+        v = _float_value(value).clamp(1e-6, 1 - 1e-6)
+        k = (1.0 / (scale**2 * v * (1 - v))).amax(-1, keepdim=True)
+        return self.natural_at(value, ((k / v.shape[-1] - 1).expand(v.shape),))
+
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """``E z = alpha / sum alpha`` (from ``nat``; not differentiable w.r.t. ``mean``)."""
         a = nat[0] + 1

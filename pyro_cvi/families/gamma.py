@@ -123,6 +123,11 @@ class Gamma(ExponentialFamily):
         alpha = (prior_nat[0] + 1).clamp(min=1.0) if prior_nat is not None else torch.ones_like(v)
         return alpha - 1, -alpha / v.clamp(min=tiny)
 
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """Mean ``value``, shape ``alpha = 1 / scale^2`` (so ``sd(log z) ~ scale``)."""
+        v = _float_value(value)
+        return self.natural_at(value, (torch.full_like(v, 1.0 / scale**2 - 1), None))
+
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """``E z = alpha / beta = mu2``."""
         return mean[1]

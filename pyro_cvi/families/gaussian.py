@@ -277,6 +277,14 @@ class Gaussian(ExponentialFamily):
             P = torch.eye(D, dtype=v.dtype, device=v.device).expand(vb.shape[:-1] + (D, D))
         return (P @ vb.unsqueeze(-1)).squeeze(-1), -0.5 * P
 
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """Mean ``value``, covariance ``scale^2 I``."""
+        v = _float_value(value)
+        if self.event_dim == 0:
+            return _elementwise_natural_at(value, (None, torch.full_like(v, -0.5 / scale**2)))
+        eye = torch.eye(self.dim, dtype=v.dtype, device=v.device)
+        return self.natural_at(value, (None, -0.5 / scale**2 * eye))
+
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """``E z = mu1``, reshaped to ``batch + event_shape``."""
         return _plug_in_mean(self, nat, mean)
@@ -389,6 +397,11 @@ class GaussianDiag(ExponentialFamily):
     def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
         """``(m / v, -1 / (2v))`` with ``m = value`` and ``v`` the prior variance (else 1)."""
         return _elementwise_natural_at(value, prior_nat)
+
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """Mean ``value``, variance ``scale^2``."""
+        v = _float_value(value)
+        return _elementwise_natural_at(value, (None, torch.full_like(v, -0.5 / scale**2)))
 
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """``E z = mu1``."""

@@ -93,6 +93,10 @@ class UnconstrainedGaussian(ExponentialFamily):
         """A unit-variance Gaussian in ``u`` around ``T^-1(value)``."""
         return self.base.natural_at(self.transform.inv(value.detach()), None)
 
+    def natural_with_spread(self, value: Tensor, scale: float) -> Params:
+        """A Gaussian in ``u`` around ``T^-1(value)`` with standard deviation ``scale``."""
+        return self.base.natural_with_spread(self.transform.inv(value.detach()), scale)
+
     def mean_value(self, nat: Params, mean: Params) -> Optional[Tensor]:
         """``T(E u)``: a valid value (the median of ``q`` for elementwise transforms)."""
         loc = mean[0].detach()
