@@ -105,6 +105,9 @@ class Analysis:
         with torch.enable_grad():
             self.structure = trace_model(model, {**fixed, **leaves}, args, kwargs)
         self.subsample = subsample_values(self.structure)
+        self.minibatch_plates = {
+            n for n, v in self.subsample.items() if len(v) < self.structure.nodes[n]["fn"].size
+        }
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
         self.deps = continuous_dependencies(self.structure, leaves)
@@ -271,6 +274,12 @@ class Analysis:
             return self._chain_factor(site, block, base)
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
+        plate = self.minibatch_plate(site)
+        if plate is not None:
+            # its rows change with every minibatch: a damped stochastic message (doubly
+            # stochastic CVI) instead of rows or sites fitted to one minibatch
+            why = f"{kind_name} in subsampled plate {plate!r}: minibatch message (Bonnet/Price)"
+            return Factor(site, label, GENERAL, why, plate=plate)
         if centred_logits(base) is not None:
             return self._softmax_factor(site, block, base)
         linked = linear_param(base)
@@ -335,6 +344,13 @@ class Analysis:
         if not probes.affine_at(value.detach(), moved, jac):
             return None
         return torch.cat([jac[n] for n in block.names], 1), dynamic
+
+    def minibatch_plate(self, site: str) -> Optional[str]:
+        """The subsampled plate (``subsample_size < size``) that factor ``site`` lies in."""
+        for frame in self.structure.nodes[site]["cond_indep_stack"]:
+            if frame.name in self.minibatch_plates:
+                return frame.name
+        return None
 
     def _probes(self, block: BlockSpec):
         """Two model runs at joint random perturbations of the block's sites, shared by every

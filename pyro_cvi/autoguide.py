@@ -32,7 +32,7 @@ from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .softmax import METHODS
-from .tracing import trace_model
+from .tracing import subsample_values, trace_model
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
@@ -149,6 +149,7 @@ class AutoCVI(AutoGuide):
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
         self.engine: Optional[Engine] = None
+        self._minibatch_plates: set = set()
 
     # ------------------------------------------------------------------ counters
     @property
@@ -188,10 +189,16 @@ class AutoCVI(AutoGuide):
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        self._minibatch_plates = {
+            n
+            for n, v in subsample_values(self.prototype_trace).items()
+            if len(v) < self.prototype_trace.nodes[n]["fn"].size
+        }
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
         sub = self.draw_subsample(args, kwargs)
-        self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+        with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
+            self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
 
     def elbo(self, args, kwargs, grads: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural
@@ -203,12 +210,18 @@ class AutoCVI(AutoGuide):
         return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
-        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
+        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the
+        guide's plates for those with latents; a fresh draw for observation-only plates
+        (vectorised or sequential), so every model run of a step sees the same minibatch."""
         frames = self._prototype_frames or {}
-        if not any((f.full_size or f.size) != f.size for f in frames.values()):
-            return {}
-        plates = self._create_plates(*args, **kwargs)
-        return {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+        out = {}
+        if any((f.full_size or f.size) != f.size for f in frames.values()):
+            plates = self._create_plates(*args, **kwargs)
+            out = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+        for name, node in self.prototype_trace.nodes.items():
+            if name not in out and name in self._minibatch_plates:
+                out[name] = node["fn"].sample()
+        return out
 
     def natural_params(self) -> Dict[str, torch.Tensor]:
         """The guide's CVI parameters (site and natural parameters) by param-store name."""

@@ -45,6 +45,7 @@ class Factor:
     given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
     time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
     num_classes: int = 0  # K of a softmax factor (its Jacobian has N K point-major rows)
+    plate: Optional[str] = None  # a subsampled plate it lies in (its sites change per minibatch)
 
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"

@@ -286,11 +286,17 @@ class GaussianBlock:
         """``z -> (sum of the general factors' log p, the owned ones)``, the other latents drawn
         once from q (one draw per message)."""
         others = ctx.sample_q(exclude=set(self.names))
-        sites = [f.site for f in self.general]
-        owned = [s for s in sites if s in self.owned]
+        fixed = [f.site for f in self.general if f.plate is None]
+        plates = {f.plate for f in self.general if f.plate is not None}
+        # a sequential subsampled plate names its sites by data index: take this minibatch's
+        mine_too = {f.plate for f in self.general if f.plate is not None and f.site in self.owned}
 
         def f(z):
             t = trace_model(ctx.model, {**others, **self.spec.split(z)}, ctx.args, ctx.kwargs)
+            batch = [n for n, s in t.nodes.items() if _observed_in(s, plates) and n not in fixed]
+            sites = fixed + batch
+            owned = [s for s in fixed if s in self.owned]
+            owned += [n for n in batch if _observed_in(t.nodes[n], mine_too)]
             t.compute_log_prob(site_filter=lambda s, site: s in sites)
             total = sum(t.nodes[s]["log_prob_sum"] for s in sites)
             mine = sum((t.nodes[s]["log_prob_sum"] for s in owned), torch.zeros_like(total))
@@ -387,6 +393,14 @@ def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
     """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
+
+
+def _observed_in(site, plates) -> bool:
+    return (
+        site["type"] == "sample"
+        and site["is_observed"]
+        and any(f.name in plates for f in site["cond_indep_stack"])
+    )
 
 
 def _gaussian_prior(fn, D: int) -> GaussianPrior:
