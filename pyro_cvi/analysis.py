@@ -13,6 +13,7 @@ From traces of the model at a prior draw, :class:`Analysis` decides
   step however its coefficients are split into sample sites;
 * the **kind** of every (factor, latent or block) pair: ``conjugate prior``, ``conjugate``
   (exact natural-parameter message, eq. 2 / eq. 20), ``linear-predictor`` (O(N) sites, App. E.1),
+  ``softmax-predictor`` (O(N K^2) coupled K-dimensional sites, :mod:`~pyro_cvi.softmax_sites`),
   ``general`` (Monte Carlo), ``leaf``; for the natural-form (mean-field, Algorithm 2) latents
   through the conjugate-pair registry (:mod:`~pyro_cvi.factor_roles`);
 * the **owner** of every factor's ELBO term: the Gaussian block it lies in, the mean-field
@@ -25,15 +26,31 @@ discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
 from . import probes
 from .collapsed import collapsed_sites, collapsed_spec, infinite_support_error
 from .factor_roles import FactorSpec, analyze_factor
-from .families import ExponentialFamily, choose_family
+from .families import choose_families
+from .records import (
+    COLLAPSED,
+    CONJUGATE,
+    CONSTANT,
+    GENERAL,
+    LEAF,
+    LEAF_FORM,
+    LINEAR,
+    MEANFIELD,
+    NATURAL,
+    PRIOR,
+    SITE,
+    BlockSpec,
+    Factor,
+    LatentInfo,
+)
+from .softmax_sites import SOFTMAX, centred_logits
 from .statespace import detect as markov
 from .tracing import (
     continuous_dependencies,
@@ -48,88 +65,6 @@ from .tracing import (
 )
 
 __all__ = ["Analysis", "BlockSpec", "Factor", "LatentInfo", "SITE", "NATURAL", "LEAF_FORM"]
-
-# kinds of (factor, latent) pairs
-PRIOR = "conjugate prior"
-CONJUGATE = "conjugate"
-LINEAR = "linear-predictor"
-GENERAL = "general"
-LEAF = "leaf"
-COLLAPSED = "collapsed"
-
-# forms of a latent's q
-SITE = "site"
-NATURAL = "natural"
-LEAF_FORM = "leaf"
-
-# owners of ELBO terms (besides a block index)
-MEANFIELD = "meanfield"
-CONSTANT = "constant"
-
-
-@dataclass
-class Factor:
-    """One (factor site, latent site or block) pair and how CVI treats it."""
-
-    site: str
-    latent: str
-    kind: str
-    reason: str
-    param: Optional[str] = None
-    jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
-    dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
-    given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
-    time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
-
-    def describe(self) -> str:
-        return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
-
-
-@dataclass
-class LatentInfo:
-    name: str
-    family: Optional[ExponentialFamily]
-    form: str
-    event_shape: torch.Size
-    batch_shape: torch.Size
-    frames: list  # the site's vectorised plates (CondIndepStackFrame)
-    block: Optional[int] = None
-    factors: List[Factor] = field(default_factory=list)
-
-
-@dataclass
-class BlockSpec:
-    """A joint Gaussian over the flattened, concatenated values of ``names``."""
-
-    index: int
-    names: Tuple[str, ...]
-    shapes: Tuple[torch.Size, ...]
-    factors: List[Factor] = field(default_factory=list)
-    chain: Optional[markov.ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
-
-    @property
-    def sizes(self) -> Tuple[int, ...]:
-        return tuple(int(s.numel()) for s in self.shapes)
-
-    @property
-    def dim(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def label(self) -> str:
-        long = self.chain is not None and len(self.names) > 3
-        return f"{self.names[0]}..{self.names[-1]}" if long else ", ".join(self.names)
-
-    def split(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Site values from a joint vector ``z`` (trailing dim ``D``; leading dims kept)."""
-        out, i = {}, 0
-        for n, s, k in zip(self.names, self.shapes, self.sizes):
-            out[n] = z[..., i : i + k].reshape(z.shape[:-1] + s)
-            i += k
-        return out
-
-    def join(self, values: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([values[n].reshape(-1) for n in self.names])
 
 
 class Analysis:
@@ -157,35 +92,9 @@ class Analysis:
         self.values: Dict[str, torch.Tensor] = {
             n: s["value"].detach() for n, s in proto.iter_stochastic_nodes() if is_random(s)
         }
-        families = dict(families or {})
-        unknown = sorted(set(families) - set(self.values))
-        if unknown:
-            raise ValueError(
-                f"AutoCVI(families=...) names {unknown}, which are not latent sites of the "
-                f"model; latent sites: {list(self.values)}"
-            )
-        self.families: Dict[str, ExponentialFamily] = {}
-        #: sites whose q is the unconstrained-Gaussian fallback, and why
-        self.fallback: Dict[str, str] = {}
-        unsupported: Dict[str, ValueError] = {}
-        for name in self.values:
-            fn = proto.nodes[name]["fn"]
-            try:
-                fam, why = choose_family(fn.support, fn.event_shape, covariance, families.get(name))
-            except ValueError as e:
-                if name in families:
-                    raise ValueError(f"latent site {name!r}: {e}") from None
-                unsupported[name] = e
-                continue
-            self.families[name] = fam
-            if why is not None:
-                self.fallback[name] = why
-        self.discrete = {n for n, f in self.families.items() if f.is_discrete}
-        for name in list(unsupported):
-            fn = proto.nodes[name]["fn"]
-            if fn.support.is_discrete and fn.has_enumerate_support and discrete == "collapse":
-                self.discrete.add(name)  # summed out: no q family needed
-                del unsupported[name]
+        self.families, self.fallback, self.discrete, unsupported = choose_families(
+            proto, list(self.values), covariance, families, discrete == "collapse"
+        )
         self.continuous = {
             n for n, v in self.values.items() if n not in self.discrete and v.is_floating_point()
         }
@@ -196,6 +105,9 @@ class Analysis:
         with torch.enable_grad():
             self.structure = trace_model(model, {**fixed, **leaves}, args, kwargs)
         self.subsample = subsample_values(self.structure)
+        self.minibatch_plates = {
+            n for n, v in self.subsample.items() if len(v) < self.structure.nodes[n]["fn"].size
+        }
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
         self.deps = continuous_dependencies(self.structure, leaves)
@@ -362,6 +274,14 @@ class Analysis:
             return self._chain_factor(site, block, base)
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
+        plate = self.minibatch_plate(site)
+        if plate is not None:
+            # its rows change with every minibatch: a damped stochastic message (doubly
+            # stochastic CVI) instead of rows or sites fitted to one minibatch
+            why = f"{kind_name} in subsampled plate {plate!r}: minibatch message (Bonnet/Price)"
+            return Factor(site, label, GENERAL, why, plate=plate)
+        if centred_logits(base) is not None:
+            return self._softmax_factor(site, block, base)
         linked = linear_param(base)
         if linked is None:
             return Factor(site, label, GENERAL, f"{kind_name} is not a registered likelihood")
@@ -377,24 +297,60 @@ class Analysis:
             if not value.requires_grad:
                 why = f"{kind_name} {name} does not depend on {label}"
                 return Factor(site, label, GENERAL, why)
-            jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
-            params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
-            dynamic = probes.depends_on_params(value, zs, params)
-
         link = "log(rate)" if name == "rate" else name
-        moved = [
-            (dz, linear_param(unwrap(t.nodes[site]["fn"])[0])[1]) for dz, t in self._probes(block)
-        ]
-        if not probes.affine_at(value.detach(), moved, jac):
+        probed = self._probed_rows(site, block, value, lambda fn: linear_param(fn)[1])
+        if probed is None:
             why = f"{kind_name} {link} is not affine in {label} (probed)"
             return Factor(site, label, GENERAL, why)
-        A = torch.cat([jac[n] for n in block.names], 1)
+        A, dynamic = probed
         R, D = A.shape
         if isinstance(base, torch.distributions.Normal) and name == "loc":
             why = f"Normal loc affine in {label} (probed, A: {R}x{D}), scale free of them"
             return Factor(site, label, CONJUGATE, why, name, A, dynamic)
         why = f"{kind_name} {link} = A z + c (probed, A: {R}x{D}); {R} sites"
         return Factor(site, label, LINEAR, why, name, A, dynamic)
+
+    def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
+        """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
+        logits are affine in the block's z (Jacobian by autograd, confirmed by probing)."""
+        label, kind_name = block.label, type(base).__name__
+        value = centred_logits(base)
+        K = value.shape[-1]
+        if not value.requires_grad:
+            return Factor(site, label, GENERAL, f"{kind_name} logits do not depend on {label}")
+        probed = self._probed_rows(site, block, value, centred_logits)
+        if probed is None:
+            why = f"{kind_name} logits are not affine in {label} (probed)"
+            return Factor(site, label, GENERAL, why)
+        A, dynamic = probed
+        R, D = A.shape
+        why = (
+            f"{kind_name} logits = A z + c (probed, A: {R}x{D}); {R // K} coupled "
+            f"K={K} sites (K x K each)"
+        )
+        return Factor(site, label, SOFTMAX, why, "logits", A, dynamic, num_classes=K)
+
+    def _probed_rows(self, site: str, block: BlockSpec, value, read: Callable):
+        """The Jacobian ``A`` of ``value`` in the block's joint z (autograd), confirmed affine
+        at the shared probe runs (``read(fn)`` takes the same quantity from a moved trace):
+        ``(A, dynamic)``, or ``None`` when it is not affine."""
+        tr, leaves = self.leaf_trace()
+        zs = [leaves[n] for n in block.names]
+        with torch.enable_grad():
+            jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
+            params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
+            dynamic = probes.depends_on_params(value, zs, params)
+        moved = [(dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in self._probes(block)]
+        if not probes.affine_at(value.detach(), moved, jac):
+            return None
+        return torch.cat([jac[n] for n in block.names], 1), dynamic
+
+    def minibatch_plate(self, site: str) -> Optional[str]:
+        """The subsampled plate (``subsample_size < size``) that factor ``site`` lies in."""
+        for frame in self.structure.nodes[site]["cond_indep_stack"]:
+            if frame.name in self.minibatch_plates:
+                return frame.name
+        return None
 
     def _probes(self, block: BlockSpec):
         """Two model runs at joint random perturbations of the block's sites, shared by every

@@ -31,7 +31,8 @@ from .context import Options
 from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
-from .tracing import trace_model
+from .softmax import METHODS
+from .tracing import subsample_values, trace_model
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
@@ -87,6 +88,10 @@ class AutoCVI(AutoGuide):
         :data:`pyro_cvi.distributed.WORLD` or a process group. Each rank passes its own shard
         of the data; the conjugate statistics are all-reduced every step, so every rank holds
         the exact full-batch ``q``.
+    :param softmax: expectations of softmax factors (Categorical logits affine in a Gaussian):
+        ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
+        (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
+        see :mod:`pyro_cvi.softmax`.
     """
 
     def __init__(
@@ -106,7 +111,10 @@ class AutoCVI(AutoGuide):
         discrete: str = "mean_field",
         init_scale: Optional[float] = None,
         process_group=None,
+        softmax: str = "cubature",
     ):
+        if softmax not in METHODS:
+            raise ValueError(f"softmax must be one of {METHODS}, got {softmax!r}")
         if covariance not in ("full", "diag"):
             raise ValueError(f"covariance must be 'full' or 'diag', got {covariance!r}")
         if init_sites not in ("laplace", "prior"):
@@ -136,10 +144,12 @@ class AutoCVI(AutoGuide):
             check_mode(discrete),
             init_scale,
             as_reducer(process_group),
+            softmax,
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
         self.engine: Optional[Engine] = None
+        self._minibatch_plates: set = set()
 
     # ------------------------------------------------------------------ counters
     @property
@@ -179,10 +189,16 @@ class AutoCVI(AutoGuide):
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        self._minibatch_plates = {
+            n
+            for n, v in subsample_values(self.prototype_trace).items()
+            if len(v) < self.prototype_trace.nodes[n]["fn"].size
+        }
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
         sub = self.draw_subsample(args, kwargs)
-        self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+        with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
+            self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
 
     def elbo(self, args, kwargs, grads: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural
@@ -194,12 +210,18 @@ class AutoCVI(AutoGuide):
         return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
-        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``)."""
+        """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the
+        guide's plates for those with latents; a fresh draw for observation-only plates
+        (vectorised or sequential), so every model run of a step sees the same minibatch."""
         frames = self._prototype_frames or {}
-        if not any((f.full_size or f.size) != f.size for f in frames.values()):
-            return {}
-        plates = self._create_plates(*args, **kwargs)
-        return {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+        out = {}
+        if any((f.full_size or f.size) != f.size for f in frames.values()):
+            plates = self._create_plates(*args, **kwargs)
+            out = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
+        for name, node in self.prototype_trace.nodes.items():
+            if name not in out and name in self._minibatch_plates:
+                out[name] = node["fn"].sample()
+        return out
 
     def natural_params(self) -> Dict[str, torch.Tensor]:
         """The guide's CVI parameters (site and natural parameters) by param-store name."""
@@ -381,6 +403,7 @@ for _name in (
     "schedule",
     "vectorize_particles",
     "discrete",
+    "softmax",
 ):
     setattr(AutoCVI, _name, _option(_name))
 

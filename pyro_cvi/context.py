@@ -37,6 +37,7 @@ class Options:
     #: sums row statistics and ELBO terms over the ranks of a data-parallel run
     #: (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
     reducer: Any = None
+    softmax: str = "cubature"
 
 
 @dataclass

@@ -43,7 +43,7 @@ from .step_control import (
 )
 from .tracing import is_random, trace_model
 from .update import StepCounts
-from .validation import check_observations
+from .validation import check_observations, per_index
 
 __all__ = ["Engine", "owner_of"]
 
@@ -126,7 +126,9 @@ class Engine:
         self.data_key = data_key(args, kwargs)
         # the sample sites, and which are observed (the analysis trace conditions the latents)
         self.structure = {
-            n: n not in an.values for n, s in an.structure.nodes.items() if is_random(s)
+            n: n not in an.values
+            for n, s in an.structure.nodes.items()
+            if is_random(s) and not per_index(s)
         }
         check_observations(an.structure, self.structure)
         self.gaussian = [
@@ -359,7 +361,7 @@ class Engine:
         constants of q, but part of the bound and of the hyperparameter gradients."""
         total = torch.zeros(())
         for site, owner in self.analysis.owner.items():
-            if owner == CONSTANT:
+            if owner == CONSTANT and site in trace.nodes:  # (sequential minibatch sites vary)
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp

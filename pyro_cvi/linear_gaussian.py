@@ -110,6 +110,13 @@ class GaussianPosterior:
         #: ``tr(S0^-1 V) = D - sum_n w_n Var(f_n)`` when the precision is ``S0^-1 + A^T W A``
         #: (no extra message), set by the solver: the KL then needs no ``D x D`` inverse
         self.site_trace: Optional[torch.Tensor] = None
+        #: ``sl -> [n, K, K]``: covariance blocks of K consecutive rows, set by the solver
+        self.row_cov_fn = None
+
+    def row_cov_blocks(self, sl: slice, K: int) -> torch.Tensor:
+        """Covariances ``Cov(f_r)`` of the rows ``sl`` in consecutive groups of ``K`` rows
+        (the K-variate pseudo-observations of a softmax site), ``[R / K, K, K]``."""
+        return self.row_cov_fn(sl, K)
 
     def covariance(self) -> torch.Tensor:
         if self._cov is None:
@@ -261,6 +268,7 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec, stats=None):
         f_var = (U * U).sum(0)
         f_mean = A @ m
     else:
+        U = None
         f_var = f_mean = A.new_zeros(0)
     eye = torch.eye(D, dtype=A.dtype, device=A.device)
 
@@ -271,7 +279,12 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec, stats=None):
         Linv = torch.linalg.solve_triangular(L, eye, upper=False)
         return (Linv * Linv).sum(0)
 
+    def row_cov(sl, K):
+        u = U[:, sl].reshape(D, -1, K)
+        return torch.einsum("dnk,dnl->nkl", u, u)
+
     post = GaussianPosterior(m, logdet_cov, f_mean, f_var, "primal", cov, diag, prior)
+    post.row_cov_fn = row_cov
     if extra_prec is None and stats is None:
         post.site_trace = D - (w * f_var).sum() if A.shape[0] else f_var.new_tensor(float(D))
     return post
@@ -312,6 +325,12 @@ def _solve_dual(prior, A, w, b):
         e = _E()
         return s0 - (e * e).sum(0)
 
+    def row_cov(sl, K):
+        idx = torch.arange(sl.start, sl.stop, device=m0.device).reshape(-1, K)
+        V = sol.V[:, idx]  # [R, n, K]
+        return sol.K[idx.unsqueeze(-1), idx.unsqueeze(-2)] - torch.einsum("rnk,rnl->nkl", V, V)
+
     post = GaussianPosterior(m, logdet_cov, sol.mean, sol.var, "dual", cov, diag, prior)
+    post.row_cov_fn = row_cov
     post.site_trace = m0.numel() - (w.clamp_min(0) * sol.var).sum()
     return post

@@ -7,7 +7,7 @@ from pyro.poutine.trace_struct import Trace
 
 from .tracing import is_random
 
-__all__ = ["check_observations", "check_structure"]
+__all__ = ["check_observations", "check_structure", "per_index"]
 
 
 def check_observations(trace: Trace, prototype) -> None:
@@ -59,7 +59,16 @@ def _broadcasts_into(shape, target) -> bool:
 
 
 def _sample_sites(tr: Trace):
-    return {n: s["is_observed"] for n, s in tr.nodes.items() if is_random(s)}
+    return {n: s["is_observed"] for n, s in tr.nodes.items() if is_random(s) and not per_index(s)}
+
+
+def per_index(site) -> bool:
+    """A site of a sequential subsampled plate (``for i in pyro.plate(..., subsample_size=B)``):
+    its name carries the data index, so the set of such sites changes with the minibatch."""
+    return any(
+        not f.vectorized and f.size is not None and (f.full_size or f.size) != f.size
+        for f in site["cond_indep_stack"]
+    )
 
 
 def check_structure(trace: Trace, prototype) -> None:

@@ -236,25 +236,31 @@ def _mean_se(values):
     return float(v.mean()), float(v.std() / math.sqrt(len(v))), float(v.std())
 
 
-def assert_loss_is_bound(model, guide, svi, args, M=200, P=10, cvi_repeats=30, referee=None):
+def assert_loss_is_bound(
+    model, guide, svi, args, M=200, P=10, cvi_repeats=30, kwargs=None, referee=None
+):
     """CVI's -ELBO of the current ``q`` against Trace_ELBO's Monte Carlo estimate of it
-    (or ``referee``'s, e.g. TraceEnum_ELBO for a guide with collapsed discrete latents).
+    (or ``referee``'s: an ELBO instance, or a Pyro ELBO class made with ``P`` particles, e.g.
+    TraceEnum_ELBO for a guide with collapsed or model-enumerated discrete latents).
 
     ``evaluate_loss`` is called twice: when both agree bitwise CVI's value is exact
     (closed forms and quadrature), and the next ``svi.step`` must return it exactly; otherwise
     it is averaged over ``cvi_repeats`` calls and its standard error joins the tolerance.
     Returns ``(cvi, mc_mean, mc_se)``.
     """
-    first = svi.evaluate_loss(*args)
-    exact = svi.evaluate_loss(*args) == first
+    kwargs = kwargs or {}
+    first = svi.evaluate_loss(*args, **kwargs)
+    exact = svi.evaluate_loss(*args, **kwargs) == first
     if exact:
         cvi, cvi_se, cvi_sd = first, 0.0, 0.0
     else:
         cvi, cvi_se, cvi_sd = _mean_se(
-            [first] + [svi.evaluate_loss(*args) for _ in range(cvi_repeats - 1)]
+            [first] + [svi.evaluate_loss(*args, **kwargs) for _ in range(cvi_repeats - 1)]
         )
-    elbo = Trace_ELBO(num_particles=P) if referee is None else referee
-    mc, mc_se, _ = _mean_se([elbo.loss(model, guide, *args) for _ in range(M)])
+    if referee is None:
+        referee = Trace_ELBO
+    elbo = referee(num_particles=P) if isinstance(referee, type) else referee
+    mc, mc_se, _ = _mean_se([elbo.loss(model, guide, *args, **kwargs) for _ in range(M)])
     se = math.sqrt(mc_se**2 + cvi_se**2)
     msg = (
         f"CVI -ELBO {cvi:.6g} (se {cvi_se:.3g}, exact={exact}) vs {type(elbo).__name__} "
@@ -263,7 +269,7 @@ def assert_loss_is_bound(model, guide, svi, args, M=200, P=10, cvi_repeats=30, r
     )
     assert abs(cvi - mc) <= 4 * se + 1e-6 * abs(mc), msg
     # the next step reports the same value (computed before its update)
-    reported = svi.step(*args)
+    reported = svi.step(*args, **kwargs)
     if exact:
         assert reported == cvi, f"svi.step returned {reported!r}, evaluate_loss {cvi!r}"
     else:

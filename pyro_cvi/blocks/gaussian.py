@@ -8,6 +8,8 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
   so a conjugate model is solved exactly and hyperparameters may move;
 * ``lambda_tilde_f``: one ``(lam1_n, lam2_n)`` site per element of every linear-predictor
   factor ``eta_f = A_f z + c_f`` (eq. 13, Appendix E.1), O(N) parameters;
+* one ``(lam1_n, lam2_n)`` site, a K-vector and a K x K matrix, per data point of every
+  softmax factor (:mod:`~pyro_cvi.softmax_sites`), O(N K^2) parameters;
 * one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo).
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
@@ -35,6 +37,7 @@ from ..messages import (
     normal_rows,
 )
 from ..probes import jacobian
+from ..softmax_sites import SOFTMAX, SoftmaxRows, softmax_message, softmax_rows
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
@@ -57,8 +60,9 @@ class GaussianBlock:
         self.linear = [f for f in spec.factors if f.kind == LINEAR]
         self.conjugate = [f for f in spec.factors if f.kind == CONJUGATE]
         self.general = [f for f in spec.factors if f.kind == GENERAL]
+        self.softmax = [f for f in spec.factors if f.kind == SOFTMAX]
         key = "+".join(self.names)
-        self.site_names = {f.site: f"{prefix}.sites.{f.site}" for f in self.linear}
+        self.site_names = {f.site: f"{prefix}.sites.{f.site}" for f in self.linear + self.softmax}
         self.general_names = (
             (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
         )
@@ -86,6 +90,9 @@ class GaussianBlock:
         for f in self.linear:
             R = f.jacobian.shape[0]
             pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
+        for f in self.softmax:
+            N, K = f.jacobian.shape[0] // f.num_classes, f.num_classes
+            pyro.param(self.site_names[f.site], lambda N=N, K=K: like.new_zeros(N, K, K + 1))
         if self.general:
             pyro.param(self.general_names[0], lambda: like.new_zeros(D))
             pyro.param(self.general_names[1], lambda: like.new_zeros(D, D))
@@ -121,6 +128,13 @@ class GaussianBlock:
             target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
             if bool(torch.isfinite(target).all()):
                 p.data.copy_(target)
+        for f in self.softmax:  # the same step, K-variate: variance 1e-4 of logit differences
+            r = softmax_rows(trace.nodes[f.site], f, self.z_at)
+            N, K = r.N, r.K
+            eye = torch.eye(K, dtype=m0.dtype, device=m0.device)
+            _, target = softmax_message(trace.nodes[f.site], r, m0, 5e-5 * eye.expand(N, K, K))
+            if bool(torch.isfinite(target).all()):
+                sites[f.site].data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation
     def _prior(self, trace) -> GaussianPrior:
@@ -136,7 +150,7 @@ class GaussianBlock:
         sites = self._sites()
         rows, elbo_rows = [], []
         for f in self.spec.factors:
-            if f.kind not in (CONJUGATE, LINEAR):
+            if f.kind not in (CONJUGATE, LINEAR, SOFTMAX):
                 continue
             if f.dynamic:
                 f.jacobian = self._jacobian(f, ctx)
@@ -146,12 +160,17 @@ class GaussianBlock:
                 rows.append((None, r))
                 if f.site in self.owned:
                     elbo_rows.append((len(rows) - 1, fn))
+            elif f.kind == SOFTMAX:
+                rows.append((f.site, softmax_rows(site, f, self.z_at)))
             else:
                 rows.append(
                     (f.site, linear_predictor_rows(site, f, self.z_at, sites[f.site].detach()))
                 )
         same = (
-            self.post is not None and not self.general and _same(self.prior, self.rows, prior, rows)
+            self.post is not None
+            and not self.general
+            and not self.softmax
+            and _same(self.prior, self.rows, prior, rows)
         )
         if self.options.reducer is not None:  # every rank must take the same branch
             same = self.options.reducer.all_agree(same, prior.loc)
@@ -174,9 +193,14 @@ class GaussianBlock:
             return torch.cat([jacobian(value, leaves[n]).detach() for n in self.names], 1)
 
     def _solve(self, site_values=None, general_values=None) -> GaussianPosterior:
-        blocks = []
+        blocks, rotations, extra = [], {}, []
         for site_name, r in self.rows:
-            if site_name is not None and site_values is not None:
+            if isinstance(r, SoftmaxRows):
+                s = (site_values or self._sites())[site_name].detach()
+                *block, rotations[site_name], nat = r.rows(s)
+                blocks.append(tuple(block))
+                extra += [nat] if nat is not None else []
+            elif site_name is not None and site_values is not None:
                 s = site_values[site_name]
                 blocks.append((r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c))
             else:
@@ -193,12 +217,15 @@ class GaussianBlock:
         h = P = None
         general = general_values if general_values is not None else self._general()
         if general is not None:
-            h, P = (t.detach() for t in general)
+            extra.append(tuple(t.detach() for t in general))
+        if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
+            h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
         post = solve(self.prior, A, w, b, h, P, reduce=self.options.reducer)
+        post.rotations = rotations
         post.blocks, i = [], 0
-        for site_name, r in self.rows:
-            post.blocks.append((site_name, slice(i, i + r.A.shape[0])))
-            i += r.A.shape[0]
+        for (site_name, _), blk in zip(self.rows, blocks):
+            post.blocks.append((site_name, slice(i, i + blk[0].shape[0])))
+            i += blk[0].shape[0]
         return post
 
     # ------------------------------------------------------------------ ELBO and targets
@@ -215,14 +242,25 @@ class GaussianBlock:
         for (site_name, sl), (_, r) in zip(post.blocks, self.rows):
             if site_name is None:
                 continue
-            value, target = linear_predictor_message(
-                tr.nodes[site_name],
-                r,
-                post.f_mean[sl],
-                post.f_var[sl],
-                self.options.num_quad_points,
-                self.options.num_samples,
-            )
+            if isinstance(r, SoftmaxRows):
+                value, target = softmax_message(
+                    tr.nodes[site_name],
+                    r,
+                    post.loc,
+                    r.cov_blocks(post, sl, post.rotations[site_name]),
+                    self.options.softmax,
+                    self.options.num_quad_points,
+                    self.options.num_samples or 100,
+                )
+            else:
+                value, target = linear_predictor_message(
+                    tr.nodes[site_name],
+                    r,
+                    post.f_mean[sl],
+                    post.f_var[sl],
+                    self.options.num_quad_points,
+                    self.options.num_samples,
+                )
             elbo = elbo + value
             if ctx.grads:
                 p = sites[site_name]
@@ -248,11 +286,17 @@ class GaussianBlock:
         """``z -> (sum of the general factors' log p, the owned ones)``, the other latents drawn
         once from q (one draw per message)."""
         others = ctx.sample_q(exclude=set(self.names))
-        sites = [f.site for f in self.general]
-        owned = [s for s in sites if s in self.owned]
+        fixed = [f.site for f in self.general if f.plate is None]
+        plates = {f.plate for f in self.general if f.plate is not None}
+        # a sequential subsampled plate names its sites by data index: take this minibatch's
+        mine_too = {f.plate for f in self.general if f.plate is not None and f.site in self.owned}
 
         def f(z):
             t = trace_model(ctx.model, {**others, **self.spec.split(z)}, ctx.args, ctx.kwargs)
+            batch = [n for n, s in t.nodes.items() if _observed_in(s, plates) and n not in fixed]
+            sites = fixed + batch
+            owned = [s for s in fixed if s in self.owned]
+            owned += [n for n in batch if _observed_in(t.nodes[n], mine_too)]
             t.compute_log_prob(site_filter=lambda s, site: s in sites)
             total = sum(t.nodes[s]["log_prob_sum"] for s in sites)
             mine = sum((t.nodes[s]["log_prob_sum"] for s in owned), torch.zeros_like(total))
@@ -294,10 +338,11 @@ class GaussianBlock:
         return counts
 
     def _sync_rows(self) -> None:
-        """Keep the rows consistent with the current site values."""
+        """Keep the rows consistent with the current site values (softmax rows are rebuilt from
+        the sites at every solve)."""
         sites = self._sites()
         for site_name, r in self.rows:
-            if site_name is not None:
+            if site_name is not None and not isinstance(r, SoftmaxRows):
                 s = sites[site_name].detach()
                 r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c
 
@@ -348,6 +393,14 @@ def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
     """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
+
+
+def _observed_in(site, plates) -> bool:
+    return (
+        site["type"] == "sample"
+        and site["is_observed"]
+        and any(f.name in plates for f in site["cond_indep_stack"])
+    )
 
 
 def _gaussian_prior(fn, D: int) -> GaussianPrior:

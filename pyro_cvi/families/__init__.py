@@ -16,7 +16,7 @@ integer_interval(0, K-1)    :class:`Categorical` (K)     ``(logits[:K-1] - logit
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributions import constraints
@@ -42,6 +42,7 @@ __all__ = [
     "Categorical",
     "family_for_support",
     "choose_family",
+    "choose_families",
     "FAMILY_NAMES",
     "fisher_solve_mean_grad",
     "mean_grad_via_autograd",
@@ -159,3 +160,48 @@ def choose_family(
     raise ValueError(
         f"family {override!r} does not apply to a site with support {support}; use one of {options}"
     )
+
+
+def choose_families(
+    trace,
+    names: List[str],
+    covariance: str = "full",
+    overrides: Optional[Dict[str, str]] = None,
+    sum_out_discrete: bool = False,
+) -> Tuple[Dict[str, ExponentialFamily], Dict[str, str], Set[str], Dict[str, ValueError]]:
+    """:func:`choose_family` for every latent site ``names`` of a model ``trace``.
+
+    Returns the families, the fallback sites with why, the discrete sites (with
+    ``sum_out_discrete``, also the enumerable ones no family covers: they are summed out) and
+    the sites no family covers with the error (the caller raises it unless the site turns
+    out to be a leaf). A user override (``AutoCVI(families=...)``) that cannot apply raises.
+    """
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ValueError(
+            f"AutoCVI(families=...) names {unknown}, which are not latent sites of the "
+            f"model; latent sites: {names}"
+        )
+    families: Dict[str, ExponentialFamily] = {}
+    fallback: Dict[str, str] = {}
+    unsupported: Dict[str, ValueError] = {}
+    for name in names:
+        fn = trace.nodes[name]["fn"]
+        try:
+            fam, why = choose_family(fn.support, fn.event_shape, covariance, overrides.get(name))
+        except ValueError as e:
+            if name in overrides:
+                raise ValueError(f"latent site {name!r}: {e}") from None
+            unsupported[name] = e
+            continue
+        families[name] = fam
+        if why is not None:
+            fallback[name] = why
+    discrete = {n for n, f in families.items() if f.is_discrete}
+    for name in list(unsupported):
+        fn = trace.nodes[name]["fn"]
+        if sum_out_discrete and fn.support.is_discrete and fn.has_enumerate_support:
+            discrete.add(name)  # summed out: no q family needed
+            del unsupported[name]
+    return families, fallback, discrete, unsupported

@@ -10,6 +10,9 @@ Install with ``pip install pyro-cvi[gpytorch]``.
 * :class:`CVIOptimizer`: updates the sites from the gradients of ``likelihood.expected_log_prob``
   with respect to the marginal mean parameters (eq. 13, Appendix B.1). Works with any 1-D
   likelihood; positive curvature (Student-t) is clipped and counted in ``num_clipped``.
+* :class:`MultiClassCVIStrategy`, :class:`MultiClassCVIOptimizer`: K latent GPs with coupled
+  K x K sites per point, for ``SoftmaxLikelihood(mixing_weights=False)`` or
+  :class:`CategoricalLogitsLikelihood` (multi-class classification; see ``multiclass.py``).
 * :class:`LogisticBernoulliLikelihood`: Bernoulli with a sigmoid link, with expectations that
   stay exact for very wide marginals.
 
@@ -66,11 +69,19 @@ from .likelihoods import (
     logistic_expected_log_prob,
     logistic_expected_prob,
 )
+from .multiclass import (
+    CategoricalLogitsLikelihood,
+    MultiClassCVIOptimizer,
+    MultiClassCVIStrategy,
+)
 from .optim import CVIOptimizer
 from .posterior import FullSitePosterior, SparseSitePosterior
 from .strategy import CVISites, CVIVariationalStrategy
 
 __all__ = [
+    "CategoricalLogitsLikelihood",
+    "MultiClassCVIOptimizer",
+    "MultiClassCVIStrategy",
     "CVIOptimizer",
     "CVISites",
     "CVIVariationalStrategy",

@@ -1,0 +1,98 @@
+"""The records an :class:`~pyro_cvi.analysis.Analysis` produces: one :class:`Factor` per
+(factor, latent or block) pair, one :class:`LatentInfo` per latent site, one :class:`BlockSpec`
+per joint Gaussian block, and the names of the kinds, forms and owners they use
+(docs/architecture.md, step 1 of the pipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .families import ExponentialFamily
+from .statespace.detect import ChainSpec
+
+# kinds of (factor, latent) pairs
+PRIOR = "conjugate prior"
+CONJUGATE = "conjugate"
+LINEAR = "linear-predictor"
+GENERAL = "general"
+LEAF = "leaf"
+COLLAPSED = "collapsed"
+
+# forms of a latent's q
+SITE = "site"
+NATURAL = "natural"
+LEAF_FORM = "leaf"
+
+# owners of ELBO terms (besides a block index)
+MEANFIELD = "meanfield"
+CONSTANT = "constant"
+
+
+@dataclass
+class Factor:
+    """One (factor site, latent site or block) pair and how CVI treats it."""
+
+    site: str
+    latent: str
+    kind: str
+    reason: str
+    param: Optional[str] = None
+    jacobian: Optional[torch.Tensor] = None  # (R, D): d link(param) / d z (block: joint z)
+    dynamic: bool = False  # the Jacobian depends on learnable parameters: recompute each step
+    given_others: bool = False  # conjugate given the other (natural-form) latents (eq. 20)
+    time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
+    num_classes: int = 0  # K of a softmax factor (its Jacobian has N K point-major rows)
+    plate: Optional[str] = None  # a subsampled plate it lies in (its sites change per minibatch)
+
+    def describe(self) -> str:
+        return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
+
+
+@dataclass
+class LatentInfo:
+    name: str
+    family: Optional[ExponentialFamily]
+    form: str
+    event_shape: torch.Size
+    batch_shape: torch.Size
+    frames: list  # the site's vectorised plates (CondIndepStackFrame)
+    block: Optional[int] = None
+    factors: List[Factor] = field(default_factory=list)
+
+
+@dataclass
+class BlockSpec:
+    """A joint Gaussian over the flattened, concatenated values of ``names``."""
+
+    index: int
+    names: Tuple[str, ...]
+    shapes: Tuple[torch.Size, ...]
+    factors: List[Factor] = field(default_factory=list)
+    chain: Optional[ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
+
+    @property
+    def sizes(self) -> Tuple[int, ...]:
+        return tuple(int(s.numel()) for s in self.shapes)
+
+    @property
+    def dim(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def label(self) -> str:
+        long = self.chain is not None and len(self.names) > 3
+        return f"{self.names[0]}..{self.names[-1]}" if long else ", ".join(self.names)
+
+    def split(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Site values from a joint vector ``z`` (trailing dim ``D``; leading dims kept)."""
+        out, i = {}, 0
+        for n, s, k in zip(self.names, self.shapes, self.sizes):
+            out[n] = z[..., i : i + k].reshape(z.shape[:-1] + s)
+            i += k
+        return out
+
+    def join(self, values: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([values[n].reshape(-1) for n in self.names])

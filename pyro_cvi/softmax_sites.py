@@ -1,0 +1,199 @@
+"""K-dimensional softmax sites of a Gaussian block (the ``softmax-predictor`` factor kind).
+
+A ``Categorical`` / ``OneHotCategorical`` / ``Multinomial`` factor whose logits are affine in a
+Gaussian block, ``eta_n = A_n z + c_n`` (K-vector per data point), gets one site per point
+(eq. 13 in K dimensions, App. E.1)::
+
+    exp(lam1_n^T eta_n + eta_n^T lam2_n eta_n),   lam1_n: K-vector,  lam2_n: K x K (<= 0),
+
+stored as one ``[N, K, K + 1]`` parameter (``[..., 0]`` = lam1, ``[..., 1:]`` = lam2): O(N K^2).
+The logits are taken *centred* (``logits - mean(logits)``): torch normalises them, softmax is
+invariant to the shift, and the centred logits are affine when the model's are.
+
+The conjugate computation stays the Bayesian linear regression of
+:mod:`~pyro_cvi.linear_gaussian` with K-variate pseudo-observations: with
+``W_n = -2 lam2_n = U_n diag(s_n) U_n^T`` the site is exactly the K scalar rows
+``U_n^T A_n`` with precisions ``s_n`` and coefficients ``U_n^T (lam1_n + 2 lam2_n c_n)``
+(:meth:`SoftmaxRows.rows`), so primal and dual solves are reused unchanged. The targets come
+from :mod:`~pyro_cvi.softmax`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from . import probes
+from .softmax import lse_expectations, site_targets
+from .tracing import unwrap
+
+__all__ = ["SOFTMAX", "SoftmaxRows", "centred_logits", "softmax_rows", "softmax_message"]
+
+SOFTMAX = "softmax-predictor"
+
+_CLASSES = (
+    torch.distributions.Categorical,
+    torch.distributions.OneHotCategorical,
+    torch.distributions.Multinomial,
+)
+
+
+def centred_logits(base) -> Optional[torch.Tensor]:
+    """``logits - mean(logits, -1)`` of a softmax likelihood, else ``None``."""
+    if not isinstance(base, _CLASSES):
+        return None
+    logits = base.logits
+    return logits - logits.mean(-1, keepdim=True)
+
+
+def _counts(site, base, K: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counts ``Y [N, K]``, totals ``n [N]``, the per-point weight (scale, masks) and the
+    log-density constant (the multinomial coefficient)."""
+    y = site["value"]
+    logits = base.logits
+    batch = logits.shape[:-1]
+    weight = torch.ones(batch, dtype=logits.dtype, device=logits.device)
+    mask = unwrap(site["fn"])[1]
+    if mask is not None:
+        weight = weight * mask.to(weight.dtype)
+    if site["mask"] is False:
+        weight = weight * 0
+    elif site["mask"] is not None and site["mask"] is not True:
+        weight = weight * site["mask"].to(weight.dtype)
+    weight = weight * site["scale"]
+    if isinstance(base, torch.distributions.Categorical) and not isinstance(
+        base, torch.distributions.OneHotCategorical
+    ):
+        idx = torch.where(weight != 0, y, torch.zeros_like(y)).long().expand(batch)
+        Y = torch.nn.functional.one_hot(idx, K).to(logits.dtype)
+    else:
+        Y = torch.where(weight.unsqueeze(-1) != 0, y.to(logits.dtype), 0.0).expand(batch + (K,))
+    n = Y.sum(-1)
+    const = torch.zeros_like(n)
+    if isinstance(base, torch.distributions.Multinomial):
+        const = torch.lgamma(n + 1) - torch.lgamma(Y + 1).sum(-1)
+    return Y.reshape(-1, K), n.reshape(-1), weight.reshape(-1), const.reshape(-1)
+
+
+@dataclass
+class SoftmaxRows:
+    """The factor's affine map ``eta = A z + c`` (rows point-major: ``A [N K, D]``), its data,
+    and the current sites' rotated rows (:meth:`rows`)."""
+
+    A: torch.Tensor
+    c: torch.Tensor
+    K: int
+    Y: torch.Tensor
+    n: torch.Tensor
+    weight: torch.Tensor
+    const: torch.Tensor
+    kron: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    @property
+    def N(self) -> int:
+        return self.A.shape[0] // self.K
+
+    def rows(self, sites: torch.Tensor):
+        """The sites as a Bayesian-linear-regression contribution: ``(A_rot [N K, D], w [N K],
+        b [N K], U [N, K, K], None)`` (rotated scalar rows, module docstring), or, when
+        ``A = X (x) G`` (:attr:`kron`), no rows and the natural parameters ``(h, P)`` summed in
+        ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G``, ``h = sum_n x_n (x) G^T b_n``."""
+        N, K = self.N, self.K
+        lam1, lam2 = sites[..., 0], sites[..., 1:]
+        W = -(lam2 + lam2.mT)  # -2 lam2, symmetrised
+        b = lam1 + 2 * (lam2 @ self.c.reshape(N, K, 1)).squeeze(-1)
+        if self.kron is not None:
+            X, G = self.kron
+            Dx = X.shape[1]
+            GWG = (G.mT @ W @ G).reshape(N, K * K)
+            P = (_outer(X).mT @ GWG).reshape(Dx, Dx, K, K).permute(0, 2, 1, 3)
+            h = X.mT @ (b @ G)
+            none = self.A.new_zeros(0)
+            return self.A[:0], none, none, None, (h.reshape(-1), P.reshape(Dx * K, Dx * K))
+        s, U = torch.linalg.eigh(W)
+        A_rot = U.mT @ self.A.reshape(N, K, -1)
+        b_rot = (U.mT @ b.unsqueeze(-1)).squeeze(-1)
+        return A_rot.reshape(N * K, -1), s.reshape(-1), b_rot.reshape(-1), U, None
+
+    def cov_blocks(self, post, sl: slice, U: Optional[torch.Tensor]) -> torch.Tensor:
+        """``Cov(eta_n) [N, K, K]`` under the solved ``post``: from the rotated rows' covariance
+        blocks (``U Cov(U^T A_n z) U^T``), or ``G (x_n^T (x) I) V (x_n (x) I) G^T``."""
+        N, K = self.N, self.K
+        if self.kron is None:
+            cov = U @ post.row_cov_blocks(sl, K) @ U.mT
+        else:
+            X, G = self.kron
+            Dx = X.shape[1]
+            V = post.covariance().reshape(Dx, K, Dx, K).permute(0, 2, 1, 3)
+            cov = G @ (_outer(X) @ V.reshape(Dx * Dx, K * K)).reshape(N, K, K) @ G.mT
+        return 0.5 * (cov + cov.mT)
+
+    def mean(self, loc: torch.Tensor) -> torch.Tensor:
+        """``E eta_n = A_n m + c_n``, ``[N, K]``."""
+        return (self.A @ loc).reshape(self.N, self.K) + self.c.reshape(self.N, self.K)
+
+
+def _outer(X: torch.Tensor) -> torch.Tensor:
+    """``[N, D * D]``: the rows' outer products ``x_n x_n^T``, flattened."""
+    return (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(X.shape[0], -1)
+
+
+def kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(X [N, D'], G [K, K])`` with ``A = X (x) G`` (rows point-major, columns ``d * K + l``)
+    when the Jacobian has that structure (``logits = X @ W`` and a bias), else ``None``."""
+    R, Dz = A.shape
+    if Dz % K or R % K or not R:
+        return None
+    A4 = A.reshape(R // K, K, Dz // K, K)
+    flat = int(A4.abs().argmax())  # (plain arithmetic: torch.unravel_index imports sympy)
+    n0, k0, d0, l0 = (
+        flat // (K * Dz),
+        flat // Dz % K,
+        flat // K % (Dz // K),
+        flat % K,
+    )
+    G = A4[n0, :, d0, :]
+    X = A4[:, k0, :, l0] / G[k0, l0]
+    approx = X[:, None, :, None] * G[None, :, None, :]
+    return (X, G) if probes.close(A4, approx, probes.rtol(A.dtype)) else None
+
+
+def softmax_rows(site, factor, z_at: torch.Tensor) -> SoftmaxRows:
+    """Rows of a softmax factor at the trace ``site`` (taken at the block value ``z_at``)."""
+    base = unwrap(site["fn"])[0]
+    eta = centred_logits(base)
+    K = eta.shape[-1]
+    A = factor.jacobian
+    c = eta.detach().reshape(-1) - A @ z_at.reshape(-1)
+    Y, n, weight, const = _counts(site, base, K)
+    return SoftmaxRows(A, c, K, Y, n, weight, const, kron_factors(A, K))
+
+
+def softmax_message(
+    site,
+    rows: SoftmaxRows,
+    loc: torch.Tensor,
+    cov: torch.Tensor,
+    method: str = "cubature",
+    num_points: int = 32,
+    num_samples: int = 100,
+):
+    """ELBO term and target sites ``[N, K, K + 1]`` of a softmax factor under the current q.
+
+    ``loc``: q's mean; ``cov``: ``Cov(eta_n) [N, K, K]`` (:meth:`SoftmaxRows.cov_blocks`). The
+    value keeps its graph to hyperparameters through the offset ``c`` (as the scalar linear
+    predictor does).
+    """
+    N, K = rows.N, rows.K
+    mean, cov = rows.mean(loc.detach()), cov.detach()
+    eta_now = centred_logits(unwrap(site["fn"])[0])
+    if eta_now.requires_grad:
+        mean = mean + (eta_now - eta_now.detach()).reshape(N, K)
+    mom = lse_expectations(mean, cov, method, num_points=num_points, num_samples=num_samples)
+    F, lam1, lam2 = site_targets(rows.Y, rows.n, rows.weight, mean, mom)
+    value = (F + rows.weight * rows.const).sum()
+    if not value.requires_grad:
+        value = value.detach()
+    return value, torch.cat([lam1.unsqueeze(-1), lam2], -1).detach()

@@ -1,0 +1,160 @@
+"""Multi-class GP classification with coupled K x K CVI sites (contrib.gpytorch.multiclass)."""
+
+import gpytorch
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.contrib.gpytorch import (
+    CategoricalLogitsLikelihood,
+    MultiClassCVIOptimizer,
+    MultiClassCVIStrategy,
+)
+from pyro_cvi.softmax import lse_expectations
+
+F64 = torch.float64
+K = 3
+
+
+def _data(N=25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(N, 1, generator=g, dtype=F64) * 4 - 2
+    F = torch.cat([torch.sin(2 * X), X, -X], -1) * 2
+    y = torch.distributions.Categorical(logits=F).sample()
+    return X, y
+
+
+class GP(gpytorch.models.ApproximateGP):
+    def __init__(self, Z, N, train_inputs=None, batch=False, learn=False):
+        strategy = MultiClassCVIStrategy(
+            self, Z, N, K, learn, train_inputs=train_inputs, jitter_val=1e-8
+        )
+        super().__init__(strategy)
+        shape = torch.Size([K]) if batch else torch.Size([])
+        self.mean_module = gpytorch.means.ZeroMean(batch_shape=shape)
+        self.covar_module = gpytorch.kernels.ScaleKernel(
+            gpytorch.kernels.RBFKernel(batch_shape=shape), batch_shape=shape
+        )
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _cvi(model, X, y, steps=15, beta=1.0, lik=None):
+    lik = lik or CategoricalLogitsLikelihood(K)
+    opt = MultiClassCVIOptimizer(model, lik, beta)
+    losses = [float(opt.step(X, y)) for _ in range(steps)]
+    return opt, losses
+
+
+def test_full_gp_equals_the_pyro_softmax_sites():
+    # the same model through two independent code paths: the Pyro guide's block (rotated
+    # K-variate rows, primal solve) and the whitened K M x K M form of the adapter
+    X, y = _data()
+    N = X.shape[0]
+    model = GP(X, N)
+    _, losses = _cvi(model, X, y)
+    with torch.no_grad():
+        Kxx = model.covar_module(X).to_dense() + 1e-8 * torch.eye(N, dtype=F64)
+
+    def pyro_model(y):
+        fs = [
+            pyro.sample(f"f{k}", dist.MultivariateNormal(X.new_zeros(N), covariance_matrix=Kxx))
+            for k in range(K)
+        ]
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Categorical(logits=torch.stack(fs, -1)), obs=y)
+
+    pyro.clear_param_store()
+    guide = AutoCVI(pyro_model)
+    svi = SVI(pyro_model, guide, CVI(1.0), loss=CVI_ELBO())
+    pl = [svi.step(y) for _ in range(15)]
+    assert abs(losses[-1] - pl[-1]) < 1e-6 * abs(pl[-1])
+    assert abs(losses[-1] - losses[-2]) < 1e-8  # converged
+
+
+def test_sparse_with_inducing_points_at_the_data_equals_full_and_reports_the_elbo():
+    X, y = _data()
+    N = X.shape[0]
+    full, sparse = GP(X, N), GP(X.clone(), N, train_inputs=X)
+    _, lf = _cvi(full, X, y)
+    _, ls = _cvi(sparse, X, y)
+    assert abs(lf[-1] - ls[-1]) < 1e-8
+    # the optimizer's -ELBO is VariationalELBO's (cubature likelihood) at the same q
+    lik = CategoricalLogitsLikelihood(K)
+    mll = gpytorch.mlls.VariationalELBO(lik, sparse, num_data=N)
+    sparse.train()
+    with torch.no_grad():
+        assert abs(-float(mll(sparse(X), y)) * N - lf[-1]) < 1e-6
+
+
+def test_q_is_the_optimum_of_the_cubature_elbo():
+    # at the fixed point no Gaussian q(u) does better: perturbing the sites (hence q) along
+    # random directions can only increase the -ELBO (a stationary point, to second order)
+    X, y = _data(N=15)
+    N = X.shape[0]
+    model = GP(X[::3].clone(), N, train_inputs=X)
+    opt, losses = _cvi(model, X, y, steps=25)
+    s = model.variational_strategy
+    lam1, lam2 = s.site_lam1.clone(), s.site_lam2.clone()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        d1 = 1e-3 * torch.randn(lam1.shape, generator=g, dtype=F64)
+        s.set_sites(lam1 + d1, lam2)
+        up = float(opt.step(X, y))
+        s.set_sites(lam1, lam2)
+        assert up >= losses[-1] - 1e-9
+
+
+@pytest.mark.parametrize("beta", [0.05, 0.3, 0.7, 1.0])
+def test_every_step_size_is_valid(beta):
+    X, y = _data(N=40, seed=1)
+    model = GP(X[::4].clone(), 40, train_inputs=X, batch=True)
+    with torch.no_grad():
+        model.covar_module.outputscale = torch.full((K,), 20.0, dtype=F64)  # large variances
+    opt, losses = _cvi(model, X, y, steps=10, beta=beta)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    ev = torch.linalg.eigvalsh(model.variational_strategy.site_lam2)
+    assert float(ev.max()) <= 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("likelihood", ["softmax", "categorical"])
+def test_hybrid_learning_and_prediction(likelihood):
+    X, y = _data(N=60, seed=2)
+    N = X.shape[0]
+    Z = torch.linspace(-2, 2, 8, dtype=F64).unsqueeze(-1).expand(K, 8, 1).clone()
+    model = GP(Z, N, train_inputs=X, batch=True, learn=True)  # per-class inducing points
+    if likelihood == "softmax":
+        lik = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=K, mixing_weights=False)
+    else:
+        lik = CategoricalLogitsLikelihood(K)
+    cvi = MultiClassCVIOptimizer(model, lik, 1.0)
+    adam = torch.optim.Adam(model.parameters(), lr=0.05)
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=N)
+    model.train()
+    first = None
+    for _ in range(40):
+        loss = float(cvi.step(X, y))
+        first = first if first is not None else loss
+        adam.zero_grad()
+        (-mll(model(X), y)).backward()
+        adam.step()
+    assert loss < first - 5  # hyperparameters (and inducing points) learned
+    model.eval()
+    lik.eval()
+    with torch.no_grad():
+        pred = lik(model(X))
+        probs = pred.probs.mean(0) if pred.probs.dim() == 3 else pred.probs
+        f = model(X)
+    assert probs.shape == (N, K)
+    assert torch.allclose(probs.sum(-1), torch.ones(N, dtype=F64))
+    acc = float((probs.argmax(-1) == y).to(F64).mean())
+    assert acc > 0.75
+    # the cubature likelihood's prediction is E[softmax(f)] under the coupled marginals
+    if likelihood == "categorical":
+        mean, cov = f.mean, f.lazy_covariance_matrix.base_linear_op.to_dense()
+        assert torch.allclose(probs, lse_expectations(mean, cov).grad)
