@@ -34,10 +34,17 @@ from ..messages import (
     general_gaussian_message,
     linear_predictor_message,
     linear_predictor_rows,
+    linear_predictor_value,
     normal_rows,
 )
 from ..probes import jacobian
-from ..softmax_sites import SOFTMAX, SoftmaxRows, softmax_message, softmax_rows
+from ..softmax_sites import (
+    SOFTMAX,
+    SoftmaxRows,
+    centred_logits,
+    softmax_message,
+    softmax_rows,
+)
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
@@ -72,6 +79,9 @@ class GaussianBlock:
         self.elbo_rows: List[Tuple[int, object]] = []
         self.post: Optional[GaussianPosterior] = None
         self._refreshed_from = None
+        #: the step's prior and rows with their graph to the model's parameters (``ctx.graph``
+        #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
+        self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
@@ -148,24 +158,35 @@ class GaussianBlock:
             return self.prior
         prior = self._prior(tr)
         sites = self._sites()
-        rows, elbo_rows = [], []
+        rows, elbo_rows, graph_rows, graph_fns = [], [], [], {}
         for f in self.spec.factors:
             if f.kind not in (CONJUGATE, LINEAR, SOFTMAX):
                 continue
+            A = f.jacobian if ctx.graph else None  # (given: rows with graph, see messages)
             if f.dynamic:
-                f.jacobian = self._jacobian(f, ctx)
+                A = self._jacobian(f, ctx, create_graph=ctx.graph)
+                f.jacobian = A.detach()
             site = tr.nodes[f.site]
             if f.kind == CONJUGATE:
                 r, fn = normal_rows(site, f, self.z_at)
                 rows.append((None, r))
                 if f.site in self.owned:
                     elbo_rows.append((len(rows) - 1, fn))
+                if A is not None:
+                    r, graph_fns[len(rows) - 1] = normal_rows(site, f, self.z_at, A)
+                    graph_rows.append((None, r))
             elif f.kind == SOFTMAX:
                 rows.append((f.site, softmax_rows(site, f, self.z_at)))
+                if A is not None:
+                    graph_rows.append((f.site, softmax_rows(site, f, self.z_at, A)))
             else:
-                rows.append(
-                    (f.site, linear_predictor_rows(site, f, self.z_at, sites[f.site].detach()))
-                )
+                s = sites[f.site].detach()
+                rows.append((f.site, linear_predictor_rows(site, f, self.z_at, s)))
+                if A is not None:
+                    graph_rows.append((f.site, linear_predictor_rows(site, f, self.z_at, s, A)))
+        self._graph = None
+        if ctx.graph and _has_graph(prior, graph_rows):
+            self._graph = (prior, graph_rows, graph_fns)
         same = (
             self.post is not None
             and not self.general
@@ -180,8 +201,9 @@ class GaussianBlock:
         self._refreshed_from = tr if not prior.loc.requires_grad else None
         return prior
 
-    def _jacobian(self, f, ctx: StepContext) -> torch.Tensor:
-        """Recompute an affine coefficient that depends on learnable parameters."""
+    def _jacobian(self, f, ctx: StepContext, create_graph: bool = False) -> torch.Tensor:
+        """Recompute an affine coefficient that depends on learnable parameters (with its graph
+        to them when ``create_graph``)."""
         leaves = {
             n: v.detach().clone().requires_grad_(True)
             for n, v in self.spec.split(self.z_at).items()
@@ -189,12 +211,19 @@ class GaussianBlock:
         values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
         with torch.enable_grad():
             t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
-            value = linear_param(unwrap(t.nodes[f.site]["fn"])[0])[1]
-            return torch.cat([jacobian(value, leaves[n]).detach() for n in self.names], 1)
+            base = unwrap(t.nodes[f.site]["fn"])[0]
+            value = centred_logits(base) if f.kind == SOFTMAX else linear_param(base)[1]
+            A = [jacobian(value, leaves[n], create_graph=create_graph) for n in self.names]
+            A = torch.cat(A, 1)
+            return A if create_graph else A.detach()
 
-    def _solve(self, site_values=None, general_values=None) -> GaussianPosterior:
+    def _solve(self, site_values=None, general_values=None, graph=False) -> GaussianPosterior:
+        """``q`` from the prior and the rows (eq. 2); with ``graph``, from the step's prior and
+        rows with their graph (:attr:`_graph`), so ``q`` is differentiable in the model's
+        parameters at fixed sites."""
+        prior, rows = (self._graph[0], self._graph[1]) if graph else (self.prior, self.rows)
         blocks, rotations, extra = [], {}, []
-        for site_name, r in self.rows:
+        for site_name, r in rows:
             if isinstance(r, SoftmaxRows):
                 s = (site_values or self._sites())[site_name].detach()
                 *block, rotations[site_name], nat = r.rows(s)
@@ -205,7 +234,7 @@ class GaussianBlock:
                 blocks.append((r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c))
             else:
                 blocks.append((r.A, r.w, r.b))
-        like, D = self.prior.loc, self.spec.dim
+        like, D = prior.loc, self.spec.dim
         if len(blocks) == 1:
             A, w, b = blocks[0]
         elif blocks:
@@ -220,10 +249,10 @@ class GaussianBlock:
             extra.append(tuple(t.detach() for t in general))
         if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
             h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
-        post = solve(self.prior, A, w, b, h, P, reduce=self.options.reducer)
+        post = solve(prior, A, w, b, h, P, reduce=self.options.reducer, keep_graph=graph)
         post.rotations = rotations
         post.blocks, i = [], 0
-        for (site_name, _), blk in zip(self.rows, blocks):
+        for (site_name, _), blk in zip(rows, blocks):
             post.blocks.append((site_name, slice(i, i + blk[0].shape[0])))
             i += blk[0].shape[0]
         return post
@@ -231,15 +260,24 @@ class GaussianBlock:
     # ------------------------------------------------------------------ ELBO and targets
     def elbo(self, ctx: StepContext, prior: GaussianPrior) -> torch.Tensor:
         """``-KL(q || prior)`` plus the owned factors' expected log-densities; with
-        ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``."""
+        ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``.
+
+        The targets come from the current ``q`` (no graph). Where the prior or the rows depend
+        on the model's parameters and the graph is wanted (``ctx.graph``), the value is that of
+        ``q`` re-solved with graph from the same sites (the same number): its gradient is the
+        derivative of the ELBO at fixed site parameters."""
         post, tr = self.post, ctx.trace
-        shared = -post.kl_to(prior)
+        gpost = self._solve(graph=True) if self._graph is not None else None
+        valued = post if gpost is None else gpost
+        graph_rows = self._graph[1] if gpost is not None else self.rows
+        shared = -valued.kl_to(prior)
         elbo = torch.zeros_like(shared)  # the factors' terms: this rank's data points
         for idx, fn in self.elbo_rows:
             sl = post.blocks[idx][1]
-            elbo = elbo + fn(post.f_mean[sl], post.f_var[sl])
+            fn = fn if gpost is None else self._graph[2][idx]
+            elbo = elbo + fn(valued.f_mean[sl], valued.f_var[sl])
         sites = self._sites()
-        for (site_name, sl), (_, r) in zip(post.blocks, self.rows):
+        for (site_name, sl), (_, r), (_, rg) in zip(post.blocks, self.rows, graph_rows):
             if site_name is None:
                 continue
             if isinstance(r, SoftmaxRows):
@@ -252,6 +290,17 @@ class GaussianBlock:
                     self.options.num_quad_points,
                     self.options.num_samples or 100,
                 )
+                if gpost is not None:
+                    value = softmax_message(
+                        tr.nodes[site_name],
+                        rg,
+                        gpost.loc,
+                        rg.cov_blocks(gpost, sl, gpost.rotations[site_name]),
+                        self.options.softmax,
+                        self.options.num_quad_points,
+                        self.options.num_samples or 100,
+                        graph=True,
+                    )[0]
             else:
                 value, target = linear_predictor_message(
                     tr.nodes[site_name],
@@ -261,6 +310,14 @@ class GaussianBlock:
                     self.options.num_quad_points,
                     self.options.num_samples,
                 )
+                if gpost is not None:
+                    value = linear_predictor_value(
+                        tr.nodes[site_name],
+                        rg,
+                        gpost.f_mean[sl],
+                        gpost.f_var[sl],
+                        self.options.num_quad_points,
+                    )
             elbo = elbo + value
             if ctx.grads:
                 p = sites[site_name]
@@ -428,6 +485,14 @@ def _block_diag(parts: List[GaussianPrior]) -> GaussianPrior:
         )
     covs = [torch.diag_embed(p.var) if p.is_diagonal else p.cov for p in parts]
     return GaussianPrior(loc, cov=torch.block_diag(*covs))
+
+
+def _has_graph(prior: GaussianPrior, rows) -> bool:
+    """Whether the prior or any row tensor depends on the model's parameters."""
+    tensors = [t for t in prior.tensors() if t is not None]
+    for _, r in rows:
+        tensors += [r.A, r.c] + ([r.w, r.b] if isinstance(r, RowBlock) else [])
+    return any(t.requires_grad for t in tensors)
 
 
 def _same(old_prior, old_rows, prior, rows) -> bool:
