@@ -231,7 +231,8 @@ class Engine:
         return out
 
     def context(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> StepContext:
-        ctx = StepContext(self.model, args, kwargs, dict(subsample), grads, graph=grads or graph)
+        ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
+        ctx.graph = grads or graph
         ctx.data_key = self.data_key
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means

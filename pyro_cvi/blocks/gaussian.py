@@ -34,8 +34,6 @@ from ..messages import (
     general_gaussian_message,
     linear_predictor_message,
     linear_predictor_rows,
-    linear_predictor_value,
-    normal_rows,
 )
 from ..probes import jacobian
 from ..softmax_sites import (
@@ -47,6 +45,7 @@ from ..softmax_sites import (
 )
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
+from .rows import factor_rows, has_graph, site_value
 
 __all__ = ["GaussianBlock", "block_prior"]
 
@@ -167,25 +166,15 @@ class GaussianBlock:
                 A = self._jacobian(f, ctx, create_graph=ctx.graph)
                 f.jacobian = A.detach()
             site = tr.nodes[f.site]
-            if f.kind == CONJUGATE:
-                r, fn = normal_rows(site, f, self.z_at)
-                rows.append((None, r))
-                if f.site in self.owned:
-                    elbo_rows.append((len(rows) - 1, fn))
-                if A is not None:
-                    r, graph_fns[len(rows) - 1] = normal_rows(site, f, self.z_at, A)
-                    graph_rows.append((None, r))
-            elif f.kind == SOFTMAX:
-                rows.append((f.site, softmax_rows(site, f, self.z_at)))
-                if A is not None:
-                    graph_rows.append((f.site, softmax_rows(site, f, self.z_at, A)))
-            else:
-                s = sites[f.site].detach()
-                rows.append((f.site, linear_predictor_rows(site, f, self.z_at, s)))
-                if A is not None:
-                    graph_rows.append((f.site, linear_predictor_rows(site, f, self.z_at, s, A)))
+            name, r, fn = factor_rows(f, site, self.z_at, sites)
+            rows.append((name, r))
+            if fn is not None and f.site in self.owned:
+                elbo_rows.append((len(rows) - 1, fn))
+            if A is not None:
+                name, r, graph_fns[len(rows) - 1] = factor_rows(f, site, self.z_at, sites, A)
+                graph_rows.append((name, r))
         self._graph = None
-        if ctx.graph and _has_graph(prior, graph_rows):
+        if ctx.graph and has_graph(prior, graph_rows):
             self._graph = (prior, graph_rows, graph_fns)
         same = (
             self.post is not None
@@ -290,17 +279,6 @@ class GaussianBlock:
                     self.options.num_quad_points,
                     self.options.num_samples or 100,
                 )
-                if gpost is not None:
-                    value = softmax_message(
-                        tr.nodes[site_name],
-                        rg,
-                        gpost.loc,
-                        rg.cov_blocks(gpost, sl, gpost.rotations[site_name]),
-                        self.options.softmax,
-                        self.options.num_quad_points,
-                        self.options.num_samples or 100,
-                        graph=True,
-                    )[0]
             else:
                 value, target = linear_predictor_message(
                     tr.nodes[site_name],
@@ -310,14 +288,8 @@ class GaussianBlock:
                     self.options.num_quad_points,
                     self.options.num_samples,
                 )
-                if gpost is not None:
-                    value = linear_predictor_value(
-                        tr.nodes[site_name],
-                        rg,
-                        gpost.f_mean[sl],
-                        gpost.f_var[sl],
-                        self.options.num_quad_points,
-                    )
+            if gpost is not None:  # the same number, with its graph
+                value = site_value(tr.nodes[site_name], rg, gpost, sl, self.options)
             elbo = elbo + value
             if ctx.grads:
                 p = sites[site_name]
@@ -485,14 +457,6 @@ def _block_diag(parts: List[GaussianPrior]) -> GaussianPrior:
         )
     covs = [torch.diag_embed(p.var) if p.is_diagonal else p.cov for p in parts]
     return GaussianPrior(loc, cov=torch.block_diag(*covs))
-
-
-def _has_graph(prior: GaussianPrior, rows) -> bool:
-    """Whether the prior or any row tensor depends on the model's parameters."""
-    tensors = [t for t in prior.tensors() if t is not None]
-    for _, r in rows:
-        tensors += [r.A, r.c] + ([r.w, r.b] if isinstance(r, RowBlock) else [])
-    return any(t.requires_grad for t in tensors)
 
 
 def _same(old_prior, old_rows, prior, rows) -> bool:
