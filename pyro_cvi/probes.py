@@ -166,7 +166,7 @@ def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], param
     if not params:
         return False
     grads = torch.autograd.grad(
-        (value * torch.randn_like(value)).sum(),
+        (value * _probe_weights(value)).sum(),
         list(leaves),
         retain_graph=True,
         create_graph=True,
@@ -177,3 +177,10 @@ def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], param
         return False
     second = torch.autograd.grad(total, params, allow_unused=True, retain_graph=True)
     return any(x is not None for x in second)
+
+
+def _probe_weights(value: torch.Tensor) -> torch.Tensor:
+    """Random weights of the shape of ``value`` from the local generator (seeded: the user's
+    RNG stream is not consumed, and the answer is the same every time)."""
+    g = torch.Generator(device="cpu").manual_seed(11)
+    return torch.randn(value.shape, generator=g, dtype=torch.float64).to(value)

@@ -86,6 +86,26 @@ def softmax_gp(X, y, K=3):
         pyro.sample("y", dist.Categorical(logits=A @ U), obs=y)
 
 
+def _markov_chain(learn_h=False, T=12):
+    """A ``pyro.markov`` AR(1) loop (Kalman-smoother block): transition ``a``, noise ``q`` in
+    the chain prior, the log-rate offset ``b`` and (``learn_h``) its coefficient ``h`` on
+    ``x_t``, whose observation rows are then recomputed every step."""
+
+    def model(y):
+        one = torch.ones((), dtype=y.dtype)
+        a = pyro.param("a", 0.8 * one)
+        q = pyro.param("q", 0.4 * one, dist.constraints.positive)
+        b = pyro.param("b", 0.2 * one)
+        h = pyro.param("h", 1.3 * one) if learn_h else 1.0
+        x = pyro.sample("x_0", dist.Normal(0 * one, one))
+        for t in pyro.markov(range(T)):
+            if t > 0:
+                x = pyro.sample(f"x_{t}", dist.Normal(a * x, q))
+            pyro.sample(f"y_{t}", dist.Poisson(torch.exp(h * x + b)), obs=y[t])
+
+    return model
+
+
 def _fit(model, args, seed, steps):
     """A guide built under ``seed``, moved ``steps`` CVI steps (hyperparameters held)."""
     pyro.clear_param_store()
@@ -139,11 +159,16 @@ CASES = {
     "sparse_gp_normal": (_sparse_gp(likelihood="normal"), {"regression": True}),
     "ard_logistic": (ard_logistic, {}),
     "softmax_gp": (softmax_gp, {"K": 3}),
+    "markov_chain": (_markov_chain(), {"counts": True}),
+    "markov_chain_observation_coefficient": (_markov_chain(learn_h=True), {"counts": True}),
 }
 
 
 def _args(case):
     opts = CASES[case][1]
+    if opts.get("counts"):
+        g = torch.Generator().manual_seed(1)
+        return (torch.poisson(torch.full((12,), 2.0, dtype=torch.float64), generator=g),)
     X, y = _data(K=opts.get("K"))
     if opts.get("regression"):
         y = torch.sin(X[:, 0]) + 0.3 * X[:, 1]
@@ -161,7 +186,15 @@ def test_hyperparameter_gradient_is_the_finite_difference_of_the_loss(case):
         torch.testing.assert_close(g, fd[name], rtol=1e-6, atol=1e-7, msg=f"{case}: {name}")
 
 
-@pytest.mark.parametrize("case", ["sparse_gp_bernoulli", "softmax_gp", "sparse_gp_normal"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sparse_gp_bernoulli",
+        "softmax_gp",
+        "sparse_gp_normal",
+        "markov_chain_observation_coefficient",
+    ],
+)
 def test_hyperparameter_gradient_does_not_depend_on_the_seed(case):
     """Two guides built under different torch seeds: the same loss and the same gradient."""
     model, args = CASES[case][0], _args(case)
