@@ -113,6 +113,24 @@ class GaussianPosterior:
         #: ``sl -> [n, K, K]``: covariance blocks of K consecutive rows, set by the solver
         self.row_cov_fn = None
 
+    def detached(self) -> GaussianPosterior:
+        """The same ``q`` without graph (a ``q`` solved with ``keep_graph``, for the CVI
+        targets: the same numbers, no second solve); lazy parts are detached when formed."""
+        d = GaussianPosterior(
+            *(t.detach() for t in (self.loc, self.logdet_cov, self.f_mean, self.f_var)),
+            self.form,
+            lambda: self.covariance().detach(),
+            lambda: self.cov_diag().detach(),
+            self.prior.detach(),
+        )
+        d.site_trace = None if self.site_trace is None else self.site_trace.detach()
+        if self.row_cov_fn is not None:
+            d.row_cov_fn = lambda sl, K: self.row_cov_fn(sl, K).detach()
+        for name in ("rotations", "blocks"):
+            if hasattr(self, name):
+                setattr(d, name, getattr(self, name))
+        return d
+
     def row_cov_blocks(self, sl: slice, K: int) -> torch.Tensor:
         """Covariances ``Cov(f_r)`` of the rows ``sl`` in consecutive groups of ``K`` rows
         (the K-variate pseudo-observations of a softmax site), ``[R / K, K, K]``."""

@@ -185,7 +185,10 @@ class GaussianBlock:
         if self.options.reducer is not None:  # every rank must take the same branch
             same = self.options.reducer.all_agree(same, prior.loc)
         self.prior, self.rows, self.elbo_rows = prior.detach(), rows, elbo_rows
-        if not same:
+        if self._graph is not None:  # one solve, with graph; the targets read it detached
+            self._graph += (self._solve(graph=True),)
+            self.post = self._graph[3].detached()
+        elif not same:
             self.post = self._solve()
         self._refreshed_from = tr if not prior.loc.requires_grad else None
         return prior
@@ -256,7 +259,7 @@ class GaussianBlock:
         ``q`` re-solved with graph from the same sites (the same number): its gradient is the
         derivative of the ELBO at fixed site parameters."""
         post, tr = self.post, ctx.trace
-        gpost = self._solve(graph=True) if self._graph is not None else None
+        gpost = self._graph[3] if self._graph is not None else None
         valued = post if gpost is None else gpost
         graph_rows = self._graph[1] if gpost is not None else self.rows
         shared = -valued.kl_to(prior)
