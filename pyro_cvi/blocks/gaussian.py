@@ -15,7 +15,9 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
 dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
 ``.grad`` holds ``target - lambda_tilde`` after the loss, and :meth:`step` applies eq. 12 with the
-step policy of :mod:`~pyro_cvi.update`.
+step policy of :mod:`~pyro_cvi.update`. Hyperparameters: where the prior or the rows depend on
+the model's parameters (``A(theta)``, ``c(theta)``, a Normal scale) the loss's ``q`` is solved
+with graph (:mod:`~pyro_cvi.blocks.rows`), so its gradient is that of the ELBO at fixed sites.
 """
 
 from __future__ import annotations

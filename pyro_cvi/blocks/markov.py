@@ -8,8 +8,11 @@ computation (step 4 of Algorithm 1) is a Kalman smoother
 
     ELBO = log Z - sum_r E_q[log t_r] + sum_r E_q[log p(y_r | eta_r)],
 
-whose first two terms are ``-KL(q || p)``; ``log Z`` keeps its graph to the prior's
-hyperparameters (Fisher's identity: the fixed-q gradient of ``-KL``).
+whose first two terms are ``-KL(q || p)``. When the loss's graph is wanted and the prior
+(transitions), the offsets ``c`` or the coefficients ``h_r`` depend on the model's parameters,
+the smoother runs with graph (``log Z`` and the marginals, by a differentiable backward pass),
+so the hyperparameter gradient is the derivative of the ELBO at fixed sites; coefficients
+``h_r(theta)`` are recomputed every step.
 """
 
 from __future__ import annotations

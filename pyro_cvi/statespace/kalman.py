@@ -14,7 +14,8 @@ Garcia-Fernandez 2021, with a log-normaliser carried along): O(T d^3) work, O(lo
 Its gradients are the smoothed marginals (the exponential-family identity ``dlogZ/d lambda =
 mu``): ``E[x_t] = dlogZ/d eta_t`` and ``E[x_t x_t'] = -2 dlogZ/d J_t``; one backward pass is
 the RTS smoother. With the sites fixed, ``d log Z / d theta = E_q[d log p_theta(x) / d theta]``
-(Fisher's identity): the hyperparameter gradient of ``-KL(q || p_theta)`` at fixed q.
+(Fisher's identity). ``smooth(..., keep_graph=True)`` keeps the graph of the marginals too (the
+backward pass with ``create_graph``), for the derivative of the whole ELBO at fixed sites.
 """
 
 from __future__ import annotations
