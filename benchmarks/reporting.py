@@ -40,6 +40,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 NEVER = "never"
 #: A final loss this many times the target (in absolute value) is called absurd.
 ABSURD_FACTOR = 10.0
+#: Lists longer than this (loss traces) are thinned in the written JSON, so that the results
+#: that back the README and the docs stay small enough to commit.
+MAX_POINTS = 300
 
 
 def fmt(x: Any, spec: str = "", missing: str = "-") -> str:
@@ -230,6 +233,27 @@ class Table:
         }
 
 
+def thin(obj: Any, max_points: int = MAX_POINTS) -> Any:
+    """``obj`` with every list longer than ``max_points`` cut to about ``max_points`` items:
+    half evenly spaced, half log-spaced in the index (the start of a loss trace is where it
+    moves), always keeping the first and the last item. Floats keep 6 significant digits."""
+    if isinstance(obj, dict):
+        return {k: thin(v, max_points) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        n = len(obj)
+        if n > max_points:
+            half = max_points // 2
+            idx = {round(i * (n - 1) / (half - 1)) for i in range(half)}
+            idx |= {
+                min(n - 1, round(math.exp(i * math.log(n) / (half - 1))) - 1) for i in range(half)
+            }
+            obj = [obj[i] for i in sorted(idx)]
+        return [thin(v, max_points) for v in obj]
+    if isinstance(obj, float) and math.isfinite(obj):
+        return float(f"{obj:.6g}")
+    return obj
+
+
 def write_results(
     path: str,
     payload: Dict[str, Any],
@@ -252,6 +276,7 @@ def write_results(
     }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**payload, "report": report}, indent=1, default=float))
+    data = thin({**payload, "report": report})
+    out.write_text(json.dumps(data, separators=(",", ":"), default=float) + "\n")
     print(f"wrote {out}")
     return out

@@ -286,8 +286,10 @@ def _verdict(rows) -> str:
     for r in rows:
         seeds = len(r["cvi_seconds_to_target_per_seed"])
         cvi = reach_phrase(f"CVI (median of {seeds} seeds)", r["cvi_seconds_to_target"])
-        cvi = cvi.replace("the target", "Adam's best held-out log-likelihood")
-        adam = f"Adam's best run took {r['adam_seconds_to_best']:.3g} s to get there"
+        cvi = cvi.replace("the target", "Adam's best held-out log-likelihood").replace(
+            "did not reach it", "did not reach Adam's best held-out log-likelihood"
+        )
+        adam = f"Adam's best run took {r['adam_seconds_to_best']:.3g} s to reach it"
         ratio = r["speedup_adam_over_cvi"]
         parts.append(f"{r['problem']}: {cvi}; {adam}" + (f" ({ratio:.1f}x)" if ratio else ""))
     return "Verdict: " + "; ".join(parts) + "."

@@ -413,7 +413,7 @@ def _verdict(parts: Dict[str, dict], budget: float) -> str:
         cvi = reach_phrase("CVI", best["cvi"]["time_to_tol"])
         others = [
             reach_phrase(
-                m.upper(),
+                {"ngd": "NGD", "adam": "Adam"}[m],
                 best[m]["time_to_tol"],
                 best[m]["trace"][-1][1] if best[m]["trace"] else budget,
             )

@@ -41,3 +41,17 @@ def test_readme_blocks_run_and_match_the_shown_output(readme_output):
         if line.strip() and line.strip() != "...":
             want = " ".join(line.split())
             assert want in printed, f"README shows {line!r}, which the snippet does not print"
+
+
+def test_readme_results_rows_are_measured():
+    """Every row of the results table is a measurement: no placeholder, and the script it cites
+    exists (rows for later work are added with their numbers, not before)."""
+    section = README.read_text().split("\n## Results\n")[1].split("\n## ")[0]
+    visible = re.sub(r"<!--.*?-->", "", section, flags=re.S)
+    rows = [line for line in visible.splitlines() if line.startswith("|")][2:]
+    assert len(rows) >= 4, "the README's results table lost its rows"
+    for row in rows:
+        assert not re.search(r"pending|TODO|TBD|\.\.\. \|", row), f"placeholder row: {row}"
+        for script in re.findall(r"scripts/([\w]+\.py)", row):
+            assert (README.parent / "scripts" / script).exists(), f"{row} cites a missing script"
+    assert not re.search(r"^[A-Z_]+_ROWS$", visible, re.M), "an unfilled row marker"

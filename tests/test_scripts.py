@@ -1,0 +1,27 @@
+"""Every benchmark script in ``scripts/`` keeps the promises of the README's Benchmarks section:
+a ``--quick`` flag (a smoke run under 2 minutes), a one-line verdict in words, and JSON written
+to a path given by ``--out``. (Their run times are checked by running them, not here: no timing
+assertions in unit tests.)"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+#: Tools, not benchmarks.
+NOT_BENCHMARKS = {"report.py", "smoke_test.py", "check_docs.py"}
+BENCHMARKS = sorted(p for p in SCRIPTS.glob("*.py") if p.name not in NOT_BENCHMARKS)
+
+
+def test_there_are_benchmark_scripts():
+    assert len(BENCHMARKS) >= 5
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmark_script_has_quick_verdict_and_out(path):
+    source = path.read_text()
+    assert '"--quick"' in source, f"{path.name} has no --quick flag"
+    assert '"--out"' in source, f"{path.name} does not take --out for its JSON"
+    assert re.search(r"verdict", source, re.I), f"{path.name} prints no verdict line"
+    assert "print(None" not in source, f"{path.name} prints None where 'never' is meant"
