@@ -19,8 +19,8 @@ the RTS smoother. With the sites fixed, ``d log Z / d theta = E_q[d log p_theta(
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -269,36 +269,56 @@ class Marginals:
     mean: torch.Tensor
     cov: torch.Tensor
     log_z: torch.Tensor
+    cross: Optional[torch.Tensor] = None  # lag-one Cov(x_t, x_{t-1}) (T-1, d, d), if asked
+    to_z: Optional[Callable] = None  # the block's joint z from states (a random walk: diff)
 
     @property
     def loc(self) -> torch.Tensor:
-        """The means flattened (as a Gaussian block's ``post.loc``)."""
-        return self.mean.reshape(-1)
+        """The mean of the block's joint z (as a Gaussian block's ``post.loc``)."""
+        return self.mean.reshape(-1) if self.to_z is None else self.to_z(self.mean)
 
 
 def smooth(
-    chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, keep_graph: bool = False
+    chain: LinearGaussianChain,
+    eta: torch.Tensor,
+    J: torch.Tensor,
+    keep_graph: bool = False,
+    lag_one: bool = False,
 ) -> Marginals:
     """Forward reduction + one backward pass (the RTS smoother as the gradient of log Z).
 
     With ``keep_graph``, the returned ``log_z`` keeps its graph to the chain's tensors (for
-    hyperparameter gradients); the marginals are always detached.
+    hyperparameter gradients); the marginals are always detached. With ``lag_one``, also
+    ``Cov(x_t, x_{t-1})`` from ``G_t = dlogZ/dA_t = Q_t^-1 E[(x_t - A_t x_{t-1} - b_t)
+    x_{t-1}']``: ``Cov = Q_t G_t + A_t S_{t-1} + (A_t m_{t-1} + b_t - m_t) m_{t-1}'``.
     """
     with torch.enable_grad():
         e = eta.detach().clone().requires_grad_(True)
         Jl = J.detach().clone().requires_grad_(True)
         ch = chain if keep_graph else chain.detach()
+        wrt = (e, Jl)
+        if lag_one:
+            A = ch.A if ch.A.requires_grad else ch.A.detach().clone().requires_grad_(True)
+            ch = replace(ch, A=A)
+            wrt = wrt + (A,)
         log_z = log_normalizer(ch, e, Jl)
         if not bool(torch.isfinite(log_z)):
             raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-        g_e, g_J = torch.autograd.grad(log_z, (e, Jl), retain_graph=keep_graph)
-    mean = g_e.detach()
-    second = -(g_J + g_J.transpose(-1, -2)).detach()  # E[x x'] (symmetrised)
+        grads = torch.autograd.grad(log_z, wrt, retain_graph=keep_graph)
+    mean = grads[0].detach()
+    g_J = grads[1].detach()
+    second = -(g_J + g_J.transpose(-1, -2))  # E[x x'] (symmetrised)
     cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
     diag = cov.diagonal(dim1=-2, dim2=-1)
     if not bool(torch.isfinite(cov).all()) or bool((diag <= 0).any()):
         raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
-    return Marginals(mean, cov, log_z if keep_graph else log_z.detach())
+    cross = None
+    if lag_one:
+        A, b, Q = (t.detach() for t in (ch.A, ch.b, ch.Q))
+        prev = mean[:-1]
+        resid = _tmv(A, prev) + b - mean[1:]
+        cross = Q @ grads[2].detach() + A @ cov[:-1] + resid.unsqueeze(-1) * prev.unsqueeze(-2)
+    return Marginals(mean, cov, log_z if keep_graph else log_z.detach(), cross)
 
 
 def _tmv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

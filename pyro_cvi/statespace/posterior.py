@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from pyro.distributions import TorchDistribution, constraints
 
+from .increments import Increments
 from .kalman import LinearGaussianChain, Marginals, log_prob_chain, sample_posterior
 
-__all__ = ["SiteRows", "MarkovPosterior"]
+__all__ = ["SiteRows", "MarkovPosterior", "IncrementPosterior"]
 
 
 @dataclass
@@ -102,3 +103,39 @@ class MarkovPosterior(TorchDistribution):
                 for _ in range(n)
             ]
         return torch.stack(draws).reshape(torch.Size(sample_shape) + self.event_shape)
+
+
+class IncrementPosterior(TorchDistribution):
+    """``q(eps)`` of a random walk ``x = cumsum(eps)``: the exact image of the chain's ``q(x)``
+    under ``eps = diff(x)`` (unit Jacobian: ``log q(eps) = log q_x(cumsum eps)``). Means are
+    differences of the smoothed means, variances need the lag-one covariances
+    (``post.cross``); draws are differenced draws of ``x``."""
+
+    arg_constraints = {}
+    has_rsample = False
+
+    def __init__(self, states: MarkovPosterior, layout: Increments, event_shape):
+        self.states, self.layout = states, layout
+        super().__init__(torch.Size(), torch.Size(event_shape), validate_args=False)
+
+    @property
+    def support(self):
+        return constraints.independent(constraints.real, len(self.event_shape))
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.layout.increments(self.states.post.mean).reshape(self.event_shape)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        post = self.states.post
+        return self.layout.variance(post.cov, post.cross).reshape(self.event_shape)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        lead = value.shape[: value.dim() - len(self.event_shape)]
+        x = self.layout.states(value.reshape(lead + (-1,)))
+        return self.states.log_prob(x)
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        x = self.states.sample(sample_shape)  # (..., T, d)
+        return self.layout.increments(x).reshape(torch.Size(sample_shape) + self.event_shape)
