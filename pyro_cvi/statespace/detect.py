@@ -73,14 +73,20 @@ class ChainSpec:
         return dx.reshape(like.shape)
 
 
+def _normal_site(fn) -> bool:
+    """A Normal / Independent(Normal) / MVN site with no batch dims and a vector event."""
+    base, mask, _ = unwrap(fn)
+    if mask is not None or len(fn.batch_shape) or len(fn.event_shape) > 1:
+        return False
+    return isinstance(base, (torch.distributions.MultivariateNormal, torch.distributions.Normal))
+
+
 def _normal_parts(fn):
     """``(loc (d,), cov (d, d))`` of a Normal / Independent(Normal) / MVN site, else None."""
-    base, mask, _ = unwrap(fn)
-    if mask is not None:
+    if not _normal_site(fn):
         return None
+    base = unwrap(fn)[0]
     shape = fn.event_shape
-    if len(fn.batch_shape) or len(shape) > 1:
-        return None
     d = int(shape.numel())
     if isinstance(base, torch.distributions.MultivariateNormal):
         return base.loc.expand(shape).reshape(d), base.covariance_matrix.reshape(d, d)
@@ -102,7 +108,7 @@ def find_chains(an) -> List[ChainSpec]:
             T, d = fn.event_shape
             out.append(ChainSpec((n,), int(d), int(T), True))
     used = {c.names[0] for c in out}
-    cand = [n for n in latents if n not in used and _normal_parts(tr.nodes[n]["fn"]) is not None]
+    cand = [n for n in latents if n not in used and _normal_site(tr.nodes[n]["fn"])]
     cset = set(cand)
     parent: Dict[str, str] = {}
     children: Dict[str, List[str]] = {n: [] for n in cand}
