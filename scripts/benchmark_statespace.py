@@ -188,7 +188,7 @@ def cumsum_part(args, quad: int):
                 f"steps until the -ELBO changed by < {REL_TOL:g} relative ('never' if "
                 "not within the step cap)",
             ),
-            ("-ELBO", "the -ELBO after the last step (T = 1e3: 12 steps on both paths)"),
+            ("-ELBO", "the -ELBO after the last step (T <= 2e3: 12 steps on both paths)"),
             ("peak MB", "peak resident memory of the process that ran this row"),
         ],
         text=f"{quad} Gauss-Hermite points per Poisson site; CVI(step_size=1.0); increments "
@@ -198,10 +198,8 @@ def cumsum_part(args, quad: int):
     for path, sizes in (("markov", Ts), ("dense", dense_Ts)):
         for T in progress(sizes, f"cumsum random walk, {path}"):
             cap = 12 if T <= 2000 else (10 if T <= 10000 else 5)
-            if path == "dense" and T > 1000:
-                cap = 3
             cfg = dict(T=T, path=path, threads=args.threads, quad=quad, max_steps=cap)
-            cfg["run_all"] = T == 1000  # the same 12 steps on both paths: comparable -ELBO
+            cfg["run_all"] = T <= 2000  # the same 12 steps on both paths: comparable -ELBOs
             rows.append(in_process(run_cumsum, cfg))
     for r in rows:
         table.add(
@@ -215,11 +213,11 @@ def cumsum_part(args, quad: int):
         )
     mk = {r["T"]: r for r in rows if r["path"] == "markov"}
     dn = {r["T"]: r for r in rows if r["path"] == "dense"}
-    rel = None
-    if 1000 in mk and 1000 in dn:
-        a, b = mk[1000]["losses"], dn[1000]["losses"]
-        rel = max(abs(x - z) / abs(z) for x, z in zip(a, b))
-        table.ratio("max rel. -ELBO diff T=1e3", rel, "over all 13 losses, Markov vs dense")
+    rel = {}
+    for T in sorted(set(mk) & set(dn)):
+        a, b = mk[T]["losses"], dn[T]["losses"]
+        rel[T] = max(abs(x - z) / abs(z) for x, z in zip(a, b))
+        table.ratio(f"max rel. -ELBO diff T={T}", rel[T], "over all 13 losses, Markov vs dense")
     for T in dn:
         if T in mk:
             table.ratio(f"dense/markov T={T}", dn[T]["step_s"] / mk[T]["step_s"], "s/step ratio")
@@ -233,10 +231,10 @@ def cumsum_part(args, quad: int):
     sentence = (
         f"The cumsum random walk ran as a Markov chain at {big['step_s']:.2f} s per step at "
         f"T = {Tm[-1]:.0e} (slope {fmt(slope, '.2f')}); the dense block took "
-        f"{dn[max(dn)]['step_s']:.2f} s per step at T = {max(dn)}, and at T = 1e3 the two "
-        f"-ELBOs agree to {fmt(rel, '.1e')} relative."
+        f"{dn[max(dn)]['step_s']:.2f} s per step at T = {max(dn)}, and where both ran the "
+        f"-ELBOs agree to {fmt(max(rel.values(), default=None), '.1e')} relative."
     )
-    return table, dict(rows=rows, rel_diff_T1000=rel, slope=slope), sentence
+    return table, dict(rows=rows, max_rel_diff=rel, slope=slope), sentence
 
 
 def in_process(fn, cfg):
