@@ -130,15 +130,17 @@ def test_look_alikes_stay_dense(form, monkeypatch):
 
 
 def test_vector_increments_equal_dense_cvi(monkeypatch):
-    """Increments ``(T, 2)`` in a time plate, cumsum over the time dim, rate ``exp(h' x_t)``."""
+    """Increments ``(T, 2)`` in a time plate, cumsum over the time dim, rate ``exp(h' x_t)``;
+    a drift and per-step scales (``Q_t`` varies)."""
     T = 40
     y = _counts(T, seed=2)
     h = torch.tensor([1.0, -0.6], dtype=D64)
-    scale = torch.tensor([0.2, 0.4], dtype=D64)
+    scale = 0.1 + 0.3 * torch.rand(T, 2, generator=torch.Generator().manual_seed(4), dtype=D64)
+    drift = torch.tensor([0.02, -0.01], dtype=D64)
 
     def model(y):
         with pyro.plate("time", T, dim=-1):
-            eps = pyro.sample("eps", dist.Normal(torch.zeros(2, dtype=D64), scale).to_event(1))
+            eps = pyro.sample("eps", dist.Normal(drift, scale).to_event(1))
         x = eps.cumsum(-2)
         with pyro.plate("obs", T):
             pyro.sample("y", dist.Poisson(torch.exp(x @ h)), obs=y)
@@ -147,7 +149,7 @@ def test_vector_increments_equal_dense_cvi(monkeypatch):
     assert "(T=40, d=2)" in gm.explain()
 
     def flat(y):  # the same prior written as one (2T,)-vector: the dense block
-        eps = pyro.sample("eps", dist.Normal(torch.zeros(T, 2, dtype=D64), scale).to_event(2))
+        eps = pyro.sample("eps", dist.Normal(drift.expand(T, 2), scale).to_event(2))
         with pyro.plate("obs", T):
             pyro.sample("y", dist.Poisson(torch.exp(eps.cumsum(-2) @ h)), obs=y)
 
