@@ -6,9 +6,10 @@ from the model's source):
 * its prior is an independent Normal (``Normal``, expanded, in plates or ``.to_event``) free
   of other latents, unmasked, in no subsampled plate;
 * every factor that depends on it depends on it alone and is an observation (a registered
-  likelihood) whose linked parameter, in the coordinates ``x = cumsum(eps)`` along some dim
-  ``a`` of the site, has every element on one step: ``eta_r = h_r' x_{t_r} + c_r``, i.e. its
-  Jacobian in ``eps`` has cumulative rows ``h_r[k] 1[s <= t_r]``. The rows come from
+  likelihood, in no subsampled plate) whose linked parameter, in the coordinates
+  ``x = cumsum(eps)`` along some dim ``a`` of the site, has every element on one step:
+  ``eta_r = h_r' x_{t_r} + c_r``, i.e. its Jacobian in ``eps`` has cumulative rows
+  ``h_r[k] 1[s <= t_r]``. The rows come from
   Jacobian-vector products in O(T) memory (:func:`~.detect.observation_rows`, directions
   ``diff(dx)``), are confirmed by a random JVP, and affinity by one probe run at
   ``eps + diff(dx)``.
@@ -62,7 +63,7 @@ def _observations(an, name: str) -> Optional[List[str]]:
     for site, deps in an.deps.items():
         if name not in deps or site in an.leaves:
             continue
-        if deps != {name} or site in an.values:
+        if deps != {name} or site in an.values or an.minibatch_plate(site) is not None:
             return None
         if linear_param(unwrap(an.structure.nodes[site]["fn"])[0]) is None:
             return None
