@@ -65,7 +65,7 @@ from .tracing import (
     unwrap,
 )
 
-__all__ = ["Analysis", "BlockSpec", "Factor", "LatentInfo", "SITE", "NATURAL", "LEAF_FORM"]
+__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM"]  # (the records: pyro_cvi.records)
 
 
 class Analysis:

@@ -40,6 +40,7 @@ from .step_control import (
     backtrack_message,
     initial_failure,
     is_numerical_error,
+    warn_step_counts,
 )
 from .tracing import is_random, trace_model
 from .update import StepCounts
@@ -319,10 +320,19 @@ class Engine:
             return elbo
         if c.snapshot is None:
             raise initial_failure(error)
+        new = self._param_values()
         self._restore(c.snapshot.values)
-        beta = c.rejected(numerical=error is not None)
-        self._warn_backtrack(beta, error)
         elbo = self._loss(args, kwargs, subsample, True)
+        if error is None and self._has_params and comparable:
+            # hybrid: the hyperparameters moved too (the inner optimiser's step). If the old q
+            # is no better than the new one at the new hyperparameters, the drop is theirs:
+            # keep the CVI step (the loss reported is then the new point's, recomputed)
+            if value >= float(elbo.detach()) - c.tolerance(value, var):
+                self._restore(new)
+                elbo = self._loss(args, kwargs, subsample, True)
+                c.accepted(Snapshot(new, float(elbo.detach()), self.pending.mc_var), comparable)
+                return elbo
+        self._warn_backtrack(c.rejected(numerical=error is not None), error)
         c.reevaluated(self.pending.elbo, self.pending.mc_var)
         return elbo
 
@@ -471,21 +481,7 @@ class Engine:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
         self.counts += counts
-        if counts.shrunk:
-            warnings.warn(
-                f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
-                "natural parameters valid (counted in guide.num_shrunk)",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-        if counts.rejected:
-            warnings.warn(
-                f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
-                f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
-                "step size, or raise num_general_samples.",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+        warn_step_counts(label, what, beta, counts, stacklevel=6)
 
 
 def data_key(args, kwargs):
