@@ -50,6 +50,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.reporting import Table, fmt, fmt_reach, progress, write_results  # noqa: E402
 
 REL_TOL = 1e-6
+STEP_COLUMNS = [
+    ("s/step", "median wall time of one svi.step after the first"),
+    (
+        "steps",
+        f"steps until the -ELBO changed by < {REL_TOL:g} relative ('never' if not within the "
+        "step cap)",
+    ),
+]
+PEAK_COLUMN = ("peak MB", "peak resident memory of the process that ran this row")
 ALL_PARTS = {"scaling", "coal", "cumsum"}
 D64 = torch.float64
 
@@ -94,25 +103,31 @@ def run_scaling(cfg: dict) -> dict:
     pyro.clear_param_store()
     guide = AutoCVI(model, num_quad_points=cfg["quad"])
     svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+    out = timed_steps(svi, (t, y), cfg["max_steps"])
+    return dict(T=T, path=path, neg_elbo_per_point=out["losses"][-1] / T, **out)
+
+
+def timed_steps(svi, args, max_steps: int, run_all: bool = False) -> dict:
+    """The first step (set-up) and up to ``max_steps`` more, timed; stops at convergence
+    (-ELBO change < REL_TOL relative) unless ``run_all``."""
     t0 = time.perf_counter()
-    losses = [svi.step(t, y)]
+    losses = [svi.step(*args)]
     setup = time.perf_counter() - t0
     times, converged = [], None
-    for k in range(cfg["max_steps"]):
+    for k in range(max_steps):
         t0 = time.perf_counter()
-        losses.append(svi.step(t, y))
+        losses.append(svi.step(*args))
         times.append(time.perf_counter() - t0)
-        if abs(losses[-1] - losses[-2]) < REL_TOL * abs(losses[-1]):
+        if converged is None and abs(losses[-1] - losses[-2]) < REL_TOL * abs(losses[-1]):
             converged = k + 2
-            break
+            if not run_all:
+                break
     return dict(
-        T=T,
-        path=path,
         setup_s=setup,
         step_s=float(np.median(times)),
         steps=len(losses),
         converged=converged,
-        neg_elbo_per_point=losses[-1] / T,
+        losses=losses,
         peak_mb=_peak_mb(),
     )
 
@@ -142,30 +157,9 @@ def run_cumsum(cfg: dict) -> dict:
     pyro.clear_param_store()
     guide = AutoCVI(model, num_quad_points=cfg["quad"])
     svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
-    t0 = time.perf_counter()
-    losses = [svi.step(y)]
-    setup = time.perf_counter() - t0
-    times, converged = [], None
-    for k in range(cfg["max_steps"]):
-        t0 = time.perf_counter()
-        losses.append(svi.step(y))
-        times.append(time.perf_counter() - t0)
-        if converged is None and abs(losses[-1] - losses[-2]) < REL_TOL * abs(losses[-1]):
-            converged = k + 2
-            if not cfg.get("run_all"):
-                break
-    return dict(
-        T=T,
-        path=cfg["path"],
-        markov="Markov prior: Kalman smoother" in guide.explain(),
-        setup_s=setup,
-        step_s=float(np.median(times)),
-        steps=len(losses),
-        converged=converged,
-        losses=losses,
-        neg_elbo=losses[-1],
-        peak_mb=_peak_mb(),
-    )
+    out = timed_steps(svi, (y,), cfg["max_steps"], cfg.get("run_all", False))
+    markov = "Markov prior: Kalman smoother" in guide.explain()
+    return dict(T=T, path=cfg["path"], markov=markov, neg_elbo=out["losses"][-1], **out)
 
 
 def cumsum_part(args, quad: int):
@@ -182,14 +176,9 @@ def cumsum_part(args, quad: int):
             ),
             ("T", "number of increments and of Poisson counts"),
             ("setup s", "the first svi.step: analysis (detection by JVPs), probes, initial q"),
-            ("s/step", "median wall time of one svi.step after the first"),
-            (
-                "steps",
-                f"steps until the -ELBO changed by < {REL_TOL:g} relative ('never' if "
-                "not within the step cap)",
-            ),
+            *STEP_COLUMNS,
             ("-ELBO", "the -ELBO after the last step (T <= 2e3: 12 steps on both paths)"),
-            ("peak MB", "peak resident memory of the process that ran this row"),
+            PEAK_COLUMN,
         ],
         text=f"{quad} Gauss-Hermite points per Poisson site; CVI(step_size=1.0); increments "
         "Normal(0, 0.05); each row in its own process.",
@@ -388,14 +377,9 @@ def main() -> None:
                 ),
                 ("T", "number of time points (one Poisson count each)"),
                 ("setup s", "the first svi.step: analysis, probes, initial q"),
-                ("s/step", "median wall time of one svi.step after the first"),
-                (
-                    "steps",
-                    f"steps until the -ELBO changed by < {REL_TOL:g} relative ('never' if "
-                    "not within the step cap)",
-                ),
+                *STEP_COLUMNS,
                 ("-ELBO/T", "the last -ELBO per time point"),
-                ("peak MB", "peak resident memory of the process that ran this row"),
+                PEAK_COLUMN,
             ],
             text=f"{quad} Gauss-Hermite points per Poisson site; CVI(step_size='auto'); "
             "each row in its own process.",

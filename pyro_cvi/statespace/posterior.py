@@ -50,22 +50,29 @@ class SiteRows:
         return (self.b * f_mean - 0.5 * self.w * (f_var + f_mean**2)).sum()
 
 
-class MarkovPosterior(TorchDistribution):
-    """``q`` of a Markov block over its states (any ``event_shape`` with ``T * d`` elements):
-    ``log_prob`` is exact, O(T d^3); ``sample`` draws by perturbation (needs every site
-    ``w_r >= 0``, true for log-concave likelihoods)."""
+class _ChainQ(TorchDistribution):
+    """A real vector-valued ``q`` of a Markov block (no batch dims, no rsample)."""
 
     arg_constraints = {}
     has_rsample = False
 
-    def __init__(self, prior: LinearGaussianChain, rows: SiteRows, post: Marginals, event_shape):
-        self.prior, self.rows, self.post = prior, rows, post
-        self.eta, self.J = rows.information()
+    def __init__(self, event_shape):
         super().__init__(torch.Size(), torch.Size(event_shape), validate_args=False)
 
     @property
     def support(self):
         return constraints.independent(constraints.real, len(self.event_shape))
+
+
+class MarkovPosterior(_ChainQ):
+    """``q`` of a Markov block over its states (any ``event_shape`` with ``T * d`` elements):
+    ``log_prob`` is exact, O(T d^3); ``sample`` draws by perturbation (needs every site
+    ``w_r >= 0``, true for log-concave likelihoods)."""
+
+    def __init__(self, prior: LinearGaussianChain, rows: SiteRows, post: Marginals, event_shape):
+        self.prior, self.rows, self.post = prior, rows, post
+        self.eta, self.J = rows.information()
+        super().__init__(event_shape)
 
     @property
     def mean(self) -> torch.Tensor:
@@ -105,22 +112,15 @@ class MarkovPosterior(TorchDistribution):
         return torch.stack(draws).reshape(torch.Size(sample_shape) + self.event_shape)
 
 
-class IncrementPosterior(TorchDistribution):
+class IncrementPosterior(_ChainQ):
     """``q(eps)`` of a random walk ``x = cumsum(eps)``: the exact image of the chain's ``q(x)``
     under ``eps = diff(x)`` (unit Jacobian: ``log q(eps) = log q_x(cumsum eps)``). Means are
     differences of the smoothed means, variances need the lag-one covariances
     (``post.cross``); draws are differenced draws of ``x``."""
 
-    arg_constraints = {}
-    has_rsample = False
-
     def __init__(self, states: MarkovPosterior, layout: Increments, event_shape):
         self.states, self.layout = states, layout
-        super().__init__(torch.Size(), torch.Size(event_shape), validate_args=False)
-
-    @property
-    def support(self):
-        return constraints.independent(constraints.real, len(self.event_shape))
+        super().__init__(event_shape)
 
     @property
     def mean(self) -> torch.Tensor:
