@@ -26,7 +26,7 @@ from typing import List, Optional, Set
 import torch
 
 from ..tracing import linear_param, unwrap
-from .detect import MIN_LOOP_LENGTH, ChainSpec, observation_factor
+from .detect import MIN_LOOP_LENGTH, ChainSpec, observation_factor, observation_rows
 from .increments import Increments
 
 __all__ = ["RECOGNISE_RANDOM_WALKS", "find_random_walks"]
@@ -84,6 +84,8 @@ def _random_walk(an, name: str) -> Optional[ChainSpec]:
             continue
         inc = Increments(shape, dim)
         spec = ChainSpec((name,), inc.state_dim, inc.length, False, increments=inc)
+        if not all(_one_step_rows(spec, tr, leaves, site) for site in sites):
+            continue  # rejected on the leaf trace: no probe run needed
         # one probe run, moved by a random direction of the states (O(1) per step)
         x0 = inc.states(an.ref[name].reshape(-1))
         g = torch.Generator(device="cpu").manual_seed(11)
@@ -102,3 +104,14 @@ def _random_walk(an, name: str) -> Optional[ChainSpec]:
         spec.probe = (dx, moved)
         return spec
     return None
+
+
+def _one_step_rows(spec: ChainSpec, tr, leaves, site: str) -> bool:
+    """Whether every element of the factor's linked parameter sees one step (JVPs only)."""
+    value = linear_param(unwrap(tr.nodes[site]["fn"])[0])[1]
+    with torch.enable_grad():
+        try:
+            observation_rows(spec, value, leaves)
+        except (ValueError, RuntimeError):
+            return False
+    return True
