@@ -59,7 +59,8 @@ STEP_COLUMNS = [
     ),
 ]
 PEAK_COLUMN = ("peak MB", "peak resident memory of the process that ran this row")
-ALL_PARTS = {"scaling", "coal", "cumsum"}
+PART_NAMES = {"scaling": "scaling in T", "coal": "coal mining", "cumsum": "cumsum random walks"}
+ALL_PARTS = set(PART_NAMES)
 D64 = torch.float64
 
 
@@ -531,7 +532,7 @@ def main() -> None:
     write_results(
         args.out,
         payload,
-        title="State-space CVI: scaling, coal mining and cumsum random walks",
+        title="State-space CVI: " + ", ".join(n for p, n in PART_NAMES.items() if p in parts),
         verdict=line,
         tables=tables,
         command="python scripts/benchmark_statespace.py" + flags,
