@@ -52,6 +52,7 @@ from .records import (
 )
 from .softmax_sites import SOFTMAX, centred_logits
 from .statespace import detect as markov
+from .statespace.random_walk import find_random_walks
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -151,6 +152,7 @@ class Analysis:
             fn = site["fn"]
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = markov.find_chains(self)
+        self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
         self.blocks = self._group_blocks()
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
@@ -209,8 +211,8 @@ class Analysis:
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
                 self.latents[n].form, self.latents[n].block = SITE, i
-        for c in self.chains:  # a Markov block per chain
-            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in c.names)
+        for c in self.chains:  # a Markov block per chain (shapes: whole values, plates too)
+            shapes = tuple(self.values[n].shape for n in c.names)
             blocks.append(BlockSpec(len(blocks), c.names, shapes, chain=c))
             for n in c.names:
                 self.latents[n].form, self.latents[n].block = SITE, len(blocks) - 1
@@ -368,6 +370,8 @@ class Analysis:
         """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
         affine in one step's state (linear-predictor sites); one shared probe run."""
         chain, (tr, leaves), label = block.chain, self.leaf_trace(), block.label
+        if block.index not in self._probe_cache and chain.probe is not None:
+            self._probe_cache[block.index] = chain.probe  # the random walk's detection probe
         if block.index not in self._probe_cache:
             (dz,) = probes.perturbations({n: self.ref[n] for n in block.names}, num_probes=1)
             with torch.no_grad():
@@ -376,16 +380,19 @@ class Analysis:
             self._probe_cache[block.index] = (dx, moved)
         dx, moved = self._probe_cache[block.index]
         if site not in block.names:
-            name, rows, why, dyn = markov.observation_factor(
+            found = chain.observations.get(site)
+            name, rows, why, dyn = found or markov.observation_factor(
                 site, chain, base, tr, leaves, moved, dx
             )
             return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0])
         if site != block.names[0]:
             return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
-        if not chain.ssm:
+        if not chain.ssm and chain.increments is None:
             with torch.enable_grad():
                 markov.prepare_loop(chain, tr, leaves, moved, label)
         why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
+        if chain.increments is not None:
+            why += f"; random walk x = cumsum({site}, dim={chain.increments.dim})"
         return Factor(site, label, PRIOR, why)
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:

@@ -249,7 +249,7 @@ class AutoCVI(AutoGuide):
                     continue
                 done.add(info.block)
                 block = engine.gaussian[info.block]
-                if len(block.names) == 1:
+                if len(block.names) == 1 and not info.batch_shape:
                     result[name] = pyro.sample(name, block.marginal(name))
                     continue
                 z = pyro.sample(
@@ -257,9 +257,13 @@ class AutoCVI(AutoGuide):
                     block.joint(),
                     infer={"is_auxiliary": True},
                 )
-                for n, v in block.spec.split(z).items():
-                    event_dim = len(block.spec.shapes[block.names.index(n)])
-                    result[n] = pyro.sample(n, dist.Delta(v, event_dim=event_dim))
+                for n, v in block.spec.split(z).items():  # a site in plates: Delta in them
+                    event_dim = len(engine.analysis.latents[n].event_shape)
+                    with ExitStack() as stack:
+                        for frame in self.prototype_trace.nodes[n]["cond_indep_stack"]:
+                            if frame.vectorized:
+                                stack.enter_context(plates[frame.name])
+                        result[n] = pyro.sample(n, dist.Delta(v, event_dim=event_dim))
             else:
                 site = self.prototype_trace.nodes[name]
                 with ExitStack() as stack:

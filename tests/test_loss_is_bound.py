@@ -310,7 +310,23 @@ def pareto_hierarchical_binomial():
     return Case(model, (at_bats, hits), step_size=0.2, steps=40)
 
 
+def poisson_random_walk_cumsum():
+    """The forecasting tutorials' random walk, ``x = eps.cumsum(-1)`` of plated Normal
+    increments: a Markov block whose guide samples ``eps = diff(x)`` from the chain's ``q``."""
+    T = 15
+    y = torch.poisson(torch.full((T,), 3.0, dtype=F64), generator=_gen(12))
+
+    def model(y):
+        with pyro.plate("time", T):
+            eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), 0.3))
+        with pyro.plate("obs", T):
+            pyro.sample("y", dist.Poisson(eps.cumsum(-1).exp()), obs=y)
+
+    return Case(model, (y,), M=20, P=5)
+
+
 MODELS = [
+    poisson_random_walk_cumsum,
     two_site_regression,
     uniform_noise_regression,
     pareto_hierarchical_binomial,

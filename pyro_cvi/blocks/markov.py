@@ -28,7 +28,7 @@ from ..context import Options, StepContext
 from ..messages import RowBlock, linear_predictor_message, linear_predictor_value
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
-from ..statespace.posterior import MarkovPosterior, SiteRows
+from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
@@ -95,7 +95,11 @@ class MarkovBlock:
         sr = self._site_rows(rows)
         eta, J = sr.information()
         prior = self.prior if keep_graph else self.prior.detach()
-        return smooth(prior, eta, J, keep_graph=keep_graph)
+        inc = self.chain.increments
+        post = smooth(prior, eta, J, keep_graph=keep_graph, lag_one=inc is not None)
+        if inc is not None:  # the block's z are the increments eps = diff(x)
+            post.to_z = inc.increments
+        return post
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """As :meth:`GaussianBlock.init_sites_at_prior_mean`: a Newton step from the prior mean."""
@@ -276,18 +280,25 @@ class MarkovBlock:
         """``q`` over the concatenated flattened states of the whole chain."""
         if names is not None and tuple(names) != self.names:
             raise ValueError(f"a Markov block gives the joint q of all of {self.label}")
+        return self._q(torch.Size([self.spec.dim]))
+
+    def _q(self, shape: torch.Size):
+        """``q`` of the block's z with event shape ``shape`` (a random walk: of its increments)."""
         sr = self._site_rows(self.rows)
-        return MarkovPosterior(self.prior.detach(), sr, self.post, torch.Size([self.spec.dim]))
+        inc = self.chain.increments
+        if inc is None:
+            return MarkovPosterior(self.prior.detach(), sr, self.post, shape)
+        states = torch.Size([self.chain.length, self.chain.state_dim])
+        q_x = MarkovPosterior(self.prior.detach(), sr, self.post, states)
+        return IncrementPosterior(q_x, inc, shape)
 
     @property
     def label(self) -> str:
         return self.spec.label
 
     def marginal(self, name: str) -> torch.distributions.Distribution:
-        if self.chain.ssm:
-            sr = self._site_rows(self.rows)
-            shape = self.spec.shapes[0]
-            return MarkovPosterior(self.prior.detach(), sr, self.post, shape)
+        if self.chain.ssm or self.chain.increments is not None:
+            return self._q(self.spec.shapes[0])
         t = self.names.index(name)
         shape = self.spec.shapes[t]
         m, S = self.post.mean[t], self.post.cov[t]
@@ -296,4 +307,4 @@ class MarkovBlock:
         return dist.MultivariateNormal(m, covariance_matrix=S)
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
-        return self.spec.split(self.post.mean.reshape(-1))
+        return self.spec.split(self.post.loc)

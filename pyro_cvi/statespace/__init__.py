@@ -5,6 +5,8 @@
 * :mod:`.kernels_sde`: Matern-1/2, 3/2, 5/2 kernels (and sums) as SDEs;
 * :mod:`.distribution`: ``LinearGaussianSSM``, ``MarkovGP`` and ``markov_gp`` for Pyro models;
 * :mod:`.detect`: how the analysis recognises chains (also ``pyro.markov`` loops);
+* :mod:`.random_walk`, :mod:`.increments`: a vectorised random walk ``x = eps.cumsum(...)`` of
+  Normal increments as a chain, and its ``q(eps)`` as the image of the chain's ``q(x)``;
 * :mod:`.predict`: posterior marginals and predictions at new inputs from a fitted guide.
 
 ``AutoCVI`` gives a recognised chain a Markov block (:class:`pyro_cvi.blocks.markov.MarkovBlock`);

@@ -16,7 +16,7 @@ on the analysis' leaf trace (O(T), no dense Jacobian) and are confirmed by the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from .. import probes
 from ..tracing import linear_param, unwrap
 from .distribution import LinearGaussianSSM
+from .increments import Increments
 from .kalman import LinearGaussianChain
 
 __all__ = [
@@ -51,23 +52,41 @@ class ChainSpec:
     ssm: bool
     A: Optional[torch.Tensor] = None  # loop transitions (T-1, d, d), when static
     dynamic: bool = False  # loop transitions depend on learnable parameters
+    increments: Optional[Increments] = None  # a random walk: the one site holds diff(x)
+    probe: Optional[tuple] = None  # (dx, moved trace) of the detection, reused by the analysis
+    observations: Dict[str, tuple] = field(default_factory=dict)  # confirmed at detection
 
     @property
     def size_text(self) -> str:
         return f"T={self.length}, d={self.state_dim}"
 
     def states(self, z: torch.Tensor) -> torch.Tensor:
+        """The states ``(T, d)`` of the block's joint z (a random walk: ``cumsum``)."""
+        if self.increments is not None:
+            return self.increments.states(z)
         return z.reshape(self.length, self.state_dim)
+
+    def lift(self, dx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A direction on the states ``(T, d)`` as a direction on the one site ``like``."""
+        if self.increments is not None:
+            return self.increments.increments(dx).reshape(like.shape)
+        return dx.reshape(like.shape)
+
+
+def _normal_site(fn) -> bool:
+    """A Normal / Independent(Normal) / MVN site with no batch dims and a vector event."""
+    base, mask, _ = unwrap(fn)
+    if mask is not None or len(fn.batch_shape) or len(fn.event_shape) > 1:
+        return False
+    return isinstance(base, (torch.distributions.MultivariateNormal, torch.distributions.Normal))
 
 
 def _normal_parts(fn):
     """``(loc (d,), cov (d, d))`` of a Normal / Independent(Normal) / MVN site, else None."""
-    base, mask, _ = unwrap(fn)
-    if mask is not None:
+    if not _normal_site(fn):
         return None
+    base = unwrap(fn)[0]
     shape = fn.event_shape
-    if len(fn.batch_shape) or len(shape) > 1:
-        return None
     d = int(shape.numel())
     if isinstance(base, torch.distributions.MultivariateNormal):
         return base.loc.expand(shape).reshape(d), base.covariance_matrix.reshape(d, d)
@@ -89,7 +108,7 @@ def find_chains(an) -> List[ChainSpec]:
             T, d = fn.event_shape
             out.append(ChainSpec((n,), int(d), int(T), True))
     used = {c.names[0] for c in out}
-    cand = [n for n in latents if n not in used and _normal_parts(tr.nodes[n]["fn"]) is not None]
+    cand = [n for n in latents if n not in used and _normal_site(tr.nodes[n]["fn"])]
     cset = set(cand)
     parent: Dict[str, str] = {}
     children: Dict[str, List[str]] = {n: [] for n in cand}
@@ -167,6 +186,8 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     values, with the given or stored transitions ``A``)."""
     if spec.ssm:
         return unwrap(trace.nodes[spec.names[0]]["fn"])[0].chain
+    if spec.increments is not None:
+        return walk_prior(spec.increments, unwrap(trace.nodes[spec.names[0]]["fn"])[0])
     parts = [_normal_parts(trace.nodes[n]["fn"]) for n in spec.names]
     m0, P0 = parts[0]
     A = spec.A if A is None else A
@@ -175,6 +196,16 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     b = locs - (A @ x[:-1].unsqueeze(-1)).squeeze(-1)
     Q = torch.stack([p[1] for p in parts[1:]])
     return LinearGaussianChain(m0, P0, A.to(locs), b, Q)
+
+
+def walk_prior(inc: Increments, base) -> LinearGaussianChain:
+    """The chain of ``x = cumsum(eps)``, ``eps ~ Normal(mu, s)`` independent: ``A = I``,
+    ``b_t = mu_t``, ``Q_t = diag s_t^2``, ``m0 = mu_0``, ``P0 = diag s_0^2``."""
+    loc = inc.layout(base.loc.expand(inc.shape))
+    var = inc.layout((base.scale**2).expand(inc.shape))
+    T, d = loc.shape
+    eye = torch.eye(d, dtype=loc.dtype, device=loc.device).expand(T - 1, d, d)
+    return LinearGaussianChain(loc[0], torch.diag(var[0]), eye, loc[1:], torch.diag_embed(var[1:]))
 
 
 def observation_rows(
@@ -186,7 +217,7 @@ def observation_rows(
     keeps its graph to learnable parameters (an observation coefficient ``h(theta)``)."""
     flat = value.reshape(-1)
     R, d, T = flat.numel(), spec.state_dim, spec.length
-    if not spec.ssm:
+    if not spec.ssm and spec.increments is None:
         (touched,) = [n for n in spec.names if depends(flat, leaves[n])]
         t = spec.names.index(touched)
         H = probes.jacobian(flat, leaves[touched], create_graph=create_graph).reshape(R, d)
@@ -195,11 +226,15 @@ def observation_rows(
     u = torch.zeros_like(flat, requires_grad=True)
     (vjp,) = torch.autograd.grad(flat, x, u, create_graph=True)
 
-    def jvp(dx, graph=False):
-        (out,) = torch.autograd.grad((vjp * dx).sum(), u, retain_graph=True, create_graph=graph)
+    def jvp(dx, graph=False):  # J_x dx, dx on the states (T, d)
+        (out,) = torch.autograd.grad(
+            (vjp * spec.lift(dx, x)).sum(), u, retain_graph=True, create_graph=graph
+        )
         return out if graph else out.detach()
 
-    H = torch.stack([jvp(_component(x, k), create_graph) for k in range(d)], -1)  # (R, d)
+    H = torch.stack(
+        [jvp(_component(x.new_zeros(T, d), k), create_graph) for k in range(d)], -1
+    )  # (R, d)
     weights = torch.rand(d, generator=torch.Generator().manual_seed(3), dtype=x.dtype).to(x) + 0.5
     steps = torch.arange(1, T + 1, dtype=x.dtype, device=x.device)[:, None] * weights
     denom = H @ weights

@@ -20,8 +20,8 @@ backward pass with ``create_graph``), for the derivative of the whole ELBO at fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -270,39 +270,58 @@ class Marginals:
     mean: torch.Tensor
     cov: torch.Tensor
     log_z: torch.Tensor
+    cross: Optional[torch.Tensor] = None  # lag-one Cov(x_t, x_{t-1}) (T-1, d, d), if asked
+    to_z: Optional[Callable] = None  # the block's joint z from states (a random walk: diff)
 
     @property
     def loc(self) -> torch.Tensor:
-        """The means flattened (as a Gaussian block's ``post.loc``)."""
-        return self.mean.reshape(-1)
+        """The mean of the block's joint z (as a Gaussian block's ``post.loc``)."""
+        return self.mean.reshape(-1) if self.to_z is None else self.to_z(self.mean)
 
 
 def smooth(
-    chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, keep_graph: bool = False
+    chain: LinearGaussianChain,
+    eta: torch.Tensor,
+    J: torch.Tensor,
+    keep_graph: bool = False,
+    lag_one: bool = False,
 ) -> Marginals:
     """Forward reduction + one backward pass (the RTS smoother as the gradient of log Z).
 
     With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
     and to ``eta`` and ``J`` (the marginals by a differentiable backward pass): ``q`` is then
     differentiable in the model's parameters at fixed sites. Without, nothing has a graph.
+    With ``lag_one``, also ``Cov(x_t, x_{t-1})`` (always detached) from ``G_t = dlogZ/dA_t =
+    Q_t^-1 E[(x_t - A_t x_{t-1} - b_t) x_{t-1}']``: ``Cov = Q_t G_t + A_t S_{t-1} + (A_t m_{t-1}
+    + b_t - m_t) m_{t-1}'``.
     """
     with torch.enable_grad():
         e, Jl = (_input(t, keep_graph) for t in (eta, J))
         ch = chain if keep_graph else chain.detach()
+        wrt = (e, Jl)
+        if lag_one:
+            A = ch.A if ch.A.requires_grad else ch.A.detach().clone().requires_grad_(True)
+            ch = replace(ch, A=A)
+            wrt = wrt + (A,)
         log_z = log_normalizer(ch, e, Jl)
         if not bool(torch.isfinite(log_z)):
             raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-        g_e, g_J = torch.autograd.grad(
-            log_z, (e, Jl), retain_graph=keep_graph, create_graph=keep_graph
-        )
-    mean = g_e if keep_graph else g_e.detach()
+        grads = torch.autograd.grad(log_z, wrt, retain_graph=keep_graph, create_graph=keep_graph)
+    mean = grads[0] if keep_graph else grads[0].detach()
+    g_J = grads[1] if keep_graph else grads[1].detach()
     second = -(g_J + g_J.transpose(-1, -2))  # E[x x'] (symmetrised)
-    second = second if keep_graph else second.detach()
     cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
     diag = cov.diagonal(dim1=-2, dim2=-1)
     if not bool(torch.isfinite(cov).all()) or bool((diag <= 0).any()):
         raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
-    return Marginals(mean, cov, log_z if keep_graph else log_z.detach())
+    cross = None
+    if lag_one:
+        A, b, Q = (t.detach() for t in (ch.A, ch.b, ch.Q))
+        m, S = mean.detach(), cov.detach()
+        prev = m[:-1]
+        resid = _tmv(A, prev) + b - m[1:]
+        cross = Q @ grads[2].detach() + A @ S[:-1] + resid.unsqueeze(-1) * prev.unsqueeze(-2)
+    return Marginals(mean, cov, log_z if keep_graph else log_z.detach(), cross)
 
 
 def _input(t: torch.Tensor, keep_graph: bool) -> torch.Tensor:

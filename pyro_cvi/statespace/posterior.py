@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from pyro.distributions import TorchDistribution, constraints
 
+from .increments import Increments
 from .kalman import LinearGaussianChain, Marginals, log_prob_chain, sample_posterior
 
-__all__ = ["SiteRows", "MarkovPosterior"]
+__all__ = ["SiteRows", "MarkovPosterior", "IncrementPosterior"]
 
 
 @dataclass
@@ -49,22 +50,29 @@ class SiteRows:
         return (self.b * f_mean - 0.5 * self.w * (f_var + f_mean**2)).sum()
 
 
-class MarkovPosterior(TorchDistribution):
-    """``q`` of a Markov block over its states (any ``event_shape`` with ``T * d`` elements):
-    ``log_prob`` is exact, O(T d^3); ``sample`` draws by perturbation (needs every site
-    ``w_r >= 0``, true for log-concave likelihoods)."""
+class _ChainQ(TorchDistribution):
+    """A real vector-valued ``q`` of a Markov block (no batch dims, no rsample)."""
 
     arg_constraints = {}
     has_rsample = False
 
-    def __init__(self, prior: LinearGaussianChain, rows: SiteRows, post: Marginals, event_shape):
-        self.prior, self.rows, self.post = prior, rows, post
-        self.eta, self.J = rows.information()
+    def __init__(self, event_shape):
         super().__init__(torch.Size(), torch.Size(event_shape), validate_args=False)
 
     @property
     def support(self):
         return constraints.independent(constraints.real, len(self.event_shape))
+
+
+class MarkovPosterior(_ChainQ):
+    """``q`` of a Markov block over its states (any ``event_shape`` with ``T * d`` elements):
+    ``log_prob`` is exact, O(T d^3); ``sample`` draws by perturbation (needs every site
+    ``w_r >= 0``, true for log-concave likelihoods)."""
+
+    def __init__(self, prior: LinearGaussianChain, rows: SiteRows, post: Marginals, event_shape):
+        self.prior, self.rows, self.post = prior, rows, post
+        self.eta, self.J = rows.information()
+        super().__init__(event_shape)
 
     @property
     def mean(self) -> torch.Tensor:
@@ -102,3 +110,32 @@ class MarkovPosterior(TorchDistribution):
                 for _ in range(n)
             ]
         return torch.stack(draws).reshape(torch.Size(sample_shape) + self.event_shape)
+
+
+class IncrementPosterior(_ChainQ):
+    """``q(eps)`` of a random walk ``x = cumsum(eps)``: the exact image of the chain's ``q(x)``
+    under ``eps = diff(x)`` (unit Jacobian: ``log q(eps) = log q_x(cumsum eps)``). Means are
+    differences of the smoothed means, variances need the lag-one covariances
+    (``post.cross``); draws are differenced draws of ``x``."""
+
+    def __init__(self, states: MarkovPosterior, layout: Increments, event_shape):
+        self.states, self.layout = states, layout
+        super().__init__(event_shape)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.layout.increments(self.states.post.mean).reshape(self.event_shape)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        post = self.states.post
+        return self.layout.variance(post.cov, post.cross).reshape(self.event_shape)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        lead = value.shape[: value.dim() - len(self.event_shape)]
+        x = self.layout.states(value.reshape(lead + (-1,)))
+        return self.states.log_prob(x)
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        x = self.states.sample(sample_shape)  # (..., T, d)
+        return self.layout.increments(x).reshape(torch.Size(sample_shape) + self.event_shape)
