@@ -111,7 +111,9 @@ def gpytorch_classifier(group):
     likelihood): 3 CVI steps at step size 1 (backtracking), then 4 hybrid iterations (a CVI
     step, then Adam on the lengthscale, outputscale and inducing points). Per step: the
     -ELBO, q(u)'s mean and covariance, the hyperparameters, the inducing points, the step
-    size and the backtrack count. ``None`` without GPyTorch."""
+    size, the backtrack count and the hyperparameters' gradients (raw outputscale, raw
+    lengthscale, inducing points: Adam's first steps hardly depend on their size). ``None``
+    without GPyTorch."""
     try:
         import gpytorch
     except ImportError:  # pragma: no cover
@@ -151,11 +153,13 @@ def gpytorch_classifier(group):
     rows = []
     for it in range(7):
         loss, hyper = cvi.step(X, y), torch.zeros((), dtype=X.dtype)
+        grads = torch.zeros(26, dtype=X.dtype)
         if it >= 3:
             adam.zero_grad()
             hyper = cvi.loss(X, y)  # -ELBO / N of every rank's data
             hyper.backward()
             cvi.reduce_grads()  # the full-data gradients on every rank
+            grads = torch.cat([p.grad.reshape(-1) for p in cvi.hyperparameters()])
             adam.step()
         loss = torch.stack([loss, hyper.detach() * cvi.num_data])
         with torch.no_grad():
@@ -166,7 +170,7 @@ def gpytorch_classifier(group):
                     [loss.reshape(-1), q.mean, q.covariance_matrix.reshape(-1)]
                     + [kern.outputscale.reshape(1), kern.base_kernel.lengthscale.reshape(-1)]
                     + [model.variational_strategy.inducing_points.reshape(-1)]
-                    + [torch.tensor([cvi.step_size, cvi.num_backtracks], dtype=X.dtype)]
+                    + [torch.tensor([cvi.step_size, cvi.num_backtracks], dtype=X.dtype), grads]
                 )
             )
     return rows

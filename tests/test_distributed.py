@@ -116,8 +116,9 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     a, b = torch.load(one), torch.load(two)
     if a["gpytorch"] is not None:  # sparse GPyTorch GP: CVI steps, a backtrack, Adam steps
         gp_one, gp_two = torch.stack(a["gpytorch"]), torch.stack(b["gpytorch"])
-        assert gp_one.shape == (7, 2 + 12 + 144 + 1 + 1 + 24 + 2)
-        assert gp_one[-1, -1] == 1 and gp_one[-1, -2] == 0.5  # one backtrack, on both
+        assert gp_one.shape == (7, 2 + 12 + 144 + 1 + 1 + 24 + 2 + 26)
+        assert gp_one[-1, 185] == 1 and gp_one[-1, 184] == 0.5  # one backtrack, on both
+        assert gp_one[3:, 186:].abs().min() > 0  # the full-data hyperparameter gradients
         assert (gp_one[-1, 158:184] - gp_one[2, 158:184]).abs().min() > 1e-3  # hypers moved
         assert (gp_one - gp_two).abs().max() < 1e-10
     # mean-field latents (adaptive CVI()) and a sparse GP

@@ -53,7 +53,7 @@ def test_one_rank_group_gives_the_one_process_iterates(one_rank_group):
         sys.path.remove(str(HERE))
     a = torch.stack(distributed_worker.gpytorch_classifier(None))
     b = torch.stack(distributed_worker.gpytorch_classifier(WORLD))
-    assert a[-1, -1] == 1  # one backtrack
+    assert a[-1, 185] == 1  # one backtrack
     assert (a - b).abs().max() < 1e-12
 
 
