@@ -231,8 +231,9 @@ class Engine:
         out.update(subsample)
         return out
 
-    def context(self, args, kwargs, subsample, grads: bool) -> StepContext:
+    def context(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> StepContext:
         ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
+        ctx.graph = grads or graph
         ctx.data_key = self.data_key
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
@@ -252,7 +253,7 @@ class Engine:
         return trace_model(self.model, values, ctx.args, ctx.kwargs)
 
     # ------------------------------------------------------------------ the loss
-    def loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
+    def loss(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q (exact where closed forms exist, an unbiased estimate
         otherwise); with ``grads``, the natural gradients of every block are written and the
         step's context is kept for :meth:`step`. (Autograd is on inside, also under
@@ -262,7 +263,7 @@ class Engine:
             if grads and self.control is not None:
                 return self._controlled_loss(args, kwargs, subsample)
             try:
-                return self._loss(args, kwargs, subsample, grads)
+                return self._loss(args, kwargs, subsample, grads, graph)
             except (ValueError, RuntimeError, FloatingPointError) as e:
                 if not is_numerical_error(e) or not grads:
                     raise
@@ -340,8 +341,8 @@ class Engine:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
         warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
 
-    def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
-        ctx = self.context(args, kwargs, subsample, grads)
+    def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
+        ctx = self.context(args, kwargs, subsample, grads, graph)
         if grads:
             self._tag_params()
         elbo = self._constant_terms(ctx.trace)

@@ -97,9 +97,10 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     loss, two hyperparameters learned by Adam) as one process, to 1e-10; the 2-process run
     checkpoints after 3 steps (one file per rank), restores into fresh objects and goes on.
     The same for data-parallel StreamingCVI (3 passes), for a model with global and per-row
-    mean-field (Gamma) latents under the adaptive CVI(), for a sparse GP classifier, and for a
-    sparse GPyTorch GP classifier (CVIOptimizer(process_group=WORLD): q(u), -ELBO, learned
-    outputscale, lengthscale and inducing points, backtracking)."""
+    mean-field (Gamma) latents under the adaptive CVI(), for a sparse GP classifier with a
+    learned lengthscale, and for a sparse GPyTorch GP classifier (CVIOptimizer(process_group=
+    WORLD): q(u), -ELBO, learned outputscale, lengthscale and inducing points, their
+    gradients, backtracking)."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "distributed_worker.py")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
@@ -122,7 +123,9 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
         assert (gp_one[-1, 158:184] - gp_one[2, 158:184]).abs().min() > 1e-3  # hypers moved
         assert (gp_one - gp_two).abs().max() < 1e-10
     # mean-field latents (adaptive CVI()) and a sparse GP
-    assert a["others"].shape == (5 * (1 + D + 1) + 5 * (1 + 5 + 5),)
+    assert a["others"].shape == (5 * (1 + D + 1) + 5 * (1 + 5 + 5 + 1),)
+    ell = a["others"][5 * (1 + D + 1) :].reshape(5, -1)[:, -1]
+    assert (ell[1:] - ell[:-1]).abs().min() > 1e-3  # the lengthscale is learned
     assert (a["others"] - b["others"]).abs().max() < 1e-10
     # StreamingCVI: 2 ranks streaming their shards (each its own minibatches) == 1 process
     assert (a["stream"] - b["stream"]).abs().max() < 1e-10
