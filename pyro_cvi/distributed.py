@@ -28,7 +28,9 @@ latents with exact factors (global ones: their targets and ELBO terms all-reduce
 replicated factors counted ``1/R`` per rank, see :func:`replicated_sites`; per-row ones: local,
 no communication), hyperparameters, the adaptive ``CVI()`` step (decided on the all-reduced
 ELBO, so identically on every rank), checkpoints (one file per rank). Refused with an error
-naming the sites: general (Monte Carlo) factors. Not covered: ``pyro_cvi.contrib.gpytorch``.
+naming the sites: general (Monte Carlo) factors. GPyTorch sparse GPs:
+``CVIOptimizer(model, likelihood, process_group=WORLD)`` in ``pyro_cvi.contrib.gpytorch``
+(the full GP is refused: its sites are coupled through ``k(X, X)``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 import pyro
 import pytest
 import torch
+import torch.distributed as tdist
 
 from benchmarks.datasets import data_dir
 
@@ -30,3 +31,12 @@ def shared_data():
         return data_dir()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group (the collectives run for real, with R = 1)."""
+    store = tdist.FileStore(str(tmp_path / "store"), 1)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    tdist.destroy_process_group()

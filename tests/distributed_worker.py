@@ -4,8 +4,9 @@
 tests/distributed_worker.py OUT`` runs the same script on two gloo ranks, each with its shard.
 Rank 0 saves the iterates (q's mean and covariance, the loss, the hyperparameters) per step,
 and those of a data-parallel StreamingCVI (update="pass", minibatches of 64 from each shard),
-of a model with mean-field latents (global and per-row Gamma) under the adaptive ``CVI()``, and
-of a sparse GP classifier.
+of a model with mean-field latents (global and per-row Gamma) under the adaptive ``CVI()``,
+of a sparse GP classifier written in Pyro, and of a sparse GPyTorch GP classifier
+(``pyro_cvi.contrib.gpytorch``; skipped without GPyTorch).
 A third argument ``ckpt`` checkpoints after 3 steps, restores into fresh objects, and goes on.
 """
 
@@ -108,6 +109,76 @@ def others(X, y, t, group):
     return torch.cat(rows)
 
 
+def gpytorch_classifier(group):
+    """A sparse GPyTorch GP classifier (N = 200, M = 12 learned inducing points, logistic
+    likelihood): 3 CVI steps at step size 1 (backtracking), then 4 hybrid iterations (a CVI
+    step, then Adam on the lengthscale, outputscale and inducing points). Per step: the
+    -ELBO, q(u)'s mean and covariance, the hyperparameters, the inducing points, the step
+    size, the backtrack count and the hyperparameters' gradients (raw outputscale, raw
+    lengthscale, inducing points: Adam's first steps hardly depend on their size). ``None``
+    without GPyTorch."""
+    try:
+        import gpytorch
+    except ImportError:  # pragma: no cover
+        return None
+    from pyro_cvi.contrib.gpytorch import (
+        CVIOptimizer,
+        CVIVariationalStrategy,
+        LogisticBernoulliLikelihood,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    X = torch.rand(200, 2, generator=g, dtype=torch.float64) * 4 - 2
+    f = 2.0 * torch.sin(1.5 * X[:, 0]) + X[:, 1]
+    y = (torch.rand(200, generator=g, dtype=torch.float64) < torch.sigmoid(3 * f)).double()
+    X, y = shard(X), shard(y)
+
+    class GP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            # rank 1's X[:12] differs from rank 0's: the optimizer broadcasts rank 0's
+            strategy = CVIVariationalStrategy(
+                self, X[:12], len(X), learn_inducing_locations=True, train_inputs=X
+            )
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    model, likelihood = GP().double(), LogisticBernoulliLikelihood().double()
+    model.covar_module.outputscale = 1000.0  # large: the undamped 3rd step overshoots
+    cvi = CVIOptimizer(model, likelihood, step_size=1.0, process_group=group)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.train(), likelihood.train()
+    rows = []
+    for it in range(7):
+        loss, hyper = cvi.step(X, y), torch.zeros((), dtype=X.dtype)
+        grads = torch.zeros(26, dtype=X.dtype)
+        if it >= 3:
+            adam.zero_grad()
+            hyper = cvi.loss(X, y)  # -ELBO / N of every rank's data
+            hyper.backward()
+            cvi.reduce_grads()  # the full-data gradients on every rank
+            grads = torch.cat([p.grad.reshape(-1) for p in cvi.hyperparameters()])
+            adam.step()
+        loss = torch.stack([loss, hyper.detach() * cvi.num_data])
+        with torch.no_grad():
+            q = model.variational_strategy.variational_distribution
+            kern = model.covar_module
+            rows.append(
+                torch.cat(
+                    [loss.reshape(-1), q.mean, q.covariance_matrix.reshape(-1)]
+                    + [kern.outputscale.reshape(1), kern.base_kernel.lengthscale.reshape(-1)]
+                    + [model.variational_strategy.inducing_points.reshape(-1)]
+                    + [torch.tensor([cvi.step_size, cvi.num_backtracks], dtype=X.dtype), grads]
+                )
+            )
+    return rows
+
+
 def build(group):
     guide = AutoCVI(model, process_group=group)
     optim = CVI(step_size=0.8, optim_args={"lr": 0.05})
@@ -141,9 +212,10 @@ def main(out, ckpt=False):
             load_checkpoint(path, optim, guide)
     streamed = stream(X, y, group)
     more = others(X, y, t, group)
+    gp = gpytorch_classifier(group)
     if not distributed or tdist.get_rank() == 0:
         svi = torch.stack([torch.cat(r) for r in rows])
-        torch.save({"svi": svi, "stream": streamed, "others": more}, out)
+        torch.save({"svi": svi, "stream": streamed, "others": more, "gpytorch": gp}, out)
     if distributed:
         tdist.destroy_process_group()
 

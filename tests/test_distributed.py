@@ -10,7 +10,6 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-import torch.distributed as tdist
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
@@ -26,15 +25,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A 1-process gloo group (the collectives run for real, with R = 1)."""
-    store = tdist.FileStore(str(tmp_path / "store"), 1)
-    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    tdist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,8 +97,10 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     loss, two hyperparameters learned by Adam) as one process, to 1e-10; the 2-process run
     checkpoints after 3 steps (one file per rank), restores into fresh objects and goes on.
     The same for data-parallel StreamingCVI (3 passes), for a model with global and per-row
-    mean-field (Gamma) latents under the adaptive CVI(), and for a sparse GP classifier with a
-    learned lengthscale."""
+    mean-field (Gamma) latents under the adaptive CVI(), for a sparse GP classifier with a
+    learned lengthscale, and for a sparse GPyTorch GP classifier (CVIOptimizer(process_group=
+    WORLD): q(u), -ELBO, learned outputscale, lengthscale and inducing points, their
+    gradients, backtracking)."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "distributed_worker.py")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
@@ -123,6 +115,13 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
     subprocess.run(launch + [worker, str(two), "ckpt"], env=env, check=True, timeout=300)
     a, b = torch.load(one), torch.load(two)
+    if a["gpytorch"] is not None:  # sparse GPyTorch GP: CVI steps, a backtrack, Adam steps
+        gp_one, gp_two = torch.stack(a["gpytorch"]), torch.stack(b["gpytorch"])
+        assert gp_one.shape == (7, 2 + 12 + 144 + 1 + 1 + 24 + 2 + 26)
+        assert gp_one[-1, 185] == 1 and gp_one[-1, 184] == 0.5  # one backtrack, on both
+        assert gp_one[3:, 186:].abs().min() > 0  # the full-data hyperparameter gradients
+        assert (gp_one[-1, 158:184] - gp_one[2, 158:184]).abs().min() > 1e-3  # hypers moved
+        assert (gp_one - gp_two).abs().max() < 1e-10
     # mean-field latents (adaptive CVI()) and a sparse GP
     assert a["others"].shape == (5 * (1 + D + 1) + 5 * (1 + 5 + 5 + 1),)
     ell = a["others"][5 * (1 + D + 1) :].reshape(5, -1)[:, -1]

@@ -55,6 +55,38 @@ update and backtracks if that ever goes up.
 For the sparse form pass ``M < N`` inducing points and ``train_inputs=X``
 (``learn_inducing_locations=True`` lets Adam move them); for minibatches call
 ``cvi.step(X[idx], y[idx], indices=idx)``. Use float64 for badly conditioned kernels.
+
+**Data-parallel** (sparse form, ``torch.distributed``; the same script on 1 or R processes
+under ``torchrun``): each rank builds the model on its shard of the rows and passes
+``process_group``. q(u) needs the data only through ``sum_n phi_n W_n phi_n^T`` and
+``sum_n phi_n r_n`` (whitened ``K_ZZ^-1/2 K_Zn``), all-reduced in one call, so every rank holds
+the exact full-data q(u); the -ELBO is KL (once) plus every rank's data terms; ``cvi.loss``
+replaces ``-mll(model(X), y)`` and ``cvi.reduce_grads()`` sums the hyperparameter gradients,
+so every rank takes the same Adam step (both work unchanged in one process). Rank 0's
+hyperparameters and inducing points are used. The full GP is refused (its sites are coupled
+through ``k(X, X)``)::
+
+    import os, torch.distributed
+    from pyro_cvi.distributed import WORLD, shard
+
+    group = None
+    if "RANK" in os.environ:                      # torchrun --nproc_per_node=R run.py
+        torch.distributed.init_process_group("gloo")  # "nccl" on GPUs
+        group = WORLD
+    X, y = shard(X), shard(y)                     # this rank's rows (all in one process)
+    model = SparseGP(Z, X).double()   # CVIVariationalStrategy(self, Z, len(X), train_inputs=X)
+    cvi = CVIOptimizer(model, likelihood, step_size=0.8, process_group=group)
+    adam = torch.optim.Adam(model.parameters(), lr=0.05)
+    for it in range(100):
+        cvi.step(X, y)                # -ELBO of all ranks' data, the same on every rank
+        adam.zero_grad()
+        cvi.loss(X, y).backward()     # = -mll(model(X), y) over every rank's data
+        cvi.reduce_grads()            # full-data gradients on every rank
+        adam.step()
+
+Every rank must make the same calls (``step``, ``loss``, and rebuilding q, e.g.
+``model(x)`` after the sites or hyperparameters change), since each one may run a collective.
+Save one ``state_dict`` per rank (``pyro_cvi.distributed.rank_path``): the sites are the rank's.
 """
 
 try:

@@ -22,11 +22,20 @@ target, ``g2 <- min(g2, 0)``, and recomputes ``g1 = df/dm - 2 m g2`` so that the
 matches the gradient in the mean (the fixed point keeps ``d ELBO / dm = 0`` exactly). Every
 clipped site is counted in ``optimizer.num_clipped`` (total) and ``optimizer.last_num_clipped``.
 Non-finite gradients raise :class:`FloatingPointError` instead of writing NaN into the sites.
+
+**Data-parallel** (``process_group=WORLD``, sparse form only): each rank holds its shard of the
+training data and the sites of its own points. Building q(u) all-reduces the sums over data
+points (``Phi W Phi^T``, ``Phi r``; see :class:`SparseSitePosterior`), the site targets above
+are per point (no communication), the -ELBO is ``KL`` (counted once) plus every rank's
+expected log-likelihood (one small all-reduce, which also carries the clipping counts, the
+non-finite flags and the backtracking test, so every rank takes the same decision), and
+:meth:`CVIOptimizer.reduce_grads` sums the hyperparameter gradients of :meth:`CVIOptimizer.loss`
+over the ranks, so every rank takes the same Adam step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -66,8 +75,18 @@ class CVIOptimizer:
         -ELBO never increases. Rejections are counted in ``num_backtracks``. With hyperparameters
         changing between steps (hybrid training) or with minibatches there is no backtracking.
 
+    :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
+        :data:`~pyro_cvi.distributed.WORLD` or a group; ``None`` (default) keeps the
+        strategy's own setting (one process unless it was given one). Every rank passes its
+        shard (``pyro_cvi.distributed.shard``) to the model's strategy and to :meth:`step`; at
+        set-up every rank takes rank 0's hyperparameters and inducing points.
+
     ``step(x, y)`` returns the -ELBO (sum over the data, in nats) of q *before* the update,
     for monitoring; with a minibatch it is the unbiased estimate ``N/B sum_batch - KL``.
+    For the hyperparameters, :meth:`loss` is ``-mll(model(x), y)`` of
+    ``gpytorch.mlls.VariationalELBO`` summed over the ranks' data, and :meth:`reduce_grads`
+    (after ``loss.backward()``, a no-op in one process) makes every rank's gradients the
+    full-data ones.
     """
 
     def __init__(
@@ -79,6 +98,7 @@ class CVIOptimizer:
         backtrack: bool = True,
         shrink: float = 0.5,
         min_step_size: float = 1e-2,
+        process_group=None,
     ):
         strategy = getattr(model, "variational_strategy", None)
         if not isinstance(strategy, CVIVariationalStrategy):
@@ -101,6 +121,30 @@ class CVIOptimizer:
         self.num_clipped = 0
         self.last_num_clipped = 0
         self.num_steps = 0
+        if process_group is not None:
+            strategy.set_process_group(process_group)
+        self.reducer = strategy.reducer
+        #: training points over every rank (``strategy.num_data`` in one process)
+        self.num_data = strategy.num_data
+        if self.reducer is not None:
+            # every rank starts from rank 0's hyperparameters and inducing points
+            shared = self.hyperparameters()
+            if all(t is not strategy.inducing_points for t in shared):
+                shared.append(strategy.inducing_points)  # a buffer when not learned
+            self.reducer.broadcast(shared)
+            like = strategy.site_lam1
+            (total,) = self.reducer([like.new_tensor([float(strategy.num_data)])])
+            self.num_data = int(round(float(total)))
+
+    def hyperparameters(self) -> List[Tensor]:
+        """The model's and the likelihood's parameters (kernel, mean, noise, learned inducing
+        points), each once, in a fixed order."""
+        seen, out = set(), []
+        for p in list(self.model.parameters()) + list(self.likelihood.parameters()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
 
     def _resolve_indices(self, x: Tensor, indices: Optional[Tensor]) -> Optional[Tensor]:
         s = self.strategy
@@ -164,16 +208,27 @@ class CVIOptimizer:
         gm = torch.zeros_like(mean) if gm is None else gm
         gv = torch.zeros_like(var) if gv is None else gv
         ell = ell.detach()
-        if not (
+        finite = bool(
             torch.isfinite(gm).all() and torch.isfinite(gv).all() and torch.isfinite(ell).all()
-        ):
+        )
+        clipped = gv > 0
+        n = mean.shape[-1]
+        with torch.no_grad():
+            kl = s.kl_divergence()
+        key = s.state_key()[1:] if (self.backtrack and indices is None) else None
+        prev = self._prev
+        same = key is not None and prev is not None and s.keys_equal([0] + prev["key"], [0] + key)
+        # data-parallel: every rank's terms and flags in one all-reduce, so all decide alike
+        kl, ell_sum, num_clipped, finite, same = self._agree(
+            kl, ell.sum() * (s.num_data / n), int(clipped.sum()), finite, same
+        )
+        if not finite:
             raise FloatingPointError(
                 "non-finite expected log-likelihood or gradient in the CVI step. Use float64 "
                 "(model.double(), likelihood.double()), a smaller step_size, or check the targets."
             )
 
-        clipped = gv > 0
-        self.last_num_clipped = int(clipped.sum())
+        self.last_num_clipped = num_clipped
         if self.last_num_clipped:
             if not self.clip_curvature:
                 raise FloatingPointError(
@@ -183,18 +238,10 @@ class CVIOptimizer:
             gv = torch.where(clipped, torch.zeros_like(gv), gv)
             self.num_clipped += self.last_num_clipped
         g1, g2 = site_natural_params(mean, gm, gv)
+        loss = (kl - ell_sum).detach()
 
-        with torch.no_grad():
-            kl = s.kl_divergence()
-        n = mean.shape[-1]
-        loss = (kl - ell.sum() * (s.num_data / n)).detach()
-
-        key = s.state_key()[1:] if (self.backtrack and indices is None) else None
-        prev = self._prev
         if (
-            key is not None
-            and prev is not None
-            and s.keys_equal([0] + prev["key"], [0] + key)
+            same
             and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
             and self.step_size > self.min_step_size
         ):
@@ -221,6 +268,51 @@ class CVIOptimizer:
         self._update(old1, old2, g1, g2, indices)
         self.num_steps += 1
         return loss
+
+    def loss(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        """-ELBO / N for the hyperparameters: ``-mll(model(x), y)`` of
+        ``gpytorch.mlls.VariationalELBO(likelihood, model, num_data=N)`` (with its priors and
+        added loss terms), differentiable; ``x`` is the training inputs or a minibatch with its
+        ``indices``, as for :meth:`step`.
+
+        Data-parallel: the value is that of all ranks' data (``KL`` and the priors counted
+        once) on every rank; the graph is this rank's share, so that after ``backward()`` and
+        :meth:`reduce_grads` every rank holds the full-data gradients.
+        """
+        self._resolve_indices(x, indices)
+        s = self.strategy
+        out = self.model(x)
+        ell = self.likelihood.expected_log_prob(y.to(out.mean.device), out, **kwargs).sum(-1)
+        shared = -s.kl_divergence()
+        for module in (self.likelihood, self.model):
+            for _, mod, prior, closure, _ in module.named_priors():
+                shared = shared + prior.log_prob(closure(mod)).sum()
+        for term in self.model.added_loss_terms():
+            shared = shared - self.num_data * term.loss()
+        local = ell * (s.num_data / out.mean.shape[-1])
+        if self.reducer is None:
+            return -(local + shared) / self.num_data
+        return -self.reducer.combine(shared, local) / self.num_data
+
+    def reduce_grads(self) -> None:
+        """Data-parallel: sum every hyperparameter's ``.grad`` over the ranks (one all-reduce),
+        after ``loss(...).backward()``, so that every rank's ``torch.optim`` step is the same;
+        nothing in one process. Call it between ``backward()`` and ``adam.step()``."""
+        if self.reducer is not None:
+            self.reducer.reduce_grads(p for p in self.hyperparameters() if p.requires_grad)
+
+    def _agree(self, kl: Tensor, ell_sum: Tensor, num_clipped: int, finite: bool, same: bool):
+        """One process: the arguments. Data-parallel: KL (rank 0's), the sum of the ranks'
+        ``ell_sum`` and ``num_clipped``, and whether ``finite`` and ``same`` hold on every rank,
+        from one all-reduce (identical on every rank)."""
+        r = self.reducer
+        if r is None:
+            return kl, ell_sum, num_clipped, finite, same
+        flags = [kl if r.rank == 0 else torch.zeros_like(kl), ell_sum]
+        flags += [kl.new_tensor(float(f)) for f in (num_clipped, not finite, same)]
+        (total,) = r([torch.stack(flags)])
+        every_rank_same = bool(total[4] == r.world_size)
+        return total[0], total[1], int(total[2]), bool(total[3] == 0), every_rank_same
 
     @staticmethod
     def _rel_tol(loss: Tensor) -> float:

@@ -29,12 +29,14 @@ inverted.
       q(v) = N(B^-1 Phi r, B^-1),         (the optimal SGPR q(u) for the pseudo-data)
       KL[q(v) || N(0, I)] = 1/2 (tr B^-1 + |m_v|^2 - M + log |B|).
 
-  Cost O(N M^2), memory O(N M).
+  Cost O(N M^2), memory O(N M). ``B`` and ``Phi r`` need the data only through the sums
+  ``Phi W Phi^T = sum_n phi_n W_n phi_n^T`` and ``Phi r = sum_n phi_n r_n``: data-parallel,
+  each rank sums its shard and one all-reduce gives every rank the full-data q(v).
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -108,20 +110,31 @@ class SparseSitePosterior:
     :param prior_mean_X: ``m0(X)``, length ``N``.
     :param lam1: site natural parameters, length ``N``.
     :param lam2: site natural parameters ``<= 0``, length ``N``.
+    :param reduce: data-parallel: sums a list of tensors over the ranks (a
+        :class:`pyro_cvi.distributed.Reducer`); the sites then are this rank's shard and the
+        sums over data points ``Phi W Phi^T`` and ``Phi r`` are all-reduced (one call).
     """
 
     def __init__(
-        self, K_ZZ: Tensor, K_ZX: Tensor, prior_mean_X: Tensor, lam1: Tensor, lam2: Tensor
+        self,
+        K_ZZ: Tensor,
+        K_ZX: Tensor,
+        prior_mean_X: Tensor,
+        lam1: Tensor,
+        lam2: Tensor,
+        reduce: Optional[Callable[[List[Tensor]], List[Tensor]]] = None,
     ):
         self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrix)")
         self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)
         w = _site_precisions(lam2)
         m = K_ZZ.shape[-1]
         eye = torch.eye(m, dtype=K_ZZ.dtype, device=K_ZZ.device)
-        B = eye + (self.Phi * w.unsqueeze(-2)) @ self.Phi.mT
-        self.L_B = safe_cholesky(B, "B = I + Phi W Phi^T")
-        r = lam1 - w * prior_mean_X
-        self.m_v = torch.cholesky_solve((self.Phi @ r).unsqueeze(-1), self.L_B).squeeze(-1)
+        S = (self.Phi * w.unsqueeze(-2)) @ self.Phi.mT  # sum_n phi_n W_n phi_n^T
+        s = self.Phi @ (lam1 - w * prior_mean_X)  # sum_n phi_n r_n
+        if reduce is not None:  # every rank's data points
+            S, s = reduce([S, s])
+        self.L_B = safe_cholesky(eye + S, "B = I + Phi W Phi^T")
+        self.m_v = torch.cholesky_solve(s.unsqueeze(-1), self.L_B).squeeze(-1)
         self.prior_mean_X = prior_mean_X
 
     def predict(self, Phi_x: Tensor, prior_mean_x: Tensor) -> Tuple[Tensor, Tensor]:

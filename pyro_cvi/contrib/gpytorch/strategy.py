@@ -27,6 +27,8 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, SumLinearOperator
 from torch import Tensor
 
+from pyro_cvi.distributed import Reducer, as_reducer
+
 from .posterior import FullSitePosterior, SparseSitePosterior
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
@@ -107,6 +109,10 @@ class CVIVariationalStrategy(_VariationalStrategy):
     :param learn_inducing_locations: register ``inducing_points`` as a parameter (sparse only).
     :param train_inputs: ``N x D`` training inputs; selects the sparse form.
     :param jitter_val: diagonal jitter, see above.
+    :param process_group: data-parallel CVI (sparse form only): ``WORLD``
+        (:data:`pyro_cvi.distributed.WORLD`) or a ``torch.distributed`` group. ``num_data`` and
+        ``train_inputs`` are then this rank's shard; the sums over data points that build q(u)
+        are all-reduced, so every rank holds the full-data q(u). See :class:`CVIOptimizer`.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class CVIVariationalStrategy(_VariationalStrategy):
         *,
         train_inputs: Optional[Tensor] = None,
         jitter_val: Optional[float] = None,
+        process_group=None,
     ):
         if inducing_points.dim() == 1:
             inducing_points = inducing_points.unsqueeze(-1)
@@ -153,6 +160,25 @@ class CVIVariationalStrategy(_VariationalStrategy):
         self._site_inputs_version = 0
         self._cache: Optional[_Cache] = None
         self._prior_cache = None
+        self.reducer: Optional[Reducer] = None
+        self.set_process_group(process_group)
+
+    def set_process_group(self, process_group) -> None:
+        """Data-parallel q(u) over ``process_group`` (``None``: one process); sparse form only.
+
+        The full form's sites are coupled through ``k(X, X)`` over all N points (its q needs
+        ``B = I + W^1/2 K W^1/2``, N x N), so they cannot be split over ranks.
+        """
+        if process_group is not None and self.is_full:
+            raise ValueError(
+                "data-parallel CVI (process_group) needs the sparse form of "
+                "CVIVariationalStrategy: the full GP's sites are coupled through k(X, X) over all "
+                "N training points, so they cannot be split over ranks. Pass M < N inducing "
+                "points and train_inputs=X_shard (this rank's rows, num_data=len(X_shard)), or "
+                "run the full GP in one process (process_group=None)."
+            )
+        self.reducer = as_reducer(process_group)
+        self._clear_cache()
 
     # ------------------------------------------------------------------ sites
     @property
@@ -301,7 +327,9 @@ class CVIVariationalStrategy(_VariationalStrategy):
             if torch.any(lam1 != 0) or torch.any(lam2 != 0):
                 raise RuntimeError("sparse CVI sites are set but their inputs are unknown.")
             lam1, lam2 = lam1[:0], lam2[:0]
-        post = SparseSitePosterior(b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2)
+        post = SparseSitePosterior(
+            b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, reduce=self.reducer
+        )
         return post, b
 
     def _posterior(self, force: bool = False) -> Tuple[Posterior, dict]:
