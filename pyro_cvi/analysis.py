@@ -64,7 +64,7 @@ from .tracing import (
     unwrap,
 )
 
-__all__ = ["Analysis", "BlockSpec", "Factor", "LatentInfo", "SITE", "NATURAL", "LEAF_FORM"]
+__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM"]  # (the records: pyro_cvi.records)
 
 
 class Analysis:
@@ -376,8 +376,10 @@ class Analysis:
             self._probe_cache[block.index] = (dx, moved)
         dx, moved = self._probe_cache[block.index]
         if site not in block.names:
-            name, rows, why = markov.observation_factor(site, chain, base, tr, leaves, moved, dx)
-            return Factor(site, label, LINEAR, why, name, rows[1], False, time_index=rows[0])
+            name, rows, why, dyn = markov.observation_factor(
+                site, chain, base, tr, leaves, moved, dx
+            )
+            return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0])
         if site != block.names[0]:
             return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
         if not chain.ssm:

@@ -200,14 +200,16 @@ class AutoCVI(AutoGuide):
         with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
             self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
 
-    def elbo(self, args, kwargs, grads: bool = False) -> torch.Tensor:
+    def elbo(self, args, kwargs, grads: bool = False, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural
-        gradients are written into the CVI parameters' ``.grad`` for the next CVI step."""
+        gradients are written into the CVI parameters' ``.grad`` for the next CVI step. With
+        ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
+        that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
         if self.prototype_trace is None or self.engine.params_missing():
             # first call, or the param store was cleared under a live guide: start afresh
             self._setup_prototype(*args, **kwargs)
         self.engine.reanalyse_if_new_data(args, kwargs, self.prototype_trace)
-        return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads)
+        return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads, graph)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
         """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the

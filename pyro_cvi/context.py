@@ -51,6 +51,10 @@ class StepContext:
     #: (minibatch-restricted), except the sites in ``exclude``
     sample_q: Optional[Callable] = None
     grads: bool = False
+    #: the ELBO's graph to the model's parameters is wanted (``loss_and_grads``,
+    #: ``differentiable_loss``): Gaussian blocks then re-solve ``q`` from the prior and their
+    #: sites with graph, so the gradient is that of the loss at fixed site parameters
+    graph: bool = False
     #: identifies the data (the arguments' identities, versions and shapes)
     data_key: Any = None
     #: the variance of the loss's Monte Carlo part (``None``: the loss is exact), summed over

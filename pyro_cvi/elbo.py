@@ -3,9 +3,12 @@
 For every CVI parameter ``lambda_tilde`` of an :class:`~pyro_cvi.AutoCVI` guide this loss writes
 the natural gradient ``grad_mu E_q[log p_f] - lambda_tilde`` into ``.grad`` (exact for conjugate
 factors, Gauss-Hermite or Monte Carlo for linear-predictor factors, Bonnet/Price or implicit
-reparameterisation for general ones), and it back-propagates the ELBO (with ``q`` held fixed)
-into every other parameter, so hyperparameters can be learned by a torch optimizer in the same
-step. The value it returns is the -ELBO of the current ``q``: exact where closed forms allow
+reparameterisation for general ones), and it back-propagates the ELBO into every other
+parameter, so hyperparameters can be learned by a torch optimizer in the same step. That
+gradient is the derivative of the reported loss at fixed CVI parameters: a Gaussian block's
+``q`` is re-solved, with graph, from the prior and the sites (its affine coefficients ``A`` and
+offsets ``c`` too, where they depend on the parameters), so it equals the loss's finite
+differences. The value it returns is the -ELBO of the current ``q``: exact where closed forms allow
 (conjugate terms, the KL, quadrature), an unbiased estimate otherwise.
 """
 
@@ -39,7 +42,7 @@ class CVI_ELBO(ELBO):
         return float(_checked(model, guide).elbo(args, kwargs, grads=False).detach().neg())
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        return _checked(model, guide).elbo(args, kwargs, grads=False).neg()
+        return _checked(model, guide).elbo(args, kwargs, grads=False, graph=True).neg()
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         loss = -_checked(model, guide).elbo(args, kwargs, grads=True)

@@ -40,6 +40,7 @@ from .step_control import (
     backtrack_message,
     initial_failure,
     is_numerical_error,
+    warn_step_counts,
 )
 from .tracing import is_random, trace_model
 from .update import StepCounts
@@ -230,8 +231,9 @@ class Engine:
         out.update(subsample)
         return out
 
-    def context(self, args, kwargs, subsample, grads: bool) -> StepContext:
+    def context(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> StepContext:
         ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
+        ctx.graph = grads or graph
         ctx.data_key = self.data_key
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
@@ -251,7 +253,7 @@ class Engine:
         return trace_model(self.model, values, ctx.args, ctx.kwargs)
 
     # ------------------------------------------------------------------ the loss
-    def loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
+    def loss(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q (exact where closed forms exist, an unbiased estimate
         otherwise); with ``grads``, the natural gradients of every block are written and the
         step's context is kept for :meth:`step`. (Autograd is on inside, also under
@@ -261,7 +263,7 @@ class Engine:
             if grads and self.control is not None:
                 return self._controlled_loss(args, kwargs, subsample)
             try:
-                return self._loss(args, kwargs, subsample, grads)
+                return self._loss(args, kwargs, subsample, grads, graph)
             except (ValueError, RuntimeError, FloatingPointError) as e:
                 if not is_numerical_error(e) or not grads:
                     raise
@@ -319,10 +321,19 @@ class Engine:
             return elbo
         if c.snapshot is None:
             raise initial_failure(error)
+        new = self._param_values()
         self._restore(c.snapshot.values)
-        beta = c.rejected(numerical=error is not None)
-        self._warn_backtrack(beta, error)
         elbo = self._loss(args, kwargs, subsample, True)
+        if error is None and self._has_params and comparable:
+            # hybrid: the hyperparameters moved too (the inner optimiser's step). If the old q
+            # is no better than the new one at the new hyperparameters, the drop is theirs:
+            # keep the CVI step (the loss reported is then the new point's, recomputed)
+            if value >= float(elbo.detach()) - c.tolerance(value, var):
+                self._restore(new)
+                elbo = self._loss(args, kwargs, subsample, True)
+                c.accepted(Snapshot(new, float(elbo.detach()), self.pending.mc_var), comparable)
+                return elbo
+        self._warn_backtrack(c.rejected(numerical=error is not None), error)
         c.reevaluated(self.pending.elbo, self.pending.mc_var)
         return elbo
 
@@ -330,8 +341,8 @@ class Engine:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
         warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
 
-    def _loss(self, args, kwargs, subsample, grads: bool) -> torch.Tensor:
-        ctx = self.context(args, kwargs, subsample, grads)
+    def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
+        ctx = self.context(args, kwargs, subsample, grads, graph)
         if grads:
             self._tag_params()
         elbo = self._constant_terms(ctx.trace)
@@ -471,21 +482,7 @@ class Engine:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
         self.counts += counts
-        if counts.shrunk:
-            warnings.warn(
-                f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
-                "natural parameters valid (counted in guide.num_shrunk)",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-        if counts.rejected:
-            warnings.warn(
-                f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
-                f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
-                "step size, or raise num_general_samples.",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+        warn_step_counts(label, what, beta, counts, stacklevel=6)
 
 
 def data_key(args, kwargs):

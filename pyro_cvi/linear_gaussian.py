@@ -113,6 +113,24 @@ class GaussianPosterior:
         #: ``sl -> [n, K, K]``: covariance blocks of K consecutive rows, set by the solver
         self.row_cov_fn = None
 
+    def detached(self) -> GaussianPosterior:
+        """The same ``q`` without graph (a ``q`` solved with ``keep_graph``, for the CVI
+        targets: the same numbers, no second solve); lazy parts are detached when formed."""
+        d = GaussianPosterior(
+            *(t.detach() for t in (self.loc, self.logdet_cov, self.f_mean, self.f_var)),
+            self.form,
+            lambda: self.covariance().detach(),
+            lambda: self.cov_diag().detach(),
+            self.prior.detach(),
+        )
+        d.site_trace = None if self.site_trace is None else self.site_trace.detach()
+        if self.row_cov_fn is not None:
+            d.row_cov_fn = lambda sl, K: self.row_cov_fn(sl, K).detach()
+        for name in ("rotations", "blocks"):
+            if hasattr(self, name):
+                setattr(d, name, getattr(self, name))
+        return d
+
     def row_cov_blocks(self, sl: slice, K: int) -> torch.Tensor:
         """Covariances ``Cov(f_r)`` of the rows ``sl`` in consecutive groups of ``K`` rows
         (the K-variate pseudo-observations of a softmax site), ``[R / K, K, K]``."""
@@ -136,7 +154,8 @@ class GaussianPosterior:
         return self._scale_tril
 
     def kl_to(self, prior: GaussianPrior) -> torch.Tensor:
-        """``KL(q || prior)``; differentiable in ``prior`` (q is treated as fixed)."""
+        """``KL(q || prior)``; differentiable in ``prior`` and in ``q`` (where ``q`` was solved
+        with graph, ``solve(..., keep_graph=True)``)."""
         D = self.loc.numel()
         diff = self.loc - prior.loc
         cheap = (
@@ -151,7 +170,9 @@ class GaussianPosterior:
             logdet_p = prior.var.log().sum()
         elif prior.cov is not None:
             # the prior this q was solved under (same storage, no graph): reuse its Cholesky
-            same = not prior.cov.requires_grad and prior.cov.data_ptr() == _ptr(self.prior.cov)
+            same = prior is self.prior or (
+                not prior.cov.requires_grad and prior.cov.data_ptr() == _ptr(self.prior.cov)
+            )
             L0 = (
                 self.prior.cov_cholesky()
                 if same
@@ -193,6 +214,7 @@ def solve(
     extra_prec: Optional[torch.Tensor] = None,
     form: str = "auto",
     reduce: Reduce = None,
+    keep_graph: bool = False,
 ) -> GaussianPosterior:
     """Posterior of ``N(m0, S0)`` times row sites ``exp(b f - w f^2 / 2)``, ``f = A z``.
 
@@ -200,14 +222,16 @@ def solve(
     (general non-conjugate factors; primal form only). Raises :class:`NotPositiveDefinite` when
     the natural parameters are invalid, so callers can shrink the step. With ``reduce`` the rows
     are this rank's shard: their statistics ``(A^T W A, A^T b)`` are summed over the ranks
-    (primal form) and every rank gets the full-data posterior.
+    (primal form) and every rank gets the full-data posterior. With ``keep_graph`` the prior
+    keeps its graph (rows do whenever theirs have one): ``q`` is then differentiable in the
+    model's parameters at fixed sites.
     """
-    prior = prior.detach()
+    prior = prior if keep_graph else prior.detach()
     R, D = A.shape
     has_extra = extra_h is not None or extra_prec is not None
     if reduce is not None:
         S, s = reduce(list(row_statistics(A, w, b)))
-        return solve_statistics(prior, S, s, A, extra_h, extra_prec)
+        return solve_statistics(prior, S, s, A, extra_h, extra_prec, keep_graph)
     if form == "auto":
         form = choose_form(prior, R, D, has_extra, w)
     if form == "dual":
@@ -232,10 +256,11 @@ def solve_statistics(
     A: Optional[torch.Tensor] = None,
     extra_h: Optional[torch.Tensor] = None,
     extra_prec: Optional[torch.Tensor] = None,
+    keep_graph: bool = False,
 ) -> GaussianPosterior:
     """Primal posterior from summed statistics: ``Lambda = Lambda0 + S``, ``Lambda m =
     Lambda0 m0 + s`` (eq. 2); the row marginals are those of ``A`` (this shard's rows)."""
-    prior = prior.detach()
+    prior = prior if keep_graph else prior.detach()
     if A is None:
         A = S.new_zeros(0, S.shape[0])
     post = _solve_primal(prior, A, None, None, extra_h, extra_prec, stats=(S, s))

@@ -18,7 +18,14 @@ from .probes import jacobian
 from .quadrature import expected_log_prob, mean_param_gradients, site_natural_params
 from .tracing import linear_param, unwrap, with_param
 
-__all__ = ["RowBlock", "normal_rows", "linear_predictor_message", "general_gaussian_message"]
+__all__ = [
+    "RowBlock",
+    "normal_rows",
+    "linear_predictor_rows",
+    "linear_predictor_message",
+    "linear_predictor_value",
+    "general_gaussian_message",
+]
 
 
 @dataclass
@@ -52,40 +59,52 @@ def _flat_obs(site, like: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(weight != 0, obs, torch.zeros_like(obs))
 
 
-def normal_rows(site, factor, z_at: torch.Tensor):
+def normal_rows(site, factor, z_at: torch.Tensor, A: Optional[torch.Tensor] = None):
     """Exact message of ``Normal(y | A z + c, sigma)``: rows with ``w = 1/sigma^2``.
 
     ``z_at`` is the latent value the trace was taken at. Returns ``(rows, elbo_fn)`` where
     ``elbo_fn(f_mean, f_var)`` gives, with ``E eta = f_mean + c``,
     ``sum E_q[log N(y | eta, sigma^2)] = log N(y | E eta, sigma^2) - Var(eta) / (2 sigma^2)``.
+    With ``A`` given (the Jacobian with its graph, see :func:`linear_predictor_rows`) the rows
+    keep their graph to the model's parameters (``A``, ``c`` and ``sigma``), and so does a
+    ``q`` solved from them; ``elbo_fn`` then takes that ``q``'s row moments.
     """
     base, _, _ = unwrap(site["fn"])
     loc = base.loc
     scale = base.scale.expand(loc.shape)
     weight = _weight(site, loc)
     y = _flat_obs(site, loc, weight)
-    A = factor.jacobian
-    prec = (weight / scale.detach() ** 2).reshape(-1)
-    c = loc.detach().reshape(-1) - A @ z_at.reshape(-1)
+    graph = A is not None
+    A = factor.jacobian if A is None else A
+    prec = (weight / (scale if graph else scale.detach()) ** 2).reshape(-1)
+    c = (loc if graph else loc.detach()).reshape(-1) - A @ z_at.reshape(-1)
     rows = RowBlock(A, prec, prec * (y.reshape(-1) - c), c)
 
     def elbo(f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
-        mean = (f_mean + c).reshape(loc.shape) + (loc - loc.detach())
+        mean = (f_mean + c).reshape(loc.shape)
+        if not graph:  # the fixed-q gradient to the offset (A is free of parameters here)
+            mean = mean + (loc - loc.detach())
         lp = torch.distributions.Normal(mean, scale, validate_args=False).log_prob(y)
         return (weight * lp).sum() - (weight * f_var.reshape(loc.shape) / (2 * scale**2)).sum()
 
     return rows, elbo
 
 
-def linear_predictor_rows(site, factor, z_at, sites: torch.Tensor) -> RowBlock:
+def linear_predictor_rows(
+    site, factor, z_at, sites: torch.Tensor, A: Optional[torch.Tensor] = None
+) -> RowBlock:
     """Rows of a linear-predictor factor from its site parameters ``(lam1, lam2)`` (eq. 13).
 
     In ``f = A z`` coordinates with ``eta = f + c`` the site is
     ``exp(lam2 f^2 + (lam1 + 2 lam2 c) f)``, i.e. ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``.
+    With ``A`` given (``factor.jacobian`` with its graph to learnable parameters, or the same
+    constant) the rows keep their graph: ``c = eta(z_at) - A z_at`` with ``eta``'s graph, so a
+    ``q`` solved from them moves with the parameters at fixed ``(lam1, lam2)``.
     """
     _, eta_at, _ = linear_param(unwrap(site["fn"])[0])
-    A = factor.jacobian
-    c = eta_at.detach().reshape(-1) - A @ z_at.reshape(-1)
+    graph = A is not None
+    A = factor.jacobian if A is None else A
+    c = (eta_at if graph else eta_at.detach()).reshape(-1) - A @ z_at.reshape(-1)
     lam1, lam2 = sites[..., 0], sites[..., 1]
     return RowBlock(A, -2 * lam2, lam1 + 2 * lam2 * c, c)
 
@@ -123,6 +142,24 @@ def linear_predictor_message(
     if mean.requires_grad:  # the offset depends on hyperparameters: keep that graph
         return expected_log_prob(log_prob, mean, var, num_points).sum(), target
     return f.sum().detach(), target  # (no graph to keep: no backward pass for it)
+
+
+def linear_predictor_value(
+    site, rows: RowBlock, f_mean: torch.Tensor, f_var: torch.Tensor, num_points: int = 20
+) -> torch.Tensor:
+    """``sum E_q[log p(y | eta)]``, ``eta ~ N(f_mean + c, f_var)``, by Gauss-Hermite, with its
+    graph to ``f_mean``, ``f_var``, ``c`` and the likelihood's other parameters (the value
+    :func:`linear_predictor_message` returns, for rows and moments that keep their graph)."""
+    base, _, _ = unwrap(site["fn"])
+    _, eta_now, _ = linear_param(base)
+    weight = _weight(site, eta_now)
+    y = _flat_obs(site, eta_now, weight)
+    mean = (f_mean + rows.c).reshape(eta_now.shape)
+
+    def log_prob(eta):
+        return weight * with_param(base, eta).log_prob(y)
+
+    return expected_log_prob(log_prob, mean, f_var.reshape(eta_now.shape), num_points).sum()
 
 
 def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int, on_samples=None):

@@ -39,20 +39,29 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 
 
 def jacobian(
-    out: torch.Tensor, z: torch.Tensor, chunk: int = 512, loop_below: int = 200
+    out: torch.Tensor,
+    z: torch.Tensor,
+    chunk: int = 512,
+    loop_below: int = 200,
+    create_graph: bool = False,
 ) -> torch.Tensor:
     """Dense Jacobian ``d out / d z`` of shape ``(out.numel(), z.numel())``.
 
     Reverse mode with batched vector-Jacobian products when ``out`` is the smaller side,
-    otherwise reverse-of-reverse (a batched Jacobian of the linear map ``v -> A^T v``).
+    otherwise reverse-of-reverse (a batched Jacobian of the linear map ``v -> A^T v``). With
+    ``create_graph`` the Jacobian keeps its graph to the other leaves of ``out`` (an affine
+    coefficient ``A(theta)`` differentiable in learnable parameters ``theta``).
     """
+    cg = create_graph
     R, D = out.numel(), z.numel()
     flat = out.reshape(-1)
     rows = []
     if min(R, D) <= loop_below:  # plain backward passes: no vmap (and no torch.fx import)
         if R <= D:
             for i in range(R):
-                (g,) = torch.autograd.grad(flat[i], z, retain_graph=True, allow_unused=True)
+                (g,) = torch.autograd.grad(
+                    flat[i], z, retain_graph=True, allow_unused=True, create_graph=cg
+                )
                 rows.append(torch.zeros_like(z).reshape(-1) if g is None else g.reshape(-1))
             return torch.stack(rows, 0) if rows else flat.new_zeros(0, D)
         v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
@@ -63,14 +72,21 @@ def jacobian(
             if not atv.requires_grad:
                 rows.append(torch.zeros_like(v))
                 continue
-            (g,) = torch.autograd.grad(atv[j], v, retain_graph=True, allow_unused=True)
+            (g,) = torch.autograd.grad(
+                atv[j], v, retain_graph=True, allow_unused=True, create_graph=cg
+            )
             rows.append(torch.zeros_like(v) if g is None else g)
         return torch.stack(rows, 1)
     if R <= D:
         eye = torch.eye(R, dtype=out.dtype, device=out.device)
         for i in range(0, R, chunk):
             (g,) = torch.autograd.grad(
-                flat, z, eye[i : i + chunk], retain_graph=True, is_grads_batched=True
+                flat,
+                z,
+                eye[i : i + chunk],
+                retain_graph=True,
+                is_grads_batched=True,
+                create_graph=cg,
             )
             rows.append(g.reshape(-1, D))
         return torch.cat(rows, 0)
@@ -80,7 +96,12 @@ def jacobian(
     eye = torch.eye(D, dtype=out.dtype, device=out.device)
     for i in range(0, D, chunk):
         (g,) = torch.autograd.grad(
-            atv, v, eye[i : i + chunk], retain_graph=True, is_grads_batched=True
+            atv,
+            v,
+            eye[i : i + chunk],
+            retain_graph=True,
+            is_grads_batched=True,
+            create_graph=cg,
         )
         rows.append(g)
     return torch.cat(rows, 0).T.contiguous()
@@ -145,7 +166,7 @@ def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], param
     if not params:
         return False
     grads = torch.autograd.grad(
-        (value * torch.randn_like(value)).sum(),
+        (value * _probe_weights(value)).sum(),
         list(leaves),
         retain_graph=True,
         create_graph=True,
@@ -156,3 +177,10 @@ def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], param
         return False
     second = torch.autograd.grad(total, params, allow_unused=True, retain_graph=True)
     return any(x is not None for x in second)
+
+
+def _probe_weights(value: torch.Tensor) -> torch.Tensor:
+    """Random weights of the shape of ``value`` from the local generator (seeded: the user's
+    RNG stream is not consumed, and the answer is the same every time)."""
+    g = torch.Generator(device="cpu").manual_seed(11)
+    return torch.randn(value.shape, generator=g, dtype=torch.float64).to(value)

@@ -160,13 +160,16 @@ def kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.
     return (X, G) if probes.close(A4, approx, probes.rtol(A.dtype)) else None
 
 
-def softmax_rows(site, factor, z_at: torch.Tensor) -> SoftmaxRows:
-    """Rows of a softmax factor at the trace ``site`` (taken at the block value ``z_at``)."""
+def softmax_rows(site, factor, z_at: torch.Tensor, A: Optional[torch.Tensor] = None) -> SoftmaxRows:
+    """Rows of a softmax factor at the trace ``site`` (taken at the block value ``z_at``); with
+    ``A`` given (the Jacobian with its graph) ``A`` and ``c`` keep their graph to the model's
+    parameters (as :func:`~pyro_cvi.messages.linear_predictor_rows`)."""
     base = unwrap(site["fn"])[0]
     eta = centred_logits(base)
     K = eta.shape[-1]
-    A = factor.jacobian
-    c = eta.detach().reshape(-1) - A @ z_at.reshape(-1)
+    graph = A is not None
+    A = factor.jacobian if A is None else A
+    c = (eta if graph else eta.detach()).reshape(-1) - A @ z_at.reshape(-1)
     Y, n, weight, const = _counts(site, base, K)
     return SoftmaxRows(A, c, K, Y, n, weight, const, kron_factors(A, K))
 
@@ -179,18 +182,23 @@ def softmax_message(
     method: str = "cubature",
     num_points: int = 32,
     num_samples: int = 100,
+    graph: bool = False,
 ):
     """ELBO term and target sites ``[N, K, K + 1]`` of a softmax factor under the current q.
 
     ``loc``: q's mean; ``cov``: ``Cov(eta_n) [N, K, K]`` (:meth:`SoftmaxRows.cov_blocks`). The
     value keeps its graph to hyperparameters through the offset ``c`` (as the scalar linear
-    predictor does).
+    predictor does); with ``graph`` (rows and a ``q`` solved with their graph) through
+    ``A``, ``c``, ``loc`` and ``cov`` instead.
     """
     N, K = rows.N, rows.K
-    mean, cov = rows.mean(loc.detach()), cov.detach()
-    eta_now = centred_logits(unwrap(site["fn"])[0])
-    if eta_now.requires_grad:
-        mean = mean + (eta_now - eta_now.detach()).reshape(N, K)
+    if graph:
+        mean = rows.mean(loc)
+    else:
+        mean, cov = rows.mean(loc.detach()), cov.detach()
+        eta_now = centred_logits(unwrap(site["fn"])[0])
+        if eta_now.requires_grad:  # the fixed-q gradient to the offset (A free of parameters)
+            mean = mean + (eta_now - eta_now.detach()).reshape(N, K)
     mom = lse_expectations(mean, cov, method, num_points=num_points, num_samples=num_samples)
     F, lam1, lam2 = site_targets(rows.Y, rows.n, rows.weight, mean, mom)
     value = (F + rows.weight * rows.const).sum()

@@ -16,6 +16,11 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
     (``z = 2``), so noise alone rarely triggers it, while a step into a region where the
     estimator's variance explodes gets no wider tolerance than the accepted point had.
 
+* **Hyperparameters** (hybrid models: the inner optimiser moves the model's ``pyro.param``
+  values between two losses): before a drop is blamed on the CVI step, the old ``q`` is
+  evaluated at the new hyperparameters; if it is no better than the new ``q``, the drop came
+  from the hyperparameter step and the CVI step is kept.
+
 * **Growth.** After an accepted step ``beta`` grows back by ``grow`` (fast for exact losses,
   slowly for Monte Carlo ones) up to the ceiling ``max_beta``.
 
@@ -35,12 +40,20 @@ The engine does the restoring and re-evaluation; this module only decides.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 
-__all__ = ["StepControl", "Snapshot", "is_numerical_error", "initial_failure", "backtrack_message"]
+__all__ = [
+    "StepControl",
+    "Snapshot",
+    "is_numerical_error",
+    "initial_failure",
+    "backtrack_message",
+    "warn_step_counts",
+]
 
 
 @dataclass
@@ -196,3 +209,23 @@ def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> st
         "this repeats, raise num_general_samples (Monte Carlo noise) or cap the step with "
         "CVI(max_step_size=...)."
     )
+
+
+def warn_step_counts(label: str, what: str, beta: float, counts, stacklevel: int) -> None:
+    """Warn about shrunk and rejected steps (the text carries no counts, so Python shows it
+    once per site and kind; the counts are ``guide.num_shrunk`` / ``guide.num_rejected``)."""
+    if counts.shrunk:
+        warnings.warn(
+            f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
+            "natural parameters valid (counted in guide.num_shrunk)",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+    if counts.rejected:
+        warnings.warn(
+            f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
+            f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
+            "step size, or raise num_general_samples.",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )

@@ -56,7 +56,8 @@ def _plot(spec: Dict[str, Any], path: Path) -> None:
     if spec.get("title"):
         ax.set_title(spec["title"], fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

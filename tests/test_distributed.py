@@ -107,7 +107,8 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     loss, two hyperparameters learned by Adam) as one process, to 1e-10; the 2-process run
     checkpoints after 3 steps (one file per rank), restores into fresh objects and goes on.
     The same for data-parallel StreamingCVI (3 passes), for a model with global and per-row
-    mean-field (Gamma) latents under the adaptive CVI(), and for a sparse GP classifier."""
+    mean-field (Gamma) latents under the adaptive CVI(), and for a sparse GP classifier with a
+    learned lengthscale."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "distributed_worker.py")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
@@ -123,7 +124,9 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
     subprocess.run(launch + [worker, str(two), "ckpt"], env=env, check=True, timeout=300)
     a, b = torch.load(one), torch.load(two)
     # mean-field latents (adaptive CVI()) and a sparse GP
-    assert a["others"].shape == (5 * (1 + D + 1) + 5 * (1 + 5 + 5),)
+    assert a["others"].shape == (5 * (1 + D + 1) + 5 * (1 + 5 + 5 + 1),)
+    ell = a["others"][5 * (1 + D + 1) :].reshape(5, -1)[:, -1]
+    assert (ell[1:] - ell[:-1]).abs().min() > 1e-3  # the lengthscale is learned
     assert (a["others"] - b["others"]).abs().max() < 1e-10
     # StreamingCVI: 2 ranks streaming their shards (each its own minibatches) == 1 process
     assert (a["stream"] - b["stream"]).abs().max() < 1e-10

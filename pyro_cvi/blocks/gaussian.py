@@ -15,7 +15,9 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
 dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
 ``.grad`` holds ``target - lambda_tilde`` after the loss, and :meth:`step` applies eq. 12 with the
-step policy of :mod:`~pyro_cvi.update`.
+step policy of :mod:`~pyro_cvi.update`. Hyperparameters: where the prior or the rows depend on
+the model's parameters (``A(theta)``, ``c(theta)``, a Normal scale) the loss's ``q`` is solved
+with graph (:mod:`~pyro_cvi.blocks.rows`), so its gradient is that of the ELBO at fixed sites.
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ from ..messages import (
     general_gaussian_message,
     linear_predictor_message,
     linear_predictor_rows,
-    normal_rows,
 )
 from ..probes import jacobian
-from ..softmax_sites import SOFTMAX, SoftmaxRows, softmax_message, softmax_rows
+from ..softmax_sites import (
+    SOFTMAX,
+    SoftmaxRows,
+    centred_logits,
+    softmax_message,
+    softmax_rows,
+)
 from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
+from .rows import factor_rows, has_graph, site_value
 
 __all__ = ["GaussianBlock", "block_prior"]
 
@@ -72,6 +80,9 @@ class GaussianBlock:
         self.elbo_rows: List[Tuple[int, object]] = []
         self.post: Optional[GaussianPosterior] = None
         self._refreshed_from = None
+        #: the step's prior and rows with their graph to the model's parameters (``ctx.graph``
+        #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
+        self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
@@ -148,24 +159,25 @@ class GaussianBlock:
             return self.prior
         prior = self._prior(tr)
         sites = self._sites()
-        rows, elbo_rows = [], []
+        rows, elbo_rows, graph_rows, graph_fns = [], [], [], {}
         for f in self.spec.factors:
             if f.kind not in (CONJUGATE, LINEAR, SOFTMAX):
                 continue
+            A = f.jacobian if ctx.graph else None  # (given: rows with graph, see messages)
             if f.dynamic:
-                f.jacobian = self._jacobian(f, ctx)
+                A = self._jacobian(f, ctx, create_graph=ctx.graph)
+                f.jacobian = A.detach()
             site = tr.nodes[f.site]
-            if f.kind == CONJUGATE:
-                r, fn = normal_rows(site, f, self.z_at)
-                rows.append((None, r))
-                if f.site in self.owned:
-                    elbo_rows.append((len(rows) - 1, fn))
-            elif f.kind == SOFTMAX:
-                rows.append((f.site, softmax_rows(site, f, self.z_at)))
-            else:
-                rows.append(
-                    (f.site, linear_predictor_rows(site, f, self.z_at, sites[f.site].detach()))
-                )
+            name, r, fn = factor_rows(f, site, self.z_at, sites)
+            rows.append((name, r))
+            if fn is not None and f.site in self.owned:
+                elbo_rows.append((len(rows) - 1, fn))
+            if A is not None:
+                name, r, graph_fns[len(rows) - 1] = factor_rows(f, site, self.z_at, sites, A)
+                graph_rows.append((name, r))
+        self._graph = None
+        if ctx.graph and has_graph(prior, graph_rows):
+            self._graph = (prior, graph_rows, graph_fns)
         same = (
             self.post is not None
             and not self.general
@@ -175,13 +187,17 @@ class GaussianBlock:
         if self.options.reducer is not None:  # every rank must take the same branch
             same = self.options.reducer.all_agree(same, prior.loc)
         self.prior, self.rows, self.elbo_rows = prior.detach(), rows, elbo_rows
-        if not same:
+        if self._graph is not None:  # one solve, with graph; the targets read it detached
+            self._graph += (self._solve(graph=True),)
+            self.post = self._graph[3].detached()
+        elif not same:
             self.post = self._solve()
         self._refreshed_from = tr if not prior.loc.requires_grad else None
         return prior
 
-    def _jacobian(self, f, ctx: StepContext) -> torch.Tensor:
-        """Recompute an affine coefficient that depends on learnable parameters."""
+    def _jacobian(self, f, ctx: StepContext, create_graph: bool = False) -> torch.Tensor:
+        """Recompute an affine coefficient that depends on learnable parameters (with its graph
+        to them when ``create_graph``)."""
         leaves = {
             n: v.detach().clone().requires_grad_(True)
             for n, v in self.spec.split(self.z_at).items()
@@ -189,12 +205,19 @@ class GaussianBlock:
         values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
         with torch.enable_grad():
             t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
-            value = linear_param(unwrap(t.nodes[f.site]["fn"])[0])[1]
-            return torch.cat([jacobian(value, leaves[n]).detach() for n in self.names], 1)
+            base = unwrap(t.nodes[f.site]["fn"])[0]
+            value = centred_logits(base) if f.kind == SOFTMAX else linear_param(base)[1]
+            A = [jacobian(value, leaves[n], create_graph=create_graph) for n in self.names]
+            A = torch.cat(A, 1)
+            return A if create_graph else A.detach()
 
-    def _solve(self, site_values=None, general_values=None) -> GaussianPosterior:
+    def _solve(self, site_values=None, general_values=None, graph=False) -> GaussianPosterior:
+        """``q`` from the prior and the rows (eq. 2); with ``graph``, from the step's prior and
+        rows with their graph (:attr:`_graph`), so ``q`` is differentiable in the model's
+        parameters at fixed sites."""
+        prior, rows = (self._graph[0], self._graph[1]) if graph else (self.prior, self.rows)
         blocks, rotations, extra = [], {}, []
-        for site_name, r in self.rows:
+        for site_name, r in rows:
             if isinstance(r, SoftmaxRows):
                 s = (site_values or self._sites())[site_name].detach()
                 *block, rotations[site_name], nat = r.rows(s)
@@ -205,7 +228,7 @@ class GaussianBlock:
                 blocks.append((r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c))
             else:
                 blocks.append((r.A, r.w, r.b))
-        like, D = self.prior.loc, self.spec.dim
+        like, D = prior.loc, self.spec.dim
         if len(blocks) == 1:
             A, w, b = blocks[0]
         elif blocks:
@@ -220,10 +243,10 @@ class GaussianBlock:
             extra.append(tuple(t.detach() for t in general))
         if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
             h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
-        post = solve(self.prior, A, w, b, h, P, reduce=self.options.reducer)
+        post = solve(prior, A, w, b, h, P, reduce=self.options.reducer, keep_graph=graph)
         post.rotations = rotations
         post.blocks, i = [], 0
-        for (site_name, _), blk in zip(self.rows, blocks):
+        for (site_name, _), blk in zip(rows, blocks):
             post.blocks.append((site_name, slice(i, i + blk[0].shape[0])))
             i += blk[0].shape[0]
         return post
@@ -231,15 +254,24 @@ class GaussianBlock:
     # ------------------------------------------------------------------ ELBO and targets
     def elbo(self, ctx: StepContext, prior: GaussianPrior) -> torch.Tensor:
         """``-KL(q || prior)`` plus the owned factors' expected log-densities; with
-        ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``."""
+        ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``.
+
+        The targets come from the current ``q`` (no graph). Where the prior or the rows depend
+        on the model's parameters and the graph is wanted (``ctx.graph``), the value is that of
+        ``q`` re-solved with graph from the same sites (the same number): its gradient is the
+        derivative of the ELBO at fixed site parameters."""
         post, tr = self.post, ctx.trace
-        shared = -post.kl_to(prior)
+        gpost = self._graph[3] if self._graph is not None else None
+        valued = post if gpost is None else gpost
+        graph_rows = self._graph[1] if gpost is not None else self.rows
+        shared = -valued.kl_to(prior)
         elbo = torch.zeros_like(shared)  # the factors' terms: this rank's data points
         for idx, fn in self.elbo_rows:
             sl = post.blocks[idx][1]
-            elbo = elbo + fn(post.f_mean[sl], post.f_var[sl])
+            fn = fn if gpost is None else self._graph[2][idx]
+            elbo = elbo + fn(valued.f_mean[sl], valued.f_var[sl])
         sites = self._sites()
-        for (site_name, sl), (_, r) in zip(post.blocks, self.rows):
+        for (site_name, sl), (_, r), (_, rg) in zip(post.blocks, self.rows, graph_rows):
             if site_name is None:
                 continue
             if isinstance(r, SoftmaxRows):
@@ -261,6 +293,8 @@ class GaussianBlock:
                     self.options.num_quad_points,
                     self.options.num_samples,
                 )
+            if gpost is not None:  # the same number, with its graph
+                value = site_value(tr.nodes[site_name], rg, gpost, sl, self.options)
             elbo = elbo + value
             if ctx.grads:
                 p = sites[site_name]

@@ -8,8 +8,11 @@ computation (step 4 of Algorithm 1) is a Kalman smoother
 
     ELBO = log Z - sum_r E_q[log t_r] + sum_r E_q[log p(y_r | eta_r)],
 
-whose first two terms are ``-KL(q || p)``; ``log Z`` keeps its graph to the prior's
-hyperparameters (Fisher's identity: the fixed-q gradient of ``-KL``).
+whose first two terms are ``-KL(q || p)``. When the loss's graph is wanted and the prior
+(transitions), the offsets ``c`` or the coefficients ``h_r`` depend on the model's parameters,
+the smoother runs with graph (``log Z`` and the marginals, by a differentiable backward pass),
+so the hyperparameter gradient is the derivative of the ELBO at fixed sites; coefficients
+``h_r(theta)`` are recomputed every step.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from ..analysis import LINEAR, BlockSpec
 from ..context import Options, StepContext
-from ..messages import RowBlock, linear_predictor_message
+from ..messages import RowBlock, linear_predictor_message, linear_predictor_value
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import MarkovPosterior, SiteRows
@@ -46,6 +49,9 @@ class MarkovBlock:
         self.rows: List[RowBlock] = []
         self.post: Optional[Marginals] = None
         self._solved_for = None
+        #: ``(rows, q)`` with their graph to the model's parameters (``ctx.graph`` and the
+        #: prior or the offsets depend on them), for the differentiable ELBO; else ``None``
+        self._graph: Optional[tuple] = None
 
     def param_names(self) -> List[str]:
         return list(self.site_names.values())
@@ -64,19 +70,23 @@ class MarkovBlock:
         return tuple(sites[f.site]._version for f in self.linear)
 
     # ------------------------------------------------------------------ sites on the steps
-    def _rows(self, site, f, sites: torch.Tensor) -> RowBlock:
+    def _rows(self, site, f, sites: torch.Tensor, H=None) -> RowBlock:
         """As :func:`~pyro_cvi.messages.linear_predictor_rows`, with ``f_r = h_r' x_{t_r}``:
-        ``c = eta_at - f_at``, ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``."""
-        eta_at = linear_param(unwrap(site["fn"])[0])[1].detach().reshape(-1)
+        ``c = eta_at - f_at``, ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``. With ``H`` given (the
+        coefficients, with their graph where they depend on parameters) ``c`` keeps its graph
+        to the model's parameters too."""
+        eta_at = linear_param(unwrap(site["fn"])[0])[1]
+        eta_at = (eta_at if H is not None else eta_at.detach()).reshape(-1)
+        H = f.jacobian if H is None else H
         x = self.chain.states(self.z_at)
-        c = eta_at - (f.jacobian.to(x) * x[f.time_index]).sum(-1)
+        c = eta_at - (H.to(x) * x[f.time_index]).sum(-1)
         lam1, lam2 = sites[..., 0], sites[..., 1]
-        return RowBlock(f.jacobian, -2 * lam2, lam1 + 2 * lam2 * c, c)
+        return RowBlock(H, -2 * lam2, lam1 + 2 * lam2 * c, c)
 
     def _site_rows(self, rows: Sequence[RowBlock]) -> SiteRows:
         """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``)."""
         t = torch.cat([f.time_index for f in self.linear])
-        H = torch.cat([f.jacobian.to(self.z_at) for f in self.linear])
+        H = torch.cat([r.A.to(self.z_at) for r in rows])
         w = torch.cat([r.w for r in rows])
         b = torch.cat([r.b for r in rows])
         return SiteRows(t, H, w, b, self.chain.length)
@@ -109,31 +119,63 @@ class MarkovBlock:
                 p.data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation
-    def _chain_prior(self, trace, ctx: Optional[StepContext]) -> LinearGaussianChain:
+    def _leaf_trace(self, ctx: StepContext):
+        """The model traced with the chain's states as fresh autograd leaves (at ``z_at``)."""
+        leaves = {
+            n: v.detach().clone().requires_grad_(True)
+            for n, v in self.spec.split(self.z_at).items()
+        }
+        values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
+        with torch.enable_grad():
+            return trace_model(ctx.model, values, ctx.args, ctx.kwargs), leaves
+
+    def _chain_prior(self, trace, ctx: Optional[StepContext], leafy=None) -> LinearGaussianChain:
         A = None
         if not self.chain.ssm and self.chain.dynamic and ctx is not None:
-            leaves = {
-                n: v.detach().clone().requires_grad_(True)
-                for n, v in self.spec.split(self.z_at).items()
-            }
-            values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
+            trace, leaves = leafy or self._leaf_trace(ctx)
             with torch.enable_grad():
-                trace = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
                 A = detect.loop_transitions(self.names, trace, leaves, create_graph=True)
         return detect.chain_prior(self.chain, trace, A)
 
+    def _coefficients(self, ctx: StepContext, leafy) -> Dict[str, torch.Tensor]:
+        """``H(theta)`` of the observations whose coefficients depend on learnable parameters,
+        recomputed on the leaf trace (with graph when ``ctx.graph``)."""
+        out = {}
+        for f in self.linear:
+            if f.dynamic:
+                trace, leaves = leafy
+                with torch.enable_grad():
+                    value = linear_param(unwrap(trace.nodes[f.site]["fn"])[0])[1]
+                    _, H = detect.observation_rows(self.chain, value, leaves, ctx.graph)
+                f.jacobian = H.detach()
+                out[f.site] = H
+        return out
+
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
         """The prior and the site rows from the step's trace; the smoother at the current
-        sites (kept when neither changed, and no hyperparameter needs ``log Z``'s graph)."""
+        sites (kept when neither changed and the prior has no hyperparameters). With
+        ``ctx.graph``, where the prior or the offsets depend on the model's parameters, the
+        smoother runs with graph (``log Z`` and the marginals): the ELBO's gradient is then its
+        derivative at fixed sites; the targets use the same marginals without graph."""
         tr = ctx.trace
-        self.prior = self._chain_prior(tr, ctx)
+        dynamic = any(f.dynamic for f in self.linear) or (self.chain.dynamic and not self.chain.ssm)
+        leafy = self._leaf_trace(ctx) if dynamic else None
+        self.prior = self._chain_prior(tr, ctx, leafy)
+        H = self._coefficients(ctx, leafy) if dynamic else {}
         sites = self._sites()
-        self.rows = [self._rows(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
-        graph = self.prior.requires_grad()
-        key = (tr, self._versions(sites))
-        if graph or self.post is None or key != self._solved_for:
-            self.post = self._solve(self.rows, keep_graph=graph)
-        self._solved_for = key if not graph else None
+        obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
+        self.rows = [self._rows(*o) for o in obs]
+        moving = self.prior.requires_grad() or bool(H)
+        graph_rows = [self._rows(*o, H.get(o[1].site, o[1].jacobian)) for o in obs]
+        graph_rows = graph_rows if ctx.graph else []
+        self._graph = None
+        if ctx.graph and (moving or any(r.c.requires_grad for r in graph_rows)):  # (H: in c)
+            g = self._solve(graph_rows, keep_graph=True)
+            self._graph = (graph_rows, g)
+            self.post = Marginals(g.mean.detach(), g.cov.detach(), g.log_z.detach())
+        elif moving or self.post is None or (tr, self._versions(sites)) != self._solved_for:
+            self.post = self._solve(self.rows)
+        self._solved_for = (tr, self._versions(sites)) if not moving else None
         return self.prior
 
     # ------------------------------------------------------------------ ELBO and targets
@@ -143,9 +185,14 @@ class MarkovBlock:
         post, tr = self.post, ctx.trace
         sr = self._site_rows(self.rows)
         f_mean, f_var = sr.moments(post.mean, post.cov)
-        elbo = post.log_z - sr.expected_log_sites(f_mean, f_var)
+        graph_rows, valued = self.rows, post
+        if self._graph is not None:  # the same numbers, with their graph
+            graph_rows, valued = self._graph
+            sr = self._site_rows(graph_rows)
+        g_mean, g_var = sr.moments(valued.mean, valued.cov)
+        elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
         sites, i = self._sites(), 0
-        for f, r in zip(self.linear, self.rows):
+        for f, r, rg in zip(self.linear, self.rows, graph_rows):
             R = r.c.shape[0]
             sl = slice(i, i + R)
             i += R
@@ -157,6 +204,10 @@ class MarkovBlock:
                 self.options.num_quad_points,
                 self.options.num_samples,
             )
+            if self._graph is not None:
+                value = linear_predictor_value(
+                    tr.nodes[f.site], rg, g_mean[sl], g_var[sl], self.options.num_quad_points
+                )
             if f.site in self.owned:
                 elbo = elbo + value
             if ctx.grads:

@@ -177,33 +177,36 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     return LinearGaussianChain(m0, P0, A.to(locs), b, Q)
 
 
-def observation_rows(spec: ChainSpec, value: torch.Tensor, leaves) -> Tuple[torch.Tensor, ...]:
+def observation_rows(
+    spec: ChainSpec, value: torch.Tensor, leaves, create_graph: bool = False
+) -> Tuple[torch.Tensor, ...]:
     """``(t_r, h_r)`` of ``eta = value`` (flattened) on the leaf trace: ``eta_r`` depends on
     ``x_{t_r}`` only, with gradient ``h_r``. Returns ``(time_index (R,), H (R, d))``, or
-    raises ``ValueError`` when an element depends on two steps."""
+    raises ``ValueError`` when an element depends on two steps. With ``create_graph``, ``H``
+    keeps its graph to learnable parameters (an observation coefficient ``h(theta)``)."""
     flat = value.reshape(-1)
     R, d, T = flat.numel(), spec.state_dim, spec.length
     if not spec.ssm:
         (touched,) = [n for n in spec.names if depends(flat, leaves[n])]
         t = spec.names.index(touched)
-        H = probes.jacobian(flat, leaves[touched]).reshape(R, d)
+        H = probes.jacobian(flat, leaves[touched], create_graph=create_graph).reshape(R, d)
         return torch.full((R,), t, dtype=torch.long, device=flat.device), H
     x = leaves[spec.names[0]]
     u = torch.zeros_like(flat, requires_grad=True)
     (vjp,) = torch.autograd.grad(flat, x, u, create_graph=True)
 
-    def jvp(dx):
-        (out,) = torch.autograd.grad((vjp * dx).sum(), u, retain_graph=True)
-        return out.detach()
+    def jvp(dx, graph=False):
+        (out,) = torch.autograd.grad((vjp * dx).sum(), u, retain_graph=True, create_graph=graph)
+        return out if graph else out.detach()
 
-    H = torch.stack([jvp(_component(x, k)) for k in range(d)], -1)  # (R, d)
+    H = torch.stack([jvp(_component(x, k), create_graph) for k in range(d)], -1)  # (R, d)
     weights = torch.rand(d, generator=torch.Generator().manual_seed(3), dtype=x.dtype).to(x) + 0.5
     steps = torch.arange(1, T + 1, dtype=x.dtype, device=x.device)[:, None] * weights
     denom = H @ weights
     ratio = jvp(steps) / torch.where(denom == 0, torch.ones_like(denom), denom)
     t = torch.where(denom == 0, torch.zeros_like(ratio), ratio - 1).round().long().clamp(0, T - 1)
     check = torch.randn(T, d, generator=torch.Generator().manual_seed(5), dtype=x.dtype).to(x)
-    if not probes.close(jvp(check), (H * check[t]).sum(-1), probes.rtol(x.dtype)):
+    if not probes.close(jvp(check), (H.detach() * check[t]).sum(-1), probes.rtol(x.dtype)):
         raise ValueError("an element depends on more than one step")
     return t, H
 
@@ -228,7 +231,8 @@ def confirm_affine(spec, rows, eta_at, eta_moved, dx) -> bool:
 
 def observation_factor(site: str, spec: ChainSpec, base, trace, leaves, moved, dx):
     """An observation of a chain: its linked parameter must be affine in one step's state per
-    element, its other parameters free of the states. Returns ``(param name, (t, H), why)``."""
+    element, its other parameters free of the states. Returns ``(param name, (t, H), why,
+    dynamic)``; ``dynamic``: ``H`` depends on learnable parameters (recomputed every step)."""
     linked = linear_param(base)
     kind_name = type(base).__name__
     advice = "an observation of a Markov chain needs a registered likelihood whose"
@@ -245,8 +249,11 @@ def observation_factor(site: str, spec: ChainSpec, base, trace, leaves, moved, d
             rows = observation_rows(spec, value, leaves)
         except ValueError as e:
             raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step") from e
+        params = [s["value"] for s in trace.nodes.values() if s["type"] == "param"]
+        dynamic = probes.depends_on_params(value, zs, params)
     eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
     if not confirm_affine(spec, rows, value.detach(), eta_moved, dx):
         raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")
     link = "log(rate)" if name == "rate" else name
-    return name, rows, f"{kind_name} {link} = h' x_t + c (probed); {rows[0].numel()} sites"
+    why = f"{kind_name} {link} = h' x_t + c (probed); {rows[0].numel()} sites"
+    return name, (rows[0], rows[1].detach()), why, dynamic

@@ -14,7 +14,8 @@ Garcia-Fernandez 2021, with a log-normaliser carried along): O(T d^3) work, O(lo
 Its gradients are the smoothed marginals (the exponential-family identity ``dlogZ/d lambda =
 mu``): ``E[x_t] = dlogZ/d eta_t`` and ``E[x_t x_t'] = -2 dlogZ/d J_t``; one backward pass is
 the RTS smoother. With the sites fixed, ``d log Z / d theta = E_q[d log p_theta(x) / d theta]``
-(Fisher's identity): the hyperparameter gradient of ``-KL(q || p_theta)`` at fixed q.
+(Fisher's identity). ``smooth(..., keep_graph=True)`` keeps the graph of the marginals too (the
+backward pass with ``create_graph``), for the derivative of the whole ELBO at fixed sites.
 """
 
 from __future__ import annotations
@@ -281,24 +282,32 @@ def smooth(
 ) -> Marginals:
     """Forward reduction + one backward pass (the RTS smoother as the gradient of log Z).
 
-    With ``keep_graph``, the returned ``log_z`` keeps its graph to the chain's tensors (for
-    hyperparameter gradients); the marginals are always detached.
+    With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
+    and to ``eta`` and ``J`` (the marginals by a differentiable backward pass): ``q`` is then
+    differentiable in the model's parameters at fixed sites. Without, nothing has a graph.
     """
     with torch.enable_grad():
-        e = eta.detach().clone().requires_grad_(True)
-        Jl = J.detach().clone().requires_grad_(True)
+        e, Jl = (_input(t, keep_graph) for t in (eta, J))
         ch = chain if keep_graph else chain.detach()
         log_z = log_normalizer(ch, e, Jl)
         if not bool(torch.isfinite(log_z)):
             raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-        g_e, g_J = torch.autograd.grad(log_z, (e, Jl), retain_graph=keep_graph)
-    mean = g_e.detach()
-    second = -(g_J + g_J.transpose(-1, -2)).detach()  # E[x x'] (symmetrised)
+        g_e, g_J = torch.autograd.grad(
+            log_z, (e, Jl), retain_graph=keep_graph, create_graph=keep_graph
+        )
+    mean = g_e if keep_graph else g_e.detach()
+    second = -(g_J + g_J.transpose(-1, -2))  # E[x x'] (symmetrised)
+    second = second if keep_graph else second.detach()
     cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
     diag = cov.diagonal(dim1=-2, dim2=-1)
     if not bool(torch.isfinite(cov).all()) or bool((diag <= 0).any()):
         raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
     return Marginals(mean, cov, log_z if keep_graph else log_z.detach())
+
+
+def _input(t: torch.Tensor, keep_graph: bool) -> torch.Tensor:
+    """``t`` itself when its graph is kept (autograd differentiates at it), else a new leaf."""
+    return t if keep_graph and t.requires_grad else t.detach().clone().requires_grad_(True)
 
 
 def _tmv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
