@@ -19,8 +19,9 @@ kernel, or a minibatch, is accepted as is; minibatches follow the Robbins-Monro 
 **Estimator.** ``method=None`` picks ``"cubature"`` at K = 2 (exact Gauss-Hermite in the logit
 difference) and ``"mc"`` for K >= 3: the 2(K-1)-point third-order rule puts its points at
 ``+-sqrt(K-1)`` standard deviations, far into the tails when latent variances are large, and
-on digits (K = 10, M = 100) its own -ELBO is 40 nats above the truth and its fixed point 6.8
-nats (1.3%) worse than Monte Carlo's under a 4,000-draw evaluator (518.5 vs 511.7). The Monte
+on digits (K = 10, M = 100) its own -ELBO is 40 nats above the truth and its fixed point 6.4
+nats (1.25%) worse than Monte Carlo's under a common Monte Carlo evaluator (518.1 vs 511.7;
+``scripts/benchmark_multiclass.py --parts B``). The Monte
 Carlo estimator uses common random numbers: the generator is re-seeded to ``seed`` at every
 step, so the estimate is a deterministic function of q (a sample-average approximation) and
 the guard compares like with like.
