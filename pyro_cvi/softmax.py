@@ -152,15 +152,18 @@ def _monte_carlo(mean, cov, num_samples, generator):
     eps = torch.randn((half,) + mean.shape, dtype=mean.dtype, generator=generator)
     eps = eps.to(mean.device)
     Q, L = _contrast_sqrt(mean, cov)
-    d = (L.unsqueeze(0) @ eps[..., : mean.shape[-1] - 1].unsqueeze(-1)).squeeze(-1) @ Q.mT
+    # L eps as a broadcast product and sum, not [S, N] tiny matmuls (10x faster on the CPU)
+    d = (L.unsqueeze(0) * eps[..., : mean.shape[-1] - 1].unsqueeze(-2)).sum(-1) @ Q.mT
     d = torch.cat([d, -d], 0)  # antithetic pairs
     m = mean.detach()
     p0, lse0 = m.softmax(-1), m.logsumexp(-1)
     H0 = _hess(p0)
     eta = mean + d
-    # value: E[taylor_2] in closed form + the Monte Carlo mean of (lse - taylor_2)
-    quad = 0.5 * (d.unsqueeze(-2) @ H0 @ d.unsqueeze(-1))[..., 0, 0]
-    resid = (eta.logsumexp(-1) - lse0 - (d * p0).sum(-1) - quad).mean(0)
+    # value: E[taylor_2] in closed form + the Monte Carlo mean of (lse - taylor_2), with
+    # d^T H(m) d = sum_k p_k d_k^2 - (p^T d)^2
+    dp = (d * p0).sum(-1)
+    quad = 0.5 * ((d * d * p0).sum(-1) - dp * dp)
+    resid = (eta.logsumexp(-1) - lse0 - dp - quad).mean(0)
     value = lse0 + 0.5 * (H0 * cov).sum((-2, -1)) + resid
     p = eta.detach().softmax(-1)
     pbar = p.mean(0)  # E[H] = diag(E p) - E[p p^T], without an [S, ..., K, K] intermediate

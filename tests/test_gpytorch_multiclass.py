@@ -44,8 +44,9 @@ class GP(gpytorch.models.ApproximateGP):
 
 
 def _cvi(model, X, y, steps=15, beta=1.0, lik=None):
+    # the deterministic cubature and a fixed step: the exactness tests compare fixed points
     lik = lik or CategoricalLogitsLikelihood(K)
-    opt = MultiClassCVIOptimizer(model, lik, beta)
+    opt = MultiClassCVIOptimizer(model, lik, beta, method="cubature", adaptive=False)
     losses = [float(opt.step(X, y)) for _ in range(steps)]
     return opt, losses
 
@@ -158,3 +159,107 @@ def test_hybrid_learning_and_prediction(likelihood):
     if likelihood == "categorical":
         mean, cov = f.mean, f.lazy_covariance_matrix.base_linear_op.to_dense()
         assert torch.allclose(probs, lse_expectations(mean, cov).grad)
+
+
+def _digits_gp(N=120, M=20):
+    # digits, K = 10, outputscale 10: latent variances ~5-8, where beta = 1 overshoots
+    from sklearn.datasets import load_digits
+
+    Xn, yn = load_digits(return_X_y=True)
+    X, y = torch.tensor(Xn[:N] / 16.0, dtype=F64), torch.tensor(yn[:N])
+
+    class DigitsGP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            super().__init__(MultiClassCVIStrategy(self, X[:M].clone(), N, 10, train_inputs=X))
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+            self.covar_module.base_kernel.lengthscale = 2.0
+            self.covar_module.outputscale = 10.0
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    return DigitsGP, X, y
+
+
+def test_step_one_is_guarded_and_converges():
+    pytest.importorskip("sklearn")
+    DigitsGP, X, y = _digits_gp()
+    lik = CategoricalLogitsLikelihood(10)
+
+    def run(steps, **kw):
+        opt = MultiClassCVIOptimizer(DigitsGP(), lik, method="cubature", **kw)
+        return opt, [float(opt.step(X, y)) for _ in range(steps)]
+
+    _, slow = run(35, step_size=0.4, adaptive=False)  # the converged value (186.93)
+    assert abs(slow[-1] - slow[-2]) < 1e-4
+    _, wild = run(15, step_size=1.0, adaptive=False)  # the undamped iteration: a 2-cycle
+    assert min(wild[-4:]) > 10 * slow[-1]
+    opt, guarded = run(12, step_size=1.0)
+    assert all(torch.isfinite(torch.tensor(guarded)))
+    assert all(b <= a + 1e-9 * abs(a) for a, b in zip(guarded, guarded[1:]))  # monotone
+    # the cubature's E[H] is not exactly the S-derivative of its value: the monotone guard may
+    # stop a little below the fixed point of the iteration (measured: 2e-3 nat)
+    assert abs(guarded[-1] - slow[-1]) < 1e-2
+    assert opt.num_backtracks >= 1
+    # the default estimator (Monte Carlo, common random numbers) at step 1.0, guarded, too
+    opt = MultiClassCVIOptimizer(DigitsGP(), lik, step_size=1.0)
+    losses = [float(opt.step(X, y)) for _ in range(12)]
+    assert all(b <= a + 1e-9 * abs(a) for a, b in zip(losses, losses[1:]))
+    assert abs(losses[-1] - losses[-2]) < 1e-2
+
+
+def _brute_force_fixed_point(model, X, y, steps=20, beta=0.7, P=14):
+    """CVI with the moments of a P^3-point tensor-product Gauss-Hermite rule (the reference)."""
+    from test_softmax import brute_lse
+
+    from pyro_cvi.softmax import LSEMoments, site_targets
+
+    s = model.variational_strategy
+    Y = torch.nn.functional.one_hot(y, K).to(F64)
+    ones = torch.ones(y.shape[0], dtype=F64)
+    for _ in range(steps):
+        m, S = s.site_marginals()
+        _, lam1, lam2 = site_targets(Y, ones, ones, m, LSEMoments(*brute_lse(m, S, P)))
+        s.set_sites(
+            s.site_lam1 + beta * (lam1 - s.site_lam1), s.site_lam2 + beta * (lam2 - s.site_lam2)
+        )
+
+
+def _brute_force_neg_elbo(model, y, P=14):
+    from test_softmax import brute_lse
+
+    s = model.variational_strategy
+    m, S = s.site_marginals()
+    value = brute_lse(m, S, P)[0]
+    with torch.no_grad():
+        kl = float(s.kl_divergence())
+    return kl - float((m.gather(-1, y[:, None]).squeeze(-1) - value).sum()), m
+
+
+def test_default_estimator_reaches_the_brute_force_fixed_point():
+    # large latent variances (outputscale 20, up to ~12): the default Monte Carlo estimator
+    # (common random numbers) lands on the brute-force optimum; the 5-point cubature does not
+    X, y = _data(N=40, seed=1)
+
+    def gp():
+        model = GP(X[::4].clone(), 40, train_inputs=X, batch=True)
+        with torch.no_grad():
+            model.covar_module.outputscale = torch.full((K,), 20.0, dtype=F64)
+        return model
+
+    ref = gp()
+    _brute_force_fixed_point(ref, X, y)
+    best, m_ref = _brute_force_neg_elbo(ref, y)
+    gaps, errs = {}, {}
+    for method in (None, "cubature"):
+        model = gp()
+        opt = MultiClassCVIOptimizer(model, CategoricalLogitsLikelihood(K), method=method)
+        for _ in range(25):
+            opt.step(X, y)
+        value, m = _brute_force_neg_elbo(model, y)
+        gaps[method], errs[method] = value - best, float((m - m_ref).abs().max())
+    assert opt.method == "cubature" and -1e-6 < gaps[None] < 0.03 and errs[None] < 0.3
+    assert gaps["cubature"] > 5 * gaps[None] and errs["cubature"] > 2 * errs[None]

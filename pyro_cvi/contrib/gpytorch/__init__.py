@@ -101,11 +101,8 @@ from .likelihoods import (
     logistic_expected_log_prob,
     logistic_expected_prob,
 )
-from .multiclass import (
-    CategoricalLogitsLikelihood,
-    MultiClassCVIOptimizer,
-    MultiClassCVIStrategy,
-)
+from .multiclass import CategoricalLogitsLikelihood, MultiClassCVIStrategy
+from .multiclass_optim import MultiClassCVIOptimizer
 from .optim import CVIOptimizer
 from .posterior import FullSitePosterior, SparseSitePosterior
 from .strategy import CVISites, CVIVariationalStrategy

@@ -5,8 +5,8 @@
 (:class:`~pyro_cvi.contrib.gpytorch.multiclass_posterior.MultiClassSitePosterior`). Unlike
 GPflow / GPyTorch natural gradients, which step each latent function on its own, the sites
 carry the cross-class curvature ``E[diag(p) - p p^T]`` of the softmax.
-:class:`MultiClassCVIOptimizer` updates the sites with the expectations of
-:mod:`pyro_cvi.softmax` (eq. 13 in K dimensions). ``model(x)`` returns a
+:class:`~pyro_cvi.contrib.gpytorch.multiclass_optim.MultiClassCVIOptimizer` updates the sites
+with the expectations of :mod:`pyro_cvi.softmax` (eq. 13 in K dimensions). ``model(x)`` returns a
 ``MultitaskMultivariateNormal`` (``n x K``, interleaved) whose covariance is block diagonal:
 the K x K class covariance of each point; ``likelihood(model(x))`` predicts class
 probabilities with ``gpytorch.likelihoods.SoftmaxLikelihood(num_classes=K,
@@ -27,20 +27,19 @@ from typing import Any, Optional, Tuple
 
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal
-from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
+from gpytorch.likelihoods import Likelihood
 from gpytorch.models import ApproximateGP
 from gpytorch.variational import _VariationalDistribution
 from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import BlockDiagLinearOperator
 from torch import Tensor
 
-from pyro_cvi.softmax import lse_expectations, site_targets
+from pyro_cvi.softmax import lse_expectations
 
 from .multiclass_posterior import MultiClassSitePosterior
 
 __all__ = [
     "CategoricalLogitsLikelihood",
-    "MultiClassCVIOptimizer",
     "MultiClassCVISites",
     "MultiClassCVIStrategy",
 ]
@@ -182,7 +181,16 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         }
 
     def _key(self):
-        return [self._site_version] + [p.detach().clone() for p in self.model.parameters()]
+        return [self._site_version] + self.hyper_key()
+
+    def hyper_key(self) -> list:
+        """Copies of the hyperparameters (and inducing points): steps are comparable (and
+        backtracking applies) only while these are unchanged."""
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    @staticmethod
+    def hyper_keys_equal(a: list, b: list) -> bool:
+        return _keys_equal([0] + a, [0] + b)
 
     def posterior(self, force: bool = False) -> Tuple[MultiClassSitePosterior, dict]:
         """q from the current sites, cached while the sites and hyperparameters are unchanged
@@ -293,70 +301,3 @@ class CategoricalLogitsLikelihood(Likelihood):
         mean, cov = class_blocks(function_dist)
         probs = lse_expectations(mean.detach(), cov.detach(), self.method).grad
         return torch.distributions.Categorical(probs=probs)
-
-
-class MultiClassCVIOptimizer:
-    """CVI steps on the coupled sites of a :class:`MultiClassCVIStrategy` (eq. 13 in K-D).
-
-    ``lam <- (1 - beta) lam + beta * target`` with the target ``(dF/dm - 2 lam2 m, dF/dS)`` of
-    :func:`pyro_cvi.softmax.site_targets`; the targets' ``lam2`` are negative semidefinite, so
-    every ``beta`` in (0, 1] keeps every site (and q) valid.
-
-    :param likelihood: ``SoftmaxLikelihood(mixing_weights=False)`` or
-        :class:`CategoricalLogitsLikelihood` (the site expectations use ``method`` either way).
-    :param method: ``"cubature"`` (default), ``"mc"`` or ``"bound"``.
-    """
-
-    def __init__(
-        self,
-        model: ApproximateGP,
-        likelihood: Likelihood,
-        step_size: float = 1.0,
-        method: str = "cubature",
-        num_samples: int = 100,
-    ):
-        strategy = getattr(model, "variational_strategy", None)
-        if not isinstance(strategy, MultiClassCVIStrategy):
-            raise TypeError("MultiClassCVIOptimizer needs a MultiClassCVIStrategy model.")
-        if isinstance(likelihood, SoftmaxLikelihood) and likelihood.mixing_weights is not None:
-            raise ValueError(
-                "SoftmaxLikelihood with mixing weights is not a softmax of the K GPs: use "
-                "SoftmaxLikelihood(num_classes=K, mixing_weights=False)."
-            )
-        if not isinstance(likelihood, (SoftmaxLikelihood, CategoricalLogitsLikelihood)):
-            raise TypeError(
-                "use SoftmaxLikelihood(mixing_weights=False) or CategoricalLogitsLikelihood"
-            )
-        if not 0.0 < float(step_size) <= 1.0:
-            raise ValueError(f"step_size must be in (0, 1], got {step_size}")
-        self.model, self.likelihood, self.strategy = model, likelihood, strategy
-        self.step_size, self.method, self.num_samples = float(step_size), method, num_samples
-        self.num_steps = 0
-
-    def step(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None) -> Tensor:
-        """Update the sites of the points ``x`` (all, or the minibatch ``indices``); returns the
-        -ELBO (nats, summed over the data; a minibatch: the unbiased ``N/B`` estimate) of q
-        before the update."""
-        s = self.strategy
-        ref = s.inducing_points if s.is_full else s.site_inputs
-        ref = ref if indices is None else ref[indices]
-        if ref.shape != x.shape or not torch.equal(ref, x.to(ref)):
-            raise ValueError(
-                "x does not match the training inputs that carry the CVI sites (in order): pass "
-                "the full training inputs, or a minibatch together with its indices."
-            )
-        mean, cov = s.site_marginals(indices)
-        mom = lse_expectations(mean, cov, self.method, num_samples=self.num_samples)
-        Y = torch.nn.functional.one_hot(y.long().to(mean.device), s.num_classes).to(mean)
-        ones = torch.ones_like(mean[..., 0])
-        F, lam1, lam2 = site_targets(Y, ones, ones, mean, mom)
-        if not (torch.isfinite(lam1).all() and torch.isfinite(lam2).all()):
-            raise FloatingPointError("non-finite CVI targets: use float64 or check the labels.")
-        with torch.no_grad():
-            loss = s.kl_divergence() - F.sum() * (s.num_data / mean.shape[0])
-        b = self.step_size
-        old1 = s.site_lam1 if indices is None else s.site_lam1[indices]
-        old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
-        s.set_sites(old1 + b * (lam1 - old1), old2 + b * (lam2 - old2), indices)
-        self.num_steps += 1
-        return loss.detach()

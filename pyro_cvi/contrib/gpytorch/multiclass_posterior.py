@@ -32,14 +32,24 @@ from .posterior import safe_cholesky
 __all__ = ["MultiClassSitePosterior"]
 
 
+def _pairs(K: int, device) -> Tuple[Tensor, Tensor]:
+    """The class pairs ``k <= l`` (both blocks are symmetric in the pair: half the work)."""
+    iu = torch.triu_indices(K, K, device=device)
+    return iu[0], iu[1]
+
+
 def _coupled_gram(Phi: Tensor, W: Tensor, chunk: int = 1024) -> Tensor:
-    """``sum_n Phi_n^T W_n Phi_n`` as ``[K, M, K, M]``: for each class pair ``(k, l)`` the
-    matrix product ``Phi_k diag(W_:kl) Phi_l^T``, batched, in chunks of the data."""
+    """``sum_n Phi_n^T W_n Phi_n`` as ``[K, M, K, M]``: for each class pair ``k <= l`` the
+    matrix product ``Phi_k diag(W_:kl) Phi_l^T`` (block ``(l, k)`` is its transpose), batched
+    over the pairs, in chunks of the data."""
     K, M, N = Phi.shape
-    out = Phi.new_zeros(K, K, M, M)
+    a, b = _pairs(K, Phi.device)
+    G = Phi.new_zeros(a.shape[0], M, M)
     for s in range(0, N, chunk):
-        ph, w = Phi[..., s : s + chunk], W[s : s + chunk].permute(1, 2, 0)  # [K, K, c]
-        out = out + (ph.unsqueeze(1) * w.unsqueeze(2)) @ ph.mT.unsqueeze(0)
+        ph, w = Phi[..., s : s + chunk], W[s : s + chunk, a, b].mT  # w: [pairs, c]
+        G = G + (ph[a] * w.unsqueeze(1)) @ ph[b].mT
+    out = Phi.new_zeros(K, K, M, M)
+    out = out.index_put((a, b), G).index_put((b, a), G.mT)
     return out.permute(0, 2, 1, 3)
 
 
@@ -87,12 +97,18 @@ class MultiClassSitePosterior:
         ``O(n K^2 M^2)``, in chunks of ``n``."""
         mean = prior_mean_x.mT + torch.einsum("kin,ki->nk", Phi_x, self.m_v)
         S_v = self.S_v()
+        K = self.K
+        a, b = _pairs(K, Phi_x.device)
+        S_ab = S_v[a, :, b, :]  # [pairs, M, M]
+        E = Phi_x.new_zeros(a.shape[0], K * K)  # pair -> entries (k, l) and (l, k)
+        E[torch.arange(a.shape[0]), a * K + b] = 1.0
+        E[torch.arange(a.shape[0]), b * K + a] = 1.0
         covs = []
         for s in range(0, Phi_x.shape[-1], chunk):
             ph = Phi_x[..., s : s + chunk]  # [K, M, c]
-            B = S_v.permute(0, 2, 1, 3) @ ph.unsqueeze(0)  # [K, K, M, c] (batched matmuls)
-            covs.append((ph.unsqueeze(1) * B).sum(-2).permute(2, 0, 1))
-        cov = torch.cat(covs, 0) if covs else mean.new_zeros(0, self.K, self.K)
+            v = (ph[a] * (S_ab @ ph[b])).sum(-2).mT  # [c, pairs] (batched matmuls)
+            covs.append((v @ E).reshape(-1, K, K))
+        cov = torch.cat(covs, 0) if covs else mean.new_zeros(0, K, K)
         prior_part = kxx_diag - Phi_x.pow(2).sum(-2)  # [K, n]
         cov = cov + torch.diag_embed(prior_part.mT.clamp_min(0))
         return mean, cov
@@ -100,10 +116,9 @@ class MultiClassSitePosterior:
     def kl(self) -> Tensor:
         """``KL[q(v) || N(0, I)] = KL[q(u) || p(u)]`` in closed form."""
         D = self.L_P.shape[-1]
-        eye = torch.eye(D, dtype=self.L_P.dtype, device=self.L_P.device)
-        Linv = torch.linalg.solve_triangular(self.L_P, eye, upper=False)
+        trace = self.S_v().reshape(D, D).diagonal().sum()  # tr P^-1 (S_v serves predict too)
         logdet = 2.0 * self.L_P.diagonal().log().sum()
-        return 0.5 * (Linv.pow(2).sum() + self.m_v.pow(2).sum() - D + logdet)
+        return 0.5 * (trace + self.m_v.pow(2).sum() - D + logdet)
 
     def q_u(self, prior_mean_Z: Tensor) -> Tuple[Tensor, Tensor]:
         """Mean ``[K, M]`` and joint covariance ``[K M, K M]`` of ``u`` (classes coupled)."""
