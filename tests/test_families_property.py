@@ -12,7 +12,7 @@ import math
 import os
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pyro_cvi.families import Bernoulli, Beta, Categorical, Dirichlet, Gamma, Gaussian
@@ -194,12 +194,14 @@ def test_bernoulli_round_trips(dtype, logits):
 
 @settings(**SETTINGS)
 @given(dtype=dtypes, logits=st.lists(st.floats(-20, 20), min_size=2, max_size=6))
+@example(dtype=torch.float64, logits=[15.0, -17.0, -16.5])  # round-off of the re-centring
 def test_categorical_round_trips(dtype, logits):
     k = len(logits)
     fam = Categorical(k)
     full = torch.tensor(logits, dtype=torch.float64)
     eta = (full[:-1] - full[-1]).to(dtype)
-    assert_nat_dist_nat(fam, (eta,), 8 * eps(dtype))
+    # logits are re-centred by the largest one: round-off scales with max |eta|, not each |eta_k|
+    assert_nat_dist_nat(fam, (eta,), 8 * eps(dtype) * (1 + float(eta.abs().max())))
     (p,) = fam.natural_to_mean((eta,))
     (eta2,) = fam.mean_to_natural((p,))
     assert bool(torch.isfinite(eta2).all())
