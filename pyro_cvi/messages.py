@@ -162,6 +162,18 @@ def linear_predictor_value(
     return expected_log_prob(log_prob, mean, f_var.reshape(eta_now.shape), num_points).sum()
 
 
+def warm_start_target(site, rows: RowBlock, f_mean: torch.Tensor, num_points: int = 20):
+    """Site targets of a linear-predictor factor at a near point mass (variance ``1e-4``) at
+    ``f_mean``: the warm start of its sites (``lam2 <= 0``; ``lam1 = 0`` where ``lam2 = 0``),
+    or ``None`` when they are not finite."""
+    var = torch.full_like(f_mean, 1e-4)
+    with torch.enable_grad():
+        _, target = linear_predictor_message(site, rows, f_mean, var, num_points, None)
+    target[:, 1] = target[:, 1].clamp(max=0.0)
+    target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
+    return target if bool(torch.isfinite(target).all()) else None
+
+
 def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int, on_samples=None):
     """Bonnet/Price estimate of ``grad_mu E_q[f(z)]`` for a Gaussian ``q = N(loc, L L^T)``.
 

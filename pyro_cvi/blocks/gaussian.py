@@ -36,6 +36,7 @@ from ..messages import (
     general_gaussian_message,
     linear_predictor_message,
     linear_predictor_rows,
+    warm_start_target,
 )
 from ..probes import jacobian
 from ..softmax_sites import (
@@ -130,14 +131,8 @@ class GaussianBlock:
             p = sites[f.site]
             rows = linear_predictor_rows(trace.nodes[f.site], f, self.z_at, p.detach())
             f_mean = f.jacobian @ m0
-            var = torch.full_like(f_mean, 1e-4)
-            with torch.enable_grad():
-                _, target = linear_predictor_message(
-                    trace.nodes[f.site], rows, f_mean, var, num_quad_points, None
-                )
-            target[:, 1] = target[:, 1].clamp(max=0.0)
-            target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
-            if bool(torch.isfinite(target).all()):
+            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points)
+            if target is not None:
                 p.data.copy_(target)
         for f in self.softmax:  # the same step, K-variate: variance 1e-4 of logit differences
             r = softmax_rows(trace.nodes[f.site], f, self.z_at)

@@ -25,7 +25,12 @@ import torch
 
 from ..analysis import LINEAR, BlockSpec
 from ..context import Options, StepContext
-from ..messages import RowBlock, linear_predictor_message, linear_predictor_value
+from ..messages import (
+    RowBlock,
+    linear_predictor_message,
+    linear_predictor_value,
+    warm_start_target,
+)
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
@@ -112,14 +117,8 @@ class MarkovBlock:
             p = sites[f.site]
             rows = self._rows(trace.nodes[f.site], f, p.detach())
             f_mean = (f.jacobian * m0[f.time_index]).sum(-1)
-            var = torch.full_like(f_mean, 1e-4)
-            with torch.enable_grad():
-                _, target = linear_predictor_message(
-                    trace.nodes[f.site], rows, f_mean, var, num_quad_points, None
-                )
-            target[:, 1] = target[:, 1].clamp(max=0.0)
-            target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
-            if bool(torch.isfinite(target).all()):
+            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points)
+            if target is not None:
                 p.data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation
