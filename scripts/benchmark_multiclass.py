@@ -829,8 +829,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--adam-budget", type=float, help="CPU seconds per Adam run (part A)")
     ap.add_argument("--gp-budget", type=float, help="CPU seconds per baseline run (part B)")
     ap.add_argument("--report-from", help="part B: re-render the JSON of a finished run")
-    ap.add_argument("--ngd-lrs", default="0.1,0.25,0.5", help="part B: NGD learning rates")
-    ap.add_argument("--chol-lrs", default="0.01,0.03", help="part B: Adam lrs (Cholesky q)")
+    ap.add_argument("--ngd-lrs", help="part B: NGD learning rates (0.1,0.25,0.5)")
+    ap.add_argument("--chol-lrs", help="part B: Adam lrs, Cholesky q (0.01,0.03)")
     args = ap.parse_args(argv)
     torch.set_default_dtype(F64)
     torch.set_num_threads(1)
@@ -844,12 +844,15 @@ def main(argv=None) -> dict:
     args.M = 50 if args.quick else 100
     args.gp_iters = 8 if args.quick else 15
     args.gp_every = 10
-    args.ngd_lrs = [float(v) for v in args.ngd_lrs.split(",") if v]
-    args.chol_lrs = [float(v) for v in args.chol_lrs.split(",") if v]
+    # --quick: one learning rate each (the full run's best), smaller budgets
+    ngd_lrs = args.ngd_lrs or ("0.25" if args.quick else "0.1,0.25,0.5")
+    chol_lrs = args.chol_lrs or ("0.03" if args.quick else "0.01,0.03")
+    args.ngd_lrs = [float(v) for v in ngd_lrs.split(",") if v]
+    args.chol_lrs = [float(v) for v in chol_lrs.split(",") if v]
     args.scale_iters = 3
     args.scale_n = 5000 if args.quick else 20000  # the N; --quick: a smaller run
     args.adam_budget = args.adam_budget or (8.0 if args.quick else 30.0)
-    args.gp_budget = args.gp_budget or (8.0 if args.quick else 45.0)
+    args.gp_budget = args.gp_budget or (5.0 if args.quick else 45.0)
     res = {"quick": args.quick, "threads": torch.get_num_threads()}
     verdicts = []
     if args.merge_a:
