@@ -37,6 +37,7 @@ from torch import Tensor
 from pyro_cvi.softmax import lse_expectations
 
 from .multiclass_posterior import MultiClassSitePosterior
+from .site_store import keys_equal, write_sites
 
 __all__ = [
     "CategoricalLogitsLikelihood",
@@ -128,18 +129,13 @@ class MultiClassCVIStrategy(_VariationalStrategy):
 
     def set_sites(self, lam1: Tensor, lam2: Tensor, indices: Optional[Tensor] = None) -> None:
         """Overwrite the sites (all, or those at ``indices``); ``lam2`` must be NSD and finite."""
-        if not (torch.isfinite(lam1).all() and torch.isfinite(lam2).all()):
-            raise FloatingPointError("refusing to store non-finite CVI site parameters.")
-        top = torch.linalg.eigvalsh(0.5 * (lam2 + lam2.mT)).amax()
-        if float(top) > 1e-8 * (1 + float(lam2.abs().amax())):
-            raise ValueError("site lam2 must be negative semidefinite (W = -2 lam2 >= 0).")
-        with torch.no_grad():
-            if indices is None:
-                self.site_lam1.copy_(lam1)
-                self.site_lam2.copy_(lam2)
-            else:
-                self.site_lam1[indices] = lam1.to(self.site_lam1)
-                self.site_lam2[indices] = lam2.to(self.site_lam2)
+
+        def nsd(lam2: Tensor) -> None:
+            top = torch.linalg.eigvalsh(0.5 * (lam2 + lam2.mT)).amax()
+            if float(top) > 1e-8 * (1 + float(lam2.abs().amax())):
+                raise ValueError("site lam2 must be negative semidefinite (W = -2 lam2 >= 0).")
+
+        write_sites((self.site_lam1, self.site_lam2), lam1, lam2, indices, check=nsd)
         self._site_version += 1
         self._cache = None
 
@@ -190,14 +186,14 @@ class MultiClassCVIStrategy(_VariationalStrategy):
 
     @staticmethod
     def hyper_keys_equal(a: list, b: list) -> bool:
-        return _keys_equal([0] + a, [0] + b)
+        return keys_equal([0] + a, [0] + b)
 
     def posterior(self, force: bool = False) -> Tuple[MultiClassSitePosterior, dict]:
         """q from the current sites, cached while the sites and hyperparameters are unchanged
         (a cached q with a graph serves the KL term of the same ELBO evaluation)."""
         key, c = self._key(), self._cache
         grad = torch.is_grad_enabled()
-        if not force and c is not None and (c[3] or not grad) and _keys_equal(c[0], key):
+        if not force and c is not None and (c[3] or not grad) and keys_equal(c[0], key):
             return c[1], c[2]
         b = self._blocks()
         post = MultiClassSitePosterior(
@@ -255,12 +251,6 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         if x.dim() != 2:
             raise NotImplementedError(f"expected inputs of shape n x D; got {tuple(x.shape)}")
         return self.forward(x, **kwargs)
-
-
-def _keys_equal(a, b) -> bool:
-    if len(a) != len(b) or a[0] != b[0]:
-        return False
-    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
 
 
 def class_blocks(f: MultitaskMultivariateNormal) -> Tuple[Tensor, Tensor]:

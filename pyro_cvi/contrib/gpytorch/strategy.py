@@ -30,6 +30,7 @@ from torch import Tensor
 from pyro_cvi.distributed import Reducer, as_reducer
 
 from .posterior import FullSitePosterior, SparseSitePosterior
+from .site_store import keys_equal, write_sites
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
@@ -195,15 +196,7 @@ class CVIVariationalStrategy(_VariationalStrategy):
         """Overwrite the sites (all of them, or those at ``indices``); ``lam2`` must be <= 0."""
         if torch.any(lam2 > 0):
             raise ValueError("site lam2 must be <= 0 (site precision W = -2 lam2 >= 0).")
-        if not (torch.isfinite(lam1).all() and torch.isfinite(lam2).all()):
-            raise FloatingPointError("refusing to store non-finite CVI site parameters.")
-        with torch.no_grad():
-            if indices is None:
-                self.site_lam1.copy_(lam1)
-                self.site_lam2.copy_(lam2)
-            else:
-                self.site_lam1[indices] = lam1.to(self.site_lam1)
-                self.site_lam2[indices] = lam2.to(self.site_lam2)
+        write_sites((self.site_lam1, self.site_lam2), lam1, lam2, indices)
         self._site_version += 1
         self._cache = None
 
@@ -262,16 +255,7 @@ class CVIVariationalStrategy(_VariationalStrategy):
         key.append(self.inducing_points.detach().clone())
         return key
 
-    @staticmethod
-    def keys_equal(a: List, b: List) -> bool:
-        if len(a) != len(b) or a[0] != b[0]:
-            return False
-        for x, y in zip(a[1:], b[1:]):
-            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-                return False
-            if not torch.equal(x, y):
-                return False
-        return True
+    keys_equal = staticmethod(keys_equal)
 
     @property
     def jitter(self) -> float:
