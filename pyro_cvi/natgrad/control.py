@@ -1,0 +1,73 @@
+"""The adaptive step size of natural-gradient steps on Pyro's Gaussian guides.
+
+The optimizer never sees the loss value (Pyro's ``SVI`` hands it parameters only), so the
+ELBO-based backtracking of :mod:`pyro_cvi.step_control` cannot run here. What it can see is the
+natural-gradient direction ``d_t`` of every step (whitened: dimensionless). Its signal-to-noise
+ratio decides the step:
+
+    r_t = |E d|^2 / E |d|^2     (exponential moving averages, rate ``rho``, bias-corrected)
+    b_t = min(start * grow^t, ceiling * clip(r_t, min_ratio, 1))
+
+The warm-up ``start * grow^t`` (0.1, 0.15, ... up to the ceiling within 6 steps) guards the
+first steps: a one-sample reparameterisation gradient of ``scale`` far from the optimum is
+dominated by ``(m - m_opt) eps`` terms, and a full step on it throws ``q`` far away. A
+direction that persists across steps (exact gradients, or far from the optimum) gives
+``r = 1`` and the full step (a fixed ``CVI(step_size=1.0)`` is the exact posterior in one step
+on a conjugate model with exact gradients). At the optimum, Monte Carlo noise alone makes ``d_t`` independent
+with mean zero, so ``r`` falls to about ``rho / (2 - rho)`` and the step shrinks to average
+the noise out, the role the decaying ceiling plays in :mod:`pyro_cvi.step_control`; it grows
+back as soon as a direction persists (new data, a moving hyperparameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["NoiseControl"]
+
+
+@dataclass
+class NoiseControl:
+    """The step-size state of one Gaussian of the guide."""
+
+    ceiling: float = 1.0
+    start: float = 0.1
+    grow: float = 1.5
+    rho: float = 0.1
+    min_ratio: float = 0.01
+    mean: Optional[torch.Tensor] = None
+    sq: float = 0.0
+    t: int = 0
+
+    def step_size(self) -> float:
+        """``b_t`` for the next step, from the directions seen so far."""
+        warm = min(self.ceiling, self.start * self.grow**self.t)
+        if self.t == 0 or self.mean is None:
+            return warm
+        c = 1.0 - (1.0 - self.rho) ** self.t
+        sq = self.sq / c
+        if not sq > 0:
+            return warm
+        ratio = float((self.mean / c).pow(2).sum()) / sq
+        return min(warm, self.ceiling * min(1.0, max(self.min_ratio, ratio)))
+
+    def observe(self, d: torch.Tensor) -> None:
+        """Record the whitened natural-gradient direction of the step just taken."""
+        d = d.detach().double()
+        if not bool(torch.isfinite(d).all()):
+            return
+        if self.mean is None or self.mean.shape != d.shape:
+            self.mean, self.sq, self.t = torch.zeros_like(d), 0.0, 0
+        self.t += 1
+        self.mean = (1.0 - self.rho) * self.mean + self.rho * d
+        self.sq = (1.0 - self.rho) * self.sq + self.rho * float(d.pow(2).sum())
+
+    def state(self) -> Dict:
+        return {"t": self.t, "sq": self.sq, "mean": self.mean, "ceiling": self.ceiling}
+
+    def load(self, state: Dict) -> None:
+        self.t, self.sq, self.mean = int(state["t"]), float(state["sq"]), state["mean"]
+        self.ceiling = float(state["ceiling"])
