@@ -13,10 +13,12 @@ first steps: a one-sample reparameterisation gradient of ``scale`` far from the 
 dominated by ``(m - m_opt) eps`` terms, and a full step on it throws ``q`` far away. A
 direction that persists across steps (exact gradients, or far from the optimum) gives
 ``r = 1`` and the full step (a fixed ``CVI(step_size=1.0)`` is the exact posterior in one step
-on a conjugate model with exact gradients). At the optimum, Monte Carlo noise alone makes ``d_t`` independent
-with mean zero, so ``r`` falls to about ``rho / (2 - rho)`` and the step shrinks to average
-the noise out, the role the decaying ceiling plays in :mod:`pyro_cvi.step_control`; it grows
-back as soon as a direction persists (new data, a moving hyperparameter).
+on a conjugate model with exact gradients). At the optimum, Monte Carlo noise alone makes
+``d_t`` independent with mean zero, so ``r`` falls to about ``rho / (2 - rho)`` and the step
+shrinks to average the noise out, the role the decaying ceiling plays in
+:mod:`pyro_cvi.step_control`; it grows back as soon as a direction persists (new data, a
+moving hyperparameter). Each step is also capped by a trust region (``max_rel`` in
+:mod:`pyro_cvi.natgrad.steps`).
 """
 
 from __future__ import annotations
