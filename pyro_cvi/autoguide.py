@@ -234,6 +234,7 @@ class AutoCVI(AutoGuide):
 
     # ------------------------------------------------------------------ the guide itself
     def forward(self, *args, **kwargs):
+        _refuse_inside_svi_step(self)
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         engine = self.engine
@@ -412,6 +413,23 @@ for _name in (
     "softmax",
 ):
     setattr(AutoCVI, _name, _option(_name))
+
+
+def _refuse_inside_svi_step(guide) -> None:
+    """``SVI.step`` runs its loss under ``poutine.trace(param_only=True)``; CVI_ELBO never runs
+    the guide, so a guide run there is a Pyro ELBO's (Trace_ELBO, TraceEnum_ELBO, ...), whose
+    gradients cannot reach AutoCVI's natural parameters: q would never change (issue 21)."""
+    from pyro.poutine.runtime import _PYRO_STACK
+    from pyro.poutine.trace_messenger import TraceMessenger
+
+    if any(isinstance(m, TraceMessenger) and m.param_only for m in _PYRO_STACK):
+        raise ValueError(
+            f"{type(guide).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
+            "TraceEnum_ELBO, ...): its q is computed by conjugate computations, not "
+            "differentiated, so it would never change. Use SVI(model, AutoCVI(model), CVI(), "
+            "loss=CVI_ELBO()); or, to keep a Pyro ELBO, a Gaussian guide such as "
+            "AutoMultivariateNormal or AutoNormal with CVI(), which steps it by natural gradients"
+        )
 
 
 def _marginal_std(q) -> torch.Tensor:
