@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _MAX_HALVINGS = 40
+_LOWRANK_MAX_MOVE = 5.0
 
 
 def diag_step(
@@ -219,8 +220,9 @@ def lowrank_step(
     ``F`` is singular along rotations ``W -> W Q`` (``W W^T`` is unchanged), while a
     reparameterised one-sample gradient is not rotation invariant: ``F + damping I``
     (Levenberg-Marquardt; ``F`` is O(1) here, ``F = 2 I`` in ``log s`` at ``W = 0``) keeps the
-    solve bounded. ``max_rel`` (the adaptive step only) caps ``b`` so that no ``log s`` or
-    ``W`` entry moves by more than ``max_rel`` in one step. Returns ``(m', s', W', d)``."""
+    solve bounded. ``max_rel`` (the adaptive step; 5 for a fixed one, where ``exp`` would
+    otherwise underflow ``s`` to 0 in float32) caps ``b`` so that no ``log s`` or ``W`` entry
+    moves by more than that in one step. Returns ``(m', s', W', d)``."""
     dtype = m.dtype
     m, s, W, gm, gs, gW = (t.double() for t in (m, s, W, gm, gs, gW))
     g_rho = gs * s
@@ -231,10 +233,10 @@ def lowrank_step(
 
     x_rho, x_W = _cg(mv, (g_rho, gW), cg_iters, 1e-8)
     b = float(beta)
-    if max_rel is not None:
-        big = max(float(x_rho.abs().max()), float(x_W.abs().max()) if x_W.numel() else 0.0)
-        if big * b > max_rel:
-            b = max_rel / big
+    cap = _LOWRANK_MAX_MOVE if max_rel is None else max_rel
+    big = max(float(x_rho.abs().max()), float(x_W.abs().max()) if x_W.numel() else 0.0)
+    if big * b > cap:
+        b = cap / big
     s_new = s * torch.exp(-b * x_rho)
     W_new = W - b * x_W
     # S' dl/dm = s' * ((I + W' W'^T) (s' * dl/dm)), O(D r)
