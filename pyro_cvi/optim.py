@@ -98,6 +98,8 @@ class CVI(PyroOptim):
         the last engine stepped, before its minibatch decay)."""
         if self.auto:
             betas = [e.control.beta for e in self._live() if e.control is not None]
+            if not betas and self.gaussians.controls:
+                return float(list(self.gaussians.controls.values())[-1].step_size())
             return float(betas[-1]) if betas else self.max_step_size
         return float(self.schedule(self.t + 1))
 
@@ -144,7 +146,7 @@ class CVI(PyroOptim):
                 )
             for engine in engines.values():
                 engine.step(beta)
-            self.gaussians.step(groups, lambda control: beta)
+            self.gaussians.step(groups, lambda control: (beta, None))
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
             reducer.reduce_grads(others)
@@ -177,9 +179,9 @@ class CVI(PyroOptim):
 
 
 def _ceiling(max_beta: float):
-    def beta_of(control) -> float:
+    def beta_of(control) -> Tuple[float, float]:
         control.ceiling = max_beta
-        return control.step_size()
+        return control.step_sizes()
 
     return beta_of
 

@@ -8,6 +8,8 @@ ratio decides the step:
     r_t = |E d|^2 / E |d|^2     (exponential moving averages, rate ``rho``, bias-corrected)
     b_t = min(start * grow^t, ceiling * clip(r_t, min_ratio, 1))
 
+once for the precision's direction and once for the mean's (each its own ``b``).
+
 The warm-up ``start * grow^t`` (0.1, 0.15, ... up to the ceiling within 6 steps) guards the
 first steps: a one-sample reparameterisation gradient of ``scale`` far from the optimum is
 dominated by ``(m - m_opt) eps`` terms, and a full step on it throws ``q`` far away. A
@@ -23,8 +25,8 @@ moving hyperparameter). Each step is also capped by a trust region (``max_rel`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -32,33 +34,16 @@ __all__ = ["NoiseControl"]
 
 
 @dataclass
-class NoiseControl:
-    """The step-size state of one Gaussian of the guide."""
+class _Ratio:
+    """Bias-corrected exponential moving averages of a direction and of its squared norm."""
 
-    ceiling: float = 1.0
-    start: float = 0.1
-    grow: float = 1.5
     rho: float = 0.1
-    min_ratio: float = 0.01
     mean: Optional[torch.Tensor] = None
     sq: float = 0.0
     t: int = 0
 
-    def step_size(self) -> float:
-        """``b_t`` for the next step, from the directions seen so far."""
-        warm = min(self.ceiling, self.start * self.grow**self.t)
-        if self.t == 0 or self.mean is None:
-            return warm
-        c = 1.0 - (1.0 - self.rho) ** self.t
-        sq = self.sq / c
-        if not sq > 0:
-            return warm
-        ratio = float((self.mean / c).pow(2).sum()) / sq
-        return min(warm, self.ceiling * min(1.0, max(self.min_ratio, ratio)))
-
     def observe(self, d: torch.Tensor) -> None:
-        """Record the whitened natural-gradient direction of the step just taken."""
-        d = d.detach().double()
+        d = d.detach().double().reshape(-1)
         if not bool(torch.isfinite(d).all()):
             return
         if self.mean is None or self.mean.shape != d.shape:
@@ -67,9 +52,55 @@ class NoiseControl:
         self.mean = (1.0 - self.rho) * self.mean + self.rho * d
         self.sq = (1.0 - self.rho) * self.sq + self.rho * float(d.pow(2).sum())
 
+    def ratio(self) -> float:
+        if self.t == 0 or self.mean is None:
+            return 1.0
+        c = 1.0 - (1.0 - self.rho) ** self.t
+        if not self.sq > 0:
+            return 1.0
+        return float((self.mean / c).pow(2).sum()) / (self.sq / c)
+
+
+@dataclass
+class NoiseControl:
+    """The step-size state of one Gaussian of the guide: one ratio for the precision's
+    direction, one for the mean's (the mean gets its own step, see
+    :func:`pyro_cvi.natgrad.steps.diag_step`)."""
+
+    ceiling: float = 1.0
+    start: float = 0.1
+    grow: float = 1.5
+    min_ratio: float = 0.01
+    prec: _Ratio = field(default_factory=_Ratio)
+    mean: _Ratio = field(default_factory=_Ratio)
+    t: int = 0
+
+    def _size(self, r: _Ratio) -> float:
+        warm = min(self.ceiling, self.start * self.grow**self.t)
+        return min(warm, self.ceiling * min(1.0, max(self.min_ratio, r.ratio())))
+
+    def step_sizes(self) -> Tuple[float, float]:
+        """``(b for the precision, b for the mean)`` of the next step."""
+        return self._size(self.prec), self._size(self.mean)
+
+    def step_size(self) -> float:
+        return self.step_sizes()[0]
+
+    def observe(self, d: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Record the whitened directions ``(mean, precision)`` of the step just taken."""
+        self.t += 1
+        self.mean.observe(d[0])
+        self.prec.observe(d[1])
+
     def state(self) -> Dict:
-        return {"t": self.t, "sq": self.sq, "mean": self.mean, "ceiling": self.ceiling}
+        return {
+            "t": self.t,
+            "ceiling": self.ceiling,
+            "prec": (self.prec.mean, self.prec.sq, self.prec.t),
+            "mean": (self.mean.mean, self.mean.sq, self.mean.t),
+        }
 
     def load(self, state: Dict) -> None:
-        self.t, self.sq, self.mean = int(state["t"]), float(state["sq"]), state["mean"]
-        self.ceiling = float(state["ceiling"])
+        self.t, self.ceiling = int(state["t"]), float(state["ceiling"])
+        self.prec.mean, self.prec.sq, self.prec.t = state["prec"]
+        self.mean.mean, self.mean.sq, self.mean.t = state["mean"]

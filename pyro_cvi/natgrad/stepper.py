@@ -4,6 +4,7 @@ optimizer applies them (see :mod:`pyro_cvi.natgrad.steps` for the maths and
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import pyro
@@ -36,6 +37,7 @@ class GaussianStepper:
         self.retraction = form == "retraction"
         self.declared = dict(declared or {})
         self.controls: Dict[str, NoiseControl] = {}
+        self.skipped: set = set()  # Gaussians warned about (once each)
         self._cache: Tuple[object, List[GaussianGroup]] = (None, [])
 
     def split(
@@ -69,19 +71,32 @@ class GaussianStepper:
     def step(
         self,
         groups: List[GaussianGroup],
-        beta_of: Callable[[NoiseControl], float],
+        beta_of: Callable[[NoiseControl], Tuple[float, Optional[float]]],
         adaptive: bool = False,
     ) -> None:
-        """One step of every Gaussian in ``groups``; ``beta_of(control)`` gives its size.
+        """One step of every Gaussian in ``groups``; ``beta_of(control)`` gives its sizes
+        ``(b, b for the mean or None: the same)``.
         ``adaptive``: also cap each step by a trust region (see :func:`.steps.tril_step`)."""
         if not groups:
             return
         cons = pyro.get_param_store().get_state()["constraints"]
         for g in groups:
             control = self.controls.setdefault(g.label, NoiseControl())
-            beta = float(beta_of(control))
-            d = _STEPS[g.family](g.roles, cons, beta, self.retraction, 1.0 if adaptive else None)
-            control.observe(d)
+            beta, beta_mean = beta_of(control)
+            max_rel = 1.0 if adaptive else None
+            new, d = _STEPS[g.family](g.roles, cons, (beta, beta_mean), self.retraction, max_rel)
+            if all(bool(torch.isfinite(v).all()) for v in new.values()):
+                for name, value in new.items():
+                    write(name, value, cons)
+                control.observe(d)
+            elif g.label not in self.skipped:
+                self.skipped.add(g.label)
+                warnings.warn(
+                    f"CVI(): a natural-gradient step of the Gaussian {g.label!r} was not finite "
+                    "and was skipped (non-finite gradients from the loss?); q keeps its value",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def state(self) -> Dict:
         return {k: c.state() for k, c in self.controls.items()}
@@ -94,19 +109,15 @@ class GaussianStepper:
 def _diag(roles, cons, beta, retraction, max_rel):
     m, gm = read(roles["loc"], cons)
     s, gs = read(roles["scale"], cons)
-    m2, s2, d = diag_step(m, s, gm, gs, beta, retraction, max_rel)
-    write(roles["loc"], m2, cons)
-    write(roles["scale"], s2, cons)
-    return d
+    m2, s2, d = diag_step(m, s, gm, gs, beta[0], retraction, max_rel, beta[1])
+    return {roles["loc"]: m2, roles["scale"]: s2}, d
 
 
 def _tril(roles, cons, beta, retraction, max_rel):
     m, gm = read(roles["loc"], cons)
     L, gL = read(roles["scale_tril"], cons)
-    m2, L2, d = tril_step(m, L, gm, gL, beta, retraction, max_rel)
-    write(roles["loc"], m2, cons)
-    write(roles["scale_tril"], L2, cons)
-    return d
+    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1])
+    return {roles["loc"]: m2, roles["scale_tril"]: L2}, d
 
 
 def _scaled_tril(roles, cons, beta, retraction, max_rel):
@@ -119,23 +130,17 @@ def _scaled_tril(roles, cons, beta, retraction, max_rel):
     diag = gs - (T.tril(-1) * off).sum(-1)
     L = s.unsqueeze(-1) * T
     gL = off + torch.diag_embed(diag)
-    m2, L2, d = tril_step(m, L, gm, gL, beta, retraction, max_rel)
+    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1])
     s2 = L2.diagonal(dim1=-2, dim2=-1)
-    write(roles["loc"], m2, cons)
-    write(roles["scale"], s2, cons)
-    write(roles["scale_tril"], L2 / s2.unsqueeze(-1), cons)
-    return d
+    return {roles["loc"]: m2, roles["scale"]: s2, roles["scale_tril"]: L2 / s2.unsqueeze(-1)}, d
 
 
 def _lowrank(roles, cons, beta, retraction, max_rel):
     m, gm = read(roles["loc"], cons)
     s, gs = read(roles["scale"], cons)
     W, gW = read(roles["cov_factor"], cons)
-    m2, s2, W2, d = lowrank_step(m, s, W, gm, gs, gW, beta, max_rel)
-    write(roles["loc"], m2, cons)
-    write(roles["scale"], s2, cons)
-    write(roles["cov_factor"], W2, cons)
-    return d
+    m2, s2, W2, d = lowrank_step(m, s, W, gm, gs, gW, beta[0], max_rel, beta_mean=beta[1])
+    return {roles["loc"]: m2, roles["scale"]: s2, roles["cov_factor"]: W2}, d
 
 
 _STEPS = {"diag": _diag, "tril": _tril, "scaled_tril": _scaled_tril, "lowrank": _lowrank}

@@ -15,7 +15,9 @@ non-convexity; the default ``retraction`` form (Lin, Schmidt & Khan 2020, eq. 9)
 
 is positive definite for every symmetric ``G`` and every ``b``: no step makes ``S'`` invalid.
 The ``"natural"`` form keeps the plain step and halves ``b`` (per Gaussian, per element for a
-diagonal one) until ``P'`` is positive definite.
+diagonal one) until ``P'`` is positive definite. ``beta_mean`` (the adaptive step) gives the
+mean its own step size: a block-diagonal scaling of the natural gradient, still an ascent
+direction, and the mean's direction is far less noisy than ``G``'s under Monte Carlo.
 
 ``dl/dS`` comes from the gradients of the guide's own parameterisation by the chain rule:
 diagonal ``S = diag(s^2)``: ``dl/dS = (dl/ds) / (2 s)``; Cholesky ``S = L L^T``: the reverse
@@ -48,6 +50,8 @@ __all__ = [
 
 _MAX_HALVINGS = 40
 _LOWRANK_MAX_MOVE = 5.0
+#: the adaptive step moves the mean by at most this many marginal standard deviations of q'
+MEAN_MAX_MOVE = 3.0
 
 
 def diag_step(
@@ -58,7 +62,8 @@ def diag_step(
     beta: float,
     retraction: bool = True,
     max_rel: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    beta_mean: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One step of independent Normals ``N(m_i, s_i^2)`` (any shape, element-wise): ``G =
     2 dl/dv = (dl/ds) / s``. Returns ``(m', s', d)``; ``d`` is the whitened direction
     ``(s dl/dm, G s^2)``, dimensionless, for the noise control. ``max_rel`` caps the
@@ -80,9 +85,13 @@ def diag_step(
             b = torch.where(bad, 0.5 * b, b)
             p_new = p + b * g
         p_new = torch.where(p_new > 0, p_new, p)
-    m_new = m - b * gm / p_new
-    d = torch.cat([(s * gm).reshape(-1), (g / p).reshape(-1)])
-    return m_new, p_new.rsqrt(), d
+    bm = b if beta_mean is None else torch.full_like(p, beta_mean)
+    step = bm * gm / p_new
+    if max_rel is not None:  # at most MEAN_MAX_MOVE standard deviations of q' per step
+        z = step.abs() * p_new.sqrt()
+        step = step * (MEAN_MAX_MOVE / z.clamp_min(MEAN_MAX_MOVE))
+    m_new = m - step
+    return m_new, p_new.rsqrt(), ((s * gm).reshape(-1), (g / p).reshape(-1))
 
 
 def chol_grad_to_cov_grad(L: torch.Tensor, gL: torch.Tensor) -> torch.Tensor:
@@ -108,7 +117,8 @@ def tril_step(
     beta: float,
     retraction: bool = True,
     max_rel: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    beta_mean: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One step of ``N(m, L L^T)`` (batched over leading dims), in float64 inside.
     Returns ``(m', L', d)`` with ``d = (L^T dl/dm, L^T G L)`` whitened.
 
@@ -124,6 +134,9 @@ def tril_step(
     b = torch.full(P.shape[:-2] + (1, 1), float(beta), dtype=P.dtype, device=P.device)
     Lt = L.transpose(-1, -2)
     white = Lt @ G @ L
+    if not bool(torch.isfinite(white).all() and torch.isfinite(gm).all()):
+        nan = torch.full_like(m, float("nan"))  # the caller skips a non-finite step
+        return nan.to(dtype), L.to(dtype), (nan, white.reshape(-1))
     if max_rel is not None:
         norm = torch.linalg.matrix_norm(white, ord=2)[..., None, None]
         b = torch.minimum(b, max_rel / norm.clamp_min(torch.finfo(P.dtype).tiny))
@@ -145,9 +158,14 @@ def tril_step(
         LP = torch.linalg.cholesky(0.5 * (P_new + P_new.transpose(-1, -2)))
     S_new = torch.cholesky_inverse(LP)
     L_new = torch.linalg.cholesky(0.5 * (S_new + S_new.transpose(-1, -2)))
-    m_new = m - b[..., 0] * (S_new @ gm.unsqueeze(-1)).squeeze(-1)
-    d = torch.cat([(Lt @ gm.unsqueeze(-1)).reshape(-1), white.reshape(-1)])
-    return m_new.to(dtype), L_new.to(dtype), d.to(dtype)
+    bm = b[..., 0] if beta_mean is None else beta_mean
+    step = bm * (S_new @ gm.unsqueeze(-1)).squeeze(-1)
+    if max_rel is not None:
+        z = (step.abs() / S_new.diagonal(dim1=-2, dim2=-1).sqrt()).amax(-1, keepdim=True)
+        step = step * (MEAN_MAX_MOVE / z.clamp_min(MEAN_MAX_MOVE))
+    m_new = m - step
+    d = ((Lt @ gm.unsqueeze(-1)).reshape(-1), white.reshape(-1))
+    return m_new.to(dtype), L_new.to(dtype), d
 
 
 def lowrank_fisher_mv(
@@ -214,7 +232,8 @@ def lowrank_step(
     max_rel: Optional[float] = None,
     cg_iters: int = 20,
     damping: float = 1e-2,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    beta_mean: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One natural step of ``N(m, diag(s) (I + W W^T) diag(s))`` (Pyro's low-rank form).
 
     ``F`` is singular along rotations ``W -> W Q`` (``W W^T`` is unchanged), while a
@@ -241,7 +260,13 @@ def lowrank_step(
     W_new = W - b * x_W
     # S' dl/dm = s' * ((I + W' W'^T) (s' * dl/dm)), O(D r)
     u = s_new * gm
-    m_new = m - b * s_new * (u + W_new @ (W_new.T @ u))
+    bm = b if beta_mean is None else beta_mean
+    step = bm * s_new * (u + W_new @ (W_new.T @ u))
+    if max_rel is not None:
+        sd = s_new * (1.0 + (W_new * W_new).sum(-1)).sqrt()
+        z = float((step.abs() / sd).max())
+        step = step * (MEAN_MAX_MOVE / max(z, MEAN_MAX_MOVE))
+    m_new = m - step
     marg = s * (1.0 + (W * W).sum(-1)).sqrt()
-    d = torch.cat([marg * gm, x_rho, x_W.reshape(-1)])
-    return m_new.to(dtype), s_new.to(dtype), W_new.to(dtype), d.to(dtype)
+    d = (marg * gm, torch.cat([x_rho, x_W.reshape(-1)]))
+    return m_new.to(dtype), s_new.to(dtype), W_new.to(dtype), d
