@@ -82,7 +82,7 @@ class NoiseControl:
     start: float = 0.1
     grow: float = 1.5
     min_ratio: float = 0.01
-    noisy_ratio: float = 0.2
+    noisy_ratio: float = 0.1
     patience: int = 5
     decay: float = 0.9
     min_ceiling: float = 0.05
