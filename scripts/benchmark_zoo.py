@@ -426,6 +426,9 @@ def main_natgrad(a):
     names = a.models or (list(NATGRAD_QUICK_MODELS) if a.quick else list(ZOO))
     M, P = (10, 10) if a.quick else (50, 20)
     rows = []
+    if a.report:  # runs split by --models, joined
+        rows = [r for f in a.report for r in json.loads(Path(f).read_text())["rows"]]
+        names = []
     for name in tqdm(names, desc="zoo natgrad"):
         rows.extend(bench_natgrad(name, ZOO[name], a.quick, M, P))
         for r in rows[-3:]:
@@ -440,7 +443,13 @@ def main_natgrad(a):
         title="Zoo: CVI() natural gradients on Pyro's Gaussian guides against Adam",
         verdict=line,
         tables=[table],
-        command="python scripts/benchmark_zoo.py --natgrad" + (" --quick" if a.quick else ""),
+        command="python scripts/benchmark_zoo.py --natgrad"
+        + (" --quick" if a.quick else "")
+        + (
+            " --models " + " ".join(sorted({r["model"] for r in rows}))
+            if a.models or a.report
+            else ""
+        ),
         quick=a.quick,
         text="Timings on a shared 2-core machine under load; CVI and Adam back to back.",
     )
@@ -469,6 +478,8 @@ def main(argv=None):
         help="print the table of earlier JSON outputs (e.g. runs split by --models) and exit",
     )
     a = p.parse_args(argv)
+    if a.natgrad:
+        return main_natgrad(a)
     if a.report:
         rows = [r for f in a.report for r in json.loads(Path(f).read_text())["rows"]]
         order = {n: i for i, n in enumerate(ZOO)}
@@ -477,8 +488,6 @@ def main(argv=None):
         meta = json.loads(Path(a.report[0]).read_text())["meta"]
         _write(a.out, meta, rows, table, line, "--report " + " ".join(a.report))
         return
-    if a.natgrad:
-        return main_natgrad(a)
     torch.set_num_threads(1)
     pyro.enable_validation(False)
     names = a.models or list(ZOO)
