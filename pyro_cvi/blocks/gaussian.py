@@ -47,7 +47,7 @@ from ..messages.softmax_sites import (
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
@@ -357,7 +357,7 @@ class GaussianBlock(SiteFormBlock):
                 solved["post"] = post
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():

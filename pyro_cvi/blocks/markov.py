@@ -35,7 +35,7 @@ from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
@@ -245,7 +245,7 @@ class MarkovBlock(SiteFormBlock):
                 ok = False
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():
