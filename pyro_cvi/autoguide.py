@@ -92,6 +92,11 @@ class AutoCVI(AutoGuide):
         ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
         (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
         see :mod:`pyro_cvi.messages.softmax`.
+    :param general_curvature: the expected Hessian of general (Monte Carlo) factors on a
+        Gaussian block: ``"hessian"`` (a dense Hessian per particle, Price's theorem),
+        ``"gradient"`` (gradients only, one batched model run: Stein's lemma,
+        ``E[H] = E[S^-1 (z - m) grad^T]``; for large blocks) or ``"auto"`` (default: dense up
+        to :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
     """
 
     def __init__(
@@ -112,7 +117,13 @@ class AutoCVI(AutoGuide):
         init_scale: Optional[float] = None,
         process_group=None,
         softmax: str = "cubature",
+        general_curvature: str = "auto",
     ):
+        if general_curvature not in ("auto", "hessian", "gradient"):
+            raise ValueError(
+                "general_curvature must be 'auto', 'hessian' or 'gradient', "
+                f"got {general_curvature!r}"
+            )
         if softmax not in METHODS:
             raise ValueError(f"softmax must be one of {METHODS}, got {softmax!r}")
         if covariance not in ("full", "diag"):
@@ -145,6 +156,7 @@ class AutoCVI(AutoGuide):
             init_scale,
             as_reducer(process_group),
             softmax,
+            general_curvature=general_curvature,
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -410,6 +422,7 @@ for _name in (
     "vectorize_particles",
     "discrete",
     "softmax",
+    "general_curvature",
 ):
     setattr(AutoCVI, _name, _option(_name))
 

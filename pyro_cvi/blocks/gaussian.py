@@ -31,10 +31,14 @@ import torch
 from ..context import Options, StepContext
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
 from ..messages.gaussian import (
+    DENSE_HESSIAN_MAX_DIM,
     RowBlock,
     general_gaussian_message,
+    gradient_gaussian_message,
+    gradient_particles,
     linear_predictor_message,
     linear_predictor_rows,
+    pd_preserving_target,
     warm_start_target,
 )
 from ..messages.softmax_sites import (
@@ -47,7 +51,13 @@ from ..messages.softmax_sites import (
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
-from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from ..update import (
+    MAX_HALVINGS_SOLVE,
+    StepCounts,
+    cvi_update,
+    damped_step,
+    targets_from_grads,
+)
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
@@ -82,6 +92,9 @@ class GaussianBlock(SiteFormBlock):
         self.elbo_rows: List[Tuple[int, object]] = []
         self.post: Optional[GaussianPosterior] = None
         self._refreshed_from = None
+        #: whether the general factors' particles run as one batched (vmap) model run; set to
+        #: ``False`` the first time the model cannot be vectorised
+        self._vectorise = True
         #: the step's prior and rows with their graph to the model's parameters (``ctx.graph``
         #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
         self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
@@ -297,13 +310,15 @@ class GaussianBlock(SiteFormBlock):
                 p.grad = target - p.detach()
         general = self._general()
         if general is not None:
-            value, h, P = general_gaussian_message(
-                self._log_joint(ctx),
-                post.loc,
-                post.scale_tril(),
-                self.options.num_general_samples,
-                ctx.add_mc_samples,
-            )
+            args = (self._log_joint(ctx), post.loc, post.scale_tril())
+            n = self.options.num_general_samples
+            if self._gradient_only():  # Stein's lemma, the current curvature as control variate
+                n = gradient_particles(self.spec.dim, n)
+                value, h, P, self._vectorise = gradient_gaussian_message(
+                    *args, n, -general[1].detach(), ctx.add_mc_samples, self._vectorise
+                )
+            else:
+                value, h, P = general_gaussian_message(*args, n, ctx.add_mc_samples)
             elbo = elbo + value
             if ctx.grads:
                 general[0].grad = h - general[0].detach()
@@ -311,6 +326,10 @@ class GaussianBlock(SiteFormBlock):
         if self.options.reducer is not None:
             return self.options.reducer.combine(shared, elbo)
         return shared + elbo
+
+    def _gradient_only(self) -> bool:
+        mode = self.options.general_curvature
+        return mode == "gradient" or (mode == "auto" and self.spec.dim > DENSE_HESSIAN_MAX_DIM)
 
     def _log_joint(self, ctx: StepContext):
         """``z -> (sum of the general factors' log p, the owned ones)``, the other latents drawn
@@ -357,6 +376,11 @@ class GaussianBlock(SiteFormBlock):
                 solved["post"] = post
             return torch.tensor(ok, device=old[0].device)
 
+        if general is not None and not bool(valid(cvi_update(old, target, beta))):
+            # the plain step leaves the domain: Lin, Schmidt & Khan's (2020) update instead
+            post = self.post
+            pair = pd_preserving_target(old[-2:], target[-2:], post.loc, post.covariance(), beta)
+            target = (*target[:-2], *pair)
         new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
