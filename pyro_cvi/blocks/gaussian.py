@@ -376,12 +376,17 @@ class GaussianBlock(SiteFormBlock):
                 solved["post"] = post
             return torch.tensor(ok, device=old[0].device)
 
-        if general is not None and not bool(valid(cvi_update(old, target, beta))):
-            # the plain step leaves the domain: Lin, Schmidt & Khan's (2020) update instead
-            post = self.post
-            pair = pd_preserving_target(old[-2:], target[-2:], post.loc, post.covariance(), beta)
-            target = (*target[:-2], *pair)
-        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
+        new = cvi_update(old, target, beta)
+        if general is not None and bool(valid(new)):
+            counts = StepCounts()
+        else:
+            if general is not None:  # the plain step leaves the domain: Lin, Schmidt & Khan's
+                post = self.post  # (2020) update instead (positive definite for any b <= beta)
+                pair = pd_preserving_target(
+                    old[-2:], target[-2:], post.loc, post.covariance(), beta
+                )
+                target = (*target[:-2], *pair)
+            new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():
