@@ -95,8 +95,9 @@ class AutoCVI(AutoGuide):
     :param general_curvature: the expected Hessian of general (Monte Carlo) factors on a
         Gaussian block: ``"hessian"`` (a dense Hessian per particle, Price's theorem),
         ``"gradient"`` (gradients only, one batched model run: Stein's lemma,
-        ``E[H] = E[S^-1 (z - m) grad^T]``; for large blocks) or ``"auto"`` (default: dense up
-        to :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
+        ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
+        ``"auto"`` (default: dense up to
+        :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions, measured: none).
     """
 
     def __init__(

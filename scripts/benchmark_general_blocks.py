@@ -68,6 +68,48 @@ def bnn139_data(dtype=torch.float64):
     return (X, y + 0.2 * torch.randn(100, generator=g, dtype=dtype))
 
 
+def tanh_regression(X, y=None):
+    """``y ~ Normal(tanh(X w), 0.3)``: one general factor on a D-dimensional block."""
+    w = pyro.sample("w", dist.Normal(X.new_zeros(X.shape[1]), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("obs", dist.Normal(torch.tanh(X @ w), 0.3), obs=y)
+
+
+def tanh_data(D: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(D)
+    X = torch.randn(100, D, generator=g, dtype=dtype) / D**0.5
+    return (X, torch.tanh(X.sum(-1)) + 0.3 * torch.randn(100, generator=g, dtype=dtype))
+
+
+def threshold_table(quick: bool) -> Table:
+    """Per-step time of the dense and the gradient-only curvature by block dimension (the
+    measurement behind ``DENSE_HESSIAN_MAX_DIM``)."""
+    table = Table(
+        "Dense Hessian vs gradient-only curvature by block dimension (tanh regression)",
+        [
+            ("D", "block dimension"),
+            ("hessian ms", "AutoCVI(general_curvature='hessian') per step"),
+            ("gradient ms", "AutoCVI(general_curvature='gradient') per step"),
+        ],
+    )
+    for D in (2, 4, 8, 16, 32) if not quick else (2, 8, 32):
+        args, row = tanh_data(D), []
+        for mode in ("hessian", "gradient"):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            guide = AutoCVI(tanh_regression, general_curvature=mode)
+            svi = SVI(tanh_regression, guide, CVI(), CVI_ELBO())
+            svi.step(*args)
+            times = []
+            for _ in range(5 if quick else 15):
+                t = time.perf_counter()
+                svi.step(*args)
+                times.append(time.perf_counter() - t)
+            row.append(fmt(1e3 * statistics.median(times), ".1f"))
+        table.add(D, *row)
+    return table
+
+
 def models(dtype):
     return {
         "bnn (zoo, 40 weights)": (ZOO["bnn"].model, ZOO["bnn"].data(dtype).args),
@@ -180,8 +222,10 @@ def main(argv=None):
             row[f"{method}_neg_elbo"], row[f"{method}_se"], row[f"{method}_steps"] = mean, se, n
             t2.add(name, method, n, fmt(mean, ".2f"), fmt(se, ".2f"))
         payload["models"][name] = row
+    t3 = threshold_table(args.quick)
     t1.print()
     t2.print()
+    t3.print()
     worst = max(ratios, key=lambda r: r[1])
     wins = [
         n
@@ -200,7 +244,7 @@ def main(argv=None):
         payload,
         title="Cheap steps for large general blocks (BNNs)",
         verdict=line,
-        tables=[t1, t2],
+        tables=[t1, t2, t3],
         command="python scripts/benchmark_general_blocks.py" + (" --quick" if args.quick else ""),
         quick=args.quick,
     )
