@@ -10,7 +10,8 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
   factor ``eta_f = A_f z + c_f`` (eq. 13, Appendix E.1), O(N) parameters;
 * one ``(lam1_n, lam2_n)`` site, a K-vector and a K x K matrix, per data point of every
   softmax factor (:mod:`~pyro_cvi.messages.softmax_sites`), O(N K^2) parameters;
-* one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo).
+* one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo, from gradients only
+  by default, :mod:`~pyro_cvi.messages.gaussian`).
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
 dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
@@ -31,11 +32,8 @@ import torch
 from ..context import Options, StepContext
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
 from ..messages.gaussian import (
-    DENSE_HESSIAN_MAX_DIM,
     RowBlock,
-    general_gaussian_message,
-    gradient_gaussian_message,
-    gradient_particles,
+    general_message,
     linear_predictor_message,
     linear_predictor_rows,
     pd_preserving_target,
@@ -310,15 +308,9 @@ class GaussianBlock(SiteFormBlock):
                 p.grad = target - p.detach()
         general = self._general()
         if general is not None:
-            args = (self._log_joint(ctx), post.loc, post.scale_tril())
-            n = self.options.num_general_samples
-            if self._gradient_only():  # Stein's lemma, the current curvature as control variate
-                n = gradient_particles(self.spec.dim, n)
-                value, h, P, self._vectorise = gradient_gaussian_message(
-                    *args, n, -general[1].detach(), ctx.add_mc_samples, self._vectorise
-                )
-            else:
-                value, h, P = general_gaussian_message(*args, n, ctx.add_mc_samples)
+            value, h, P, self._vectorise = general_message(
+                self.options, self._log_joint(ctx), post, -general[1], ctx, self._vectorise
+            )
             elbo = elbo + value
             if ctx.grads:
                 general[0].grad = h - general[0].detach()
@@ -326,10 +318,6 @@ class GaussianBlock(SiteFormBlock):
         if self.options.reducer is not None:
             return self.options.reducer.combine(shared, elbo)
         return shared + elbo
-
-    def _gradient_only(self) -> bool:
-        mode = self.options.general_curvature
-        return mode == "gradient" or (mode == "auto" and self.spec.dim > DENSE_HESSIAN_MAX_DIM)
 
     def _log_joint(self, ctx: StepContext):
         """``z -> (sum of the general factors' log p, the owned ones)``, the other latents drawn

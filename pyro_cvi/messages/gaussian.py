@@ -31,6 +31,7 @@ __all__ = [
     "pd_preserving_target",
     "DENSE_HESSIAN_MAX_DIM",
     "gradient_particles",
+    "general_message",
 ]
 
 #: The largest block dimension for which ``general_curvature="auto"`` takes the dense Price
@@ -333,3 +334,18 @@ def pd_preserving_target(
     C = G @ cov @ G
     C = 0.25 * beta * (C + C.T)
     return target[0] + C @ loc, target[1] + C
+
+
+def general_message(options, log_joint, post, curvature: torch.Tensor, ctx, vectorise: bool):
+    """The general factors' message on a Gaussian block ``q = post`` with the estimator that
+    ``options.general_curvature`` chooses: gradients only (Stein's lemma, ``curvature`` the
+    current estimate of ``E[hess f]`` as control variate, :func:`gradient_particles`) or a
+    dense Hessian per particle. Returns ``(value, h, P, vectorise)`` (``vectorise``: whether
+    the batched model run works, for the next call)."""
+    mode, n, D = options.general_curvature, options.num_general_samples, post.loc.numel()
+    args = (log_joint, post.loc, post.scale_tril())
+    if mode == "gradient" or (mode == "auto" and D > DENSE_HESSIAN_MAX_DIM):
+        return gradient_gaussian_message(
+            *args, gradient_particles(D, n), curvature.detach(), ctx.add_mc_samples, vectorise
+        )
+    return (*general_gaussian_message(*args, n, ctx.add_mc_samples), vectorise)
