@@ -369,7 +369,9 @@ class GaussianBlock(SiteFormBlock):
             counts = StepCounts()
         else:
             if general is not None:  # the plain step leaves the domain: Lin, Schmidt & Khan's
-                post = self.post  # (2020) update instead (positive definite for any b <= beta)
+                # (2020) update instead (positive definite for any b <= beta). Not at once:
+                # where G is huge its (b^2/2) G S G term overshoots the precision
+                post = self.post
                 pair = pd_preserving_target(
                     old[-2:], target[-2:], post.loc, post.covariance(), beta
                 )

@@ -32,6 +32,7 @@ __all__ = [
     "DENSE_HESSIAN_MAX_DIM",
     "gradient_particles",
     "general_message",
+    "gradient_only",
 ]
 
 #: The largest block dimension for which ``general_curvature="auto"`` takes the dense Price
@@ -336,15 +337,21 @@ def pd_preserving_target(
     return target[0] + C @ loc, target[1] + C
 
 
+def gradient_only(options, dim: int) -> bool:
+    """Whether a block of ``dim`` takes the gradient-only estimate (``general_curvature``)."""
+    mode = options.general_curvature
+    return mode == "gradient" or (mode == "auto" and dim > DENSE_HESSIAN_MAX_DIM)
+
+
 def general_message(options, log_joint, post, curvature: torch.Tensor, ctx, vectorise: bool):
     """The general factors' message on a Gaussian block ``q = post`` with the estimator that
     ``options.general_curvature`` chooses: gradients only (Stein's lemma, ``curvature`` the
     current estimate of ``E[hess f]`` as control variate, :func:`gradient_particles`) or a
     dense Hessian per particle. Returns ``(value, h, P, vectorise)`` (``vectorise``: whether
     the batched model run works, for the next call)."""
-    mode, n, D = options.general_curvature, options.num_general_samples, post.loc.numel()
+    n, D = options.num_general_samples, post.loc.numel()
     args = (log_joint, post.loc, post.scale_tril())
-    if mode == "gradient" or (mode == "auto" and D > DENSE_HESSIAN_MAX_DIM):
+    if gradient_only(options, D):
         return gradient_gaussian_message(
             *args, gradient_particles(D, n), curvature.detach(), ctx.add_mc_samples, vectorise
         )
