@@ -89,11 +89,17 @@ mathjax_path = "mathjax/tex-chtml.js"  # relative to _static: no CDN, the site w
 #: that users call directly. Every other module is listed on the "Internals" page.
 PUBLIC_PACKAGES = [
     "pyro_cvi",
+    "pyro_cvi.scale",
+    "pyro_cvi.methods",
     "pyro_cvi.statespace",
     "pyro_cvi.contrib",
     "pyro_cvi.contrib.gpytorch",
 ]
-PUBLIC_MODULES = ["pyro_cvi.checkpoint", "pyro_cvi.distributed", "pyro_cvi.streaming"]
+PUBLIC_MODULES = [
+    "pyro_cvi.scale.checkpoint",
+    "pyro_cvi.scale.distributed",
+    "pyro_cvi.scale.streaming",
+]
 
 
 def _all_modules() -> list:

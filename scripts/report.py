@@ -2,7 +2,7 @@
 
 Reads every ``results/*.json`` (``--results``) and writes ``docs/_generated/results.md`` with
 one section per file and PNG plots beside it (``--out``). A file written through
-:func:`benchmarks.reporting.write_results` has a ``report`` section (title, command, verdict,
+:func:`bench.reporting.write_results` has a ``report`` section (title, command, verdict,
 tables with a legend for every column, remarks, plots) and is rendered in full; any other JSON
 file gets a title from the docstring of the script that wrote it and its numbers as tables, so
 a new script shows up without editing this one.
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # also when imported from elsewhere (the tests)
 
-from benchmarks.reporting import plot_file, save_plot  # noqa: E402  (the plots next to the JSON)
+from bench.reporting import plot_file, save_plot  # noqa: E402  (the plots next to the JSON)
 
 
 def _slug(text: str) -> str:

@@ -1,11 +1,10 @@
 """The tools behind the docs site and the results: ``scripts/check_docs.py`` finds each kind of
 rough edge in a built site (and passes a clean one), ``scripts/report.py`` titles a results file
-that has no ``report`` section, and ``benchmarks.reporting.write_results`` saves the plots next
+that has no ``report`` section, and ``bench.reporting.write_results`` saves the plots next
 to the JSON and records how long the run took."""
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,8 +136,7 @@ def test_report_keeps_the_file_name_when_no_script_wrote_it(tmp_path):
 
 def test_write_results_saves_the_plots_next_to_the_json(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.reporting import Table, write_results
+    from bench.reporting import Table, write_results
 
     table = Table("t", [("method", "m"), ("s", "seconds")])
     table.add("cvi", "1.0")
