@@ -132,7 +132,11 @@ def _public_split(modules: list) -> tuple:
     public = set(PUBLIC_PACKAGES) | set(PUBLIC_MODULES)
     missing = sorted(public - set(modules))
     if missing:  # a module moved or was renamed: say so instead of dropping its page
-        raise RuntimeError(f"docs/conf.py names public modules that do not exist: {missing}")
+        raise RuntimeError(
+            f"docs/conf.py names public modules that do not exist or do not import: {missing} "
+            "(moved? update PUBLIC_PACKAGES / PUBLIC_MODULES; missing gpytorch? pip install "
+            "-e '.[docs]')"
+        )
     for pkg in PUBLIC_PACKAGES:
         mod = importlib.import_module(pkg)
         for name in getattr(mod, "__all__", []):
