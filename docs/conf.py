@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_generated/static", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
 myst_enable_extensions = ["dollarmath", "amsmath"]
 myst_heading_anchors = 3
 nb_execution_mode = "off"  # notebooks are committed executed; tests/test_notebooks.py checks it
@@ -68,16 +69,33 @@ html_theme = "furo"
 html_title = f"pyro-cvi {release}"
 
 
+#: What ``tex-chtml.js`` loads (its fonts, TeX extensions on demand, the menu and the
+#: accessibility tools); the package's other combined bundles (SVG output etc.) are left out.
+MATHJAX_PARTS = ["tex-chtml.js", "output", "input", "ui", "a11y", "adaptors", "sre"]
+
+
 def _mathjax_static() -> str:
-    """The folder of the MathJax 3 files that ``sphinx-mathjax-offline`` ships (it holds
-    ``mathjax/``); it is copied into the site's ``_static`` by ``html_static_path``."""
+    """A folder holding ``mathjax/``: the MathJax 3 files that ``sphinx-mathjax-offline`` ships
+    (``MATHJAX_PARTS`` of them), copied into ``docs/_generated/static`` (git-ignored) and from
+    there into the site's ``_static`` by ``html_static_path``."""
     spec = importlib.util.find_spec("sphinx-mathjax-offline")  # its import name has dashes
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the docs render maths with a bundled MathJax: pip install -e '.[docs]' "
             "(it brings sphinx-mathjax-offline)"
         )
-    return str(Path(list(spec.submodule_search_locations)[0]) / "static")
+    source = Path(list(spec.submodule_search_locations)[0]) / "static" / "mathjax"
+    out = DOCS / "_generated" / "static"
+    target = out / "mathjax"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    for part in MATHJAX_PARTS:
+        if (source / part).is_dir():
+            shutil.copytree(source / part, target / part)
+        else:
+            shutil.copy2(source / part, target / part)
+    return str(out)
 
 
 html_static_path = [_mathjax_static()]
