@@ -21,7 +21,7 @@ backward pass with ``create_graph``), for the derivative of the whole ELBO at fi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -60,7 +60,7 @@ class LinearGaussianChain:
     def detach(self) -> LinearGaussianChain:
         return LinearGaussianChain(*(t.detach() for t in self.tensors()))
 
-    def tensors(self) -> Tuple[torch.Tensor, ...]:
+    def tensors(self):
         return (self.m0, self.P0, self.A, self.b, self.Q)
 
     def requires_grad(self) -> bool:
@@ -71,7 +71,7 @@ class LinearGaussianChain:
             torch.zeros_like(self.m0), self.P0, self.A, torch.zeros_like(self.b), self.Q
         )
 
-    def all_steps(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def all_steps(self):
         """``(A, b, C)`` for t = 0..T-1, the first a kernel from a dummy ``x_{-1}``."""
         d = self.dim
         A = torch.cat([self.m0.new_zeros(1, d, d), self.A], 0)
@@ -86,23 +86,21 @@ class LinearGaussianChain:
 # contiguous arrays are several times faster on a CPU than batched GEMMs of tiny matrices.
 # Short stacks (n <= PACK_BELOW, the tree's top levels) are plain tensors (n, d, d) / (n, d):
 # fewer, larger ops, where per-op overhead dominates. The helpers below take either form.
-#: A stacked tensor or its structure of arrays (nested lists of ``(n,)`` tensors).
-Batch = Any
-Element = Tuple[Batch, ...]  # (A, b, C, e, J, g)
+Element = Tuple  # (A, b, C, e, J, g)
 PACK_BELOW = 2048
 
 
-def _mat(M: torch.Tensor) -> Batch:
+def _mat(M: torch.Tensor):
     Mt = M.permute(1, 2, 0).contiguous()
     return [[Mt[i, j] for j in range(M.shape[-1])] for i in range(M.shape[-2])]
 
 
-def _vec(v: torch.Tensor) -> Batch:
+def _vec(v: torch.Tensor):
     vt = v.transpose(0, 1).contiguous()
     return [vt[i] for i in range(v.shape[-1])]
 
 
-def _pack(X: Batch) -> Batch:
+def _pack(X):
     """Structure of arrays -> stacked tensors."""
     if isinstance(X, tuple):
         return tuple(_pack(x) for x in X)
@@ -113,7 +111,7 @@ def _pack(X: Batch) -> Batch:
     return X
 
 
-def _dot(xs: Batch, ys: Batch) -> Batch:
+def _dot(xs, ys):
     if torch.is_tensor(xs):
         return (xs * ys).sum(-1)
     out = xs[0] * ys[0]
@@ -122,57 +120,57 @@ def _dot(xs: Batch, ys: Batch) -> Batch:
     return out
 
 
-def _mv(M: Batch, v: Batch) -> Batch:
+def _mv(M, v):
     if torch.is_tensor(M):
         return (M @ v.unsqueeze(-1)).squeeze(-1)
     return [_dot(row, v) for row in M]
 
 
-def _t(M: Batch) -> Batch:
+def _t(M):
     if torch.is_tensor(M):
         return M.transpose(-1, -2)
     return [list(col) for col in zip(*M)]
 
 
-def _mm(X: Batch, Y: Batch) -> Batch:
+def _mm(X, Y):
     if torch.is_tensor(X):
         return X @ Y
     Yt = _t(Y)
     return [[_dot(row, col) for col in Yt] for row in X]
 
 
-def _add(X: Batch, Y: Batch) -> Batch:
+def _add(X, Y):
     if isinstance(X, list):
         return [_add(x, y) for x, y in zip(X, Y)]
     return X + Y
 
 
-def _sub(X: Batch, Y: Batch) -> Batch:
+def _sub(X, Y):
     if isinstance(X, list):
         return [_sub(x, y) for x, y in zip(X, Y)]
     return X - Y
 
 
-def _map(fn: Callable[[torch.Tensor], torch.Tensor], X: Batch) -> Batch:
+def _map(fn, X):
     if isinstance(X, (list, tuple)):
         return type(X)(_map(fn, x) for x in X)
     return fn(X)
 
 
-def _leaves(X: Batch) -> list[torch.Tensor]:
+def _leaves(X):
     if isinstance(X, (list, tuple)):
         return [t for x in X for t in _leaves(x)]
     return [X]
 
 
-def _unflatten(template: Batch, flat: Iterator[torch.Tensor]) -> Batch:
+def _unflatten(template, flat):
     """``template``'s structure filled with the tensors of the iterator ``flat``."""
     if isinstance(template, (list, tuple)):
         return type(template)(_unflatten(x, flat) for x in template)
     return next(flat)
 
 
-def _inv_det(M: Batch) -> Tuple[Batch, torch.Tensor]:
+def _inv_det(M):
     """``(M^-1, det M)`` of a batch of small matrices: closed forms for d = 1, 2."""
     if torch.is_tensor(M):
         return torch.linalg.inv(M), torch.linalg.det(M)
@@ -219,7 +217,6 @@ def combine(i: Element, j: Element) -> Element:
 
 def _identity_like(el: Element, n: int) -> Element:
     like = el[5]
-    eye: Batch
     if torch.is_tensor(el[1]):
         d = el[1].shape[-1]
         eye = torch.eye(d, dtype=like.dtype, device=like.device).expand(n, d, d)
@@ -263,8 +260,7 @@ def site_elements(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor
 def log_normalizer(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     """``log Z`` of prior x sites (see the module docstring); differentiable in everything."""
     total = reduce(site_elements(chain, eta, J))
-    log_z: torch.Tensor = total[5][0]
-    return log_z
+    return total[5][0]
 
 
 @dataclass
@@ -275,8 +271,7 @@ class Marginals:
     cov: torch.Tensor
     log_z: torch.Tensor
     cross: Optional[torch.Tensor] = None  # lag-one Cov(x_t, x_{t-1}) (T-1, d, d), if asked
-    # the block's joint z from states (a random walk: diff)
-    to_z: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    to_z: Optional[Callable] = None  # the block's joint z from states (a random walk: diff)
 
     @property
     def loc(self) -> torch.Tensor:
@@ -303,7 +298,7 @@ def smooth(
     with torch.enable_grad():
         e, Jl = (_input(t, keep_graph) for t in (eta, J))
         ch = chain if keep_graph else chain.detach()
-        wrt: Tuple[torch.Tensor, ...] = (e, Jl)
+        wrt = (e, Jl)
         if lag_one:
             A = ch.A if ch.A.requires_grad else ch.A.detach().clone().requires_grad_(True)
             ch = replace(ch, A=A)
@@ -358,9 +353,7 @@ def prefix_affine(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_prior(
-    chain: LinearGaussianChain, generator: Optional[torch.Generator] = None
-) -> torch.Tensor:
+def sample_prior(chain: LinearGaussianChain, generator: Optional[torch.Generator] = None):
     """One draw of the chain (ancestral sampling as a parallel scan)."""
     A, b, C = chain.all_steps()
     L = torch.linalg.cholesky(C + _jitter(C))
@@ -381,8 +374,7 @@ def log_prob_chain(chain: LinearGaussianChain, x: torch.Tensor) -> torch.Tensor:
     prev = torch.cat([x.new_zeros(1, x.shape[-1]), x[:-1]], 0)
     loc = _tmv(A, prev) + b
     mvn = torch.distributions.MultivariateNormal(loc, covariance_matrix=C, validate_args=False)
-    log_p: torch.Tensor = mvn.log_prob(x).sum()
-    return log_p
+    return mvn.log_prob(x).sum()
 
 
 def sample_posterior(
@@ -390,7 +382,7 @@ def sample_posterior(
     eta: torch.Tensor,
     J: torch.Tensor,
     noise_scale: torch.Tensor,
-    noise_rows: Callable[[torch.Tensor], torch.Tensor],
+    noise_rows: torch.Tensor,
 ) -> torch.Tensor:
     """One draw of ``q`` by perturbation (Papandreou & Yuille): ``x~ ~ p``, ``eps ~ N(0, J)``,
     ``x = x~ + E_q0[x | eta + eps - J x~]`` with ``q0`` the zero-mean chain with the same
