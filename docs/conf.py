@@ -74,10 +74,13 @@ html_title = f"pyro-cvi {release}"
 MATHJAX_PARTS = ["tex-chtml.js", "output", "input", "ui", "a11y", "adaptors", "sre"]
 
 
-def _mathjax_static() -> str:
-    """A folder holding ``mathjax/``: the MathJax 3 files that ``sphinx-mathjax-offline`` ships
-    (``MATHJAX_PARTS`` of them), copied into ``docs/_generated/static`` (git-ignored) and from
-    there into the site's ``_static`` by ``html_static_path``."""
+STATIC = DOCS / "_generated" / "static"  # git-ignored; holds mathjax/
+
+
+def _copy_mathjax() -> None:
+    """The MathJax 3 files that ``sphinx-mathjax-offline`` ships (``MATHJAX_PARTS`` of them),
+    copied into ``STATIC/mathjax`` and from there into the site's ``_static`` by
+    ``html_static_path``."""
     spec = importlib.util.find_spec("sphinx-mathjax-offline")  # its import name has dashes
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
@@ -85,8 +88,7 @@ def _mathjax_static() -> str:
             "(it brings sphinx-mathjax-offline)"
         )
     source = Path(list(spec.submodule_search_locations)[0]) / "static" / "mathjax"
-    out = DOCS / "_generated" / "static"
-    target = out / "mathjax"
+    target = STATIC / "mathjax"
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
@@ -95,10 +97,9 @@ def _mathjax_static() -> str:
             shutil.copytree(source / part, target / part)
         else:
             shutil.copy2(source / part, target / part)
-    return str(out)
 
 
-html_static_path = [_mathjax_static()]
+html_static_path = [str(STATIC)]
 mathjax_path = "mathjax/tex-chtml.js"  # relative to _static: no CDN, the site works offline
 
 
@@ -278,5 +279,9 @@ def _write_results_page() -> None:
     )
 
 
-_write_api_pages()
-_write_results_page()
+def setup(app) -> None:
+    """Sphinx calls this before reading the sources: generate what the site is built from
+    (importing this file has no side effects, so the tests can check the functions above)."""
+    _copy_mathjax()
+    _write_api_pages()
+    _write_results_page()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import pyro_cvi
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -152,3 +154,37 @@ def test_write_results_saves_the_plots_next_to_the_json(tmp_path, capsys):
     run = json.loads(out.read_text())["report"]["run"]
     assert run["wall_seconds"] >= 0 and run["cpu_seconds"] > 0 and run["cpu_count"] >= 1
     assert "bench-0-1.png" in capsys.readouterr().out
+
+
+def _conf():
+    spec = importlib.util.spec_from_file_location("_docs_conf", ROOT / "docs" / "conf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # no side effects: the pages are written in setup(app)
+    return module
+
+
+def test_the_api_reference_splits_public_modules_from_internals():
+    pytest.importorskip("gpytorch")
+    conf = _conf()
+    modules = conf._all_modules()
+    public, internal = conf._public_split(modules)
+    assert set(public) | set(internal) == set(modules) and not set(public) & set(internal)
+    for name in ("pyro_cvi.autoguide", "pyro_cvi.optim", "pyro_cvi.elbo", "pyro_cvi.step_sizes"):
+        assert name in public
+    for name in ("pyro_cvi.scale.checkpoint", "pyro_cvi.contrib.gpytorch.strategy"):
+        assert name in public
+    assert conf._home(pyro_cvi.StructuredSVI) in public
+    assert "pyro_cvi.statespace.kalman" in public  # it defines smooth(), exported by statespace
+    for name in ("pyro_cvi.engine", "pyro_cvi.update", "pyro_cvi.families.base"):
+        assert name in internal
+
+
+def test_a_module_page_documents_only_what_the_module_defines():
+    conf = _conf()
+    from pyro_cvi.families import base
+
+    own = conf._own_members(base)
+    assert "ExponentialFamily" in own
+    assert "log_minus_digamma" in base.__all__ and "log_minus_digamma" not in own  # special's
+    page = "\n".join(conf._module_page("pyro_cvi.families.base"))
+    assert ":members: ExponentialFamily" in page and "digamma" not in page
