@@ -188,3 +188,24 @@ def test_a_module_page_documents_only_what_the_module_defines():
     assert "log_minus_digamma" in base.__all__ and "log_minus_digamma" not in own  # special's
     page = "\n".join(conf._module_page("pyro_cvi.families.base"))
     assert ":members: ExponentialFamily" in page and "digamma" not in page
+
+
+def test_strip_tqdm_warning_removes_that_warning_only(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    strip = _load("strip_tqdm_warning").strip
+    warning = (
+        "/x/tqdm/auto.py:21: TqdmWarning: IProgress not found. Please update jupyter.\n"
+        "  from .autonotebook import tqdm as notebook_tqdm\n"
+    )
+    cell = nbformat.v4.new_code_cell("import pyro", execution_count=1)
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stderr", text=warning),
+        nbformat.v4.new_output("stream", name="stderr", text="RuntimeWarning: step shrunk\n"),
+        nbformat.v4.new_output("stream", name="stdout", text="-ELBO 12.3\n"),
+    ]
+    path = tmp_path / "t.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+    assert strip(path) == 1
+    outs = nbformat.read(path, as_version=4).cells[0].outputs
+    assert [o.text for o in outs] == ["RuntimeWarning: step shrunk\n", "-ELBO 12.3\n"]
+    assert strip(path) == 0
