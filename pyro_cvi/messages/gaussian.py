@@ -53,7 +53,7 @@ MAX_GRADIENT_PARTICLES = 2048
 
 def gradient_particles(dim: int, num_samples: int) -> int:
     """The number of particles of :func:`gradient_gaussian_message` for a block of ``dim``."""
-    return max(num_samples, min(GRADIENT_PARTICLES_PER_DIM * dim, MAX_GRADIENT_PARTICLES))
+    return max(num_samples, min(int(GRADIENT_PARTICLES_PER_DIM * dim), MAX_GRADIENT_PARTICLES))
 
 
 @dataclass
