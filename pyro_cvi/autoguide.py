@@ -97,7 +97,7 @@ class AutoCVI(AutoGuide):
         ``"gradient"`` (gradients only, one batched model run: Stein's lemma,
         ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
         ``"auto"`` (default: dense up to
-        :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions, measured: none).
+        :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
     """
 
     def __init__(
