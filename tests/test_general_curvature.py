@@ -191,3 +191,17 @@ def test_gradient_curvature_bnn_reports_its_bound(dtype):
     assert all(math.isfinite(v) for v in losses)
     assert "general" in guide.explain()
     assert_loss_is_bound(_bnn, guide, svi, (X, y), M=100, P=10, cvi_repeats=20)
+
+
+def test_general_curvature_option_is_checked_and_chooses_the_estimator():
+    with pytest.raises(ValueError, match="general_curvature"):
+        AutoCVI(_bnn, general_curvature="diagonal")
+    from pyro_cvi.context import Options
+    from pyro_cvi.messages.gaussian import DENSE_HESSIAN_MAX_DIM, gradient_only
+
+    small, large = DENSE_HESSIAN_MAX_DIM, DENSE_HESSIAN_MAX_DIM + 1
+    assert not gradient_only(Options(general_curvature="auto"), small)
+    assert gradient_only(Options(general_curvature="auto"), large)
+    assert gradient_only(Options(general_curvature="gradient"), 1)
+    assert not gradient_only(Options(general_curvature="hessian"), 10_000)
+    assert AutoCVI(_bnn, general_curvature="hessian").general_curvature == "hessian"
