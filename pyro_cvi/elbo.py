@@ -18,6 +18,7 @@ import torch
 from pyro.infer import ELBO
 
 from .autoguide import AutoCVI
+from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
 
@@ -45,9 +46,14 @@ class CVI_ELBO(ELBO):
         return _checked(model, guide).elbo(args, kwargs, grads=False, graph=True).neg()
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        loss = -_checked(model, guide).elbo(args, kwargs, grads=True)
+        guide = _checked(model, guide)
+        loss = -guide.elbo(args, kwargs, grads=True)
         if loss.requires_grad:
-            loss.backward()
+            try:
+                loss.backward()
+            except BaseException:  # the step's transaction is rolled back
+                abort([guide.engine])
+                raise
         return float(loss.detach())
 
     def _get_trace(self, model, guide, args, kwargs):

@@ -175,6 +175,12 @@ class Engine:
         store = pyro.get_param_store()
         return self.steps_name not in store or any(n not in store for n in self.param_names())
 
+    def invalidate(self) -> None:
+        """The parameters were set from outside (a checkpoint): drop every cached ``q``."""
+        self.pending, self.control, self._static_trace = None, None, None
+        for block in self.gaussian:
+            block.forget()
+
     def reanalyse_if_new_data(self, args, kwargs, prototype_trace) -> None:
         """New data (other tensors): the affine coefficients are re-probed; the site
         parameters are kept, so the number of data points must not change."""

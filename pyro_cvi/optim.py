@@ -21,6 +21,7 @@ from pyro.optim import PyroOptim
 
 from .engine import owner_of
 from .step_sizes import Schedule, as_schedule
+from .transaction import abort, commit
 
 __all__ = ["CVI"]
 
@@ -95,30 +96,50 @@ class CVI(PyroOptim):
                 "CVI found CVI parameters without natural gradients: the loss must be "
                 "CVI_ELBO, e.g. SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO())"
             )
-        self.t += 1
-        if self.auto:
-            for key, engine in engines.items():
-                self.engines[key] = weakref.ref(engine)
-                engine.enable_control(
-                    self.max_step_size, self.saved_controls.pop(engine.prefix, None)
-                )
-                engine.step(None)
-        else:
-            beta = float(self.schedule(self.t))
-            if not 0.0 < beta <= 1.0:
-                raise ValueError(
-                    f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
-                )
-            for engine in engines.values():
-                engine.step(beta)
-        reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
-        for reducer in reducers.values():  # data-parallel: the full-data gradients
-            reducer.reduce_grads(others)
-        others = [p for p in others if p.grad is not None]
-        if others:
-            super().__call__(others, *args, **kwargs)
+        # the step completes the transaction its loss opened: a failure or an interrupt
+        # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
+        t, saved = self.t, dict(self.saved_controls)
+        try:
+            self.t += 1
+            if self.auto:
+                for key, engine in engines.items():
+                    self.engines[key] = weakref.ref(engine)
+                    engine.enable_control(
+                        self.max_step_size, self.saved_controls.pop(engine.prefix, None)
+                    )
+                    engine.step(None)
+            else:
+                beta = float(self.schedule(self.t))
+                if not 0.0 < beta <= 1.0:
+                    raise ValueError(
+                        f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
+                    )
+                for engine in engines.values():
+                    engine.step(beta)
+            reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
+            for reducer in reducers.values():  # data-parallel: the full-data gradients
+                reducer.reduce_grads(others)
+            others = [p for p in others if p.grad is not None]
+            if others:
+                super().__call__(others, *args, **kwargs)
+        except BaseException:
+            self.t, self.saved_controls = t, saved
+            abort(engines.values())
+            raise
+        commit(engines.values())
+
+    def resume_control(self, engine) -> None:
+        """A checkpoint was restored into ``engine``: its adaptive step control is rebuilt
+        now, so the first loss after the restore is checked as in the uninterrupted run."""
+        saved = self.saved_controls.pop(engine.prefix, None)
+        if self.auto and saved is not None:
+            self.engines[id(engine)] = weakref.ref(engine)
+            engine.enable_control(self.max_step_size, saved)
 
     def get_state(self) -> Dict:
+        store = pyro.get_param_store()
+        for p in [p for p in self.optim_objs if store.param_name(p) is None]:
+            self.optim_objs.pop(p)  # replaced in the store (a checkpoint restored over it)
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
         controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
@@ -132,6 +153,8 @@ class CVI(PyroOptim):
         if cvi is not None:
             self.t = int(cvi["t"])
             self.saved_controls = dict(cvi.get("control", {}))
+        self.optim_objs.clear()  # the restored parameters get their optimizers afresh,
+        self.grad_clip.clear()  # from the state set here
         super().set_state(state_dict)
 
 
