@@ -35,6 +35,7 @@ from .softmax import METHODS
 from .tracing import subsample_values, trace_model
 from .transaction import rolled_back
 from .update import StepCounts
+from .validation import data_shapes, explained
 
 __all__ = ["AutoCVI"]
 
@@ -154,6 +155,7 @@ class AutoCVI(AutoGuide):
         #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.checkpoint`):
         #: applied, after its check against the model, at the end of the set-up
         self.pending_restore: Optional[Callable] = None
+        self.data_shapes: Dict[str, tuple] = {}  # of the data the guide was built with
 
     # ------------------------------------------------------------------ counters
     @property
@@ -194,6 +196,7 @@ class AutoCVI(AutoGuide):
     def _setup_prototype(self, *args, **kwargs):
         with rolled_back(self):  # a set-up that fails or is interrupted leaves no trace
             super()._setup_prototype(*args, **kwargs)
+            self.data_shapes = data_shapes(args, kwargs)
             self._minibatch_plates = {
                 n
                 for n, v in subsample_values(self.prototype_trace).items()
@@ -215,7 +218,7 @@ class AutoCVI(AutoGuide):
         that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
         # a transaction: a loss that fails leaves the guide as it was; with ``grads`` it stays
         # open until the optimizer's step (:mod:`pyro_cvi.transaction`)
-        with rolled_back(self, keep_open=grads):
+        with rolled_back(self, keep_open=grads), explained(args, kwargs, self.data_shapes):
             if self.prototype_trace is None or self.engine.params_missing():
                 # first call, or the param store was cleared under a live guide: start afresh
                 self._setup_prototype(*args, **kwargs)

@@ -44,7 +44,7 @@ from .step_control import (
 )
 from .tracing import is_random, trace_model
 from .update import StepCounts
-from .validation import check_observations, per_index
+from .validation import check_analysis, check_observations, per_index
 
 __all__ = ["Engine", "owner_of"]
 
@@ -131,7 +131,7 @@ class Engine:
             for n, s in an.structure.nodes.items()
             if is_random(s) and not per_index(s)
         }
-        check_observations(an.structure, self.structure)
+        check_analysis(an, self.structure)
         self.gaussian = [
             (MarkovBlock if spec.chain is not None else GaussianBlock)(
                 spec, self.prefix, [s for s, o in an.owner.items() if o == spec.index], self.options

@@ -19,6 +19,7 @@ import pyro
 import torch
 from pyro.optim import PyroOptim
 
+from .divergence import watch
 from .engine import owner_of
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
@@ -115,6 +116,10 @@ class CVI(PyroOptim):
                         f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
                     )
                 for engine in engines.values():
+                    ctx = engine.pending
+                    if not (ctx.subsample or engine.minibatch):  # comparable losses only
+                        labels = [b.spec.label for b in engine.gaussian] + list(engine.natural)
+                        watch(engine, beta, ctx.elbo, ctx.mc_var, labels)
                     engine.step(beta)
             reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
             for reducer in reducers.values():  # data-parallel: the full-data gradients
