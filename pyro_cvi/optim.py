@@ -13,7 +13,7 @@ user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, Optional, Type, Union
+from typing import Callable, Dict, Iterable, List, Optional, Type, Union
 
 import pyro
 import torch
@@ -81,6 +81,21 @@ class CVI(PyroOptim):
         return [e for e in (r() for r in self.engines.values()) if e is not None]
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+        # the update completes the transaction its loss opened: a failure or an interrupt
+        # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
+        params = list(params)
+        t, saved = self.t, dict(self.saved_controls)
+        try:
+            engines = self._update(params, args, kwargs)
+        except BaseException:
+            self.t, self.saved_controls = t, saved
+            abort({e for e in map(owner_of, params) if e is not None})
+            for p in params:  # this step's gradients must not leak into the next one
+                p.grad = None
+            raise
+        commit(engines)
+
+    def _update(self, params: List[torch.Tensor], args, kwargs) -> List:
         engines, others = {}, []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
@@ -91,47 +106,41 @@ class CVI(PyroOptim):
         if not engines:
             if others:
                 _refuse(others)
-            return
+            return []
         if any(e.pending is None for e in engines.values()):
             raise ValueError(
                 "CVI found CVI parameters without natural gradients: the loss must be "
                 "CVI_ELBO, e.g. SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO())"
             )
-        # the step completes the transaction its loss opened: a failure or an interrupt
-        # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
-        t, saved = self.t, dict(self.saved_controls)
-        try:
-            self.t += 1
-            if self.auto:
-                for key, engine in engines.items():
-                    self.engines[key] = weakref.ref(engine)
-                    engine.enable_control(
-                        self.max_step_size, self.saved_controls.pop(engine.prefix, None)
-                    )
-                    engine.step(None)
-            else:
-                beta = float(self.schedule(self.t))
-                if not 0.0 < beta <= 1.0:
-                    raise ValueError(
-                        f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
-                    )
-                for engine in engines.values():
-                    ctx = engine.pending
-                    if not (ctx.subsample or engine.minibatch):  # comparable losses only
-                        labels = [b.spec.label for b in engine.gaussian] + list(engine.natural)
-                        watch(engine, beta, ctx.elbo, ctx.mc_var, labels)
-                    engine.step(beta)
-            reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
-            for reducer in reducers.values():  # data-parallel: the full-data gradients
-                reducer.reduce_grads(others)
-            others = [p for p in others if p.grad is not None]
-            if others:
-                super().__call__(others, *args, **kwargs)
-        except BaseException:
-            self.t, self.saved_controls = t, saved
-            abort(engines.values())
-            raise
-        commit(engines.values())
+        self.t += 1
+        if self.auto:
+            for key, engine in engines.items():
+                self.engines[key] = weakref.ref(engine)
+                engine.enable_control(
+                    self.max_step_size, self.saved_controls.pop(engine.prefix, None)
+                )
+                engine.step(None)
+        else:
+            beta = float(self.schedule(self.t))
+            if not 0.0 < beta <= 1.0:
+                raise ValueError(
+                    f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
+                )
+            for engine in engines.values():
+                ctx = engine.pending
+                if not (ctx.subsample or engine.minibatch):  # comparable losses only
+                    labels = [b.spec.label for b in engine.gaussian] + list(engine.natural)
+                    watch(engine, beta, ctx.elbo, ctx.mc_var, labels)
+                engine.step(beta)
+        reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
+        for reducer in reducers.values():  # data-parallel: the full-data gradients
+            reducer.reduce_grads(others)
+        others = [p for p in others if p.grad is not None]
+        if others:
+            super().__call__(others, *args, **kwargs)
+        for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
+            p.grad = None
+        return list(engines.values())
 
     def resume_control(self, engine) -> None:
         """A checkpoint was restored into ``engine``: its adaptive step control is rebuilt

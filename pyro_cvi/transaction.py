@@ -108,11 +108,11 @@ def rolled_back(guide, keep_open: bool = False) -> Iterator[Transaction]:
     txn = Transaction(guide)
     try:
         yield txn
+        if keep_open and guide.engine is not None:
+            keep(guide.engine, txn)
     except BaseException:
         txn.rollback()
         raise
-    if keep_open and guide.engine is not None:
-        keep(guide.engine, txn)
 
 
 def abort(engines: Iterable) -> None:
