@@ -23,6 +23,7 @@ __all__ = [
     "check_analysis",
     "check_observations",
     "check_structure",
+    "check_targets",
     "data_shapes",
     "explained",
     "per_index",
@@ -187,6 +188,26 @@ def check_structure(trace: Trace, prototype) -> None:
 def data_shapes(args, kwargs) -> dict:
     """``{argument: shape}`` of the model's tensor arguments (for :func:`explained`)."""
     return {n: tuple(a.shape) for n, a in _data_tensors(args, kwargs)}
+
+
+def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor) -> None:
+    """GPyTorch: the targets ``y`` against the support of ``likelihood``'s distribution of
+    ``y`` given latent values ``f`` (e.g. labels in {0, 1} for a Bernoulli likelihood)."""
+    try:
+        d = likelihood.forward(f)
+        support = d.support
+        if constraints.is_dependent(support):
+            return
+        bad = ~support.check(y.to(f.dtype) if d.support.is_discrete else y)
+    except Exception:  # noqa: BLE001 (a likelihood without a plain torch distribution)
+        return
+    if bool(bad.any()):
+        i = _first(bad)
+        raise ValueError(
+            f"targets y: {y[tuple(i)].tolist()} at index {i} is outside the support of "
+            f"{type(likelihood).__name__} ({type(d).__name__}, {support}). Labels of a "
+            "Bernoulli likelihood are 0 and 1 (map labels in {-1, 1} with (y + 1) / 2)."
+        )
 
 
 def _data_tensors(args, kwargs):

@@ -381,6 +381,25 @@ def case_checkpoint_unsafe_state(tmp_path):
     save_checkpoint(tmp_path / "run.pt", optim, guide)
 
 
+def case_gpytorch_labels():
+    import gpytorch
+
+    from pyro_cvi.contrib.gpytorch import CVIOptimizer, CVIVariationalStrategy
+
+    X, y = _data(20)
+
+    class GP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            super().__init__(CVIVariationalStrategy(self, X, X.shape[0]))
+            self.mean, self.kernel = gpytorch.means.ZeroMean(), gpytorch.kernels.RBFKernel()
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean(x), self.kernel(x))
+
+    lik = gpytorch.likelihoods.BernoulliLikelihood().double()
+    CVIOptimizer(GP().double(), lik, 1.0).step(X, 2 * y - 1)  # labels in {-1, 1}
+
+
 CASES = {
     name[5:].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")
 }

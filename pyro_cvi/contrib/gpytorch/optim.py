@@ -45,6 +45,7 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from pyro_cvi.quadrature import site_natural_params
+from pyro_cvi.validation import check_targets
 
 from .strategy import CVIVariationalStrategy
 
@@ -193,6 +194,7 @@ class CVIOptimizer:
         indices = self._resolve_indices(x, indices)
         mean, var = s.site_marginals(indices)
         y = y.to(device=mean.device)
+        check_targets(self.likelihood, y, mean)  # labels against the likelihood's support
 
         m = mean.clone().requires_grad_(True)
         v = var.clone().requires_grad_(True)
