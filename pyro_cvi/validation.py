@@ -199,6 +199,8 @@ def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor) -> None:
         if constraints.is_dependent(support):
             return
         bad = ~support.check(y.to(f.dtype) if d.support.is_discrete else y)
+        if y.is_floating_point():  # (NaN targets are refused by the step's finiteness check)
+            bad = bad & torch.isfinite(y)
     except Exception:  # noqa: BLE001 (a likelihood without a plain torch distribution)
         return
     if bool(bad.any()):
