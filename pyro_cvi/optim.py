@@ -84,11 +84,12 @@ class CVI(PyroOptim):
         # the update completes the transaction its loss opened: a failure or an interrupt
         # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
         params = list(params)
-        t, saved = self.t, dict(self.saved_controls)
+        t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
         try:
             engines = self._update(params, args, kwargs)
         except BaseException:
             self.t, self.saved_controls = t, saved
+            torch.set_grad_enabled(grad_mode)
             abort({e for e in map(owner_of, params) if e is not None})
             for p in params:  # this step's gradients must not leak into the next one
                 p.grad = None
@@ -129,7 +130,7 @@ class CVI(PyroOptim):
             for engine in engines.values():
                 ctx = engine.pending
                 if not (ctx.subsample or engine.minibatch):  # comparable losses only
-                    labels = [b.spec.label for b in engine.gaussian] + list(engine.natural)
+                    labels = [lbl for b in engine.blocks for lbl in b.labels]
                     watch(engine, beta, ctx.elbo, ctx.mc_var, labels)
                 engine.step(beta)
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}

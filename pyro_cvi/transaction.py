@@ -8,8 +8,8 @@ parameters *in place*. So a snapshot taken when the loss starts is cheap and com
 copy of those objects' attributes, clones of the guide's parameters, and the param store's
 names. If anything raises before the update has finished (a validation error, a numerical
 failure, ``KeyboardInterrupt``), the snapshot is put back: the parameters added by a failed
-first step leave the param store, the guide forgets a half-built set-up, and the next good step
-works as if the failed one never happened.
+first step leave the param store, the guide forgets a half-built set-up, autograd's global mode
+is restored, and the next good step works as if the failed one never happened.
 
 The snapshot lives from the loss until the optimizer's update (:func:`commit`), keyed weakly
 by the engine (a loss evaluated without a step, e.g. ``svi.evaluate_loss``, keeps none).
@@ -49,23 +49,27 @@ class Transaction:
 
     def __init__(self, guide):
         self.guide = guide
+        #: autograd's mode: an interrupt that lands between a ``with torch.no_grad()`` body and
+        #: its ``__exit__`` (CPython does not guard that point) would leave it switched off
+        self.grad_mode = torch.is_grad_enabled()
         store = pyro.get_param_store()
         self.names = set(store.keys())
         objs: List = [guide, guide.counts]
         self.params: Dict[str, torch.Tensor] = {}
         engine = guide.engine
         if engine is not None:
-            objs += [engine, engine.counts] + list(engine.gaussian) + list(engine.natural.values())
+            objs += [engine, engine.counts] + list(engine.blocks) + list(engine.natural.values())
             if engine.control is not None:
                 objs.append(engine.control)
             with torch.no_grad():
                 for n in engine.param_names() + [engine.steps_name]:
                     if n in store:
                         self.params[n] = _unconstrained(n).detach().clone()
-        self.mementos = [_Memento(o) for o in objs]
+        self.mementos = list({id(o): _Memento(o) for o in objs}.values())
 
     def rollback(self) -> None:
         """Put the guide, its engine and its parameters back as they were at the snapshot."""
+        torch.set_grad_enabled(self.grad_mode)
         store = pyro.get_param_store()
         for n in [n for n in store.keys() if n not in self.names]:
             del store[n]  # added by the failed step (a first step's set-up)

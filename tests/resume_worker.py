@@ -19,7 +19,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
 
 STEPS = 12
 

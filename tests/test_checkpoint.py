@@ -14,7 +14,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from pyro_cvi.scale.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"

@@ -305,7 +305,7 @@ def case_fixed_step_oscillates():
 
 
 def _saved(tmp, model=logreg, data=None):
-    from pyro_cvi.checkpoint import save_checkpoint
+    from pyro_cvi.scale.checkpoint import save_checkpoint
 
     data = _data() if data is None else data
     optim = CVI(step_size=0.5)
@@ -317,7 +317,7 @@ def _saved(tmp, model=logreg, data=None):
 
 
 def _load_into_live(path, model=logreg, data=None):
-    from pyro_cvi.checkpoint import load_checkpoint
+    from pyro_cvi.scale.checkpoint import load_checkpoint
 
     pyro.clear_param_store()
     data = _data() if data is None else data
@@ -371,7 +371,7 @@ def case_checkpoint_other_sites(tmp_path):
 
 
 def case_checkpoint_unsafe_state(tmp_path):
-    from pyro_cvi.checkpoint import save_checkpoint
+    from pyro_cvi.scale.checkpoint import save_checkpoint
 
     X, y = _data()
     optim, guide = CVI(step_size=0.5), AutoCVI(logreg)

@@ -146,6 +146,7 @@ def test_interrupted_step_leaves_the_guide_as_it_was(case, pre):
         finally:
             sys.settrace(None)
         assert raised, f"no fault at line {k} of {total}"
+        assert torch.is_grad_enabled(), fault.where  # (a fault before a with's __exit__)
         now = _state()
         if _equal(now, before):
             seen["before"] += 1

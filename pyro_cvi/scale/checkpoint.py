@@ -42,9 +42,9 @@ import pyro.distributions.constraints as pyro_constraints
 import torch
 import torch.distributions.constraints as torch_constraints
 
-from .autoguide import AutoCVI
+from ..autoguide import AutoCVI
+from ..optim import CVI
 from .distributed import rank_path
-from .optim import CVI
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT", "VERSION"]
 
@@ -103,7 +103,7 @@ def _guide_state(guide: AutoCVI) -> Dict:
         store = pyro.get_param_store()
         names = engine.param_names() + [engine.steps_name]
         out["params"] = {n: list(store[n].shape) for n in names if n in store}
-        out["z_at"] = {_key(b): b.z_at.detach() for b in engine.gaussian if b.z_at is not None}
+        out["z_at"] = {_key(b): z.detach() for b, z in _fixed_points(engine)}
     return out
 
 
@@ -119,6 +119,15 @@ def _signature(guide: AutoCVI) -> Dict[str, list]:
 
 def _key(block) -> str:
     return "+".join(block.names)
+
+
+def _fixed_points(engine):
+    """``(block, z_at)``: the points site-form blocks trace the model at (they set the bits
+    of the offsets ``c``, so an exact resume restores them instead of recomputing them)."""
+    for b in engine.blocks:
+        z = getattr(b, "z_at", None)
+        if torch.is_tensor(z):
+            yield b, z
 
 
 def _rng_state() -> Dict:
@@ -386,9 +395,9 @@ def _apply(state: Dict, optim: CVI, guide: Optional[AutoCVI]) -> None:
         engine = guide.engine
         if engine is not None:
             z_at = saved.get("z_at", {})
-            for block in engine.gaussian:
+            for block, z in list(_fixed_points(engine)):
                 if _key(block) in z_at:
-                    block.z_at = z_at[_key(block)].to(block.z_at)
+                    block.z_at = z_at[_key(block)].to(z)
             engine.invalidate()
             optim.resume_control(engine)
     rng = state["rng"]
