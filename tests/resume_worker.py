@@ -6,12 +6,15 @@ KIND: ``gaussian`` (logistic regression, one Gaussian block, quadrature, fixed s
 ``montecarlo`` (logistic regression, Monte Carlo linear-predictor gradients, adaptive step),
 ``meanfield`` (Poisson-Gamma factorisation, natural blocks with Monte Carlo messages, adaptive
 step), ``hybrid`` (Student-t regression with a learned offset: CVI + Adam, adaptive step).
+``australian``: the issue-22 report (logistic regression on australian, ``num_samples=4``,
+``CVI(step_size=0.3)``; needs ../shared/data and scikit-learn).
 MODE: ``full`` (all steps), ``first`` (the first half, then a checkpoint), ``resume`` (load,
 then the second half) or ``resume-called`` (``guide(*data)`` before loading).
 OUT receives the losses and the final param store.
 """
 
 import sys
+from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -21,7 +24,7 @@ from pyro.infer import SVI
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
 
-STEPS = 12
+STEPS = 20 if len(sys.argv) > 1 and sys.argv[1] == "australian" else 12
 
 
 def _logistic_data():
@@ -72,6 +75,20 @@ def build(kind):
         y[::9] += 8.0
         guide = AutoCVI(student)
         return student, guide, CVI(optim_args={"lr": 0.05}), (X, y)
+    if kind == "australian":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+        from bench.datasets import load_logreg
+
+        d = load_logreg("australian")
+        delta = d.prior_precision
+
+        def model(X, y=None):
+            w = pyro.sample("w", dist.Normal(X.new_zeros(X.shape[1]), delta**-0.5).to_event(1))
+            with pyro.plate("data", X.shape[0]):
+                pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+        guide = AutoCVI(model, num_samples=4)
+        return model, guide, CVI(step_size=0.3), (d.X_train, d.y_train)
     raise ValueError(kind)
 
 
