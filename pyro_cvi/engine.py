@@ -143,7 +143,7 @@ class Engine:
             for n, s in an.structure.nodes.items()
             if is_random(s) and not per_index(s)
         }
-        check_analysis(an, self.structure)
+        check_analysis(an, self.structure, args, kwargs)
         self.gaussian = [
             self._site_block(spec, [s for s, o in an.owner.items() if o == spec.index])
             for spec in an.blocks

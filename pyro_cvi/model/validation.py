@@ -30,23 +30,35 @@ __all__ = [
 ]
 
 
-def check_analysis(analysis, structure) -> None:
+def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
     """The checks of a fresh analysis (new data): its observations (:func:`check_observations`)
-    and the coefficients of every linear predictor ``eta = A z + c``, which must be finite."""
+    and, where a data argument holds inf or NaN, the linear predictors ``eta = A z + c`` of the
+    observed sites, which must then be finite (an infinite covariate gives an infinite ``eta``
+    that no distribution refuses: the loss would be ``nan``)."""
     check_observations(analysis.structure, structure)
+    bad_args = [
+        (n, a)
+        for n, a in _data_tensors(args, kwargs or {})
+        if a.is_floating_point() and not bool(torch.isfinite(a).all())
+    ]
+    if not bad_args:
+        return
+    arg, a = bad_args[0]
+    j = _first(~torch.isfinite(a))
+    where = f"the model's {arg} is {float(a[tuple(j)])} at index {j}"
     for name, site in analysis.structure.nodes.items():
         if not is_random(site) or not site["is_observed"] or name not in structure:
             continue
-        lin = linear_param(unwrap(site["fn"])[0])
+        base = unwrap(site["fn"])[0]
+        lin = linear_param(base)
         if lin is None or not lin[1].is_floating_point():
             continue
         bad = ~torch.isfinite(lin[1])
         if bool(bad.any()):
             i = _first(bad)
             raise ValueError(
-                f"site {name!r}: its {type(unwrap(site['fn'])[0]).__name__} {lin[0]} is "
-                f"{float(lin[1][tuple(i)])} at index {i} where the model is traced. Its inputs "
-                "(e.g. a covariate matrix X) hold inf or NaN there: remove or impute them."
+                f"site {name!r}: its {type(base).__name__} {lin[0]} is {float(lin[1][tuple(i)])} "
+                f"at index {i}: {where}. Remove or impute the non-finite inputs."
             )
     for spec in analysis.blocks:
         for f in spec.factors:
@@ -55,10 +67,9 @@ def check_analysis(analysis, structure) -> None:
                 continue
             row, col = (~torch.isfinite(A)).nonzero()[0].tolist()
             raise ValueError(
-                f"site {f.site!r}: its linear predictor has a non-finite coefficient (row "
-                f"{row}, the data point at flat index {row}, coefficient of {spec.label} "
-                f"element {col}). The inputs of the model (e.g. a covariate matrix X) hold inf "
-                "or NaN there: remove or impute them."
+                f"site {f.site!r}: its linear predictor has a non-finite coefficient (row {row}, "
+                f"coefficient of {spec.label} element {col}): {where}. Remove or impute the "
+                "non-finite inputs."
             )
 
 
