@@ -58,7 +58,7 @@ _PLAIN = (str, int, float, bool, type(None))
 
 # ------------------------------------------------------------------------------------ saving
 def save_checkpoint(
-    path: Union[str, os.PathLike], optim: CVI, guide: Optional[AutoCVI] = None
+    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[AutoCVI] = None
 ) -> None:
     """Write the param store, the optimizer, the guide's state and the RNG states to ``path``
     (atomically: a reader never sees a half-written file)."""
@@ -303,7 +303,7 @@ def _decode_constraint(d):
 
 
 def load_checkpoint(
-    path: Union[str, os.PathLike], optim: CVI, guide: Optional[AutoCVI] = None
+    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[AutoCVI] = None
 ) -> None:
     """Restore a checkpoint written by :func:`save_checkpoint` (before the next ``svi.step``).
 
