@@ -133,7 +133,7 @@ class CVI(PyroOptim):
                 ctx = engine.pending
                 if not (ctx.subsample or engine.minibatch):  # comparable losses only
                     labels = [lbl for b in engine.blocks for lbl in b.labels]
-                    watch(engine, beta, ctx.elbo, ctx.mc_var, labels)
+                    watch(engine, beta, ctx.elbo, ctx.mc_var, str(labels))
                 engine.step(beta)
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients

@@ -34,7 +34,7 @@ import os
 import pickle
 import random
 import tempfile
-from typing import Dict, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import pyro
@@ -91,8 +91,8 @@ def save_checkpoint(
         raise
 
 
-def _guide_state(guide: AutoCVI) -> Dict:
-    out = {
+def _guide_state(guide: AutoCVI) -> Dict[str, Any]:
+    out: Dict[str, Any] = {
         "name": guide.param_prefix,
         "num_shrunk": guide.num_shrunk,
         "num_rejected": guide.num_rejected,
@@ -107,21 +107,28 @@ def _guide_state(guide: AutoCVI) -> Dict:
     return out
 
 
-def _signature(guide: AutoCVI) -> Dict[str, list]:
+def _signature(guide: AutoCVI) -> Dict[str, List[Any]]:
     """``{site: [shape, observed]}`` of the model's sample sites as the guide saw them."""
-    nodes = guide.engine.analysis.structure.nodes  # (the prototype trace hides observations)
+    engine = _engine(guide)
+    nodes = engine.analysis.structure.nodes  # (the prototype trace hides observations)
     return {
         n: [list(torch.as_tensor(nodes[n]["value"]).shape), bool(obs)]
-        for n, obs in guide.engine.structure.items()
+        for n, obs in engine.structure.items()
         if n in nodes
     }
 
 
-def _key(block) -> str:
+def _engine(guide: AutoCVI) -> Any:
+    if guide.engine is None:
+        raise RuntimeError("the guide has not seen the model yet")
+    return guide.engine
+
+
+def _key(block: Any) -> str:
     return "+".join(block.names)
 
 
-def _fixed_points(engine):
+def _fixed_points(engine: Any) -> Iterator[Tuple[Any, torch.Tensor]]:
     """``(block, z_at)``: the points site-form blocks trace the model at (they set the bits
     of the offsets ``c``, so an exact resume restores them instead of recomputing them)."""
     for b in engine.blocks:
@@ -130,10 +137,10 @@ def _fixed_points(engine):
             yield b, z
 
 
-def _rng_state() -> Dict:
-    keys, pos, has_gauss, gauss = np.random.get_state()[1:]
+def _rng_state() -> Dict[str, Any]:
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     version, internal, py_gauss = random.getstate()
-    out = {
+    out: Dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": {
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -147,18 +154,18 @@ def _rng_state() -> Dict:
             "gauss": py_gauss,
         },
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = list(torch.cuda.get_rng_state_all())
     return out
 
 
-def _encode_constraint(c) -> Dict:
+def _encode_constraint(c: Any) -> Dict[str, Any]:
     """A constraint as plain values: a module-level one by name, others by class and fields."""
     for module in (pyro_constraints, torch_constraints):
         for name, obj in vars(module).items():
             if obj is c and not name.startswith("__"):
                 return {"name": name}
-    fields = {}
+    fields: Dict[str, Any] = {}
     for k, v in vars(c).items():
         if isinstance(v, torch_constraints.Constraint):
             fields[k] = {"constraint": _encode_constraint(v)}
@@ -172,7 +179,7 @@ def _encode_constraint(c) -> Dict:
     return {"class": type(c).__name__, "fields": fields}
 
 
-def _check_plain(obj, where: str) -> None:
+def _check_plain(obj: Any, where: str) -> None:
     """Every entry must be a tensor or a plain value (what ``weights_only=True`` reads)."""
     if torch.is_tensor(obj) or isinstance(obj, _PLAIN + (torch.Size, torch.dtype)):
         return
@@ -193,11 +200,12 @@ def _check_plain(obj, where: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ loading
-def read_checkpoint(path: Union[str, os.PathLike]) -> Dict:
+def read_checkpoint(path: Union[str, os.PathLike[str]]) -> Dict[str, Any]:
     """Read and check a checkpoint file without touching anything live; returns its contents
     with the RNG states and constraints decoded. Raises ``ValueError`` naming the file and
     the problem (missing, truncated, not a checkpoint, an old or unknown version, malformed)."""
     path = os.fspath(path)
+    state: Any
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist (or is not a file)")
     try:
@@ -224,10 +232,11 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> Dict:
         state["param_store"]["constraints"] = {n: _decode_constraint(c) for n, c in cons.items()}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {path!r} is malformed: {e}") from None
-    return state
+    checked: Dict[str, Any] = state
+    return checked
 
 
-def _why_malformed(state) -> Optional[str]:
+def _why_malformed(state: Any) -> Optional[str]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         if isinstance(state, dict) and state.get("version") == 1 and "param_store" in state:
             return (
@@ -252,7 +261,7 @@ def _why_malformed(state) -> Optional[str]:
     return None
 
 
-def _decode_rng(rng: Dict) -> Dict:
+def _decode_rng(rng: Dict[str, Any]) -> Dict[str, Any]:
     t = rng["torch"]
     like = torch.get_rng_state()
     if not (torch.is_tensor(t) and t.dtype == like.dtype and t.shape == like.shape):
@@ -278,7 +287,7 @@ def _decode_rng(rng: Dict) -> Dict:
     }
 
 
-def _constraint_class(name: str):
+def _constraint_class(name: str) -> Any:
     for module in (pyro_constraints, torch_constraints):
         obj = vars(module).get(name)
         if isinstance(obj, type) and issubclass(obj, torch_constraints.Constraint):
@@ -286,7 +295,7 @@ def _constraint_class(name: str):
     raise ValueError(f"unknown constraint class {name!r}")
 
 
-def _decode_constraint(d):
+def _decode_constraint(d: Any) -> Any:
     if not isinstance(d, dict):
         raise TypeError(f"a constraint entry is a {type(d).__name__}, not a dict")
     if "name" in d:
@@ -334,7 +343,7 @@ def load_checkpoint(
     guide.pending_restore = restore
 
 
-def _check_model(path, saved: Dict, guide: AutoCVI) -> None:
+def _check_model(path: Any, saved: Dict[str, Any], guide: AutoCVI) -> None:
     """Raise ``ValueError`` if the checkpoint was written for other sites, shapes or data."""
     problems = []
     if "sites" in saved:
@@ -359,18 +368,18 @@ def _check_model(path, saved: Dict, guide: AutoCVI) -> None:
                 )
     if "params" in saved and not problems:
         store = pyro.get_param_store()
-        engine = guide.engine
+        engine = _engine(guide)
         names = engine.param_names() + [engine.steps_name]
-        now = {n: list(store[n].shape) for n in names if n in store}
-        if set(now) != set(saved["params"]):
-            diff = sorted(set(now) ^ set(saved["params"]))
+        shapes = {n: list(store[n].shape) for n in names if n in store}
+        if set(shapes) != set(saved["params"]):
+            diff = sorted(set(shapes) ^ set(saved["params"]))
             problems.append(f"the guide's parameters differ: {diff}")
         else:
             problems += [
                 f"parameter {n!r} has shape {tuple(saved['params'][n])} in the checkpoint and "
-                f"{tuple(now[n])} here"
-                for n in sorted(now)
-                if list(saved["params"][n]) != now[n]
+                f"{tuple(shapes[n])} here"
+                for n in sorted(shapes)
+                if list(saved["params"][n]) != shapes[n]
             ]
     if problems:
         raise ValueError(
@@ -380,7 +389,7 @@ def _check_model(path, saved: Dict, guide: AutoCVI) -> None:
         )
 
 
-def _apply(state: Dict, optim: CVI, guide: Optional[AutoCVI]) -> None:
+def _apply(state: Dict[str, Any], optim: CVI, guide: Optional[AutoCVI]) -> None:
     """Replace the live state with a checked checkpoint."""
     store = pyro.get_param_store()
     store.clear()
