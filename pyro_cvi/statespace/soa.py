@@ -130,6 +130,8 @@ def inv_det(M):
     if torch.is_tensor(M):
         if d == 1:
             return M.reciprocal(), M[..., 0, 0]
+        if d == 2:
+            return _inv_det_2(M)
         return torch.linalg.inv(M), torch.linalg.det(M)
     if d == 1:
         return [[M[0][0].reciprocal()]], M[0][0]
@@ -142,8 +144,16 @@ def inv_det(M):
     return to_arrays_mat(torch.linalg.inv(full)), torch.linalg.det(full)
 
 
+def _inv_det_2(M: torch.Tensor):
+    """Packed 2 x 2: the adjugate over the determinant (a LAPACK call per stack costs more)."""
+    a, b, c, e = M.flatten(-2).unbind(-1)
+    det = a * e - b * c
+    adj = torch.stack([e, -b, -c, a], -1).unflatten(-1, (2, 2))
+    return adj / det[..., None, None], det
+
+
 def inv(M):
     """``M^-1`` of a stack of small matrices."""
-    if torch.is_tensor(M):
-        return M.reciprocal() if M.shape[-1] == 1 else torch.linalg.inv(M)
+    if torch.is_tensor(M) and M.shape[-1] > 2:
+        return torch.linalg.inv(M)
     return inv_det(M)[0]
