@@ -39,7 +39,7 @@ import torch
 
 from ..linalg import NotPositiveDefinite
 from . import soa
-from .soa import add, dot, inv, inv_det, mm, mv, sub, tr
+from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
 
 __all__ = [
     "LinearGaussianChain",
@@ -113,10 +113,9 @@ def _plus_eye(M):
 
 
 def _log_det_g(det, g):
-    """``g - log(det) / 2``, NaN where ``det <= 0`` (``q`` not positive definite)."""
-    bad = det <= 0
-    g = g - 0.5 * torch.where(bad, torch.ones_like(det), det).log()
-    return torch.where(bad, torch.full_like(g, float("nan")), g)
+    """``g - log(det) / 2``: NaN or +inf where ``det <= 0`` (``q`` not positive definite),
+    which reaches ``log Z`` and is caught there."""
+    return g - 0.5 * det.log()
 
 
 def leaf(A, b, C, eta, J) -> Element:
@@ -129,7 +128,7 @@ def leaf(A, b, C, eta, J) -> Element:
     Jb = mv(J, b)
     r = sub(eta, Jb)
     Wt = tr(W)
-    quad = dot(eta, b) - 0.5 * dot(b, Jb) + 0.5 * dot(r, mv(P1, r))
+    quad = dot(b, sub(eta, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
     e = mv(Wt, r)
     g = _log_det_g(det, quad)
     return W, mv(Minv, add(b, mv(C, eta))), P1, e, mm(Wt, mm(J, A)), g
@@ -156,9 +155,18 @@ def combine(i: Element, j: Element):
     C = add(mm(AjP1, tr(Aj)), Cj)
     e = add(mv(Wt, r), ei)
     J = add(mm(Wt, mm(Jj, Ai)), Ji)
-    quad = dot(ej, bi) - 0.5 * dot(bi, Jb) + 0.5 * dot(r, mv(P1, r))
+    quad = dot(bi, sub(ej, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
     g = _log_det_g(det, gi + gj + quad)
     return (A, b, C, e, J, g), (W, nu, P1, AjP1)
+
+
+def _half(v):
+    return soa.tree_map(lambda t: 0.5 * t, v)
+
+
+def _vec_of(M):
+    """A ``d x 1`` matrix as a vector."""
+    return M if soa.is_packed(M) else [row[0] for row in M]
 
 
 def _take(X, s: slice):
@@ -218,12 +226,14 @@ def _descend(levels: List, root: Element):
         mJ, SJ, XJ = (_take(t, slice(0, pairs)) for t in (mE, SE, X))
         Kt = mm(inv(Cp), ARP1)  # K' = C_parent^-1 A_R P1 (C_parent = Cov(x_j | x_{i-1}))
         K = tr(Kt)
-        F = sub(W, mm(K, Ap))
+        FK = hcat(sub(W, mm(K, Ap)), K)  # [F G]: x_k | x_{i-1}, x_j ~ N(F x_{i-1} + G x_j + u, S)
         u = sub(nu, mv(K, bp))
-        mk = add(add(mv(F, mS), mv(K, mJ)), u)
-        Y = add(mm(F, SS), mm(K, XJ))  # Cov(x_k, x_{i-1})
-        Z = add(mm(F, tr(XJ)), mm(K, SJ))  # Cov(x_k, x_j)
-        Sk = add(sub(P1, mm(K, ARP1)), add(mm(Y, tr(F)), mm(Z, Kt)))
+        # [E x_k - u, Cov(x_k, x_{i-1}), Cov(x_k, x_j)] = [F G] [m_s S_s X'; m_j X S_j]
+        R = mm(FK, vcat(hcat(soa.col(mS), SS, tr(XJ)), hcat(soa.col(mJ), XJ, SJ)))
+        d = len(R) if not soa.is_packed(R) else R.shape[-2]
+        mk = add(_vec_of(cols(R, 0, 1)), u)
+        Y, Z = cols(R, 1, 1 + d), cols(R, 1 + d, 1 + 2 * d)
+        Sk = add(sub(P1, mm(K, ARP1)), mm(cols(R, 1, 1 + 2 * d), tr(FK)))
         child = (_interleave(mk, mJ), _interleave(Sk, SJ), _interleave(Y, tr(Z)))
         if odd:
             child = tuple(_cat(c, _take(s, slice(pairs, pairs + 1))) for c, s in zip(child, state))

@@ -32,11 +32,41 @@ __all__ = [
     "inv",
     "inv_det",
     "is_packed",
+    "col",
+    "hcat",
+    "vcat",
+    "cols",
 ]
 
 
 def is_packed(X) -> bool:
     return torch.is_tensor(X)
+
+
+def col(v):
+    """A vector as a ``d x 1`` matrix."""
+    return v if torch.is_tensor(v) else [[x] for x in v]
+
+
+def hcat(*Ms):
+    """``[M_1 M_2 ...]`` side by side."""
+    if torch.is_tensor(Ms[0]):
+        return torch.cat(Ms, -1)
+    return [[x for row in rows for x in row] for rows in zip(*Ms)]
+
+
+def vcat(*Ms):
+    """``[M_1; M_2; ...]`` stacked."""
+    if torch.is_tensor(Ms[0]):
+        return torch.cat(Ms, -2)
+    return [row for M in Ms for row in M]
+
+
+def cols(M, start: int, stop: int):
+    """Columns ``start:stop``."""
+    if torch.is_tensor(M):
+        return M[..., start:stop]
+    return [row[start:stop] for row in M]
 
 
 def to_arrays_mat(M: torch.Tensor):
@@ -146,10 +176,10 @@ def inv_det(M):
 
 def _inv_det_2(M: torch.Tensor):
     """Packed 2 x 2: the adjugate over the determinant (a LAPACK call per stack costs more)."""
-    a, b, c, e = M.flatten(-2).unbind(-1)
-    det = a * e - b * c
-    adj = torch.stack([e, -b, -c, a], -1).unflatten(-1, (2, 2))
-    return adj / det[..., None, None], det
+    flat = M.flatten(-2)
+    adj = flat[..., [3, 1, 2, 0]] * flat.new_tensor([1.0, -1.0, -1.0, 1.0])
+    det = (flat[..., :2] * adj[..., 0::2]).sum(-1)  # a e - b c
+    return adj.unflatten(-1, (2, 2)) / det[..., None, None], det
 
 
 def inv(M):
