@@ -124,19 +124,15 @@ class GaussianBlock(SiteFormBlock):
         The site target of eq. 13 for a point mass at ``eta = A m0 + c`` is
         ``(f'(eta) - f''(eta) eta, f''(eta) / 2)``: a Newton/Laplace step from the prior mean.
         It starts q near the posterior instead of at the prior, which matters for flat priors
-        (australian, ``delta = 1e-5``). Positive curvature is clipped to zero. Where the
-        prior's own moments give a row less curvature, its target there instead
-        (:func:`~pyro_cvi.messages.gaussian.warm_start_target`).
+        (australian, ``delta = 1e-5``). Positive curvature is clipped to zero.
         """
-        prior = self._prior(trace)
-        m0 = prior.loc.detach()
+        m0 = self._prior(trace).loc.detach()
         sites = self._sites()
         for f in self.linear:
             p = sites[f.site]
             rows = linear_predictor_rows(trace.nodes[f.site], f, self.z_at, p.detach())
             f_mean = f.jacobian @ m0
-            v = _prior_row_var(prior, f.jacobian)
-            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points, v)
+            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points)
             if target is not None:
                 p.data.copy_(target)
         for f in self.softmax:  # the same step, K-variate: variance 1e-4 of logit differences
@@ -421,20 +417,6 @@ class GaussianBlock(SiteFormBlock):
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         return self.spec.split(self.post.loc.detach())
-
-
-def _prior_row_var(prior: GaussianPrior, A: torch.Tensor) -> Optional[torch.Tensor]:
-    """The prior variances of the rows ``A z`` (``None`` where they cannot be computed)."""
-    with torch.no_grad():
-        A = A.detach().to(prior.loc)
-        if prior.var is not None:
-            return (A**2) @ prior.var.detach()
-        if prior.cov is not None:
-            return ((A @ prior.cov_cholesky().detach()) ** 2).sum(-1)
-        L, info = torch.linalg.cholesky_ex(prior.precision.detach())
-        if int(info) != 0:
-            return None
-        return (torch.linalg.solve_triangular(L, A.T, upper=False) ** 2).sum(0)
 
 
 def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
