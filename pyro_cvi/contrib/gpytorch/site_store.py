@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Callable, List, Optional
 
 import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.variational import _VariationalDistribution
 from torch import Tensor
 
-__all__ = ["write_sites", "keys_equal"]
+__all__ = ["CVISites", "write_sites", "keys_equal"]
 
 
 def write_sites(
@@ -41,3 +43,41 @@ def keys_equal(a: List, b: List) -> bool:
         x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and torch.equal(x, y)
         for x, y in zip(a[1:], b[1:])
     )
+
+
+class CVISites(_VariationalDistribution):
+    """Container for the CVI site natural parameters: ``lam1`` and ``lam2`` (length ``N``).
+
+    The site of data point ``n`` is ``exp(lam1_n f_n + lam2_n f_n^2)`` with ``lam2_n <= 0``.
+    All-zero sites (the initial value) mean q = prior. This is not a distribution over ``u`` on
+    its own: q(u) depends on the kernel, so use ``strategy.variational_distribution``.
+    """
+
+    def __init__(
+        self,
+        num_sites: int,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ):
+        super().__init__(num_inducing_points=num_sites)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        self.register_buffer("lam1", torch.zeros(num_sites, dtype=dtype, device=device))
+        self.register_buffer("lam2", torch.zeros(num_sites, dtype=dtype, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.lam1.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lam1.dtype
+
+    def initialize_variational_distribution(self, prior_dist: MultivariateNormal) -> None:
+        self.lam1.zero_()
+        self.lam2.zero_()
+
+    def forward(self):
+        raise RuntimeError(
+            "CVISites hold site parameters, not q(u); q(u) depends on the kernel. "
+            "Use model.variational_strategy.variational_distribution instead."
+        )

@@ -29,50 +29,13 @@ from torch import Tensor
 
 from pyro_cvi.distributed import Reducer, as_reducer
 
+from .inducing import InducingForm
 from .posterior import FullSitePosterior, SparseSitePosterior
-from .site_store import keys_equal, write_sites
+from .site_store import CVISites, keys_equal, write_sites
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
 Posterior = Union[FullSitePosterior, SparseSitePosterior]
-
-
-class CVISites(_VariationalDistribution):
-    """Container for the CVI site natural parameters: ``lam1`` and ``lam2`` (length ``N``).
-
-    The site of data point ``n`` is ``exp(lam1_n f_n + lam2_n f_n^2)`` with ``lam2_n <= 0``.
-    All-zero sites (the initial value) mean q = prior. This is not a distribution over ``u`` on
-    its own: q(u) depends on the kernel, so use ``strategy.variational_distribution``.
-    """
-
-    def __init__(
-        self,
-        num_sites: int,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-    ):
-        super().__init__(num_inducing_points=num_sites)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        self.register_buffer("lam1", torch.zeros(num_sites, dtype=dtype, device=device))
-        self.register_buffer("lam2", torch.zeros(num_sites, dtype=dtype, device=device))
-
-    @property
-    def device(self) -> torch.device:
-        return self.lam1.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lam1.dtype
-
-    def initialize_variational_distribution(self, prior_dist: MultivariateNormal) -> None:
-        self.lam1.zero_()
-        self.lam2.zero_()
-
-    def forward(self):
-        raise RuntimeError(
-            "CVISites hold site parameters, not q(u); q(u) depends on the kernel. "
-            "Use model.variational_strategy.variational_distribution instead."
-        )
 
 
 class _Cache:
@@ -82,7 +45,7 @@ class _Cache:
         self.key, self.post, self.has_graph, self.extras = key, post, has_graph, extras
 
 
-class CVIVariationalStrategy(_VariationalStrategy):
+class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
     r"""Variational strategy with O(N) CVI site parameters, full or sparse.
 
     **Full form** (``inducing_points`` are the ``num_data`` training inputs, ``train_inputs``
@@ -120,21 +83,67 @@ class CVIVariationalStrategy(_VariationalStrategy):
         self,
         model: ApproximateGP,
         inducing_points: Tensor,
-        num_data: int,
-        learn_inducing_locations: bool = False,
+        variational_distribution: Union[_VariationalDistribution, int, None] = None,
+        learn_inducing_locations: Optional[bool] = None,
         *,
+        num_data: Optional[int] = None,
         train_inputs: Optional[Tensor] = None,
         jitter_val: Optional[float] = None,
         process_group=None,
+        step_size: float = 0.5,
     ):
+        if isinstance(variational_distribution, (int, float)) or torch.is_tensor(
+            variational_distribution
+        ):
+            if num_data is not None:
+                raise TypeError("num_data given twice (positionally and by keyword).")
+            num_data, variational_distribution = variational_distribution, None
+        if num_data is None and train_inputs is not None:
+            num_data = train_inputs.shape[-2] if train_inputs.dim() > 1 else train_inputs.shape[0]
         if inducing_points.dim() == 1:
             inducing_points = inducing_points.unsqueeze(-1)
+        self.inducing_form = num_data is None
+        if self.inducing_form:
+            self._init_inducing(
+                model,
+                inducing_points,
+                variational_distribution,
+                learn_inducing_locations,
+                jitter_val,
+            )
+            if process_group is not None:
+                raise ValueError(
+                    "data-parallel CVI (process_group) needs the data-site sparse form: pass "
+                    "num_data= and train_inputs= (this rank's rows)."
+                )
+            self._inducing_init(step_size)
+            return
+        self._init_data_sites(
+            model,
+            inducing_points,
+            int(num_data),
+            bool(learn_inducing_locations),
+            train_inputs,
+            jitter_val,
+            process_group,
+        )
+
+    def _init_data_sites(
+        self,
+        model,
+        inducing_points,
+        num_data,
+        learn_inducing_locations,
+        train_inputs,
+        jitter_val,
+        process_group,
+    ) -> None:
         if inducing_points.dim() != 2:
             raise NotImplementedError(
-                "CVIVariationalStrategy supports a single GP (inducing_points of shape M x D); "
-                f"got shape {tuple(inducing_points.shape)}."
+                "the data-site form of CVIVariationalStrategy supports a single GP "
+                f"(inducing_points of shape M x D); got shape {tuple(inducing_points.shape)}. "
+                "For batches of GPs build it the GPyTorch way (no num_data)."
             )
-        num_data = int(num_data)
         is_full = train_inputs is None and inducing_points.shape[-2] == num_data
         if is_full and learn_inducing_locations:
             raise ValueError(
@@ -194,7 +203,14 @@ class CVIVariationalStrategy(_VariationalStrategy):
 
     def set_sites(self, lam1: Tensor, lam2: Tensor, indices: Optional[Tensor] = None) -> None:
         """Overwrite the sites (all of them, or those at ``indices``); ``lam2`` must be <= 0."""
-        if torch.any(lam2 > 0):
+        if self.inducing_form:
+            if indices is not None:
+                raise ValueError("the inducing-site form has no per-point sites (indices=None).")
+            top = torch.linalg.eigvalsh(0.5 * (lam2 + lam2.mT)).amax(-1)
+            tol = 100 * lam2.shape[-1] * torch.finfo(lam2.dtype).eps
+            if bool((top > tol * lam2.abs().amax().clamp_min(1.0)).any()):
+                raise ValueError("site lam2 must be negative semidefinite.")
+        elif torch.any(lam2 > 0):
             raise ValueError("site lam2 must be <= 0 (site precision W = -2 lam2 >= 0).")
         write_sites((self.site_lam1, self.site_lam2), lam1, lam2, indices)
         self._site_version += 1
@@ -206,6 +222,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
 
     def set_site_inputs(self, train_inputs: Tensor) -> None:
         """Register the ``N x D`` training inputs that carry the sites (sparse form only)."""
+        if self.inducing_form:
+            raise ValueError("the inducing-site form's sites live on the inducing values.")
         if self.is_full:
             raise ValueError("the full form's sites live on the inducing points already.")
         if train_inputs.dim() == 1:
@@ -241,11 +259,23 @@ class CVIVariationalStrategy(_VariationalStrategy):
         state = dict(state)
         state["_cache"] = None  # may hold autograd graphs; cannot be copied or pickled
         state["_prior_cache"] = None
+        state["_step_cache"] = None  # leaves with a backward hook
         return state
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a model built without train_inputs has no site_inputs buffer yet: make room for it
+        key = prefix + "site_inputs"
+        if key in state_dict and self.site_inputs is None and not self.inducing_form:
+            self.site_inputs = torch.empty_like(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._site_version += 1
+        self._site_inputs_version += 1
+        self._clear_cache()
 
     def _clear_cache(self) -> None:
         self._cache = None
         self._prior_cache = None
+        self._step_cache = None
         super()._clear_cache()
 
     def state_key(self) -> List:
@@ -340,6 +370,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
     @property
     def variational_distribution(self) -> MultivariateNormal:
         """q(u), dense (``M x M``, or ``N x N`` for the full form); built from the sites."""
+        if self.inducing_form:
+            return self._inducing_variational_distribution()
         post, extras = self._posterior()
         if self.is_full:
             mean, cov = post.q_u()
@@ -351,6 +383,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
 
     def kl_divergence(self) -> Tensor:
         """``KL[q(u) || p(u)]`` in closed form from the sites (see ``posterior.py``)."""
+        if self.inducing_form:
+            return self._q_tensors()[2]
         post, _ = self._posterior()
         return post.kl()
 
@@ -360,6 +394,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
         The variance includes the jitter, as in :meth:`__call__`, so the CVI gradients are
         taken at the same marginals as the ELBO that ``VariationalELBO`` reports.
         """
+        if self.inducing_form:
+            raise ValueError("the inducing-site form has no per-point sites.")
         with torch.no_grad():
             post, extras = self._posterior()
             if self.is_full:
@@ -382,6 +418,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
         return ref is not None and x.shape == ref.shape and torch.equal(x, ref)
 
     def forward(self, x: Tensor, diag: bool = True, **kwargs) -> MultivariateNormal:
+        if self.inducing_form:
+            return self._inducing_forward(x, diag)
         post, extras = self._posterior(force=self.training)
         Z = self.inducing_points
         M = Z.shape[-2]
@@ -437,6 +475,15 @@ class CVIVariationalStrategy(_VariationalStrategy):
     ) -> MultivariateNormal:
         if prior:
             return self.model.forward(x, **kwargs)
+        if not self.variational_params_initialized.item():
+            if self.inducing_form:  # data sites start at zero (q = prior)
+                self._variational_distribution.initialize_variational_distribution(None)
+                self._site_version += 1
+            self.variational_params_initialized.fill_(1)
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        if self.inducing_form:
+            return self.forward(x, diag=diag, **kwargs)
         if x.dim() != 2:
             raise NotImplementedError(
                 f"CVIVariationalStrategy expects inputs of shape n x D; got {tuple(x.shape)}."
