@@ -35,7 +35,7 @@ class Options:
     #: initial spread of natural-form sites (``None``: the prior's)
     init_scale: Optional[float] = None
     #: sums row statistics and ELBO terms over the ranks of a data-parallel run
-    #: (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
+    #: (:class:`pyro_cvi.scale.distributed.Reducer`); ``None`` for one process
     reducer: Any = None
     softmax: str = "cubature"
 

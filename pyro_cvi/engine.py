@@ -28,12 +28,14 @@ from typing import Dict, List, Optional
 import pyro
 import torch
 
-from .analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
 from .blocks import GaussianBlock, MarkovBlock, NaturalBlock, init_messenger, initial_natural
 from .context import Options, StepContext
-from .distributed import combine, start_ranks
-from .expectations import site_weight
-from .mean_field import compute
+from .messages.expectations import site_weight
+from .messages.mean_field import compute
+from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
+from .model.tracing import is_random, trace_model
+from .model.validation import check_observations, per_index
+from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
@@ -42,9 +44,7 @@ from .step_control import (
     is_numerical_error,
     warn_step_counts,
 )
-from .tracing import is_random, trace_model
 from .update import StepCounts
-from .validation import check_observations, per_index
 
 __all__ = ["Engine", "owner_of"]
 

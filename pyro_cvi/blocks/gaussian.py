@@ -9,7 +9,7 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
 * ``lambda_tilde_f``: one ``(lam1_n, lam2_n)`` site per element of every linear-predictor
   factor ``eta_f = A_f z + c_f`` (eq. 13, Appendix E.1), O(N) parameters;
 * one ``(lam1_n, lam2_n)`` site, a K-vector and a K x K matrix, per data point of every
-  softmax factor (:mod:`~pyro_cvi.softmax_sites`), O(N K^2) parameters;
+  softmax factor (:mod:`~pyro_cvi.messages.softmax_sites`), O(N K^2) parameters;
 * one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo).
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
@@ -28,25 +28,25 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from ..analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..context import Options, StepContext
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
-from ..messages import (
+from ..messages.gaussian import (
     RowBlock,
     general_gaussian_message,
     linear_predictor_message,
     linear_predictor_rows,
     warm_start_target,
 )
-from ..probes import jacobian
-from ..softmax_sites import (
+from ..messages.softmax_sites import (
     SOFTMAX,
     SoftmaxRows,
     centred_logits,
     softmax_message,
     softmax_rows,
 )
-from ..tracing import linear_param, trace_model, unwrap
+from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
+from ..model.probes import jacobian
+from ..model.tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 from .rows import factor_rows, has_graph, site_value
 
@@ -54,7 +54,7 @@ __all__ = ["GaussianBlock", "block_prior"]
 
 
 class GaussianBlock:
-    """Site-form CVI for the latent sites of one :class:`~pyro_cvi.analysis.BlockSpec`.
+    """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
     :param prefix: the param-store prefix of the guide.

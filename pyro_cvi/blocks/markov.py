@@ -23,25 +23,25 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from ..analysis import LINEAR, BlockSpec
 from ..context import Options, StepContext
-from ..messages import (
+from ..messages.gaussian import (
     RowBlock,
     linear_predictor_message,
     linear_predictor_value,
     warm_start_target,
 )
+from ..model.analysis import LINEAR, BlockSpec
+from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
-from ..tracing import linear_param, trace_model, unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
 __all__ = ["MarkovBlock"]
 
 
 class MarkovBlock:
-    """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.analysis.BlockSpec`."""
+    """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.model.analysis.BlockSpec`."""
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
         self.spec, self.names, self.options = spec, spec.names, options
@@ -76,7 +76,8 @@ class MarkovBlock:
 
     # ------------------------------------------------------------------ sites on the steps
     def _rows(self, site, f, sites: torch.Tensor, H=None) -> RowBlock:
-        """As :func:`~pyro_cvi.messages.linear_predictor_rows`, with ``f_r = h_r' x_{t_r}``:
+        """As :func:`~pyro_cvi.messages.gaussian.linear_predictor_rows`, with ``f_r = h_r'
+        x_{t_r}``:
         ``c = eta_at - f_at``, ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``. With ``H`` given (the
         coefficients, with their graph where they depend on parameters) ``c`` keeps its graph
         to the model's parameters too."""

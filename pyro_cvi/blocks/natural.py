@@ -19,8 +19,8 @@ import torch
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
-from ..analysis import LatentInfo
-from ..tracing import unwrap
+from ..model.analysis import LatentInfo
+from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]

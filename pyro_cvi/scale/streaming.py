@@ -49,12 +49,12 @@ from typing import Iterable, List, Optional
 import pyro.poutine as poutine
 import torch
 
-from .analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
-from .blocks.gaussian import block_prior
+from ..blocks.gaussian import block_prior
+from ..linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, solve_statistics
+from ..messages.gaussian import linear_predictor_message, linear_predictor_rows, normal_rows
+from ..model.analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
+from ..model.tracing import linear_param, trace_model, unwrap
 from .distributed import as_reducer
-from .linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, solve_statistics
-from .messages import linear_predictor_message, linear_predictor_rows, normal_rows
-from .tracing import linear_param, trace_model, unwrap
 
 __all__ = ["StreamingCVI"]
 
@@ -73,7 +73,7 @@ class StreamingCVI:
         at the likelihood's curvature at the current mean (a Newton step; a vague prior and
         ``beta = 1`` can otherwise overshoot), as ``AutoCVI``'s default; ``"prior"``: they
         start at zero and the first pass takes the CVI step from ``q = prior``.
-    :param process_group: data-parallel streaming (:mod:`pyro_cvi.distributed`): each rank
+    :param process_group: data-parallel streaming (:mod:`pyro_cvi.scale.distributed`): each rank
         streams its own shard (the same number of minibatches on every rank); the statistics'
         changes are all-reduced per minibatch (``update="batch"``) or per pass.
     """
