@@ -30,7 +30,8 @@ steps (with backtracking) instead.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -236,6 +237,7 @@ class InducingForm:
         self.num_clipped = 0
         self._q_cache = None
         self._step_cache = None
+        self._tracked = None
 
     # ---------------------------------------------------------------- q(v)
     def _q_key(self) -> tuple:
@@ -254,6 +256,8 @@ class InducingForm:
         """``m_v``, ``S_v`` and the KL; in training mode with autograd on and the backward step
         enabled, the leaves and probe of :class:`BackwardStep`."""
         q = self.whitened_q()
+        if self._tracked is not None:
+            return self._tracked[0], self._tracked[1], q.kl
         if not (self.backward_step and self.training and torch.is_grad_enabled()):
             return q.m_v, q.S_v, q.kl
         key = self._q_key()
@@ -261,6 +265,21 @@ class InducingForm:
             self._step_cache = (key, BackwardStep(q, self._backward_update))
         step = self._step_cache[1]
         return step.m_v, step.S_v, step.kl(q.kl)
+
+    @contextmanager
+    def tracked_q(self) -> Iterator[Tuple[Tensor, Tensor]]:
+        """Inside the block q(f) is built from the yielded leaves ``m_v``, ``S_v`` (no hook): the
+        gradient of a data term with respect to them gives the CVI targets
+        (:func:`mean_param_targets`); used by :class:`CVIOptimizer`."""
+        q = self.whitened_q()
+        self._tracked = (
+            q.m_v.detach().clone().requires_grad_(True),
+            q.S_v.detach().clone().requires_grad_(True),
+        )
+        try:
+            yield self._tracked
+        finally:
+            self._tracked = None
 
     def _backward_update(self, t1: Tensor, t2: Tensor) -> None:
         d = self._variational_distribution

@@ -45,7 +45,9 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from pyro_cvi.messages.quadrature import site_natural_params
+from pyro_cvi.update import cvi_update
 
+from .inducing import mean_param_targets
 from .strategy import CVIVariationalStrategy
 
 __all__ = ["CVIOptimizer"]
@@ -99,12 +101,18 @@ class CVIOptimizer:
         shrink: float = 0.5,
         min_step_size: float = 1e-2,
         process_group=None,
+        num_data: Optional[int] = None,
     ):
         strategy = getattr(model, "variational_strategy", None)
+        while not isinstance(strategy, CVIVariationalStrategy) and hasattr(
+            strategy, "base_variational_strategy"
+        ):  # IndependentMultitaskVariationalStrategy, LMCVariationalStrategy, ...
+            strategy = strategy.base_variational_strategy
         if not isinstance(strategy, CVIVariationalStrategy):
             raise TypeError(
                 "CVIOptimizer needs a model whose variational_strategy is a "
-                f"CVIVariationalStrategy; got {type(strategy).__name__}."
+                "CVIVariationalStrategy (possibly wrapped by GPyTorch's multitask strategies); "
+                f"got {type(getattr(model, 'variational_strategy', None)).__name__}."
             )
         if not 0.0 < float(step_size) <= 1.0:
             raise ValueError(f"step_size must be in (0, 1], got {step_size}")
@@ -125,7 +133,9 @@ class CVIOptimizer:
             strategy.set_process_group(process_group)
         self.reducer = strategy.reducer
         #: training points over every rank (``strategy.num_data`` in one process)
-        self.num_data = strategy.num_data
+        self.num_data = strategy.num_data if num_data is None else int(num_data)
+        if strategy.inducing_form:
+            strategy.backward_step = False  # the steps are taken here, with backtracking
         if self.reducer is not None:
             # every rank starts from rank 0's hyperparameters and inducing points
             shared = self.hyperparameters()
@@ -190,6 +200,8 @@ class CVIOptimizer:
             not change.
         """
         s = self.strategy
+        if s.inducing_form:
+            return self._inducing_step(x, y, **kwargs)
         indices = self._resolve_indices(x, indices)
         mean, var = s.site_marginals(indices)
         y = y.to(device=mean.device)
@@ -248,7 +260,7 @@ class CVIOptimizer:
             # The previous step made things worse: undo it and retry with a smaller step.
             self.step_size = max(self.step_size * self.shrink, self.min_step_size)
             self.num_backtracks += 1
-            self._update(prev["lam1"], prev["lam2"], prev["g1"], prev["g2"], None)
+            self._update((prev["lam1"], prev["lam2"]), (prev["g1"], prev["g2"]), None)
             self.num_steps += 1
             return prev["loss"]
 
@@ -265,8 +277,49 @@ class CVIOptimizer:
             }
         else:
             self._prev = None
-        self._update(old1, old2, g1, g2, indices)
+        self._update((old1, old2), (g1, g2), indices)
         self.num_steps += 1
+        return loss
+
+    def _inducing_step(self, x: Tensor, y: Tensor, **kwargs: Any) -> Tensor:
+        """The step for the inducing-site form (``inducing.py``): the targets are the gradient
+        of ``sum_batch E_q[log p(y_n | f_n)] * N / B`` with respect to q(v)'s mean parameters,
+        through ``model(x)`` (so GPyTorch's multitask wrappers and any likelihood work)."""
+        s = self.strategy
+        n = x.shape[-2] if x.dim() > 1 else x.shape[0]
+        scale = (self.num_data or n) / n
+        with s.tracked_q() as (m_v, S_v), torch.enable_grad():
+            out = self.model(x)
+            ell = self.likelihood.expected_log_prob(y.to(out.mean.device), out, **kwargs).sum()
+            gm, gS = torch.autograd.grad(ell, (m_v, S_v), allow_unused=True)
+        gm = torch.zeros_like(m_v) if gm is None else gm
+        gS = torch.zeros_like(S_v) if gS is None else gS
+        if not bool(torch.isfinite(ell) and torch.isfinite(gm).all() and torch.isfinite(gS).all()):
+            raise FloatingPointError(
+                "non-finite expected log-likelihood or gradient in the CVI step. Use float64 "
+                "(model.double(), likelihood.double()), a smaller step_size, or check the targets."
+            )
+        t1, t2 = mean_param_targets(m_v.detach(), gm * scale, gS * scale)
+        with torch.no_grad():
+            loss = (s.kl_divergence().sum() - ell.detach() * scale).detach()
+        key = s.state_key()[1:] if (self.backtrack and self.num_data in (None, n)) else None
+        prev = self._prev
+        same = key is not None and prev is not None and s.keys_equal([0] + prev["key"], [0] + key)
+        self.num_steps += 1
+        if (
+            same
+            and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
+            and self.step_size > self.min_step_size
+        ):
+            self.step_size = max(self.step_size * self.shrink, self.min_step_size)
+            self.num_backtracks += 1
+            self._update(prev["old"], prev["target"], None)
+            return prev["loss"]
+        old = (s.site_lam1.clone(), s.site_lam2.clone())
+        self._prev = (
+            None if key is None else {"key": key, "loss": loss, "old": old, "target": (t1, t2)}
+        )
+        self._update(old, (t1, t2), None)
         return loss
 
     def loss(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
@@ -319,12 +372,15 @@ class CVIOptimizer:
         """Relative increase of the -ELBO treated as real (not round-off) when backtracking."""
         return max(1e-9, 100.0 * torch.finfo(loss.dtype).eps)
 
-    def _update(self, old1: Tensor, old2: Tensor, g1: Tensor, g2: Tensor, indices) -> None:
-        """Eq. 13: ``lam <- (1 - beta) lam + beta g``, with ``lam2 <= 0`` kept."""
-        beta = self.step_size
-        new1 = (1.0 - beta) * old1 + beta * g1
-        new2 = ((1.0 - beta) * old2 + beta * g2).clamp_max(0.0)
-        self.strategy.set_sites(new1, new2, indices)
+    def _update(self, old: tuple, target: tuple, indices) -> None:
+        """Eq. 13 (:func:`pyro_cvi.update.cvi_update`): ``lam <- lam + beta (g - lam)``, with
+        ``lam2 <= 0`` kept (data sites) or ``lam2`` NSD (inducing sites)."""
+        s = self.strategy
+        if s.inducing_form:
+            s.blend_sites(old, target, self.step_size)
+            return
+        new1, new2 = cvi_update(old, target, self.step_size)
+        s.set_sites(new1, new2.clamp_max(0.0), indices)
 
     def state_dict(self) -> dict:
         return {
