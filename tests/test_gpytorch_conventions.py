@@ -1,0 +1,343 @@
+"""CVIVariationalStrategy built the GPyTorch way: GPyTorch's own VariationalTestCase, the CVI step
+from the ELBO's backward pass (exact against the collapsed SGPR bound), batches of GPs, GPyTorch's
+multitask wrappers with CVIOptimizer, state_dict and fast_pred_var."""
+
+import math
+import unittest
+import warnings
+
+import gpytorch
+import pytest
+import torch
+from gpytorch.test.variational_test_case import VariationalTestCase
+
+from pyro_cvi.contrib.gpytorch import CVIOptimizer, CVIVariationalStrategy
+
+DTYPES = [torch.float32, torch.float64]
+
+
+# ------------------------------------------------------------------ GPyTorch's own harness
+class TestCVIVariationalELBO(VariationalTestCase, unittest.TestCase):
+    batch_shape = torch.Size([])
+    distribution_cls = gpytorch.variational.CholeskyVariationalDistribution  # batch shape only
+    mll_cls = gpytorch.mlls.VariationalELBO
+    strategy_cls = CVIVariationalStrategy
+
+    def test_forward_train_eval(self):
+        model, _ = self._make_model_and_likelihood(
+            num_inducing=5, strategy_cls=self.strategy_cls, distribution_cls=self.distribution_cls
+        )
+        x = torch.randn(6, 2)
+        model.train()
+        a = model(x)
+        model.eval()
+        b = model(x)
+        self.assertAllClose(a.mean, b.mean)
+        self.assertAllClose(a.variance, b.variance)
+
+    # Fantasy models are GPyTorch's VariationalStrategy-only feature: its own error is raised.
+    def test_fantasy_call(self, *args, **kwargs):
+        model, likelihood = self._make_model_and_likelihood(
+            strategy_cls=self.strategy_cls, distribution_cls=self.distribution_cls
+        )
+        with self.assertRaises(NotImplementedError):
+            self._fantasy_iter(model, likelihood)
+
+    test_fantasy_call_batch_inducing = test_fantasy_call
+    test_fantasy_call_batch_data = test_fantasy_call
+    test_fantasy_call_batch_model = test_fantasy_call
+
+
+class TestCVIPredictiveLogLikelihood(TestCVIVariationalELBO):
+    mll_cls = gpytorch.mlls.PredictiveLogLikelihood
+
+
+class TestCVIGammaRobustELBO(TestCVIVariationalELBO):
+    mll_cls = gpytorch.mlls.GammaRobustVariationalELBO
+
+
+# ------------------------------------------------------------------ helpers
+class SVGP(gpytorch.models.ApproximateGP):
+    def __init__(self, Z, batch_shape=(), wrap=None, **kw):
+        batch_shape = torch.Size(batch_shape)
+        dist = gpytorch.variational.CholeskyVariationalDistribution(
+            Z.shape[-2], batch_shape=batch_shape
+        )
+        strategy = CVIVariationalStrategy(self, Z, dist, **kw)
+        super().__init__(strategy if wrap is None else wrap(strategy))
+        self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch_shape)
+        self.covar_module = gpytorch.kernels.ScaleKernel(
+            gpytorch.kernels.RBFKernel(batch_shape=batch_shape), batch_shape=batch_shape
+        )
+        self.mean_module.initialize(constant=0.3)
+        self.covar_module.base_kernel.lengthscale = 0.4
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def titsias_bound(model, Z, X, y, noise):
+    """The collapsed SGPR bound (Titsias 2009), computed independently in float64, with the
+    strategy's jitter (added to K_ZZ and to every predictive variance)."""
+    with torch.no_grad():
+        K = model.covar_module
+        jitter = model.variational_strategy.jitter
+        Kzz = K(Z.double()).to_dense() + jitter * torch.eye(len(Z))
+        Kzx = K(Z.double(), X.double()).to_dense()
+        kxx = K(X.double(), diag=True)
+        m0 = model.mean_module(X.double())
+        Q = Kzx.mT @ torch.linalg.solve(Kzz, Kzx)
+        cov = Q + noise * torch.eye(len(X), dtype=Q.dtype)
+        log_marg = torch.distributions.MultivariateNormal(m0, cov).log_prob(y.double())
+        return float(log_marg - ((kxx - Q.diagonal()).sum() + len(X) * jitter) / (2 * noise))
+
+
+def regression_data(n=40, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 1, generator=g, dtype=dtype) * 3
+    y = torch.sin(2 * X[:, 0]) + 0.2 * torch.randn(n, generator=g, dtype=dtype)
+    return X, y
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_step_is_exact_for_a_gaussian_likelihood(dtype):
+    """The GPyTorch loop's backward pass with step_size=1: one step gives the optimal q(u), so the
+    ELBO equals the collapsed bound; the sites are buffers (Adam only sees hyperparameters)."""
+    X, y = regression_data(dtype=dtype)
+    Z = X[::4].clone()
+    model = SVGP(Z, learn_inducing_locations=False, step_size=1.0).to(dtype)
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+    lik.noise = 0.05
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=len(X))
+    model.train()
+    names = {n for n, _ in model.named_parameters()}
+    assert not any("lam" in n for n in names)
+    (-mll(model(X), y)).backward()  # the CVI step happens here
+    elbo = float(mll(model(X), y).detach()) * len(X)
+    expected = titsias_bound(model, Z, X, y, float(lik.noise))
+    tol = 1e-6 * abs(expected) if dtype == torch.float64 else 2e-2 * abs(expected)
+    assert elbo == pytest.approx(expected, abs=tol)
+    assert model.variational_strategy.variational_params_initialized.item() == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cvi_optimizer_on_the_inducing_form_is_exact_and_matches_the_backward_step(dtype):
+    X, y = regression_data(dtype=dtype)
+    Z = X[::4].clone()
+    out = []
+    for use_opt in (False, True):
+        torch.manual_seed(1)
+        model = SVGP(Z, learn_inducing_locations=False, step_size=1.0).to(dtype)
+        lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+        lik.noise = 0.05
+        mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=len(X))
+        model.train()
+        if use_opt:
+            opt = CVIOptimizer(model, lik, step_size=1.0)
+            with torch.no_grad():
+                before = -float(mll(model(X), y)) * len(X)
+            assert float(opt.step(X, y)) == pytest.approx(before, rel=1e-5)  # -ELBO before
+        else:
+            (-mll(model(X), y)).backward()
+        with torch.no_grad():
+            out.append(float(mll(model(X), y)) * len(X))
+    tol = 1e-8 if dtype == torch.float64 else 1e-2
+    assert out[0] == pytest.approx(out[1], rel=tol)
+
+
+def test_backward_steps_reach_gpytorchs_optimum_for_a_bernoulli_likelihood():
+    """Fixed hyperparameters: the tutorial's loss.backward() trains q to (below) the -ELBO that
+    GPyTorch's VariationalStrategy reaches with 1,500 Adam steps on its variational parameters."""
+    torch.manual_seed(0)
+    X = torch.linspace(0, 1, 60, dtype=torch.float64)
+    y = torch.sign(torch.cos(X * 4 * math.pi)).add(1).div(2)
+    Z = X[::3].unsqueeze(-1).clone()
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+
+    def build(cls):
+        m = SVGP.__new__(SVGP)
+        gpytorch.models.ApproximateGP.__init__(
+            m,
+            cls(m, Z, gpytorch.variational.CholeskyVariationalDistribution(20), False),
+        )
+        m.mean_module = gpytorch.means.ConstantMean()
+        m.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        m.covar_module.base_kernel.lengthscale = 0.1
+        m.covar_module.outputscale = 4.0
+        return m.double()
+
+    ref = build(gpytorch.variational.VariationalStrategy)
+    mll = gpytorch.mlls.VariationalELBO(lik, ref, 60)
+    adam = torch.optim.Adam(ref.variational_strategy._variational_distribution.parameters(), 0.05)
+    for _ in range(1500):
+        adam.zero_grad()
+        loss = -mll(ref(X), y)
+        loss.backward()
+        adam.step()
+    ref_loss = float(loss) * 60
+    model = build(CVIVariationalStrategy)
+    mll = gpytorch.mlls.VariationalELBO(lik, model, 60)
+    for _ in range(30):
+        loss = -mll(model(X), y)
+        loss.backward()
+    cvi_loss = float(-mll(model(X), y)) * 60
+    assert cvi_loss <= ref_loss + 1e-6
+    assert cvi_loss == pytest.approx(ref_loss, abs=0.05)
+
+
+def test_a_loss_without_kl_warns_and_leaves_q():
+    X, y = regression_data(dtype=torch.float64)
+    model = SVGP(X[::4].clone()).double()
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model.train()
+    model(X)
+    before = model.variational_strategy.site_lam1.clone()
+    with pytest.warns(RuntimeWarning, match="no KL term"):
+        lik.expected_log_prob(y, model(X)).sum().neg().backward()
+    assert torch.equal(before, model.variational_strategy.site_lam1)
+
+
+# ------------------------------------------------------------------ batches and wrappers
+def test_a_batch_of_two_gps_trains_with_cvi_optimizer():
+    X, y = regression_data(dtype=torch.float64)
+    Xb = torch.stack([X, X + 0.1])
+    yb = torch.stack([y, -y])
+    Z = X[::4].clone()
+    model = SVGP(
+        Z.expand(2, -1, -1).clone(), batch_shape=torch.Size([2]), learn_inducing_locations=False
+    ).double()
+    lik = gpytorch.likelihoods.GaussianLikelihood(batch_shape=torch.Size([2])).double()
+    lik.noise = 0.05
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=len(X))
+    model.train()
+    opt = CVIOptimizer(model, lik, step_size=1.0)
+    opt.step(Xb, yb)
+    with torch.no_grad():
+        elbo = mll(model(Xb), yb) * len(X)
+    assert elbo.shape == (2,)
+    for b in range(2):
+        single = SVGP(Z).double()
+        single.mean_module.constant.data.copy_(model.mean_module.constant[b])
+        single.covar_module.outputscale = model.covar_module.outputscale[b]
+        single.covar_module.base_kernel.lengthscale = model.covar_module.base_kernel.lengthscale[b]
+        expected = titsias_bound(single, Z, Xb[b], yb[b], 0.05)
+        assert float(elbo[b]) == pytest.approx(expected, rel=1e-6)
+
+
+def _multitask_model(wrap, num_latents):
+    X, y = regression_data(dtype=torch.float64)
+    Z = X[::4].clone().expand(num_latents, -1, -1).clone()
+    model = SVGP(
+        Z, batch_shape=torch.Size([num_latents]), wrap=wrap, learn_inducing_locations=False
+    ).double()
+    Y = torch.stack([y, 0.5 * y, torch.cos(X[:, 0])], -1)
+    return model, X, Y
+
+
+def test_independent_multitask_with_three_tasks_is_exact_with_cvi_optimizer():
+    wrap = lambda s: gpytorch.variational.IndependentMultitaskVariationalStrategy(s, num_tasks=3)  # noqa: E731
+    model, X, Y = _multitask_model(wrap, 3)
+    lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(
+        num_tasks=3, rank=0, has_global_noise=False
+    ).double()
+    lik.task_noises = torch.tensor([0.05, 0.1, 0.2], dtype=torch.float64)
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=len(X))
+    model.train()
+    opt = CVIOptimizer(model, lik, step_size=1.0)
+    opt.step(X, Y)
+    with torch.no_grad():
+        elbo = float(mll(model(X), Y)) * len(X)
+    expected = 0.0
+    for t in range(3):
+        single = SVGP(X[::4].clone()).double()
+        single.mean_module.constant.data.copy_(model.mean_module.constant[t])
+        single.covar_module.outputscale = model.covar_module.outputscale[t]
+        single.covar_module.base_kernel.lengthscale = model.covar_module.base_kernel.lengthscale[t]
+        expected += titsias_bound(single, X[::4], X, Y[:, t], float(lik.task_noises[t]))
+    assert elbo == pytest.approx(expected, rel=1e-6)
+
+
+def test_lmc_wrapper_trains_with_cvi_optimizer_and_hyperparameters():
+    wrap = lambda s: gpytorch.variational.LMCVariationalStrategy(  # noqa: E731
+        s, num_tasks=3, num_latents=2, latent_dim=-1
+    )
+    model, X, Y = _multitask_model(wrap, 2)
+    lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=3).double()
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=len(X))
+    model.train()
+    opt = CVIOptimizer(model, lik)
+    adam = torch.optim.Adam(list(model.parameters()) + list(lik.parameters()), lr=0.05)
+    losses = []
+    for _ in range(30):
+        losses.append(float(opt.step(X, Y)))
+        adam.zero_grad()
+        (-mll(model(X), Y)).backward()
+        adam.step()
+    assert losses[-1] < losses[0] - 0.2 * abs(losses[0])
+    assert all(math.isfinite(v) for v in losses)
+
+
+# ------------------------------------------------------------------ state, caches, errors
+def test_state_dict_round_trip_and_fast_pred_var():
+    X, y = regression_data(dtype=torch.float64)
+    model = SVGP(X[::4].clone(), step_size=1.0).double()
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=len(X))
+    model.train()
+    (-mll(model(X), y)).backward()
+    fresh = SVGP(torch.zeros_like(X[::4])).double()
+    fresh.load_state_dict(model.state_dict())
+    model.eval()
+    fresh.eval()
+    xs = torch.linspace(0, 3, 17, dtype=torch.float64).unsqueeze(-1)
+    with torch.no_grad():
+        a = model(xs)
+        b = fresh(xs)
+        with gpytorch.settings.fast_pred_var():
+            c = fresh(xs)
+    torch.testing.assert_close(a.mean, b.mean)
+    torch.testing.assert_close(a.variance, b.variance)
+    torch.testing.assert_close(c.mean, a.mean)
+    torch.testing.assert_close(c.variance, a.variance)
+
+
+def test_data_site_state_dict_loads_into_a_model_built_without_train_inputs():
+    X, y = regression_data(dtype=torch.float64)
+    Z = X[::4].clone()
+
+    class Sparse(SVGP):
+        def __init__(self, train_inputs=None):
+            gpytorch.models.ApproximateGP.__init__(
+                self, CVIVariationalStrategy(self, Z, len(X), train_inputs=train_inputs)
+            )
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+    model = Sparse(X).double()
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    CVIOptimizer(model, lik, step_size=1.0).step(X, y)
+    fresh = Sparse().double()
+    fresh.load_state_dict(model.state_dict())
+    model.eval()
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(X[:5]).mean, model(X[:5]).mean)
+
+
+def test_constructor_argument_checks_and_legacy_signature():
+    X, _ = regression_data(dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        legacy = SVGP.__new__(SVGP)
+        gpytorch.models.ApproximateGP.__init__(legacy, CVIVariationalStrategy(legacy, X, len(X)))
+    s = legacy.variational_strategy
+    assert not s.inducing_form and s.num_data == len(X) and s.is_full
+    assert SVGP(X[::4].clone()).variational_strategy.inducing_form
+    wrong = gpytorch.variational.CholeskyVariationalDistribution(3)
+    with pytest.raises(ValueError, match="3 inducing points"):
+        m = SVGP.__new__(SVGP)
+        gpytorch.models.ApproximateGP.__init__(m, CVIVariationalStrategy(m, X[::4], wrong))
+    with pytest.raises(TypeError, match="_VariationalDistribution"):
+        m = SVGP.__new__(SVGP)
+        gpytorch.models.ApproximateGP.__init__(m, CVIVariationalStrategy(m, X[::4], "cholesky"))
