@@ -341,3 +341,45 @@ def test_constructor_argument_checks_and_legacy_signature():
     with pytest.raises(TypeError, match="_VariationalDistribution"):
         m = SVGP.__new__(SVGP)
         gpytorch.models.ApproximateGP.__init__(m, CVIVariationalStrategy(m, X[::4], "cholesky"))
+
+
+def test_tutorial_loop_equals_gpytorch_ngd_on_whitened_natural_parameters():
+    """The tutorial loop (Adam on model.parameters(), -VariationalELBO) with the adapter swapped
+    in is GPyTorch's NGD (lr = step_size) on NaturalVariationalDistribution + VariationalStrategy
+    with the same Adam: CVI in whitened coordinates is that natural-gradient step (eq. 13)."""
+    X = torch.linspace(0, 1, 30, dtype=torch.float64)
+    y = torch.sign(torch.cos(X * 4 * math.pi)).add(1).div(2)
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    out = []
+    for cvi in (True, False):
+        torch.manual_seed(0)
+        m = SVGP.__new__(SVGP)
+        if cvi:
+            strategy = CVIVariationalStrategy(m, X.unsqueeze(-1), None, False, step_size=0.5)
+        else:
+            dist = gpytorch.variational.NaturalVariationalDistribution(30)
+            strategy = gpytorch.variational.VariationalStrategy(m, X.unsqueeze(-1), dist, False)
+        gpytorch.models.ApproximateGP.__init__(m, strategy)
+        m.mean_module = gpytorch.means.ConstantMean()
+        m.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        m = m.double()
+        hyper = [p for n, p in m.named_parameters() if "variational" not in n]
+        adam = torch.optim.Adam(hyper, lr=0.1)
+        ngd = None
+        if not cvi:
+            ngd = gpytorch.optim.NGD(m.variational_strategy.parameters(), num_data=30, lr=0.5)
+        mll = gpytorch.mlls.VariationalELBO(lik, m, 30)
+        m.train()
+        for _ in range(15):
+            adam.zero_grad()
+            if ngd is not None:
+                ngd.zero_grad()
+            loss = -mll(m(X), y)
+            loss.backward()
+            adam.step()
+            if ngd is not None:
+                ngd.step()
+        out.append((float(loss), [p.detach().clone() for p in hyper]))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
