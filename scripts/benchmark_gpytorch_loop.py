@@ -13,8 +13,8 @@ tutorial), its ``VariationalStrategy``, its NGD (lr 0.5) on ``NaturalVariational
 Adam step (``cvi+opt``). Reported: training accuracy, final -ELBO / N, lengthscale.
 
 Part B, hyperparameters fixed (lengthscale 0.1, outputscale 4): updates of q until the -ELBO is
-within 0.5 nat of the best -ELBO any method reached (200 iterations at most), for GPyTorch's Adam (lr 0.1, as in the tutorial),
-``cvi-loop`` and ``cvi+opt``.
+within 0.5 nat of the best -ELBO any method reached (200 iterations at most), for GPyTorch's Adam
+(lr 0.1, as in the tutorial), ``cvi-loop`` and ``cvi+opt``.
 
 Usage::
 
