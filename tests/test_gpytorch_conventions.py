@@ -383,3 +383,48 @@ def test_tutorial_loop_equals_gpytorch_ngd_on_whitened_natural_parameters():
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
     for a, b in zip(out[0][1], out[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_multiclass_variational_distribution_is_a_distribution_with_the_sites_kl():
+    from pyro_cvi.contrib.gpytorch import (
+        CategoricalLogitsLikelihood,
+        MultiClassCVIOptimizer,
+        MultiClassCVIStrategy,
+    )
+
+    K, N, M = 3, 25, 8
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(N, 1, generator=g, dtype=torch.float64) * 4 - 2
+    y = torch.distributions.Categorical(logits=torch.cat([2 * X, -X, X**2], -1)).sample()
+
+    class GP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            super().__init__(MultiClassCVIStrategy(self, X[:M].clone(), N, K, train_inputs=X))
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    model = GP().double()
+    lik = CategoricalLogitsLikelihood(K)
+    opt = MultiClassCVIOptimizer(model, lik, 1.0, method="cubature", adaptive=False)
+    for _ in range(5):
+        opt.step(X, y)
+    s = model.variational_strategy
+    q = s.variational_distribution
+    assert isinstance(q, torch.distributions.Distribution)
+    assert q.mean.shape == (M, K)
+    # KL[q(u) || p(u)] from the distribution (dense, class-major) equals the sites' closed form
+    with torch.no_grad():
+        p = s.prior_distribution
+        Kzz = torch.block_diag(*p.covariance_matrix.expand(K, M, M))
+        q_flat = torch.distributions.MultivariateNormal(q.mean.mT.reshape(-1), q.covariance_matrix)
+        p_flat = torch.distributions.MultivariateNormal(p.mean.expand(K, M).reshape(-1), Kzz)
+        dense = torch.distributions.kl_divergence(q_flat, p_flat)
+        # (the jitter 1e-6 on q's covariance is the only difference)
+        assert float(dense) == pytest.approx(float(s.kl_divergence()), rel=1e-4)
+    model(X[:3])
+    assert s.variational_params_initialized.item() == 1
