@@ -45,6 +45,7 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from pyro_cvi.messages.quadrature import site_natural_params
+from pyro_cvi.step_control import Snapshot, StepControl
 from pyro_cvi.update import cvi_update
 
 from .inducing import mean_param_targets
@@ -119,13 +120,19 @@ class CVIOptimizer:
         self.model = model
         self.likelihood = likelihood
         self.strategy = strategy
-        self.step_size = float(step_size)
+        #: the one step policy (backtracking only: no growth above a shrunk step)
+        self.control = StepControl(
+            max_beta=float(step_size),
+            start_exact=float(step_size),
+            shrink=float(shrink),
+            grow_exact=1.0,
+            min_beta=float(min_step_size),
+        )
+        self.control.start(stochastic=False)
         self.clip_curvature = clip_curvature
         self.backtrack = backtrack
         self.shrink = float(shrink)
         self.min_step_size = float(min_step_size)
-        self.num_backtracks = 0
-        self._prev: Optional[dict] = None
         self.num_clipped = 0
         self.last_num_clipped = 0
         self.num_steps = 0
@@ -228,8 +235,7 @@ class CVIOptimizer:
         with torch.no_grad():
             kl = s.kl_divergence()
         key = s.state_key()[1:] if (self.backtrack and indices is None) else None
-        prev = self._prev
-        same = key is not None and prev is not None and s.keys_equal([0] + prev["key"], [0] + key)
+        same = self._same_point(key)
         # data-parallel: every rank's terms and flags in one all-reduce, so all decide alike
         kl, ell_sum, num_clipped, finite, same = self._agree(
             kl, ell.sum() * (s.num_data / n), int(clipped.sum()), finite, same
@@ -251,34 +257,41 @@ class CVIOptimizer:
             self.num_clipped += self.last_num_clipped
         g1, g2 = site_natural_params(mean, gm, gv)
         loss = (kl - ell_sum).detach()
-
-        if (
-            same
-            and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
-            and self.step_size > self.min_step_size
-        ):
-            # The previous step made things worse: undo it and retry with a smaller step.
-            self.step_size = max(self.step_size * self.shrink, self.min_step_size)
-            self.num_backtracks += 1
-            self._update((prev["lam1"], prev["lam2"]), (prev["g1"], prev["g2"]), None)
-            self.num_steps += 1
-            return prev["loss"]
-
         old1 = s.site_lam1 if indices is None else s.site_lam1[indices]
         old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
-        if key is not None:
-            self._prev = {
-                "key": key,
-                "loss": loss,
-                "lam1": old1.clone(),
-                "lam2": old2.clone(),
-                "g1": g1,
-                "g2": g2,
-            }
-        else:
-            self._prev = None
-        self._update((old1, old2), (g1, g2), indices)
+        return self._take_step(key, same, loss, (old1, old2), (g1, g2), indices)
+
+    def _same_point(self, key) -> bool:
+        """Whether the last accepted step was taken at these hyperparameters (comparable)."""
+        snap = self.control.snapshot
+        if key is None or snap is None:
+            return False
+        return self.strategy.keys_equal([0] + snap.values["key"], [0] + key)
+
+    def _take_step(self, key, same: bool, loss: Tensor, old: tuple, target: tuple, indices):
+        """The step policy of :class:`pyro_cvi.step_control.StepControl`: if the -ELBO went up
+        since the last accepted step at the same hyperparameters, undo that step and redo it with
+        a smaller ``beta`` (returning the -ELBO of the restored point); otherwise record this
+        point and step towards ``target`` (eq. 13)."""
+        ctrl = self.control
+        ctrl.rel_tol = self._rel_tol(loss)
         self.num_steps += 1
+        snap = ctrl.snapshot
+        if (
+            same
+            and ctrl.beta > self.min_step_size
+            and not ctrl.accepts(-float(loss), None, comparable=True)
+        ):
+            ctrl.rejected()
+            self._update(snap.values["old"], snap.values["target"], None)
+            return snap.values["loss"]
+        if key is None:
+            ctrl.snapshot = None
+        else:
+            values = {"key": key, "loss": loss, "old": tuple(o.clone() for o in old)}
+            values["target"] = target
+            ctrl.accepted(Snapshot(values, -float(loss), None), comparable=True)
+        self._update(old, target, indices)
         return loss
 
     def _inducing_step(self, x: Tensor, y: Tensor, **kwargs: Any) -> Tensor:
@@ -303,24 +316,8 @@ class CVIOptimizer:
         with torch.no_grad():
             loss = (s.kl_divergence().sum() - ell.detach() * scale).detach()
         key = s.state_key()[1:] if (self.backtrack and self.num_data in (None, n)) else None
-        prev = self._prev
-        same = key is not None and prev is not None and s.keys_equal([0] + prev["key"], [0] + key)
-        self.num_steps += 1
-        if (
-            same
-            and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
-            and self.step_size > self.min_step_size
-        ):
-            self.step_size = max(self.step_size * self.shrink, self.min_step_size)
-            self.num_backtracks += 1
-            self._update(prev["old"], prev["target"], None)
-            return prev["loss"]
-        old = (s.site_lam1.clone(), s.site_lam2.clone())
-        self._prev = (
-            None if key is None else {"key": key, "loss": loss, "old": old, "target": (t1, t2)}
-        )
-        self._update(old, (t1, t2), None)
-        return loss
+        old = (s.site_lam1, s.site_lam2)
+        return self._take_step(key, self._same_point(key), loss, old, (t1, t2), None)
 
     def loss(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         """-ELBO / N for the hyperparameters: ``-mll(model(x), y)`` of
@@ -382,6 +379,16 @@ class CVIOptimizer:
         new1, new2 = cvi_update(old, target, self.step_size)
         s.set_sites(new1, new2.clamp_max(0.0), indices)
 
+    @property
+    def step_size(self) -> float:
+        """``beta`` of the next step (shrunk by backtracking, never grown back)."""
+        return float(self.control.beta)
+
+    @property
+    def num_backtracks(self) -> int:
+        """Steps undone and redone with a smaller ``beta``."""
+        return self.control.num_backtracks
+
     def state_dict(self) -> dict:
         return {
             "step_size": self.step_size,
@@ -391,8 +398,8 @@ class CVIOptimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.step_size = float(state["step_size"])
+        self.control.beta = float(state["step_size"])
         self.num_clipped = int(state["num_clipped"])
-        self.num_backtracks = int(state.get("num_backtracks", 0))
+        self.control.num_backtracks = int(state.get("num_backtracks", 0))
         self.num_steps = int(state["num_steps"])
-        self._prev = None
+        self.control.snapshot = None
