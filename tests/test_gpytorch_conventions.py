@@ -428,3 +428,28 @@ def test_multiclass_variational_distribution_is_a_distribution_with_the_sites_kl
         assert float(dense) == pytest.approx(float(s.kl_divergence()), rel=1e-4)
     model(X[:3])
     assert s.variational_params_initialized.item() == 1
+
+
+def test_data_site_form_without_cvi_optimizer_warns_once():
+    X, y = regression_data(dtype=torch.float64)
+    m = SVGP.__new__(SVGP)
+    gpytorch.models.ApproximateGP.__init__(m, CVIVariationalStrategy(m, X, len(X)))
+    m.mean_module = gpytorch.means.ZeroMean()
+    m.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+    m = m.double()
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    mll = gpytorch.mlls.VariationalELBO(lik, m, num_data=len(X))
+    m.train()
+    with pytest.warns(RuntimeWarning, match="Add CVIOptimizer") as record:
+        for _ in range(3):
+            (-mll(m(X), y)).backward()
+    assert sum("CVIOptimizer" in str(w.message) for w in record) == 1
+    m2 = SVGP.__new__(SVGP)
+    gpytorch.models.ApproximateGP.__init__(m2, CVIVariationalStrategy(m2, X, len(X)))
+    m2.mean_module, m2.covar_module = m.mean_module, m.covar_module
+    m2 = m2.double()
+    CVIOptimizer(m2, lik)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        m2.train()
+        m2(X)

@@ -143,6 +143,8 @@ class CVIOptimizer:
         self.num_data = strategy.num_data if num_data is None else int(num_data)
         if strategy.inducing_form:
             strategy.backward_step = False  # the steps are taken here, with backtracking
+        else:
+            strategy.stepped_by_optimizer = True
         if self.reducer is not None:
             # every rank starts from rank 0's hyperparameters and inducing points
             shared = self.hyperparameters()

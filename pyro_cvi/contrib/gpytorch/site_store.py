@@ -3,14 +3,14 @@ their buffers, and comparing the state keys that decide when a cached ``q`` is s
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import _VariationalDistribution
 from torch import Tensor
 
-__all__ = ["CVISites", "write_sites", "keys_equal"]
+__all__ = ["CVISites", "check_data_site_args", "write_sites", "keys_equal"]
 
 
 def write_sites(
@@ -81,3 +81,31 @@ class CVISites(_VariationalDistribution):
             "CVISites hold site parameters, not q(u); q(u) depends on the kernel. "
             "Use model.variational_strategy.variational_distribution instead."
         )
+
+
+def check_data_site_args(
+    inducing_points: Tensor, num_data: int, learn: bool, train_inputs: Optional[Tensor]
+) -> Tuple[bool, Optional[Tensor]]:
+    """The data-site form's constructor checks: returns whether it is the full form and the
+    ``N x D`` training inputs (or ``None``)."""
+    if inducing_points.dim() != 2:
+        raise NotImplementedError(
+            "the data-site form of CVIVariationalStrategy supports a single GP "
+            f"(inducing_points of shape M x D); got shape {tuple(inducing_points.shape)}. "
+            "For batches of GPs build it the GPyTorch way (no num_data)."
+        )
+    is_full = train_inputs is None and inducing_points.shape[-2] == num_data
+    if is_full and learn:
+        raise ValueError(
+            "In the full form the inducing points are the training inputs and cannot be "
+            "learned. For learned inducing locations use the sparse form: pass "
+            "train_inputs=X_train and M < N inducing points."
+        )
+    if train_inputs is not None:
+        if train_inputs.dim() == 1:
+            train_inputs = train_inputs.unsqueeze(-1)
+        if train_inputs.shape[-2] != num_data:
+            raise ValueError(
+                f"train_inputs has {train_inputs.shape[-2]} rows but num_data={num_data}."
+            )
+    return is_full, train_inputs

@@ -16,6 +16,7 @@ optimising q and the hyperparameters jointly.
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -31,7 +32,7 @@ from pyro_cvi.scale.distributed import Reducer, as_reducer
 
 from .inducing import InducingForm
 from .posterior import FullSitePosterior, SparseSitePosterior
-from .site_store import CVISites, keys_equal, write_sites
+from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
@@ -139,26 +140,9 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         jitter_val,
         process_group,
     ) -> None:
-        if inducing_points.dim() != 2:
-            raise NotImplementedError(
-                "the data-site form of CVIVariationalStrategy supports a single GP "
-                f"(inducing_points of shape M x D); got shape {tuple(inducing_points.shape)}. "
-                "For batches of GPs build it the GPyTorch way (no num_data)."
-            )
-        is_full = train_inputs is None and inducing_points.shape[-2] == num_data
-        if is_full and learn_inducing_locations:
-            raise ValueError(
-                "In the full form the inducing points are the training inputs and cannot be "
-                "learned. For learned inducing locations use the sparse form: pass "
-                "train_inputs=X_train and M < N inducing points."
-            )
-        if train_inputs is not None:
-            if train_inputs.dim() == 1:
-                train_inputs = train_inputs.unsqueeze(-1)
-            if train_inputs.shape[-2] != num_data:
-                raise ValueError(
-                    f"train_inputs has {train_inputs.shape[-2]} rows but num_data={num_data}."
-                )
+        is_full, train_inputs = check_data_site_args(
+            inducing_points, num_data, learn_inducing_locations, train_inputs
+        )
         sites = CVISites(num_data, dtype=inducing_points.dtype, device=inducing_points.device)
         super().__init__(
             model, inducing_points, sites, learn_inducing_locations, jitter_val=jitter_val
@@ -172,7 +156,25 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         self._cache: Optional[_Cache] = None
         self._prior_cache = None
         self.reducer: Optional[Reducer] = None
+        #: set by :class:`CVIOptimizer`; the data-site form has no other way to update q
+        self.stepped_by_optimizer = False
+        self._warned = False
         self.set_process_group(process_group)
+
+    def _warn_untrained(self) -> None:
+        if self._warned or bool(self.site_lam2.any()) or bool(self.site_lam1.any()):
+            return
+        self._warned = True
+        warnings.warn(
+            "CVIVariationalStrategy (data-site form, built with num_data=): q(u) is still the "
+            "prior and only CVIOptimizer.step updates its sites, so a loop of loss.backward() and "
+            "a torch optimizer trains the hyperparameters alone. Add CVIOptimizer(model, "
+            "likelihood) and call cvi.step(X, y) before each optimizer step, or build the "
+            "strategy the GPyTorch way, CVIVariationalStrategy(model, inducing_points, "
+            "variational_distribution), whose sites are updated in loss.backward().",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def set_process_group(self, process_group) -> None:
         """Data-parallel q(u) over ``process_group`` (``None``: one process); sparse form only.
@@ -421,6 +423,8 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
     def forward(self, x: Tensor, diag: bool = True, **kwargs) -> MultivariateNormal:
         if self.inducing_form:
             return self._inducing_forward(x, diag)
+        if self.training and torch.is_grad_enabled() and not self.stepped_by_optimizer:
+            self._warn_untrained()
         post, extras = self._posterior(force=self.training)
         Z = self.inducing_points
         M = Z.shape[-2]
