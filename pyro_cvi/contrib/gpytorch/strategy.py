@@ -47,38 +47,52 @@ class _Cache:
 
 
 class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
-    r"""Variational strategy with O(N) CVI site parameters, full or sparse.
+    r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
-    **Full form** (``inducing_points`` are the ``num_data`` training inputs, ``train_inputs``
-    not given): sites live on ``u = f(X)`` and q(u) is computed with
-    ``B = I + W^1/2 K W^1/2`` (Rasmussen & Williams Alg. 3.2), which needs no inverse of ``K``
-    and stays stable when ``K`` is badly conditioned. O(N^3) per iteration.
+    **Built the GPyTorch way** (``CVIVariationalStrategy(model, inducing_points,
+    variational_distribution, learn_inducing_locations=True)``, a drop-in for GPyTorch's
+    strategies): one whitened Gaussian site per GP on the inducing values
+    (:mod:`~pyro_cvi.contrib.gpytorch.inducing`), any batch shape (batched inducing points,
+    kernels and inputs; inside ``IndependentMultitaskVariationalStrategy`` and
+    ``LMCVariationalStrategy``). The ``variational_distribution`` argument only gives the batch
+    shape and ``mean_init_std``. In training mode ``loss.backward()`` of ``-VariationalELBO``
+    (or ``PredictiveLogLikelihood``, ``GammaRobustVariationalELBO``) takes one CVI step of size
+    ``step_size`` (eq. 13: the natural-gradient step, GPyTorch's NGD on whitened natural
+    parameters), so GPyTorch's training loop trains q; :class:`CVIOptimizer` takes the steps
+    instead (with backtracking). Cost O(B M^2 + M^3) per batch of B points.
 
-    **Sparse form** (``M << N`` inducing points; pass ``train_inputs``, or let the first
-    full-batch :meth:`CVIOptimizer.step` register them): sites live on the training inputs,
-    q(u) is the dual parameterisation of Adam et al. (2021),
-    ``q(u) ∝ p(u) prod_n exp(lam1_n a_n^T u + lam2_n (a_n^T u)^2)`` with
-    ``a_n = K_ZZ^-1 k(Z, x_n)``. O(N M^2) per iteration, O(N M) memory; the sites of a
-    minibatch can be updated alone. Inducing locations may be learned
-    (``learn_inducing_locations=True``): the sites stay attached to the data.
+    **Data-site forms** (selected by ``num_data``, given by keyword or as the third positional
+    argument, or by ``train_inputs``; the signature of earlier versions): one site per training
+    point, updated only by :class:`CVIOptimizer` (a training forward pass without one warns).
 
-    Use it like any GPyTorch strategy: ``model(x)`` returns q(f(x)) and
-    ``gpytorch.mlls.VariationalELBO`` computes the ELBO (its KL term is the closed form of
-    :meth:`kl_divergence`). Jitter (``jitter_val``, default
+    * Full (``inducing_points`` are the ``num_data`` training inputs): q(u) through
+      ``B = I + W^1/2 K W^1/2`` (Rasmussen & Williams Alg. 3.2), stable when ``K`` is badly
+      conditioned. O(N^3) per iteration.
+    * Sparse (``M << N`` inducing points, ``train_inputs``, or the first full-batch
+      :meth:`CVIOptimizer.step` registers them): the dual parameterisation of Adam et al.
+      (2021), ``q(u) ∝ p(u) prod_n exp(lam1_n a_n^T u + lam2_n (a_n^T u)^2)``,
+      ``a_n = K_ZZ^-1 k(Z, x_n)``; O(N M^2) per iteration, minibatchable sites,
+      data-parallel (``process_group``).
+
+    ``model(x)`` returns q(f(x)); the KL term of GPyTorch's mlls is the closed form of
+    :meth:`kl_divergence`. Jitter (``jitter_val``, default
     ``gpytorch.settings.variational_cholesky_jitter``: 1e-6 in float64, 1e-4 in float32) is added
-    to the predictive variances and, in the sparse form, to ``K_ZZ``; the full form needs none.
+    to the predictive variances and to ``K_ZZ`` (not in the full form).
 
     :param model: the ``ApproximateGP`` that owns this strategy (its ``forward`` is the prior).
-    :param inducing_points: ``M x D`` inducing inputs (the training inputs for the full form).
-    :param num_data: number of training points ``N`` (one site each).
-    :param learn_inducing_locations: register ``inducing_points`` as a parameter (sparse only).
-    :param train_inputs: ``N x D`` training inputs; selects the sparse form.
+    :param inducing_points: ``[*batch, M, D]`` inducing inputs (data-site forms: ``M x D``; the
+        training inputs for the full form).
+    :param variational_distribution: a GPyTorch ``_VariationalDistribution`` (its batch shape
+        and ``mean_init_std`` are used) or ``None``; an ``int`` here is ``num_data``.
+    :param learn_inducing_locations: register ``inducing_points`` as a parameter (default
+        ``True`` built the GPyTorch way, ``False`` for the data-site forms; not in the full form).
+    :param num_data: data-site forms: number of training points ``N`` (one site each).
+    :param train_inputs: ``N x D`` training inputs; selects the sparse data-site form.
     :param jitter_val: diagonal jitter, see above.
-    :param process_group: data-parallel CVI (sparse form only): ``WORLD``
-        (:data:`pyro_cvi.scale.distributed.WORLD`) or a ``torch.distributed`` group. ``num_data``
-        and
-        ``train_inputs`` are then this rank's shard; the sums over data points that build q(u)
-        are all-reduced, so every rank holds the full-data q(u). See :class:`CVIOptimizer`.
+    :param process_group: data-parallel CVI (sparse data-site form only): ``WORLD``
+        (:data:`pyro_cvi.scale.distributed.WORLD`) or a ``torch.distributed`` group;
+        ``num_data`` and ``train_inputs`` are then this rank's shard. See :class:`CVIOptimizer`.
+    :param step_size: ``beta`` of the step taken in ``loss.backward()`` (GPyTorch-way only).
     """
 
     def __init__(
@@ -120,33 +134,16 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
                 )
             self._inducing_init(step_size)
             return
-        self._init_data_sites(
-            model,
-            inducing_points,
-            int(num_data),
-            bool(learn_inducing_locations),
-            train_inputs,
-            jitter_val,
-            process_group,
-        )
+        learn = bool(learn_inducing_locations)
+        self._init_data_sites(model, inducing_points, int(num_data), learn, train_inputs)
+        if jitter_val is not None:
+            self.jitter_val = jitter_val
+        self.set_process_group(process_group)
 
-    def _init_data_sites(
-        self,
-        model,
-        inducing_points,
-        num_data,
-        learn_inducing_locations,
-        train_inputs,
-        jitter_val,
-        process_group,
-    ) -> None:
-        is_full, train_inputs = check_data_site_args(
-            inducing_points, num_data, learn_inducing_locations, train_inputs
-        )
+    def _init_data_sites(self, model, inducing_points, num_data, learn, train_inputs) -> None:
+        is_full, train_inputs = check_data_site_args(inducing_points, num_data, learn, train_inputs)
         sites = CVISites(num_data, dtype=inducing_points.dtype, device=inducing_points.device)
-        super().__init__(
-            model, inducing_points, sites, learn_inducing_locations, jitter_val=jitter_val
-        )
+        super().__init__(model, inducing_points, sites, learn)
         self.num_data = num_data
         self.is_full = is_full
         site_inputs = None if train_inputs is None else train_inputs.detach().clone()
@@ -159,7 +156,6 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         #: set by :class:`CVIOptimizer`; the data-site form has no other way to update q
         self.stepped_by_optimizer = False
         self._warned = False
-        self.set_process_group(process_group)
 
     def _warn_untrained(self) -> None:
         if self._warned or bool(self.site_lam2.any()) or bool(self.site_lam1.any()):
