@@ -3,6 +3,7 @@ their buffers, and comparing the state keys that decide when a cached ``q`` is s
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -10,7 +11,14 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import _VariationalDistribution
 from torch import Tensor
 
-__all__ = ["CVISites", "check_data_site_args", "write_sites", "keys_equal"]
+__all__ = [
+    "CVISites",
+    "check_data_site_args",
+    "warn_untrained",
+    "write_sites",
+    "keys_equal",
+    "pseudo_observations",
+]
 
 
 def write_sites(
@@ -109,3 +117,26 @@ def check_data_site_args(
                 f"train_inputs has {train_inputs.shape[-2]} rows but num_data={num_data}."
             )
     return is_full, train_inputs
+
+
+def warn_untrained() -> None:
+    """The data-site form's warning for a training pass with q at the prior and no optimizer."""
+    warnings.warn(
+        "CVIVariationalStrategy (data-site form, built with num_data=): q(u) is still the "
+        "prior and only CVIOptimizer.step updates its sites, so a loop of loss.backward() and "
+        "a torch optimizer trains the hyperparameters alone. Add CVIOptimizer(model, "
+        "likelihood) and call cvi.step(X, y) before each optimizer step, or build the "
+        "strategy the GPyTorch way, CVIVariationalStrategy(model, inducing_points, "
+        "variational_distribution), whose sites are updated in loss.backward().",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def pseudo_observations(lam1: Tensor, lam2: Tensor) -> Tuple[Tensor, Tensor]:
+    """Pseudo-targets ``lam1 / W`` and noise variances ``1 / W`` (``W = -2 lam2``) of 1-D sites;
+    sites with ``W = 0`` carry no information: noise ``inf``, target 0."""
+    w = -2.0 * lam2
+    noise = torch.where(w > 0, 1.0 / w, torch.full_like(w, float("inf")))
+    target = torch.where(w > 0, lam1 / w.clamp_min(1e-300), torch.zeros_like(w))
+    return target, noise

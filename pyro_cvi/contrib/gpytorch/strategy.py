@@ -16,7 +16,6 @@ optimising q and the hyperparameters jointly.
 
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -30,8 +29,9 @@ from torch import Tensor
 
 from pyro_cvi.scale.distributed import Reducer, as_reducer
 
+from . import site_store as store
 from .inducing import InducingForm
-from .posterior import FullSitePosterior, SparseSitePosterior
+from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
 from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
@@ -158,19 +158,9 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         self._warned = False
 
     def _warn_untrained(self) -> None:
-        if self._warned or bool(self.site_lam2.any()) or bool(self.site_lam1.any()):
-            return
-        self._warned = True
-        warnings.warn(
-            "CVIVariationalStrategy (data-site form, built with num_data=): q(u) is still the "
-            "prior and only CVIOptimizer.step updates its sites, so a loop of loss.backward() and "
-            "a torch optimizer trains the hyperparameters alone. Add CVIOptimizer(model, "
-            "likelihood) and call cvi.step(X, y) before each optimizer step, or build the "
-            "strategy the GPyTorch way, CVIVariationalStrategy(model, inducing_points, "
-            "variational_distribution), whose sites are updated in loss.backward().",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        if not (self._warned or bool(self.site_lam2.any()) or bool(self.site_lam1.any())):
+            self._warned = True
+            store.warn_untrained()
 
     def set_process_group(self, process_group) -> None:
         """Data-parallel q(u) over ``process_group`` (``None``: one process); sparse form only.
@@ -211,9 +201,22 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
                 raise ValueError("site lam2 must be negative semidefinite.")
         elif torch.any(lam2 > 0):
             raise ValueError("site lam2 must be <= 0 (site precision W = -2 lam2 >= 0).")
+        sums = self._current_sums(indices)
+        old = None if sums is None else (self.site_lam1[indices], self.site_lam2[indices])
         write_sites((self.site_lam1, self.site_lam2), lam1, lam2, indices)
         self._site_version += 1
         self._cache = None
+        if sums is not None:  # O(B M^2) instead of O(N M^2) at the next step
+            with torch.no_grad():
+                sums.update(indices, old, (self.site_lam1[indices], self.site_lam2[indices]))
+            sums.version = self._site_version
+
+    def _current_sums(self, indices) -> Optional[SiteSums]:
+        """The sparse form's running sums, if up to date and ``indices`` can update them."""
+        c = self._prior_cache
+        if c is None or self.is_full:
+            return None
+        return SiteSums.updatable(c[1].get("sums"), self._site_version, indices)
 
     def reset_sites(self) -> None:
         """Set every site to zero, so that q = prior."""
@@ -237,15 +240,9 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         self._clear_cache()
 
     def pseudo_observations(self) -> Tuple[Tensor, Tensor]:
-        """The GP-regression view of the sites: pseudo-targets ``lam1 / W`` and noise ``1 / W``.
-
-        Sites with ``W = -2 lam2 = 0`` carry no information: their noise is ``inf`` and their
-        target is returned as 0.
-        """
-        w = -2.0 * self.site_lam2
-        noise = torch.where(w > 0, 1.0 / w, torch.full_like(w, float("inf")))
-        target = torch.where(w > 0, self.site_lam1 / w.clamp_min(1e-300), torch.zeros_like(w))
-        return target, noise
+        """The GP-regression view of the data sites: targets ``lam1 / W``, noise ``1 / W``
+        (``W = -2 lam2``; an empty site has noise ``inf`` and target 0)."""
+        return store.pseudo_observations(self.site_lam1, self.site_lam2)
 
     @property
     def sites_inputs(self) -> Optional[Tensor]:
@@ -340,8 +337,17 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
             if torch.any(lam1 != 0) or torch.any(lam2 != 0):
                 raise RuntimeError("sparse CVI sites are set but their inputs are unknown.")
             lam1, lam2 = lam1[:0], lam2[:0]
+        sums = None
+        if not torch.is_grad_enabled() and lam1.shape[-1] > 0:  # cached blocks: reuse Phi
+            sums = b.get("sums")
+            if sums is None:
+                sums = b["sums"] = SiteSums(
+                    b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, self._site_version
+                )
+            elif sums.version != self._site_version or sums.updates >= sums.REFRESH:
+                sums.refresh(lam1, lam2, self._site_version)
         post = SparseSitePosterior(
-            b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, reduce=self.reducer
+            b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, reduce=self.reducer, sums=sums
         )
         return post, b
 
@@ -406,10 +412,12 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
                         "train_inputs= to CVIVariationalStrategy, call set_site_inputs(X), or make "
                         "the first CVIOptimizer.step a full batch."
                     )
-                mean, var = post.marginals(post.Phi, extras["kxx_diag"], extras["prior_mean_X"])
-            var = var.clamp_min(0.0) + self.jitter
-            if indices is not None:
+                idx = slice(None) if indices is None else indices  # the batch's marginals only
+                kxx, m0 = extras["kxx_diag"][..., idx], extras["prior_mean_X"][..., idx]
+                mean, var = post.marginals(post.Phi[..., idx], kxx, m0)
+            if indices is not None and self.is_full:
                 mean, var = mean[..., indices], var[..., indices]
+            var = var.clamp_min(0.0) + self.jitter
         return mean.detach(), var.detach()
 
     # -------------------------------------------------------------- predict
