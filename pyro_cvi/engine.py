@@ -1,13 +1,14 @@
 """The CVI engine: one pipeline from a model's traces to ``q`` (see docs/architecture.md).
 
-    trace -> analyse factors -> messages per factor -> one update engine -> q
-             (analysis.py)     (blocks, mean_field)   (update.py)
+    trace -> analyse factors -> blocks: messages per factor -> one update -> q
+             (model/)           (blocks/, messages/)         (update.py)
 
-An :class:`Engine` belongs to one :class:`~pyro_cvi.AutoCVI` guide. It owns the blocks (the
-Gaussian site blocks of Algorithm 1 and the natural-parameter blocks of Algorithm 2), assembles
-the ELBO so that every factor is counted exactly once (its owner is decided by the analysis),
-writes the natural gradients ``target - lambda`` of every block into ``.grad``, and takes the
-step with the schedule: ``parallel`` (every block from the same ``q_t``), ``sequential``
+An :class:`Engine` belongs to one :class:`~pyro_cvi.AutoCVI` guide. It owns the blocks
+(:class:`~pyro_cvi.blocks.base.Block`: the Gaussian site blocks of Algorithm 1, Markov chains,
+and the mean-field block of Algorithm 2) and loops over them without knowing their kinds: it
+assembles the ELBO so that every factor is counted exactly once (its owner is decided by the
+analysis), lets every block write its natural gradients ``target - lambda`` into ``.grad``, and
+takes the step with the schedule: ``parallel`` (every block from the same ``q_t``), ``sequential``
 (coordinate ascent; with exact factors and ``beta = 1`` it is CAVI) or a list of site names;
 inside a subsampled plate the local natural blocks first take a full (``beta = 1``) update for
 the minibatch (doubly stochastic CVI, Hoffman et al. 2013).
@@ -21,18 +22,26 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import pyro
 import torch
 
-from .blocks import GaussianBlock, MarkovBlock, NaturalBlock, init_messenger, initial_natural
+from .blocks import (
+    Block,
+    BlockInit,
+    GaussianBlock,
+    MarkovBlock,
+    MeanFieldBlock,
+    NaturalBlock,
+    StepReport,
+    init_messenger,
+    registered_block_kinds,
+)
 from .context import Options, StepContext
 from .messages.expectations import site_weight
-from .messages.mean_field import compute
-from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
+from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
 from .model.tracing import is_random, trace_model
 from .model.validation import check_observations, per_index
 from .scale.distributed import combine, start_ranks
@@ -40,38 +49,14 @@ from .step_control import (
     Snapshot,
     StepControl,
     backtrack_message,
+    controlled_evaluation,
     initial_failure,
     is_numerical_error,
     warn_step_counts,
 )
-from .update import StepCounts
+from .update import StepCounts, register_owner
 
-__all__ = ["Engine", "owner_of"]
-
-#: the registry of CVI parameters: ``id(unconstrained param) -> (weak param, weak engine)``.
-#: The engines register their parameters at every loss; the :class:`~pyro_cvi.CVI` optimizer
-#: looks the parameters it is handed up here (weak references: nothing is kept alive, and a
-#: checkpoint of the param store stays plain tensors).
-_OWNERS: Dict[int, tuple] = {}
-
-
-def owner_of(param: torch.Tensor) -> Optional[Engine]:
-    """The engine a parameter belongs to, or ``None`` for any other parameter."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-def _register(param: torch.Tensor, engine: Engine) -> None:
-    key = id(param)
-    entry = _OWNERS.get(key)
-    if entry is not None and entry[0]() is param and entry[1]() is engine:
-        return
-    _OWNERS[key] = (
-        weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)),
-        weakref.ref(engine),
-    )
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -80,10 +65,15 @@ class Engine:
     def __init__(self, model, prefix: str, options: Options):
         self.model, self.prefix, self.options = model, prefix, options
         self.analysis: Optional[Analysis] = None
+        #: every block, in the order of the ELBO and the step (site blocks, then mean field)
+        self.blocks: List[Block] = []
+        #: the Gaussian site-form blocks (Algorithm 1; their moments enter other messages)
         self.gaussian: List[GaussianBlock] = []
         self.natural: OrderedDict[str, NaturalBlock] = OrderedDict()
+        self.mean_field: Optional[MeanFieldBlock] = None
+        #: latent name -> the block that steps it in the sequential schedule
+        self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
-        self.cache: Dict = {}
         self.counts = StepCounts()
         self.data_key = None
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
@@ -100,23 +90,20 @@ class Engine:
         an = self.analysis
         start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
         init_trace = None
-        init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-        for block in self.gaussian:
-            block.setup(an.values)
-        for name, nb in self.natural.items():
-            site = (init_trace or prototype_trace).nodes[name]
-            nb.setup(initial_natural(nb.family, site, init_loc_fn, init_scale))
+        init = BlockInit(
+            an.values, prototype_trace, init_trace, init_loc_fn, self.options.init_scale
+        )
+        for block in self.blocks:
+            block.setup(init)
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         with torch.no_grad():
             ctx = self.context(args, kwargs, subsample or {}, grads=False)
-            for block in self.gaussian:
-                if self.options.init_sites == "laplace" and fresh:
-                    block.init_sites_at_prior_mean(ctx.trace, self.options.num_quad_points)
-                block.refresh(ctx)
+            for block in self.blocks:
+                block.initialise(ctx, fresh)
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options
@@ -133,15 +120,26 @@ class Engine:
         }
         check_observations(an.structure, self.structure)
         self.gaussian = [
-            (MarkovBlock if spec.chain is not None else GaussianBlock)(
-                spec, self.prefix, [s for s, o in an.owner.items() if o == spec.index], self.options
-            )
+            self._site_block(spec, [s for s, o in an.owner.items() if o == spec.index])
             for spec in an.blocks
         ]
         self.natural = OrderedDict(
             (n, NaturalBlock(i, self.prefix)) for n, i in an.latents.items() if i.form == NATURAL
         )
         self.leaf_values = {n: an.values[n] for n in an.leaves}
+        self.mean_field = None
+        if self.natural or an.collapsed_sites:
+            self.mean_field = MeanFieldBlock(
+                self.natural,
+                an,
+                self.gaussian,
+                self.options,
+                self.leaf_values,
+                self.sequential_order,
+            )
+        self.blocks = list(self.gaussian) + ([self.mean_field] if self.mean_field else [])
+        self.stepper = {n: b for b in self.gaussian for n in b.names}
+        self.stepper.update(self.natural)
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
         self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
@@ -154,6 +152,15 @@ class Engine:
         self._static = not self.natural and not self.minibatch and not self._has_params
         self._static_trace = None
 
+    def _site_block(self, spec, owned) -> Block:
+        """The block of a Gaussian block spec: a registered kind that accepts it
+        (:func:`~pyro_cvi.blocks.base.register_block_kind`), else Markov or Gaussian."""
+        for accepts, factory in registered_block_kinds():
+            if accepts(spec):
+                return factory(spec, self.prefix, owned, self.options)
+        kind = MarkovBlock if spec.chain is not None else GaussianBlock
+        return kind(spec, self.prefix, owned, self.options)
+
     def block_of(self, name: str) -> GaussianBlock:
         """The Gaussian block that holds latent site ``name``."""
         for block in self.gaussian:
@@ -164,11 +171,10 @@ class Engine:
     def natural_targets(self, args, kwargs, subsample=None) -> Dict:
         """The Algorithm 2 targets of every natural block at the current q (no step)."""
         ctx = self.context(args, kwargs, subsample or {}, grads=False)
-        return self._mean_field(ctx, want=None, value=False).targets
+        return self.mean_field.targets(ctx) if self.mean_field is not None else {}
 
     def param_names(self) -> List[str]:
-        names = [n for b in self.gaussian for n in b.param_names()]
-        return names + [n for b in self.natural.values() for n in b.param_names()]
+        return [n for b in self.blocks for n in b.param_names()]
 
     def params_missing(self) -> bool:
         """Whether the param store lost this engine's parameters (``pyro.clear_param_store()``)."""
@@ -181,28 +187,15 @@ class Engine:
         key = data_key(args, kwargs)
         if key == self.data_key:
             return
-        old = {b.spec.names: b for b in self.gaussian}
+        old = {b.label: b for b in self.blocks}
         self._analyse(args, kwargs, prototype_trace)
-        for block in self.gaussian:
-            prev = old.get(block.spec.names)
-            if prev is not None:
-                block.z_at = prev.z_at
-            for f in block.linear:
-                p = pyro.param(block.site_names[f.site])
-                if p.shape[0] != f.jacobian.shape[0]:
-                    raise ValueError(
-                        f"site {f.site!r} now has {f.jacobian.shape[0]} elements but the guide "
-                        f"was fitted with {p.shape[0]}. AutoCVI keeps one site per data point: "
-                        "pass the training data to svi.step, and use "
-                        "Predictive(model, guide=guide) for new inputs."
-                    )
-            if block.z_at is None:
-                block.z_at = block.spec.join(self.analysis.values).detach()
+        for block in self.blocks:
+            block.continue_from(old.get(block.label), self.analysis.values)
 
     def _tag_params(self) -> None:
         """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
         for name in self.param_names() + [self.steps_name]:
-            _register(pyro.param(name).unconstrained(), self)
+            register_owner(pyro.param(name).unconstrained(), self)
 
     # ------------------------------------------------------------------ the current q
     def trace_values(self, subsample) -> Dict[str, torch.Tensor]:
@@ -211,23 +204,20 @@ class Engine:
         point does not matter, and a fixed one keeps the offsets ``c`` bitwise stable, which
         makes checkpoint/resume exact)."""
         values = {}
-        for name, nb in self.natural.items():
-            values[name] = nb.mean_value(subsample)
-        for block in self.gaussian:
-            values.update(block.spec.split(block.z_at))
+        for block in self._sampling_order():
+            values.update(block.trace_values(subsample))
         return values
+
+    def _sampling_order(self) -> List[Block]:
+        # the mean field first: the order in which q is drawn (the RNG stream) is part of a run
+        rest = [b for b in self.blocks if b is not self.mean_field]
+        return ([self.mean_field] if self.mean_field is not None else []) + rest
 
     def sample_q(self, subsample, exclude=(), at_means: bool = False) -> Dict[str, torch.Tensor]:
         """One joint draw (or the means) of every non-leaf latent outside ``exclude``."""
         out = {}
-        for name, nb in self.natural.items():
-            if name not in exclude:
-                out[name] = nb.mean_value(subsample) if at_means else nb.dist(subsample).sample()
-        for block in self.gaussian:
-            if set(block.names) & set(exclude):
-                continue
-            z = block.post.loc if at_means else block.joint().sample()
-            out.update(block.spec.split(z.detach()))
+        for block in self._sampling_order():
+            out.update(block.sample(subsample, exclude, at_means))
         out.update(subsample)
         return out
 
@@ -238,6 +228,8 @@ class Engine:
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
         )
+        ctx.retrace = lambda: self._trace(ctx)
+        ctx.report = self._report
         if self._static_trace is not None and not ctx.subsample:
             ctx.trace = self._static_trace
             return ctx
@@ -284,7 +276,7 @@ class Engine:
         with torch.no_grad():
             for n, v in values.items():
                 pyro.param(n).unconstrained().copy_(v)
-        for block in self.gaussian:
+        for block in self.blocks:
             block.forget()
 
     def enable_control(self, max_beta: float, state: Optional[Dict] = None) -> StepControl:
@@ -303,42 +295,24 @@ class Engine:
         return self.control
 
     def _controlled_loss(self, args, kwargs, subsample) -> torch.Tensor:
-        """The loss with the backtracking of :mod:`~pyro_cvi.step_control`: a point worse
-        than the last accepted one (beyond its noise), non-finite, or numerically invalid is
-        undone: the parameters are restored and re-evaluated, and ``beta`` is halved."""
-        c = self.control
-        comparable = not (subsample or self.minibatch)
-        try:
+        """The loss with :func:`~pyro_cvi.step_control.controlled_evaluation` (backtracking)."""
+
+        def evaluate():
             elbo = self._loss(args, kwargs, subsample, True)
-            value, var = float(elbo.detach()), self.pending.mc_var
-            ok, error = c.accepts(value, var, comparable), None
-        except (ValueError, RuntimeError, FloatingPointError) as e:
-            if not is_numerical_error(e):
-                raise
-            ok, error, value = False, e, float("nan")
-        if ok:
-            c.accepted(Snapshot(self._param_values(), value, var), comparable)
-            return elbo
-        if c.snapshot is None:
-            raise initial_failure(error)
-        new = self._param_values()
-        self._restore(c.snapshot.values)
-        elbo = self._loss(args, kwargs, subsample, True)
-        if error is None and self._has_params and comparable:
-            # hybrid: the hyperparameters moved too (the inner optimiser's step). If the old q
-            # is no better than the new one at the new hyperparameters, the drop is theirs:
-            # keep the CVI step (the loss reported is then the new point's, recomputed)
-            if value >= float(elbo.detach()) - c.tolerance(value, var):
-                self._restore(new)
-                elbo = self._loss(args, kwargs, subsample, True)
-                c.accepted(Snapshot(new, float(elbo.detach()), self.pending.mc_var), comparable)
-                return elbo
-        self._warn_backtrack(c.rejected(numerical=error is not None), error)
-        c.reevaluated(self.pending.elbo, self.pending.mc_var)
-        return elbo
+            return elbo, self.pending.mc_var
+
+        return controlled_evaluation(
+            self.control,
+            evaluate,
+            self._param_values,
+            self._restore,
+            comparable=not (subsample or self.minibatch),
+            hybrid=self._has_params,
+            warn=self._warn_backtrack,
+        )
 
     def _warn_backtrack(self, beta: float, error) -> None:
-        labels = [b.spec.label for b in self.gaussian] + list(self.natural)
+        labels = [label for b in self.blocks for label in b.labels]
         warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
@@ -346,22 +320,8 @@ class Engine:
         if grads:
             self._tag_params()
         elbo = self._constant_terms(ctx.trace)
-        sequential = self.options.schedule != "parallel"
-        for block in self.gaussian:
-            elbo = elbo + block.elbo(ctx, block.refresh(ctx))
-        if self.natural or self.analysis.collapsed_sites:
-            if grads and ctx.subsample and not sequential:
-                self.update_locals(ctx)
-            want = None if (grads and not sequential) else set()
-            res = self._mean_field(ctx, want=want, value=True)
-            elbo = elbo + res.elbo
-            if grads and not sequential:
-                for name, target in res.targets.items():
-                    nb = self.natural[name]
-                    if nb.is_local(ctx.subsample):
-                        continue  # already updated (beta = 1) by update_locals
-                    for p, t in zip(nb.params(), target):
-                        p.grad = (t - p.detach()).detach()
+        for block in self.blocks:
+            elbo = elbo + block.messages(ctx)
         self.pending = ctx if grads else None
         ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
@@ -377,19 +337,6 @@ class Engine:
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
         return combine(self.options.reducer, torch.zeros_like(total), total)  # rank's data
-
-    def _mean_field(self, ctx, want=None, value=True):
-        return compute(
-            ctx,
-            self.analysis,
-            self.natural,
-            self.gaussian,
-            self.options,
-            self.cache,
-            self.leaf_values,
-            want=want,
-            value=value,
-        )
 
     # ------------------------------------------------------------------ the step
     def step(self, beta: Optional[float]) -> None:
@@ -423,11 +370,9 @@ class Engine:
         if self.options.schedule != "parallel" and self.natural:
             self._sweep(ctx, beta)
         else:
-            for block in self.gaussian:
-                self._report(block.spec.label, "precision", beta, block.step(beta))
-            for name, nb in self.natural.items():
-                if not nb.is_local(ctx.subsample):
-                    self._report(name, nb.family.name, beta, nb.step(beta))
+            for block in self.blocks:
+                for report in block.step(beta, ctx):
+                    self._report(report)
         with torch.no_grad():
             pyro.param(self.steps_name).add_(1)
 
@@ -445,44 +390,19 @@ class Engine:
             return list(schedule) + [n for n in active if n not in schedule]
         return active[::-1]
 
-    def update_locals(self, ctx: StepContext) -> None:
-        """Doubly stochastic CVI: a full (``beta = 1``) update of every local natural block
-        (in a subsampled plate), for the current minibatch, in the sequential order."""
-        for name in self.sequential_order():
-            nb = self.natural.get(name)
-            if nb is None or not nb.is_local(ctx.subsample):
-                continue
-            res = self._mean_field(ctx, want={name}, value=False)
-            self._report(
-                name, nb.family.name, 1.0, nb.step_to(res.targets[name], 1.0, ctx.subsample)
-            )
-
     def _sweep(self, ctx: StepContext, beta: float) -> None:
-        """One sequential (coordinate-ascent) sweep: each block in turn gets its target from
-        the current q of the others and takes the step (minibatch locals: ``beta = 1``)."""
-        done = set()
+        """One sequential (coordinate-ascent) sweep: each latent's block in turn gets its
+        target from the current q of the others and takes the step (each block once)."""
+        done: set = set()
         for name in self.sequential_order():
-            info = self.analysis.latents[name]
-            if info.form == NATURAL:
-                nb = self.natural[name]
-                res = self._mean_field(ctx, want={name}, value=False)
-                b = 1.0 if nb.is_local(ctx.subsample) else beta
-                self._report(
-                    name, nb.family.name, b, nb.step_to(res.targets[name], b, ctx.subsample)
-                )
-            elif info.form == SITE and info.block not in done:
-                done.add(info.block)
-                block = self.gaussian[info.block]
-                ctx.trace = self._trace(ctx)
-                ctx.grads = True
-                block.elbo(ctx, block.refresh(ctx))
-                self._report(block.spec.label, "precision", beta, block.step(beta))
+            for report in self.stepper[name].sweep(name, ctx, beta, done):
+                self._report(report)
 
-    def _report(self, label: str, what: str, beta: float, counts: StepCounts) -> None:
+    def _report(self, report: StepReport) -> None:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
-        self.counts += counts
-        warn_step_counts(label, what, beta, counts, stacklevel=6)
+        self.counts += report.counts
+        warn_step_counts(report.label, report.kind, report.beta, report.counts, stacklevel=6)
 
 
 def data_key(args, kwargs):

@@ -47,13 +47,14 @@ from ..messages.softmax_sites import (
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .rows import factor_rows, has_graph, site_value
+from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
 
 
-class GaussianBlock:
+class GaussianBlock(SiteFormBlock):
     """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
@@ -89,7 +90,7 @@ class GaussianBlock:
     def param_names(self) -> List[str]:
         return list(self.site_names.values()) + list(self.general_names)
 
-    def setup(self, values: Dict[str, torch.Tensor]) -> None:
+    def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""
         self.z_at = self.spec.join(values).detach()
         like, D = self.z_at, self.spec.dim
@@ -334,7 +335,7 @@ class GaussianBlock:
         return f
 
     # ------------------------------------------------------------------ the step
-    def step(self, beta: float) -> StepCounts:
+    def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, general = self._sites(), self._general()
         params = list(sites.values()) + (list(general) if general is not None else [])
@@ -356,7 +357,7 @@ class GaussianBlock:
                 solved["post"] = post
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():

@@ -35,12 +35,13 @@ from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
 
 
-class MarkovBlock:
+class MarkovBlock(SiteFormBlock):
     """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.model.analysis.BlockSpec`."""
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
@@ -61,7 +62,7 @@ class MarkovBlock:
     def param_names(self) -> List[str]:
         return list(self.site_names.values())
 
-    def setup(self, values: Dict[str, torch.Tensor]) -> None:
+    def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters at zero (``q = prior``)."""
         self.z_at = self.spec.join(values).detach()
         for f in self.linear:
@@ -220,7 +221,7 @@ class MarkovBlock:
         return elbo
 
     # ------------------------------------------------------------------ the step
-    def step(self, beta: float) -> StepCounts:
+    def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites = self._sites()
         params = list(sites.values())
@@ -244,7 +245,7 @@ class MarkovBlock:
                 ok = False
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():
