@@ -493,3 +493,27 @@ def test_minibatch_running_sums_equal_a_full_recomputation(dtype):
     torch.testing.assert_close(m_run, m_full, **tol)
     torch.testing.assert_close(v_run, v_full, **tol)
     torch.testing.assert_close(kl_run, kl_full, **tol)
+
+
+def test_inducing_form_minibatches_need_num_data():
+    X, y = regression_data(dtype=torch.float64)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = SVGP(X[::4].clone()).double()
+    with pytest.raises(ValueError, match="num_data=N"):
+        CVIOptimizer(model, lik).step(X[:8], y[:8], indices=torch.arange(8))
+    opt = CVIOptimizer(model, lik)
+    opt.step(X, y)
+    with pytest.raises(ValueError, match="num_data=N"):
+        opt.step(X[:8], y[:8])
+    # with num_data, a minibatch step's -ELBO is the unbiased N/B estimate: all batches averaged
+    # over a partition of the data give the full-batch value
+    opt = CVIOptimizer(model, lik, num_data=len(X), backtrack=False)
+    with torch.no_grad():
+        full = -float(gpytorch.mlls.VariationalELBO(lik, model, len(X))(model(X), y)) * len(X)
+    s = model.variational_strategy
+    before = (s.site_lam1.clone(), s.site_lam2.clone())
+    parts = []
+    for idx in torch.arange(len(X)).chunk(4):
+        s.set_sites(*before)
+        parts.append(float(opt.step(X[idx], y[idx], indices=idx)))
+    assert sum(parts) / 4 == pytest.approx(full, rel=1e-9)

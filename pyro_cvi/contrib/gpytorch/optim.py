@@ -141,6 +141,7 @@ class CVIOptimizer:
         self.reducer = strategy.reducer
         #: training points over every rank (``strategy.num_data`` in one process)
         self.num_data = strategy.num_data if num_data is None else int(num_data)
+        self._inferred_n = False  # inducing form without num_data: N from the first step
         if strategy.inducing_form:
             strategy.backward_step = False  # the steps are taken here, with backtracking
         else:
@@ -210,7 +211,7 @@ class CVIOptimizer:
         """
         s = self.strategy
         if s.inducing_form:
-            return self._inducing_step(x, y, **kwargs)
+            return self._inducing_step(x, y, indices, **kwargs)
         indices = self._resolve_indices(x, indices)
         mean, var = s.site_marginals(indices)
         y = y.to(device=mean.device)
@@ -296,13 +297,25 @@ class CVIOptimizer:
         self._update(old, target, indices)
         return loss
 
-    def _inducing_step(self, x: Tensor, y: Tensor, **kwargs: Any) -> Tensor:
+    def _inducing_step(self, x: Tensor, y: Tensor, indices, **kwargs: Any) -> Tensor:
         """The step for the inducing-site form (``inducing.py``): the targets are the gradient
         of ``sum_batch E_q[log p(y_n | f_n)] * N / B`` with respect to q(v)'s mean parameters,
         through ``model(x)`` (so GPyTorch's multitask wrappers and any likelihood work)."""
         s = self.strategy
         n = x.shape[-2] if x.dim() > 1 else x.shape[0]
-        scale = (self.num_data or n) / n
+        if self.num_data is None:
+            if indices is not None:
+                raise ValueError(
+                    "minibatch steps on a CVIVariationalStrategy built the GPyTorch way need the "
+                    "training-set size: CVIOptimizer(model, likelihood, num_data=N)."
+                )
+            self.num_data, self._inferred_n = n, True  # the first step is the full batch
+        elif self._inferred_n and n != self.num_data:
+            raise ValueError(
+                f"step(x, y) got {n} points after a full batch of {self.num_data}; for "
+                "minibatches pass CVIOptimizer(model, likelihood, num_data=N)."
+            )
+        scale = self.num_data / n
         with s.tracked_q() as (m_v, S_v), torch.enable_grad():
             out = self.model(x)
             ell = self.likelihood.expected_log_prob(y.to(out.mean.device), out, **kwargs).sum()
