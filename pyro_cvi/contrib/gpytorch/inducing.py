@@ -107,8 +107,8 @@ class WhitenedQ:
 def predictive(
     Phi: Tensor, prior_mean_x: Tensor, m_v: Tensor, S_v: Tensor
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Mean, ``Phi_x^T Phi_x``-free pieces of q(f(x)): returns ``mean``, ``A = S_v Phi_x`` and
-    ``Phi_x`` broadcast to a common batch shape (``cov = k(x,x) - Phi^T Phi + Phi^T A``)."""
+    """q(f(x)) from q(v) (module docstring): the mean, ``A = S_v Phi_x`` and ``Phi_x`` broadcast to
+    their common batch shape, so that ``cov = k(x, x) + Phi_x^T (A - Phi_x)``."""
     mean = prior_mean_x + (Phi.mT @ m_v.unsqueeze(-1)).squeeze(-1)
     A = S_v @ Phi
     return mean, A, Phi.expand_as(A)
