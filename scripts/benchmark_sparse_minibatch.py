@@ -115,6 +115,14 @@ def main():
     print(f"{'minibatch step':28s} {mb_step:8.4f} s CPU   ratio {mb_step / full_step:.3f}")
     print(f"{'full-batch optimum':28s} {optimum:10.2f}")
     print(f"{'after 30 minibatch steps':28s} {final:10.2f}   gap {final - optimum:.2f} nats")
+    ratio, gap = mb_step / full_step, final - optimum
+    verdict = (
+        f"verdict: a minibatch step costs {ratio:.2f} of a full-batch step (target <= 0.25: "
+        f"{'met' if ratio <= 0.25 else 'not met'}); 30 minibatch steps end {gap:.1f} nats from the "
+        f"full-batch optimum (target <= 5: {'met' if gap <= 5 else 'not met'})"
+    )
+    out["verdict"] = verdict
+    print(verdict)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
