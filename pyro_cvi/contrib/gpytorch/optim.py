@@ -211,12 +211,13 @@ class CVIOptimizer:
             not change.
         """
         s = self.strategy
+        f = torch.zeros(y.shape, dtype=y.dtype if y.is_floating_point() else torch.float64)
+        check_targets(self.likelihood, y, f.to(y.device))  # y against the likelihood's support
         if s.inducing_form:
             return self._inducing_step(x, y, indices, **kwargs)
         indices = self._resolve_indices(x, indices)
         mean, var = s.site_marginals(indices)
         y = y.to(device=mean.device)
-        check_targets(self.likelihood, y, mean)  # labels against the likelihood's support
 
         m = mean.clone().requires_grad_(True)
         v = var.clone().requires_grad_(True)
