@@ -14,13 +14,18 @@ differences. The value it returns is the -ELBO of the current ``q``: exact where
 
 from __future__ import annotations
 
+from typing import Any, Callable, NoReturn
+
 import torch
 from pyro.infer import ELBO
 from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
+from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
+
+_Fn = Callable[..., Any]  # a Pyro model or guide
 
 
 class CVI_ELBO(ELBO):
@@ -30,40 +35,46 @@ class CVI_ELBO(ELBO):
         svi = SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         if kwargs.get("num_particles", 1) != 1:
             raise ValueError(
                 "CVI_ELBO computes its expectations itself; set AutoCVI(num_samples=...) for "
                 "Monte Carlo gradients instead of num_particles"
             )
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # (pyro: untyped)
 
-    def loss(self, model, guide, *args, **kwargs) -> float:
+    def loss(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         # (not under no_grad: quadrature and mean-field expectations use autograd inside)
         return float(_checked(model, guide).elbo(args, kwargs, grads=False).detach().neg())
 
-    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+    def differentiable_loss(
+        self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         return _checked(model, guide).elbo(args, kwargs, grads=False, graph=True).neg()
 
-    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        guide = _checked(model, guide)
-        if guide.engine is not None and guide.engine.pending is not None:
+    def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
+        cvi_guide = _checked(model, guide)
+        if cvi_guide.engine is not None and cvi_guide.engine.pending is not None:
             raise ValueError(
                 "AutoCVI + CVI_ELBO with an optimizer that is not CVI (e.g. pyro.optim.Adam): "
                 "the natural gradients of the last step were never applied, so q cannot "
                 "change. Use SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); CVI(optim=...) "
                 "hands the model's other parameters to a torch optimizer of your choice"
             )
-        loss = -guide.elbo(args, kwargs, grads=True)
+        loss = -cvi_guide.elbo(args, kwargs, grads=True)
         if loss.requires_grad:
-            loss.backward()
+            try:
+                loss.backward()
+            except BaseException:  # the step's transaction is rolled back
+                abort([cvi_guide.engine])
+                raise
         return float(loss.detach())
 
-    def _get_trace(self, model, guide, args, kwargs):
+    def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
 
 
-def _checked(model, guide) -> AutoCVI:
+def _checked(model: _Fn, guide: _Fn) -> AutoCVI:
     if not isinstance(guide, AutoCVI):
         name = type(guide).__name__
         parts = ""

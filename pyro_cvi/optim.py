@@ -12,7 +12,7 @@ Each parameter SVI hands it is stepped by its own rule:
   (``AutoNormal``, ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
   ``AutoLowRankMultivariateNormal``, hand-written Normal / MultivariateNormal guides), with any
   Pyro ELBO: the same mirror-descent step for a Gaussian, from the gradients the ELBO wrote
-  (:mod:`pyro_cvi.natgrad`);
+  (:mod:`pyro_cvi.natgrad`, docs/pairings.md);
 * every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows):
   a torch optimizer of the user's choice, so hybrid learning is one ``svi.step``.
 """
@@ -20,15 +20,17 @@ Each parameter SVI hands it is stepped by its own rule:
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
 import pyro
 import torch
 from pyro.optim import PyroOptim
 
-from .engine import owner_of
+from .divergence import watch
 from .natgrad import GaussianStepper
 from .step_sizes import Schedule, as_schedule
+from .transaction import abort, commit
+from .update import owner_of
 
 __all__ = ["CVI"]
 
@@ -50,7 +52,6 @@ class CVI(PyroOptim):
         noise; ``beta`` starts at 1 for exact losses, 0.5 with Monte Carlo terms). Or a fixed
         ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
         :mod:`pyro_cvi.step_sizes`), applied as given (only shrunk to keep ``q`` valid).
-    :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
         For Pyro's Gaussian guides ``"auto"`` is the signal-to-noise control of
         :mod:`pyro_cvi.natgrad.control` (the optimizer never sees the loss value).
     :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
@@ -74,21 +75,23 @@ class CVI(PyroOptim):
         self,
         step_size: Union[float, str, Schedule] = "auto",
         optim: Type[torch.optim.Optimizer] = torch.optim.Adam,
-        optim_args: Optional[Union[Dict, Callable]] = None,
+        optim_args: Optional[Union[Dict[str, Any], Callable[..., Dict[str, Any]]]] = None,
         max_step_size: float = 1.0,
         gaussian_step: str = "retraction",
         gaussians: Optional[Dict[str, Tuple[str, str]]] = None,
-    ):
+    ) -> None:
         self.auto = isinstance(step_size, str)
         if self.auto and step_size != "auto":
             raise ValueError(f"step_size must be 'auto', a number or a callable, got {step_size!r}")
         self.max_step_size = float(as_schedule(max_step_size)(1))
-        self.schedule = as_schedule(self.max_step_size if self.auto else step_size)
+        fixed = cast(Union[float, Schedule], step_size)  # not a str here
+        self.schedule = as_schedule(self.max_step_size if self.auto else fixed)
         if not callable(step_size):
             self.schedule(1)  # validates the constant
         self.t = 0
-        self.engines: Dict[int, object] = {}
-        self.saved_controls: Dict[str, Dict] = {}  # from set_state, until the engines appear
+        self.engines: Dict[int, weakref.ref[Any]] = {}
+        # from set_state, until the engines appear
+        self.saved_controls: Dict[str, Dict[str, Any]] = {}
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
@@ -103,11 +106,26 @@ class CVI(PyroOptim):
             return float(betas[-1]) if betas else self.max_step_size
         return float(self.schedule(self.t + 1))
 
-    def _live(self):
+    def _live(self) -> List[Any]:
         return [e for e in (r() for r in self.engines.values()) if e is not None]
 
-    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+    def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        # the update completes the transaction its loss opened: a failure or an interrupt
+        # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
         params = list(params)
+        t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
+        try:
+            engines = self._update(params, args, kwargs)
+        except BaseException:
+            self.t, self.saved_controls = t, saved
+            torch.set_grad_enabled(grad_mode)
+            abort({e for e in map(owner_of, params) if e is not None})
+            for p in params:  # this step's gradients must not leak into the next one
+                p.grad = None
+            raise
+        commit(engines)
+
+    def _update(self, params: List[torch.Tensor], args: Any, kwargs: Any) -> List[Any]:
         engines, others = {}, []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
@@ -145,6 +163,10 @@ class CVI(PyroOptim):
                     f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
                 )
             for engine in engines.values():
+                ctx = engine.pending
+                if not (ctx.subsample or engine.minibatch):  # comparable losses only
+                    labels = [lbl for b in engine.blocks for lbl in b.labels]
+                    watch(engine, beta, ctx.elbo, ctx.mc_var, str(labels))
                 engine.step(beta)
             self.gaussians.step(groups, lambda control: (beta, None))
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
@@ -153,13 +175,27 @@ class CVI(PyroOptim):
         others = [p for p in others if p.grad is not None]
         if others:
             super().__call__(others, *args, **kwargs)
+        for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
+            p.grad = None
+        return list(engines.values())
 
     def _load_gaussian_controls(self) -> None:
         saved = self.saved_controls.pop("__gaussians__", None)
         if saved is not None:
             self.gaussians.load(saved)
 
-    def get_state(self) -> Dict:
+    def resume_control(self, engine: Any) -> None:
+        """A checkpoint was restored into ``engine``: its adaptive step control is rebuilt
+        now, so the first loss after the restore is checked as in the uninterrupted run."""
+        saved = self.saved_controls.pop(engine.prefix, None)
+        if self.auto and saved is not None:
+            self.engines[id(engine)] = weakref.ref(engine)
+            engine.enable_control(self.max_step_size, saved)
+
+    def get_state(self) -> Dict[str, Any]:
+        store = pyro.get_param_store()
+        for p in [p for p in self.optim_objs if store.param_name(p) is None]:
+            self.optim_objs.pop(p)  # replaced in the store (a checkpoint restored over it)
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
         controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
@@ -169,25 +205,29 @@ class CVI(PyroOptim):
             state["__cvi__"]["control"] = controls
         return state
 
-    def set_state(self, state_dict: Dict) -> None:
+    def set_state(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         cvi = state_dict.pop("__cvi__", None)
         if cvi is not None:
             self.t = int(cvi["t"])
             self.saved_controls = dict(cvi.get("control", {}))
+        self.optim_objs.clear()  # the restored parameters get their optimizers afresh,
+        self.grad_clip.clear()  # from the state set here
         super().set_state(state_dict)
 
 
-def _ceiling(max_beta: float):
-    def beta_of(control) -> Tuple[float, float]:
+def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:
+    def beta_of(control: Any) -> Tuple[float, float]:
         control.ceiling = max_beta
-        return control.step_sizes()
+        b_prec, b_mean = control.step_sizes()
+        return float(b_prec), float(b_mean)
 
     return beta_of
 
 
-def _refuse(params) -> None:
+def _refuse(params: List[torch.Tensor]) -> None:
     store = pyro.get_param_store()
+    # param_name is None for a tensor outside the param store
     names = [n for n in (store.param_name(p) for p in params) if n is not None]
     auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
     what = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""

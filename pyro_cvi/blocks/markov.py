@@ -35,7 +35,7 @@ from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
@@ -190,11 +190,11 @@ class MarkovBlock(SiteFormBlock):
         post, tr = self.post, ctx.trace
         sr = self._site_rows(self.rows)
         f_mean, f_var = sr.moments(post.mean, post.cov)
-        graph_rows, valued = self.rows, post
+        graph_rows, valued, g_mean, g_var = self.rows, post, f_mean, f_var
         if self._graph is not None:  # the same numbers, with their graph
             graph_rows, valued = self._graph
             sr = self._site_rows(graph_rows)
-        g_mean, g_var = sr.moments(valued.mean, valued.cov)
+            g_mean, g_var = sr.moments(valued.mean, valued.cov)
         elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
         sites, i = self._sites(), 0
         for f, r, rg in zip(self.linear, self.rows, graph_rows):
@@ -245,7 +245,7 @@ class MarkovBlock(SiteFormBlock):
                 ok = False
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():

@@ -54,6 +54,7 @@ from ..linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, 
 from ..messages.gaussian import linear_predictor_message, linear_predictor_rows, normal_rows
 from ..model.analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
 from ..model.tracing import linear_param, trace_model, unwrap
+from ..update import cvi_update
 from .distributed import as_reducer
 
 __all__ = ["StreamingCVI"]
@@ -221,7 +222,7 @@ class StreamingCVI:
             value = v if value is None else value + v
             old = self.stats[i] if not first else [torch.zeros_like(t) for t in target]
             b = 1.0 if laplace else self.beta
-            new = [(1 - b) * old[0] + b * target[0], (1 - b) * old[1] + b * target[1]]
+            new = list(cvi_update(old[:2], target[:2], b))  # eq. 12 on the statistics
             new += target[2:]  # conjugate rows: exact, in full
             if first:
                 self.stats.append(new)
