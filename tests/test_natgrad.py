@@ -208,8 +208,14 @@ def test_lowrank_fisher_against_dense_jacobian(dtype):
     assert torch.allclose(got, F @ v, atol=tol * float((F @ v).abs().max()))
 
 
-def test_lowrank_step_is_fisher_natural_gradient():
-    """A small low-rank step moves the covariance parameters by ``-b F^-1 g`` (dense solve)."""
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-solve", "conjugate-gradients"])
+def test_lowrank_step_is_fisher_natural_gradient(dense, monkeypatch):
+    """A small low-rank step moves the covariance parameters by ``-b F^-1 g`` (an independent
+    dense solve), by the step's exact solve and by its conjugate gradients alike."""
+    import pyro_cvi.natgrad.steps as steps
+
+    if not dense:
+        monkeypatch.setattr(steps, "_DENSE_FISHER", 0)
     D, r = 5, 2
     g = torch.Generator().manual_seed(3)
     m = torch.randn(D, generator=g, dtype=torch.float64)

@@ -30,7 +30,8 @@ the family itself, the Fisher-metric projection of the full one on the family's 
 ``m' = m - b S dl/dm`` (exact: the Fisher of ``m`` is ``P``), and for ``theta = (log s, W)``
 ``theta' = theta - b F^-1 dl/dtheta`` with ``F`` the Gaussian Fisher
 ``F = 1/2 J^T (S^-1 (x) S^-1) J`` (independent of ``s``), solved by conjugate gradients with
-matrix-free products at ``O(D r^2)`` each (``S^-1`` by Woodbury), at most 20 of them.
+matrix-free products at ``O(D r^2)`` each (``S^-1`` by Woodbury), at most 20 of them (up to
+256 parameters, ``F`` is formed by one batched product and solved exactly).
 ``s = exp(log s)`` stays positive for every ``b``.
 """
 
@@ -52,6 +53,8 @@ _MAX_HALVINGS = 40
 _LOWRANK_MAX_MOVE = 5.0
 #: the adaptive step moves the mean by at most this many marginal standard deviations of q'
 MEAN_MAX_MOVE = 3.0
+#: low-rank Gaussians with at most this many covariance parameters get the exact Fisher solve
+_DENSE_FISHER = 256
 
 
 def diag_step(
@@ -180,20 +183,20 @@ def lowrank_fisher_mv(
     eye = torch.eye(r, dtype=W.dtype, device=W.device)
     C = torch.linalg.inv(eye + W.T @ W)
     WC = W @ C
-    M = W.T @ (v_rho[:, None] * W)  # W^T diag(v) W
+    M = W.T @ (v_rho[..., :, None] * W)  # W^T diag(v) W (batched over leading dims of v)
 
     def kinv(X):  # K^-1 X
         return X - WC @ (W.T @ X)
 
     # diag(E K^-1) = v + diag(K diag(v) K^-1) + diag((V W^T + W V^T) K^-1)
     ww = (W * W).sum(-1)
-    d_kvk = v_rho + ww * v_rho - v_rho * (W * WC).sum(-1) - (W * (WC @ M.T)).sum(-1)
+    d_kvk = v_rho + ww * v_rho - v_rho * (W * WC).sum(-1) - (W * (WC @ M.mT)).sum(-1)
     d_vw = (V * WC).sum(-1) + (W * kinv(V)).sum(-1)
     f_rho = v_rho + d_kvk + d_vw
     # K^-1 E K^-1 W = K^-1 (E W) C,  E W = diag(v) K W + K diag(v) W + V W^T W + W V^T W
     KW = W + W @ (W.T @ W)
-    vW = v_rho[:, None] * W
-    EW = v_rho[:, None] * KW + vW + W @ M + V @ (W.T @ W) + W @ (V.T @ W)
+    vW = v_rho[..., :, None] * W
+    EW = v_rho[..., :, None] * KW + vW + W @ M + V @ (W.T @ W) + W @ (V.mT @ W)
     f_W = kinv(EW) @ C
     return f_rho, f_W
 
@@ -250,7 +253,20 @@ def lowrank_step(
         f_rho, f_W = lowrank_fisher_mv(W, v[0], v[1])
         return f_rho + damping * v[0], f_W + damping * v[1]
 
-    x_rho, x_W = _cg(mv, (g_rho, gW), cg_iters, 1e-8)
+    n = s.numel() + W.numel()
+    if n <= _DENSE_FISHER:  # small: the exact solve, one batched product for all of F
+        eye = torch.eye(n, dtype=W.dtype, device=W.device)
+        f_rho, f_W = lowrank_fisher_mv(
+            W, eye[:, : s.numel()], eye[:, s.numel() :].reshape(n, *W.shape)
+        )
+        F = torch.cat([f_rho, f_W.reshape(n, -1)], -1)
+        F = 0.5 * (F + F.T) + damping * eye
+        x = torch.cholesky_solve(
+            torch.cat([g_rho, gW.reshape(-1)])[:, None], torch.linalg.cholesky(F)
+        )
+        x_rho, x_W = x[: s.numel(), 0], x[s.numel() :, 0].reshape(W.shape)
+    else:
+        x_rho, x_W = _cg(mv, (g_rho, gW), cg_iters, 1e-8)
     b = float(beta)
     cap = _LOWRANK_MAX_MOVE if max_rel is None else max_rel
     big = max(float(x_rho.abs().max()), float(x_W.abs().max()) if x_W.numel() else 0.0)
