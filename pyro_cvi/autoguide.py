@@ -32,6 +32,7 @@ from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .softmax import METHODS
+from .step_control import WarningLog
 from .tracing import subsample_values, trace_model
 from .update import StepCounts
 
@@ -148,6 +149,7 @@ class AutoCVI(AutoGuide):
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
+        self.warning_log = WarningLog()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
 
@@ -169,6 +171,11 @@ class AutoCVI(AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def warning_counts(self) -> dict:
+        """``{(site, kind): count}`` of the step warnings so far (each is shown only once)."""
+        return dict(self.warning_log.counts)
 
     @property
     def reducer(self):
@@ -196,6 +203,7 @@ class AutoCVI(AutoGuide):
         }
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
+        self.engine.warnings = self.warning_log
         sub = self.draw_subsample(args, kwargs)
         with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
             self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)

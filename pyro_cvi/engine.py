@@ -20,7 +20,6 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional
@@ -37,6 +36,7 @@ from .mean_field import compute
 from .step_control import (
     Snapshot,
     StepControl,
+    WarningLog,
     backtrack_message,
     initial_failure,
     is_numerical_error,
@@ -85,6 +85,7 @@ class Engine:
         self.pending: Optional[StepContext] = None
         self.cache: Dict = {}
         self.counts = StepCounts()
+        self.warnings = WarningLog()
         self.data_key = None
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
         self.control: Optional[StepControl] = None
@@ -339,7 +340,8 @@ class Engine:
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
-        warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
+        kind = "step undone (numerical)" if error is not None else "step undone"
+        self.warnings.warn(labels, kind, backtrack_message(labels, beta, error), stacklevel=4)
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads, graph)
@@ -482,7 +484,7 @@ class Engine:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
         self.counts += counts
-        warn_step_counts(label, what, beta, counts, stacklevel=6)
+        warn_step_counts(label, what, beta, counts, stacklevel=6, log=self.warnings)
 
 
 def data_key(args, kwargs):
