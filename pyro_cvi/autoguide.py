@@ -231,6 +231,12 @@ class AutoCVI(AutoGuide):
         for name, node in self.prototype_trace.nodes.items():
             if name not in out and name in self._minibatch_plates:
                 out[name] = node["fn"].sample()
+        analysis = getattr(self.engine, "analysis", None)
+        if analysis is not None:  # observation-only plates (the prototype hides their indices)
+            for name in sorted(analysis.minibatch_plates - set(out)):
+                node = analysis.structure.nodes[name]
+                if node["fn"].subsample_size is not None:  # (not pyro.plate(subsample=idx))
+                    out[name] = node["fn"].sample()
         return out
 
     def natural_params(self) -> Dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from .blocks import GaussianBlock, MarkovBlock, NaturalBlock, init_messenger, in
 from .context import Options, StepContext
 from .distributed import combine, start_ranks
 from .expectations import site_weight
+from .factor_roles import minibatch_renames
 from .mean_field import compute
 from .step_control import (
     Snapshot,
@@ -373,7 +374,11 @@ class Engine:
         """Factors that depend on no latent (e.g. observations with learnable parameters only):
         constants of q, but part of the bound and of the hyperparameter gradients."""
         total = torch.zeros(())
-        for site, owner in self.analysis.owner.items():
+        owners = dict(self.analysis.owner)
+        for site, template in minibatch_renames(self.analysis, trace).items():
+            if template is not None:  # a sequential plate's site of this minibatch
+                owners.setdefault(site, owners[template])
+        for site, owner in owners.items():
             if owner == CONSTANT and site in trace.nodes:  # (sequential minibatch sites vary)
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
