@@ -297,7 +297,11 @@ class Analysis:
                         why = f"{kind_name} {oname} depends on {label}"
                         return Factor(site, label, GENERAL, why)
             if not value.requires_grad:
-                why = f"{kind_name} {name} does not depend on {label}"
+                obs = tr.nodes[site]["value"]
+                if torch.is_tensor(obs) and obs.requires_grad:  # obs=f(z)
+                    why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
+                else:
+                    why = f"{kind_name} {name} does not depend on {label}"
                 return Factor(site, label, GENERAL, why)
         link = "log(rate)" if name == "rate" else name
         probed = self._probed_rows(site, block, value, lambda fn: linear_param(fn)[1])
