@@ -21,8 +21,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import probes
-from ..tracing import linear_param, unwrap
+from ..model import probes
+from ..model.tracing import linear_param, unwrap
 from .distribution import LinearGaussianSSM
 from .increments import Increments
 from .kalman import LinearGaussianChain
