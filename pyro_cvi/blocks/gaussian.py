@@ -45,6 +45,7 @@ from ..messages.softmax_sites import (
     softmax_rows,
 )
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
+from ..model.gaussian_tree import joint_prior_information
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
@@ -421,6 +422,14 @@ class GaussianBlock(SiteFormBlock):
 
 def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
     """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
+    if spec.prior_rows:  # a linear-Gaussian tree: the joint prior in information form
+        roots = {}
+        for n, k in zip(spec.names, spec.sizes):
+            if n not in spec.prior_rows:
+                p = _gaussian_prior(trace.nodes[n]["fn"], k)
+                roots[n] = (p.precision_matrix(), p.loc)
+        P, h = joint_prior_information(spec, trace, roots)
+        return GaussianPrior(torch.linalg.solve(P, h), precision=P)
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
 

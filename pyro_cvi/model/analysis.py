@@ -36,7 +36,7 @@ from ..messages.collapsed import collapsed_sites, collapsed_spec, infinite_suppo
 from ..messages.softmax_sites import SOFTMAX, centred_logits
 from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
-from . import probes
+from . import gaussian_tree, probes
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
     COLLAPSED,
@@ -154,10 +154,11 @@ class Analysis:
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
+        self._probe_cache: Dict[int, list] = {}
         self.blocks = self._group_blocks()
+        self._probe_cache.clear()  # (block indices may have changed)
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
-        self._probe_cache: Dict[int, list] = {}
         self._classify()
         self._probe_cache.clear()
 
@@ -177,8 +178,10 @@ class Analysis:
         fam, chained = info.family, any(name in c.names for c in self.chains)
         if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance or chained:
             return False
-        if len(info.batch_shape) or self.deps.get(name) or name in self._feeds_collapsed:
+        if name in self._feeds_collapsed:
             return False
+        if len(info.batch_shape) or self.deps.get(name):  # a tree of conditional Normals?
+            return bool(self.deps.get(name)) and gaussian_tree.may_join(self, name)
         base = unwrap(self.structure.nodes[name]["fn"])[0]
         return isinstance(
             base, (torch.distributions.Normal, torch.distributions.MultivariateNormal)
@@ -187,6 +190,10 @@ class Analysis:
     def _group_blocks(self) -> List[BlockSpec]:
         """Connected components of the site-form candidates over shared factors (union-find)."""
         cand = [n for n in self.latents if self._site_form_candidate(n)]
+        reset = self._probe_cache.clear
+        return gaussian_tree.group(self, cand, self._union_blocks, self._probes, reset)
+
+    def _union_blocks(self, cand: List[str]) -> List[BlockSpec]:
         parent = {n: n for n in cand}
 
         def find(n):
@@ -207,8 +214,16 @@ class Analysis:
         for n in cand:
             groups.setdefault(find(n), []).append(n)
         blocks = []
+        for n in self.latents:  # (a regrouping starts from the mean field)
+            if self.latents[n].form == SITE:
+                self.latents[n].form, self.latents[n].block = NATURAL, None
         for i, names in enumerate(groups.values()):
-            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in names)
+            shapes = tuple(
+                torch.Size(
+                    self.values[n].shape if self.deps.get(n) else self.latents[n].event_shape
+                )
+                for n in names
+            )
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
                 self.latents[n].form, self.latents[n].block = SITE, i

@@ -72,6 +72,9 @@ class BlockSpec:
     shapes: Tuple[torch.Size, ...]
     factors: List[Factor] = field(default_factory=list)
     chain: Optional[ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
+    #: members whose Normal prior has a loc affine in the others: ``name -> A`` (R x D), the
+    #: Jacobian of the loc in the joint z (a linear-Gaussian tree, model/gaussian_tree.py)
+    prior_rows: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def sizes(self) -> Tuple[int, ...]:
