@@ -43,7 +43,12 @@ F32, F64 = torch.float32, torch.float64
 # open rows of issue 23 (the bound still holds there; the first steps do not descend)
 KNOWN_DIVERGENT = {
     ("local_level", F32): "a cumsum random walk with a latent step scale is mean-field with "
-    "Monte Carlo messages (not a Markov block): the first parallel steps overshoot"
+    "Monte Carlo messages (not a Markov block): the first parallel steps overshoot",
+    **{
+        ("horseshoe_logistic", d): "the horseshoe prior's Monte Carlo ELBO term is heavy-tailed "
+        "(E_q[(tau lambda)^-2] is infinite under a Gamma q of shape <= 2): six noisy losses"
+        for d in (F32, F64)
+    },
 }
 DTYPES = pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
 # the bound check in both dtypes on every zoo model: the BOUND selection fast, the rest slow

@@ -45,7 +45,7 @@ from ..messages.softmax_sites import (
     softmax_rows,
 )
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
-from ..model.gaussian_tree import joint_prior_information
+from ..model.gaussian_tree import joint_prior_information, plugin_expected_log_prob
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
@@ -262,6 +262,10 @@ class GaussianBlock(SiteFormBlock):
         valued = post if gpost is None else gpost
         graph_rows = self._graph[1] if gpost is not None else self.rows
         shared = -valued.kl_to(prior)
+        if getattr(prior, "plugin", None):  # the mean field counts those factors
+            shared = shared - plugin_expected_log_prob(
+                prior.plugin, valued.loc, valued.scale_tril()
+            )
         elbo = torch.zeros_like(shared)  # the factors' terms: this rank's data points
         for idx, fn in self.elbo_rows:
             sl = post.blocks[idx][1]
@@ -428,8 +432,10 @@ def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
             if n not in spec.prior_rows:
                 p = _gaussian_prior(trace.nodes[n]["fn"], k)
                 roots[n] = (p.precision_matrix(), p.loc)
-        P, h = joint_prior_information(spec, trace, roots)
-        return GaussianPrior(torch.linalg.solve(P, h), precision=P)
+        P, h, plugin = joint_prior_information(spec, trace, roots)
+        prior = GaussianPrior(torch.linalg.solve(P, h), precision=P)
+        prior.plugin = plugin  # (plug-in conditionals: the mean field owns their factors)
+        return prior
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
 

@@ -155,6 +155,7 @@ class Analysis:
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
         self._probe_cache: Dict[int, list] = {}
+        self.specs: Dict[str, FactorSpec] = {}  # (asked while grouping; reset after)
         self.blocks = self._group_blocks()
         self._probe_cache.clear()  # (block indices may have changed)
         self.specs: Dict[str, FactorSpec] = {}
@@ -420,6 +421,9 @@ class Analysis:
         other latents' expectations when conjugate given them (eq. 20), else general."""
         label = block.label
         others = ", ".join(sorted(spec.latents - set(block.names)))
+        if spec.site in block.scale_latent:  # a tree member's prior with a latent scale
+            why = f"Normal prior of {spec.site}, scale at E_q of {others} (the mean field's)"
+            return Factor(spec.site, label, PRIOR, why)
         loc = spec.roles.get("loc")
         if spec.exact and not spec.discrete and loc is not None and loc.kind == "affine":
             if set(loc.parents) - set(block.names):

@@ -16,6 +16,7 @@ off autograd and confirmed at the block's probe runs (:func:`group`).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Set
 
 import torch
@@ -23,52 +24,76 @@ import torch
 from . import probes
 from .tracing import unwrap
 
-__all__ = ["MAX_JOINT_DIM", "may_join", "prunable", "group", "joint_prior_information"]
+__all__ = [
+    "MAX_JOINT_DIM",
+    "may_join",
+    "prunable",
+    "group",
+    "joint_prior_information",
+    "plugin_expected_log_prob",
+]
 
 #: the largest joint block a tree forms (dense ``D x D``): beyond it its members stay mean-field
 MAX_JOINT_DIM = 400
 
 
+def _grad_deps(value, leaves) -> Set[str]:
+    if not (torch.is_tensor(value) and value.requires_grad and leaves):
+        return set()
+    with torch.enable_grad():
+        gs = torch.autograd.grad(
+            value.sum(), list(leaves.values()), allow_unused=True, retain_graph=True
+        )
+    return {n for n, g in zip(leaves, gs) if g is not None}
+
+
 def may_join(an, name: str) -> bool:
-    """``name``'s prior is a Normal whose scale is free of latents and whose loc depends on
-    continuous latents only, outside subsampled plates (its loc's affinity is probed later)."""
+    """``name``'s prior is a Normal outside subsampled plates whose loc and scale depend on
+    continuous latents only; its loc's parents must join the same block and its scale's must
+    not (:func:`prunable`; the loc's affinity is probed later). ``an.tree_deps[name]`` keeps
+    ``(loc parents, scale parents)``."""
     node = an.structure.nodes[name]
     base = unwrap(node["fn"])[0]
-    if type(base) is not torch.distributions.Normal and not isinstance(
-        base, torch.distributions.Normal
-    ):
+    if not isinstance(base, torch.distributions.Normal):
         return False
     if any(f.name in an.minibatch_plates for f in node["cond_indep_stack"]):
         return False
-    deps = an.deps.get(name, set())
-    if deps & an.discrete:
+    if an.deps.get(name, set()) & an.discrete:
         return False
     tr, leaves = an.leaf_trace()
-    scale = unwrap(tr.nodes[name]["fn"])[0].scale
-    if torch.is_tensor(scale) and scale.requires_grad and leaves:
-        with torch.enable_grad():
-            gs = torch.autograd.grad(
-                scale.sum(), list(leaves.values()), allow_unused=True, retain_graph=True
-            )
-        if any(g is not None for g in gs):
-            return False
+    fn = unwrap(tr.nodes[name]["fn"])[0]
+    if not hasattr(an, "tree_deps"):
+        an.tree_deps = {}
+    an.tree_deps[name] = (_grad_deps(fn.loc, leaves), _grad_deps(fn.scale, leaves))
     return True
 
 
 def prunable(an, cand: Set[str]) -> Set[str]:
-    """Dependent candidates with a parent outside ``cand`` (to remove; repeat to a fixed
-    point)."""
-    return {n for n in cand if an.deps.get(n) and not an.deps[n] <= cand}
+    """Tree candidates with a loc parent outside ``cand`` or a scale parent inside it (to
+    remove; repeat to a fixed point)."""
+    out = set()
+    for n in cand:
+        if not an.deps.get(n):
+            continue
+        loc_deps, scale_deps = an.tree_deps[n]
+        if not loc_deps <= cand or scale_deps & cand:
+            out.add(n)
+    return out
 
 
 def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
-    """``(P, h)`` of a block's joint prior (module docstring). ``roots``: ``name -> (P_r, m_r)``
-    of the members with a latent-free prior; ``spec.prior_rows``: ``name -> A_y`` (R x D)."""
+    """``(P, h, plugin)`` of a block's joint prior (module docstring). ``roots``:
+    ``name -> (P_r, m_r)`` of the members with a latent-free prior; ``spec.prior_rows``:
+    ``name -> A_y`` (R x D). Members whose scale depends on mean-field latents use the scale at
+    the trace's values of those (their means): ``plugin`` holds their ``(B, c, w)``, for the
+    block to swap this plug-in conditional's expectation for the factor's own (which the mean
+    field estimates, and whose Monte Carlo messages the scale's latents get)."""
     like = next(iter(roots.values()))[0] if roots else next(iter(spec.prior_rows.values()))
     D = spec.dim
     P = like.new_zeros(D, D)
     h = like.new_zeros(D)
     z = torch.cat([trace.nodes[n]["value"].detach().reshape(-1).to(like) for n in spec.names])
+    plugin = []
     offset = 0
     for n, k in zip(spec.names, spec.sizes):
         sl = slice(offset, offset + k)
@@ -88,7 +113,19 @@ def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
         B[:, sl] += torch.eye(k, dtype=like.dtype, device=like.device)
         P += B.T @ (w[:, None] * B)
         h += B.T @ (w * c)
-    return P, h
+        if n in spec.scale_latent:
+            plugin.append((B, c, w))
+    return P, h, plugin
+
+
+def plugin_expected_log_prob(plugin, loc: torch.Tensor, scale_tril: torch.Tensor) -> torch.Tensor:
+    """``sum E_q[log N(B z - c | 0, 1/w)]`` under ``q(z) = N(loc, L L^T)`` (closed form)."""
+    total = loc.new_zeros(())
+    for B, c, w in plugin:
+        r = B @ loc - c
+        var = (B @ scale_tril).square().sum(-1)
+        total = total + (0.5 * torch.log(w / (2 * math.pi)) - 0.5 * w * (r.square() + var)).sum()
+    return total
 
 
 def group(an, cand, union: Callable, probe_runs: Callable, reset: Callable):
@@ -131,9 +168,15 @@ def _tree_rows(an, blocks, probe_runs) -> Set[str]:
         if block.chain is not None:
             continue
         for n in block.names:
-            deps = an.deps.get(n)
-            if not deps:
+            if not an.deps.get(n):
                 continue
+            deps, scale_deps = an.tree_deps[n]
+            if scale_deps:
+                # never where the mean field is exact for it (a Normal-Gamma prior: VMP)
+                if an.spec(n).exact:
+                    bad.add(n)
+                    continue
+                block.scale_latent.add(n)
             fn = tr.nodes[n]["fn"]
             shape = fn.shape()
             loc = unwrap(fn)[0].loc.expand(shape)
@@ -145,7 +188,9 @@ def _tree_rows(an, blocks, probe_runs) -> Set[str]:
                     else loc.new_zeros(R, k)
                     for m, k in zip(block.names, block.sizes)
                 }
-                dynamic = probes.depends_on_params(loc, [leaves[m] for m in deps], params)
+                dynamic = bool(deps) and probes.depends_on_params(
+                    loc, [leaves[m] for m in deps], params
+                )
             moved = [
                 (dz, unwrap(t.nodes[n]["fn"])[0].loc.expand(shape)) for dz, t in probe_runs(block)
             ]
