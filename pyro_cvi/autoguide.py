@@ -32,8 +32,10 @@ from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
+from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
 from .step_control import WarningLog
+from .transaction import rolled_back
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
@@ -93,6 +95,12 @@ class AutoCVI(AutoGuide):
         ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
         (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
         see :mod:`pyro_cvi.messages.softmax`.
+    :param general_curvature: the expected Hessian of general (Monte Carlo) factors on a
+        Gaussian block: ``"hessian"`` (a dense Hessian per particle, Price's theorem),
+        ``"gradient"`` (gradients only, one batched model run: Stein's lemma,
+        ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
+        ``"auto"`` (default: dense up to
+        :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
     """
 
     def __init__(
@@ -113,7 +121,13 @@ class AutoCVI(AutoGuide):
         init_scale: Optional[float] = None,
         process_group=None,
         softmax: str = "cubature",
+        general_curvature: str = "auto",
     ):
+        if general_curvature not in ("auto", "hessian", "gradient"):
+            raise ValueError(
+                "general_curvature must be 'auto', 'hessian' or 'gradient', "
+                f"got {general_curvature!r}"
+            )
         if softmax not in METHODS:
             raise ValueError(f"softmax must be one of {METHODS}, got {softmax!r}")
         if covariance not in ("full", "diag"):
@@ -146,12 +160,17 @@ class AutoCVI(AutoGuide):
             init_scale,
             as_reducer(process_group),
             softmax,
+            general_curvature=general_curvature,
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
         self.warning_log = WarningLog()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
+        #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.scale.checkpoint`):
+        #: applied, after its check against the model, at the end of the set-up
+        self.pending_restore: Optional[Callable] = None
+        self.data_shapes: Dict[str, tuple] = {}  # of the data the guide was built with
 
     # ------------------------------------------------------------------ counters
     @property
@@ -195,29 +214,38 @@ class AutoCVI(AutoGuide):
 
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
-        super()._setup_prototype(*args, **kwargs)
-        self._minibatch_plates = {
-            n
-            for n, v in subsample_values(self.prototype_trace).items()
-            if len(v) < self.prototype_trace.nodes[n]["fn"].size
-        }
-        self.engine = Engine(self.model, self._pyro_name, self.options)
-        self.engine.counts = self.counts
-        self.engine.warnings = self.warning_log
-        sub = self.draw_subsample(args, kwargs)
-        with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
-            self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+        with rolled_back(self):  # a set-up that fails or is interrupted leaves no trace
+            super()._setup_prototype(*args, **kwargs)
+            self.data_shapes = data_shapes(args, kwargs)
+            self._minibatch_plates = {
+                n
+                for n, v in subsample_values(self.prototype_trace).items()
+                if len(v) < self.prototype_trace.nodes[n]["fn"].size
+            }
+            self.engine = Engine(self.model, self._pyro_name, self.options)
+            self.engine.counts = self.counts
+            self.engine.warnings = self.warning_log
+            sub = self.draw_subsample(args, kwargs)
+            with poutine.block():  # set-up runs the model: hide it from an outer trace
+                self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+            if self.pending_restore is not None:
+                self.pending_restore(self)  # checks the checkpoint against the model first
+                self.pending_restore = None
 
     def elbo(self, args, kwargs, grads: bool = False, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural
         gradients are written into the CVI parameters' ``.grad`` for the next CVI step. With
         ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
         that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
-        if self.prototype_trace is None or self.engine.params_missing():
-            # first call, or the param store was cleared under a live guide: start afresh
-            self._setup_prototype(*args, **kwargs)
-        self.engine.reanalyse_if_new_data(args, kwargs, self.prototype_trace)
-        return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads, graph)
+        # a transaction: a loss that fails leaves the guide as it was; with ``grads`` it stays
+        # open until the optimizer's step (:mod:`pyro_cvi.transaction`)
+        with rolled_back(self, keep_open=grads), explained(args, kwargs, self.data_shapes):
+            if self.prototype_trace is None or self.engine.params_missing():
+                # first call, or the param store was cleared under a live guide: start afresh
+                self._setup_prototype(*args, **kwargs)
+            self.engine.reanalyse_if_new_data(args, kwargs, self.prototype_trace)
+            sub = self.draw_subsample(args, kwargs)
+            return self.engine.loss(args, kwargs, sub, grads, graph)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
         """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the
@@ -424,6 +452,7 @@ for _name in (
     "vectorize_particles",
     "discrete",
     "softmax",
+    "general_curvature",
 ):
     setattr(AutoCVI, _name, _option(_name))
 

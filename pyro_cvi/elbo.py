@@ -14,12 +14,17 @@ differences. The value it returns is the -ELBO of the current ``q``: exact where
 
 from __future__ import annotations
 
+from typing import Any, Callable, NoReturn
+
 import torch
 from pyro.infer import ELBO
 
 from .autoguide import AutoCVI
+from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
+
+_Fn = Callable[..., Any]  # a Pyro model or guide
 
 
 class CVI_ELBO(ELBO):
@@ -29,32 +34,39 @@ class CVI_ELBO(ELBO):
         svi = SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         if kwargs.get("num_particles", 1) != 1:
             raise ValueError(
                 "CVI_ELBO computes its expectations itself; set AutoCVI(num_samples=...) for "
                 "Monte Carlo gradients instead of num_particles"
             )
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # (pyro: untyped)
 
-    def loss(self, model, guide, *args, **kwargs) -> float:
+    def loss(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         # (not under no_grad: quadrature and mean-field expectations use autograd inside)
         return float(_checked(model, guide).elbo(args, kwargs, grads=False).detach().neg())
 
-    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+    def differentiable_loss(
+        self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         return _checked(model, guide).elbo(args, kwargs, grads=False, graph=True).neg()
 
-    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        loss = -_checked(model, guide).elbo(args, kwargs, grads=True)
+    def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
+        cvi_guide = _checked(model, guide)
+        loss = -cvi_guide.elbo(args, kwargs, grads=True)
         if loss.requires_grad:
-            loss.backward()
+            try:
+                loss.backward()
+            except BaseException:  # the step's transaction is rolled back
+                abort([cvi_guide.engine])
+                raise
         return float(loss.detach())
 
-    def _get_trace(self, model, guide, args, kwargs):
+    def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
 
 
-def _checked(model, guide) -> AutoCVI:
+def _checked(model: _Fn, guide: _Fn) -> AutoCVI:
     if not isinstance(guide, AutoCVI):
         name = type(guide).__name__
         raise TypeError(

@@ -13,13 +13,15 @@ user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, Optional, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union, cast
 
 import pyro
 import torch
 from pyro.optim import PyroOptim
 
+from .divergence import watch
 from .step_sizes import Schedule, as_schedule
+from .transaction import abort, commit
 from .update import owner_of
 
 __all__ = ["CVI"]
@@ -51,19 +53,21 @@ class CVI(PyroOptim):
         self,
         step_size: Union[float, str, Schedule] = "auto",
         optim: Type[torch.optim.Optimizer] = torch.optim.Adam,
-        optim_args: Optional[Union[Dict, Callable]] = None,
+        optim_args: Optional[Union[Dict[str, Any], Callable[..., Dict[str, Any]]]] = None,
         max_step_size: float = 1.0,
-    ):
+    ) -> None:
         self.auto = isinstance(step_size, str)
         if self.auto and step_size != "auto":
             raise ValueError(f"step_size must be 'auto', a number or a callable, got {step_size!r}")
         self.max_step_size = float(as_schedule(max_step_size)(1))
-        self.schedule = as_schedule(self.max_step_size if self.auto else step_size)
+        fixed = cast(Union[float, Schedule], step_size)  # not a str here
+        self.schedule = as_schedule(self.max_step_size if self.auto else fixed)
         if not callable(step_size):
             self.schedule(1)  # validates the constant
         self.t = 0
-        self.engines: Dict[int, object] = {}
-        self.saved_controls: Dict[str, Dict] = {}  # from set_state, until the engines appear
+        self.engines: Dict[int, weakref.ref[Any]] = {}
+        # from set_state, until the engines appear
+        self.saved_controls: Dict[str, Dict[str, Any]] = {}
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -75,10 +79,26 @@ class CVI(PyroOptim):
             return float(betas[-1]) if betas else self.max_step_size
         return float(self.schedule(self.t + 1))
 
-    def _live(self):
+    def _live(self) -> List[Any]:
         return [e for e in (r() for r in self.engines.values()) if e is not None]
 
-    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+    def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        # the update completes the transaction its loss opened: a failure or an interrupt
+        # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
+        params = list(params)
+        t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
+        try:
+            engines = self._update(params, args, kwargs)
+        except BaseException:
+            self.t, self.saved_controls = t, saved
+            torch.set_grad_enabled(grad_mode)
+            abort({e for e in map(owner_of, params) if e is not None})
+            for p in params:  # this step's gradients must not leak into the next one
+                p.grad = None
+            raise
+        commit(engines)
+
+    def _update(self, params: List[torch.Tensor], args: Any, kwargs: Any) -> List[Any]:
         engines, others = {}, []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
@@ -89,7 +109,7 @@ class CVI(PyroOptim):
         if not engines:
             if others:
                 _refuse(others)
-            return
+            return []
         if any(e.pending is None for e in engines.values()):
             raise ValueError(
                 "CVI found CVI parameters without natural gradients: the loss must be "
@@ -110,6 +130,10 @@ class CVI(PyroOptim):
                     f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
                 )
             for engine in engines.values():
+                ctx = engine.pending
+                if not (ctx.subsample or engine.minibatch):  # comparable losses only
+                    labels = [lbl for b in engine.blocks for lbl in b.labels]
+                    watch(engine, beta, ctx.elbo, ctx.mc_var, str(labels))
                 engine.step(beta)
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
@@ -117,8 +141,22 @@ class CVI(PyroOptim):
         others = [p for p in others if p.grad is not None]
         if others:
             super().__call__(others, *args, **kwargs)
+        for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
+            p.grad = None
+        return list(engines.values())
 
-    def get_state(self) -> Dict:
+    def resume_control(self, engine: Any) -> None:
+        """A checkpoint was restored into ``engine``: its adaptive step control is rebuilt
+        now, so the first loss after the restore is checked as in the uninterrupted run."""
+        saved = self.saved_controls.pop(engine.prefix, None)
+        if self.auto and saved is not None:
+            self.engines[id(engine)] = weakref.ref(engine)
+            engine.enable_control(self.max_step_size, saved)
+
+    def get_state(self) -> Dict[str, Any]:
+        store = pyro.get_param_store()
+        for p in [p for p in self.optim_objs if store.param_name(p) is None]:
+            self.optim_objs.pop(p)  # replaced in the store (a checkpoint restored over it)
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
         controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
@@ -126,23 +164,21 @@ class CVI(PyroOptim):
             state["__cvi__"]["control"] = controls
         return state
 
-    def set_state(self, state_dict: Dict) -> None:
+    def set_state(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         cvi = state_dict.pop("__cvi__", None)
         if cvi is not None:
             self.t = int(cvi["t"])
             self.saved_controls = dict(cvi.get("control", {}))
+        self.optim_objs.clear()  # the restored parameters get their optimizers afresh,
+        self.grad_clip.clear()  # from the state set here
         super().set_state(state_dict)
 
 
-def _refuse(params) -> None:
+def _refuse(params: List[torch.Tensor]) -> None:
     store = pyro.get_param_store()
-    names = []
-    for p in params:
-        try:
-            names.append(store.param_name(p))
-        except KeyError:
-            pass
+    # param_name is None for a tensor outside the param store
+    names = [n for n in (store.param_name(p) for p in params) if n is not None]
     auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
     hint = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
     raise ValueError(

@@ -21,6 +21,7 @@ from typing import Callable, Dict, Set
 
 import torch
 
+from ..linear_gaussian import GaussianPrior
 from . import probes
 from .tracing import unwrap
 
@@ -31,6 +32,7 @@ __all__ = [
     "group",
     "joint_prior_information",
     "plugin_expected_log_prob",
+    "tree_prior",
 ]
 
 #: the largest joint block a tree forms (dense ``D x D``): beyond it its members stay mean-field
@@ -118,8 +120,28 @@ def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
     return P, h, plugin
 
 
-def plugin_expected_log_prob(plugin, loc: torch.Tensor, scale_tril: torch.Tensor) -> torch.Tensor:
-    """``sum E_q[log N(B z - c | 0, 1/w)]`` under ``q(z) = N(loc, L L^T)`` (closed form)."""
+def tree_prior(spec, trace, root_prior: Callable):
+    """The block's joint prior (a ``GaussianPrior`` in precision form) from
+    :func:`joint_prior_information`; ``root_prior(fn, k)`` reads a latent-free member's prior.
+    Its plug-in conditionals ride along as ``prior.plugin``."""
+    roots = {}
+    for n, k in zip(spec.names, spec.sizes):
+        if n not in spec.prior_rows:
+            p = root_prior(trace.nodes[n]["fn"], k)
+            roots[n] = (p.precision_matrix(), p.loc)
+    P, h, plugin = joint_prior_information(spec, trace, roots)
+    prior = GaussianPrior(torch.linalg.solve(P, h), precision=P)
+    prior.plugin = plugin  # (plug-in conditionals: the mean field owns their factors)
+    return prior
+
+
+def plugin_expected_log_prob(prior, post) -> torch.Tensor:
+    """``sum E_q[log N(B z - c | 0, 1/w)]`` of ``prior.plugin`` under ``q = post`` (a Gaussian
+    with ``loc`` and ``scale_tril()``; closed form); zero without plug-in conditionals."""
+    plugin = getattr(prior, "plugin", None)
+    if not plugin:
+        return torch.zeros((), dtype=post.loc.dtype, device=post.loc.device)
+    loc, scale_tril = post.loc, post.scale_tril()
     total = loc.new_zeros(())
     for B, c, w in plugin:
         r = B @ loc - c
