@@ -51,7 +51,7 @@ KNOWN_DIVERGENT = {
     },
     **{
         ("ppca", d): "the bilinear mean's general messages to the {W, mu} block overshoot in the "
-        "first steps since main's general-curvature change (7e14062/cf76218); passed before"
+        "first steps since main's 7e14062 (dense Hessian for blocks of <= 4 dims); passed before it"
         for d in (F32, F64)
     },
 }
