@@ -34,6 +34,7 @@ from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
+from .step_control import WarningLog
 from .transaction import rolled_back
 from .update import StepCounts
 
@@ -163,6 +164,7 @@ class AutoCVI(AutoGuide):
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
+        self.warning_log = WarningLog()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
         #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.scale.checkpoint`):
@@ -188,6 +190,11 @@ class AutoCVI(AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def warning_counts(self) -> dict:
+        """``{(site, kind): count}`` of the step warnings so far (each is shown only once)."""
+        return dict(self.warning_log.counts)
 
     @property
     def reducer(self):
@@ -217,6 +224,7 @@ class AutoCVI(AutoGuide):
             }
             self.engine = Engine(self.model, self._pyro_name, self.options)
             self.engine.counts = self.counts
+            self.engine.warnings = self.warning_log
             sub = self.draw_subsample(args, kwargs)
             with poutine.block():  # set-up runs the model: hide it from an outer trace
                 self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
@@ -251,6 +259,12 @@ class AutoCVI(AutoGuide):
         for name, node in self.prototype_trace.nodes.items():
             if name not in out and name in self._minibatch_plates:
                 out[name] = node["fn"].sample()
+        analysis = getattr(self.engine, "analysis", None)
+        if analysis is not None:  # observation-only plates (the prototype hides their indices)
+            for name in sorted(analysis.minibatch_plates - set(out)):
+                node = analysis.structure.nodes[name]
+                if node["fn"].subsample_size is not None:  # (not pyro.plate(subsample=idx))
+                    out[name] = node["fn"].sample()
         return out
 
     def natural_params(self) -> Dict[str, torch.Tensor]:

@@ -21,7 +21,6 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
@@ -42,12 +41,14 @@ from .blocks import (
 from .context import Options, StepContext
 from .messages.expectations import site_weight
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
+from .model.factor_roles import minibatch_renames
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, per_index
 from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
+    WarningLog,
     backtrack_message,
     controlled_evaluation,
     initial_failure,
@@ -75,6 +76,7 @@ class Engine:
         self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
         self.counts = StepCounts()
+        self.warnings = WarningLog()
         self.data_key = None
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
         self.control: Optional[StepControl] = None
@@ -320,7 +322,8 @@ class Engine:
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [label for b in self.blocks for label in b.labels]
-        warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
+        kind = "step undone (numerical)" if error is not None else "step undone"
+        self.warnings.warn(labels, kind, backtrack_message(labels, beta, error), stacklevel=4)
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads, graph)
@@ -338,7 +341,11 @@ class Engine:
         """Factors that depend on no latent (e.g. observations with learnable parameters only):
         constants of q, but part of the bound and of the hyperparameter gradients."""
         total = torch.zeros(())
-        for site, owner in self.analysis.owner.items():
+        owners = dict(self.analysis.owner)
+        for site, template in minibatch_renames(self.analysis, trace).items():
+            if template is not None:  # a sequential plate's site of this minibatch
+                owners.setdefault(site, owners[template])
+        for site, owner in owners.items():
             if owner == CONSTANT and site in trace.nodes:  # (sequential minibatch sites vary)
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
@@ -409,7 +416,9 @@ class Engine:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
         self.counts += report.counts
-        warn_step_counts(report.label, report.kind, report.beta, report.counts, stacklevel=6)
+        warn_step_counts(
+            report.label, report.kind, report.beta, report.counts, stacklevel=6, log=self.warnings
+        )
 
 
 def data_key(args, kwargs):

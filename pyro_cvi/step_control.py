@@ -56,6 +56,7 @@ __all__ = [
     "initial_failure",
     "backtrack_message",
     "warn_step_counts",
+    "WarningLog",
 ]
 
 
@@ -259,6 +260,26 @@ def initial_failure(error: Optional[BaseException]) -> ValueError:
     )
 
 
+class WarningLog:
+    """One warning per ``(site, kind)`` per run (a guide's lifetime), however many steps repeat
+    it: the first occurrence is shown, every occurrence is counted (``counts``, shown on the
+    guide as ``guide.warning_counts``). Python's own once-per-text filter cannot do this, as
+    the texts carry the step size, which changes from step to step."""
+
+    def __init__(self) -> None:
+        self.counts: Dict[tuple, int] = {}
+
+    def warn(self, site, kind: str, message: str, stacklevel: int = 2) -> None:
+        key = (str(site), kind)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.counts[key] == 1:
+            warnings.warn(
+                message + " (shown once per site and kind; see guide.warning_counts)",
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
+
+
 def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> str:
     """The warning for an undone step: which sites, why, the new step, and what to do."""
     why = "a numerical failure" if error is not None else "a worse ELBO"
@@ -270,21 +291,26 @@ def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> st
     )
 
 
-def warn_step_counts(label: str, what: str, beta: float, counts, stacklevel: int) -> None:
-    """Warn about shrunk and rejected steps (the text carries no counts, so Python shows it
-    once per site and kind; the counts are ``guide.num_shrunk`` / ``guide.num_rejected``)."""
+def warn_step_counts(
+    label: str, what: str, beta: float, counts, stacklevel: int, log: Optional[WarningLog] = None
+) -> None:
+    """Warn about shrunk and rejected steps, once per site and kind when ``log`` is given (the
+    counts of elements are ``guide.num_shrunk`` / ``guide.num_rejected``)."""
+    log = log if log is not None else WarningLog()
     if counts.shrunk:
-        warnings.warn(
+        log.warn(
+            label,
+            "step shrunk",
             f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
             "natural parameters valid (counted in guide.num_shrunk)",
-            RuntimeWarning,
             stacklevel=stacklevel,
         )
     if counts.rejected:
-        warnings.warn(
+        log.warn(
+            label,
+            "step rejected",
             f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
             f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
             "step size, or raise num_general_samples.",
-            RuntimeWarning,
             stacklevel=stacklevel,
         )

@@ -47,6 +47,7 @@ from ..messages.softmax_sites import (
     softmax_rows,
 )
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
+from ..model.gaussian_tree import plugin_expected_log_prob, tree_prior
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
 from ..update import (
@@ -272,6 +273,7 @@ class GaussianBlock(SiteFormBlock):
         valued = post if gpost is None else gpost
         graph_rows = self._graph[1] if gpost is not None else self.rows
         shared = -valued.kl_to(prior)
+        shared = shared - plugin_expected_log_prob(prior, valued)  # (the mean field's)
         elbo = torch.zeros_like(shared)  # the factors' terms: this rank's data points
         for idx, fn in self.elbo_rows:
             sl = post.blocks[idx][1]
@@ -440,6 +442,8 @@ class GaussianBlock(SiteFormBlock):
 
 def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
     """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
+    if spec.prior_rows:  # a linear-Gaussian tree: the joint prior in information form
+        return tree_prior(spec, trace, _gaussian_prior)
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
 
