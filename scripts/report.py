@@ -158,6 +158,8 @@ def _fallback(path: Path, data: Dict[str, Any]) -> List[str]:
 
 def render_file(path: Path, img_dir: Path, rel: str) -> List[str]:
     data = json.loads(path.read_text())
+    if isinstance(data, list):  # a list of records: one table, keyed by position
+        data = {"records": {str(i): r for i, r in enumerate(data) if isinstance(r, dict)}}
     rep = data.get("report")
     if not isinstance(rep, dict):
         return _fallback(path, data)

@@ -25,3 +25,16 @@ def test_benchmark_script_has_quick_verdict_and_out(path):
     assert '"--out"' in source, f"{path.name} does not take --out for its JSON"
     assert re.search(r"verdict", source, re.I), f"{path.name} prints no verdict line"
     assert "print(None" not in source, f"{path.name} prints None where 'never' is meant"
+
+
+def test_the_results_page_renders_every_committed_json(tmp_path):
+    """``scripts/report.py`` (the docs' results page) reads every file in ``results/``, a
+    list of records included (``check_resume.json``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", SCRIPTS / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    for path in sorted((SCRIPTS.parent / "results").glob("*.json")):
+        lines = report.render_file(path, tmp_path, "results")
+        assert lines and lines[0].startswith("## "), path.name
