@@ -9,15 +9,19 @@ AutoMultivariateNormal); every other site is a natural-parameter block (mean fie
 Algorithm 2). The guide is thin: the analysis, messages and steps live in
 :class:`~pyro_cvi.engine.Engine` (see docs/architecture.md).
 
-The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"``; their
-``.grad`` (written by :class:`~pyro_cvi.CVI_ELBO`) is the natural gradient
-``target - lambda``, and the :class:`~pyro_cvi.CVI` optimizer applies eq. 12.
+The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"`` and are the
+guide's own ``nn.Parameter``\ s at ``<kind>.<site>`` (one tensor object in both views, as for
+Pyro's ``PyroModule``: see :mod:`pyro_cvi.guide_state`), so a guide pickles, ``torch.save``\ s,
+deep-copies and loads a ``state_dict``; their ``.grad`` (written by :class:`~pyro_cvi.CVI_ELBO`)
+is the natural gradient ``target - lambda``, and the :class:`~pyro_cvi.CVI` optimizer applies
+eq. 12.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import ExitStack
-from typing import Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import pyro
 import pyro.distributions as dist
@@ -31,6 +35,14 @@ from .context import Options
 from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
+from .guide_state import (
+    bind_parameters,
+    detach_distribution,
+    picklable,
+    rng_preserved,
+    sync_parameters,
+)
+from .marginals import marginal_median, marginal_quantiles
 from .softmax import METHODS
 from .tracing import subsample_values, trace_model
 from .update import StepCounts
@@ -151,6 +163,46 @@ class AutoCVI(AutoGuide):
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
 
+    # ------------------------------------------------------------------ pickling and copies
+    @property
+    def model(self) -> Optional[Callable]:
+        """The model (``None`` in a guide unpickled without it: set it again)."""
+        return self._model[0] if self._model is not None else None
+
+    @model.setter
+    def model(self, model: Callable) -> None:
+        self._model = (model,)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The picklable state: the parameters (module attributes), the options, the counters,
+        the prototype trace and the model where it pickles; the engine is rebuilt on first use
+        (:meth:`_ready`). The live guide is left untouched."""
+        for p in self.parameters():
+            p.__dict__.pop("unconstrained", None)  # a weakref the param store attaches
+        state = self.__dict__.copy()
+        state["engine"] = None
+        state["master"] = None
+        model = self.model
+        state["_model"] = (model if model is not None and picklable(model) else None,)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+
+    def __deepcopy__(self, memo) -> "AutoCVI":
+        """A copy with its own parameters and the same model (as Pyro's guides keep a
+        reference to their model, not a copy)."""
+        model = self.model
+        for shared in (model, self.prototype_trace):  # shared, not copied (read-only)
+            if shared is not None:
+                memo[id(shared)] = shared
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        state = self.__getstate__()
+        state["_model"] = (model,)
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
     # ------------------------------------------------------------------ counters
     @property
     def num_shrunk(self) -> int:
@@ -194,20 +246,46 @@ class AutoCVI(AutoGuide):
             for n, v in subsample_values(self.prototype_trace).items()
             if len(v) < self.prototype_trace.nodes[n]["fn"].size
         }
+        self._build_engine(args, kwargs)
+
+    def _build_engine(self, args, kwargs) -> None:
+        """Analyse the model and set up the blocks; parameters this guide already holds (a
+        restored or copied guide) are put into the param store first and kept."""
+        sync_parameters(self)
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
         sub = self.draw_subsample(args, kwargs)
         with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
             self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+        bind_parameters(self, self.engine.param_names() + [self.engine.steps_name])
+
+    def _ready(self, args=(), kwargs=None) -> Engine:
+        """The engine, set up on first use (from ``args``) or rebuilt after unpickling or
+        copying (from the prototype trace's recorded inputs, without moving the random
+        state); the module's and the param store's parameters made one."""
+        kwargs = kwargs or {}
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        elif self.engine is None:
+            if self._model is None or self._model[0] is None:
+                raise ValueError(
+                    "this AutoCVI was pickled without its model (the model could not be pickled, "
+                    "e.g. a function defined inside another): set guide.model = model, or define "
+                    "the model at module level so that it pickles with the guide"
+                )
+            inputs = self.prototype_trace.nodes["_INPUT"]
+            with rng_preserved():
+                self._build_engine(inputs["args"], inputs["kwargs"])
+        else:
+            sync_parameters(self)
+        return self.engine
 
     def elbo(self, args, kwargs, grads: bool = False, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural
         gradients are written into the CVI parameters' ``.grad`` for the next CVI step. With
         ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
         that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
-        if self.prototype_trace is None or self.engine.params_missing():
-            # first call, or the param store was cleared under a live guide: start afresh
-            self._setup_prototype(*args, **kwargs)
+        self._ready(args, kwargs)
         self.engine.reanalyse_if_new_data(args, kwargs, self.prototype_trace)
         return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads, graph)
 
@@ -234,9 +312,9 @@ class AutoCVI(AutoGuide):
 
     # ------------------------------------------------------------------ the guide itself
     def forward(self, *args, **kwargs):
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        engine = self.engine
+        engine = self._ready(args, kwargs)
+        # under torch.jit.trace the current q is recorded as constants (its tensors detached)
+        frozen = detach_distribution if torch.jit.is_tracing() else (lambda d: d)
         plates = self._create_plates(*args, **kwargs)
         sub = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
         result, done = {}, set()
@@ -250,45 +328,44 @@ class AutoCVI(AutoGuide):
                 done.add(info.block)
                 block = engine.gaussian[info.block]
                 if len(block.names) == 1 and not info.batch_shape:
-                    result[name] = pyro.sample(name, block.marginal(name))
+                    result[name] = pyro.sample(name, frozen(block.marginal(name)))
                     continue
                 z = pyro.sample(
                     f"_{self._pyro_name}_latent_{info.block}",
-                    block.joint(),
+                    frozen(block.joint()),
                     infer={"is_auxiliary": True},
                 )
                 for n, v in block.spec.split(z).items():  # a site in plates: Delta in them
                     event_dim = len(engine.analysis.latents[n].event_shape)
-                    with ExitStack() as stack:
-                        for frame in self.prototype_trace.nodes[n]["cond_indep_stack"]:
-                            if frame.vectorized:
-                                stack.enter_context(plates[frame.name])
+                    with self._plates_of(n, plates):
                         result[n] = pyro.sample(n, dist.Delta(v, event_dim=event_dim))
             else:
-                site = self.prototype_trace.nodes[name]
-                with ExitStack() as stack:
-                    for frame in site["cond_indep_stack"]:
-                        if frame.vectorized:
-                            stack.enter_context(plates[frame.name])
-                    result[name] = pyro.sample(name, engine.natural[name].dist(sub))
+                with self._plates_of(name, plates):
+                    result[name] = pyro.sample(name, frozen(engine.natural[name].dist(sub)))
         if leaves:
             tr = poutine.block(trace_model)(self.model, result, args, kwargs)
             for name in leaves:
                 site = tr.nodes[name]
-                with ExitStack() as stack:
-                    for frame in site["cond_indep_stack"]:
-                        if frame.vectorized:
-                            stack.enter_context(plates[frame.name])
+                with self._plates_of(name, plates, site):
                     fn = site["fn"]
                     if site["mask"] is not None:
                         fn = fn.mask(site["mask"])
-                    result[name] = pyro.sample(name, fn)
+                    result[name] = pyro.sample(name, frozen(fn))
         return result
+
+    def _plates_of(self, name: str, plates, site=None) -> ExitStack:
+        """The guide's plates (``pyro.plate`` objects) around site ``name``."""
+        site = site if site is not None else self.prototype_trace.nodes[name]
+        stack = ExitStack()
+        for frame in site["cond_indep_stack"]:
+            if frame.vectorized:
+                stack.enter_context(plates[frame.name])
+        return stack
 
     def _info(self, name: str):
         if self.prototype_trace is None:
             raise RuntimeError("AutoCVI has not seen the model yet: call svi.step(...) first")
-        latents = self.engine.analysis.latents
+        latents = self._ready().analysis.latents
         if name in self.engine.analysis.collapsed:
             raise ValueError(
                 f"{name!r} is summed out (AutoCVI(discrete='collapse')): it has no q; draw it "
@@ -298,20 +375,35 @@ class AutoCVI(AutoGuide):
             raise KeyError(
                 f"{name!r} is not a latent site of the model; latent sites: {list(latents)}"
             )
-        info = latents[name]
-        if info.form == LEAF_FORM:
-            raise ValueError(
-                f"{name!r} is a leaf latent: its q is the model's conditional prior given its "
-                "parents, sampled by the guide; it has no free parameters"
-            )
-        return info
+        return latents[name]
 
     def posterior(self, name: str) -> torch.distributions.Distribution:
-        """The current ``q`` of latent site ``name`` (a marginal, for a site in a joint block)."""
+        """The current ``q`` of latent site ``name``, a torch Distribution with ``mean`` and
+        ``variance`` (and ``covariance_matrix`` for a Gaussian over more than one value): a
+        marginal, for a site in a joint block; for a *leaf* (a site nothing depends on, whose
+        ``q`` is its conditional prior), that prior with its parents at their ``q`` means."""
         info = self._info(name)
+        if info.form == LEAF_FORM:
+            return self._leaf_priors()[name]
         if info.form == SITE:
             return self.engine.gaussian[info.block].marginal(name)
         return self.engine.natural[name].dist({})
+
+    def _leaf_priors(self, args=None, kwargs=None) -> Dict[str, torch.distributions.Distribution]:
+        """Each leaf's conditional prior, in one model run with every other latent at its mean
+        (``args``: the model's, default the prototype trace's)."""
+        if args is None and not kwargs:
+            inputs = self.prototype_trace.nodes["_INPUT"]
+            args, kwargs = inputs["args"], inputs["kwargs"]
+        values = self.engine.sample_q({}, at_means=True)
+        with rng_preserved():
+            tr = poutine.block(trace_model)(self.model, values, tuple(args), kwargs or {})
+        out = {}
+        for name in self.engine.analysis.leaves:
+            site = tr.nodes[name]
+            fn = site["fn"]
+            out[name] = fn.mask(site["mask"]) if site["mask"] is not None else fn
+        return out
 
     def joint_posterior(self, *names: str) -> dist.MultivariateNormal:
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their
@@ -327,47 +419,42 @@ class AutoCVI(AutoGuide):
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """The posterior median (the mean, for Gaussian factors; the mode, for discrete
-        ones) of each non-leaf latent site."""
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
+        """The posterior median of each latent site (its marginals' 0.5 quantiles, see
+        :mod:`pyro_cvi.marginals`; the mode, for discrete factors); a leaf's at its parents'
+        means. ``args``: the model's (only needed before the first step)."""
+        engine = self._ready(args, kwargs)
         out = {}
-        for block in self.engine.gaussian:
+        for block in engine.gaussian:
             out.update(block.mean_values())
-        for name, nb in self.engine.natural.items():
-            out[name] = nb.mean_value({})
-        order = list(self.engine.analysis.latents)
+        for name, nb in engine.natural.items():
+            out[name] = marginal_median(nb.dist({})).reshape(nb.mean_value({}).shape)
+        if engine.analysis.leaves:
+            for name, fn in self._leaf_priors(args or None, kwargs).items():
+                out[name] = marginal_median(fn).detach()
+        order = list(engine.analysis.latents)
         return dict(sorted(out.items(), key=lambda kv: order.index(kv[0])))
 
     @torch.no_grad()
     def quantiles(self, quantiles: Sequence[float], *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """Marginal quantiles of each non-leaf latent site, stacked on a leading dim.
-
-        Exact for Gaussian sites (and any family whose torch distribution has ``icdf``);
-        otherwise from 4096 draws of q.
-        """
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
+        """Marginal quantiles of each latent site, stacked on a leading dim (deterministic:
+        exact for Gaussians and any law with an ``icdf``, a fine CDF grid for the others, see
+        :mod:`pyro_cvi.marginals`); ``quantiles(..., 0.5, ...)`` is :meth:`median`."""
+        engine = self._ready(args, kwargs)
+        medians = self.median(*args, **kwargs)
+        leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
         out = {}
-        for name in self.median():
-            q = self.posterior(name)
-            qs = torch.as_tensor(quantiles, dtype=torch.get_default_dtype())
-            if isinstance(q, (dist.Normal, dist.MultivariateNormal)) or (
-                isinstance(q, dist.TransformedDistribution)
-            ):
-                mean = self.median()[name]
-                std = _marginal_std(q).reshape(mean.shape)
+        for name, med in medians.items():
+            info = engine.analysis.latents[name]
+            if info.form == SITE:
+                q = engine.gaussian[info.block].marginal(name)
+                std = _marginal_std(q).reshape(med.shape)
                 normal = torch.distributions.Normal(0.0, 1.0)
-                z = normal.icdf(qs.to(mean)).reshape((-1,) + (1,) * mean.dim())
-                out[name] = mean + z * std
+                qs = torch.as_tensor(list(quantiles), dtype=med.dtype, device=med.device)
+                z = normal.icdf(qs).reshape((-1,) + (1,) * med.dim())
+                out[name] = med + z * std
                 continue
-            try:
-                out[name] = torch.stack([q.icdf(torch.tensor(float(p))) for p in quantiles])
-            except (NotImplementedError, AttributeError):
-                draws = q.sample((4096,))
-                out[name] = torch.quantile(draws.double(), qs.double().to(draws.device), dim=0).to(
-                    draws.dtype
-                )
+            q = leaves[name] if name in leaves else engine.natural[name].dist({})
+            out[name] = marginal_quantiles(q, quantiles).reshape((-1,) + med.shape).detach()
         return out
 
     @torch.no_grad()

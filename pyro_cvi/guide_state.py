@@ -1,0 +1,164 @@
+"""The state of an :class:`~pyro_cvi.AutoCVI` guide as a ``PyroModule``.
+
+The engine reads and writes its parameters through Pyro's param store (``pyro.param``, under
+``"<guide name>.<kind>.<site>"``). The guide also holds the *same* tensor objects as
+``nn.Parameter`` attributes at the matching module paths (``<kind>.<site>``), so that
+``named_parameters()``, ``state_dict()``, ``requires_grad_``, ``pickle``, ``torch.save`` and
+``copy.deepcopy`` see them, as for Pyro's own autoguides. The two views are kept identical
+with Pyro's ``PyroModule`` rule (:func:`sync_parameters`): the store's tensor wins where the
+store has the name (e.g. after ``load_checkpoint`` or ``ParamStoreDict.set_state``), the
+module's is put into the store where it has not (a fresh process, a cleared store).
+
+Everything else a guide holds that cannot be pickled (the engine: traces, closures, caches) is
+dropped and rebuilt from the prototype trace's recorded inputs on first use, with the random
+state preserved so that a restored guide draws exactly what the original draws.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from contextlib import contextmanager
+from typing import Dict, Iterable, Iterator
+
+import pyro
+import torch
+from pyro.infer.autoguide.utils import deep_setattr
+from pyro.util import get_rng_state, set_rng_state
+from torch import nn
+
+__all__ = [
+    "bind_parameters",
+    "sync_parameters",
+    "bound_parameters",
+    "detach_distribution",
+    "rng_preserved",
+    "picklable",
+]
+
+_BOUND = "_cvi_bound"  # the module attribute listing the bound store names
+
+
+def bound_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """``{store name: module parameter}`` of every bound parameter."""
+    prefix = module._pyro_name
+    out = {}
+    for name in getattr(module, _BOUND, ()):
+        try:
+            out[name] = deep_getattr(module, name[len(prefix) + 1 :])
+        except AttributeError:
+            continue
+    return out
+
+
+def bind_parameters(module: nn.Module, names: Iterable[str]) -> None:
+    """Make the store's tensors ``names`` parameters of ``module`` (one object in both views)."""
+    store = pyro.get_param_store()
+    prefix = module._pyro_name
+    bound = list(getattr(module, _BOUND, ()))
+    for name in names:
+        if not name.startswith(prefix + "."):
+            raise ValueError(f"parameter {name!r} is not under the guide's prefix {prefix!r}")
+        value = store.get_param(name).unconstrained()
+        param = value if isinstance(value, nn.Parameter) else _as_parameter(name, value)
+        _set(module, name[len(prefix) + 1 :], param)
+        if name not in bound:
+            bound.append(name)
+    object.__setattr__(module, _BOUND, tuple(bound))
+
+
+def sync_parameters(module: nn.Module) -> None:
+    """Pyro's ``PyroModule`` rule for every bound parameter: the store wins where it has the
+    name; the module's tensor is put into the store where it has not."""
+    store = pyro.get_param_store()
+    prefix = module._pyro_name
+    for name, param in bound_parameters(module).items():
+        if name in store:
+            value = store.get_param(name).unconstrained()
+            if value is not param:
+                if not isinstance(value, nn.Parameter):
+                    value = _as_parameter(name, value)
+                _set(module, name[len(prefix) + 1 :], value)
+        else:
+            with torch.no_grad():
+                store[name] = param  # constraint real: the store keeps this very object
+            if store.get_param(name).unconstrained() is not param:  # pragma: no cover
+                raise RuntimeError(f"the param store copied {name!r} instead of keeping it")
+
+
+def deep_getattr(obj, path: str):
+    """``obj.a.b.c`` for ``path = "a.b.c"`` (``AttributeError`` if a part is missing)."""
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _as_parameter(name: str, value: torch.Tensor) -> nn.Parameter:
+    """Replace the store's plain tensor by an ``nn.Parameter`` sharing its storage."""
+    store = pyro.get_param_store()
+    param = nn.Parameter(value.detach(), requires_grad=value.requires_grad)
+    constraint = store._constraints.get(name) if hasattr(store, "_constraints") else None
+    if constraint is not None and constraint is not torch.distributions.constraints.real:
+        raise ValueError(f"CVI parameter {name!r} must be unconstrained, got {constraint}")
+    del store[name]
+    with torch.no_grad():
+        store[name] = param
+    return param
+
+
+def _set(module: nn.Module, path: str, param: nn.Parameter) -> None:
+    owner_path, _, leaf = path.rpartition(".")
+    try:
+        owner = deep_getattr(module, owner_path) if owner_path else module
+    except AttributeError:
+        deep_setattr(module, path, param)
+        return
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = param
+    else:
+        owner.register_parameter(leaf, param)
+
+
+def detach_distribution(d: torch.distributions.Distribution) -> torch.distributions.Distribution:
+    """A shallow copy of ``d`` whose tensors (and nested distributions') are detached: a JIT
+    trace records them as constants (a tensor that requires grad cannot be one)."""
+    out = copy.copy(d)
+    for key, value in list(vars(out).items()):
+        if torch.is_tensor(value) and value.requires_grad:
+            setattr(out, key, value.detach())
+        elif isinstance(value, torch.distributions.Distribution):
+            setattr(out, key, detach_distribution(value))
+        elif isinstance(value, (list, tuple)) and any(
+            isinstance(v, torch.distributions.Distribution) for v in value
+        ):
+            setattr(
+                out,
+                key,
+                type(value)(
+                    detach_distribution(v) if isinstance(v, torch.distributions.Distribution) else v
+                    for v in value
+                ),
+            )
+    return out
+
+
+@contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Run a block (e.g. rebuilding the engine, which traces the model) without moving the
+    torch, numpy and Python random states."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def picklable(obj) -> bool:
+    """Whether ``obj`` pickles (functions pickle by reference: cheap; modules are kept)."""
+    if isinstance(obj, nn.Module):
+        return True
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 (any failure means: not picklable)
+        return False
+    return True

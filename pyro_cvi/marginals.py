@@ -1,0 +1,166 @@
+"""Marginal quantiles of a torch Distribution, deterministic and exact to grid accuracy.
+
+``AutoCVI.median()`` and ``AutoCVI.quantiles()`` read every site's marginal quantiles here, so
+that the median is always the 0.5 quantile (Pyro's contract: ``median()[name] ==
+quantiles([..., 0.5, ...])[name][i]``), for every family:
+
+* ``icdf`` where torch has one (Normal, Laplace, Cauchy, Uniform, Exponential, ...);
+  Gaussians with a covariance through their marginal Normals ``N(m_i, S_ii)``;
+* an elementwise monotone ``TransformedDistribution`` (LogNormal, the unconstrained-Gaussian
+  fallback on a positive or unit-interval site): ``Q_Y(p) = T(Q_X(p))`` for increasing ``T``,
+  ``T(Q_X(1 - p))`` for decreasing ones;
+* any other univariate continuous law (Gamma, Beta, ...): the CDF by the trapezoidal rule of
+  the density on the unconstrained line ``u`` (``y = T(u)``, density ``p(T(u)) |T'(u)|``),
+  on a coarse grid that finds the bulk and a fine one over it, inverted by linear
+  interpolation (error ``O(h^2)``: about 1e-5 relative or better for smooth laws);
+* a Dirichlet through its Beta marginals ``Beta(a_i, a_0 - a_i)``;
+* finite discrete laws through their CDF over ``enumerate_support`` (the smallest value
+  whose CDF reaches ``p``);
+* anything else (e.g. a Cholesky factor of a correlation matrix) from 4096 draws under a
+  fixed seed (the caller's random state is restored), so repeated calls agree.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributions import (
+    Dirichlet,
+    Distribution,
+    Independent,
+    LowRankMultivariateNormal,
+    MultivariateNormal,
+    Normal,
+    TransformedDistribution,
+    biject_to,
+)
+
+__all__ = ["marginal_quantiles", "marginal_median"]
+
+_COARSE, _FINE, _DRAWS = 2001, 4001, 4096
+
+
+def marginal_median(d: Distribution) -> torch.Tensor:
+    """The elementwise median of ``d`` (its 0.5 quantile; discrete laws: the mode)."""
+    base = _unwrap(d)
+    if base.support.is_discrete:
+        return base.mode.detach()
+    if isinstance(base, TransformedDistribution):  # medians commute with monotone maps
+        out = marginal_median(base.base_dist)
+        for t in base.transforms:
+            out = t(out)
+        return out.detach()
+    return marginal_quantiles(d, [0.5])[0]
+
+
+@torch.no_grad()
+def marginal_quantiles(d: Distribution, ps: Sequence[float]) -> torch.Tensor:
+    """Elementwise quantiles of ``d`` stacked on a new leading dim: shape
+    ``(len(ps),) + batch_shape + event_shape`` (see the module docstring for the method)."""
+    d = _unwrap(d)
+    like = d.mean if not d.support.is_discrete else d.sample().to(torch.get_default_dtype())
+    ps_t = torch.as_tensor(list(ps), dtype=like.dtype, device=like.device)
+    shape = d.batch_shape + d.event_shape
+    if isinstance(d, (MultivariateNormal, LowRankMultivariateNormal)):
+        d = Normal(d.mean, d.variance.sqrt())
+    if isinstance(d, TransformedDistribution) and _elementwise(d):
+        sign = 1
+        for t in d.transforms:
+            sign = sign * int(t.sign)
+        base_ps = ps_t if sign > 0 else 1 - ps_t
+        out = marginal_quantiles(d.base_dist, base_ps.tolist())
+        for t in d.transforms:
+            out = t(out)
+        return out.reshape((len(ps_t),) + shape)
+    if d.support.is_discrete:
+        return _discrete(d, ps_t).reshape((len(ps_t),) + shape)
+    try:
+        p = ps_t.reshape((-1,) + (1,) * len(d.batch_shape + d.event_shape))
+        return d.icdf(p.expand((len(ps_t),) + shape)).detach()
+    except (NotImplementedError, AttributeError, ValueError, RuntimeError):
+        pass
+    if isinstance(d, Dirichlet):
+        a = d.concentration
+        beta = torch.distributions.Beta(a, a.sum(-1, keepdim=True) - a)
+        return _grid(beta, ps_t)
+    if not d.event_shape:
+        return _grid(d, ps_t)
+    return _monte_carlo(d, ps_t)
+
+
+def _unwrap(d: Distribution) -> Distribution:
+    """Strip ``Independent`` (reinterpreted dims do not change the marginals)."""
+    while isinstance(d, Independent):
+        d = d.base_dist
+    return d
+
+
+def _elementwise(d: TransformedDistribution) -> bool:
+    try:
+        return all(t.domain.event_dim == 0 and t.codomain.event_dim == 0 for t in d.transforms)
+    except NotImplementedError:
+        return False
+
+
+def _discrete(d: Distribution, ps: torch.Tensor) -> torch.Tensor:
+    support = d.enumerate_support(expand=True)  # (K,) + batch
+    cdf = d.log_prob(support).exp().cumsum(0)
+    p = ps.reshape((-1, 1) + (1,) * (cdf.dim() - 1))
+    idx = (cdf.unsqueeze(0) < p - 1e-12).sum(1).clamp(max=support.shape[0] - 1)
+    return support.gather(0, idx).to(ps.dtype)
+
+
+def _grid(d: Distribution, ps: torch.Tensor) -> torch.Tensor:
+    """Univariate quantiles by the CDF on the unconstrained line: a wide pass (60 delta-method
+    standard deviations of ``u`` each side of ``T^-1(mean)``) brackets the bulk, a fine one
+    over the bracket is inverted."""
+    t = biject_to(d.support)
+    tiny = torch.finfo(ps.dtype).tiny
+    mean = d.mean.clamp_min(tiny) if _positive(d) else d.mean
+    centre = torch.nan_to_num(t.inv(mean), nan=0.0, posinf=0.0, neginf=0.0)
+    try:
+        slope = t.log_abs_det_jacobian(centre, t(centre)).exp()
+        width = 60.0 * torch.nan_to_num(d.stddev / slope, nan=10.0, posinf=10.0)
+    except (NotImplementedError, AttributeError):
+        width = torch.full_like(centre, 600.0)
+    width = torch.maximum(width, 1e-6 * (1 + centre.abs()))
+    u, cdf = _cdf(d, t, centre - width, centre + width, _COARSE)
+    below = ((cdf <= 1e-12).sum(0) - 1).clamp(0, _COARSE - 1)
+    above = (_COARSE - (cdf >= 1 - 1e-12).sum(0)).clamp(0, _COARSE - 1)
+    lo, hi = u.gather(0, below[None])[0], u.gather(0, above[None])[0]
+    hi = torch.where(hi > lo, hi, lo + width / (_COARSE - 1))
+    u, cdf = _cdf(d, t, lo, hi, _FINE)
+    out = []
+    for p in ps:
+        k = (cdf < p).sum(0).clamp(1, _FINE - 1)
+        c0, c1 = cdf.gather(0, (k - 1)[None])[0], cdf.gather(0, k[None])[0]
+        u0, u1 = u.gather(0, (k - 1)[None])[0], u.gather(0, k[None])[0]
+        w = ((p - c0) / (c1 - c0).clamp_min(tiny)).clamp(0, 1)
+        out.append(t(u0 + w * (u1 - u0)))
+    return torch.stack(out)
+
+
+def _positive(d: Distribution) -> bool:
+    return d.support is torch.distributions.constraints.positive
+
+
+def _cdf(d, t, lo, hi, n):
+    steps = torch.linspace(0, 1, n, dtype=lo.dtype, device=lo.device)
+    u = lo + steps.reshape((-1,) + (1,) * lo.dim()) * (hi - lo)
+    y = t(u)
+    logp = d.log_prob(y) + t.log_abs_det_jacobian(u, y)
+    dens = torch.nan_to_num(logp.exp(), nan=0.0, posinf=0.0)
+    du = (hi - lo) / (n - 1)
+    inc = 0.5 * (dens[1:] + dens[:-1]) * du
+    cdf = torch.cat([torch.zeros_like(dens[:1]), inc.cumsum(0)])
+    total = cdf[-1:].clamp_min(torch.finfo(dens.dtype).tiny)
+    return u, cdf / total
+
+
+def _monte_carlo(d: Distribution, ps: torch.Tensor) -> torch.Tensor:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        draws = d.sample((_DRAWS,))
+    q = torch.quantile(draws.double(), ps.double().to(draws.device), dim=0)
+    return q.to(draws.dtype)
