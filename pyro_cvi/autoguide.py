@@ -10,9 +10,9 @@ Algorithm 2). The guide is thin: the analysis, messages and steps live in
 :class:`~pyro_cvi.engine.Engine` (see docs/architecture.md).
 
 The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"`` and are the
-guide's own ``nn.Parameter``\ s at ``<kind>.<site>`` (one tensor object in both views, as for
-Pyro's ``PyroModule``: see :mod:`pyro_cvi.guide_state`), so a guide pickles, ``torch.save``\ s,
-deep-copies and loads a ``state_dict``; their ``.grad`` (written by :class:`~pyro_cvi.CVI_ELBO`)
+guide's own ``nn.Parameter`` objects at ``<kind>.<site>`` (one tensor object in both views,
+as for Pyro's ``PyroModule``: see :mod:`pyro_cvi.guide_state`), so a guide pickles, saves
+with ``torch.save``, deep-copies and loads a ``state_dict``; their ``.grad`` (written by :class:`~pyro_cvi.CVI_ELBO`)
 is the natural gradient ``target - lambda``, and the :class:`~pyro_cvi.CVI` optimizer applies
 eq. 12.
 """
@@ -36,6 +36,7 @@ from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .guide_state import (
+    Unsampled,
     bind_parameters,
     detach_distribution,
     picklable,
@@ -189,7 +190,7 @@ class AutoCVI(AutoGuide):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
 
-    def __deepcopy__(self, memo) -> "AutoCVI":
+    def __deepcopy__(self, memo) -> AutoCVI:
         """A copy with its own parameters and the same model (as Pyro's guides keep a
         reference to their model, not a copy)."""
         model = self.model
@@ -286,8 +287,21 @@ class AutoCVI(AutoGuide):
         ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
         that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
         self._ready(args, kwargs)
-        self.engine.reanalyse_if_new_data(args, kwargs, self.prototype_trace)
+        self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
         return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads, graph)
+
+    def _prototype_for(self, args, kwargs):
+        """The prototype trace, or a fresh one when a subsampled plate's minibatch has another
+        size than the prototype's (e.g. the short last minibatch of an epoch): the analysis
+        then runs the model at values of the right shapes."""
+        frames = self._prototype_frames or {}
+        if all((f.full_size or f.size) == f.size for f in frames.values()):
+            return self.prototype_trace
+        plates = self._create_plates(*args, **kwargs)
+        if all(plates[n].subsample_size == f.size for n, f in frames.items() if n in plates):
+            return self.prototype_trace
+        model = poutine.block(self.model, self._prototype_hide_fn)
+        return poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
         """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the
@@ -343,7 +357,8 @@ class AutoCVI(AutoGuide):
                 with self._plates_of(name, plates):
                     result[name] = pyro.sample(name, frozen(engine.natural[name].dist(sub)))
         if leaves:
-            tr = poutine.block(trace_model)(self.model, result, args, kwargs)
+            run = poutine.block(Unsampled(leaves)(trace_model))
+            tr = run(self.model, result, args, kwargs)
             for name in leaves:
                 site = tr.nodes[name]
                 with self._plates_of(name, plates, site):
@@ -396,8 +411,9 @@ class AutoCVI(AutoGuide):
             inputs = self.prototype_trace.nodes["_INPUT"]
             args, kwargs = inputs["args"], inputs["kwargs"]
         values = self.engine.sample_q({}, at_means=True)
+        run = poutine.block(Unsampled(self.engine.analysis.leaves)(trace_model))
         with rng_preserved():
-            tr = poutine.block(trace_model)(self.model, values, tuple(args), kwargs or {})
+            tr = run(self.model, values, tuple(args), kwargs or {})
         out = {}
         for name in self.engine.analysis.leaves:
             site = tr.nodes[name]

@@ -20,7 +20,6 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional
@@ -37,9 +36,9 @@ from .mean_field import compute
 from .step_control import (
     Snapshot,
     StepControl,
-    backtrack_message,
     initial_failure,
     is_numerical_error,
+    report_backtrack,
     warn_step_counts,
 )
 from .tracing import is_random, trace_model
@@ -339,7 +338,7 @@ class Engine:
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
-        warnings.warn(backtrack_message(labels, beta, error), RuntimeWarning, stacklevel=4)
+        report_backtrack(labels, beta, error)  # logged once: counted in num_backtracks
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads, graph)

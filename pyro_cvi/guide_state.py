@@ -24,6 +24,7 @@ from typing import Dict, Iterable, Iterator
 import pyro
 import torch
 from pyro.infer.autoguide.utils import deep_setattr
+from pyro.poutine.messenger import Messenger
 from pyro.util import get_rng_state, set_rng_state
 from torch import nn
 
@@ -34,6 +35,7 @@ __all__ = [
     "detach_distribution",
     "rng_preserved",
     "picklable",
+    "Unsampled",
 ]
 
 _BOUND = "_cvi_bound"  # the module attribute listing the bound store names
@@ -123,6 +125,8 @@ def detach_distribution(d: torch.distributions.Distribution) -> torch.distributi
     """A shallow copy of ``d`` whose tensors (and nested distributions') are detached: a JIT
     trace records them as constants (a tensor that requires grad cannot be one)."""
     out = copy.copy(d)
+    if isinstance(out, torch.distributions.Dirichlet):  # Beta too, through its _dirichlet
+        out.__class__ = _traceable(type(out))
     for key, value in list(vars(out).items()):
         if torch.is_tensor(value) and value.requires_grad:
             setattr(out, key, value.detach())
@@ -140,6 +144,50 @@ def detach_distribution(d: torch.distributions.Distribution) -> torch.distributi
                 ),
             )
     return out
+
+
+_TRACEABLE: Dict[type, type] = {}
+_NO_SHAPE = torch.Size()
+
+
+def _traceable(cls: type) -> type:
+    """A subclass of a Dirichlet class whose draws skip torch's Python autograd function
+    (which a JIT trace cannot export): the same native sampler on the same concentrations, so
+    the same draws. It survives ``expand`` (torch rebuilds the instance's own class)."""
+    if getattr(cls, "_cvi_traceable", False):
+        return cls
+    if cls not in _TRACEABLE:
+
+        def rsample(self, sample_shape=_NO_SHAPE) -> torch.Tensor:
+            concentration = self.concentration.expand(self._extended_shape(sample_shape))
+            return torch._sample_dirichlet(concentration)
+
+        _TRACEABLE[cls] = type(
+            "Traceable" + cls.__name__, (cls,), {"rsample": rsample, "_cvi_traceable": True}
+        )
+    return _TRACEABLE[cls]
+
+
+class Unsampled(Messenger):
+    """Leave the sites ``names`` undrawn in a model run that only reads their conditional
+    priors (nothing depends on a leaf): each takes a placeholder value (its mean where finite,
+    else zeros), so the run draws no random numbers and a JIT trace holds no sampler."""
+
+    def __init__(self, names: Iterable[str]):
+        super().__init__()
+        self.names = set(names)
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["name"] not in self.names or msg["value"] is not None or msg["is_observed"]:
+            return
+        fn = msg["fn"]
+        try:
+            value = fn.mean.detach()
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError
+        except (NotImplementedError, ValueError, AttributeError, RuntimeError):
+            value = torch.zeros(fn.shape(), dtype=torch.get_default_dtype())
+        msg["value"] = value.expand(fn.shape())
 
 
 @contextmanager

@@ -35,14 +35,22 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
   schedule ``beta0 (1 + t / 10) ** -0.6`` (Hoffman et al. 2013).
 
 The engine does the restoring and re-evaluation; this module only decides.
+
+**Reporting.** Shrunk and undone steps are the step policy doing its job: they are counted on
+the guide (``guide.num_shrunk``, ``guide.num_backtracks``) and logged once per site and kind
+to the ``"pyro_cvi"`` logger (``logging.getLogger("pyro_cvi").setLevel(logging.INFO)`` shows
+them), not warned, so that suites which turn warnings into errors (Pyro's own) run quietly.
+Only a *rejected* step (no step size keeps ``q`` valid) is a ``RuntimeWarning``, once per site
+and kind.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
@@ -201,7 +209,7 @@ def initial_failure(error: Optional[BaseException]) -> ValueError:
 
 
 def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> str:
-    """The warning for an undone step: which sites, why, the new step, and what to do."""
+    """The report of an undone step: which sites, why, the new step, and what to do."""
     why = "a numerical failure" if error is not None else "a worse ELBO"
     return (
         f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "
@@ -211,15 +219,33 @@ def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> st
     )
 
 
+#: the ``"pyro_cvi"`` logger: routine step-policy events (shrunk and undone steps)
+LOGGER = logging.getLogger("pyro_cvi")
+_LOGGED: Set[Tuple[str, str]] = set()
+
+
+def log_once(key: Tuple[str, str], message: str) -> None:
+    """Log ``message`` at INFO to ``"pyro_cvi"`` the first time ``key`` (site, kind) is seen."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        LOGGER.info(message)
+
+
+def report_backtrack(labels, beta: float, error: Optional[BaseException]) -> None:
+    """Log an undone step (once per set of sites and cause; counted in ``num_backtracks``)."""
+    why = "numerical" if error is not None else "worse"
+    log_once((str(labels), f"backtrack-{why}"), backtrack_message(labels, beta, error))
+
+
 def warn_step_counts(label: str, what: str, beta: float, counts, stacklevel: int) -> None:
-    """Warn about shrunk and rejected steps (the text carries no counts, so Python shows it
-    once per site and kind; the counts are ``guide.num_shrunk`` / ``guide.num_rejected``)."""
+    """Report shrunk steps (logged once per site and kind: routine; the count is
+    ``guide.num_shrunk``) and rejected ones (a ``RuntimeWarning``, whose text carries no
+    counts, so Python shows it once per site and kind; the count is ``guide.num_rejected``)."""
     if counts.shrunk:
-        warnings.warn(
+        log_once(
+            (label, f"shrunk-{what}"),
             f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
             "natural parameters valid (counted in guide.num_shrunk)",
-            RuntimeWarning,
-            stacklevel=stacklevel,
         )
     if counts.rejected:
         warnings.warn(
