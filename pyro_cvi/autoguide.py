@@ -12,16 +12,15 @@ Algorithm 2). The guide is thin: the analysis, messages and steps live in
 The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"`` and are the
 guide's own ``nn.Parameter`` objects at ``<kind>.<site>`` (one tensor object in both views,
 as for Pyro's ``PyroModule``: see :mod:`pyro_cvi.guide_state`), so a guide pickles, saves
-with ``torch.save``, deep-copies and loads a ``state_dict``; their ``.grad`` (written by :class:`~pyro_cvi.CVI_ELBO`)
-is the natural gradient ``target - lambda``, and the :class:`~pyro_cvi.CVI` optimizer applies
-eq. 12.
+with ``torch.save``, deep-copies and loads a ``state_dict``; their ``.grad`` (written by
+:class:`~pyro_cvi.CVI_ELBO`) is the natural gradient ``target - lambda``, and the
+:class:`~pyro_cvi.CVI` optimizer applies eq. 12.
 """
 
 from __future__ import annotations
 
-import copy
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import pyro
 import pyro.distributions as dist
@@ -36,14 +35,14 @@ from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .guide_state import (
+    GuideState,
     Unsampled,
     bind_parameters,
     detach_distribution,
-    picklable,
     rng_preserved,
     sync_parameters,
 )
-from .marginals import marginal_median, marginal_quantiles
+from .marginals import marginal_median, marginal_quantiles, standard_posterior
 from .softmax import METHODS
 from .tracing import subsample_values, trace_model
 from .update import StepCounts
@@ -51,7 +50,7 @@ from .update import StepCounts
 __all__ = ["AutoCVI"]
 
 
-class AutoCVI(AutoGuide):
+class AutoCVI(GuideState, AutoGuide):
     """Conjugate-computation variational inference guide (Khan & Lin, 2017).
 
     Example::
@@ -163,46 +162,6 @@ class AutoCVI(AutoGuide):
         self.counts = StepCounts()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
-
-    # ------------------------------------------------------------------ pickling and copies
-    @property
-    def model(self) -> Optional[Callable]:
-        """The model (``None`` in a guide unpickled without it: set it again)."""
-        return self._model[0] if self._model is not None else None
-
-    @model.setter
-    def model(self, model: Callable) -> None:
-        self._model = (model,)
-
-    def __getstate__(self) -> Dict[str, Any]:
-        """The picklable state: the parameters (module attributes), the options, the counters,
-        the prototype trace and the model where it pickles; the engine is rebuilt on first use
-        (:meth:`_ready`). The live guide is left untouched."""
-        for p in self.parameters():
-            p.__dict__.pop("unconstrained", None)  # a weakref the param store attaches
-        state = self.__dict__.copy()
-        state["engine"] = None
-        state["master"] = None
-        model = self.model
-        state["_model"] = (model if model is not None and picklable(model) else None,)
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)
-
-    def __deepcopy__(self, memo) -> AutoCVI:
-        """A copy with its own parameters and the same model (as Pyro's guides keep a
-        reference to their model, not a copy)."""
-        model = self.model
-        for shared in (model, self.prototype_trace):  # shared, not copied (read-only)
-            if shared is not None:
-                memo[id(shared)] = shared
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        state = self.__getstate__()
-        state["_model"] = (model,)
-        new.__setstate__(copy.deepcopy(state, memo))
-        return new
 
     # ------------------------------------------------------------------ counters
     @property
@@ -399,10 +358,12 @@ class AutoCVI(AutoGuide):
         ``q`` is its conditional prior), that prior with its parents at their ``q`` means."""
         info = self._info(name)
         if info.form == LEAF_FORM:
-            return self._leaf_priors()[name]
-        if info.form == SITE:
-            return self.engine.gaussian[info.block].marginal(name)
-        return self.engine.natural[name].dist({})
+            q = self._leaf_priors()[name]
+        elif info.form == SITE:
+            q = self.engine.gaussian[info.block].marginal(name)
+        else:
+            q = self.engine.natural[name].dist({})
+        return standard_posterior(q)
 
     def _leaf_priors(self, args=None, kwargs=None) -> Dict[str, torch.distributions.Distribution]:
         """Each leaf's conditional prior, in one model run with every other latent at its mean

@@ -88,6 +88,8 @@ class Engine:
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
         self.control: Optional[StepControl] = None
         self.steps_name = f"{prefix}.num_steps"
+        #: (site, kind) pairs whose routine step events were logged (once per run)
+        self.reported: set = set()
 
     # ------------------------------------------------------------------ set-up
     def setup(self, args, kwargs, prototype_trace, init_loc_fn=None, subsample=None) -> None:
@@ -338,7 +340,7 @@ class Engine:
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [b.spec.label for b in self.gaussian] + list(self.natural)
-        report_backtrack(labels, beta, error)  # logged once: counted in num_backtracks
+        report_backtrack(labels, beta, error, self.reported)  # logged once; num_backtracks
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads, graph)
@@ -481,7 +483,7 @@ class Engine:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
         self.counts += counts
-        warn_step_counts(label, what, beta, counts, stacklevel=6)
+        warn_step_counts(label, what, beta, counts, stacklevel=6, seen=self.reported)
 
 
 def data_key(args, kwargs):

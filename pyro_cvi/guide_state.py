@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import pickle
 from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
 import pyro
 import torch
@@ -29,6 +29,7 @@ from pyro.util import get_rng_state, set_rng_state
 from torch import nn
 
 __all__ = [
+    "GuideState",
     "bind_parameters",
     "sync_parameters",
     "bound_parameters",
@@ -210,3 +211,55 @@ def picklable(obj) -> bool:
     except Exception:  # noqa: BLE001 (any failure means: not picklable)
         return False
     return True
+
+
+class GuideState:
+    """Mixin for a guide (before ``AutoGuide`` in the bases) whose unpicklable working state
+    lives in its ``engine`` attribute, rebuilt on first use: pickling, ``torch.save``,
+    ``copy.deepcopy`` and ``load_state_dict`` keep the parameters, the options, the prototype
+    trace and the model (where it pickles), and drop the engine."""
+
+    @property
+    def model(self) -> Optional[Callable]:
+        """The model (``None`` in a guide unpickled without it: set it again)."""
+        return self._model[0] if self._model is not None else None
+
+    @model.setter
+    def model(self, model: Callable) -> None:
+        self._model = (model,)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The picklable state; the live guide is left untouched (Pyro's ``AutoGuide`` drops
+        the model of the live guide too)."""
+        for p in self.parameters():
+            p.__dict__.pop("unconstrained", None)  # a weakref the param store attaches
+        state = self.__dict__.copy()
+        state["engine"] = None
+        state["master"] = None
+        model = self.model
+        state["_model"] = (model if model is not None and picklable(model) else None,)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+
+    def __deepcopy__(self, memo):
+        """A copy with its own parameters and the same model and prototype trace (read-only;
+        Pyro's guides keep a reference to their model, not a copy)."""
+        model = self.model
+        for shared in (model, self.prototype_trace):
+            if shared is not None:
+                memo[id(shared)] = shared
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        state = self.__getstate__()
+        state["_model"] = (model,)
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` (into the parameters the store shares), then the
+        engine is rebuilt on next use, so ``q`` follows the loaded values."""
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.engine = None
+        return out

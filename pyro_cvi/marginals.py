@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+import pyro.distributions as pdist
 import torch
 from torch.distributions import (
     Dirichlet,
@@ -36,7 +38,14 @@ from torch.distributions import (
     biject_to,
 )
 
-__all__ = ["marginal_quantiles", "marginal_median"]
+__all__ = [
+    "marginal_quantiles",
+    "marginal_median",
+    "standard_posterior",
+    "NormalPosterior",
+    "IndependentNormalPosterior",
+    "TransformedPosterior",
+]
 
 _COARSE, _FINE, _DRAWS = 2001, 4001, 4096
 
@@ -164,3 +173,88 @@ def _monte_carlo(d: Distribution, ps: torch.Tensor) -> torch.Tensor:
         draws = d.sample((_DRAWS,))
     q = torch.quantile(draws.double(), ps.double().to(draws.device), dim=0)
     return q.to(draws.dtype)
+
+
+# --------------------------------------------------------------------------- standard q objects
+class NormalPosterior(pdist.Normal):
+    """A mean-field Gaussian ``q`` with its ``covariance_matrix``: ``batch_shape + (1, 1)``
+    (torch's convention for a scalar event: one 1 x 1 block per element)."""
+
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        return self.variance[..., None, None]
+
+
+class IndependentNormalPosterior(pdist.Independent):
+    """``Independent(Normal)`` with ``covariance_matrix = diag(variance)`` over the flattened
+    event: ``batch_shape + (e, e)``, ``e`` the number of event elements."""
+
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        var = self.variance
+        n = len(self.event_shape)
+        return torch.diag_embed(var.reshape(var.shape[: var.dim() - n] + (-1,)))
+
+
+class TransformedPosterior(pdist.TransformedDistribution):
+    """A Gaussian pushed through a transform (the unconstrained-Gaussian ``q``) with ``mean``
+    and ``variance``: for elementwise transforms ``E[T(X)]`` and ``Var[T(X)]`` by 64-point
+    Gauss-Hermite quadrature on each base Normal marginal (exact for smooth ``T`` to round-off);
+    otherwise from 4096 draws under a fixed seed (the caller's random state is kept)."""
+
+    def _moments(self):
+        cached = self.__dict__.get("_cvi_moments")
+        if cached is not None:
+            return cached
+        base = _unwrap(self.base_dist)
+        if isinstance(base, (MultivariateNormal, LowRankMultivariateNormal)):
+            base = Normal(base.mean, base.variance.sqrt())
+        if isinstance(base, Normal) and _elementwise(self):
+            x, w = _gauss_hermite(64, base.loc)
+            z = base.loc + base.scale * x.reshape((-1,) + (1,) * base.loc.dim())
+            for t in self.transforms:
+                z = t(z)
+            w = w.reshape((-1,) + (1,) * base.loc.dim())
+            mean = (w * z).sum(0)
+            var = (w * (z - mean) ** 2).sum(0)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                draws = self.sample((_DRAWS,))
+            mean, var = draws.mean(0), draws.var(0)
+        shape = self.batch_shape + self.event_shape
+        out = (mean.detach().reshape(shape), var.detach().reshape(shape))
+        self.__dict__["_cvi_moments"] = out
+        return out
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._moments()[0]
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self._moments()[1]
+
+
+def _gauss_hermite(n: int, like: torch.Tensor):
+    """Nodes and weights of ``E_{N(0,1)}[f] ~= sum_i w_i f(x_i)`` (probabilists' rule)."""
+    x, w = np.polynomial.hermite_e.hermegauss(n)
+    w = w / w.sum()
+    return like.new_tensor(x), like.new_tensor(w)
+
+
+def standard_posterior(d: Distribution) -> Distribution:
+    """``d`` as one of the classes above where it is a Normal, an ``Independent`` Normal or
+    a transformed Gaussian (same parameters, same draws), so that every ``q`` has ``mean``,
+    ``variance`` and, for Gaussians, ``covariance_matrix``; any other ``d`` unchanged."""
+    if type(d) in (Normal, pdist.Normal):
+        return NormalPosterior(d.loc, d.scale, validate_args=False)
+    if type(d) in (Independent, pdist.Independent) and type(d.base_dist) in (
+        Normal,
+        pdist.Normal,
+    ):
+        base = NormalPosterior(d.base_dist.loc, d.base_dist.scale, validate_args=False)
+        return IndependentNormalPosterior(base, d.reinterpreted_batch_ndims, validate_args=False)
+    if type(d) in (TransformedDistribution, pdist.TransformedDistribution):
+        return TransformedPosterior(d.base_dist, d.transforms, validate_args=False)
+    return d

@@ -224,20 +224,26 @@ LOGGER = logging.getLogger("pyro_cvi")
 _LOGGED: Set[Tuple[str, str]] = set()
 
 
-def log_once(key: Tuple[str, str], message: str) -> None:
-    """Log ``message`` at INFO to ``"pyro_cvi"`` the first time ``key`` (site, kind) is seen."""
-    if key not in _LOGGED:
-        _LOGGED.add(key)
+def log_once(key: Tuple[str, str], message: str, seen: Optional[Set] = None) -> None:
+    """Log ``message`` at INFO to ``"pyro_cvi"`` the first time ``key`` (site, kind) is in
+    ``seen`` (a guide's own set: once per run; default: once per process)."""
+    seen = _LOGGED if seen is None else seen
+    if key not in seen:
+        seen.add(key)
         LOGGER.info(message)
 
 
-def report_backtrack(labels, beta: float, error: Optional[BaseException]) -> None:
+def report_backtrack(
+    labels, beta: float, error: Optional[BaseException], seen: Optional[Set] = None
+) -> None:
     """Log an undone step (once per set of sites and cause; counted in ``num_backtracks``)."""
     why = "numerical" if error is not None else "worse"
-    log_once((str(labels), f"backtrack-{why}"), backtrack_message(labels, beta, error))
+    log_once((str(labels), f"backtrack-{why}"), backtrack_message(labels, beta, error), seen)
 
 
-def warn_step_counts(label: str, what: str, beta: float, counts, stacklevel: int) -> None:
+def warn_step_counts(
+    label: str, what: str, beta: float, counts, stacklevel: int, seen: Optional[Set] = None
+) -> None:
     """Report shrunk steps (logged once per site and kind: routine; the count is
     ``guide.num_shrunk``) and rejected ones (a ``RuntimeWarning``, whose text carries no
     counts, so Python shows it once per site and kind; the count is ``guide.num_rejected``)."""
@@ -246,6 +252,7 @@ def warn_step_counts(label: str, what: str, beta: float, counts, stacklevel: int
             (label, f"shrunk-{what}"),
             f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
             "natural parameters valid (counted in guide.num_shrunk)",
+            seen,
         )
     if counts.rejected:
         warnings.warn(

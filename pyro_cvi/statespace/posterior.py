@@ -82,6 +82,21 @@ class MarkovPosterior(_ChainQ):
     def variance(self) -> torch.Tensor:
         return self.post.cov.diagonal(dim1=-2, dim2=-1).reshape(self.event_shape)
 
+    @property
+    def precision_matrix(self) -> torch.Tensor:
+        """The dense ``(T d, T d)`` precision of ``q`` over the flattened states (row-major
+        ``(T, d)``): the chain's block-tridiagonal precision plus the sites' ``J_t`` on the
+        diagonal blocks (computed on demand: O((T d)^2) memory)."""
+        return chain_precision(self.prior.detach(), self.J.detach())
+
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        """The dense ``(T d, T d)`` covariance of ``q`` over the flattened states (row-major
+        ``(T, d)``), the inverse of :attr:`precision_matrix` (computed on demand, O((T d)^3));
+        its diagonal blocks are the smoothed marginals."""
+        L = torch.linalg.cholesky(self.precision_matrix)
+        return torch.cholesky_inverse(L)
+
     def _states(self, value):
         return value.reshape(
             value.shape[: value.dim() - len(self.event_shape)] + (-1, self.prior.dim)
@@ -131,6 +146,15 @@ class IncrementPosterior(_ChainQ):
         post = self.states.post
         return self.layout.variance(post.cov, post.cross).reshape(self.event_shape)
 
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        """The dense ``(D, D)`` covariance of the flattened increments ``eps = M x``:
+        ``M Cov(x) M'`` with ``M`` the differencing map (computed on demand, O(D^3))."""
+        cov = self.states.covariance_matrix  # (T d, T d), states row-major
+        T, d = self.layout.length, self.layout.state_dim
+        half = self.layout.increments(cov.reshape(T * d, T, d))  # (T d, D): M applied to columns
+        return self.layout.increments(half.T.reshape(-1, T, d))  # (D, D)
+
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         lead = value.shape[: value.dim() - len(self.event_shape)]
         x = self.layout.states(value.reshape(lead + (-1,)))
@@ -139,3 +163,24 @@ class IncrementPosterior(_ChainQ):
     def sample(self, sample_shape=()) -> torch.Tensor:
         x = self.states.sample(sample_shape)  # (..., T, d)
         return self.layout.increments(x).reshape(torch.Size(sample_shape) + self.event_shape)
+
+
+def chain_precision(chain: LinearGaussianChain, J: torch.Tensor) -> torch.Tensor:
+    """Dense precision of ``p(x) prod_t exp(-x_t' J_t x_t / 2)`` over ``x (T, d)`` flattened
+    row-major. With ``x_t = A_t x_{t-1} + b_t + N(0, C_t)`` (``x_{-1} = 0``; ``all_steps``):
+    diagonal blocks ``C_t^-1 + A_{t+1}' C_{t+1}^-1 A_{t+1} + J_t``, off-diagonal blocks
+    ``(t, t-1) = -C_t^-1 A_t``."""
+    A, _, C = chain.all_steps()
+    T, d = A.shape[0], A.shape[-1]
+    Ci = torch.cholesky_inverse(torch.linalg.cholesky(C))
+    diag = Ci + J
+    nxt = A[1:].transpose(-1, -2) @ Ci[1:] @ A[1:]
+    diag = torch.cat([diag[:-1] + nxt, diag[-1:]], 0)
+    out = A.new_zeros(T, d, T, d)
+    idx = torch.arange(T, device=A.device)
+    out[idx, :, idx, :] = diag
+    if T > 1:
+        off = -(Ci[1:] @ A[1:])  # (t, t-1) for t = 1..T-1
+        out[idx[1:], :, idx[:-1], :] = off
+        out[idx[:-1], :, idx[1:], :] = off.transpose(-1, -2)
+    return out.reshape(T * d, T * d)
