@@ -221,8 +221,8 @@ class AutoCVI(GuideState, AutoGuide):
 
     def _ready(self, args=(), kwargs=None) -> Engine:
         """The engine, set up on first use (from ``args``) or rebuilt after unpickling or
-        copying (from the prototype trace's recorded inputs, without moving the random
-        state); the module's and the param store's parameters made one."""
+        copying (from ``args``, else the prototype trace's recorded inputs; without moving
+        the random state); the module's and the param store's parameters made one."""
         kwargs = kwargs or {}
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
@@ -233,9 +233,11 @@ class AutoCVI(GuideState, AutoGuide):
                     "e.g. a function defined inside another): set guide.model = model, or define "
                     "the model at module level so that it pickles with the guide"
                 )
-            inputs = self.prototype_trace.nodes["_INPUT"]
+            if not args and not kwargs:
+                inputs = self.prototype_trace.nodes["_INPUT"]
+                args, kwargs = inputs["args"], inputs["kwargs"]
             with rng_preserved():
-                self._build_engine(inputs["args"], inputs["kwargs"])
+                self._build_engine(args, kwargs)
         else:
             sync_parameters(self)
         return self.engine
@@ -246,7 +248,8 @@ class AutoCVI(GuideState, AutoGuide):
         ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
         that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
         self._ready(args, kwargs)
-        self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
+        with rng_preserved():  # new data are probed: the draws of the loss do not depend on it
+            self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
         return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads, graph)
 
     def _prototype_for(self, args, kwargs):

@@ -1,0 +1,342 @@
+"""AutoCVI follows Pyro's autoguide conventions (issue 24), each checked on real numbers:
+
+* a proper ``PyroModule``: its CVI parameters are its ``named_parameters()`` and
+  ``state_dict()`` (the same tensors as the param store's), it pickles, ``torch.save``\\ s,
+  deep-copies and loads a ``state_dict`` into a fresh process (a subprocess), after which it
+  draws, summarises and keeps training exactly as the original does;
+* it traces under ``torch.jit`` (the traced guide draws what the guide draws);
+* ``median()`` / ``quantiles()`` cover every latent, leaves included, deterministically, and
+  the median is the 0.5 quantile (against scipy's quantiles);
+* ``posterior(name)`` is a torch Distribution with ``mean`` and ``variance`` (and
+  ``covariance_matrix`` for Gaussians) for every latent of every zoo model;
+* routine step events (shrunk, undone steps) are counted and logged, never warned, so a suite
+  that turns warnings into errors runs; a short last minibatch works;
+* a Sphere site gets Pyro's reparameterisation hint.
+"""
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import scipy.stats
+import torch
+from guide_models import data, mixed
+from pyro.infer import SVI
+from zoo import ZOO
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.marginals import marginal_median, marginal_quantiles
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+DTYPES = [torch.float32, torch.float64]
+
+
+def _fit(model, args, steps=5, **kwargs):
+    guide = AutoCVI(model, **kwargs)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(*args) for _ in range(steps)]
+    return guide, svi, losses
+
+
+def _draw(guide, args, seed=0):
+    pyro.set_rng_seed(seed)
+    return {k: v.detach().clone() for k, v in guide(*args).items()}
+
+
+# --------------------------------------------------------------------------- the module
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parameters_are_the_param_stores_tensors(dtype):
+    args = data(dtype)
+    guide, _, _ = _fit(mixed, args)
+    store = pyro.get_param_store()
+    params = dict(guide.named_parameters())
+    assert set(params) == {"num_steps", "sites.y", "natural0.s", "natural1.s"}
+    for name, p in params.items():
+        assert p is store.get_param(f"AutoCVI.{name}").unconstrained()
+        assert p.dtype == dtype
+    assert float(params["num_steps"]) == 5.0
+    assert set(guide.state_dict()) == set(params)
+    guide.requires_grad_(False)
+    assert not any(p.requires_grad for p in guide.parameters())
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_round_trip_in_process(how):
+    args = data()
+    guide, _, _ = _fit(mixed, args)
+    if how == "pickle":
+        new = pickle.loads(pickle.dumps(guide))
+    elif how == "torch.save":
+        f = io.BytesIO()
+        torch.save(guide, f)
+        f.seek(0)
+        new = torch.load(f, weights_only=False)
+    else:
+        new = copy.deepcopy(guide)
+    assert guide.model is mixed and new.model is mixed  # the live guide keeps its model
+    for (n1, p1), (n2, p2) in zip(guide.named_parameters(), new.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2) and p1 is not p2
+    before = _draw(guide, args)
+    after = _draw(new, args)
+    assert set(before) == {"w", "s", "leaf"}
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    m1, m2 = guide.median(*args), new.median(*args)
+    assert all(torch.equal(m1[k], m2[k]) for k in m1)
+
+
+_FRESH = """
+import sys, io, torch, pyro
+sys.path.insert(0, {tests!r})
+from guide_models import data, mixed
+from pyro.infer import SVI
+from pyro_cvi import AutoCVI, CVI, CVI_ELBO
+args = data()
+how = {how!r}
+saved = torch.load({path!r}, weights_only=False)
+if how == "state_dict":
+    guide = AutoCVI(mixed)
+    guide(*args)  # set up (Pyro's guides need a first call too)
+    guide.load_state_dict(saved)
+else:
+    guide = saved
+pyro.set_rng_seed(0)
+draw = {{k: v.detach() for k, v in guide(*args).items()}}
+med = guide.median(*args)
+params = {{k: v.detach().clone() for k, v in guide.named_parameters()}}
+svi = SVI(mixed, guide, CVI(step_size=0.5), CVI_ELBO())
+pyro.set_rng_seed(5)
+loss = svi.step(*args)
+torch.save(dict(draw=draw, med=med, params=params, loss=loss), {out!r})
+"""
+
+
+@pytest.mark.parametrize("how", ["torch.save", "state_dict"])
+def test_round_trip_into_a_fresh_process(how, tmp_path):
+    """Saved here, loaded in a new Python process (empty param store, new engine): the same
+    parameters, the same draws under the same seed, the same medians and the same next
+    training step (a fixed step size: the adaptive control's history is not module state)."""
+    args = data()
+    guide, _, _ = _fit(mixed, args)
+    path, out = tmp_path / "guide.pt", tmp_path / "out.pt"
+    torch.save(guide if how == "torch.save" else guide.state_dict(), path)
+    expect_params = {k: v.detach().clone() for k, v in guide.named_parameters()}
+    draw = _draw(guide, args)
+    med = guide.median(*args)
+    svi = SVI(mixed, guide, CVI(step_size=0.5), CVI_ELBO())
+    pyro.set_rng_seed(5)
+    loss = svi.step(*args)
+    code = _FRESH.format(tests=str(TESTS), how=how, path=str(path), out=str(out))
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    assert set(got["params"]) == set(expect_params)
+    for k, v in expect_params.items():
+        assert torch.equal(got["params"][k], v), (k, got["params"][k], v)
+    for k in draw:
+        assert torch.equal(got["draw"][k], draw[k]), k
+    for k in med:
+        assert torch.allclose(got["med"][k], med[k], rtol=0, atol=1e-12), k
+    assert got["loss"] == pytest.approx(loss, rel=1e-10)
+
+
+def test_unpicklable_model_is_dropped_with_a_clear_error():
+    x, y = data()
+
+    def local_model(x, y):  # a local function does not pickle
+        mixed(x, y)
+
+    guide, _, _ = _fit(local_model, (x, y), steps=1)
+    new = pickle.loads(pickle.dumps(guide))
+    assert new.model is None and guide.model is local_model
+    with pytest.raises(ValueError, match="pickled without its model"):
+        new(x, y)
+    new.model = local_model
+    assert torch.equal(_draw(new, (x, y))["w"], _draw(guide, (x, y))["w"])
+
+
+def test_cleared_param_store_keeps_the_guides_parameters():
+    """As for Pyro's PyroModule: the module's tensors go back into an emptied store."""
+    args = data()
+    guide, _, _ = _fit(mixed, args)
+    before = _draw(guide, args)
+    pyro.clear_param_store()
+    after = _draw(guide, args)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "AutoCVI.sites.y" in pyro.get_param_store()
+
+
+# --------------------------------------------------------------------------- JIT
+def test_jit_traced_guide_draws_what_the_guide_draws():
+    args = data()
+    guide, _, _ = _fit(mixed, args)
+    pyro.set_rng_seed(1)
+    expected = guide.call(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace_module(guide, {"call": args}, check_trace=False)
+        f = io.BytesIO()
+        torch.jit.save(traced, f)
+    f.seek(0)
+    loaded = torch.jit.load(f)
+    pyro.set_rng_seed(1)
+    actual = loaded.call(*args)
+    assert len(actual) == len(expected) == 3
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+
+
+def test_jit_traced_beta_leaf():
+    """A Beta leaf (drawn through torch's Dirichlet sampler) traces and draws the same."""
+
+    def model():
+        pyro.sample("z", dist.Beta(torch.tensor(2.0), 3.0))
+
+    guide = AutoCVI(model)
+    guide()
+    pyro.set_rng_seed(3)
+    expected = guide.call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace_module(guide, {"call": ()}, check_trace=False)
+    pyro.set_rng_seed(3)
+    assert torch.equal(traced.call()[0], expected[0])
+
+
+# --------------------------------------------------------------------------- median, quantiles
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leaves_have_exact_medians_and_quantiles(dtype):
+    """A model of leaves only (q = prior): scipy's quantiles; the median is the 0.5 one."""
+
+    def model():
+        pyro.sample("y", dist.LogNormal(torch.tensor(0.0, dtype=dtype), 1.0))
+        pyro.sample("z", dist.Beta(torch.tensor(2.0, dtype=dtype), 5.0).expand([2]).to_event(1))
+        pyro.sample("g", dist.Gamma(torch.tensor(0.7, dtype=dtype), 2.0))
+        pyro.sample("x", dist.Normal(torch.tensor(1.0, dtype=dtype), 3.0))
+
+    guide, _, _ = _fit(model, (), steps=2)
+    ps = [0.1, 0.5, 0.9]
+    qs, med = guide.quantiles(ps), guide.median()
+    expect = {
+        "y": scipy.stats.lognorm.ppf(ps, 1.0),
+        "z": scipy.stats.beta.ppf(ps, 2.0, 5.0),
+        "g": scipy.stats.gamma.ppf(ps, 0.7, scale=0.5),
+        "x": scipy.stats.norm.ppf(ps, 1.0, 3.0),
+    }
+    rtol = 3e-4  # the CDF grid's accuracy (float64 and float32 alike), see pyro_cvi.marginals
+    for name, ref in expect.items():
+        got = qs[name].reshape(3, -1)
+        assert got.dtype == dtype
+        ref = torch.tensor(ref, dtype=torch.float64)[:, None].expand_as(got)
+        assert torch.allclose(got.double(), ref, rtol=rtol), name
+        assert torch.equal(qs[name][1], med[name])
+        assert not qs[name].requires_grad
+
+
+def test_leaf_with_a_parent_is_its_conditional_prior_at_the_parents_mean():
+    args = data()
+    guide, _, _ = _fit(mixed, args)
+    w = guide.posterior("w").mean
+    q = guide.posterior("leaf")
+    assert torch.allclose(q.mean, w.sum()) and torch.allclose(q.variance, torch.ones(()).double())
+    assert torch.allclose(guide.median(*args)["leaf"], w.sum())
+
+
+def test_marginal_quantiles_against_scipy():
+    ps = [0.01, 0.3, 0.5, 0.99]
+    a = torch.tensor([0.3, 2.0, 50.0, 1e4], dtype=torch.float64)
+    b = torch.tensor([0.2, 3.0, 7.0, 3e4], dtype=torch.float64)
+    got = marginal_quantiles(dist.Beta(a, b), ps)
+    ref = torch.tensor([scipy.stats.beta.ppf(p, a, b) for p in ps])
+    assert torch.allclose(got, ref, rtol=3e-4)
+    got = marginal_quantiles(dist.Gamma(a, b), ps)
+    ref = torch.tensor([scipy.stats.gamma.ppf(p, a, scale=1 / b) for p in ps])
+    assert torch.allclose(got, ref, rtol=1e-3)
+    d = dist.Dirichlet(torch.tensor([2.0, 3.0, 5.0], dtype=torch.float64))
+    ref = scipy.stats.beta.ppf(0.5, [2.0, 3.0, 5.0], [8.0, 7.0, 5.0])
+    assert torch.allclose(marginal_median(d), torch.tensor(ref), rtol=1e-5)
+    cat = dist.Categorical(torch.tensor([0.2, 0.3, 0.5]))
+    assert marginal_quantiles(cat, [0.1, 0.4, 0.6]).tolist() == [0.0, 1.0, 2.0]
+
+
+# --------------------------------------------------------------------------- posterior(name)
+ZOO_FAST = [
+    n for n in ZOO if n not in ("bnn", "sparse_gamma_def", "subsampled_logistic_sequential")
+]
+
+
+@pytest.mark.parametrize("name", ZOO_FAST)
+def test_every_zoo_posterior_is_a_standard_distribution(name):
+    """``mean`` and ``variance`` with the site's shape for every latent; Gaussians also have a
+    ``covariance_matrix`` whose diagonal is the variance; continuous means agree with the
+    mean of 4000 draws of ``q`` (within 5 standard errors)."""
+    entry = ZOO[name]
+    d = entry.data()
+    guide = AutoCVI(entry.model, **entry.guide_kwargs)
+    SVI(entry.model, guide, CVI(), CVI_ELBO()).step(*d.args, **d.kwargs)
+    med = guide.median(*d.args, **d.kwargs)
+    assert med
+    for site in med:
+        q = guide.posterior(site)
+        assert isinstance(q, torch.distributions.Distribution)
+        if isinstance(q, dist.Categorical):  # a label: torch's mean and variance are NaN
+            assert torch.allclose(q.probs.sum(-1), torch.ones(()).to(q.probs))
+            continue
+        mean, var = q.mean, q.variance
+        assert mean.shape == var.shape == q.batch_shape + q.event_shape
+        assert bool(torch.isfinite(mean).all() and (var >= 0).all()), site
+        gaussian = isinstance(q, (dist.Normal, dist.MultivariateNormal)) or (
+            isinstance(q, dist.Independent) and isinstance(q.base_dist, dist.Normal)
+        )
+        if gaussian:
+            cov = q.covariance_matrix
+            assert torch.allclose(cov.diagonal(dim1=-2, dim2=-1).reshape(var.shape), var)
+        if not q.support.is_discrete and q.has_rsample or isinstance(q, dist.Normal):
+            pyro.set_rng_seed(0)
+            draws = q.sample((4000,))
+            se = (var / 4000).sqrt()
+            assert bool(((draws.mean(0) - mean).abs() <= 5 * se + 1e-6).all()), site
+
+
+def _walk_model(T):
+    def model(y):
+        zero = torch.zeros((), dtype=torch.float64)
+        eps = pyro.sample("eps", dist.Normal(zero, 0.3).expand([T]).to_event(1))
+        with pyro.plate("obs", T):
+            pyro.sample("y", dist.Poisson(eps.cumsum(-1).exp()), obs=y)
+
+    return model
+
+
+def test_random_walk_posterior_covariance_equals_the_dense_blocks(monkeypatch):
+    """The random walk's ``IncrementPosterior`` (Kalman) has the dense block's full
+    covariance over the increments (and its mean and variance) to 1e-8."""
+    from pyro_cvi.statespace import random_walk
+
+    T = 25
+    g = torch.Generator().manual_seed(0)
+    y = torch.poisson(torch.full((T,), 2.0, dtype=torch.float64), generator=g)
+    out = {}
+    for markov in (True, False):
+        monkeypatch.setattr(random_walk, "RECOGNISE_RANDOM_WALKS", markov)
+        pyro.clear_param_store()
+        guide = AutoCVI(_walk_model(T))
+        svi = SVI(guide.model, guide, CVI(step_size=1.0), CVI_ELBO())
+        for _ in range(10):
+            svi.step(y)
+        out[markov] = guide
+    qm, qd = out[True].posterior("eps"), out[False].joint_posterior("eps")
+    assert type(qm).__name__ == "IncrementPosterior"
+    assert torch.allclose(qm.mean, qd.mean, atol=1e-8)
+    assert torch.allclose(qm.covariance_matrix, qd.covariance_matrix, atol=1e-8)
+    assert torch.allclose(qm.covariance_matrix.diagonal(), qm.variance, atol=1e-10)
