@@ -108,8 +108,12 @@ class MarkovPosterior(_ChainQ):
             return torch.stack([self.log_prob(v) for v in x.reshape((-1,) + x.shape[-2:])]).reshape(
                 x.shape[:-2]
             )
-        quad = (self.eta * x).sum() - 0.5 * torch.einsum("ti,tij,tj->", x, self.J, x)
-        return log_prob_chain(self.prior, x) + quad - self.post.log_z.detach()
+        return log_prob_chain(self.prior, x) + self.site_terms(x) - self.post.log_z.detach()
+
+    def site_terms(self, x: torch.Tensor) -> torch.Tensor:
+        """``sum_t eta_t' x_t - x_t' J_t x_t / 2`` of states ``(..., T, d)``."""
+        quad = torch.einsum("...ti,tij,...tj->...", x, self.J, x)
+        return (self.eta * x).sum((-1, -2)) - 0.5 * quad
 
     def sample(self, sample_shape=()) -> torch.Tensor:
         if bool((self.rows.w < 0).any()):
@@ -131,7 +135,9 @@ class IncrementPosterior(_ChainQ):
     """``q(eps)`` of a random walk ``x = cumsum(eps)``: the exact image of the chain's ``q(x)``
     under ``eps = diff(x)`` (unit Jacobian: ``log q(eps) = log q_x(cumsum eps)``). Means are
     differences of the smoothed means, variances need the lag-one covariances
-    (``post.cross``); draws are differenced draws of ``x``."""
+    (``post.cross``); draws are differenced draws of ``x``. With a
+    :class:`~pyro_cvi.statespace.hmm.HiddenStates` layout (a ``GaussianHMM`` site) it is the
+    marginal ``q(y)`` of the observed part of the states instead."""
 
     def __init__(self, states: MarkovPosterior, layout: Increments, event_shape):
         self.states, self.layout = states, layout
@@ -157,7 +163,12 @@ class IncrementPosterior(_ChainQ):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         lead = value.shape[: value.dim() - len(self.event_shape)]
-        x = self.layout.states(value.reshape(lead + (-1,)))
+        flat = value.reshape(lead + (-1,))
+        x = self.layout.states(flat)
+        if hasattr(self.layout, "prior_log_prob"):  # hidden states (GaussianHMM): summed out
+            q = self.states  # log q(y) = log p(y) + sum_r log site_r(y) - log Z
+            prior = self.layout.prior_log_prob(q.prior, flat)
+            return prior + q.site_terms(x) - q.post.log_z.detach()
         return self.states.log_prob(x)
 
     def sample(self, sample_shape=()) -> torch.Tensor:
