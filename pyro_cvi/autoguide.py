@@ -28,10 +28,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
-from .analysis import LEAF_FORM, SITE
-from .collapsed import check_mode, sample_posterior
 from .context import Options
-from .distributed import as_reducer
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .guide_state import (
@@ -41,10 +38,14 @@ from .guide_state import (
     detach_distribution,
     rng_preserved,
     sync_parameters,
+    unbind_parameters,
 )
 from .marginals import marginal_median, marginal_quantiles, standard_posterior
-from .softmax import METHODS
-from .tracing import subsample_values, trace_model
+from .messages.collapsed import check_mode, sample_posterior
+from .messages.softmax import METHODS
+from .model.analysis import LEAF_FORM, SITE
+from .model.tracing import subsample_values, trace_model
+from .scale.distributed import as_reducer
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
@@ -86,7 +87,7 @@ class AutoCVI(GuideState, AutoGuide):
     :param discrete: ``"mean_field"`` (default) gives every finite discrete latent its own
         Categorical/Bernoulli factor of ``q``; ``"collapse"`` sums them out exactly in the
         ELBO, as ``TraceEnum_ELBO`` does, and the guide has no site for them
-        (:mod:`pyro_cvi.collapsed`; ``Predictive`` then draws them from the model's prior,
+        (:mod:`pyro_cvi.messages.collapsed`; ``Predictive`` then draws them from the model's prior,
         :meth:`sample_discrete` from their posterior). Mean field is the default by
         measurement (docs/discrete_latents.md: a tie on the Gaussian mixture, 35 nats better
         on the HMM, where the collapsed mode stays at the symmetric start).
@@ -96,14 +97,14 @@ class AutoCVI(GuideState, AutoGuide):
         ``init_loc_fn`` value. A tight start keeps multimodal models (mixtures) near the
         mode they start in, as AutoNormal's default 0.1 does.
     :param process_group: data-parallel CVI on ``torch.distributed``
-        (:mod:`pyro_cvi.distributed`): ``None`` (one process, default),
-        :data:`pyro_cvi.distributed.WORLD` or a process group. Each rank passes its own shard
+        (:mod:`pyro_cvi.scale.distributed`): ``None`` (one process, default),
+        :data:`pyro_cvi.scale.distributed.WORLD` or a process group. Each rank passes its own shard
         of the data; the conjugate statistics are all-reduced every step, so every rank holds
         the exact full-batch ``q``.
     :param softmax: expectations of softmax factors (Categorical logits affine in a Gaussian):
         ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
         (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
-        see :mod:`pyro_cvi.softmax`.
+        see :mod:`pyro_cvi.messages.softmax`.
     """
 
     def __init__(
@@ -184,7 +185,7 @@ class AutoCVI(GuideState, AutoGuide):
 
     @property
     def reducer(self):
-        """The data-parallel :class:`~pyro_cvi.distributed.Reducer`, or ``None``."""
+        """The data-parallel :class:`~pyro_cvi.scale.distributed.Reducer`, or ``None``."""
         return self.options.reducer
 
     @property
@@ -238,6 +239,9 @@ class AutoCVI(GuideState, AutoGuide):
                 args, kwargs = inputs["args"], inputs["kwargs"]
             with rng_preserved():
                 self._build_engine(args, kwargs)
+        elif self.engine.params_missing():  # the store was cleared under a live guide
+            unbind_parameters(self)
+            self._setup_prototype(*args, **kwargs)
         else:
             sync_parameters(self)
         return self.engine

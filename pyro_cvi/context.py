@@ -35,7 +35,7 @@ class Options:
     #: initial spread of natural-form sites (``None``: the prior's)
     init_scale: Optional[float] = None
     #: sums row statistics and ELBO terms over the ranks of a data-parallel run
-    #: (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
+    #: (:class:`pyro_cvi.scale.distributed.Reducer`); ``None`` for one process
     reducer: Any = None
     softmax: str = "cubature"
 
@@ -50,6 +50,10 @@ class StepContext:
     #: ``exclude -> {site: value}``: one joint draw of every non-leaf latent from the current q
     #: (minibatch-restricted), except the sites in ``exclude``
     sample_q: Optional[Callable] = None
+    #: ``() -> trace``: the model traced again at the current q (the sequential schedule)
+    retrace: Optional[Callable] = None
+    #: ``StepReport -> None``: counts (and warns about) a step taken inside the loss
+    report: Optional[Callable] = None
     grads: bool = False
     #: the ELBO's graph to the model's parameters is wanted (``loss_and_grads``,
     #: ``differentiable_loss``): Gaussian blocks then re-solve ``q`` from the prior and their

@@ -1,13 +1,14 @@
 """The CVI engine: one pipeline from a model's traces to ``q`` (see docs/architecture.md).
 
-    trace -> analyse factors -> messages per factor -> one update engine -> q
-             (analysis.py)     (blocks, mean_field)   (update.py)
+    trace -> analyse factors -> blocks: messages per factor -> one update -> q
+             (model/)           (blocks/, messages/)         (update.py)
 
-An :class:`Engine` belongs to one :class:`~pyro_cvi.AutoCVI` guide. It owns the blocks (the
-Gaussian site blocks of Algorithm 1 and the natural-parameter blocks of Algorithm 2), assembles
-the ELBO so that every factor is counted exactly once (its owner is decided by the analysis),
-writes the natural gradients ``target - lambda`` of every block into ``.grad``, and takes the
-step with the schedule: ``parallel`` (every block from the same ``q_t``), ``sequential``
+An :class:`Engine` belongs to one :class:`~pyro_cvi.AutoCVI` guide. It owns the blocks
+(:class:`~pyro_cvi.blocks.base.Block`: the Gaussian site blocks of Algorithm 1, Markov chains,
+and the mean-field block of Algorithm 2) and loops over them without knowing their kinds: it
+assembles the ELBO so that every factor is counted exactly once (its owner is decided by the
+analysis), lets every block write its natural gradients ``target - lambda`` into ``.grad``, and
+takes the step with the schedule: ``parallel`` (every block from the same ``q_t``), ``sequential``
 (coordinate ascent; with exact factors and ``beta = 1`` it is CAVI) or a list of site names;
 inside a subsampled plate the local natural blocks first take a full (``beta = 1``) update for
 the minibatch (doubly stochastic CVI, Hoffman et al. 2013).
@@ -27,12 +28,23 @@ from typing import Dict, List, Optional
 import pyro
 import torch
 
-from .analysis import CONSTANT, LEAF_FORM, NATURAL, SITE, Analysis
-from .blocks import GaussianBlock, MarkovBlock, NaturalBlock, init_messenger, initial_natural
+from .blocks import (
+    Block,
+    BlockInit,
+    GaussianBlock,
+    MarkovBlock,
+    MeanFieldBlock,
+    NaturalBlock,
+    StepReport,
+    init_messenger,
+    registered_block_kinds,
+)
 from .context import Options, StepContext
-from .distributed import combine, start_ranks
-from .expectations import site_weight
-from .mean_field import compute
+from .messages.expectations import site_weight
+from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
+from .model.tracing import is_random, trace_model
+from .model.validation import check_observations, per_index
+from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
@@ -41,9 +53,7 @@ from .step_control import (
     report_backtrack,
     warn_step_counts,
 )
-from .tracing import is_random, trace_model
 from .update import StepCounts
-from .validation import check_observations, per_index
 
 __all__ = ["Engine", "owner_of"]
 
@@ -79,10 +89,15 @@ class Engine:
     def __init__(self, model, prefix: str, options: Options):
         self.model, self.prefix, self.options = model, prefix, options
         self.analysis: Optional[Analysis] = None
+        #: every block, in the order of the ELBO and the step (site blocks, then mean field)
+        self.blocks: List[Block] = []
+        #: the Gaussian site-form blocks (Algorithm 1; their moments enter other messages)
         self.gaussian: List[GaussianBlock] = []
         self.natural: OrderedDict[str, NaturalBlock] = OrderedDict()
+        self.mean_field: Optional[MeanFieldBlock] = None
+        #: latent name -> the block that steps it in the sequential schedule
+        self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
-        self.cache: Dict = {}
         self.counts = StepCounts()
         self.data_key = None
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
@@ -101,23 +116,20 @@ class Engine:
         an = self.analysis
         start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
         init_trace = None
-        init_scale = self.options.init_scale
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-        for block in self.gaussian:
-            block.setup(an.values)
-        for name, nb in self.natural.items():
-            site = (init_trace or prototype_trace).nodes[name]
-            nb.setup(initial_natural(nb.family, site, init_loc_fn, init_scale))
+        init = BlockInit(
+            an.values, prototype_trace, init_trace, init_loc_fn, self.options.init_scale
+        )
+        for block in self.blocks:
+            block.setup(init)
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         with torch.no_grad():
             ctx = self.context(args, kwargs, subsample or {}, grads=False)
-            for block in self.gaussian:
-                if self.options.init_sites == "laplace" and fresh:
-                    block.init_sites_at_prior_mean(ctx.trace, self.options.num_quad_points)
-                block.refresh(ctx)
+            for block in self.blocks:
+                block.initialise(ctx, fresh)
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options
@@ -134,15 +146,26 @@ class Engine:
         }
         check_observations(an.structure, self.structure)
         self.gaussian = [
-            (MarkovBlock if spec.chain is not None else GaussianBlock)(
-                spec, self.prefix, [s for s, o in an.owner.items() if o == spec.index], self.options
-            )
+            self._site_block(spec, [s for s, o in an.owner.items() if o == spec.index])
             for spec in an.blocks
         ]
         self.natural = OrderedDict(
             (n, NaturalBlock(i, self.prefix)) for n, i in an.latents.items() if i.form == NATURAL
         )
         self.leaf_values = {n: an.values[n] for n in an.leaves}
+        self.mean_field = None
+        if self.natural or an.collapsed_sites:
+            self.mean_field = MeanFieldBlock(
+                self.natural,
+                an,
+                self.gaussian,
+                self.options,
+                self.leaf_values,
+                self.sequential_order,
+            )
+        self.blocks = list(self.gaussian) + ([self.mean_field] if self.mean_field else [])
+        self.stepper = {n: b for b in self.gaussian for n in b.names}
+        self.stepper.update(self.natural)
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
         self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
@@ -155,6 +178,15 @@ class Engine:
         self._static = not self.natural and not self.minibatch and not self._has_params
         self._static_trace = None
 
+    def _site_block(self, spec, owned) -> Block:
+        """The block of a Gaussian block spec: a registered kind that accepts it
+        (:func:`~pyro_cvi.blocks.base.register_block_kind`), else Markov or Gaussian."""
+        for accepts, factory in registered_block_kinds():
+            if accepts(spec):
+                return factory(spec, self.prefix, owned, self.options)
+        kind = MarkovBlock if spec.chain is not None else GaussianBlock
+        return kind(spec, self.prefix, owned, self.options)
+
     def block_of(self, name: str) -> GaussianBlock:
         """The Gaussian block that holds latent site ``name``."""
         for block in self.gaussian:
@@ -165,11 +197,10 @@ class Engine:
     def natural_targets(self, args, kwargs, subsample=None) -> Dict:
         """The Algorithm 2 targets of every natural block at the current q (no step)."""
         ctx = self.context(args, kwargs, subsample or {}, grads=False)
-        return self._mean_field(ctx, want=None, value=False).targets
+        return self.mean_field.targets(ctx) if self.mean_field is not None else {}
 
     def param_names(self) -> List[str]:
-        names = [n for b in self.gaussian for n in b.param_names()]
-        return names + [n for b in self.natural.values() for n in b.param_names()]
+        return [n for b in self.blocks for n in b.param_names()]
 
     def params_missing(self) -> bool:
         """Whether the param store lost this engine's parameters (``pyro.clear_param_store()``)."""
@@ -182,23 +213,10 @@ class Engine:
         key = data_key(args, kwargs)
         if key == self.data_key:
             return
-        old = {b.spec.names: b for b in self.gaussian}
+        old = {b.label: b for b in self.blocks}
         self._analyse(args, kwargs, prototype_trace)
-        for block in self.gaussian:
-            prev = old.get(block.spec.names)
-            if prev is not None:
-                block.z_at = prev.z_at
-            for f in block.linear:
-                p = pyro.param(block.site_names[f.site])
-                if p.shape[0] != f.jacobian.shape[0]:
-                    raise ValueError(
-                        f"site {f.site!r} now has {f.jacobian.shape[0]} elements but the guide "
-                        f"was fitted with {p.shape[0]}. AutoCVI keeps one site per data point: "
-                        "pass the training data to svi.step, and use "
-                        "Predictive(model, guide=guide) for new inputs."
-                    )
-            if block.z_at is None:
-                block.z_at = block.spec.join(self.analysis.values).detach()
+        for block in self.blocks:
+            block.continue_from(old.get(block.label), self.analysis.values)
 
     def _tag_params(self) -> None:
         """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
@@ -212,23 +230,20 @@ class Engine:
         point does not matter, and a fixed one keeps the offsets ``c`` bitwise stable, which
         makes checkpoint/resume exact)."""
         values = {}
-        for name, nb in self.natural.items():
-            values[name] = nb.mean_value(subsample)
-        for block in self.gaussian:
-            values.update(block.spec.split(block.z_at))
+        for block in self._sampling_order():
+            values.update(block.trace_values(subsample))
         return values
+
+    def _sampling_order(self) -> List[Block]:
+        # the mean field first: the order in which q is drawn (the RNG stream) is part of a run
+        rest = [b for b in self.blocks if b is not self.mean_field]
+        return ([self.mean_field] if self.mean_field is not None else []) + rest
 
     def sample_q(self, subsample, exclude=(), at_means: bool = False) -> Dict[str, torch.Tensor]:
         """One joint draw (or the means) of every non-leaf latent outside ``exclude``."""
         out = {}
-        for name, nb in self.natural.items():
-            if name not in exclude:
-                out[name] = nb.mean_value(subsample) if at_means else nb.dist(subsample).sample()
-        for block in self.gaussian:
-            if set(block.names) & set(exclude):
-                continue
-            z = block.post.loc if at_means else block.joint().sample()
-            out.update(block.spec.split(z.detach()))
+        for block in self._sampling_order():
+            out.update(block.sample(subsample, exclude, at_means))
         out.update(subsample)
         return out
 
@@ -239,6 +254,8 @@ class Engine:
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
         )
+        ctx.retrace = lambda: self._trace(ctx)
+        ctx.report = self._report
         if self._static_trace is not None and not ctx.subsample:
             ctx.trace = self._static_trace
             return ctx
@@ -285,7 +302,7 @@ class Engine:
         with torch.no_grad():
             for n, v in values.items():
                 pyro.param(n).unconstrained().copy_(v)
-        for block in self.gaussian:
+        for block in self.blocks:
             block.forget()
 
     def enable_control(self, max_beta: float, state: Optional[Dict] = None) -> StepControl:
@@ -339,7 +356,7 @@ class Engine:
         return elbo
 
     def _warn_backtrack(self, beta: float, error) -> None:
-        labels = [b.spec.label for b in self.gaussian] + list(self.natural)
+        labels = [label for b in self.blocks for label in b.labels]
         report_backtrack(labels, beta, error, self.reported)  # logged once; num_backtracks
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
@@ -347,22 +364,8 @@ class Engine:
         if grads:
             self._tag_params()
         elbo = self._constant_terms(ctx.trace)
-        sequential = self.options.schedule != "parallel"
-        for block in self.gaussian:
-            elbo = elbo + block.elbo(ctx, block.refresh(ctx))
-        if self.natural or self.analysis.collapsed_sites:
-            if grads and ctx.subsample and not sequential:
-                self.update_locals(ctx)
-            want = None if (grads and not sequential) else set()
-            res = self._mean_field(ctx, want=want, value=True)
-            elbo = elbo + res.elbo
-            if grads and not sequential:
-                for name, target in res.targets.items():
-                    nb = self.natural[name]
-                    if nb.is_local(ctx.subsample):
-                        continue  # already updated (beta = 1) by update_locals
-                    for p, t in zip(nb.params(), target):
-                        p.grad = (t - p.detach()).detach()
+        for block in self.blocks:
+            elbo = elbo + block.messages(ctx)
         self.pending = ctx if grads else None
         ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
@@ -378,19 +381,6 @@ class Engine:
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
         return combine(self.options.reducer, torch.zeros_like(total), total)  # rank's data
-
-    def _mean_field(self, ctx, want=None, value=True):
-        return compute(
-            ctx,
-            self.analysis,
-            self.natural,
-            self.gaussian,
-            self.options,
-            self.cache,
-            self.leaf_values,
-            want=want,
-            value=value,
-        )
 
     # ------------------------------------------------------------------ the step
     def step(self, beta: Optional[float]) -> None:
@@ -424,11 +414,9 @@ class Engine:
         if self.options.schedule != "parallel" and self.natural:
             self._sweep(ctx, beta)
         else:
-            for block in self.gaussian:
-                self._report(block.spec.label, "precision", beta, block.step(beta))
-            for name, nb in self.natural.items():
-                if not nb.is_local(ctx.subsample):
-                    self._report(name, nb.family.name, beta, nb.step(beta))
+            for block in self.blocks:
+                for report in block.step(beta, ctx):
+                    self._report(report)
         with torch.no_grad():
             pyro.param(self.steps_name).add_(1)
 
@@ -446,44 +434,26 @@ class Engine:
             return list(schedule) + [n for n in active if n not in schedule]
         return active[::-1]
 
-    def update_locals(self, ctx: StepContext) -> None:
-        """Doubly stochastic CVI: a full (``beta = 1``) update of every local natural block
-        (in a subsampled plate), for the current minibatch, in the sequential order."""
-        for name in self.sequential_order():
-            nb = self.natural.get(name)
-            if nb is None or not nb.is_local(ctx.subsample):
-                continue
-            res = self._mean_field(ctx, want={name}, value=False)
-            self._report(
-                name, nb.family.name, 1.0, nb.step_to(res.targets[name], 1.0, ctx.subsample)
-            )
-
     def _sweep(self, ctx: StepContext, beta: float) -> None:
-        """One sequential (coordinate-ascent) sweep: each block in turn gets its target from
-        the current q of the others and takes the step (minibatch locals: ``beta = 1``)."""
-        done = set()
+        """One sequential (coordinate-ascent) sweep: each latent's block in turn gets its
+        target from the current q of the others and takes the step (each block once)."""
+        done: set = set()
         for name in self.sequential_order():
-            info = self.analysis.latents[name]
-            if info.form == NATURAL:
-                nb = self.natural[name]
-                res = self._mean_field(ctx, want={name}, value=False)
-                b = 1.0 if nb.is_local(ctx.subsample) else beta
-                self._report(
-                    name, nb.family.name, b, nb.step_to(res.targets[name], b, ctx.subsample)
-                )
-            elif info.form == SITE and info.block not in done:
-                done.add(info.block)
-                block = self.gaussian[info.block]
-                ctx.trace = self._trace(ctx)
-                ctx.grads = True
-                block.elbo(ctx, block.refresh(ctx))
-                self._report(block.spec.label, "precision", beta, block.step(beta))
+            for report in self.stepper[name].sweep(name, ctx, beta, done):
+                self._report(report)
 
-    def _report(self, label: str, what: str, beta: float, counts: StepCounts) -> None:
+    def _report(self, report: StepReport) -> None:
         """Count shrunk and rejected steps and warn (once per site and kind: the text carries
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
-        self.counts += counts
-        warn_step_counts(label, what, beta, counts, stacklevel=6, seen=self.reported)
+        self.counts += report.counts
+        warn_step_counts(
+            report.label,
+            report.kind,
+            report.beta,
+            report.counts,
+            stacklevel=6,
+            seen=self.reported,
+        )
 
 
 def data_key(args, kwargs):

@@ -7,7 +7,10 @@ The engine reads and writes its parameters through Pyro's param store (``pyro.pa
 ``copy.deepcopy`` see them, as for Pyro's own autoguides. The two views are kept identical
 with Pyro's ``PyroModule`` rule (:func:`sync_parameters`): the store's tensor wins where the
 store has the name (e.g. after ``load_checkpoint`` or ``ParamStoreDict.set_state``), the
-module's is put into the store where it has not (a fresh process, a cleared store).
+module's is put into the store where it has not (a guide unpickled, copied or loaded into a
+fresh process). One difference, kept from earlier releases: ``pyro.clear_param_store()``
+under a *live* guide (one that has run since it was built or restored) restarts it, as a
+fresh guide (Pyro's ``AutoNormal`` would put its old values back).
 
 Everything else a guide holds that cannot be pickled (the engine: traces, closures, caches) is
 dropped and rebuilt from the prototype trace's recorded inputs on first use, with the random
@@ -30,6 +33,7 @@ from torch import nn
 
 __all__ = [
     "GuideState",
+    "unbind_parameters",
     "bind_parameters",
     "sync_parameters",
     "bound_parameters",
@@ -68,6 +72,20 @@ def bind_parameters(module: nn.Module, names: Iterable[str]) -> None:
         if name not in bound:
             bound.append(name)
     object.__setattr__(module, _BOUND, tuple(bound))
+
+
+def unbind_parameters(module: nn.Module) -> None:
+    """Forget the bound parameters (the guide starts afresh: a cleared param store under a
+    live guide)."""
+    prefix = module._pyro_name
+    for name in getattr(module, _BOUND, ()):
+        owner_path, _, leaf = name[len(prefix) + 1 :].rpartition(".")
+        try:
+            owner = deep_getattr(module, owner_path) if owner_path else module
+        except AttributeError:
+            continue
+        owner._parameters.pop(leaf, None)
+    object.__setattr__(module, _BOUND, ())
 
 
 def sync_parameters(module: nn.Module) -> None:

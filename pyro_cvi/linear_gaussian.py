@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 #: ``[local sums] -> [global sums]``: sums the row statistics over the ranks of a data-parallel
-#: run (:class:`pyro_cvi.distributed.Reducer`); ``None`` for one process
+#: run (:class:`pyro_cvi.scale.distributed.Reducer`); ``None`` for one process
 Reduce = Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]]
 
 

@@ -27,6 +27,11 @@ Params = Tuple[torch.Tensor, ...]
 
 #: a shrunk step covers at most this fraction of the distance to a box boundary
 TO_BOUNDARY = 0.5
+#: halvings before an element's step is rejected (each costs one validity check)
+MAX_HALVINGS = 30
+#: the same for blocks whose validity check is a solve (a Cholesky of the block's precision):
+#: ``2^-12`` of a step is already below what the adaptive step control would take
+MAX_HALVINGS_SOLVE = 12
 
 
 @dataclass
@@ -70,7 +75,7 @@ def damped_step(
     valid: Callable[[Params], torch.Tensor],
     bounds: Optional[Sequence[Tuple[Optional[float], Optional[float]]]] = None,
     param_shapes: Optional[Sequence[torch.Size]] = None,
-    max_halvings: int = 30,
+    max_halvings: int = MAX_HALVINGS,
 ) -> Tuple[Params, StepCounts]:
     """The CVI update with the step policy of the module docstring.
 

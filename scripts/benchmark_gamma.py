@@ -1,6 +1,6 @@
 """Gamma-model benchmark: mean-field CVI versus the paper's Adam baseline (Khan & Lin 2017, Fig. 1).
 
-Two non-conjugate models with Gamma posteriors (``benchmarks.gamma_models``):
+Two non-conjugate models with Gamma posteriors (``bench.gamma_models``):
 
 * ``pmf``: Poisson-gamma matrix factorisation (Appendix K) of scikit-learn's digits (1797 x 64
   counts), K factors; 20% of the entries are held out; metric: their mean Poisson
@@ -34,17 +34,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import pyro
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
-from benchmarks import gamma_models as gm  # noqa: E402
-from benchmarks.reporting import (  # noqa: E402
+from bench import gamma_models as gm  # noqa: E402
+from bench.reporting import (  # noqa: E402
     Table,
     fmt_reach,
     fmt_seconds,

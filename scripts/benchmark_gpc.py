@@ -48,16 +48,12 @@ import multiprocessing as mp
 import os
 import platform
 import resource
-import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
-from benchmarks.reporting import (  # noqa: E402
+from bench.reporting import (  # noqa: E402
     Table,
     absurd_value,
     fmt,
@@ -172,8 +168,8 @@ def run_one(cfg: dict) -> dict:
     """Train one method under one setting; runs in its own process."""
     torch.set_num_threads(cfg["threads"])
     import gpytorch
+    from bench.datasets import load_usps_3vs5
 
-    from benchmarks.datasets import load_usps_3vs5
     from pyro_cvi.contrib.gpytorch import CVIOptimizer, LogisticBernoulliLikelihood
 
     device = torch.device(cfg["device"])
@@ -444,7 +440,7 @@ def main(argv=None) -> dict:
     )
     args = ap.parse_args(argv)
 
-    from benchmarks.datasets import data_dir
+    from bench.datasets import data_dir
 
     root = str(data_dir(args.data_dir))
     quick = args.quick

@@ -11,7 +11,7 @@ log-loss (bits) by Gauss-Hermite quadrature. Methods, side by side on each datas
 * ``cvi_api_prior``: ``AutoCVI(model, init_sites="prior")`` (Algorithm 1's start, ``q`` = the
   prior) with the paper's step size ``beta = w / (1 + w)`` (Table 2): the same iterates as
   ``plain_cvi``, so the pair measures the framework's overhead.
-* ``plain_cvi``: :func:`benchmarks.baselines.plain_cvi_logreg`, the same algorithm in a lean
+* ``plain_cvi``: :func:`bench.baselines.plain_cvi_logreg`, the same algorithm in a lean
   plain-torch loop: the floor for the framework's overhead.
 * ``adam``: Pyro SVI, ``AutoMultivariateNormal``, ``Trace_ELBO`` (one particle by default),
   ``pyro.optim.Adam``: the best of a small learning-rate grid (the first to reach the target,
@@ -31,16 +31,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import platform
-import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import pyro
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
-from benchmarks.baselines import (  # noqa: E402
+from bench.baselines import (  # noqa: E402
     LogRegFit,
     evaluate_checkpoints,
     make_logreg_model,
@@ -50,8 +46,8 @@ from benchmarks.baselines import (  # noqa: E402
     time_to_target,
     warm_up,
 )
-from benchmarks.datasets import LogRegData, load_logreg  # noqa: E402
-from benchmarks.reporting import (  # noqa: E402
+from bench.datasets import LogRegData, load_logreg  # noqa: E402
+from bench.reporting import (  # noqa: E402
     Table,
     absurd_value,
     fmt,

@@ -4,12 +4,12 @@
 Methods (all in one process, back to back, one torch thread):
 
 * ``cvi``: conjugate-computation VI (Khan & Lin 2017); for logistic regression the GLM form of
-  Algorithm 1 (``benchmarks.baselines.plain_cvi_logreg``), for GP classification
+  Algorithm 1 (``bench.baselines.plain_cvi_logreg``), for GP classification
   ``pyro_cvi.contrib.gpytorch``, for the global/local models mean-field ``AutoCVI`` (VMP sweep);
 * ``kl-prox``: KL proximal-gradient VI (Khan et al. 2015) with the paper's step ``beta = 0.25``,
   linearised in the moments (eqs. 16-17 for the GLM, 18-19 for the GP) or in the mean parameters
   (then exactly CVI with step ``beta / (1 + beta) = 0.2``), and ``kl-prox point``: the
-  proximal-point method (eq. 2) with the subproblem solved by L-BFGS (``benchmarks.kl_proximal``);
+  proximal-point method (eq. 2) with the subproblem solved by L-BFGS (``bench.kl_proximal``);
 * ``ssvi``: structured SVI (Hoffman & Blei 2015, ``pyro_cvi.StructuredSVI``);
 * ``adam``: Pyro's ``AutoMultivariateNormal`` + ``Trace_ELBO`` + ``Adam``;
 * ``ngd``: GPyTorch's natural-gradient descent with ``NaturalVariationalDistribution``.
@@ -17,7 +17,7 @@ Methods (all in one process, back to back, one torch thread):
 Problems and protocols (``shared/data/README.md``): Bayesian logistic regression on a1a
 (Khan et al. 2015, Table 2 row), GP classification on USPS 3-vs-5 (Table 3 row; log l = 2.5,
 log sf = 2, and the paper's 5 in the full run), and three models with global and local latents
-(``benchmarks.structured_models``: a Gaussian mixture, a topic model on the "bars" corpus,
+(``bench.structured_models``: a Gaussian mixture, a topic model on the "bars" corpus,
 a hierarchical normal model) for mean-field CVI against SSVI, scored by the held-out
 log-likelihood per group against wall time over several initialisations.
 
@@ -45,8 +45,7 @@ from typing import Dict, List, Optional
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository root: benchmarks/
-from benchmarks.baselines import (  # noqa: E402
+from bench.baselines import (  # noqa: E402
     logreg_log_loss_bits,
     make_logreg_model,
     plain_cvi_logreg,
@@ -54,14 +53,14 @@ from benchmarks.baselines import (  # noqa: E402
     time_to_target,
     warm_up,
 )
-from benchmarks.datasets import data_dir, load_logreg, load_usps_3vs5  # noqa: E402
-from benchmarks.kl_proximal import (  # noqa: E402
+from bench.datasets import data_dir, load_logreg, load_usps_3vs5  # noqa: E402
+from bench.kl_proximal import (  # noqa: E402
     kl_prox_gradient_glm,
     kl_prox_gradient_gp,
     kl_proximal_point_glm,
 )
-from benchmarks.reporting import Table, fmt, fmt_reach, write_results  # noqa: E402
-from benchmarks.structured_models import PROBLEMS, make_problem, run_cvi, run_ssvi  # noqa: E402
+from bench.reporting import Table, fmt, fmt_reach, write_results  # noqa: E402
+from bench.structured_models import PROBLEMS, make_problem, run_cvi, run_ssvi  # noqa: E402
 
 #: Khan et al. (2015), Table 2 (a1a, "Proximal") and Table 3 (USPS-3vs5, "Proximal").
 PAPER_A1A = {"neg_elbo": 590.1, "log_loss": 0.488}
@@ -240,7 +239,7 @@ def structured_section(args) -> dict:
         f"Global/local models: mean-field CVI vs structured SVI ({len(seeds)} initialisations, "
         f"{n} train and {n} held-out groups)",
         [
-            ("problem", "model (benchmarks/structured_models.py)"),
+            ("problem", "model (scripts/bench/structured_models.py)"),
             ("method", "mean-field CVI (AutoCVI, VMP sweep) or SSVI (Hoffman & Blei, Alg. 1)"),
             ("iters", "sweeps / SSVI steps per run"),
             ("sec/run", "mean wall time of a run (evaluation excluded)"),

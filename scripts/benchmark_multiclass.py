@@ -44,7 +44,7 @@ Part C, scale: N = 20,000 synthetic points, K = 10 (2-D inputs, M = 50 shared in
 regression (AutoCVI) on the same N, K (10 features): completes? measured site memory in bytes
 (``N (K + K^2)`` floats).
 
-Part D, K = 3 (digits 0, 1, 2; logistic regression): each estimator of ``pyro_cvi.softmax``
+Part D, K = 3 (digits 0, 1, 2; logistic regression): each estimator of ``pyro_cvi.messages.softmax``
 (cubature, Monte Carlo, Böhning bound) against a BayesNewton-style 20^3 = 8,000-point
 tensor-product Gauss-Hermite reference written here: the -ELBO of each method's fitted q under
 the reference, the error of its own -ELBO value at that q, and the time of one evaluation.
@@ -85,9 +85,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_cvi.softmax import cov_sqrt, lse_expectations  # noqa: E402
+from pyro_cvi.messages.softmax import cov_sqrt, lse_expectations  # noqa: E402
 
 F64 = torch.float64
 TOL = 0.005
@@ -648,7 +646,7 @@ def part_c(args) -> dict:
 # ----------------------------------------------------------------------------- part D
 def product_rule_lse(mean, cov, P: int = 20):
     """BayesNewton-style reference: a P^K-point tensor-product Gauss-Hermite rule."""
-    from pyro_cvi.quadrature import gauss_hermite
+    from pyro_cvi.messages.quadrature import gauss_hermite
 
     K = mean.shape[-1]
     t, w = gauss_hermite(P, mean.dtype)
@@ -787,8 +785,8 @@ B_COLUMNS = [
 
 
 def report_b(b: dict, M: int):
-    """Part B as a :class:`benchmarks.reporting.Table` for the docs' results page."""
-    from benchmarks.reporting import Table
+    """Part B as a :class:`bench.reporting.Table` for the docs' results page."""
+    from bench.reporting import Table
 
     table = Table(
         f"Digits GP classification (N={b['N']}, M={M}, K=10, kernel fixed): CVI vs GPyTorch",
@@ -943,7 +941,7 @@ def main(argv=None) -> dict:
     verdict = "Verdict: " + "; ".join(verdicts) + "."
     b = res.get("B", {})
     if b.get("target") is not None and args.parts == "B":  # part B alone: the results page
-        from benchmarks.reporting import write_results
+        from bench.reporting import write_results
 
         write_results(
             args.out, res, title="Multi-class GP classification (digits, K = 10): CVI vs NGD",

@@ -51,9 +51,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
-from pyro_cvi.streaming import StreamingCVI  # noqa: E402
+from pyro_cvi.scale.streaming import StreamingCVI  # noqa: E402
 
 D, DELTA, CHUNK = 54, 0.002, 100_000
 GH_X, GH_W = (torch.tensor(a) for a in np.polynomial.hermite_e.hermegauss(32))
@@ -157,7 +156,7 @@ def _rank(rank, world, port, n, steps, out):
         X[rank * n // world : (rank + 1) * n // world],
         y[rank * n // world : (rank + 1) * n // world],
     )
-    from pyro_cvi.distributed import WORLD
+    from pyro_cvi.scale.distributed import WORLD
 
     _, q, marks, elbos = cvi_trajectory(X, y, steps, WORLD)
     if rank == 0:
@@ -409,7 +408,7 @@ def main():
 def render(path: str, quick: bool = False) -> None:
     """Print the tables (every column explained) and the verdict of a run's JSON, and add the
     ``report`` section for the docs' results page (``scripts/report.py``)."""
-    from benchmarks.reporting import Table, fmt, fmt_seconds, verdict_line, write_results
+    from bench.reporting import Table, fmt, fmt_seconds, verdict_line, write_results
 
     rep = json.loads(Path(path).read_text())
     rep.pop("report", None)

@@ -38,16 +38,11 @@ import math
 import multiprocessing as mp
 import os
 import resource
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.reporting import Table, fmt, fmt_reach, progress, write_results  # noqa: E402
+from bench.reporting import Table, fmt, fmt_reach, progress, write_results  # noqa: E402
 
 REL_TOL = 1e-6
 STEP_COLUMNS = [
@@ -461,7 +456,7 @@ def main() -> None:
         )
     if "coal" in parts:
         # ---------------------------------------------------------------- coal
-        from benchmarks.datasets import load_coal
+        from bench.datasets import load_coal
 
         data = load_coal(200, args.data)
         iters = 60 if args.quick else 150

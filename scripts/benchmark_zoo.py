@@ -48,7 +48,8 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tests/zoo
-from benchmarks.reporting import Table, write_results  # noqa: E402
+from bench.reporting import Table, write_results  # noqa: E402
+
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 from tests.zoo import ZOO  # noqa: E402
 
@@ -266,7 +267,7 @@ def _heldout(r):
 
 
 def report(rows):
-    """The table of ``rows`` (a :class:`benchmarks.reporting.Table`) and the verdict line."""
+    """The table of ``rows`` (a :class:`bench.reporting.Table`) and the verdict line."""
     table = Table("AutoCVI on the zoo, against Pyro's autoguides at equal wall time", COLUMNS)
     for r in rows:
         other = "; ".join(f"{k} {_fmt(r[k])}" for k in _extras(r)) or "-"

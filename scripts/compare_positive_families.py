@@ -31,9 +31,9 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.reporting import Table, fmt, progress, write_results  # noqa: E402
 from step_models import MODELS, sparse_gamma_def  # noqa: E402
 
-from benchmarks.reporting import Table, fmt, progress, write_results  # noqa: E402
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 
 POSITIVE = {

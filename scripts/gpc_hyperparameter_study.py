@@ -30,22 +30,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: benchmark_gpc
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+from bench.reporting import Table, progress, write_results  # noqa: E402
 from benchmark_gpc import evaluate as evaluate_gpc  # noqa: E402
 from benchmark_gpc import kmeans_centres, make_model  # noqa: E402
 
-from benchmarks.reporting import Table, progress, write_results  # noqa: E402
-
 
 def load(n_train=None):
-    from benchmarks.datasets import load_usps_3vs5
+    from bench.datasets import load_usps_3vs5
 
     d = load_usps_3vs5(dtype=torch.float64)
     X, y = d.X_train, d.y_train

@@ -2,7 +2,7 @@
 
 Reads every ``results/*.json`` (``--results``) and writes ``docs/_generated/results.md`` with
 one section per file and PNG plots beside it (``--out``). A file written through
-:func:`benchmarks.reporting.write_results` has a ``report`` section (title, command, verdict,
+:func:`bench.reporting.write_results` has a ``report`` section (title, command, verdict,
 tables with a legend for every column, remarks, plots) and is rendered in full; any other JSON
 file is listed with its top-level numbers, so a new script shows up without editing this one.
 The Sphinx build runs this script itself (``docs/conf.py``).

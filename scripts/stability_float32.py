@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import pyro
 import torch
+from bench.baselines import logreg_neg_elbo, make_logreg_model  # noqa: E402
+from bench.datasets import load_breast_cancer_sklearn  # noqa: E402
+from bench.reporting import Table, progress, write_results  # noqa: E402
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
-from benchmarks.baselines import logreg_neg_elbo, make_logreg_model  # noqa: E402
-from benchmarks.datasets import load_breast_cancer_sklearn  # noqa: E402
-from benchmarks.reporting import Table, progress, write_results  # noqa: E402
 
 COLUMNS = [
     ("dtype", "the precision of the data, q and every CVI computation"),

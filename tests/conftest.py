@@ -2,8 +2,7 @@ import pyro
 import pytest
 import torch
 import torch.distributed as tdist
-
-from benchmarks.datasets import data_dir
+from bench.datasets import data_dir
 
 
 @pytest.fixture(scope="session", autouse=True)

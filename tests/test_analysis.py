@@ -1,4 +1,4 @@
-"""Unit tests of the one classifier (pyro_cvi.analysis): blocks, factor kinds and owners."""
+"""Unit tests of the one classifier (pyro_cvi.model.analysis): blocks, factor kinds and owners."""
 
 import pyro
 import pyro.distributions as dist
@@ -8,7 +8,7 @@ from pyro.infer import SVI
 from pyro.infer.autoguide.initialization import init_to_sample
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.analysis import CONJUGATE, GENERAL, LINEAR, MEANFIELD, PRIOR, Analysis
+from pyro_cvi.model.analysis import CONJUGATE, GENERAL, LINEAR, MEANFIELD, PRIOR, Analysis
 
 F64 = torch.float64
 

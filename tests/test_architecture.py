@@ -175,9 +175,10 @@ def test_no_import_cycles():
 def test_import_graph_resolves_relative_and_local_imports():
     """The checker itself: relative, ``from . import x`` and function-local imports resolve."""
     graph, _ = import_graph()
-    assert f"{PACKAGE}.quadrature" in graph[f"{PACKAGE}.messages"]  # from .quadrature import
-    # from . import conjugate_pairs as cp
-    assert f"{PACKAGE}.conjugate_pairs" in graph[f"{PACKAGE}.expectations"]
+    # from .quadrature import
+    assert f"{PACKAGE}.messages.quadrature" in graph[f"{PACKAGE}.messages.gaussian"]
+    # from ..model import conjugate_pairs as cp
+    assert f"{PACKAGE}.model.conjugate_pairs" in graph[f"{PACKAGE}.messages.expectations"]
     assert f"{PACKAGE}.families.base" in graph[f"{PACKAGE}.families.beta"]  # from .base import
     assert f"{PACKAGE}.step_sizes" in graph[PACKAGE]  # from . import step_sizes
     cycle = {"a": {"b": [1]}, "b": {"c": [1]}, "c": {"a": [1]}, "d": {"a": [1]}}

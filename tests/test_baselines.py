@@ -1,4 +1,4 @@
-"""Tests of the reference computations in ``benchmarks.baselines`` against independent answers."""
+"""Tests of the reference computations in ``bench.baselines`` against independent answers."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from benchmarks.baselines import (
+from bench.baselines import (
     HistoryPoint,
     gaussian_kl_to_isotropic_prior,
     logreg_log_loss_bits,
@@ -17,7 +16,7 @@ from benchmarks.baselines import (
     pyro_adam_logreg,
     time_to_target,
 )
-from benchmarks.datasets import load_breast_cancer_sklearn
+from bench.datasets import load_breast_cancer_sklearn
 
 torch.set_num_threads(1)  # the problems are small; avoid contention on shared CI cores
 
@@ -362,7 +361,7 @@ def test_pyro_api_converges_to_plain_cvi_optimum(bc, bc_fit):
 @pytest.mark.slow
 @pytest.mark.data
 def test_plain_cvi_a1a():
-    from benchmarks.datasets import load_logreg
+    from bench.datasets import load_logreg
 
     try:
         d = load_logreg("a1a")

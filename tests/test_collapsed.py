@@ -1,4 +1,4 @@
-"""Collapsed discrete latents: ``AutoCVI(discrete="collapse")`` (pyro_cvi/collapsed.py).
+"""Collapsed discrete latents: ``AutoCVI(discrete="collapse")`` (pyro_cvi/messages/collapsed.py).
 
 * the collapsed group's value is ``log sum_z p``: checked against brute-force sums (a mixture)
   and a hand-written forward algorithm with masking (the HMM of examples/hmm.py);
@@ -32,8 +32,8 @@ from test_loss_is_bound import (
 )
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
-from pyro_cvi.collapsed import collapsed_log_prob, sample_posterior
-from pyro_cvi.tracing import run_model
+from pyro_cvi.messages.collapsed import collapsed_log_prob, sample_posterior
+from pyro_cvi.model.tracing import run_model
 
 DATA = torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0], dtype=F64)
 

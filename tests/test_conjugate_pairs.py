@@ -1,10 +1,11 @@
-"""``pyro_cvi.conjugate_pairs``: the probes that confirm a conjugate pattern, and the registry."""
+"""``pyro_cvi.model.conjugate_pairs``: the probes that confirm a conjugate pattern, and the
+registry."""
 
 import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_cvi.conjugate_pairs import check_monomial, find_identity_index, lookup
+from pyro_cvi.model.conjugate_pairs import check_monomial, find_identity_index, lookup
 
 F64 = torch.float64
 RTOL = 1e-8

@@ -7,10 +7,10 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from bench.baselines import logreg_neg_elbo
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
-from benchmarks.baselines import logreg_neg_elbo
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel CVI (pyro_cvi.distributed): 2 gloo ranks give the 1-process iterates."""
+"""Data-parallel CVI (pyro_cvi.scale.distributed): 2 gloo ranks give the 1-process iterates."""
 
 import os
 import socket
@@ -13,8 +13,8 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.distributed import WORLD, Reducer, rank_path, replicated_sites, shard
 from pyro_cvi.linear_gaussian import GaussianPrior, row_statistics, solve, solve_statistics
+from pyro_cvi.scale.distributed import WORLD, Reducer, rank_path, replicated_sites, shard
 
 HERE = Path(__file__).resolve().parent
 D = 4  # tests/distributed_worker.py
@@ -84,7 +84,7 @@ def test_replicated_sites_are_the_latents_outside_the_observations_plates():
             lam = pyro.sample("lam", dist.Gamma(2.0, 2.0))
             pyro.sample("y", dist.Normal(0.0, (tau * lam).rsqrt()), obs=y)
 
-    from pyro_cvi.analysis import Analysis
+    from pyro_cvi.model.analysis import Analysis
 
     y = torch.randn(10)
     trace = pyro.poutine.trace(model).get_trace(y)

@@ -17,7 +17,7 @@ from pyro_cvi.contrib.gpytorch import (  # noqa: E402
     logistic_expected_log_prob,
     logistic_expected_prob,
 )
-from pyro_cvi.quadrature import expected_log_prob  # noqa: E402
+from pyro_cvi.messages.quadrature import expected_log_prob  # noqa: E402
 
 USPS_FULL_NELBO_SF2 = 126.70  # independent plain-torch CVI solution, log sf = 2, log l = 2.5
 
@@ -95,7 +95,7 @@ def toy_classification(n=200, dtype=torch.float64, seed=0):
 
 @pytest.fixture(scope="module")
 def usps():
-    from benchmarks.datasets import load_usps_3vs5
+    from bench.datasets import load_usps_3vs5
 
     try:
         return load_usps_3vs5()

@@ -18,7 +18,7 @@ from pyro_cvi.contrib.gpytorch import (  # noqa: E402
     CVIVariationalStrategy,
     LogisticBernoulliLikelihood,
 )
-from pyro_cvi.distributed import WORLD  # noqa: E402
+from pyro_cvi.scale.distributed import WORLD  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

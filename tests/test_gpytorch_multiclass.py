@@ -13,7 +13,7 @@ from pyro_cvi.contrib.gpytorch import (
     MultiClassCVIOptimizer,
     MultiClassCVIStrategy,
 )
-from pyro_cvi.softmax import lse_expectations
+from pyro_cvi.messages.softmax import lse_expectations
 
 F64 = torch.float64
 K = 3
@@ -215,7 +215,7 @@ def _brute_force_fixed_point(model, X, y, steps=20, beta=0.7, P=14):
     """CVI with the moments of a P^3-point tensor-product Gauss-Hermite rule (the reference)."""
     from test_softmax import brute_lse
 
-    from pyro_cvi.softmax import LSEMoments, site_targets
+    from pyro_cvi.messages.softmax import LSEMoments, site_targets
 
     s = model.variational_strategy
     Y = torch.nn.functional.one_hot(y, K).to(F64)

@@ -9,19 +9,19 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI
-
-from benchmarks.baselines import logreg_log_loss_bits, logreg_neg_elbo, plain_cvi_logreg
-from benchmarks.datasets import load_logreg
-from benchmarks.kl_proximal import (
+from bench.baselines import logreg_log_loss_bits, logreg_neg_elbo, plain_cvi_logreg
+from bench.datasets import load_logreg
+from bench.kl_proximal import (
     gp_neg_elbo,
     kl_prox_gradient_glm,
     kl_prox_gradient_gp,
     kl_prox_gradient_step,
     kl_proximal_point_glm,
 )
+from pyro.infer import SVI
+
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.quadrature import mean_param_gradients
+from pyro_cvi.messages.quadrature import mean_param_gradients
 
 
 def _problem(N=40, D=5, seed=0):

@@ -3,15 +3,15 @@
 import pyro
 import pytest
 import torch
-from pyro.infer import SVI
-
-from benchmarks.baselines import (
+from bench.baselines import (
     logreg_log_loss_bits,
     logreg_neg_elbo,
     make_logreg_model,
     plain_cvi_logreg,
 )
-from benchmarks.datasets import load_breast_cancer_sklearn, load_logreg
+from bench.datasets import load_breast_cancer_sklearn, load_logreg
+from pyro.infer import SVI
+
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
 pytestmark = [pytest.mark.slow, pytest.mark.data]

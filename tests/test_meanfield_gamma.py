@@ -5,8 +5,8 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from bench import gamma_models as gm
 
-from benchmarks import gamma_models as gm
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, step_sizes
 
 

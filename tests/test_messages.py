@@ -1,5 +1,5 @@
-"""``pyro_cvi.quadrature``: Gauss-Hermite expectations and the mean-parameter gradients that
-become CVI's Gaussian site parameters (Khan & Lin 2017, Appendix B.1, eqs. 29-31)."""
+"""``pyro_cvi.messages.quadrature``: Gauss-Hermite expectations and the mean-parameter gradients
+that become CVI's Gaussian site parameters (Khan & Lin 2017, Appendix B.1, eqs. 29-31)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributions import Bernoulli, Normal, Poisson
 
-from pyro_cvi.quadrature import (
+from pyro_cvi.messages.quadrature import (
     expected_log_prob,
     gauss_hermite,
     mean_param_gradients,
@@ -115,7 +115,7 @@ def test_value_keeps_its_graph_to_hyperparameters():
 def test_general_gaussian_message_is_exact_for_a_quadratic_log_joint():
     """Bonnet/Price with antithetic pairs: for f(z) = -(z - mu)^T P (z - mu) / 2 the averaged
     gradient and Hessian are exact, so the target is (h, P) = (P mu, P) from any q."""
-    from pyro_cvi.messages import general_gaussian_message
+    from pyro_cvi.messages.gaussian import general_gaussian_message
 
     torch.manual_seed(0)
     P = torch.tensor([[2.0, 0.3, 0.0], [0.3, 1.0, -0.2], [0.0, -0.2, 0.5]], dtype=F64)

@@ -165,15 +165,31 @@ def test_unpicklable_model_is_dropped_with_a_clear_error():
     assert torch.equal(_draw(new, (x, y))["w"], _draw(guide, (x, y))["w"])
 
 
-def test_cleared_param_store_keeps_the_guides_parameters():
-    """As for Pyro's PyroModule: the module's tensors go back into an emptied store."""
+def test_cleared_param_store_restarts_a_live_guide_but_not_a_restored_one():
+    """``pyro.clear_param_store()`` under a live guide starts it afresh (as a new guide); a
+    guide restored from a pickle puts its own parameters into the empty store."""
     args = data()
     guide, _, _ = _fit(mixed, args)
-    before = _draw(guide, args)
+    saved = pickle.dumps(guide)
+    trained = _draw(guide, args)
     pyro.clear_param_store()
-    after = _draw(guide, args)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert "AutoCVI.sites.y" in pyro.get_param_store()
+    pyro.set_rng_seed(0)
+    fresh = AutoCVI(mixed)
+    fresh_draw = _draw(fresh, args)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    restarted = _draw(guide, args)
+    assert all(torch.equal(restarted[k], fresh_draw[k]) for k in trained)
+    assert not torch.equal(restarted["w"], trained["w"])
+    assert float(dict(guide.named_parameters())["num_steps"]) == 0.0
+    pyro.clear_param_store()
+    restored = pickle.loads(saved)
+    again = _draw(restored, args)
+    assert all(torch.equal(again[k], trained[k]) for k in trained)
+    assert (
+        pyro.get_param_store().get_param("AutoCVI.sites.y").unconstrained()
+        is dict(restored.named_parameters())["sites.y"]
+    )
 
 
 # --------------------------------------------------------------------------- JIT

@@ -5,9 +5,9 @@ import pyro.contrib.gp as gp
 import pyro.distributions as dist
 import pytest
 import torch
+from bench.baselines import logreg_neg_elbo, plain_cvi_logreg
 from pyro.infer import SVI
 
-from benchmarks.baselines import logreg_neg_elbo, plain_cvi_logreg
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
 

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, pyro, pyro.distributions as dist
     from pyro.infer import SVI
     from pyro_cvi import AutoCVI, CVI, CVI_ELBO
-    from pyro_cvi.checkpoint import save_checkpoint, load_checkpoint
+    from pyro_cvi.scale.checkpoint import save_checkpoint, load_checkpoint
 
     mode, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
     g = torch.Generator().manual_seed(0)
@@ -61,8 +61,9 @@ def _run(tmp_path, *argv, source=SCRIPT, env=None):
     script = tmp_path / "run.py"
     script.write_text(source)
     env = dict(os.environ if env is None else env)
-    # the script runs from tmp_path: put the repository root (benchmarks/) on its path
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # the script runs from tmp_path: put the repository and scripts/ (scripts/bench) on its path
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "scripts"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     subprocess.run([sys.executable, str(script), *map(str, argv)], check=True, env=env)
 
 
@@ -85,7 +86,7 @@ MF_SCRIPT = textwrap.dedent(
     import sys, torch, pyro
     from pyro.infer import SVI
     from pyro_cvi import AutoCVI, CVI, CVI_ELBO
-    from benchmarks import gamma_models as gm
+    from bench import gamma_models as gm
 
     g = torch.Generator().manual_seed(0)
     X = torch.poisson(torch.rand(8, 5, generator=g) * 3, generator=g)

@@ -1,4 +1,4 @@
-"""Softmax (multi-class) sites: the estimators of pyro_cvi.softmax against a brute-force
+"""Softmax (multi-class) sites: the estimators of pyro_cvi.messages.softmax against a brute-force
 tensor-product Gauss-Hermite reference, and the ``softmax-predictor`` factor kind of AutoCVI
 (detection, K = 2 equals the binary logistic path, convergence to the brute-force optimum,
 validity at every step size)."""
@@ -12,8 +12,8 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.quadrature import gauss_hermite
-from pyro_cvi.softmax import cubature_rule, lse_expectations, site_targets
+from pyro_cvi.messages.quadrature import gauss_hermite
+from pyro_cvi.messages.softmax import cubature_rule, lse_expectations, site_targets
 
 F64 = torch.float64
 

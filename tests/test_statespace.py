@@ -5,9 +5,9 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from bench.datasets import load_coal
 from pyro.infer import SVI
 
-from benchmarks.datasets import load_coal
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.statespace import (
     LinearGaussianChain,

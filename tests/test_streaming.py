@@ -1,4 +1,5 @@
-"""Streaming CVI (pyro_cvi.streaming): one pass with the incremental form is the in-memory step."""
+"""Streaming CVI (pyro_cvi.scale.streaming): one pass with the incremental form is the in-memory
+step."""
 
 import pyro
 import pyro.distributions as dist
@@ -8,7 +9,7 @@ from pyro.infer import SVI
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.streaming import StreamingCVI
+from pyro_cvi.scale.streaming import StreamingCVI
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 N, D = 600, 4

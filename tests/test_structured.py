@@ -9,7 +9,7 @@ import torch
 
 from pyro_cvi import step_sizes
 from pyro_cvi.families import family_for_support
-from pyro_cvi.structured import StructuredSVI, ssvi_target
+from pyro_cvi.methods.structured import StructuredSVI, ssvi_target
 
 D = torch.float64
 S0 = 3.0  # prior sd of the global mean

@@ -1,4 +1,4 @@
-"""``pyro_cvi.tracing``: unwrapping site distributions, linear parameters, random sites."""
+"""``pyro_cvi.model.tracing``: unwrapping site distributions, linear parameters, random sites."""
 
 import pyro
 import pyro.distributions as dist
@@ -6,7 +6,14 @@ import pyro.poutine as poutine
 import pytest
 import torch
 
-from pyro_cvi.tracing import LINEAR_PARAMS, is_random, linear_param, trace_model, unwrap, with_param
+from pyro_cvi.model.tracing import (
+    LINEAR_PARAMS,
+    is_random,
+    linear_param,
+    trace_model,
+    unwrap,
+    with_param,
+)
 
 F64 = torch.float64
 

@@ -19,7 +19,7 @@ from test_loss_is_bound import assert_loss_is_bound
 from zoo import ZOO
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.tracing import is_random
+from pyro_cvi.model.tracing import is_random
 
 # the bound check: exact, Monte Carlo, minibatch, enumerated; enumerated + masked under slow
 BOUND = ("coin", "poisson_regression", "eight_schools_noncentered", "subsampled_logistic", "lda")

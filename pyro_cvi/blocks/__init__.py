@@ -15,8 +15,32 @@ App. E.2); :class:`NaturalBlock` is a mean-field exponential-family factor (Algo
 kind of site (e.g. K-dimensional softmax sites) is a new block.
 """
 
+from .base import (
+    Block,
+    BlockInit,
+    StepReport,
+    register_block_kind,
+    registered_block_kinds,
+    unregister_block_kind,
+)
 from .gaussian import GaussianBlock
 from .markov import MarkovBlock
+from .mean_field import MeanFieldBlock
 from .natural import NaturalBlock, init_messenger, initial_natural
+from .site_form import SiteFormBlock
 
-__all__ = ["GaussianBlock", "MarkovBlock", "NaturalBlock", "init_messenger", "initial_natural"]
+__all__ = [
+    "Block",
+    "BlockInit",
+    "GaussianBlock",
+    "MarkovBlock",
+    "MeanFieldBlock",
+    "NaturalBlock",
+    "SiteFormBlock",
+    "StepReport",
+    "init_messenger",
+    "initial_natural",
+    "register_block_kind",
+    "registered_block_kinds",
+    "unregister_block_kind",
+]

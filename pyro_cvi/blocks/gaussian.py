@@ -9,7 +9,7 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
 * ``lambda_tilde_f``: one ``(lam1_n, lam2_n)`` site per element of every linear-predictor
   factor ``eta_f = A_f z + c_f`` (eq. 13, Appendix E.1), O(N) parameters;
 * one ``(lam1_n, lam2_n)`` site, a K-vector and a K x K matrix, per data point of every
-  softmax factor (:mod:`~pyro_cvi.softmax_sites`), O(N K^2) parameters;
+  softmax factor (:mod:`~pyro_cvi.messages.softmax_sites`), O(N K^2) parameters;
 * one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo).
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
@@ -28,33 +28,34 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from ..analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..context import Options, StepContext
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
-from ..messages import (
+from ..messages.gaussian import (
     RowBlock,
     general_gaussian_message,
     linear_predictor_message,
     linear_predictor_rows,
     warm_start_target,
 )
-from ..probes import jacobian
-from ..softmax_sites import (
+from ..messages.softmax_sites import (
     SOFTMAX,
     SoftmaxRows,
     centred_logits,
     softmax_message,
     softmax_rows,
 )
-from ..tracing import linear_param, trace_model, unwrap
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
+from ..model.probes import jacobian
+from ..model.tracing import linear_param, trace_model, unwrap
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .rows import factor_rows, has_graph, site_value
+from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
 
 
-class GaussianBlock:
-    """Site-form CVI for the latent sites of one :class:`~pyro_cvi.analysis.BlockSpec`.
+class GaussianBlock(SiteFormBlock):
+    """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
     :param prefix: the param-store prefix of the guide.
@@ -89,7 +90,7 @@ class GaussianBlock:
     def param_names(self) -> List[str]:
         return list(self.site_names.values()) + list(self.general_names)
 
-    def setup(self, values: Dict[str, torch.Tensor]) -> None:
+    def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""
         self.z_at = self.spec.join(values).detach()
         like, D = self.z_at, self.spec.dim
@@ -334,7 +335,7 @@ class GaussianBlock:
         return f
 
     # ------------------------------------------------------------------ the step
-    def step(self, beta: float) -> StepCounts:
+    def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, general = self._sites(), self._general()
         params = list(sites.values()) + (list(general) if general is not None else [])
@@ -356,7 +357,7 @@ class GaussianBlock:
                 solved["post"] = post
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():

@@ -23,25 +23,26 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from ..analysis import LINEAR, BlockSpec
 from ..context import Options, StepContext
-from ..messages import (
+from ..messages.gaussian import (
     RowBlock,
     linear_predictor_message,
     linear_predictor_value,
     warm_start_target,
 )
+from ..model.analysis import LINEAR, BlockSpec
+from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
-from ..tracing import linear_param, trace_model, unwrap
-from ..update import StepCounts, damped_step, targets_from_grads
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
 
 
-class MarkovBlock:
-    """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.analysis.BlockSpec`."""
+class MarkovBlock(SiteFormBlock):
+    """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.model.analysis.BlockSpec`."""
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
         self.spec, self.names, self.options = spec, spec.names, options
@@ -61,7 +62,7 @@ class MarkovBlock:
     def param_names(self) -> List[str]:
         return list(self.site_names.values())
 
-    def setup(self, values: Dict[str, torch.Tensor]) -> None:
+    def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters at zero (``q = prior``)."""
         self.z_at = self.spec.join(values).detach()
         for f in self.linear:
@@ -76,7 +77,8 @@ class MarkovBlock:
 
     # ------------------------------------------------------------------ sites on the steps
     def _rows(self, site, f, sites: torch.Tensor, H=None) -> RowBlock:
-        """As :func:`~pyro_cvi.messages.linear_predictor_rows`, with ``f_r = h_r' x_{t_r}``:
+        """As :func:`~pyro_cvi.messages.gaussian.linear_predictor_rows`, with ``f_r = h_r'
+        x_{t_r}``:
         ``c = eta_at - f_at``, ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``. With ``H`` given (the
         coefficients, with their graph where they depend on parameters) ``c`` keeps its graph
         to the model's parameters too."""
@@ -219,7 +221,7 @@ class MarkovBlock:
         return elbo
 
     # ------------------------------------------------------------------ the step
-    def step(self, beta: float) -> StepCounts:
+    def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites = self._sites()
         params = list(sites.values())
@@ -243,7 +245,7 @@ class MarkovBlock:
                 ok = False
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=12)
+        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():

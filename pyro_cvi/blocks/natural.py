@@ -12,43 +12,60 @@ the block is *local*: a step touches only the minibatch's rows.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyro
 import torch
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
-from ..analysis import LatentInfo
-from ..tracing import unwrap
+from ..context import StepContext
+from ..model.analysis import LatentInfo
+from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
+from .base import Block, BlockInit, StepReport
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
 
 Params = Tuple[torch.Tensor, ...]
 
 
-class NaturalBlock:
-    """Mean-field CVI for one latent site (see the module docstring)."""
+class NaturalBlock(Block):
+    """Mean-field CVI for one latent site (see the module docstring).
+
+    Its messages come from its group, the :class:`~pyro_cvi.blocks.mean_field.MeanFieldBlock`
+    (one set of model runs serves every natural-form latent); on its own it is stepped by the
+    sequential schedule (:meth:`sweep`) or from the target in ``.grad`` (:meth:`step`)."""
 
     def __init__(self, info: LatentInfo, prefix: str):
         self.name = info.name
         self.family = info.family
         self.frames = info.frames
         self.event_shape = info.event_shape
+        self.names = (info.name,)
         n = len(self.family.param_shapes)
-        self.names = tuple(f"{prefix}.natural{i}.{info.name}" for i in range(n))
+        self.store_names = tuple(f"{prefix}.natural{i}.{info.name}" for i in range(n))
+        #: the mean-field block that computes this latent's messages (set by it)
+        self.group = None
 
-    def param_names(self):
-        return list(self.names)
+    @property
+    def kind(self) -> str:
+        return self.family.name
 
-    def setup(self, init: Params) -> None:
-        for n, t in zip(self.names, init):
+    def param_names(self) -> List[str]:
+        return list(self.store_names)
+
+    def setup(self, init: BlockInit) -> None:
+        """Register the natural parameters at :func:`initial_natural` of the site (kept as
+        they are when already in the param store)."""
+        site = (init.init_trace or init.prototype_trace).nodes[self.name]
+        nat = initial_natural(self.family, site, init.init_loc_fn, init.init_scale)
+        for n, t in zip(self.store_names, nat):
             t = t.detach().clone()
             pyro.param(n, lambda t=t: t)
 
     def params(self) -> Tuple[torch.Tensor, ...]:
-        return tuple(pyro.param(n) for n in self.names)
+        return tuple(pyro.param(n) for n in self.store_names)
 
     # ------------------------------------------------------------------ minibatch views
     def _slices(self, subsample: Dict[str, torch.Tensor]):
@@ -105,13 +122,52 @@ class NaturalBlock:
         self._write(new, subsample)
         return counts
 
-    def step(self, beta: float) -> StepCounts:
+    def write_target(self, target: Sequence[torch.Tensor]) -> None:
+        """Deliver the target as the natural gradient ``.grad = target - lambda``."""
+        for p, t in zip(self.params(), target):
+            p.grad = (t - p.detach()).detach()
+
+    def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
         """The step of a global block with the target held in ``.grad`` (``target - lambda``,
         written by the loss over the full parameters)."""
         pair = targets_from_grads(self.params())
-        if pair is None:
-            return StepCounts()
-        return self.step_to(pair[1], beta, {})
+        counts = StepCounts() if pair is None else self.step_to(pair[1], beta, {})
+        return [StepReport(self.name, self.kind, beta, counts)]
+
+    # ------------------------------------------------------------------ the block protocol
+    def messages(self, ctx: StepContext) -> torch.Tensor:
+        """This latent's target alone (its group owns the mean-field ELBO): written into
+        ``.grad`` with ``ctx.grads``; the ELBO terms returned are none."""
+        if ctx.grads:
+            self.write_target(self.group.targets(ctx, {self.name})[self.name])
+        return torch.zeros(())
+
+    def sweep(self, name: str, ctx: StepContext, beta: float, done: set) -> List[StepReport]:
+        """The sequential schedule: the target from the current q of the others, then the
+        step (minibatch locals: ``beta = 1``)."""
+        target = self.group.targets(ctx, {self.name})[self.name]
+        b = 1.0 if self.is_local(ctx.subsample) else beta
+        return [StepReport(self.name, self.kind, b, self.step_to(target, b, ctx.subsample))]
+
+    def valid(self) -> bool:
+        return bool(self.family.is_valid(tuple(p.detach() for p in self.params())).all())
+
+    def trace_values(self, subsample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return {self.name: self.mean_value(subsample)}
+
+    def sample(
+        self,
+        subsample: Dict[str, torch.Tensor],
+        exclude: Sequence[str] = (),
+        at_means: bool = False,
+    ) -> Dict[str, torch.Tensor]:
+        if self.name in exclude:
+            return {}
+        value = self.mean_value(subsample) if at_means else self.dist(subsample).sample()
+        return {self.name: value}
+
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        return self.dist({})
 
     def _write(self, values: Sequence[torch.Tensor], subsample) -> None:
         sl = self._slices(subsample)

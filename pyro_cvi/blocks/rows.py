@@ -14,11 +14,11 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..analysis import CONJUGATE
 from ..context import Options
 from ..linear_gaussian import GaussianPosterior, GaussianPrior
-from ..messages import RowBlock, linear_predictor_rows, linear_predictor_value, normal_rows
-from ..softmax_sites import SOFTMAX, SoftmaxRows, softmax_message, softmax_rows
+from ..messages.gaussian import RowBlock, linear_predictor_rows, linear_predictor_value, normal_rows
+from ..messages.softmax_sites import SOFTMAX, SoftmaxRows, softmax_message, softmax_rows
+from ..model.analysis import CONJUGATE
 
 __all__ = ["factor_rows", "has_graph", "site_value"]
 
@@ -27,7 +27,7 @@ def factor_rows(
     f, site, z_at: torch.Tensor, sites, A: Optional[torch.Tensor] = None
 ) -> Tuple[Optional[str], object, Optional[Callable]]:
     """``(site name or None, rows, elbo_fn or None)`` of one factor at the trace ``site``:
-    conjugate rows carry their ELBO function (:func:`~pyro_cvi.messages.normal_rows`), site
+    conjugate rows carry their ELBO function (:func:`~pyro_cvi.messages.gaussian.normal_rows`), site
     rows are named by their factor. With ``A`` the rows keep their graph."""
     if f.kind == CONJUGATE:
         r, fn = normal_rows(site, f, z_at, A)
@@ -47,8 +47,9 @@ def has_graph(prior: GaussianPrior, rows) -> bool:
 
 def site_value(site, rows, post: GaussianPosterior, sl: slice, options: Options) -> torch.Tensor:
     """``E_q[log p]`` of a site factor under a ``q`` solved with graph, with its graph to the
-    rows and ``q`` (the value of its message, :func:`~pyro_cvi.messages.linear_predictor_value`
-    or :func:`~pyro_cvi.softmax_sites.softmax_message`)."""
+    rows and ``q`` (the value of its message,
+    :func:`~pyro_cvi.messages.gaussian.linear_predictor_value`
+    or :func:`~pyro_cvi.messages.softmax_sites.softmax_message`)."""
     if isinstance(rows, SoftmaxRows):
         cov = rows.cov_blocks(post, sl, post.rotations[site["name"]])
         samples = options.num_samples or 100

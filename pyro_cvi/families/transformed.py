@@ -9,7 +9,8 @@ map of this family is the Gaussian's; only the value differs:
 
 * ``z = T(u)``, ``log q(z) = log N(u) - log |det dT/du|``;
 * the ELBO's entropy term is ``H[q_z] = H[N(u)] + E[log |det dT/du|]``: the family gives the
-  first, and the Monte Carlo messages (:mod:`pyro_cvi.montecarlo`) add the second as one more
+  first, and the Monte Carlo messages (:mod:`pyro_cvi.messages.montecarlo`) add the second as one
+  more
   term of ``E_q[log p]`` (:meth:`log_abs_det_jacobian`), so its gradient enters the target.
 """
 

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .. import probes
-from ..tracing import linear_param, unwrap
+from ..model import probes
+from ..model.tracing import linear_param, unwrap
 from .distribution import LinearGaussianSSM
 from .hmm import HiddenStates, hmm_chain, is_gaussian_hmm
 from .increments import Increments

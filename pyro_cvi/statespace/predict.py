@@ -12,7 +12,7 @@ from typing import Tuple
 
 import torch
 
-from ..tracing import unwrap
+from ..model.tracing import unwrap
 from .distribution import MarkovGP
 from .kalman import smooth
 

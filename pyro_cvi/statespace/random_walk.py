@@ -25,7 +25,7 @@ from typing import List, Optional, Set
 
 import torch
 
-from ..tracing import linear_param, unwrap
+from ..model.tracing import linear_param, unwrap
 from .detect import MIN_LOOP_LENGTH, ChainSpec, observation_factor, observation_rows
 from .increments import Increments
 

@@ -67,7 +67,7 @@ hyperparameters and inducing points are used. The full GP is refused (its sites 
 through ``k(X, X)``)::
 
     import os, torch.distributed
-    from pyro_cvi.distributed import WORLD, shard
+    from pyro_cvi.scale.distributed import WORLD, shard
 
     group = None
     if "RANK" in os.environ:                      # torchrun --nproc_per_node=R run.py
@@ -86,7 +86,8 @@ through ``k(X, X)``)::
 
 Every rank must make the same calls (``step``, ``loss``, and rebuilding q, e.g.
 ``model(x)`` after the sites or hyperparameters change), since each one may run a collective.
-Save one ``state_dict`` per rank (``pyro_cvi.distributed.rank_path``): the sites are the rank's.
+Save one ``state_dict`` per rank (``pyro_cvi.scale.distributed.rank_path``): the sites are the
+rank's.
 """
 
 try:

@@ -32,7 +32,7 @@ from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from numpy.polynomial.laguerre import laggauss
 from torch import Tensor
 
-from pyro_cvi.quadrature import expected_log_prob as gh_expectation
+from pyro_cvi.messages.quadrature import expected_log_prob as gh_expectation
 
 __all__ = ["LogisticBernoulliLikelihood", "logistic_expected_log_prob", "logistic_expected_prob"]
 

@@ -6,7 +6,8 @@
 GPflow / GPyTorch natural gradients, which step each latent function on its own, the sites
 carry the cross-class curvature ``E[diag(p) - p p^T]`` of the softmax.
 :class:`~pyro_cvi.contrib.gpytorch.multiclass_optim.MultiClassCVIOptimizer` updates the sites
-with the expectations of :mod:`pyro_cvi.softmax` (eq. 13 in K dimensions). ``model(x)`` returns a
+with the expectations of :mod:`pyro_cvi.messages.softmax` (eq. 13 in K dimensions). ``model(x)``
+returns a
 ``MultitaskMultivariateNormal`` (``n x K``, interleaved) whose covariance is block diagonal:
 the K x K class covariance of each point; ``likelihood(model(x))`` predicts class
 probabilities with ``gpytorch.likelihoods.SoftmaxLikelihood(num_classes=K,
@@ -34,7 +35,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import BlockDiagLinearOperator
 from torch import Tensor
 
-from pyro_cvi.softmax import lse_expectations
+from pyro_cvi.messages.softmax import lse_expectations
 
 from .multiclass_posterior import MultiClassSitePosterior
 from .site_store import keys_equal, write_sites
@@ -267,7 +268,8 @@ def class_blocks(f: MultitaskMultivariateNormal) -> Tuple[Tensor, Tensor]:
 
 
 class CategoricalLogitsLikelihood(Likelihood):
-    """``y ~ Categorical(logits = f)`` with deterministic expectations (:mod:`pyro_cvi.softmax`).
+    """``y ~ Categorical(logits = f)`` with deterministic expectations
+    (:mod:`pyro_cvi.messages.softmax`).
 
     ``expected_log_prob`` is the cubature (``method``: ``"cubature"``, ``"mc"``, ``"bound"``)
     estimate of ``E[log softmax(f)_y]`` per point, differentiable in the hyperparameters;

@@ -2,7 +2,7 @@
 
 One step (eq. 13 of Khan & Lin 2017 in K dimensions): the marginals ``q(f_n) = N(m_n, S_n)``
 from the current sites, the targets ``lam2* = dF/dS = -E[H]/2``, ``lam1* = dF/dm - 2 lam2* m``
-(:func:`pyro_cvi.softmax.site_targets`), then ``lam <- (1 - beta) lam + beta lam*``. The
+(:func:`pyro_cvi.messages.softmax.site_targets`), then ``lam <- (1 - beta) lam + beta lam*``. The
 targets' ``lam2*`` are negative semidefinite, so every ``beta`` in (0, 1] keeps every site valid,
 but validity is not convergence: at K = 10 on digits (outputscale 10, latent variances ~5-8)
 the undamped ``beta = 1`` iteration oscillates with growing amplitude (-ELBO 1,849 -> 1,107 ->
@@ -36,7 +36,7 @@ from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from pyro_cvi.softmax import METHODS, LSEMoments, lse_expectations, site_targets
+from pyro_cvi.messages.softmax import METHODS, LSEMoments, lse_expectations, site_targets
 from pyro_cvi.step_control import Snapshot, StepControl
 
 from .multiclass import CategoricalLogitsLikelihood, MultiClassCVIStrategy

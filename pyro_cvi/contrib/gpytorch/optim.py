@@ -44,7 +44,7 @@ from gpytorch.models import ApproximateGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from pyro_cvi.quadrature import site_natural_params
+from pyro_cvi.messages.quadrature import site_natural_params
 
 from .strategy import CVIVariationalStrategy
 
@@ -76,9 +76,9 @@ class CVIOptimizer:
         changing between steps (hybrid training) or with minibatches there is no backtracking.
 
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
-        :data:`~pyro_cvi.distributed.WORLD` or a group; ``None`` (default) keeps the
+        :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
-        shard (``pyro_cvi.distributed.shard``) to the model's strategy and to :meth:`step`; at
+        shard (``pyro_cvi.scale.distributed.shard``) to the model's strategy and to :meth:`step`; at
         set-up every rank takes rank 0's hyperparameters and inducing points.
 
     ``step(x, y)`` returns the -ELBO (sum over the data, in nats) of q *before* the update,

@@ -111,7 +111,7 @@ class SparseSitePosterior:
     :param lam1: site natural parameters, length ``N``.
     :param lam2: site natural parameters ``<= 0``, length ``N``.
     :param reduce: data-parallel: sums a list of tensors over the ranks (a
-        :class:`pyro_cvi.distributed.Reducer`); the sites then are this rank's shard and the
+        :class:`pyro_cvi.scale.distributed.Reducer`); the sites then are this rank's shard and the
         sums over data points ``Phi W Phi^T`` and ``Phi r`` are all-reduced (one call).
     """
 

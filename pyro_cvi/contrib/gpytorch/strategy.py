@@ -27,7 +27,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, SumLinearOperator
 from torch import Tensor
 
-from pyro_cvi.distributed import Reducer, as_reducer
+from pyro_cvi.scale.distributed import Reducer, as_reducer
 
 from .posterior import FullSitePosterior, SparseSitePosterior
 from .site_store import keys_equal, write_sites
@@ -111,7 +111,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
     :param train_inputs: ``N x D`` training inputs; selects the sparse form.
     :param jitter_val: diagonal jitter, see above.
     :param process_group: data-parallel CVI (sparse form only): ``WORLD``
-        (:data:`pyro_cvi.distributed.WORLD`) or a ``torch.distributed`` group. ``num_data`` and
+        (:data:`pyro_cvi.scale.distributed.WORLD`) or a ``torch.distributed`` group. ``num_data``
+        and
         ``train_inputs`` are then this rank's shard; the sums over data points that build q(u)
         are all-reduced, so every rank holds the full-data q(u). See :class:`CVIOptimizer`.
     """

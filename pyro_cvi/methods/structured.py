@@ -30,10 +30,10 @@ import torch
 from pyro.infer import TraceEnum_ELBO, config_enumerate
 from pyro.poutine.util import site_is_subsample
 
-from .families import family_for_support
-from .families.base import ExponentialFamily, Params
-from .step_sizes import Schedule, as_schedule, robbins_monro
-from .update import StepCounts, damped_step
+from ..families import family_for_support
+from ..families.base import ExponentialFamily, Params
+from ..step_sizes import Schedule, as_schedule, robbins_monro
+from ..update import StepCounts, damped_step
 
 __all__ = ["StructuredSVI", "ssvi_target"]
 

@@ -2,10 +2,10 @@
 
 For a factor (sample site) of the model, :func:`analyze_factor` reads its distribution off a
 trace whose continuous latents are autograd leaves, finds which latents each parameter depends
-on, and asks the registry (:mod:`~pyro_cvi.conjugate_pairs`) whether the factor is *exact*:
+on, and asks the registry (:mod:`~pyro_cvi.model.conjugate_pairs`) whether the factor is *exact*:
 ``log p_a`` multilinear in the sufficient statistics of all its latents, so that
 ``E_q[log p_a]`` is a closed-form function of the mean parameters and its gradient is the VMP
-message (eq. 20 / 89). Every role is confirmed by probing the model (:mod:`~pyro_cvi.probes`).
+message (eq. 20 / 89). Every role is confirmed by probing the model (:mod:`~pyro_cvi.model.probes`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class FactorSpec:
 def analyze_factor(an, site_name: str) -> FactorSpec:
     """Classify one factor: exact (every parameter in a registered conjugate role) or not.
 
-    ``an``: the :class:`~pyro_cvi.analysis.Analysis` (its traces, dependencies, families).
+    ``an``: the :class:`~pyro_cvi.model.analysis.Analysis` (its traces, dependencies, families).
     """
     tr, leaves = an.leaf_trace()
     site = tr.nodes[site_name]

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.nn.functional as tdist_nn
 
-from .analysis import MEANFIELD, SITE, Analysis
+from ..model.analysis import MEANFIELD, SITE, Analysis
 
 __all__ = [
     "Reducer",

@@ -4,7 +4,7 @@ and a ``report`` section in the JSON that ``scripts/report.py`` turns into the d
 
 Usage in a new script (``scripts/benchmark_x.py``)::
 
-    from benchmarks.reporting import Table, progress, verdict_line, write_results
+    from bench.reporting import Table, progress, verdict_line, write_results
 
     table = Table(
         "USPS 3-vs-5, hyperparameters fixed",                  # a heading

@@ -12,10 +12,10 @@ from typing import Dict, Tuple
 import pyro
 import torch
 
+from ..context import Options, StepContext
+from ..model.tracing import run_model
 from .collapsed import collapsed_log_prob
-from .context import Options, StepContext
 from .expectations import QState, discrete_weight, site_weight
-from .tracing import run_model
 
 __all__ = ["monte_carlo"]
 

@@ -1,4 +1,4 @@
-"""The records an :class:`~pyro_cvi.analysis.Analysis` produces: one :class:`Factor` per
+"""The records an :class:`~pyro_cvi.model.analysis.Analysis` produces: one :class:`Factor` per
 (factor, latent or block) pair, one :class:`LatentInfo` per latent site, one :class:`BlockSpec`
 per joint Gaussian block, and the names of the kinds, forms and owners they use
 (docs/architecture.md, step 1 of the pipeline)."""
@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .families import ExponentialFamily
-from .statespace.detect import ChainSpec
+from ..families import ExponentialFamily
+from ..statespace.detect import ChainSpec
 
 # kinds of (factor, latent) pairs
 PRIOR = "conjugate prior"

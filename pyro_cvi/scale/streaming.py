@@ -49,12 +49,13 @@ from typing import Iterable, List, Optional
 import pyro.poutine as poutine
 import torch
 
-from .analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
-from .blocks.gaussian import block_prior
+from ..blocks.gaussian import block_prior
+from ..linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, solve_statistics
+from ..messages.gaussian import linear_predictor_message, linear_predictor_rows, normal_rows
+from ..model.analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
+from ..model.tracing import linear_param, trace_model, unwrap
+from ..update import cvi_update
 from .distributed import as_reducer
-from .linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, solve_statistics
-from .messages import linear_predictor_message, linear_predictor_rows, normal_rows
-from .tracing import linear_param, trace_model, unwrap
 
 __all__ = ["StreamingCVI"]
 
@@ -73,7 +74,7 @@ class StreamingCVI:
         at the likelihood's curvature at the current mean (a Newton step; a vague prior and
         ``beta = 1`` can otherwise overshoot), as ``AutoCVI``'s default; ``"prior"``: they
         start at zero and the first pass takes the CVI step from ``q = prior``.
-    :param process_group: data-parallel streaming (:mod:`pyro_cvi.distributed`): each rank
+    :param process_group: data-parallel streaming (:mod:`pyro_cvi.scale.distributed`): each rank
         streams its own shard (the same number of minibatches on every rank); the statistics'
         changes are all-reduced per minibatch (``update="batch"``) or per pass.
     """
@@ -221,7 +222,7 @@ class StreamingCVI:
             value = v if value is None else value + v
             old = self.stats[i] if not first else [torch.zeros_like(t) for t in target]
             b = 1.0 if laplace else self.beta
-            new = [(1 - b) * old[0] + b * target[0], (1 - b) * old[1] + b * target[1]]
+            new = list(cvi_update(old[:2], target[:2], b))  # eq. 12 on the statistics
             new += target[2:]  # conjugate rows: exact, in full
             if first:
                 self.stats.append(new)

@@ -228,7 +228,7 @@ class History:
 
 
 def _timed(step, metric, iters: int, every: int, name: str, time_limit: Optional[float]):
-    from benchmarks.reporting import progress
+    from bench.reporting import progress
 
     h = History(name)
     elapsed = 0.0

@@ -49,7 +49,7 @@ import torch
 import torch.distributions as tdist
 import torch.nn.functional as F
 
-from .families import Bernoulli, Beta, Categorical, Dirichlet, Gamma, Gaussian, GaussianDiag
+from ..families import Bernoulli, Beta, Categorical, Dirichlet, Gamma, Gaussian, GaussianDiag
 from .probes import close
 
 __all__ = [

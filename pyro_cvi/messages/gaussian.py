@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from .probes import jacobian
+from ..model.probes import jacobian
+from ..model.tracing import linear_param, unwrap, with_param
 from .quadrature import expected_log_prob, mean_param_gradients, site_natural_params
-from .tracing import linear_param, unwrap, with_param
 
 __all__ = [
     "RowBlock",

@@ -6,7 +6,8 @@ natural-form latents as autograd leaves (restricted to the minibatch), the Gauss
 posteriors, and the values at which the model is run to read expectations off it ("mean"
 values ``E z``, and for Gamma latents the "geometric" values ``exp(E log z)``).
 :func:`expected_log_prob` builds ``E_q[log p_a]`` from a pattern of
-:mod:`~pyro_cvi.conjugate_pairs`; autograd of it with respect to ``mu_i`` *is* the VMP message,
+:mod:`~pyro_cvi.model.conjugate_pairs`; autograd of it with respect to ``mu_i`` *is* the VMP
+message,
 because it is multilinear in the ``mu``'s.
 """
 
@@ -19,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from pyro.distributions.util import scale_and_mask
 
-from . import conjugate_pairs as cp
-from .factor_roles import FactorSpec
-from .families.base import sum_rightmost
-from .probes import jacobian
-from .tracing import unwrap
+from ..families.base import sum_rightmost
+from ..model import conjugate_pairs as cp
+from ..model.factor_roles import FactorSpec
+from ..model.probes import jacobian
+from ..model.tracing import unwrap
 
 __all__ = ["QState", "FactorMoments", "expected_log_prob", "site_weight", "discrete_weight"]
 

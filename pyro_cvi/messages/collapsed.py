@@ -39,7 +39,7 @@ from pyro.ops import packed
 from pyro.ops.contract import contract_to_tensor
 from pyro.poutine.trace_struct import Trace
 
-from .factor_roles import FactorSpec
+from ..model.factor_roles import FactorSpec
 
 __all__ = [
     "MODES",

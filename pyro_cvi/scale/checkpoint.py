@@ -26,9 +26,9 @@ import numpy as np
 import pyro
 import torch
 
-from .autoguide import AutoCVI
+from ..autoguide import AutoCVI
+from ..optim import CVI
 from .distributed import rank_path
-from .optim import CVI
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 

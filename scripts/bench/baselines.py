@@ -27,7 +27,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from pyro_cvi.quadrature import gauss_hermite, mean_param_gradients, site_natural_params
+from pyro_cvi.messages.quadrature import gauss_hermite, mean_param_gradients, site_natural_params
 
 __all__ = [
     "HistoryPoint",

@@ -1,6 +1,6 @@
 """Bayesian logistic regression with CVI versus Pyro's Adam, on scikit-learn's breast-cancer data.
 
-Run ``python -m pyro_cvi.demo``; it needs scikit-learn, which the ``demo`` extra installs
+Run ``python scripts/demo.py``; it needs scikit-learn, which the ``demo`` extra installs
 (``pip install -e ".[demo]"``). The model is ``w ~ N(0, I)``, ``y_n ~ Bernoulli(logits =
 x_n^T w)`` on the standardised Wisconsin diagnostic data (569 x 30, bundled with scikit-learn,
 no download), split 50/50. Two ways to fit a full-covariance Gaussian ``q(w)``:
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal
 
-from pyro_cvi.quadrature import gauss_hermite
+from pyro_cvi.messages.quadrature import gauss_hermite
 
 _NEEDS_SKLEARN = (
     "The demo loads scikit-learn's bundled breast-cancer data, and scikit-learn is not "

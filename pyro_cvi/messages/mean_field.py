@@ -6,8 +6,10 @@ For a mean-field ``q(z) = prod_i q_i(z_i | lambda_i)`` one step of Algorithm 2 i
     lambda_i <- (1 - beta) lambda_i + beta lambda~_i                               (step 5)
 
 Both kinds of message are ``grad_{mu_i} E_q[log p_a]`` (eq. 89): exact factors through the
-closed form of :mod:`~pyro_cvi.expectations` (so with ``beta = 1`` a sequential sweep is CAVI),
-general factors by Monte Carlo (:mod:`~pyro_cvi.montecarlo`). :func:`compute` also returns the
+closed form of :mod:`~pyro_cvi.messages.expectations` (so with ``beta = 1`` a sequential sweep is
+CAVI),
+general factors by Monte Carlo (:mod:`~pyro_cvi.messages.montecarlo`). :func:`compute` also returns
+the
 mean-field part of the ELBO: every factor touching a natural-form latent, and their entropies.
 Inside ``pyro.plate(..., subsample_size=B)`` a local latent's terms all carry the scale ``N/B``;
 its target is the unscaled message.
@@ -20,13 +22,13 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
-from . import conjugate_pairs as cp
-from .analysis import MEANFIELD
-from .context import Options, StepContext
-from .distributed import replicated_sites
+from ..context import Options, StepContext
+from ..model import conjugate_pairs as cp
+from ..model.analysis import MEANFIELD
+from ..model.tracing import run_model
+from ..scale.distributed import replicated_sites
 from .expectations import QState, expected_log_prob
 from .montecarlo import monte_carlo
-from .tracing import run_model
 
 __all__ = ["MeanFieldResult", "compute"]
 

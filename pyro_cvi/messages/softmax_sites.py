@@ -15,7 +15,7 @@ The conjugate computation stays the Bayesian linear regression of
 ``W_n = -2 lam2_n = U_n diag(s_n) U_n^T`` the site is exactly the K scalar rows
 ``U_n^T A_n`` with precisions ``s_n`` and coefficients ``U_n^T (lam1_n + 2 lam2_n c_n)``
 (:meth:`SoftmaxRows.rows`), so primal and dual solves are reused unchanged. The targets come
-from :mod:`~pyro_cvi.softmax`.
+from :mod:`~pyro_cvi.messages.softmax`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import probes
+from ..model import probes
+from ..model.tracing import unwrap
 from .softmax import lse_expectations, site_targets
-from .tracing import unwrap
 
 __all__ = ["SOFTMAX", "SoftmaxRows", "centred_logits", "softmax_rows", "softmax_message"]
 
@@ -163,7 +163,7 @@ def kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.
 def softmax_rows(site, factor, z_at: torch.Tensor, A: Optional[torch.Tensor] = None) -> SoftmaxRows:
     """Rows of a softmax factor at the trace ``site`` (taken at the block value ``z_at``); with
     ``A`` given (the Jacobian with its graph) ``A`` and ``c`` keep their graph to the model's
-    parameters (as :func:`~pyro_cvi.messages.linear_predictor_rows`)."""
+    parameters (as :func:`~pyro_cvi.messages.gaussian.linear_predictor_rows`)."""
     base = unwrap(site["fn"])[0]
     eta = centred_logits(base)
     K = eta.shape[-1]

@@ -36,7 +36,7 @@ from typing import Callable, List, Optional
 import torch
 
 from pyro_cvi.linalg import dual_solve
-from pyro_cvi.quadrature import mean_param_gradients
+from pyro_cvi.messages.quadrature import mean_param_gradients
 
 from .baselines import (
     HistoryPoint,
@@ -125,7 +125,7 @@ def kl_prox_gradient_glm(
 ) -> LogRegFit:
     """Iterate :func:`kl_prox_gradient_step` from the prior; history ``(t, seconds, -ELBO)``.
 
-    The -ELBO is the exact (Gauss-Hermite) one of :func:`benchmarks.baselines.logreg_neg_elbo`;
+    The -ELBO is the exact (Gauss-Hermite) one of :func:`bench.baselines.logreg_neg_elbo`;
     with ``tol`` the loop stops once it changes by less than ``tol``.
     """
     D = X.shape[-1]

@@ -13,14 +13,15 @@ From traces of the model at a prior draw, :class:`Analysis` decides
   step however its coefficients are split into sample sites;
 * the **kind** of every (factor, latent or block) pair: ``conjugate prior``, ``conjugate``
   (exact natural-parameter message, eq. 2 / eq. 20), ``linear-predictor`` (O(N) sites, App. E.1),
-  ``softmax-predictor`` (O(N K^2) coupled K-dimensional sites, :mod:`~pyro_cvi.softmax_sites`),
+  ``softmax-predictor`` (O(N K^2) coupled K-dimensional sites,
+  :mod:`~pyro_cvi.messages.softmax_sites`),
   ``general`` (Monte Carlo), ``leaf``; for the natural-form (mean-field, Algorithm 2) latents
-  through the conjugate-pair registry (:mod:`~pyro_cvi.factor_roles`);
+  through the conjugate-pair registry (:mod:`~pyro_cvi.model.factor_roles`);
 * the **owner** of every factor's ELBO term: the Gaussian block it lies in, the mean-field
   expectations, or nobody (a constant of q), so that every factor is counted exactly once.
 
 Dependencies come from autograd (structural) and from Pyro's enumeration bookkeeping for
-discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.probes`).
+discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.model.probes`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
+from ..families import choose_families
+from ..messages.collapsed import collapsed_sites, collapsed_spec, infinite_support_error
+from ..messages.softmax_sites import SOFTMAX, centred_logits
+from ..statespace import detect as markov
+from ..statespace.random_walk import find_random_walks
 from . import probes
-from .collapsed import collapsed_sites, collapsed_spec, infinite_support_error
 from .factor_roles import FactorSpec, analyze_factor
-from .families import choose_families
 from .records import (
     COLLAPSED,
     CONJUGATE,
@@ -50,9 +54,6 @@ from .records import (
     Factor,
     LatentInfo,
 )
-from .softmax_sites import SOFTMAX, centred_logits
-from .statespace import detect as markov
-from .statespace.random_walk import find_random_walks
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -65,7 +66,7 @@ from .tracing import (
     unwrap,
 )
 
-__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM"]  # (the records: pyro_cvi.records)
+__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM"]  # (the records: pyro_cvi.model.records)
 
 
 class Analysis:

@@ -1,0 +1,175 @@
+"""The block protocol: one parameterisation of part of ``q`` that owns its messages.
+
+Every kind of ``q`` is a :class:`Block` (docs/architecture.md). The engine
+(:mod:`pyro_cvi.engine`) loops over its blocks without knowing their kinds:
+
+* ``setup(init)``: register the block's parameters in Pyro's param store (Algorithm 1/2's
+  start), from the :class:`BlockInit` of the guide's first call;
+* ``initialise(ctx, fresh)``: optional work once ``q`` exists (e.g. sites at the prior mean);
+* ``messages(ctx) -> ELBO terms``: re-read the prior and the factors from the step's trace
+  (``refresh``), compute the block's messages and return the ELBO terms the block owns; with
+  ``ctx.grads`` the natural targets are delivered as ``.grad = target - lambda`` on the block's
+  parameters (the natural gradient of eq. 12, which :class:`~pyro_cvi.CVI` applies);
+* ``step(beta, ctx) -> [StepReport]``: ``lambda <- lambda + beta (target - lambda)`` with the
+  one update policy of :mod:`~pyro_cvi.update` (shrink until valid, reject after the halvings);
+* ``sweep(name, ctx, beta, done)``: the sequential (coordinate-ascent) schedule's step of the
+  latent ``name``;
+* ``valid()``, ``trace_values(subsample)``, ``sample(subsample, exclude, at_means)``,
+  ``marginal(name)``, ``joint(names)``: the current ``q``.
+
+A new kind of block is one class deriving from :class:`Block` plus one registration
+(:func:`register_block_kind`, consulted by the engine before the built-in kinds).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import pyro
+import torch
+
+from ..context import StepContext
+from ..update import StepCounts
+
+__all__ = [
+    "Block",
+    "BlockInit",
+    "StepReport",
+    "register_block_kind",
+    "registered_block_kinds",
+    "unregister_block_kind",
+]
+
+
+class StepReport(NamedTuple):
+    """What one step did to one part of a block: its label (a site or a block), the kind of
+    parameter (``"precision"`` or a family name), the step size and the counts."""
+
+    label: str
+    kind: str
+    beta: float
+    counts: StepCounts
+
+
+@dataclass
+class BlockInit:
+    """What a block may read when it registers its parameters (the guide's first call)."""
+
+    #: latent values of the analysis trace (a prior draw)
+    values: Dict[str, torch.Tensor]
+    #: the guide's prototype trace, and a trace at ``init_loc_fn``'s values (or ``None``)
+    prototype_trace: Any = None
+    init_trace: Any = None
+    init_loc_fn: Optional[Callable] = None
+    init_scale: Optional[float] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class Block(abc.ABC):
+    """One parameterisation of part of ``q`` with its messages (see the module docstring)."""
+
+    #: the latent sites whose ``q`` this block holds
+    names: Tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """A name for messages and warnings (the block's sites)."""
+        return "+".join(self.names)
+
+    @property
+    def labels(self) -> List[str]:
+        """The labels a failed step names (one per independently stepped part)."""
+        return [self.label]
+
+    # ------------------------------------------------------------------ parameters
+    @abc.abstractmethod
+    def param_names(self) -> List[str]:
+        """The param-store names of the block's CVI parameters."""
+
+    @abc.abstractmethod
+    def setup(self, init: BlockInit) -> None:
+        """Register the parameters (kept as they are when already in the param store)."""
+
+    def initialise(self, ctx: StepContext, fresh: bool) -> None:
+        """Work once the parameters exist (``fresh``: none came from a checkpoint)."""
+        return None
+
+    def continue_from(self, previous: Optional[Block], values: Dict[str, torch.Tensor]) -> None:
+        """New data: the block replaces ``previous`` (the same label, re-analysed); ``values``
+        are the new analysis trace's latent values."""
+        return None
+
+    # ------------------------------------------------------------------ messages and steps
+    @abc.abstractmethod
+    def messages(self, ctx: StepContext) -> torch.Tensor:
+        """The ELBO terms this block owns at the current ``q``; with ``ctx.grads`` its natural
+        targets are written as ``.grad = target - lambda`` on its parameters."""
+
+    @abc.abstractmethod
+    def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
+        """Apply eq. 12 with step size ``beta`` to the targets held in ``.grad``."""
+
+    def sweep(self, name: str, ctx: StepContext, beta: float, done: set) -> List[StepReport]:
+        """The sequential schedule reaches latent ``name``: message and step (default: the
+        whole block, once per sweep; ``done`` holds the blocks already stepped)."""
+        if id(self) in done:
+            return []
+        done.add(id(self))
+        ctx.trace = ctx.retrace()
+        ctx.grads = True
+        self.messages(ctx)
+        return self.step(beta, ctx)
+
+    def forget(self) -> None:
+        """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
+        return None
+
+    def valid(self) -> bool:
+        """Whether every natural parameter of the block is valid (finite, in its domain)."""
+        return all(bool(torch.isfinite(pyro.param(n).detach()).all()) for n in self.param_names())
+
+    # ------------------------------------------------------------------ the current q
+    @abc.abstractmethod
+    def trace_values(self, subsample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Latent values at which the step's trace is taken."""
+
+    @abc.abstractmethod
+    def sample(
+        self,
+        subsample: Dict[str, torch.Tensor],
+        exclude: Sequence[str] = (),
+        at_means: bool = False,
+    ) -> Dict[str, torch.Tensor]:
+        """One joint draw (or the means) of the block's latents outside ``exclude``."""
+
+    @abc.abstractmethod
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        """``q`` of latent ``name`` as a torch Distribution."""
+
+    def joint(self, names: Optional[Sequence[str]] = None) -> torch.distributions.Distribution:
+        """The joint ``q`` of ``names`` (default: the whole block)."""
+        if names is not None and len(names) == 1:
+            return self.marginal(names[0])
+        raise ValueError(f"block {self.label!r} has no joint q over {names}")
+
+
+#: ``[(accepts(spec) -> bool, factory(spec, prefix, owned, options) -> Block)]``
+_KINDS: List[Tuple[Callable, Callable]] = []
+
+
+def register_block_kind(accepts: Callable, factory: Callable) -> None:
+    """Register a new kind of block: ``accepts(spec)`` says whether it takes a Gaussian
+    :class:`~pyro_cvi.model.records.BlockSpec`, ``factory(spec, prefix, owned, options)``
+    builds it. Later registrations are consulted first."""
+    _KINDS.insert(0, (accepts, factory))
+
+
+def unregister_block_kind(factory: Callable) -> None:
+    """Remove a registration (tests)."""
+    _KINDS[:] = [k for k in _KINDS if k[1] is not factory]
+
+
+def registered_block_kinds() -> List[Tuple[Callable, Callable]]:
+    return list(_KINDS)

@@ -1,0 +1,1 @@
+"""Other inference methods built on the CVI machinery: structured SVI (``structured``)."""
