@@ -36,15 +36,17 @@ from .guide_state import (
     Unsampled,
     bind_parameters,
     detach_distribution,
+    option_property,
     rng_preserved,
     sync_parameters,
     unbind_parameters,
 )
-from .marginals import marginal_median, marginal_quantiles, standard_posterior
+from .marginals import marginal_median, marginal_quantiles, marginal_std, standard_posterior
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
+from .packed import PackedPosterior, packed_posterior
 from .scale.distributed import as_reducer
 from .update import StepCounts
 
@@ -389,6 +391,24 @@ class AutoCVI(GuideState, AutoGuide):
             out[name] = fn.mask(site["mask"]) if site["mask"] is not None else fn
         return out
 
+    def get_posterior(self, *args, **kwargs) -> PackedPosterior:
+        """``q`` over the packed unconstrained latent (every continuous latent site mapped by
+        ``biject_to(support)^-1``, flattened, in model order), as Pyro's
+        ``AutoContinuous.get_posterior`` gives it: see :class:`~pyro_cvi.packed.PackedPosterior`
+        (``mean``, ``variance``, ``covariance_matrix``, ``sample``, ``log_prob``)."""
+        engine = self._ready(args, kwargs)
+        leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
+        return packed_posterior(engine, leaves)
+
+    def sample_latent(self, *args, **kwargs) -> torch.Tensor:
+        """A draw of the packed unconstrained latent from :meth:`get_posterior`, as an
+        auxiliary site ``_<name>_latent`` (Pyro's ``AutoContinuous.sample_latent``)."""
+        return pyro.sample(
+            f"_{self._pyro_name}_latent",
+            self.get_posterior(*args, **kwargs),
+            infer={"is_auxiliary": True},
+        )
+
     def joint_posterior(self, *names: str) -> dist.MultivariateNormal:
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their
         flattened values in the given order (e.g. ``joint_posterior("a", "b")``)."""
@@ -431,7 +451,7 @@ class AutoCVI(GuideState, AutoGuide):
             info = engine.analysis.latents[name]
             if info.form == SITE:
                 q = engine.gaussian[info.block].marginal(name)
-                std = _marginal_std(q).reshape(med.shape)
+                std = marginal_std(q).reshape(med.shape)
                 normal = torch.distributions.Normal(0.0, 1.0)
                 qs = torch.as_tensor(list(quantiles), dtype=med.dtype, device=med.device)
                 z = normal.icdf(qs).reshape((-1,) + (1,) * med.dim())
@@ -461,16 +481,6 @@ class AutoCVI(GuideState, AutoGuide):
         return self.engine.analysis.explain()
 
 
-def _option(name: str) -> property:
-    def get(self):
-        return getattr(self.options, name)
-
-    def set_(self, value):
-        setattr(self.options, name, value)
-
-    return property(get, set_, doc=f"The guide option ``{name}`` (see :class:`AutoCVI`).")
-
-
 for _name in (
     "covariance",
     "num_quad_points",
@@ -482,12 +492,4 @@ for _name in (
     "discrete",
     "softmax",
 ):
-    setattr(AutoCVI, _name, _option(_name))
-
-
-def _marginal_std(q) -> torch.Tensor:
-    if isinstance(q, dist.TransformedDistribution):
-        q = q.base_dist
-    if isinstance(q, dist.MultivariateNormal):
-        return q.covariance_matrix.diagonal().sqrt()
-    return q.stddev
+    setattr(AutoCVI, _name, option_property(_name))

@@ -33,6 +33,7 @@ from torch import nn
 
 __all__ = [
     "GuideState",
+    "option_property",
     "unbind_parameters",
     "bind_parameters",
     "sync_parameters",
@@ -281,3 +282,15 @@ class GuideState:
         out = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine = None
         return out
+
+
+def option_property(name: str) -> property:
+    """A guide property that reads and writes ``guide.options.<name>``."""
+
+    def get(self):
+        return getattr(self.options, name)
+
+    def set_(self, value):
+        setattr(self.options, name, value)
+
+    return property(get, set_, doc=f"The guide option ``{name}`` (see :class:`AutoCVI`).")

@@ -46,6 +46,7 @@ __all__ = [
     "NormalPosterior",
     "IndependentNormalPosterior",
     "TransformedPosterior",
+    "marginal_std",
 ]
 
 _COARSE, _FINE, _DRAWS = 2001, 4001, 4096
@@ -264,3 +265,12 @@ def standard_posterior(d: Distribution) -> Distribution:
     if type(d) in (TransformedDistribution, pdist.TransformedDistribution):
         return TransformedPosterior(d.base_dist, d.transforms, validate_args=False)
     return d
+
+
+def marginal_std(q: Distribution) -> torch.Tensor:
+    """Elementwise standard deviation of a Gaussian ``q`` (of its base, when transformed)."""
+    if isinstance(q, TransformedDistribution):
+        q = q.base_dist
+    if isinstance(q, MultivariateNormal):
+        return q.covariance_matrix.diagonal().sqrt()
+    return q.stddev

@@ -356,3 +356,33 @@ def test_random_walk_posterior_covariance_equals_the_dense_blocks(monkeypatch):
     assert torch.allclose(qm.mean, qd.mean, atol=1e-8)
     assert torch.allclose(qm.covariance_matrix, qd.covariance_matrix, atol=1e-8)
     assert torch.allclose(qm.covariance_matrix.diagonal(), qm.variance, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- get_posterior
+def test_get_posterior_is_q_over_the_packed_unconstrained_latent():
+    """Model order ``w (2), s, leaf``: the Gaussian block's mean and covariance, the Gamma's
+    ``log s`` moments in closed form, the leaf's conditional prior; draws agree with the
+    moments; ``log_prob`` is each factor's density with its Jacobian."""
+    args = data()
+    guide, _, _ = _fit(mixed, args)
+    p = guide.get_posterior(*args)
+    assert p.event_shape == (4,)
+    qw, qs, ql = guide.joint_posterior("w"), guide.posterior("s"), guide.posterior("leaf")
+    a, b = qs.concentration, qs.rate
+    assert torch.allclose(p.mean[:2], qw.mean) and torch.allclose(p.mean[3], ql.mean)
+    assert torch.allclose(p.mean[2], torch.digamma(a) - b.log())
+    assert torch.allclose(p.variance[2], torch.polygamma(1, a))
+    assert torch.allclose(p.covariance_matrix[:2, :2], qw.covariance_matrix)
+    assert float(p.covariance_matrix[:2, 2:].abs().max()) == 0.0
+    pyro.set_rng_seed(0)
+    u = p.sample((20000,))
+    se = (p.variance / 20000).sqrt()
+    assert bool(((u.mean(0) - p.mean).abs() < 5 * se).all())
+    lp = p.log_prob(u[:2])
+    s = u[:2, 2].exp()
+    ref = qw.log_prob(u[:2, :2]) + qs.log_prob(s) + u[:2, 2] + ql.log_prob(u[:2, 3])
+    assert torch.allclose(lp, ref)
+    pyro.set_rng_seed(0)
+    tr = pyro.poutine.trace(guide.sample_latent).get_trace(*args)
+    node = tr.nodes["_AutoCVI_latent"]
+    assert node["infer"]["is_auxiliary"] and node["value"].shape == (4,)
