@@ -52,10 +52,13 @@ def bound_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
     prefix = module._pyro_name
     out = {}
     for name in getattr(module, _BOUND, ()):
+        owner_path, _, leaf = name[len(prefix) + 1 :].rpartition(".")
         try:
-            out[name] = deep_getattr(module, name[len(prefix) + 1 :])
+            owner = deep_getattr(module, owner_path) if owner_path else module
         except AttributeError:
             continue
+        if leaf in owner._parameters:  # read directly: no pyro.param side effect
+            out[name] = owner._parameters[leaf]
     return out
 
 
@@ -109,7 +112,8 @@ def sync_parameters(module: nn.Module) -> None:
 
 
 def deep_getattr(obj, path: str):
-    """``obj.a.b.c`` for ``path = "a.b.c"`` (``AttributeError`` if a part is missing)."""
+    """``obj.a.b.c`` for ``path = "a.b.c"`` (``AttributeError`` if a part is missing; used
+    for the submodules only)."""
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
@@ -119,10 +123,7 @@ def _as_parameter(name: str, value: torch.Tensor) -> nn.Parameter:
     """Replace the store's plain tensor by an ``nn.Parameter`` sharing its storage."""
     store = pyro.get_param_store()
     param = nn.Parameter(value.detach(), requires_grad=value.requires_grad)
-    constraint = store._constraints.get(name) if hasattr(store, "_constraints") else None
-    if constraint is not None and constraint is not torch.distributions.constraints.real:
-        raise ValueError(f"CVI parameter {name!r} must be unconstrained, got {constraint}")
-    del store[name]
+    del store[name]  # (CVI parameters are unconstrained: the store keeps this very object)
     with torch.no_grad():
         store[name] = param
     return param
