@@ -16,6 +16,8 @@
 
 import copy
 import io
+import logging
+import math
 import pickle
 import subprocess
 import sys
@@ -386,3 +388,81 @@ def test_get_posterior_is_q_over_the_packed_unconstrained_latent():
     tr = pyro.poutine.trace(guide.sample_latent).get_trace(*args)
     node = tr.nodes["_AutoCVI_latent"]
     assert node["infer"]["is_auxiliary"] and node["value"].shape == (4,)
+
+
+# --------------------------------------------------------------------------- minibatches, warnings
+def _easyguide_model(batch, subsample, full_size):
+    """Pyro's easyguide tutorial model: a drift and 4 local states per data point."""
+    drift = pyro.sample("drift", dist.LogNormal(torch.tensor(-1.0), 0.5))
+    with pyro.plate("data", full_size, subsample=subsample):
+        z = 0.0
+        for t in range(len(batch)):
+            z = pyro.sample(f"state_{t}", dist.Normal(z, drift))
+            pyro.sample(f"obs_{t}", dist.Bernoulli(logits=z), obs=batch[t])
+
+
+def test_short_last_minibatch_updates_only_its_rows(caplog):
+    """Minibatches of 20, 20 and 10 of 50 points; the short one steps its own rows of the
+    local natural parameters and leaves the others; no warning is raised on the way."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.bernoulli(torch.full((4, 50), 0.4), generator=g)
+    guide = AutoCVI(
+        _easyguide_model,
+        create_plates=lambda b, s, n: pyro.plate("data", n, subsample=s),
+    )
+    svi = SVI(_easyguide_model, guide, CVI(), CVI_ELBO())
+    losses = []
+    with caplog.at_level(logging.INFO, logger="pyro_cvi"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for beg in (0, 20, 40, 0, 20):
+            idx = torch.arange(beg, min(beg + 20, 50))
+            losses.append(svi.step(data[:, idx], idx, 50))
+        before = {k: v.detach().clone() for k, v in guide.named_parameters()}
+        idx = torch.arange(40, 50)
+        losses.append(svi.step(data[:, idx], idx, 50))
+    assert all(math.isfinite(v) for v in losses)
+    local = [k for k in before if k.startswith("natural") and "state_" in k]
+    assert local
+    after = dict(guide.named_parameters())
+    for k in local:
+        assert torch.equal(after[k][:40], before[k][:40]), k
+    assert any(not torch.equal(after[k][40:], before[k][40:]) for k in local)
+
+
+def test_routine_step_events_do_not_warn(caplog):
+    """Pyro's ``test_subsample_model``: shrunk steps happen and are counted and logged once
+    per site, under warnings-as-errors."""
+
+    def model(x, y=None, batch_size=None):
+        loc = pyro.param("loc", lambda: torch.tensor(0.0))
+        scale = pyro.param("scale", lambda: torch.tensor(1.0), constraint=dist.constraints.positive)
+        with pyro.plate("batch", len(x), subsample_size=batch_size):
+            bx = pyro.subsample(x, event_dim=0)
+            by = pyro.subsample(y, event_dim=0) if y is not None else None
+            sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+            return pyro.sample("obs", dist.Normal(loc + scale * bx, sigma), obs=by)
+
+    pyro.set_rng_seed(123456789)
+    x = torch.randn(50)
+    with torch.no_grad():
+        y = model(x)
+    pyro.clear_param_store()
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    with caplog.at_level(logging.INFO, logger="pyro_cvi"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            assert math.isfinite(svi.step(x, y, batch_size=20))
+    shrunk = [r for r in caplog.records if "shrunk" in r.message]
+    assert guide.num_shrunk > len(shrunk) >= 1  # many shrunk elements, one record per site
+    assert len({r.message.split("'")[1] for r in shrunk}) == len(shrunk)  # once per site
+
+
+def test_sphere_site_gets_pyros_reparam_hint():
+    def model():
+        x = pyro.sample("x", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        y = pyro.sample("y", dist.ProjectedNormal(x))
+        pyro.sample("obs", dist.Normal(y, 1), obs=torch.tensor([1.0, 0.0]))
+
+    with pytest.raises(ValueError, match="latent site 'y'.*ProjectedNormalReparam"):
+        AutoCVI(model)()
