@@ -21,7 +21,6 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
@@ -48,39 +47,15 @@ from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
+    controlled_evaluation,
     initial_failure,
     is_numerical_error,
     report_backtrack,
     warn_step_counts,
 )
-from .update import StepCounts
+from .update import StepCounts, register_owner
 
-__all__ = ["Engine", "owner_of"]
-
-#: the registry of CVI parameters: ``id(unconstrained param) -> (weak param, weak engine)``.
-#: The engines register their parameters at every loss; the :class:`~pyro_cvi.CVI` optimizer
-#: looks the parameters it is handed up here (weak references: nothing is kept alive, and a
-#: checkpoint of the param store stays plain tensors).
-_OWNERS: Dict[int, tuple] = {}
-
-
-def owner_of(param: torch.Tensor) -> Optional[Engine]:
-    """The engine a parameter belongs to, or ``None`` for any other parameter."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-def _register(param: torch.Tensor, engine: Engine) -> None:
-    key = id(param)
-    entry = _OWNERS.get(key)
-    if entry is not None and entry[0]() is param and entry[1]() is engine:
-        return
-    _OWNERS[key] = (
-        weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)),
-        weakref.ref(engine),
-    )
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -221,7 +196,7 @@ class Engine:
     def _tag_params(self) -> None:
         """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
         for name in self.param_names() + [self.steps_name]:
-            _register(pyro.param(name).unconstrained(), self)
+            register_owner(pyro.param(name).unconstrained(), self)
 
     # ------------------------------------------------------------------ the current q
     def trace_values(self, subsample) -> Dict[str, torch.Tensor]:
@@ -321,39 +296,21 @@ class Engine:
         return self.control
 
     def _controlled_loss(self, args, kwargs, subsample) -> torch.Tensor:
-        """The loss with the backtracking of :mod:`~pyro_cvi.step_control`: a point worse
-        than the last accepted one (beyond its noise), non-finite, or numerically invalid is
-        undone: the parameters are restored and re-evaluated, and ``beta`` is halved."""
-        c = self.control
-        comparable = not (subsample or self.minibatch)
-        try:
+        """The loss with :func:`~pyro_cvi.step_control.controlled_evaluation` (backtracking)."""
+
+        def evaluate():
             elbo = self._loss(args, kwargs, subsample, True)
-            value, var = float(elbo.detach()), self.pending.mc_var
-            ok, error = c.accepts(value, var, comparable), None
-        except (ValueError, RuntimeError, FloatingPointError) as e:
-            if not is_numerical_error(e):
-                raise
-            ok, error, value = False, e, float("nan")
-        if ok:
-            c.accepted(Snapshot(self._param_values(), value, var), comparable)
-            return elbo
-        if c.snapshot is None:
-            raise initial_failure(error)
-        new = self._param_values()
-        self._restore(c.snapshot.values)
-        elbo = self._loss(args, kwargs, subsample, True)
-        if error is None and self._has_params and comparable:
-            # hybrid: the hyperparameters moved too (the inner optimiser's step). If the old q
-            # is no better than the new one at the new hyperparameters, the drop is theirs:
-            # keep the CVI step (the loss reported is then the new point's, recomputed)
-            if value >= float(elbo.detach()) - c.tolerance(value, var):
-                self._restore(new)
-                elbo = self._loss(args, kwargs, subsample, True)
-                c.accepted(Snapshot(new, float(elbo.detach()), self.pending.mc_var), comparable)
-                return elbo
-        self._warn_backtrack(c.rejected(numerical=error is not None), error)
-        c.reevaluated(self.pending.elbo, self.pending.mc_var)
-        return elbo
+            return elbo, self.pending.mc_var
+
+        return controlled_evaluation(
+            self.control,
+            evaluate,
+            self._param_values,
+            self._restore,
+            comparable=not (subsample or self.minibatch),
+            hybrid=self._has_params,
+            warn=self._warn_backtrack,
+        )
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [label for b in self.blocks for label in b.labels]

@@ -19,8 +19,8 @@ import pyro
 import torch
 from pyro.optim import PyroOptim
 
-from .engine import owner_of
 from .step_sizes import Schedule, as_schedule
+from .update import owner_of
 
 __all__ = ["CVI"]
 

@@ -34,14 +34,16 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
   only non-finite losses and errors backtrack, and the ceiling follows the Robbins-Monro
   schedule ``beta0 (1 + t / 10) ** -0.6`` (Hoffman et al. 2013).
 
-The engine does the restoring and re-evaluation; this module only decides.
-
 **Reporting.** Shrunk and undone steps are the step policy doing its job: they are counted on
 the guide (``guide.num_shrunk``, ``guide.num_backtracks``) and logged once per site and kind
 to the ``"pyro_cvi"`` logger (``logging.getLogger("pyro_cvi").setLevel(logging.INFO)`` shows
 them), not warned, so that suites which turn warnings into errors (Pyro's own) run quietly.
 Only a *rejected* step (no step size keeps ``q`` valid) is a ``RuntimeWarning``, once per site
 and kind.
+
+:func:`controlled_evaluation` is the one backtracking loop (the engine and every other caller
+hand it the evaluation, a copy of the parameters and a restore function); :class:`StepControl`
+holds the decisions' state.
 """
 
 from __future__ import annotations
@@ -50,16 +52,19 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 import torch
 
 __all__ = [
     "StepControl",
     "Snapshot",
+    "controlled_evaluation",
     "is_numerical_error",
     "initial_failure",
     "backtrack_message",
+    "report_backtrack",
+    "log_once",
     "warn_step_counts",
 ]
 
@@ -180,6 +185,57 @@ class StepControl:
                 setattr(self, k, v)
         snap = state.get("snapshot")
         self.snapshot = None if snap is None else Snapshot(*snap)
+
+
+def controlled_evaluation(
+    control: StepControl,
+    evaluate: Callable[[], Tuple[torch.Tensor, Optional[float]]],
+    values: Callable[[], Dict[str, torch.Tensor]],
+    restore: Callable[[Dict[str, torch.Tensor]], None],
+    comparable: bool,
+    hybrid: bool,
+    warn: Callable[[float, Optional[BaseException]], None],
+) -> torch.Tensor:
+    """The loss with backtracking (the module docstring): a point worse than the last accepted
+    one (beyond its noise), non-finite, or numerically invalid is undone: the parameters are
+    restored, re-evaluated, and ``beta`` is halved.
+
+    :param evaluate: ``() -> (ELBO tensor, its Monte Carlo variance or None)`` at the current
+        parameters (it also leaves the step's natural gradients in ``.grad``).
+    :param values: ``() -> {name: tensor}``, a copy of the CVI parameters.
+    :param restore: puts such a copy back.
+    :param comparable: losses of successive steps are comparable (no minibatches).
+    :param hybrid: the model has hyperparameters that another optimiser moves.
+    :param warn: ``(new beta, error or None) -> None``, told about an undone step.
+    """
+    try:
+        elbo, var = evaluate()
+        value = float(elbo.detach())
+        ok, error = control.accepts(value, var, comparable), None
+    except (ValueError, RuntimeError, FloatingPointError) as e:
+        if not is_numerical_error(e):
+            raise
+        ok, error, value, var = False, e, float("nan"), None
+    if ok:
+        control.accepted(Snapshot(values(), value, var), comparable)
+        return elbo
+    if control.snapshot is None:
+        raise initial_failure(error)
+    new = values()
+    restore(control.snapshot.values)
+    elbo, old_var = evaluate()
+    if error is None and hybrid and comparable:
+        # hybrid: the hyperparameters moved too (the inner optimiser's step). If the old q is
+        # no better than the new one at the new hyperparameters, the drop is theirs: keep the
+        # CVI step (the loss reported is then the new point's, recomputed)
+        if value >= float(elbo.detach()) - control.tolerance(value, var):
+            restore(new)
+            elbo, new_var = evaluate()
+            control.accepted(Snapshot(new, float(elbo.detach()), new_var), comparable)
+            return elbo
+    warn(control.rejected(numerical=error is not None), error)
+    control.reevaluated(float(elbo.detach()), old_var)
+    return elbo
 
 
 def is_numerical_error(e: BaseException) -> bool:

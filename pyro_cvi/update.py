@@ -12,16 +12,30 @@ is computed in closed form, and when the target itself lies outside the domain (
 Carlo target) the shrunk step also stops at most half way to the boundary, so shapes and rates
 do not collapse to ~0 (the paper's "shrink until within the constraints", Section 7).
 Shrunk and rejected elements are counted and reported by the caller.
+
+**Natural-gradient parameters.** A CVI parameter's ``.grad`` holds ``target - lambda`` (written
+by the loss); its *owner* (an object with ``step(beta)``: an AutoCVI engine) applies the update
+above to it. :func:`register_owner` records the owner next to the parameter (weakly, nothing is
+kept alive) and :func:`owner_of` reads it, so the optimizer (:class:`~pyro_cvi.CVI`) needs
+nothing but this module to find what to step.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StepCounts", "cvi_update", "damped_step", "targets_from_grads"]
+__all__ = [
+    "StepCounts",
+    "cvi_update",
+    "damped_step",
+    "owner_of",
+    "register_owner",
+    "targets_from_grads",
+]
 
 Params = Tuple[torch.Tensor, ...]
 
@@ -134,4 +148,28 @@ def _box_step(old, target, beta, bounds, param_shapes, max_halvings):
     target = tuple(o + torch.nan_to_num(g) for o, g in zip(old, grads))
     return cvi_update(old, target, b), StepCounts(
         int(((k > 0) & ~rejected).sum()), int(rejected.sum())
+    )
+
+
+#: ``id(unconstrained param) -> (weak param, weak owner)``
+_OWNERS: Dict[int, tuple] = {}
+
+
+def owner_of(param: torch.Tensor) -> Optional[Any]:
+    """The owner that steps ``param`` by eq. 12 (see the module docstring), or ``None``."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def register_owner(param: torch.Tensor, owner: Any) -> None:
+    """Record ``owner`` as the one that steps ``param`` (weak references both ways)."""
+    key = id(param)
+    entry = _OWNERS.get(key)
+    if entry is not None and entry[0]() is param and entry[1]() is owner:
+        return
+    _OWNERS[key] = (
+        weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)),
+        weakref.ref(owner),
     )

@@ -347,3 +347,17 @@ if __name__ == "__main__":  # print the findings: python tests/test_architecture
     for comp in _strongly_connected(graph):
         print("cycle:", " -> ".join(_a_cycle(graph, comp)))
     print("\n".join(private_reaches()), file=sys.stdout)
+
+
+def test_the_optimizer_imports_nothing_from_the_engine():
+    """``CVI`` finds what to step through the natural-gradient parameter protocol of
+    ``pyro_cvi.update`` (issue 20): no import of the engine, directly or through a package."""
+    graph, _ = import_graph()
+    seen, todo = set(), [f"{PACKAGE}.optim"]
+    while todo:
+        mod = todo.pop()
+        for dep in graph.get(mod, {}):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    assert f"{PACKAGE}.engine" not in seen, sorted(seen)
