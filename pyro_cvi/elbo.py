@@ -18,6 +18,7 @@ import torch
 from pyro.infer import ELBO
 
 from .autoguide import AutoCVI
+from .methods.structured_guide import AutoStructuredCVI
 
 __all__ = ["CVI_ELBO"]
 
@@ -55,7 +56,7 @@ class CVI_ELBO(ELBO):
 
 
 def _checked(model, guide) -> AutoCVI:
-    if not isinstance(guide, AutoCVI):
+    if not isinstance(guide, (AutoCVI, AutoStructuredCVI)):
         name = type(guide).__name__
         raise TypeError(
             f"CVI_ELBO needs an AutoCVI guide, got {name}. Natural-gradient CVI steps need "
