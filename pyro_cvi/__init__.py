@@ -12,6 +12,9 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any, Optional
 
 from . import step_sizes
 from .autoguide import AutoCVI
@@ -36,15 +39,17 @@ MOVED_MODULES = {
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Resolves an old public module path to the module at its new place (lazily)."""
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> Optional[ModuleSpec]:
         if fullname in MOVED_MODULES:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
         return importlib.import_module(MOVED_MODULES[spec.name])
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module was imported (and executed) at its new place."""
 
 

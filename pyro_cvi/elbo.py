@@ -14,6 +14,8 @@ differences. The value it returns is the -ELBO of the current ``q``: exact where
 
 from __future__ import annotations
 
+from typing import Any, Callable, NoReturn, Union
+
 import torch
 from pyro.infer import ELBO
 
@@ -21,6 +23,8 @@ from .autoguide import AutoCVI
 from .methods.structured_guide import AutoStructuredCVI
 
 __all__ = ["CVI_ELBO"]
+
+_Fn = Callable[..., Any]  # a Pyro model or guide
 
 
 class CVI_ELBO(ELBO):
@@ -30,32 +34,34 @@ class CVI_ELBO(ELBO):
         svi = SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         if kwargs.get("num_particles", 1) != 1:
             raise ValueError(
                 "CVI_ELBO computes its expectations itself; set AutoCVI(num_samples=...) for "
                 "Monte Carlo gradients instead of num_particles"
             )
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # (pyro: untyped)
 
-    def loss(self, model, guide, *args, **kwargs) -> float:
+    def loss(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         # (not under no_grad: quadrature and mean-field expectations use autograd inside)
         return float(_checked(model, guide).elbo(args, kwargs, grads=False).detach().neg())
 
-    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+    def differentiable_loss(
+        self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         return _checked(model, guide).elbo(args, kwargs, grads=False, graph=True).neg()
 
-    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+    def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         loss = -_checked(model, guide).elbo(args, kwargs, grads=True)
         if loss.requires_grad:
             loss.backward()
         return float(loss.detach())
 
-    def _get_trace(self, model, guide, args, kwargs):
+    def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
 
 
-def _checked(model, guide) -> AutoCVI:
+def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI]:
     if not isinstance(guide, (AutoCVI, AutoStructuredCVI)):
         name = type(guide).__name__
         raise TypeError(

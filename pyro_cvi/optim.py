@@ -13,7 +13,7 @@ user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, Optional, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union, cast
 
 import pyro
 import torch
@@ -51,19 +51,21 @@ class CVI(PyroOptim):
         self,
         step_size: Union[float, str, Schedule] = "auto",
         optim: Type[torch.optim.Optimizer] = torch.optim.Adam,
-        optim_args: Optional[Union[Dict, Callable]] = None,
+        optim_args: Optional[Union[Dict[str, Any], Callable[..., Dict[str, Any]]]] = None,
         max_step_size: float = 1.0,
-    ):
+    ) -> None:
         self.auto = isinstance(step_size, str)
         if self.auto and step_size != "auto":
             raise ValueError(f"step_size must be 'auto', a number or a callable, got {step_size!r}")
         self.max_step_size = float(as_schedule(max_step_size)(1))
-        self.schedule = as_schedule(self.max_step_size if self.auto else step_size)
+        fixed = cast(Union[float, Schedule], step_size)  # not a str here
+        self.schedule = as_schedule(self.max_step_size if self.auto else fixed)
         if not callable(step_size):
             self.schedule(1)  # validates the constant
         self.t = 0
-        self.engines: Dict[int, object] = {}
-        self.saved_controls: Dict[str, Dict] = {}  # from set_state, until the engines appear
+        self.engines: Dict[int, weakref.ref[Any]] = {}
+        # from set_state, until the engines appear
+        self.saved_controls: Dict[str, Dict[str, Any]] = {}
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -75,10 +77,10 @@ class CVI(PyroOptim):
             return float(betas[-1]) if betas else self.max_step_size
         return float(self.schedule(self.t + 1))
 
-    def _live(self):
+    def _live(self) -> List[Any]:
         return [e for e in (r() for r in self.engines.values()) if e is not None]
 
-    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+    def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
         engines, others = {}, []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
@@ -118,7 +120,7 @@ class CVI(PyroOptim):
         if others:
             super().__call__(others, *args, **kwargs)
 
-    def get_state(self) -> Dict:
+    def get_state(self) -> Dict[str, Any]:
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
         controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
@@ -126,7 +128,7 @@ class CVI(PyroOptim):
             state["__cvi__"]["control"] = controls
         return state
 
-    def set_state(self, state_dict: Dict) -> None:
+    def set_state(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         cvi = state_dict.pop("__cvi__", None)
         if cvi is not None:
@@ -135,14 +137,10 @@ class CVI(PyroOptim):
         super().set_state(state_dict)
 
 
-def _refuse(params) -> None:
+def _refuse(params: List[torch.Tensor]) -> None:
     store = pyro.get_param_store()
-    names = []
-    for p in params:
-        try:
-            names.append(store.param_name(p))
-        except KeyError:
-            pass
+    # param_name is None for a tensor outside the param store
+    names = [n for n in (store.param_name(p) for p in params) if n is not None]
     auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
     hint = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
     raise ValueError(

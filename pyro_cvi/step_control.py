@@ -93,6 +93,8 @@ class StepControl:
     decay: float = 0.8
     min_ceiling: float = 0.1
     min_beta: float = 1e-4
+    #: relative tolerance of an exact loss (default: 100 float64 epsilons, at least 1e-9)
+    rel_tol: Optional[float] = None
     beta: Optional[float] = None
     ceiling: Optional[float] = None
     snapshot: Optional[Snapshot] = None
@@ -117,7 +119,10 @@ class StepControl:
     def tolerance(self, elbo: float, var: Optional[float]) -> float:
         """How far below the last accepted ELBO a new one may fall and still be accepted."""
         prev = self.snapshot
-        tol = max(1e-9, 100.0 * torch.finfo(torch.float64).eps) * max(1.0, abs(prev.elbo))
+        rel = self.rel_tol
+        if rel is None:
+            rel = max(1e-9, 100.0 * torch.finfo(torch.float64).eps)
+        tol = rel * max(1.0, abs(prev.elbo))
         if var is not None or prev.var is not None:
             # the new point's variance counts no more than the accepted one's: a step into a
             # region where the estimator explodes must not buy itself a wider tolerance

@@ -10,6 +10,12 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 python -m build --no-isolation --outdir "$WORK/dist" . > "$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; exit 1; }
 ls "$WORK/dist"
+# the sdist ships the package and its metadata, not the repository's tests (see MANIFEST.in)
+SDIST_FILES=$(tar tzf "$WORK"/dist/*.tar.gz)
+if grep -q '^[^/]*/tests/' <<<"$SDIST_FILES"; then echo "the sdist ships tests/"; exit 1; fi
+for f in LICENSE README.md CHANGELOG.md CITATION.cff pyro_cvi/py.typed; do
+  grep -q "^[^/]*/$f\$" <<<"$SDIST_FILES" || { echo "the sdist lacks $f"; exit 1; }
+done
 for kind in whl tar.gz; do
   python -m venv --system-site-packages "$WORK/venv-$kind"
   "$WORK/venv-$kind/bin/python" -m pip install -q --no-deps --no-build-isolation "$WORK"/dist/*."$kind"

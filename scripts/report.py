@@ -4,7 +4,8 @@ Reads every ``results/*.json`` (``--results``) and writes ``docs/_generated/resu
 one section per file and PNG plots beside it (``--out``). A file written through
 :func:`bench.reporting.write_results` has a ``report`` section (title, command, verdict,
 tables with a legend for every column, remarks, plots) and is rendered in full; any other JSON
-file is listed with its top-level numbers, so a new script shows up without editing this one.
+file gets a title from the docstring of the script that wrote it and its numbers as tables, so
+a new script shows up without editing this one.
 The Sphinx build runs this script itself (``docs/conf.py``).
 
     python scripts/report.py [--results results] [--out docs/_generated]
@@ -13,16 +14,33 @@ The Sphinx build runs this script itself (``docs/conf.py``).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
+import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # also when imported from elsewhere (the tests)
+
+from bench.reporting import plot_file, save_plot  # noqa: E402  (the plots next to the JSON)
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "plot"
+
+
+QUICK_NOTE = "These numbers are from a `--quick` run (small settings)."
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3.5 min``, ``1.2 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _escape(cell: str) -> str:
@@ -36,58 +54,129 @@ def _markdown_table(columns: List[str], rows: List[List[str]]) -> List[str]:
     return out
 
 
-def _plot(spec: Dict[str, Any], path: Path) -> None:
-    import matplotlib
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) and len(str(v)) < 80
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 3.6))
-    for label, points in spec["series"].items():
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
-    if spec.get("logx"):
-        ax.set_xscale("log")
-    if spec.get("logy"):
-        ax.set_yscale("log")
-    ax.set_xlabel(spec["xlabel"])
-    ax.set_ylabel(spec["ylabel"])
-    if spec.get("title"):
-        ax.set_title(spec["title"], fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _record_groups(data: Any, prefix: str = "") -> List[Tuple[str, Dict[str, Any]]]:
+    """Every dict whose values are all dicts with scalar entries (``runs``, ``methods``, ...):
+    each becomes a table, one row per entry."""
+    found = []
+    if not isinstance(data, dict):
+        return found
+    subs = [v for v in data.values() if isinstance(v, dict)]
+    if (
+        len(subs) >= 2
+        and len(subs) == len(data)
+        and all(sum(_is_scalar(x) for x in v.values()) >= 2 for v in subs)
+    ):
+        return [(prefix.rstrip("."), data)]
+    for k, v in data.items():
+        found += _record_groups(v, f"{prefix}{k}.")
+    return found
 
 
 def _scalars(data: Dict[str, Any], prefix: str = "", depth: int = 0) -> List[List[str]]:
     rows = []
     for k, v in data.items():
         name = f"{prefix}{k}"
-        if isinstance(v, (int, float, str, bool)) and len(str(v)) < 80:
-            rows.append([name, str(v)])
-        elif isinstance(v, dict) and depth < 1:
+        if _is_scalar(v):
+            rows.append([name, _cell(v)])
+        elif isinstance(v, dict) and depth < 2 and _record_groups(v) != [("", v)]:
             rows += _scalars(v, name + ".", depth + 1)
     return rows[:40]
+
+
+def _script_for(stem: str) -> Optional[Path]:
+    """The script that wrote ``results/<stem>.json`` (``benchmark_x_A`` -> ``benchmark_x.py``)."""
+    names = sorted((p.stem for p in (ROOT / "scripts").glob("*.py")), key=len, reverse=True)
+    for name in names:
+        if stem == name or stem.startswith(name + "_"):
+            return ROOT / "scripts" / f"{name}.py"
+    return None
+
+
+def _markdown(rst: str) -> str:
+    """Docstring text for a Markdown page: roles and double backquotes as code."""
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`<]+?)`", r"`\1`", rst)
+    return text.replace("``", "`")
+
+
+def _untitled(path: Path) -> Tuple[str, List[str]]:
+    """A title and an introduction for a JSON file without a ``report``: the first line of the
+    docstring of the script that wrote it, and for a part file (``<script>_<part>.json``) the
+    paragraph of that docstring that begins "Part <part>"."""
+    script = _script_for(path.stem)
+    if script is None:
+        return path.stem, []
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    head = doc.split("\n")[0].strip().rstrip(".")
+    title, intro = head.split(":")[0] or path.stem, []
+    part = path.stem[len(script.stem) + 1 :]
+    if part:
+        title += f", part {part}"
+        for para in doc.split("\n\n"):
+            flat = " ".join(para.split())
+            if flat.startswith(f"Part {part},") or flat.startswith(f"Part {part}:"):
+                what = re.split(r":(?![^(]*\))", flat[len(f"Part {part}") + 1 :])[0].strip()
+                if len(what) > 60:
+                    what = re.split(r", |``| \(", what)[0]
+                title += f": {_markdown(what).strip()}"
+                intro = [_markdown(flat), ""]
+                break
+    intro += [f"Written by `python scripts/{script.name}` (`{path.name}`, no report section).", ""]
+    return title, intro
+
+
+def _fallback(path: Path, data: Dict[str, Any]) -> List[str]:
+    """A section for a JSON file without a ``report``: a title, and its numbers as tables."""
+    title, intro = _untitled(path)
+    lines = [f"## {title}", ""] + intro
+    if data.get("quick"):
+        lines += ["```{note}", QUICK_NOTE, "```", ""]
+    scalars = [r for r in _scalars(data) if r[0] != "quick"]
+    if scalars:
+        lines += _markdown_table(["key", "value"], scalars) + [""]
+    for name, group in _record_groups(data)[:6]:
+        columns: List[str] = []
+        for entry in group.values():
+            columns += [k for k, v in entry.items() if _is_scalar(v) and k not in columns]
+        columns = columns[:10]
+        rows = [[k] + [_cell(e.get(c, "")) for c in columns] for k, e in group.items()]
+        lines += [f"### {name}", ""] + _markdown_table([name.split(".")[-1]] + columns, rows)
+        lines += [""]
+    return lines
 
 
 def render_file(path: Path, img_dir: Path, rel: str) -> List[str]:
     data = json.loads(path.read_text())
     rep = data.get("report")
     if not isinstance(rep, dict):
-        lines = [f"## {path.stem}", "", f"`{path.name}` has no `report` section; its numbers:", ""]
-        return lines + _markdown_table(["key", "value"], _scalars(data)) + [""]
+        return _fallback(path, data)
     lines = [f"## {rep.get('title') or path.stem}", ""]
     if rep.get("quick"):
-        note = "These numbers are from a `--quick` run (small settings)."
-        lines += ["```{note}", note, "```", ""]
+        lines += ["```{note}", QUICK_NOTE, "```", ""]
     if rep.get("verdict"):
         lines += [f"**{rep['verdict']}**", ""]
     if rep.get("command"):
         lines += [f"Reproduce: `{rep['command']}` (writes `{path.name}`).", ""]
+    run = rep.get("run")
+    if isinstance(run, dict) and run.get("wall_seconds") is not None:
+        load = run.get("load_average")
+        on = f"{run.get('cpu_count')} CPUs" + (f", load {load[0]:.1f} at the end" if load else "")
+        lines += [
+            f"This run took {_duration(run['wall_seconds'])} "
+            f"({_duration(run.get('cpu_seconds') or 0)} of CPU; {on}).",
+            "",
+        ]
     if rep.get("text"):
         lines += [rep["text"], ""]
     for t, table in enumerate(rep.get("tables", [])):
@@ -104,8 +193,8 @@ def render_file(path: Path, img_dir: Path, rel: str) -> List[str]:
         if table.get("remarks"):
             lines += ["Remarks:", ""] + [f"- {r}" for r in table["remarks"]] + [""]
         for p, spec in enumerate(table.get("plots", [])):
-            name = f"{_slug(path.stem)}-{t}-{p}.png"
-            _plot(spec, img_dir / name)
+            name = plot_file(_slug(path.stem), t, p)
+            save_plot(spec, img_dir / name)
             alt = spec.get("title") or f"{spec['ylabel']} against {spec['xlabel']}"
             lines += [f"![{_escape(alt)}]({rel}/{name})", ""]
     return lines

@@ -3,6 +3,7 @@
 appear on the site with no numbers and no plots."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,21 @@ def test_notebook_has_stored_outputs(path):
             f"{path.name} plots with matplotlib but stores no image: it was executed with a "
             "non-interactive backend (unset MPLBACKEND) or without running the plotting cells"
         )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_outputs_carry_no_warnings(path):
+    """The docs render the stored outputs: a warning there (e.g. tqdm's ``TqdmWarning: IProgress
+    not found``, which ``import pyro`` prints in a kernel without ipywidgets) is noise on the
+    site. Execute with the ``tutorials`` extra installed (it brings ipywidgets), or fix the
+    cause of the warning in the library."""
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(c for c in nb["cells"] if c["cell_type"] == "code"):
+        for out in cell.get("outputs", []):
+            assert out.get("name") != "stderr", (
+                f"{path.name}, code cell {i}: a stored stderr output (a warning or a progress "
+                f"bar), which the docs would show: {''.join(out.get('text', ''))[:200]!r}"
+            )
+            text = "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+            found = re.search(r"\b[A-Z]\w*Warning: .*", text)
+            assert not found, f"{path.name}, code cell {i}: a stored warning: {found.group(0)!r}"

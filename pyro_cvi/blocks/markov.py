@@ -190,11 +190,11 @@ class MarkovBlock(SiteFormBlock):
         post, tr = self.post, ctx.trace
         sr = self._site_rows(self.rows)
         f_mean, f_var = sr.moments(post.mean, post.cov)
-        graph_rows, valued = self.rows, post
+        graph_rows, valued, g_mean, g_var = self.rows, post, f_mean, f_var
         if self._graph is not None:  # the same numbers, with their graph
             graph_rows, valued = self._graph
             sr = self._site_rows(graph_rows)
-        g_mean, g_var = sr.moments(valued.mean, valued.cov)
+            g_mean, g_var = sr.moments(valued.mean, valued.cov)
         elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
         sites, i = self._sites(), 0
         for f, r, rg in zip(self.linear, self.rows, graph_rows):

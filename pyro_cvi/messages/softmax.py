@@ -98,8 +98,10 @@ def _at_points(eta: torch.Tensor, w: torch.Tensor) -> LSEMoments:
     """Weighted sums over the point dim (``-2`` of ``eta [..., P, K]``)."""
     p = eta.softmax(-1)
     value = (w * eta.logsumexp(-1)).sum(-1)
-    grad = (w.unsqueeze(-1) * p).sum(-2)
-    hess = (w[..., None, None] * _hess(p)).sum(-3)
+    wp = w.unsqueeze(-1) * p
+    grad = wp.sum(-2)
+    # sum_j w_j (diag p_j - p_j p_j^T) = diag(grad) - (w p)^T p: no [..., P, K, K] temporaries
+    hess = torch.diag_embed(grad) - wp.mT @ p
     return LSEMoments(value, grad, hess)
 
 

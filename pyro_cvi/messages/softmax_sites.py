@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..model import probes
 from ..model.tracing import unwrap
@@ -136,13 +137,38 @@ class SoftmaxRows:
 
 
 def _outer(X: torch.Tensor) -> torch.Tensor:
-    """``[N, D * D]``: the rows' outer products ``x_n x_n^T``, flattened."""
-    return (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(X.shape[0], -1)
+    """``[N, D * D]``: the rows' outer products ``x_n x_n^T``, flattened; kept per ``X`` (the
+    factor's constant design: one allocation of ``N D^2`` per fit, not per step)."""
+    hit = _OUTER.get(X)
+    if hit is not None and hit[0] == X._version:
+        return hit[1]
+    out = (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(X.shape[0], -1)
+    if not X.requires_grad:
+        _OUTER[X] = (X._version, out)
+    return out
+
+
+#: per constant tensor (weakly held): ``(its version, the derived tensor)``
+#: (tensors compare elementwise: torch's weak dictionary keys them by identity)
+_OUTER = WeakTensorKeyDictionary()
+_KRON = WeakTensorKeyDictionary()
 
 
 def kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """``(X [N, D'], G [K, K])`` with ``A = X (x) G`` (rows point-major, columns ``d * K + l``)
-    when the Jacobian has that structure (``logits = X @ W`` and a bias), else ``None``."""
+    when the Jacobian has that structure (``logits = X @ W`` and a bias), else ``None``. Kept
+    per constant ``A`` (the test reads ``O(N K D)`` temporaries: once per fit, not per step)."""
+    if A.requires_grad:
+        return _kron_factors(A, K)
+    hit = _KRON.get(A)
+    if hit is not None and hit[:2] == (A._version, K):
+        return hit[2]
+    out = _kron_factors(A, K)
+    _KRON[A] = (A._version, K, out)
+    return out
+
+
+def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     R, Dz = A.shape
     if Dz % K or R % K or not R:
         return None

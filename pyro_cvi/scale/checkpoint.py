@@ -36,7 +36,7 @@ _VERSION = 1
 
 
 def save_checkpoint(
-    path: Union[str, os.PathLike], optim: CVI, guide: Optional[AutoCVI] = None
+    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[AutoCVI] = None
 ) -> None:
     """Write the param store, the optimizer, the guide's counters and the RNG states."""
     state = {
@@ -59,7 +59,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Union[str, os.PathLike], optim: CVI, guide: Optional[AutoCVI] = None
+    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[AutoCVI] = None
 ) -> None:
     """Restore a checkpoint written by :func:`save_checkpoint` (before the next ``svi.step``)."""
     path = rank_path(path, guide.reducer if guide is not None else None)

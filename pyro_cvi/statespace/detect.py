@@ -236,7 +236,8 @@ def observation_rows(
         return torch.full((R,), t, dtype=torch.long, device=flat.device), H
     x = leaves[spec.names[0]]
     u = torch.zeros_like(flat, requires_grad=True)
-    (vjp,) = torch.autograd.grad(flat, x, u, create_graph=True)
+    # (a scalar output, not grad_outputs=u: torch imports sympy for explicit grad_outputs)
+    (vjp,) = torch.autograd.grad((flat * u).sum(), x, create_graph=True)
 
     def jvp(dx, graph=False):  # J_x dx, dx on the states (T, d)
         (out,) = torch.autograd.grad(

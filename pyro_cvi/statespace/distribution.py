@@ -9,12 +9,16 @@
 
 from __future__ import annotations
 
+from typing import Optional, Sequence, Union
+
 import pyro
 import torch
 from pyro.distributions import TorchDistribution, constraints
 
 from .kalman import LinearGaussianChain, log_prob_chain, sample_prior
 from .kernels_sde import SDEKernel
+
+_Shape = Union[torch.Size, Sequence[int]]
 
 __all__ = ["LinearGaussianSSM", "MarkovGP", "markov_gp"]
 
@@ -32,7 +36,15 @@ class LinearGaussianSSM(TorchDistribution):
     support = constraints.independent(constraints.real, 2)
     has_rsample = False
 
-    def __init__(self, m0, P0, A, b, Q, validate_args=None):
+    def __init__(
+        self,
+        m0: torch.Tensor,
+        P0: torch.Tensor,
+        A: torch.Tensor,
+        b: torch.Tensor,
+        Q: torch.Tensor,
+        validate_args: Optional[bool] = None,
+    ) -> None:
         self.m0, self.P0, self.A, self.b, self.Q = m0, P0, A, b, Q
         T, d = A.shape[0] + 1, m0.shape[-1]
         super().__init__(torch.Size(), torch.Size((T, d)), validate_args=False)
@@ -46,13 +58,15 @@ class LinearGaussianSSM(TorchDistribution):
             return torch.stack([self.log_prob(v) for v in value.reshape((-1,) + value.shape[-2:])])
         return log_prob_chain(self.chain, value)
 
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: _Shape = ()) -> torch.Tensor:
         n = int(torch.Size(sample_shape).numel())
         with torch.no_grad():
             draws = [sample_prior(self.chain) for _ in range(n)]
         return torch.stack(draws).reshape(torch.Size(sample_shape) + self.event_shape)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(
+        self, batch_shape: _Shape, _instance: Optional[LinearGaussianSSM] = None
+    ) -> LinearGaussianSSM:
         if torch.Size(batch_shape) != torch.Size():
             raise NotImplementedError("LinearGaussianSSM has no batch dims")
         return self
@@ -65,7 +79,9 @@ class MarkovGP(LinearGaussianSSM):
     :param kernel: a :class:`~pyro_cvi.statespace.kernels_sde.SDEKernel` (Matern, or sums).
     """
 
-    def __init__(self, times: torch.Tensor, kernel: SDEKernel, validate_args=None):
+    def __init__(
+        self, times: torch.Tensor, kernel: SDEKernel, validate_args: Optional[bool] = None
+    ) -> None:
         dt = times[1:] - times[:-1]
         if bool((dt <= 0).any()):
             raise ValueError(

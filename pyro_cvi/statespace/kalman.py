@@ -5,27 +5,41 @@ The prior is a linear-Gaussian state-space model
     x_0 ~ N(m0, P0),    x_t | x_{t-1} ~ N(A_t x_{t-1} + b_t, Q_t),    t = 1..T-1,
 
 and the CVI sites (eq. 13) add ``exp(eta_t' x_t - x_t' J_t x_t / 2)`` at every step. ``q`` is
-prior x sites / Z. Everything here comes from one function, the log-normaliser
+prior x sites / Z, with the log-normaliser
 
-    log Z(eta, J) = log int p(x) prod_t exp(eta_t' x_t - x_t' J_t x_t / 2) dx,
+    log Z(eta, J) = log int p(x) prod_t exp(eta_t' x_t - x_t' J_t x_t / 2) dx.
 
-computed by a parallel (associative) reduction of affine-Gaussian kernels (Sarkka &
-Garcia-Fernandez 2021, with a log-normaliser carried along): O(T d^3) work, O(log T) depth.
-Its gradients are the smoothed marginals (the exponential-family identity ``dlogZ/d lambda =
-mu``): ``E[x_t] = dlogZ/d eta_t`` and ``E[x_t x_t'] = -2 dlogZ/d J_t``; one backward pass is
-the RTS smoother. With the sites fixed, ``d log Z / d theta = E_q[d log p_theta(x) / d theta]``
-(Fisher's identity). ``smooth(..., keep_graph=True)`` keeps the graph of the marginals too (the
-backward pass with ``create_graph``), for the derivative of the whole ELBO at fixed sites.
+**Forward** (a parallel reduction, Sarkka & Garcia-Fernandez 2021, with a log-normaliser
+carried along): an element over steps ``i..j`` is the kernel
+``K(x_{i-1}, x_j) = p(sites_{i..j} | x_{i-1}) p(x_j | x_{i-1}, sites_{i..j})``, stored as
+``exp(g + e'x - x'Jx/2) N(x_j; A x + b, C)``; neighbours combine in closed form
+(:func:`combine`) by a pairwise tree, log2(T) levels, O(T d^3) work. The root's ``g`` is
+``log Z`` and its Gaussian the last smoothed marginal.
+
+**Backward** (explicit, no autograd): down the same tree. For a node ``i..j`` split at ``k``,
+``x_k | x_{i-1}, x_j, sites ~ N(F x_{i-1} + G x_j + u, S)`` (the left child's Gaussian,
+updated by the right child's site information, then conditioned on ``x_j`` by a Kalman
+gain), so the smoothed moments of ``x_k`` and ``Cov(x_k, x_{i-1})``, ``Cov(x_j, x_k)``
+follow from those of the node's endpoints. At the leaves these are the marginals and the
+lag-one covariances ``Cov(x_t, x_{t-1})``: one pass gives ``log Z``, marginals and lag-one
+covariances. Both passes are plain tensor ops, so with ``keep_graph`` autograd
+differentiates ``log Z`` and the marginals in the chain's tensors and the sites (the
+hyperparameter gradient at fixed sites); without, nothing records a graph.
+
+All tensors may carry leading batch dims (independent chains): ``m0 (*B, d)``,
+``A (*B, T-1, d, d)``, ``eta (*B, T, d)``, ...
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from ..linalg import NotPositiveDefinite
+from . import soa
+from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
 
 __all__ = [
     "LinearGaussianChain",
@@ -41,7 +55,8 @@ __all__ = [
 
 @dataclass
 class LinearGaussianChain:
-    """The prior: ``m0 (d), P0 (d, d), A (T-1, d, d), b (T-1, d), Q (T-1, d, d)``."""
+    """The prior: ``m0 (*B, d), P0 (*B, d, d), A (*B, T-1, d, d), b (*B, T-1, d),
+    Q (*B, T-1, d, d)`` (``*B``: optional batch dims of independent chains)."""
 
     m0: torch.Tensor
     P0: torch.Tensor
@@ -51,7 +66,7 @@ class LinearGaussianChain:
 
     @property
     def length(self) -> int:
-        return self.A.shape[0] + 1
+        return self.A.shape[-3] + 1
 
     @property
     def dim(self) -> int:
@@ -73,194 +88,181 @@ class LinearGaussianChain:
 
     def all_steps(self):
         """``(A, b, C)`` for t = 0..T-1, the first a kernel from a dummy ``x_{-1}``."""
-        d = self.dim
-        A = torch.cat([self.m0.new_zeros(1, d, d), self.A], 0)
-        b = torch.cat([self.m0.reshape(1, d), self.b], 0)
-        C = torch.cat([self.P0.reshape(1, d, d), self.Q], 0)
+        m0, P0 = self.m0.unsqueeze(-2), self.P0.unsqueeze(-3)
+        A = torch.cat([torch.zeros_like(P0).expand(self.A.shape[:-3] + P0.shape[-3:]), self.A], -3)
+        b = torch.cat([m0.expand(self.b.shape[:-2] + m0.shape[-2:]), self.b], -2)
+        C = torch.cat([P0.expand(self.Q.shape[:-3] + P0.shape[-3:]), self.Q], -3)
         return A, b, C
 
 
-# An element is the kernel K(x, y) = exp(g + e'x - x'Jx/2) N(y; A x + b, C), stacked on a
-# leading dim n. Long stacks are stored as a "structure of arrays": a d x d matrix is a list of
-# d rows of d tensors (n,), a vector a list of d tensors; for d <= 4 elementwise ops on
-# contiguous arrays are several times faster on a CPU than batched GEMMs of tiny matrices.
-# Short stacks (n <= PACK_BELOW, the tree's top levels) are plain tensors (n, d, d) / (n, d):
-# fewer, larger ops, where per-op overhead dominates. The helpers below take either form.
+# ---------------------------------------------------------------------------- the elements
+# An element is ``(A, b, C, e, J, g)`` (see the module docstring), a stack over time in either
+# storage form of :mod:`.soa`: arrays for long stacks, packed below ``PACK_BELOW`` (the tree's
+# top levels, where per-op overhead dominates).
 Element = Tuple  # (A, b, C, e, J, g)
 PACK_BELOW = 2048
 
 
-def _mat(M: torch.Tensor):
-    Mt = M.permute(1, 2, 0).contiguous()
-    return [[Mt[i, j] for j in range(M.shape[-1])] for i in range(M.shape[-2])]
-
-
-def _vec(v: torch.Tensor):
-    vt = v.transpose(0, 1).contiguous()
-    return [vt[i] for i in range(v.shape[-1])]
-
-
-def _pack(X):
-    """Structure of arrays -> stacked tensors."""
-    if isinstance(X, tuple):
-        return tuple(_pack(x) for x in X)
-    if isinstance(X, list) and isinstance(X[0], list):
-        return torch.stack([torch.stack(row, -1) for row in X], -2)
-    if isinstance(X, list):
-        return torch.stack(X, -1)
-    return X
-
-
-def _dot(xs, ys):
-    if torch.is_tensor(xs):
-        return (xs * ys).sum(-1)
-    out = xs[0] * ys[0]
-    for x, y in zip(xs[1:], ys[1:]):
-        out = torch.addcmul(out, x, y)
+def _plus_eye(M):
+    if soa.is_packed(M):
+        return M + torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    out = [list(row) for row in M]
+    for k in range(len(out)):
+        out[k][k] = out[k][k] + 1.0
     return out
 
 
-def _mv(M, v):
-    if torch.is_tensor(M):
-        return (M @ v.unsqueeze(-1)).squeeze(-1)
-    return [_dot(row, v) for row in M]
+def _log_det_g(det, g):
+    """``g - log(det) / 2``: NaN or +inf where ``det <= 0`` (``q`` not positive definite),
+    which reaches ``log Z`` and is caught there."""
+    return g - 0.5 * det.log()
 
 
-def _t(M):
-    if torch.is_tensor(M):
-        return M.transpose(-1, -2)
-    return [list(col) for col in zip(*M)]
+def leaf(A, b, C, eta, J) -> Element:
+    """Transition ``N(x_t; A x_{t-1} + b, C)`` followed by the site ``(eta_t, J_t)``:
+    ``M = (I + C J)^-1``, ``x_t | x_{t-1}, site ~ N(M (A x + b + C eta), M C)`` and the site's
+    likelihood of ``x_{t-1}``."""
+    Minv, det = inv_det(_plus_eye(mm(C, J)))
+    P1 = mm(Minv, C)
+    W = mm(Minv, A)
+    Jb = mv(J, b)
+    r = sub(eta, Jb)
+    Wt = tr(W)
+    quad = dot(b, sub(eta, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
+    e = mv(Wt, r)
+    g = _log_det_g(det, quad)
+    return W, mv(Minv, add(b, mv(C, eta))), P1, e, mm(Wt, mm(J, A)), g
 
 
-def _mm(X, Y):
-    if torch.is_tensor(X):
-        return X @ Y
-    Yt = _t(Y)
-    return [[_dot(row, col) for col in Yt] for row in X]
-
-
-def _add(X, Y):
-    if isinstance(X, list):
-        return [_add(x, y) for x, y in zip(X, Y)]
-    return X + Y
-
-
-def _sub(X, Y):
-    if isinstance(X, list):
-        return [_sub(x, y) for x, y in zip(X, Y)]
-    return X - Y
-
-
-def _map(fn, X):
-    if isinstance(X, (list, tuple)):
-        return type(X)(_map(fn, x) for x in X)
-    return fn(X)
-
-
-def _leaves(X):
-    if isinstance(X, (list, tuple)):
-        return [t for x in X for t in _leaves(x)]
-    return [X]
-
-
-def _unflatten(template, flat):
-    """``template``'s structure filled with the tensors of the iterator ``flat``."""
-    if isinstance(template, (list, tuple)):
-        return type(template)(_unflatten(x, flat) for x in template)
-    return next(flat)
-
-
-def _inv_det(M):
-    """``(M^-1, det M)`` of a batch of small matrices: closed forms for d = 1, 2."""
-    if torch.is_tensor(M):
-        return torch.linalg.inv(M), torch.linalg.det(M)
-    d = len(M)
-    if d == 1:
-        return [[M[0][0].reciprocal()]], M[0][0]
-    if d == 2:
-        (a, b), (c, e) = M
-        det = a * e - b * c
-        r = det.reciprocal()
-        return [[e * r, -b * r], [-c * r, a * r]], det
-    full = torch.stack([torch.stack(row, -1) for row in M], -2)
-    return _mat(torch.linalg.inv(full)), torch.linalg.det(full)
-
-
-def combine(i: Element, j: Element) -> Element:
-    """``(K_i o K_j)(x, z) = int K_i(x, y) K_j(y, z) dy`` (i earlier in time than j)."""
+def combine(i: Element, j: Element):
+    """``(K_i o K_j)(x, z) = int K_i(x, y) K_j(y, z) dy`` (i earlier in time than j), and what
+    the backward pass needs: ``W = M A_i``, ``nu = M (b_i + C_i e_j)``, ``P1 = M C_i`` (the
+    law of ``y`` given ``x`` and the information of ``K_j``, ``M = (I + C_i J_j)^-1``) and
+    ``A_j P1``."""
     Ai, bi, Ci, ei, Ji, gi = i
     Aj, bj, Cj, ej, Jj, gj = j
-    CJ = _mm(Ci, Jj)
-    if torch.is_tensor(CJ):
-        CJ = CJ + torch.eye(CJ.shape[-1], dtype=CJ.dtype, device=CJ.device)
-    else:
-        for k in range(len(CJ)):
-            CJ[k][k] = CJ[k][k] + 1.0
-    Minv, det = _inv_det(CJ)  # (I + C_i J_j)^-1
-    Minv_Ci = _mm(Minv, Ci)  # = (C_i^-1 + J_j)^-1, symmetric
-    Jb = _mv(Jj, bi)
-    r = _sub(ej, Jb)  # the site's residual information at b_i
-    AjM = _mm(Aj, Minv)
-    A = _mm(AjM, Ai)
-    b = _add(_mv(AjM, _add(bi, _mv(Ci, ej))), bj)
-    C = _add(_mm(_mm(Aj, Minv_Ci), _t(Aj)), Cj)
-    # (I + J_j C_i)^-1 = ((I + C_i J_j)^-1)' for symmetric C, J
-    AtN = _mm(_t(Ai), _t(Minv))
-    e = _add(_mv(AtN, r), ei)
-    J = _add(_mm(_mm(AtN, Jj), Ai), Ji)
-    quad = _dot(ej, bi) - 0.5 * _dot(bi, Jb) + 0.5 * _dot(r, _mv(Minv_Ci, r))
-    bad = det <= 0
-    g = gi + gj - 0.5 * torch.where(bad, torch.ones_like(det), det).log() + quad
-    g = torch.where(bad, torch.full_like(g, float("nan")), g)
-    return A, b, C, e, J, g
+    Minv, det = inv_det(_plus_eye(mm(Ci, Jj)))
+    P1 = mm(Minv, Ci)  # = (C_i^-1 + J_j)^-1, symmetric
+    W = mm(Minv, Ai)
+    nu = mv(Minv, add(bi, mv(Ci, ej)))
+    AjP1 = mm(Aj, P1)
+    Jb = mv(Jj, bi)
+    r = sub(ej, Jb)  # the site's residual information at b_i
+    # (I + J_j C_i)^-1 = ((I + C_i J_j)^-1)' for symmetric C, J: W' = A_i' (I + J_j C_i)^-1
+    Wt = tr(W)
+    A = mm(Aj, W)
+    b = add(mv(Aj, nu), bj)
+    C = add(mm(AjP1, tr(Aj)), Cj)
+    e = add(mv(Wt, r), ei)
+    J = add(mm(Wt, mm(Jj, Ai)), Ji)
+    quad = dot(bi, sub(ej, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
+    g = _log_det_g(det, gi + gj + quad)
+    return (A, b, C, e, J, g), (W, nu, P1, AjP1)
 
 
-def _identity_like(el: Element, n: int) -> Element:
-    like = el[5]
-    if torch.is_tensor(el[1]):
-        d = el[1].shape[-1]
-        eye = torch.eye(d, dtype=like.dtype, device=like.device).expand(n, d, d)
-        z, zz = like.new_zeros(n, d), like.new_zeros(n, d, d)
-        return eye, z, zz, z, zz, like.new_zeros(n)
-    d = len(el[1])
-    one, zero = like.new_ones(n), like.new_zeros(n)
-    eye = [[one if i == j else zero for j in range(d)] for i in range(d)]
-    zz = [[zero] * d for _ in range(d)]
-    return eye, [zero] * d, zz, [zero] * d, zz, zero
+def _half(v):
+    return soa.tree_map(lambda t: 0.5 * t, v)
 
 
-def reduce(elements: Element) -> Element:
-    """The ordered product of all elements by pairwise (tree) reduction: log2(T) levels."""
-    el = elements
+def _vec_of(M):
+    """A ``d x 1`` matrix as a vector."""
+    return M if soa.is_packed(M) else [row[0] for row in M]
+
+
+def _take(X, s: slice):
+    return soa.tree_map(lambda t: t[s], X)
+
+
+def _cat(X, Y):
+    flat = [torch.cat([x, y], 0) for x, y in zip(soa.leaves(X), soa.leaves(Y))]
+    return soa.unflatten(X, iter(flat))
+
+
+def _interleave(X, Y):
+    """``X_0, Y_0, X_1, Y_1, ...`` along time."""
+    flat = [torch.stack([x, y], 1).flatten(0, 1) for x, y in zip(soa.leaves(X), soa.leaves(Y))]
+    return soa.unflatten(X, iter(flat))
+
+
+def _shift(X):
+    """``X`` one step later along time, a zero first."""
+    return soa.tree_map(lambda t: torch.cat([torch.zeros_like(t[:1]), t[:-1]], 0), X)
+
+
+def _to_arrays(X):
+    """A packed ``(mean, cov, cross)`` state -> arrays."""
+    m, S, X = X
+    return soa.to_arrays_vec(m), soa.to_arrays_mat(S), soa.to_arrays_mat(X)
+
+
+def reduce(el: Element, levels: Optional[List] = None) -> Element:
+    """The ordered product of all elements by pairwise (tree) reduction: log2(T) levels; an
+    odd last element is carried up. With ``levels`` (a list), what the backward pass needs is
+    appended per level."""
     while el[5].shape[0] > 1:
         n = el[5].shape[0]
-        if n <= PACK_BELOW and not torch.is_tensor(el[1]):
-            el = _pack(el)
-        if n % 2:
-            pad = _leaves(_identity_like(el, 1))
-            flat = [torch.cat([t, p], 0) for t, p in zip(_leaves(el), pad)]
-            el = _unflatten(el, iter(flat))
-        left = _map(lambda t: t[0::2], el)
-        right = _map(lambda t: t[1::2], el)
-        el = combine(left, right)
+        if n <= PACK_BELOW and not soa.is_packed(el[1]):
+            el = soa.pack(el)
+        pairs = n // 2
+        left, right = _take(el, slice(0, 2 * pairs, 2)), _take(el, slice(1, 2 * pairs, 2))
+        parent, extra = combine(left, right)
+        if levels is not None:
+            levels.append((parent[:3], extra, n % 2))
+        el = _cat(parent, _take(el, slice(n - 1, n))) if n % 2 else parent
     return el
 
 
-def site_elements(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> Element:
-    """Per step, the transition kernel followed by its site (``eta (T, d)``, ``J (T, d, d)``)."""
+def _descend(levels: List, root: Element):
+    """The smoothed ``(mean, cov, Cov(x_t, x_{t-1}))`` of every leaf's end state, packed."""
+    root = soa.pack(root)
+    A, b, C = root[:3]  # the root's start is the dummy x_{-1}: A = 0, the law of x_{T-1}
+    state = (b, C, torch.zeros_like(C))
+    for (Ap, bp, Cp), (W, nu, P1, ARP1), odd in reversed(levels):
+        if not soa.is_packed(W) and soa.is_packed(state[0]):
+            state = _to_arrays(state)
+        mE, SE, X = state
+        pairs = Ap[0][0].shape[0] if not soa.is_packed(Ap) else Ap.shape[0]
+        mS, SS = _take(_shift(mE), slice(0, pairs)), _take(_shift(SE), slice(0, pairs))
+        mJ, SJ, XJ = (_take(t, slice(0, pairs)) for t in (mE, SE, X))
+        Kt = mm(inv(Cp), ARP1)  # K' = C_parent^-1 A_R P1 (C_parent = Cov(x_j | x_{i-1}))
+        K = tr(Kt)
+        FK = hcat(sub(W, mm(K, Ap)), K)  # [F G]: x_k | x_{i-1}, x_j ~ N(F x_{i-1} + G x_j + u, S)
+        u = sub(nu, mv(K, bp))
+        # [E x_k - u, Cov(x_k, x_{i-1}), Cov(x_k, x_j)] = [F G] [m_s S_s X'; m_j X S_j]
+        R = mm(FK, vcat(hcat(soa.col(mS), SS, tr(XJ)), hcat(soa.col(mJ), XJ, SJ)))
+        d = len(R) if not soa.is_packed(R) else R.shape[-2]
+        mk = add(_vec_of(cols(R, 0, 1)), u)
+        Y, Z = cols(R, 1, 1 + d), cols(R, 1 + d, 1 + 2 * d)
+        Sk = add(sub(P1, mm(K, ARP1)), mm(cols(R, 1, 1 + 2 * d), tr(FK)))
+        child = (_interleave(mk, mJ), _interleave(Sk, SJ), _interleave(Y, tr(Z)))
+        if odd:
+            child = tuple(_cat(c, _take(s, slice(pairs, pairs + 1))) for c, s in zip(child, state))
+        state = child
+    return soa.pack(state)
+
+
+def _time_major(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, packed: bool):
+    """The leaves (transition then site, per step), time first: ``(T, *B, ...)``."""
     A, b, C = chain.all_steps()
-    T, d = eta.shape
-    zero = eta.new_zeros(T)
-    trans = (_mat(A), _vec(b), _mat(C), [zero] * d, [[zero] * d for _ in range(d)], zero)
-    site = _identity_like(trans, T)
-    site = (site[0], site[1], site[2], _vec(eta), _mat(J), zero)
-    return combine(trans, site)
+    batch = torch.broadcast_shapes(A.shape[:-3], eta.shape[:-2], J.shape[:-3])
+    T, d = eta.shape[-2], eta.shape[-1]
+
+    def mat(M):
+        return M.expand(batch + (T, d, d)).movedim(-3, 0)
+
+    def vec(v):
+        return v.expand(batch + (T, d)).movedim(-2, 0).unsqueeze(-1)
+
+    if packed:
+        return leaf(mat(A), vec(b), mat(C), vec(eta), mat(J))
+    m, v = soa.to_arrays_mat, soa.to_arrays_vec
+    return leaf(m(mat(A)), v(vec(b)), m(mat(C)), v(vec(eta)), m(mat(J)))
 
 
 def log_normalizer(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     """``log Z`` of prior x sites (see the module docstring); differentiable in everything."""
-    total = reduce(site_elements(chain, eta, J))
-    return total[5][0]
+    T = eta.shape[-2]
+    return reduce(_time_major(chain, eta, J, T <= PACK_BELOW))[5][0]
 
 
 @dataclass
@@ -286,47 +288,33 @@ def smooth(
     keep_graph: bool = False,
     lag_one: bool = False,
 ) -> Marginals:
-    """Forward reduction + one backward pass (the RTS smoother as the gradient of log Z).
+    """``log Z``, the smoothed marginals and (``lag_one``) ``Cov(x_t, x_{t-1})`` in one
+    forward-backward pass over the reduction tree (module docstring); O(T d^3).
 
     With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
-    and to ``eta`` and ``J`` (the marginals by a differentiable backward pass): ``q`` is then
-    differentiable in the model's parameters at fixed sites. Without, nothing has a graph.
-    With ``lag_one``, also ``Cov(x_t, x_{t-1})`` (always detached) from ``G_t = dlogZ/dA_t =
-    Q_t^-1 E[(x_t - A_t x_{t-1} - b_t) x_{t-1}']``: ``Cov = Q_t G_t + A_t S_{t-1} + (A_t m_{t-1}
-    + b_t - m_t) m_{t-1}'``.
+    and to ``eta`` and ``J``: ``q`` is then differentiable in the model's parameters at fixed
+    sites. Without, nothing records a graph. Leading batch dims: independent chains.
     """
-    with torch.enable_grad():
-        e, Jl = (_input(t, keep_graph) for t in (eta, J))
-        ch = chain if keep_graph else chain.detach()
-        wrt = (e, Jl)
-        if lag_one:
-            A = ch.A if ch.A.requires_grad else ch.A.detach().clone().requires_grad_(True)
-            ch = replace(ch, A=A)
-            wrt = wrt + (A,)
-        log_z = log_normalizer(ch, e, Jl)
-        if not bool(torch.isfinite(log_z)):
+    if not keep_graph:
+        chain, eta, J = chain.detach(), eta.detach(), J.detach()
+    T = eta.shape[-2]
+    with torch.set_grad_enabled(keep_graph):
+        levels: List = []
+        root = soa.pack(reduce(_time_major(chain, eta, J, T <= PACK_BELOW), levels))
+        log_z = root[5][0]
+        if not bool(torch.isfinite(log_z).all()):
             raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-        grads = torch.autograd.grad(log_z, wrt, retain_graph=keep_graph, create_graph=keep_graph)
-    mean = grads[0] if keep_graph else grads[0].detach()
-    g_J = grads[1] if keep_graph else grads[1].detach()
-    second = -(g_J + g_J.transpose(-1, -2))  # E[x x'] (symmetrised)
-    cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+        m, S, X = _descend(levels, root)
+    mean = m.squeeze(-1).movedim(0, -2)
+    cov = S.movedim(0, -3)
+    cov = 0.5 * (cov + cov.transpose(-1, -2))
     diag = cov.diagonal(dim1=-2, dim2=-1)
     if not bool(torch.isfinite(cov).all()) or bool((diag <= 0).any()):
         raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
-    cross = None
-    if lag_one:
-        A, b, Q = (t.detach() for t in (ch.A, ch.b, ch.Q))
-        m, S = mean.detach(), cov.detach()
-        prev = m[:-1]
-        resid = _tmv(A, prev) + b - m[1:]
-        cross = Q @ grads[2].detach() + A @ S[:-1] + resid.unsqueeze(-1) * prev.unsqueeze(-2)
-    return Marginals(mean, cov, log_z if keep_graph else log_z.detach(), cross)
-
-
-def _input(t: torch.Tensor, keep_graph: bool) -> torch.Tensor:
-    """``t`` itself when its graph is kept (autograd differentiates at it), else a new leaf."""
-    return t if keep_graph and t.requires_grad else t.detach().clone().requires_grad_(True)
+    cross = X[1:].movedim(0, -3) if lag_one else None
+    if cross is not None and not keep_graph:
+        cross = cross.detach()
+    return Marginals(mean, cov, log_z, cross)
 
 
 def _tmv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

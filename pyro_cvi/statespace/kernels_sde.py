@@ -15,7 +15,7 @@ Lengthscale and variance are numbers or tensors (e.g. ``pyro.param``; gradients 
 from __future__ import annotations
 
 import math
-from typing import List, Tuple, Union
+from typing import List, Tuple, Union, cast
 
 import torch
 
@@ -95,7 +95,7 @@ class Matern12(_Matern):
     def stationary_cov(self, like: torch.Tensor) -> torch.Tensor:
         return self.params(like)[1].reshape(1, 1)
 
-    def covariance(self, t1, t2):
+    def covariance(self, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
         ls, s2, _ = self.params(t1)
         r = (t1[:, None] - t2[None, :]).abs()
         return s2 * torch.exp(-r / ls)
@@ -110,7 +110,7 @@ class Matern32(_Matern):
         _, s2, lam = self.params(like)
         return torch.diag(torch.stack([s2, lam**2 * s2]))
 
-    def covariance(self, t1, t2):
+    def covariance(self, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
         _, s2, lam = self.params(t1)
         a = lam * (t1[:, None] - t2[None, :]).abs()
         return s2 * (1 + a) * torch.exp(-a)
@@ -129,7 +129,7 @@ class Matern52(_Matern):
         rows.append(torch.stack([-kappa, z, lam**4 * s2]))
         return torch.stack(rows)
 
-    def covariance(self, t1, t2):
+    def covariance(self, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
         _, s2, lam = self.params(t1)
         a = lam * (t1[:, None] - t2[None, :]).abs()
         return s2 * (1 + a + a**2 / 3) * torch.exp(-a)
@@ -138,21 +138,25 @@ class Matern52(_Matern):
 class SumKernel(SDEKernel):
     """``k = k_1 + k_2 + ...``: independent SDEs, stacked states."""
 
+    parts: List[SDEKernel]
+
     def __init__(self, parts: List[SDEKernel]):
-        flat = []
+        flat: List[SDEKernel] = []
         for p in parts:
             flat.extend(p.parts if isinstance(p, SumKernel) else [p])
         self.parts = flat
         self.state_dim = sum(p.state_dim for p in flat)
 
-    def feedback(self, like):
-        return torch.block_diag(*[p.feedback(like) for p in self.parts])
+    def feedback(self, like: torch.Tensor) -> torch.Tensor:
+        F: torch.Tensor = torch.block_diag(*[p.feedback(like) for p in self.parts])
+        return F
 
-    def stationary_cov(self, like):
-        return torch.block_diag(*[p.stationary_cov(like) for p in self.parts])
+    def stationary_cov(self, like: torch.Tensor) -> torch.Tensor:
+        P: torch.Tensor = torch.block_diag(*[p.stationary_cov(like) for p in self.parts])
+        return P
 
-    def emission(self, like):
+    def emission(self, like: torch.Tensor) -> torch.Tensor:
         return torch.cat([p.emission(like) for p in self.parts])
 
-    def covariance(self, t1, t2):
-        return sum(p.covariance(t1, t2) for p in self.parts)
+    def covariance(self, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, sum(p.covariance(t1, t2) for p in self.parts))

@@ -43,7 +43,7 @@ class SiteRows:
     def moments(self, mean: torch.Tensor, cov: torch.Tensor):
         """``E_q[f_r]`` and ``Var_q[f_r]`` from the smoothed marginals."""
         f_mean = (self.H * mean[self.t]).sum(-1)
-        f_var = torch.einsum("rd,rde,re->r", self.H, cov[self.t], self.H)
+        f_var = (self.H.unsqueeze(-2) @ cov[self.t] @ self.H.unsqueeze(-1)).reshape(-1)
         return f_mean, f_var
 
     def expected_log_sites(self, f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ site-form ``q`` of eq. 11 is a GP posterior with pseudo-observations, App. E.2).
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Tuple
 
 import torch
 
@@ -40,7 +40,9 @@ def predict_f(
     return mean[idx], var[idx]
 
 
-def predict(guide, name: str, new_times: torch.Tensor, *args, **kwargs):
+def predict(
+    guide: Any, name: str, new_times: torch.Tensor, *args: Any, **kwargs: Any
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(mean, var)`` of ``f`` at ``new_times`` for the Markov GP site ``name`` of a fitted
     :class:`~pyro_cvi.AutoCVI` guide; ``args, kwargs``: the model's training arguments."""
     block = guide.engine.block_of(name)

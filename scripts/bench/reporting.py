@@ -23,6 +23,9 @@ Usage in a new script (``scripts/benchmark_x.py``)::
     write_results(args.out, payload, title="...", verdict=line, tables=[table],
                   command="python scripts/benchmark_x.py", quick=args.quick)
 
+``write_results`` also saves every plot of the tables as a PNG next to the JSON
+(``results/benchmark_x-<table>-<plot>.png``) and records how long the run took (wall and CPU
+seconds since this module was imported, the machine and its load) in ``report["run"]``.
 ``scripts/report.py`` renders every ``results/*.json`` that has a ``report`` key (title,
 command, verdict, tables with legends and remarks, plots); nothing else needs editing for a
 new script to appear on the results page.
@@ -32,7 +35,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -43,6 +49,9 @@ ABSURD_FACTOR = 10.0
 #: Lists longer than this (loss traces) are thinned in the written JSON, so that the results
 #: that back the README and the docs stay small enough to commit.
 MAX_POINTS = 300
+
+#: When the script that imports this module started (to the precision that matters here).
+_STARTED = time.perf_counter()
 
 
 def fmt(x: Any, spec: str = "", missing: str = "-") -> str:
@@ -254,6 +263,81 @@ def thin(obj: Any, max_points: int = MAX_POINTS) -> Any:
     return obj
 
 
+def _process_age() -> Optional[float]:
+    """Wall seconds since this process started (Linux ``/proc``); ``None`` elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def run_info() -> Dict[str, Any]:
+    """How long this process has run (wall seconds since it started, or since this module was
+    imported where ``/proc`` is missing; CPU seconds of the process and its finished children)
+    and on what: recorded in every report, so that the durations in the README's "How long
+    things take" table come from real runs."""
+    t = os.times()
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    age = _process_age()
+    return {
+        "wall_seconds": round(age if age is not None else time.perf_counter() - _STARTED, 1),
+        "cpu_seconds": round(t.user + t.system + t.children_user + t.children_system, 1),
+        "cpu_count": os.cpu_count(),
+        "load_average": load,
+        "machine": platform.platform(),
+    }
+
+
+def plot_file(stem: str, table: int, plot: int) -> str:
+    """The file name of plot ``plot`` of table ``table`` of ``<stem>.json``."""
+    return f"{stem}-{table}-{plot}.png"
+
+
+def save_plot(spec: Dict[str, Any], path: Path) -> Path:
+    """Draw one plot spec (:meth:`Table.plot`) into a PNG at ``path``. Uses matplotlib's
+    object-oriented API only (no ``pyplot``), so it changes no global backend or figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.6))
+    ax = fig.subplots()
+    for label, points in spec["series"].items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
+    if spec.get("logx"):
+        ax.set_xscale("log")
+    if spec.get("logy"):
+        ax.set_yscale("log")
+    ax.set_xlabel(spec["xlabel"])
+    ax.set_ylabel(spec["ylabel"])
+    if spec.get("title"):
+        ax.set_title(spec["title"], fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def save_plots(json_path: Path, tables: Sequence[Dict[str, Any]]) -> List[Path]:
+    """Every plot of ``tables`` (``Table.as_dict()`` form) as a PNG next to ``json_path``; none
+    (with a note) when matplotlib is not installed."""
+    specs = [(t, p, spec) for t, tab in enumerate(tables) for p, spec in enumerate(tab["plots"])]
+    if not specs:
+        return []
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"no plots next to {json_path}: matplotlib is not installed", file=sys.stderr)
+        return []
+    return [save_plot(s, json_path.with_name(plot_file(json_path.stem, t, p))) for t, p, s in specs]
+
+
 def write_results(
     path: str,
     payload: Dict[str, Any],
@@ -265,7 +349,8 @@ def write_results(
     quick: bool = False,
     text: str = "",
 ) -> Path:
-    """Write ``payload`` as JSON with a ``report`` section for ``scripts/report.py``."""
+    """Write ``payload`` as JSON with a ``report`` section for ``scripts/report.py``, and the
+    tables' plots as PNG files next to it (:func:`save_plots`)."""
     report = {
         "title": title,
         "command": command,
@@ -273,10 +358,13 @@ def write_results(
         "quick": quick,
         "text": text,
         "tables": [t.as_dict() for t in tables],
+        "run": run_info(),
     }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = thin({**payload, "report": report})
     out.write_text(json.dumps(data, separators=(",", ":"), default=float) + "\n")
     print(f"wrote {out}")
+    for png in save_plots(out, data["report"]["tables"]):
+        print(f"wrote {png}")
     return out

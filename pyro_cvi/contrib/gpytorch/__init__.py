@@ -1,22 +1,49 @@
-"""GPyTorch adapter: GP models trained by conjugate-computation VI with O(N) site parameters.
+"""GPyTorch adapter: GP models trained by conjugate-computation VI.
 
 Install with ``pip install pyro-cvi[gpytorch]``.
 
 * :class:`CVIVariationalStrategy`: a GPyTorch variational strategy whose q(u) is built in
-  closed form from one Gaussian site ``(lam1_n, lam2_n)`` per training point (Khan & Lin 2017,
-  eq. 14: GP regression with pseudo-observations). Full form (inducing points = training
-  inputs, stable ``B = I + W^1/2 K W^1/2``) or sparse form (M inducing points, the dual
-  parameterisation of Adam et al. 2021, O(N M^2) per iteration, minibatchable sites).
-* :class:`CVIOptimizer`: updates the sites from the gradients of ``likelihood.expected_log_prob``
-  with respect to the marginal mean parameters (eq. 13, Appendix B.1). Works with any 1-D
-  likelihood; positive curvature (Student-t) is clipped and counted in ``num_clipped``.
+  closed form from Gaussian sites (Khan & Lin 2017, eq. 14). Built the GPyTorch way,
+  ``CVIVariationalStrategy(model, inducing_points, variational_distribution,
+  learn_inducing_locations=True)``, it replaces GPyTorch's strategy in one line (any batch
+  shape, inside ``IndependentMultitaskVariationalStrategy`` / ``LMCVariationalStrategy``), and
+  GPyTorch's own training loop trains q: ``loss.backward()`` of ``-VariationalELBO`` takes one
+  CVI step on the sites (see :mod:`~pyro_cvi.contrib.gpytorch.inducing`). With ``num_data``
+  (the signature of earlier versions) it keeps one site per training point: the full GP
+  (stable ``B = I + W^1/2 K W^1/2``) or the sparse dual parameterisation of Adam et al. 2021
+  (O(N M^2), minibatchable, data-parallel), updated by :class:`CVIOptimizer` only.
+* :class:`CVIOptimizer`: the CVI step with backtracking (:class:`pyro_cvi.step_control.StepControl`)
+  from ``likelihood.expected_log_prob`` (eq. 13, Appendix B.1); any likelihood; accepts models
+  whose strategy wraps a :class:`CVIVariationalStrategy`.
 * :class:`MultiClassCVIStrategy`, :class:`MultiClassCVIOptimizer`: K latent GPs with coupled
   K x K sites per point, for ``SoftmaxLikelihood(mixing_weights=False)`` or
   :class:`CategoricalLogitsLikelihood` (multi-class classification; see ``multiclass.py``).
 * :class:`LogisticBernoulliLikelihood`: Bernoulli with a sigmoid link, with expectations that
   stay exact for very wide marginals.
 
-Hybrid training (CVI for q, Adam for the kernel hyperparameters on the standard ELBO)::
+GPyTorch's GP-classification loop, with the strategy swapped in (the only changed line)::
+
+    class GPClassificationModel(gpytorch.models.ApproximateGP):
+        def __init__(self, train_x):
+            variational_distribution = CholeskyVariationalDistribution(train_x.size(0))
+            variational_strategy = CVIVariationalStrategy(       # was UnwhitenedVariationalStrategy
+                self, train_x, variational_distribution, learn_inducing_locations=False
+            )
+            ...
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)   # hyperparameters only
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, train_y.numel())
+    for i in range(50):
+        optimizer.zero_grad()
+        loss = -mll(model(train_x), train_y)
+        loss.backward()       # the CVI step on q (step_size 0.5), and the hyperparameter gradients
+        optimizer.step()
+
+This is GPyTorch's NGD on whitened natural parameters with ``lr = step_size`` (a test checks
+the trajectories agree). Adding ``cvi = CVIOptimizer(model, likelihood)`` and ``cvi.step(train_x,
+train_y)`` before ``optimizer.zero_grad()`` fits q with backtracking instead
+(``scripts/benchmark_gpytorch_loop.py``).
+
+Hybrid training with the data-site form (CVI for q, Adam for the hyperparameters)::
 
     import gpytorch, torch
     from pyro_cvi.contrib.gpytorch import (

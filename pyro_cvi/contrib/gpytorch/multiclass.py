@@ -219,10 +219,15 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         return self.model.forward(self._Z())
 
     @property
-    def variational_distribution(self):
-        """q(u): mean ``[K, M]`` and the joint ``[K M, K M]`` covariance (classes coupled)."""
+    def variational_distribution(self) -> MultitaskMultivariateNormal:
+        """q(u) of the ``K x M`` inducing values, classes coupled: a ``MultitaskMultivariateNormal``
+        with mean ``[M, K]`` (one task per class) and the joint ``[K M, K M]`` covariance in
+        class-major order (``interleaved=False``), jitter added."""
         post, b = self.posterior()
-        return post.q_u(b["mean_Z"])
+        mean, cov = post.q_u(b["mean_Z"])
+        eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+        cov = 0.5 * (cov + cov.mT) + self.jitter * eye
+        return MultitaskMultivariateNormal(mean.mT, cov, interleaved=False)
 
     def kl_divergence(self) -> Tensor:
         return self.posterior()[0].kl()
@@ -249,6 +254,7 @@ class MultiClassCVIStrategy(_VariationalStrategy):
     def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultitaskMultivariateNormal:
         if prior:
             return self.model.forward(x, **kwargs)
+        self.variational_params_initialized.fill_(1)  # sites start at zero (q = prior)
         if x.dim() != 2:
             raise NotImplementedError(f"expected inputs of shape n x D; got {tuple(x.shape)}")
         return self.forward(x, **kwargs)

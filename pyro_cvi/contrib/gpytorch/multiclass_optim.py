@@ -38,6 +38,7 @@ from torch import Tensor
 
 from pyro_cvi.messages.softmax import METHODS, LSEMoments, lse_expectations, site_targets
 from pyro_cvi.step_control import Snapshot, StepControl
+from pyro_cvi.update import cvi_update
 
 from .multiclass import CategoricalLogitsLikelihood, MultiClassCVIStrategy
 
@@ -165,5 +166,7 @@ class MultiClassCVIOptimizer:
         return loss
 
     def _update(self, old1, old2, lam1, lam2, indices, beta: float) -> None:
-        """Eq. 13: ``lam <- (1 - beta) lam + beta lam*`` (a convex combination: stays NSD)."""
-        self.strategy.set_sites(old1 + beta * (lam1 - old1), old2 + beta * (lam2 - old2), indices)
+        """Eq. 13 (:func:`pyro_cvi.update.cvi_update`): ``lam <- lam + beta (lam* - lam)`` (a
+        convex combination: stays NSD)."""
+        new1, new2 = cvi_update((old1, old2), (lam1, lam2), beta)
+        self.strategy.set_sites(new1, new2, indices)

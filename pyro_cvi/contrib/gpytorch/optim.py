@@ -45,7 +45,10 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from pyro_cvi.messages.quadrature import site_natural_params
+from pyro_cvi.step_control import Snapshot, StepControl
+from pyro_cvi.update import cvi_update
 
+from .inducing import mean_param_targets
 from .strategy import CVIVariationalStrategy
 
 __all__ = ["CVIOptimizer"]
@@ -99,25 +102,37 @@ class CVIOptimizer:
         shrink: float = 0.5,
         min_step_size: float = 1e-2,
         process_group=None,
+        num_data: Optional[int] = None,
     ):
         strategy = getattr(model, "variational_strategy", None)
+        while not isinstance(strategy, CVIVariationalStrategy) and hasattr(
+            strategy, "base_variational_strategy"
+        ):  # IndependentMultitaskVariationalStrategy, LMCVariationalStrategy, ...
+            strategy = strategy.base_variational_strategy
         if not isinstance(strategy, CVIVariationalStrategy):
             raise TypeError(
                 "CVIOptimizer needs a model whose variational_strategy is a "
-                f"CVIVariationalStrategy; got {type(strategy).__name__}."
+                "CVIVariationalStrategy (possibly wrapped by GPyTorch's multitask strategies); "
+                f"got {type(getattr(model, 'variational_strategy', None)).__name__}."
             )
         if not 0.0 < float(step_size) <= 1.0:
             raise ValueError(f"step_size must be in (0, 1], got {step_size}")
         self.model = model
         self.likelihood = likelihood
         self.strategy = strategy
-        self.step_size = float(step_size)
+        #: the one step policy (backtracking only: no growth above a shrunk step)
+        self.control = StepControl(
+            max_beta=float(step_size),
+            start_exact=float(step_size),
+            shrink=float(shrink),
+            grow_exact=1.0,
+            min_beta=float(min_step_size),
+        )
+        self.control.start(stochastic=False)
         self.clip_curvature = clip_curvature
         self.backtrack = backtrack
         self.shrink = float(shrink)
         self.min_step_size = float(min_step_size)
-        self.num_backtracks = 0
-        self._prev: Optional[dict] = None
         self.num_clipped = 0
         self.last_num_clipped = 0
         self.num_steps = 0
@@ -125,7 +140,12 @@ class CVIOptimizer:
             strategy.set_process_group(process_group)
         self.reducer = strategy.reducer
         #: training points over every rank (``strategy.num_data`` in one process)
-        self.num_data = strategy.num_data
+        self.num_data = strategy.num_data if num_data is None else int(num_data)
+        self._inferred_n = False  # inducing form without num_data: N from the first step
+        if strategy.inducing_form:
+            strategy.backward_step = False  # the steps are taken here, with backtracking
+        else:
+            strategy.stepped_by_optimizer = True
         if self.reducer is not None:
             # every rank starts from rank 0's hyperparameters and inducing points
             shared = self.hyperparameters()
@@ -190,6 +210,8 @@ class CVIOptimizer:
             not change.
         """
         s = self.strategy
+        if s.inducing_form:
+            return self._inducing_step(x, y, indices, **kwargs)
         indices = self._resolve_indices(x, indices)
         mean, var = s.site_marginals(indices)
         y = y.to(device=mean.device)
@@ -216,8 +238,7 @@ class CVIOptimizer:
         with torch.no_grad():
             kl = s.kl_divergence()
         key = s.state_key()[1:] if (self.backtrack and indices is None) else None
-        prev = self._prev
-        same = key is not None and prev is not None and s.keys_equal([0] + prev["key"], [0] + key)
+        same = self._same_point(key)
         # data-parallel: every rank's terms and flags in one all-reduce, so all decide alike
         kl, ell_sum, num_clipped, finite, same = self._agree(
             kl, ell.sum() * (s.num_data / n), int(clipped.sum()), finite, same
@@ -239,35 +260,79 @@ class CVIOptimizer:
             self.num_clipped += self.last_num_clipped
         g1, g2 = site_natural_params(mean, gm, gv)
         loss = (kl - ell_sum).detach()
-
-        if (
-            same
-            and loss > prev["loss"] + self._rel_tol(loss) * prev["loss"].abs()
-            and self.step_size > self.min_step_size
-        ):
-            # The previous step made things worse: undo it and retry with a smaller step.
-            self.step_size = max(self.step_size * self.shrink, self.min_step_size)
-            self.num_backtracks += 1
-            self._update(prev["lam1"], prev["lam2"], prev["g1"], prev["g2"], None)
-            self.num_steps += 1
-            return prev["loss"]
-
         old1 = s.site_lam1 if indices is None else s.site_lam1[indices]
         old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
-        if key is not None:
-            self._prev = {
-                "key": key,
-                "loss": loss,
-                "lam1": old1.clone(),
-                "lam2": old2.clone(),
-                "g1": g1,
-                "g2": g2,
-            }
-        else:
-            self._prev = None
-        self._update(old1, old2, g1, g2, indices)
+        return self._take_step(key, same, loss, (old1, old2), (g1, g2), indices)
+
+    def _same_point(self, key) -> bool:
+        """Whether the last accepted step was taken at these hyperparameters (comparable)."""
+        snap = self.control.snapshot
+        if key is None or snap is None:
+            return False
+        return self.strategy.keys_equal([0] + snap.values["key"], [0] + key)
+
+    def _take_step(self, key, same: bool, loss: Tensor, old: tuple, target: tuple, indices):
+        """The step policy of :class:`pyro_cvi.step_control.StepControl`: if the -ELBO went up
+        since the last accepted step at the same hyperparameters, undo that step and redo it with
+        a smaller ``beta`` (returning the -ELBO of the restored point); otherwise record this
+        point and step towards ``target`` (eq. 13)."""
+        ctrl = self.control
+        ctrl.rel_tol = self._rel_tol(loss)
         self.num_steps += 1
+        snap = ctrl.snapshot
+        if (
+            same
+            and ctrl.beta > self.min_step_size
+            and not ctrl.accepts(-float(loss), None, comparable=True)
+        ):
+            ctrl.rejected()
+            self._update(snap.values["old"], snap.values["target"], None)
+            return snap.values["loss"]
+        if key is None:
+            ctrl.snapshot = None
+        else:
+            values = {"key": key, "loss": loss, "old": tuple(o.clone() for o in old)}
+            values["target"] = target
+            ctrl.accepted(Snapshot(values, -float(loss), None), comparable=True)
+        self._update(old, target, indices)
         return loss
+
+    def _inducing_step(self, x: Tensor, y: Tensor, indices, **kwargs: Any) -> Tensor:
+        """The step for the inducing-site form (``inducing.py``): the targets are the gradient
+        of ``sum_batch E_q[log p(y_n | f_n)] * N / B`` with respect to q(v)'s mean parameters,
+        through ``model(x)`` (so GPyTorch's multitask wrappers and any likelihood work)."""
+        s = self.strategy
+        n = x.shape[-2] if x.dim() > 1 else x.shape[0]
+        if self.num_data is None:
+            if indices is not None:
+                raise ValueError(
+                    "minibatch steps on a CVIVariationalStrategy built the GPyTorch way need the "
+                    "training-set size: CVIOptimizer(model, likelihood, num_data=N)."
+                )
+            self.num_data, self._inferred_n = n, True  # the first step is the full batch
+        elif self._inferred_n and n != self.num_data:
+            raise ValueError(
+                f"step(x, y) got {n} points after a full batch of {self.num_data}; for "
+                "minibatches pass CVIOptimizer(model, likelihood, num_data=N)."
+            )
+        scale = self.num_data / n
+        with s.tracked_q() as (m_v, S_v), torch.enable_grad():
+            out = self.model(x)
+            ell = self.likelihood.expected_log_prob(y.to(out.mean.device), out, **kwargs).sum()
+            gm, gS = torch.autograd.grad(ell, (m_v, S_v), allow_unused=True)
+        gm = torch.zeros_like(m_v) if gm is None else gm
+        gS = torch.zeros_like(S_v) if gS is None else gS
+        if not bool(torch.isfinite(ell) and torch.isfinite(gm).all() and torch.isfinite(gS).all()):
+            raise FloatingPointError(
+                "non-finite expected log-likelihood or gradient in the CVI step. Use float64 "
+                "(model.double(), likelihood.double()), a smaller step_size, or check the targets."
+            )
+        t1, t2 = mean_param_targets(m_v.detach(), gm * scale, gS * scale)
+        with torch.no_grad():
+            loss = (s.kl_divergence().sum() - ell.detach() * scale).detach()
+        key = s.state_key()[1:] if (self.backtrack and self.num_data in (None, n)) else None
+        old = (s.site_lam1, s.site_lam2)
+        return self._take_step(key, self._same_point(key), loss, old, (t1, t2), None)
 
     def loss(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         """-ELBO / N for the hyperparameters: ``-mll(model(x), y)`` of
@@ -319,12 +384,25 @@ class CVIOptimizer:
         """Relative increase of the -ELBO treated as real (not round-off) when backtracking."""
         return max(1e-9, 100.0 * torch.finfo(loss.dtype).eps)
 
-    def _update(self, old1: Tensor, old2: Tensor, g1: Tensor, g2: Tensor, indices) -> None:
-        """Eq. 13: ``lam <- (1 - beta) lam + beta g``, with ``lam2 <= 0`` kept."""
-        beta = self.step_size
-        new1 = (1.0 - beta) * old1 + beta * g1
-        new2 = ((1.0 - beta) * old2 + beta * g2).clamp_max(0.0)
-        self.strategy.set_sites(new1, new2, indices)
+    def _update(self, old: tuple, target: tuple, indices) -> None:
+        """Eq. 13 (:func:`pyro_cvi.update.cvi_update`): ``lam <- lam + beta (g - lam)``, with
+        ``lam2 <= 0`` kept (data sites) or ``lam2`` NSD (inducing sites)."""
+        s = self.strategy
+        if s.inducing_form:
+            s.blend_sites(old, target, self.step_size)
+            return
+        new1, new2 = cvi_update(old, target, self.step_size)
+        s.set_sites(new1, new2.clamp_max(0.0), indices)
+
+    @property
+    def step_size(self) -> float:
+        """``beta`` of the next step (shrunk by backtracking, never grown back)."""
+        return float(self.control.beta)
+
+    @property
+    def num_backtracks(self) -> int:
+        """Steps undone and redone with a smaller ``beta``."""
+        return self.control.num_backtracks
 
     def state_dict(self) -> dict:
         return {
@@ -335,8 +413,8 @@ class CVIOptimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.step_size = float(state["step_size"])
+        self.control.beta = float(state["step_size"])
         self.num_clipped = int(state["num_clipped"])
-        self.num_backtracks = int(state.get("num_backtracks", 0))
+        self.control.num_backtracks = int(state.get("num_backtracks", 0))
         self.num_steps = int(state["num_steps"])
-        self._prev = None
+        self.control.snapshot = None

@@ -123,14 +123,16 @@ class SparseSitePosterior:
         lam1: Tensor,
         lam2: Tensor,
         reduce: Optional[Callable[[List[Tensor]], List[Tensor]]] = None,
+        sums: Optional[SiteSums] = None,
     ):
-        self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrix)")
-        self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)
-        w = _site_precisions(lam2)
+        if sums is not None:  # L_Z, Phi and the sums kept across minibatch steps
+            self.L_Z, self.Phi, S, s = sums.L_Z, sums.Phi, sums.S, sums.s
+        else:
+            self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrix)")
+            self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)
+            S, s = site_sums(self.Phi, lam1, lam2, prior_mean_X)
         m = K_ZZ.shape[-1]
         eye = torch.eye(m, dtype=K_ZZ.dtype, device=K_ZZ.device)
-        S = (self.Phi * w.unsqueeze(-2)) @ self.Phi.mT  # sum_n phi_n W_n phi_n^T
-        s = self.Phi @ (lam1 - w * prior_mean_X)  # sum_n phi_n r_n
         if reduce is not None:  # every rank's data points
             S, s = reduce([S, s])
         self.L_B = safe_cholesky(eye + S, "B = I + Phi W Phi^T")
@@ -170,3 +172,50 @@ class SparseSitePosterior:
         eye = torch.eye(m, dtype=self.L_B.dtype, device=self.L_B.device)
         S_v = torch.cholesky_solve(eye, self.L_B)
         return mean, self.L_Z @ S_v @ self.L_Z.mT
+
+
+def site_sums(Phi: Tensor, lam1: Tensor, lam2: Tensor, prior_mean: Tensor) -> Tuple[Tensor, Tensor]:
+    """``sum_n phi_n W_n phi_n^T`` and ``sum_n phi_n r_n`` (``r = lam1 - W m0``) over the columns
+    of ``Phi``."""
+    w = _site_precisions(lam2)
+    return (Phi * w.unsqueeze(-2)) @ Phi.mT, Phi @ (lam1 - w * prior_mean)
+
+
+class SiteSums:
+    """What q(u) of the sparse form needs from the data, kept across minibatch CVI steps at fixed
+    hyperparameters: ``L_Z``, ``Phi = L_Z^-1 K_ZX`` (computed once, O(N M^2)) and the running sums
+    ``S = sum_n phi_n W_n phi_n^T``, ``s = sum_n phi_n r_n``. A step on the sites of a batch B
+    changes them by ``Phi_B diag(dW) Phi_B^T`` and ``Phi_B dr`` (O(B M^2)); q(u) then costs
+    O(M^3) and the batch's marginals O(B M^2). The sums are recomputed in full every
+    :attr:`REFRESH` updates, so round-off does not accumulate.
+
+    :param version: the strategy's site version these sums belong to.
+    """
+
+    REFRESH = 50
+
+    def __init__(self, K_ZZ: Tensor, K_ZX: Tensor, prior_mean_X: Tensor, lam1, lam2, version: int):
+        self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrix)")
+        self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)
+        self.prior_mean_X = prior_mean_X
+        self.refresh(lam1, lam2, version)
+
+    def refresh(self, lam1: Tensor, lam2: Tensor, version: int) -> None:
+        self.S, self.s = site_sums(self.Phi, lam1, lam2, self.prior_mean_X)
+        self.version, self.updates = version, 0
+
+    @staticmethod
+    def updatable(sums: Optional[SiteSums], version: int, indices) -> Optional[SiteSums]:
+        """``sums`` if they belong to ``version`` and ``indices`` are distinct rows, else None."""
+        if sums is None or indices is None or sums.version != version:
+            return None
+        return sums if torch.unique(indices).numel() == indices.numel() else None
+
+    def update(self, indices: Tensor, old: Tuple[Tensor, Tensor], new: Tuple[Tensor, Tensor]):
+        """Account for the sites at ``indices`` (distinct) going from ``old`` to ``new``."""
+        P, m0 = self.Phi[..., indices], self.prior_mean_X[..., indices]
+        S_new, s_new = site_sums(P, new[0], new[1], m0)
+        S_old, s_old = site_sums(P, old[0], old[1], m0)
+        self.S = self.S + (S_new - S_old)
+        self.s = self.s + (s_new - s_old)
+        self.updates += 1

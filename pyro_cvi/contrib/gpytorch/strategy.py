@@ -29,50 +29,14 @@ from torch import Tensor
 
 from pyro_cvi.scale.distributed import Reducer, as_reducer
 
-from .posterior import FullSitePosterior, SparseSitePosterior
-from .site_store import keys_equal, write_sites
+from . import site_store as store
+from .inducing import InducingForm
+from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
+from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
 Posterior = Union[FullSitePosterior, SparseSitePosterior]
-
-
-class CVISites(_VariationalDistribution):
-    """Container for the CVI site natural parameters: ``lam1`` and ``lam2`` (length ``N``).
-
-    The site of data point ``n`` is ``exp(lam1_n f_n + lam2_n f_n^2)`` with ``lam2_n <= 0``.
-    All-zero sites (the initial value) mean q = prior. This is not a distribution over ``u`` on
-    its own: q(u) depends on the kernel, so use ``strategy.variational_distribution``.
-    """
-
-    def __init__(
-        self,
-        num_sites: int,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-    ):
-        super().__init__(num_inducing_points=num_sites)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        self.register_buffer("lam1", torch.zeros(num_sites, dtype=dtype, device=device))
-        self.register_buffer("lam2", torch.zeros(num_sites, dtype=dtype, device=device))
-
-    @property
-    def device(self) -> torch.device:
-        return self.lam1.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lam1.dtype
-
-    def initialize_variational_distribution(self, prior_dist: MultivariateNormal) -> None:
-        self.lam1.zero_()
-        self.lam2.zero_()
-
-    def forward(self):
-        raise RuntimeError(
-            "CVISites hold site parameters, not q(u); q(u) depends on the kernel. "
-            "Use model.variational_strategy.variational_distribution instead."
-        )
 
 
 class _Cache:
@@ -82,78 +46,104 @@ class _Cache:
         self.key, self.post, self.has_graph, self.extras = key, post, has_graph, extras
 
 
-class CVIVariationalStrategy(_VariationalStrategy):
-    r"""Variational strategy with O(N) CVI site parameters, full or sparse.
+class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
+    r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
-    **Full form** (``inducing_points`` are the ``num_data`` training inputs, ``train_inputs``
-    not given): sites live on ``u = f(X)`` and q(u) is computed with
-    ``B = I + W^1/2 K W^1/2`` (Rasmussen & Williams Alg. 3.2), which needs no inverse of ``K``
-    and stays stable when ``K`` is badly conditioned. O(N^3) per iteration.
+    **Built the GPyTorch way** (``CVIVariationalStrategy(model, inducing_points,
+    variational_distribution, learn_inducing_locations=True)``, a drop-in for GPyTorch's
+    strategies): one whitened Gaussian site per GP on the inducing values
+    (:mod:`~pyro_cvi.contrib.gpytorch.inducing`), any batch shape (batched inducing points,
+    kernels and inputs; inside ``IndependentMultitaskVariationalStrategy`` and
+    ``LMCVariationalStrategy``). The ``variational_distribution`` argument only gives the batch
+    shape and ``mean_init_std``. In training mode ``loss.backward()`` of ``-VariationalELBO``
+    (or ``PredictiveLogLikelihood``, ``GammaRobustVariationalELBO``) takes one CVI step of size
+    ``step_size`` (eq. 13: the natural-gradient step, GPyTorch's NGD on whitened natural
+    parameters), so GPyTorch's training loop trains q; :class:`CVIOptimizer` takes the steps
+    instead (with backtracking). Cost O(B M^2 + M^3) per batch of B points.
 
-    **Sparse form** (``M << N`` inducing points; pass ``train_inputs``, or let the first
-    full-batch :meth:`CVIOptimizer.step` register them): sites live on the training inputs,
-    q(u) is the dual parameterisation of Adam et al. (2021),
-    ``q(u) ∝ p(u) prod_n exp(lam1_n a_n^T u + lam2_n (a_n^T u)^2)`` with
-    ``a_n = K_ZZ^-1 k(Z, x_n)``. O(N M^2) per iteration, O(N M) memory; the sites of a
-    minibatch can be updated alone. Inducing locations may be learned
-    (``learn_inducing_locations=True``): the sites stay attached to the data.
+    **Data-site forms** (selected by ``num_data``, given by keyword or as the third positional
+    argument, or by ``train_inputs``; the signature of earlier versions): one site per training
+    point, updated only by :class:`CVIOptimizer` (a training forward pass without one warns).
 
-    Use it like any GPyTorch strategy: ``model(x)`` returns q(f(x)) and
-    ``gpytorch.mlls.VariationalELBO`` computes the ELBO (its KL term is the closed form of
-    :meth:`kl_divergence`). Jitter (``jitter_val``, default
+    * Full (``inducing_points`` are the ``num_data`` training inputs): q(u) through
+      ``B = I + W^1/2 K W^1/2`` (Rasmussen & Williams Alg. 3.2), stable when ``K`` is badly
+      conditioned. O(N^3) per iteration.
+    * Sparse (``M << N`` inducing points, ``train_inputs``, or the first full-batch
+      :meth:`CVIOptimizer.step` registers them): the dual parameterisation of Adam et al.
+      (2021), ``q(u) ∝ p(u) prod_n exp(lam1_n a_n^T u + lam2_n (a_n^T u)^2)``,
+      ``a_n = K_ZZ^-1 k(Z, x_n)``; O(N M^2) per iteration, minibatchable sites,
+      data-parallel (``process_group``).
+
+    ``model(x)`` returns q(f(x)); the KL term of GPyTorch's mlls is the closed form of
+    :meth:`kl_divergence`. Jitter (``jitter_val``, default
     ``gpytorch.settings.variational_cholesky_jitter``: 1e-6 in float64, 1e-4 in float32) is added
-    to the predictive variances and, in the sparse form, to ``K_ZZ``; the full form needs none.
+    to the predictive variances and to ``K_ZZ`` (not in the full form).
 
     :param model: the ``ApproximateGP`` that owns this strategy (its ``forward`` is the prior).
-    :param inducing_points: ``M x D`` inducing inputs (the training inputs for the full form).
-    :param num_data: number of training points ``N`` (one site each).
-    :param learn_inducing_locations: register ``inducing_points`` as a parameter (sparse only).
-    :param train_inputs: ``N x D`` training inputs; selects the sparse form.
+    :param inducing_points: ``[*batch, M, D]`` inducing inputs (data-site forms: ``M x D``; the
+        training inputs for the full form).
+    :param variational_distribution: a GPyTorch ``_VariationalDistribution`` (its batch shape
+        and ``mean_init_std`` are used) or ``None``; an ``int`` here is ``num_data``.
+    :param learn_inducing_locations: register ``inducing_points`` as a parameter (default
+        ``True`` built the GPyTorch way, ``False`` for the data-site forms; not in the full form).
+    :param num_data: data-site forms: number of training points ``N`` (one site each).
+    :param train_inputs: ``N x D`` training inputs; selects the sparse data-site form.
     :param jitter_val: diagonal jitter, see above.
-    :param process_group: data-parallel CVI (sparse form only): ``WORLD``
-        (:data:`pyro_cvi.scale.distributed.WORLD`) or a ``torch.distributed`` group. ``num_data``
-        and
-        ``train_inputs`` are then this rank's shard; the sums over data points that build q(u)
-        are all-reduced, so every rank holds the full-data q(u). See :class:`CVIOptimizer`.
+    :param process_group: data-parallel CVI (sparse data-site form only): ``WORLD``
+        (:data:`pyro_cvi.scale.distributed.WORLD`) or a ``torch.distributed`` group;
+        ``num_data`` and ``train_inputs`` are then this rank's shard. See :class:`CVIOptimizer`.
+    :param step_size: ``beta`` of the step taken in ``loss.backward()`` (GPyTorch-way only).
     """
 
     def __init__(
         self,
         model: ApproximateGP,
         inducing_points: Tensor,
-        num_data: int,
-        learn_inducing_locations: bool = False,
+        variational_distribution: Union[_VariationalDistribution, int, None] = None,
+        learn_inducing_locations: Optional[bool] = None,
         *,
+        num_data: Optional[int] = None,
         train_inputs: Optional[Tensor] = None,
         jitter_val: Optional[float] = None,
         process_group=None,
+        step_size: float = 0.5,
     ):
+        if isinstance(variational_distribution, (int, float)) or torch.is_tensor(
+            variational_distribution
+        ):
+            if num_data is not None:
+                raise TypeError("num_data given twice (positionally and by keyword).")
+            num_data, variational_distribution = variational_distribution, None
+        if num_data is None and train_inputs is not None:
+            num_data = train_inputs.shape[-2] if train_inputs.dim() > 1 else train_inputs.shape[0]
         if inducing_points.dim() == 1:
             inducing_points = inducing_points.unsqueeze(-1)
-        if inducing_points.dim() != 2:
-            raise NotImplementedError(
-                "CVIVariationalStrategy supports a single GP (inducing_points of shape M x D); "
-                f"got shape {tuple(inducing_points.shape)}."
+        self.inducing_form = num_data is None
+        if self.inducing_form:
+            self._init_inducing(
+                model,
+                inducing_points,
+                variational_distribution,
+                learn_inducing_locations,
+                jitter_val,
             )
-        num_data = int(num_data)
-        is_full = train_inputs is None and inducing_points.shape[-2] == num_data
-        if is_full and learn_inducing_locations:
-            raise ValueError(
-                "In the full form the inducing points are the training inputs and cannot be "
-                "learned. For learned inducing locations use the sparse form: pass "
-                "train_inputs=X_train and M < N inducing points."
-            )
-        if train_inputs is not None:
-            if train_inputs.dim() == 1:
-                train_inputs = train_inputs.unsqueeze(-1)
-            if train_inputs.shape[-2] != num_data:
+            if process_group is not None:
                 raise ValueError(
-                    f"train_inputs has {train_inputs.shape[-2]} rows but num_data={num_data}."
+                    "data-parallel CVI (process_group) needs the data-site sparse form: pass "
+                    "num_data= and train_inputs= (this rank's rows)."
                 )
+            self._inducing_init(step_size)
+            return
+        learn = bool(learn_inducing_locations)
+        self._init_data_sites(model, inducing_points, int(num_data), learn, train_inputs)
+        if jitter_val is not None:
+            self.jitter_val = jitter_val
+        self.set_process_group(process_group)
+
+    def _init_data_sites(self, model, inducing_points, num_data, learn, train_inputs) -> None:
+        is_full, train_inputs = check_data_site_args(inducing_points, num_data, learn, train_inputs)
         sites = CVISites(num_data, dtype=inducing_points.dtype, device=inducing_points.device)
-        super().__init__(
-            model, inducing_points, sites, learn_inducing_locations, jitter_val=jitter_val
-        )
+        super().__init__(model, inducing_points, sites, learn)
         self.num_data = num_data
         self.is_full = is_full
         site_inputs = None if train_inputs is None else train_inputs.detach().clone()
@@ -163,7 +153,14 @@ class CVIVariationalStrategy(_VariationalStrategy):
         self._cache: Optional[_Cache] = None
         self._prior_cache = None
         self.reducer: Optional[Reducer] = None
-        self.set_process_group(process_group)
+        #: set by :class:`CVIOptimizer`; the data-site form has no other way to update q
+        self.stepped_by_optimizer = False
+        self._warned = False
+
+    def _warn_untrained(self) -> None:
+        if not (self._warned or bool(self.site_lam2.any()) or bool(self.site_lam1.any())):
+            self._warned = True
+            store.warn_untrained()
 
     def set_process_group(self, process_group) -> None:
         """Data-parallel q(u) over ``process_group`` (``None``: one process); sparse form only.
@@ -195,11 +192,31 @@ class CVIVariationalStrategy(_VariationalStrategy):
 
     def set_sites(self, lam1: Tensor, lam2: Tensor, indices: Optional[Tensor] = None) -> None:
         """Overwrite the sites (all of them, or those at ``indices``); ``lam2`` must be <= 0."""
-        if torch.any(lam2 > 0):
+        if self.inducing_form:
+            if indices is not None:
+                raise ValueError("the inducing-site form has no per-point sites (indices=None).")
+            top = torch.linalg.eigvalsh(0.5 * (lam2 + lam2.mT)).amax(-1)
+            tol = 100 * lam2.shape[-1] * torch.finfo(lam2.dtype).eps
+            if bool((top > tol * lam2.abs().amax().clamp_min(1.0)).any()):
+                raise ValueError("site lam2 must be negative semidefinite.")
+        elif torch.any(lam2 > 0):
             raise ValueError("site lam2 must be <= 0 (site precision W = -2 lam2 >= 0).")
+        sums = self._current_sums(indices)
+        old = None if sums is None else (self.site_lam1[indices], self.site_lam2[indices])
         write_sites((self.site_lam1, self.site_lam2), lam1, lam2, indices)
         self._site_version += 1
         self._cache = None
+        if sums is not None:  # O(B M^2) instead of O(N M^2) at the next step
+            with torch.no_grad():
+                sums.update(indices, old, (self.site_lam1[indices], self.site_lam2[indices]))
+            sums.version = self._site_version
+
+    def _current_sums(self, indices) -> Optional[SiteSums]:
+        """The sparse form's running sums, if up to date and ``indices`` can update them."""
+        c = self._prior_cache
+        if c is None or self.is_full:
+            return None
+        return SiteSums.updatable(c[1].get("sums"), self._site_version, indices)
 
     def reset_sites(self) -> None:
         """Set every site to zero, so that q = prior."""
@@ -207,6 +224,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
 
     def set_site_inputs(self, train_inputs: Tensor) -> None:
         """Register the ``N x D`` training inputs that carry the sites (sparse form only)."""
+        if self.inducing_form:
+            raise ValueError("the inducing-site form's sites live on the inducing values.")
         if self.is_full:
             raise ValueError("the full form's sites live on the inducing points already.")
         if train_inputs.dim() == 1:
@@ -221,15 +240,9 @@ class CVIVariationalStrategy(_VariationalStrategy):
         self._clear_cache()
 
     def pseudo_observations(self) -> Tuple[Tensor, Tensor]:
-        """The GP-regression view of the sites: pseudo-targets ``lam1 / W`` and noise ``1 / W``.
-
-        Sites with ``W = -2 lam2 = 0`` carry no information: their noise is ``inf`` and their
-        target is returned as 0.
-        """
-        w = -2.0 * self.site_lam2
-        noise = torch.where(w > 0, 1.0 / w, torch.full_like(w, float("inf")))
-        target = torch.where(w > 0, self.site_lam1 / w.clamp_min(1e-300), torch.zeros_like(w))
-        return target, noise
+        """The GP-regression view of the data sites: targets ``lam1 / W``, noise ``1 / W``
+        (``W = -2 lam2``; an empty site has noise ``inf`` and target 0)."""
+        return store.pseudo_observations(self.site_lam1, self.site_lam2)
 
     @property
     def sites_inputs(self) -> Optional[Tensor]:
@@ -242,11 +255,23 @@ class CVIVariationalStrategy(_VariationalStrategy):
         state = dict(state)
         state["_cache"] = None  # may hold autograd graphs; cannot be copied or pickled
         state["_prior_cache"] = None
+        state["_step_cache"] = None  # leaves with a backward hook
         return state
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a model built without train_inputs has no site_inputs buffer yet: make room for it
+        key = prefix + "site_inputs"
+        if key in state_dict and self.site_inputs is None and not self.inducing_form:
+            self.site_inputs = torch.empty_like(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._site_version += 1
+        self._site_inputs_version += 1
+        self._clear_cache()
 
     def _clear_cache(self) -> None:
         self._cache = None
         self._prior_cache = None
+        self._step_cache = None
         super()._clear_cache()
 
     def state_key(self) -> List:
@@ -312,8 +337,17 @@ class CVIVariationalStrategy(_VariationalStrategy):
             if torch.any(lam1 != 0) or torch.any(lam2 != 0):
                 raise RuntimeError("sparse CVI sites are set but their inputs are unknown.")
             lam1, lam2 = lam1[:0], lam2[:0]
+        sums = None
+        if not torch.is_grad_enabled() and lam1.shape[-1] > 0:  # cached blocks: reuse Phi
+            sums = b.get("sums")
+            if sums is None:
+                sums = b["sums"] = SiteSums(
+                    b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, self._site_version
+                )
+            elif sums.version != self._site_version or sums.updates >= sums.REFRESH:
+                sums.refresh(lam1, lam2, self._site_version)
         post = SparseSitePosterior(
-            b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, reduce=self.reducer
+            b["K_ZZ"], b["K_ZX"], b["prior_mean_X"], lam1, lam2, reduce=self.reducer, sums=sums
         )
         return post, b
 
@@ -341,6 +375,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
     @property
     def variational_distribution(self) -> MultivariateNormal:
         """q(u), dense (``M x M``, or ``N x N`` for the full form); built from the sites."""
+        if self.inducing_form:
+            return self._inducing_variational_distribution()
         post, extras = self._posterior()
         if self.is_full:
             mean, cov = post.q_u()
@@ -352,6 +388,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
 
     def kl_divergence(self) -> Tensor:
         """``KL[q(u) || p(u)]`` in closed form from the sites (see ``posterior.py``)."""
+        if self.inducing_form:
+            return self._q_tensors()[2]
         post, _ = self._posterior()
         return post.kl()
 
@@ -361,6 +399,8 @@ class CVIVariationalStrategy(_VariationalStrategy):
         The variance includes the jitter, as in :meth:`__call__`, so the CVI gradients are
         taken at the same marginals as the ELBO that ``VariationalELBO`` reports.
         """
+        if self.inducing_form:
+            raise ValueError("the inducing-site form has no per-point sites.")
         with torch.no_grad():
             post, extras = self._posterior()
             if self.is_full:
@@ -372,10 +412,12 @@ class CVIVariationalStrategy(_VariationalStrategy):
                         "train_inputs= to CVIVariationalStrategy, call set_site_inputs(X), or make "
                         "the first CVIOptimizer.step a full batch."
                     )
-                mean, var = post.marginals(post.Phi, extras["kxx_diag"], extras["prior_mean_X"])
-            var = var.clamp_min(0.0) + self.jitter
-            if indices is not None:
+                idx = slice(None) if indices is None else indices  # the batch's marginals only
+                kxx, m0 = extras["kxx_diag"][..., idx], extras["prior_mean_X"][..., idx]
+                mean, var = post.marginals(post.Phi[..., idx], kxx, m0)
+            if indices is not None and self.is_full:
                 mean, var = mean[..., indices], var[..., indices]
+            var = var.clamp_min(0.0) + self.jitter
         return mean.detach(), var.detach()
 
     # -------------------------------------------------------------- predict
@@ -383,6 +425,10 @@ class CVIVariationalStrategy(_VariationalStrategy):
         return ref is not None and x.shape == ref.shape and torch.equal(x, ref)
 
     def forward(self, x: Tensor, diag: bool = True, **kwargs) -> MultivariateNormal:
+        if self.inducing_form:
+            return self._inducing_forward(x, diag)
+        if self.training and torch.is_grad_enabled() and not self.stepped_by_optimizer:
+            self._warn_untrained()
         post, extras = self._posterior(force=self.training)
         Z = self.inducing_points
         M = Z.shape[-2]
@@ -438,6 +484,15 @@ class CVIVariationalStrategy(_VariationalStrategy):
     ) -> MultivariateNormal:
         if prior:
             return self.model.forward(x, **kwargs)
+        if not self.variational_params_initialized.item():
+            if self.inducing_form:  # data sites start at zero (q = prior)
+                self._variational_distribution.initialize_variational_distribution(None)
+                self._site_version += 1
+            self.variational_params_initialized.fill_(1)
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        if self.inducing_form:
+            return self.forward(x, diag=diag, **kwargs)
         if x.dim() != 2:
             raise NotImplementedError(
                 f"CVIVariationalStrategy expects inputs of shape n x D; got {tuple(x.shape)}."

@@ -1,0 +1,331 @@
+"""CVI sites on the inducing values: the form of :class:`CVIVariationalStrategy` built the GPyTorch
+way, ``CVIVariationalStrategy(model, inducing_points, variational_distribution)``.
+
+In whitened coordinates ``u = m0(Z) + L_Z v`` (``L_Z L_Z^T = K_ZZ``) the sites are one Gaussian
+factor ``exp(lam1^T v + v^T lam2 v)`` on ``v`` per GP (``lam2`` negative semidefinite, ``M x M``),
+so that (Khan & Lin 2017, eq. 14 with the prior ``N(0, I)``)::
+
+    q(v) = N(m_v, S_v),   S_v = B^-1,   B = I - 2 lam2 = L_B L_B^T,   m_v = B^-1 lam1,
+    KL[q(v) || N(0, I)] = 1/2 (tr S_v + |m_v|^2 - M + log |B|),
+    q(f(x)) = N(m0(x) + Phi_x^T m_v,  k(x, x) - Phi_x^T Phi_x + Phi_x^T S_v Phi_x),
+    Phi_x = L_Z^-1 k(Z, x).
+
+The CVI target of the sites (eq. 13) is the gradient of the data term ``F`` (scaled to the full
+data) with respect to the mean parameters ``(m_v, S_v + m_v m_v^T)`` of q(v) (eqs. 30-31)::
+
+    lam2* = dF/dS_v (symmetrised),     lam1* = dF/dm_v - 2 lam2* m_v,
+
+and the step is ``lam <- (1 - beta) lam + beta lam*`` (eq. 12, :func:`pyro_cvi.update.cvi_update`):
+the natural-gradient step of Hensman et al. (2013) with step ``beta``.
+
+**The step from the ELBO's backward pass.** In training mode with autograd on, q(f) is built from
+leaf tensors ``m_v``, ``S_v`` and the KL term carries a scalar probe whose gradient is the weight
+``c`` of the KL in the loss (``beta_elbo / N`` for ``-VariationalELBO``). One hook receives
+``dL/dm_v``, ``dL/dS_v`` and ``c`` together and takes the CVI step with ``dF = -dL / c``, so a plain
+``loss = -mll(model(x), y); loss.backward(); adam.step()`` loop trains q (Adam only sees the
+hyperparameters: the sites are buffers). A :class:`CVIOptimizer` turns this off and takes its own
+steps (with backtracking) instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.variational import _VariationalDistribution
+from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
+from torch import Tensor
+from torch.distributions import register_kl
+
+from pyro_cvi.update import cvi_update
+
+from .posterior import safe_cholesky
+
+__all__ = [
+    "InducingSites",
+    "SiteMultivariateNormal",
+    "WhitenedQ",
+    "mean_param_targets",
+    "nsd_projection",
+]
+
+
+class InducingSites(_VariationalDistribution):
+    """Site buffers ``lam1 [*batch, M]`` and ``lam2 [*batch, M, M]`` (NSD) on whitened ``v``.
+
+    :meth:`initialize_variational_distribution` sets ``lam2 = 0`` and draws ``lam1`` with standard
+    deviation ``mean_init_std`` (as GPyTorch initialises its variational means), so that the
+    gradients for the inducing points and the kernel are not zero at the first step.
+    """
+
+    def __init__(
+        self,
+        num_inducing_points: int,
+        batch_shape: Optional[torch.Size] = None,
+        mean_init_std: float = 1e-3,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ):
+        batch_shape = torch.Size([]) if batch_shape is None else torch.Size(batch_shape)
+        super().__init__(num_inducing_points, batch_shape, mean_init_std)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        m, b = num_inducing_points, torch.Size(batch_shape)
+        self.register_buffer("lam1", torch.zeros(*b, m, dtype=dtype, device=device))
+        self.register_buffer("lam2", torch.zeros(*b, m, m, dtype=dtype, device=device))
+
+    def initialize_variational_distribution(self, prior_dist: MultivariateNormal) -> None:
+        with torch.no_grad():
+            self.lam1.copy_(torch.randn_like(self.lam1) * self.mean_init_std)
+            self.lam2.zero_()
+
+    def forward(self):
+        raise RuntimeError(
+            "InducingSites hold CVI site parameters; use strategy.variational_distribution "
+            "for q(u)."
+        )
+
+
+class WhitenedQ:
+    """q(v) from the sites (module docstring): ``m_v``, ``S_v``, ``L_B`` and the KL, no graph."""
+
+    def __init__(self, lam1: Tensor, lam2: Tensor):
+        lam1, lam2 = lam1.detach(), lam2.detach()
+        m = lam1.shape[-1]
+        eye = torch.eye(m, dtype=lam1.dtype, device=lam1.device)
+        B = eye - (lam2 + lam2.mT)
+        self.L_B = safe_cholesky(B, "B = I - 2 lam2 (the whitened site precision plus I)")
+        self.m_v = torch.cholesky_solve(lam1.unsqueeze(-1), self.L_B).squeeze(-1)
+        self.S_v = torch.cholesky_solve(eye.expand_as(B), self.L_B)
+        logdet = 2.0 * self.L_B.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        trace = self.S_v.diagonal(dim1=-2, dim2=-1).sum(-1)
+        self.kl = 0.5 * (trace + self.m_v.pow(2).sum(-1) - m + logdet)
+
+
+def predictive(
+    Phi: Tensor, prior_mean_x: Tensor, m_v: Tensor, S_v: Tensor
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """q(f(x)) from q(v) (module docstring): the mean, ``A = S_v Phi_x`` and ``Phi_x`` broadcast to
+    their common batch shape, so that ``cov = k(x, x) + Phi_x^T (A - Phi_x)``."""
+    mean = prior_mean_x + (Phi.mT @ m_v.unsqueeze(-1)).squeeze(-1)
+    A = S_v @ Phi
+    return mean, A, Phi.expand_as(A)
+
+
+def nsd_projection(lam2: Tensor) -> Tuple[Tensor, int]:
+    """The nearest negative semidefinite matrix (eigenvalues clipped at 0) and how many batch
+    elements needed it (non-log-concave likelihoods, PredictiveLogLikelihood)."""
+    lam2 = 0.5 * (lam2 + lam2.mT)
+    evals, evecs = torch.linalg.eigh(lam2)
+    tol = 1e-12 * evals.abs().amax(-1, keepdim=True).clamp_min(1.0)
+    bad = (evals > tol).any(-1)
+    if not bool(bad.any()):
+        return lam2, 0
+    clipped = (evecs * evals.clamp_max(0.0).unsqueeze(-2)) @ evecs.mT
+    return torch.where(bad[..., None, None], clipped, lam2), int(bad.sum())
+
+
+def mean_param_targets(m_v: Tensor, gm: Tensor, gS: Tensor) -> Tuple[Tensor, Tensor]:
+    """CVI targets from ``dF/dm_v`` and ``dF/dS_v`` (eqs. 30-31 in M dimensions)."""
+    t2 = 0.5 * (gS + gS.mT)
+    t1 = gm - 2.0 * (t2 @ m_v.unsqueeze(-1)).squeeze(-1)
+    return t1, t2
+
+
+class SiteMultivariateNormal(MultivariateNormal):
+    """q(u) built from CVI sites. ``torch.distributions.kl_divergence(q, prior)`` returns the
+    sites' closed-form KL (which may carry the probe of the backward step), so GPyTorch's wrappers
+    (``IndependentMultitaskVariationalStrategy``, ``LMCVariationalStrategy``), which compute the
+    KL from ``variational_distribution`` and ``prior_distribution``, get the same value."""
+
+    def __init__(self, mean: Tensor, covariance_matrix, kl: Tensor):
+        super().__init__(mean, covariance_matrix)
+        self.site_kl = kl
+
+
+@register_kl(SiteMultivariateNormal, MultivariateNormal)
+def _kl_site_mvn(q: SiteMultivariateNormal, p: MultivariateNormal) -> Tensor:
+    return q.site_kl
+
+
+class BackwardStep:
+    """Leaves ``m_v``, ``S_v`` and the KL probe of one value of the sites, and the hook that
+    turns their gradients into one CVI step (module docstring).
+
+    :param q: q(v) at the current sites.
+    :param apply: called with ``(t1, t2)``, the CVI targets (full-data scale), once per backward.
+    """
+
+    _warned = False
+
+    def __init__(self, q: WhitenedQ, apply: Callable[[Tensor, Tensor], None]):
+        self.m_v = q.m_v.detach().clone().requires_grad_(True)
+        self.S_v = q.S_v.detach().clone().requires_grad_(True)
+        self.probe = torch.zeros_like(q.kl).requires_grad_(True)
+        self.apply = apply
+        self.active = True
+        torch.autograd.graph.register_multi_grad_hook((self.m_v, self.S_v, self.probe), self._hook)
+
+    def kl(self, kl: Tensor) -> Tensor:
+        """The KL value whose gradient with respect to the probe is its weight in the loss."""
+        return kl.detach() + (self.probe - self.probe.detach())
+
+    def _hook(self, grads) -> None:
+        gm, gS, c = grads
+        if not self.active or (gm is None and gS is None):
+            return
+        if c is None or not bool((c != 0).all()):
+            if not BackwardStep._warned:
+                BackwardStep._warned = True
+                warnings.warn(
+                    "CVIVariationalStrategy: the loss that was differentiated has no KL term "
+                    "(or a zero weight on it), so the CVI step from the backward pass cannot be "
+                    "scaled and q was not updated. Use -gpytorch.mlls.VariationalELBO (or "
+                    "PredictiveLogLikelihood, GammaRobustVariationalELBO), or take the steps "
+                    "with CVIOptimizer.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
+        self.active = False  # one step per value of the sites
+        gm = torch.zeros_like(self.m_v) if gm is None else gm
+        gS = torch.zeros_like(self.S_v) if gS is None else gS
+        t1, t2 = mean_param_targets(self.m_v.detach(), -gm / c[..., None], -gS / c[..., None, None])
+        self.apply(t1, t2)
+
+
+class InducingForm:
+    """The inducing-site form of :class:`CVIVariationalStrategy` (mixed into it; module
+    docstring). Uses the strategy's ``model``, ``inducing_points``, ``jitter``, ``training`` and
+    its site buffers ``lam1``, ``lam2``; ``step_size`` is the ``beta`` of the backward step."""
+
+    def _init_inducing(self, model, inducing_points, dist, learn, jitter_val) -> None:
+        """The GPyTorch-style constructor: sites on the inducing values (``inducing.py``)."""
+        if dist is not None and not isinstance(dist, _VariationalDistribution):
+            raise TypeError(
+                "variational_distribution must be a gpytorch _VariationalDistribution (used for "
+                f"its batch_shape and mean_init_std) or None; got {type(dist).__name__}. For the "
+                "data-site form pass num_data= (and train_inputs= for the sparse form)."
+            )
+        M = inducing_points.shape[-2]
+        batch = inducing_points.shape[:-2] if dist is None else dist.batch_shape
+        std = 1e-3 if dist is None else dist.mean_init_std
+        if dist is not None and dist.num_inducing_points != M:
+            raise ValueError(
+                f"variational_distribution has {dist.num_inducing_points} inducing points but "
+                f"inducing_points has {M} rows."
+            )
+        sites = InducingSites(
+            M, batch, std, dtype=inducing_points.dtype, device=inducing_points.device
+        )
+        learn = True if learn is None else bool(learn)
+        super().__init__(model, inducing_points, sites, learn, jitter_val=jitter_val)
+        self.num_data, self.is_full = None, False
+        self.register_buffer("site_inputs", None)
+        self._site_version = 0
+        self._site_inputs_version = 0
+        self._cache = self._prior_cache = None
+        self.reducer = None
+
+    def _inducing_init(self, step_size: float) -> None:
+        if not 0.0 < float(step_size) <= 1.0:
+            raise ValueError(f"step_size must be in (0, 1], got {step_size}")
+        self.step_size = float(step_size)
+        self.backward_step = True
+        self.num_clipped = 0
+        self._q_cache = None
+        self._step_cache = None
+        self._tracked = None
+
+    # ---------------------------------------------------------------- q(v)
+    def _q_key(self) -> tuple:
+        lam1 = self._variational_distribution.lam1
+        return (self._site_version, lam1.dtype, lam1.device)
+
+    def whitened_q(self) -> WhitenedQ:
+        """q(v) at the current sites (cached while they do not change)."""
+        key = self._q_key()
+        if self._q_cache is None or self._q_cache[0] != key:
+            d = self._variational_distribution
+            self._q_cache = (key, WhitenedQ(d.lam1, d.lam2))
+        return self._q_cache[1]
+
+    def _q_tensors(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """``m_v``, ``S_v`` and the KL; in training mode with autograd on and the backward step
+        enabled, the leaves and probe of :class:`BackwardStep`."""
+        q = self.whitened_q()
+        if self._tracked is not None:
+            return self._tracked[0], self._tracked[1], q.kl
+        if not (self.backward_step and self.training and torch.is_grad_enabled()):
+            return q.m_v, q.S_v, q.kl
+        key = self._q_key()
+        if self._step_cache is None or self._step_cache[0] != key:
+            self._step_cache = (key, BackwardStep(q, self._backward_update))
+        step = self._step_cache[1]
+        return step.m_v, step.S_v, step.kl(q.kl)
+
+    @contextmanager
+    def tracked_q(self) -> Iterator[Tuple[Tensor, Tensor]]:
+        """Inside the block q(f) is built from the yielded leaves ``m_v``, ``S_v`` (no hook): the
+        gradient of a data term with respect to them gives the CVI targets
+        (:func:`mean_param_targets`); used by :class:`CVIOptimizer`."""
+        q = self.whitened_q()
+        self._tracked = (
+            q.m_v.detach().clone().requires_grad_(True),
+            q.S_v.detach().clone().requires_grad_(True),
+        )
+        try:
+            yield self._tracked
+        finally:
+            self._tracked = None
+
+    def _backward_update(self, t1: Tensor, t2: Tensor) -> None:
+        d = self._variational_distribution
+        self.blend_sites((d.lam1, d.lam2), (t1, t2), self.step_size)
+
+    def blend_sites(self, old, target, beta: float) -> None:
+        """Eq. 12 towards ``target`` (``lam2`` projected to NSD first; counted in
+        ``num_clipped``): ``lam <- (1 - beta) lam + beta target``."""
+        t2, clipped = nsd_projection(target[1])
+        self.num_clipped += clipped
+        lam1, lam2 = cvi_update(old, (target[0], t2), beta)
+        self.set_sites(lam1, 0.5 * (lam2 + lam2.mT))
+
+    # ------------------------------------------------------------ q(u), q(f)
+    def _inducing_variational_distribution(self) -> MultivariateNormal:
+        m_v, S_v, kl = self._q_tensors()
+        prior = self.model.forward(self.inducing_points)
+        L_Z = safe_cholesky(self._kzz(prior.lazy_covariance_matrix.to_dense()), "K_ZZ")
+        mean = prior.mean + (L_Z @ m_v.unsqueeze(-1)).squeeze(-1)
+        cov = L_Z @ S_v @ L_Z.mT
+        eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+        return SiteMultivariateNormal(mean, 0.5 * (cov + cov.mT) + self.jitter * eye, kl)
+
+    def _kzz(self, K_ZZ: Tensor) -> Tensor:
+        eye = torch.eye(K_ZZ.shape[-1], dtype=K_ZZ.dtype, device=K_ZZ.device)
+        return K_ZZ + self.jitter * eye
+
+    def _inducing_forward(self, x: Tensor, diag: bool) -> MultivariateNormal:
+        Z = self.inducing_points
+        M = Z.shape[-2]
+        batch = torch.broadcast_shapes(Z.shape[:-2], x.shape[:-2])
+        Z = Z.expand(*batch, *Z.shape[-2:])
+        x = x.expand(*batch, *x.shape[-2:])
+        joint = self.model.forward(torch.cat([Z, x], dim=-2))
+        cov = joint.lazy_covariance_matrix
+        L_Z = safe_cholesky(self._kzz(cov[..., :M, :M].to_dense()), "K_ZZ")
+        Phi = torch.linalg.solve_triangular(L_Z, cov[..., :M, M:].to_dense(), upper=False)
+        m_v, S_v, _ = self._q_tensors()
+        mean, A, Phi = predictive(Phi, joint.mean[..., M:], m_v, S_v)
+        K_xx = cov[..., M:, M:]
+        if diag and self.training:
+            var = K_xx.diagonal(dim1=-2, dim2=-1) + (Phi * (A - Phi)).sum(-2)
+            return MultivariateNormal(mean, DiagLinearOperator(var.clamp_min(0.0) + self.jitter))
+        out_batch = A.shape[:-2]
+        K_xx = K_xx.add_jitter(self.jitter)
+        if K_xx.shape[:-2] != out_batch:
+            K_xx = K_xx.expand(*out_batch, *K_xx.shape[-2:])
+        covar = K_xx + MatmulLinearOperator(Phi.mT, A - Phi)
+        return MultivariateNormal(mean, covar)

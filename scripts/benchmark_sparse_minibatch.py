@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Sparse GP classification with minibatch CVI steps (issue 25 item 2): cost of a step and distance
+to the full-batch optimum.
+
+Data: ``N`` points in 2-D (``x ~ U[-3, 3]^2``, ``y = 1[sin(x1) + cos(x2) + 0.3 eps > 0]``), ``M``
+inducing points (the first ``M`` inputs), a ScaleKernel(RBF) prior with fixed hyperparameters,
+GPyTorch's ``BernoulliLikelihood``, the sparse data-site form of ``CVIVariationalStrategy``
+(``train_inputs=X``) and :class:`CVIOptimizer`.
+
+Reported: process CPU seconds of one full-batch step and of one minibatch step (medians; the
+minibatch step updates the running sums by the batch's rows and computes the batch's marginals
+only), and the full-data -ELBO after 30 minibatch steps (``B`` rows, step size ``--step``,
+default 1.0: a site is updated only when its row is in the batch, at the current q; epochs of
+random batches) against the optimum of 30 full-batch steps (step size 0.8).
+
+Usage::
+
+    python scripts/benchmark_sparse_minibatch.py            # N=20,000, M=200, B=1024
+    python scripts/benchmark_sparse_minibatch.py --quick    # N=5,000, M=100, B=512
+
+Writes ``results/benchmark_sparse_minibatch.json`` (``--out``) and prints a table.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import gpytorch
+import torch
+
+from pyro_cvi.contrib.gpytorch import CVIOptimizer, CVIVariationalStrategy
+
+
+def build(X, M):
+    class SparseGP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            strategy = CVIVariationalStrategy(self, X[:M].clone(), X.shape[0], train_inputs=X)
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+            self.covar_module.base_kernel.lengthscale = 1.0
+            self.covar_module.outputscale = 4.0
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    return SparseGP().double()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--m", type=int, default=200)
+    ap.add_argument("--b", type=int, default=1024)
+    ap.add_argument("--step", type=float, default=1.0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="results/benchmark_sparse_minibatch.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.n, args.m, args.b = 5000, 100, 512
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    N, M, B = args.n, args.m, args.b
+    X = (torch.rand(N, 2, generator=g, dtype=torch.float64) * 6) - 3
+    f = torch.sin(X[:, 0]) + torch.cos(X[:, 1]) + 0.3 * torch.randn(N, generator=g, dtype=X.dtype)
+    y = (f > 0).double()
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+
+    # full batch: 30 steps to the optimum, timing the later ones
+    model = build(X, M)
+    opt = CVIOptimizer(model, lik, step_size=0.8)
+    full_times, losses = [], []
+    for _ in range(30):
+        t0 = time.process_time()
+        losses.append(float(opt.step(X, y)))
+        full_times.append(time.process_time() - t0)
+    optimum = min(losses)
+
+    # minibatches: 30 steps of B random rows (epochs without replacement)
+    model = build(X, M)
+    opt = CVIOptimizer(model, lik, step_size=args.step)
+    mb_times, perm, pos = [], torch.randperm(N, generator=g), 0
+    for _ in range(30):
+        if pos + B > N:
+            perm, pos = torch.randperm(N, generator=g), 0
+        idx = perm[pos : pos + B]
+        pos += B
+        t0 = time.process_time()
+        opt.step(X[idx], y[idx], indices=idx)
+        mb_times.append(time.process_time() - t0)
+    with torch.no_grad():
+        final = float(CVIOptimizer(model, lik).step(X, y))  # -ELBO of q before that step
+
+    full_step = statistics.median(full_times[1:])
+    mb_step = statistics.median(mb_times[1:])
+    out = {
+        "N": N,
+        "M": M,
+        "B": B,
+        "full_batch_step_cpu_s": full_step,
+        "minibatch_step_cpu_s": mb_step,
+        "ratio": mb_step / full_step,
+        "full_batch_optimum": optimum,
+        "after_30_minibatch_steps": final,
+        "gap_nats": final - optimum,
+        "dtype": "float64",
+        "device": "cpu",
+    }
+    print(f"N={N} M={M} B={B} (float64, CPU, one thread)")
+    print(f"{'full-batch step':28s} {full_step:8.4f} s CPU")
+    print(f"{'minibatch step':28s} {mb_step:8.4f} s CPU   ratio {mb_step / full_step:.3f}")
+    print(f"{'full-batch optimum':28s} {optimum:10.2f}")
+    print(f"{'after 30 minibatch steps':28s} {final:10.2f}   gap {final - optimum:.2f} nats")
+    ratio, gap = mb_step / full_step, final - optimum
+    verdict = (
+        f"verdict: a minibatch step costs {ratio:.2f} of a full-batch step (target <= 0.25: "
+        f"{'met' if ratio <= 0.25 else 'not met'}); 30 minibatch steps end {gap:.1f} nats from the "
+        f"full-batch optimum (target <= 5: {'met' if gap <= 5 else 'not met'})"
+    )
+    out["verdict"] = verdict
+    print(verdict)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The explicit forward-backward Kalman smoother (``statespace.kalman.smooth``) against a dense
+Gaussian computation: ``log Z``, marginals, lag-one covariances, in float32 and float64, both
+storage forms, odd and even lengths, batched chains, and gradients with ``keep_graph``."""
+
+import pytest
+import torch
+
+from pyro_cvi.statespace import LinearGaussianChain, kalman, smooth
+from pyro_cvi.statespace.kalman import NotPositiveDefinite, log_normalizer
+
+D64 = torch.float64
+
+
+def _chain(T, d, seed=0, batch=()):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*batch, *s, generator=g, dtype=D64)
+
+    def spd(*s):
+        M = r(*s, d, d)
+        return M @ M.transpose(-1, -2) / d + 0.3 * torch.eye(d, dtype=D64)
+
+    chain = LinearGaussianChain(r(d), spd(), 0.7 * r(T - 1, d, d), r(T - 1, d), spd(T - 1))
+    return chain, r(T, d), spd(T)
+
+
+def _dense(chain, eta, J):
+    """``log Z``, mean, full covariance of ``q`` from the joint precision of ``x`` (T d)."""
+    A, b, C = chain.all_steps()
+    T, d = eta.shape
+    n = T * d
+    # x = L^-1 (b + noise): x_t - A_t x_{t-1} = b_t + w_t
+    Lm = torch.eye(n, dtype=D64)
+    for t in range(1, T):
+        Lm[t * d : (t + 1) * d, (t - 1) * d : t * d] = -A[t]
+    Ci = torch.block_diag(*torch.linalg.inv(C))
+    P = Lm.T @ Ci @ Lm + torch.block_diag(*J)
+    h = Lm.T @ Ci @ b.reshape(-1) + eta.reshape(-1)
+    cov = torch.linalg.inv(P)
+    mean = cov @ h
+    log_z = (
+        0.5 * h @ mean
+        - 0.5 * torch.logdet(P)
+        - 0.5 * torch.logdet(C).sum()
+        - 0.5 * (b.reshape(-1) @ Ci @ b.reshape(-1))
+    )
+    return log_z, mean.reshape(T, d), cov
+
+
+def _blocks(cov, T, d, lag):
+    out = [cov[t * d : (t + 1) * d, (t - lag) * d : (t - lag + 1) * d] for t in range(lag, T)]
+    return torch.stack(out) if out else cov.new_zeros(0, d, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("pack_below", [0, 2048], ids=["arrays", "packed"])
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 2, 7, 37])
+def test_smoother_equals_dense(T, d, pack_below, dtype, monkeypatch):
+    monkeypatch.setattr(kalman, "PACK_BELOW", pack_below)
+    chain, eta, J = _chain(T, d, seed=T * 10 + d)
+    log_z, mean, cov = _dense(chain, eta, J)
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    post = smooth(cast, eta.to(dtype), J.to(dtype), lag_one=True)
+    assert post.mean.dtype == dtype and post.cov.dtype == dtype
+    tol = dict(rtol=1e-9, atol=1e-9) if dtype == D64 else dict(rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(post.log_z.double(), log_z, **tol)
+    torch.testing.assert_close(post.mean.double(), mean, **tol)
+    torch.testing.assert_close(post.cov.double(), _blocks(cov, T, d, 0), **tol)
+    torch.testing.assert_close(
+        post.cross.double(), _blocks(cov, T, d, 1).reshape(T - 1, d, d), **tol
+    )
+    torch.testing.assert_close(
+        log_normalizer(cast, eta.to(dtype), J.to(dtype)).double(), log_z, **tol
+    )
+
+
+def test_batched_chains_equal_one_by_one():
+    T, d, B = 13, 2, (3, 2)
+    chain, eta, J = _chain(T, d, seed=5, batch=B)
+    post = smooth(chain, eta, J, lag_one=True)
+    assert post.mean.shape == B + (T, d) and post.cov.shape == B + (T, d, d)
+    assert post.cross.shape == B + (T - 1, d, d) and post.log_z.shape == B
+    for i in range(B[0]):
+        for j in range(B[1]):
+            one = LinearGaussianChain(*(t[i, j] for t in chain.tensors()))
+            p = smooth(one, eta[i, j], J[i, j], lag_one=True)
+            torch.testing.assert_close(post.mean[i, j], p.mean, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(post.cov[i, j], p.cov, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(post.cross[i, j], p.cross, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(post.log_z[i, j], p.log_z, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pack_below", [0, 2048], ids=["arrays", "packed"])
+def test_keep_graph_gradients_equal_the_dense_gradients(pack_below, monkeypatch):
+    """With ``keep_graph`` the pass is differentiable: d(log Z + sum of moments)/d(chain)
+    equals autograd through the dense computation."""
+    monkeypatch.setattr(kalman, "PACK_BELOW", pack_below)
+    T, d = 11, 2
+    chain, eta, J = _chain(T, d, seed=3)
+    leaves = [t.clone().requires_grad_(True) for t in chain.tensors()]
+
+    def objective(post_like):
+        log_z, mean, var = post_like
+        return log_z + (mean**2).sum() + var.sum()
+
+    post = smooth(LinearGaussianChain(*leaves), eta, J, keep_graph=True)
+    var = post.cov.diagonal(dim1=-2, dim2=-1)
+    g_new = torch.autograd.grad(objective((post.log_z, post.mean, var)), leaves)
+    log_z, mean, cov = _dense(LinearGaussianChain(*leaves), eta, J)
+    g_ref = torch.autograd.grad(
+        objective((log_z, mean, cov.diagonal().reshape(T, d))), leaves, allow_unused=True
+    )
+    for k, (a, b) in enumerate(zip(g_new, g_ref)):
+        b = torch.zeros_like(a) if b is None else b
+        if k in (1, 4):  # P0, Q: symmetric, only the symmetrised gradient is defined
+            a, b = a + a.transpose(-1, -2), b + b.transpose(-1, -2)
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_without_keep_graph_nothing_records_a_graph():
+    chain, eta, J = _chain(9, 2)
+    leaves = [t.clone().requires_grad_(True) for t in chain.tensors()]
+    post = smooth(LinearGaussianChain(*leaves), eta.requires_grad_(True), J, lag_one=True)
+    assert not any(t.requires_grad for t in (post.log_z, post.mean, post.cov, post.cross))
+
+
+def test_an_indefinite_q_raises():
+    chain, eta, J = _chain(9, 2)
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, eta, -50.0 * J)
