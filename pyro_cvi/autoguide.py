@@ -46,14 +46,16 @@ from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
-from .packed import PackedPosterior, packed_posterior
+from .model.validation import data_shapes, explained
+from .packed import PackedLatent
 from .scale.distributed import as_reducer
+from .transaction import rolled_back
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
 
 
-class AutoCVI(GuideState, AutoGuide):
+class AutoCVI(GuideState, PackedLatent, AutoGuide):
     """Conjugate-computation variational inference guide (Khan & Lin, 2017).
 
     Example::
@@ -165,6 +167,10 @@ class AutoCVI(GuideState, AutoGuide):
         self.counts = StepCounts()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
+        #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.scale.checkpoint`):
+        #: applied, after its check against the model, at the end of the set-up
+        self.pending_restore: Optional[Callable] = None
+        self.data_shapes: Dict[str, tuple] = {}  # of the data the guide was built with
 
     # ------------------------------------------------------------------ counters
     @property
@@ -203,13 +209,18 @@ class AutoCVI(GuideState, AutoGuide):
 
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
-        super()._setup_prototype(*args, **kwargs)
-        self._minibatch_plates = {
-            n
-            for n, v in subsample_values(self.prototype_trace).items()
-            if len(v) < self.prototype_trace.nodes[n]["fn"].size
-        }
-        self._build_engine(args, kwargs)
+        with rolled_back(self):  # a set-up that fails or is interrupted leaves no trace
+            super()._setup_prototype(*args, **kwargs)
+            self.data_shapes = data_shapes(args, kwargs)
+            self._minibatch_plates = {
+                n
+                for n, v in subsample_values(self.prototype_trace).items()
+                if len(v) < self.prototype_trace.nodes[n]["fn"].size
+            }
+            self._build_engine(args, kwargs)
+            if self.pending_restore is not None:
+                self.pending_restore(self)  # checks the checkpoint against the model first
+                self.pending_restore = None
 
     def _build_engine(self, args, kwargs) -> None:
         """Analyse the model and set up the blocks; parameters this guide already holds (a
@@ -253,10 +264,14 @@ class AutoCVI(GuideState, AutoGuide):
         gradients are written into the CVI parameters' ``.grad`` for the next CVI step. With
         ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
         that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
-        self._ready(args, kwargs)
-        with rng_preserved():  # new data are probed: the draws of the loss do not depend on it
-            self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
-        return self.engine.loss(args, kwargs, self.draw_subsample(args, kwargs), grads, graph)
+        # a transaction: a loss that fails leaves the guide as it was; with ``grads`` it stays
+        # open until the optimizer's step (:mod:`pyro_cvi.transaction`)
+        with rolled_back(self, keep_open=grads), explained(args, kwargs, self.data_shapes):
+            self._ready(args, kwargs)  # first call, a restored guide, or a cleared store
+            with rng_preserved():  # new data are probed: the loss's draws do not depend on it
+                self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
+            sub = self.draw_subsample(args, kwargs)
+            return self.engine.loss(args, kwargs, sub, grads, graph)
 
     def _prototype_for(self, args, kwargs):
         """The prototype trace, or a fresh one when a subsampled plate's minibatch has another
@@ -390,24 +405,6 @@ class AutoCVI(GuideState, AutoGuide):
             fn = site["fn"]
             out[name] = fn.mask(site["mask"]) if site["mask"] is not None else fn
         return out
-
-    def get_posterior(self, *args, **kwargs) -> PackedPosterior:
-        """``q`` over the packed unconstrained latent (every continuous latent site mapped by
-        ``biject_to(support)^-1``, flattened, in model order), as Pyro's
-        ``AutoContinuous.get_posterior`` gives it: see :class:`~pyro_cvi.packed.PackedPosterior`
-        (``mean``, ``variance``, ``covariance_matrix``, ``sample``, ``log_prob``)."""
-        engine = self._ready(args, kwargs)
-        leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
-        return packed_posterior(engine, leaves)
-
-    def sample_latent(self, *args, **kwargs) -> torch.Tensor:
-        """A draw of the packed unconstrained latent from :meth:`get_posterior`, as an
-        auxiliary site ``_<name>_latent`` (Pyro's ``AutoContinuous.sample_latent``)."""
-        return pyro.sample(
-            f"_{self._pyro_name}_latent",
-            self.get_posterior(*args, **kwargs),
-            infer={"is_auxiliary": True},
-        )
 
     def joint_posterior(self, *names: str) -> dist.MultivariateNormal:
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their

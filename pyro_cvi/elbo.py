@@ -21,6 +21,7 @@ from pyro.infer import ELBO
 
 from .autoguide import AutoCVI
 from .methods.structured_guide import AutoStructuredCVI
+from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
 
@@ -52,9 +53,14 @@ class CVI_ELBO(ELBO):
         return _checked(model, guide).elbo(args, kwargs, grads=False, graph=True).neg()
 
     def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
-        loss = -_checked(model, guide).elbo(args, kwargs, grads=True)
+        cvi_guide = _checked(model, guide)
+        loss = -cvi_guide.elbo(args, kwargs, grads=True)
         if loss.requires_grad:
-            loss.backward()
+            try:
+                loss.backward()
+            except BaseException:  # the step's transaction is rolled back
+                abort([cvi_guide.engine])
+                raise
         return float(loss.detach())
 
     def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:

@@ -42,7 +42,7 @@ from .context import Options, StepContext
 from .messages.expectations import site_weight
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
 from .model.tracing import is_random, trace_model
-from .model.validation import check_observations, per_index
+from .model.validation import check_analysis, check_observations, per_index
 from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
@@ -119,7 +119,7 @@ class Engine:
             for n, s in an.structure.nodes.items()
             if is_random(s) and not per_index(s)
         }
-        check_observations(an.structure, self.structure)
+        check_analysis(an, self.structure, args, kwargs)
         self.gaussian = [
             self._site_block(spec, [s for s, o in an.owner.items() if o == spec.index])
             for spec in an.blocks
@@ -181,6 +181,12 @@ class Engine:
         """Whether the param store lost this engine's parameters (``pyro.clear_param_store()``)."""
         store = pyro.get_param_store()
         return self.steps_name not in store or any(n not in store for n in self.param_names())
+
+    def invalidate(self) -> None:
+        """The parameters were set from outside (a checkpoint): drop every cached ``q``."""
+        self.pending, self.control, self._static_trace = None, None, None
+        for block in self.blocks:
+            block.forget()
 
     def reanalyse_if_new_data(self, args, kwargs, prototype_trace) -> None:
         """New data (other tensors): the affine coefficients are re-probed; the site

@@ -19,7 +19,9 @@ import pyro
 import torch
 from pyro.optim import PyroOptim
 
+from .divergence import watch
 from .step_sizes import Schedule, as_schedule
+from .transaction import abort, commit
 from .update import owner_of
 
 __all__ = ["CVI"]
@@ -81,6 +83,22 @@ class CVI(PyroOptim):
         return [e for e in (r() for r in self.engines.values()) if e is not None]
 
     def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        # the update completes the transaction its loss opened: a failure or an interrupt
+        # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
+        params = list(params)
+        t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
+        try:
+            engines = self._update(params, args, kwargs)
+        except BaseException:
+            self.t, self.saved_controls = t, saved
+            torch.set_grad_enabled(grad_mode)
+            abort({e for e in map(owner_of, params) if e is not None})
+            for p in params:  # this step's gradients must not leak into the next one
+                p.grad = None
+            raise
+        commit(engines)
+
+    def _update(self, params: List[torch.Tensor], args: Any, kwargs: Any) -> List[Any]:
         engines, others = {}, []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
@@ -91,7 +109,7 @@ class CVI(PyroOptim):
         if not engines:
             if others:
                 _refuse(others)
-            return
+            return []
         if any(e.pending is None for e in engines.values()):
             raise ValueError(
                 "CVI found CVI parameters without natural gradients: the loss must be "
@@ -112,6 +130,10 @@ class CVI(PyroOptim):
                     f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
                 )
             for engine in engines.values():
+                ctx = engine.pending
+                if not (ctx.subsample or engine.minibatch):  # comparable losses only
+                    labels = [lbl for b in engine.blocks for lbl in b.labels]
+                    watch(engine, beta, ctx.elbo, ctx.mc_var, str(labels))
                 engine.step(beta)
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
@@ -119,8 +141,22 @@ class CVI(PyroOptim):
         others = [p for p in others if p.grad is not None]
         if others:
             super().__call__(others, *args, **kwargs)
+        for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
+            p.grad = None
+        return list(engines.values())
+
+    def resume_control(self, engine: Any) -> None:
+        """A checkpoint was restored into ``engine``: its adaptive step control is rebuilt
+        now, so the first loss after the restore is checked as in the uninterrupted run."""
+        saved = self.saved_controls.pop(engine.prefix, None)
+        if self.auto and saved is not None:
+            self.engines[id(engine)] = weakref.ref(engine)
+            engine.enable_control(self.max_step_size, saved)
 
     def get_state(self) -> Dict[str, Any]:
+        store = pyro.get_param_store()
+        for p in [p for p in self.optim_objs if store.param_name(p) is None]:
+            self.optim_objs.pop(p)  # replaced in the store (a checkpoint restored over it)
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
         controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
@@ -134,6 +170,8 @@ class CVI(PyroOptim):
         if cvi is not None:
             self.t = int(cvi["t"])
             self.saved_controls = dict(cvi.get("control", {}))
+        self.optim_objs.clear()  # the restored parameters get their optimizers afresh,
+        self.grad_clip.clear()  # from the state set here
         super().set_state(state_dict)
 
 

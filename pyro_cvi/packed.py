@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
+import pyro
 import torch
 from pyro.distributions import TorchDistribution, constraints
 from torch.distributions import Beta, Gamma, Independent, MultivariateNormal, biject_to
 
-__all__ = ["PackedPosterior", "Factor", "packed_posterior"]
+__all__ = ["PackedPosterior", "PackedLatent", "Factor", "packed_posterior"]
 
 _DRAWS = 4096
 
@@ -218,3 +219,26 @@ def packed_posterior(engine, leaves) -> PackedPosterior:
     if not factors:
         raise ValueError("AutoCVI.get_posterior(): the model has no continuous latent site")
     return PackedPosterior(factors, list(an.latents))
+
+
+class PackedLatent:
+    """Mixin for :class:`~pyro_cvi.AutoCVI` (before ``AutoGuide`` in the bases): Pyro's
+    ``get_posterior()`` and ``sample_latent()`` over the packed unconstrained latent."""
+
+    def get_posterior(self, *args, **kwargs) -> PackedPosterior:
+        """``q`` over the packed unconstrained latent (every continuous latent site mapped by
+        ``biject_to(support)^-1``, flattened, in model order), as Pyro's
+        ``AutoContinuous.get_posterior`` gives it: see :class:`~pyro_cvi.packed.PackedPosterior`
+        (``mean``, ``variance``, ``covariance_matrix``, ``sample``, ``log_prob``)."""
+        engine = self._ready(args, kwargs)
+        leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
+        return packed_posterior(engine, leaves)
+
+    def sample_latent(self, *args, **kwargs) -> torch.Tensor:
+        """A draw of the packed unconstrained latent from :meth:`get_posterior`, as an
+        auxiliary site ``_<name>_latent`` (Pyro's ``AutoContinuous.sample_latent``)."""
+        return pyro.sample(
+            f"_{self._pyro_name}_latent",
+            self.get_posterior(*args, **kwargs),
+            infer={"is_auxiliary": True},
+        )

@@ -38,7 +38,14 @@ def robbins_monro(beta0: float = 1.0, tau: float = 1.0, kappa: float = 0.6) -> S
 def as_schedule(step_size: Union[float, Schedule]) -> Schedule:
     if callable(step_size):
         return step_size
-    return constant(float(step_size))
+    try:
+        beta = float(step_size)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"CVI(step_size={step_size!r}): the step size must be 'auto' (the default: "
+            "adaptive), a number in (0, 1] or a callable t -> beta_t"
+        ) from None
+    return constant(beta)
 
 
 def _check(beta: float) -> None:

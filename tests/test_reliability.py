@@ -67,6 +67,7 @@ def _run(tmp_path, *argv, source=SCRIPT, env=None):
     subprocess.run([sys.executable, str(script), *map(str, argv)], check=True, env=env)
 
 
+@pytest.mark.slow  # (three processes; the fast suite has test_checkpoint.py's round trip)
 def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     _run(tmp_path, "full", ckpt, tmp_path / "full.pt")

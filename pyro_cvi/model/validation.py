@@ -1,13 +1,76 @@
-"""Input checks that turn silent numerical failures into errors naming the site and the fix."""
+"""Input checks that turn silent numerical failures into errors naming the site and the fix.
+
+As Pyro's ``validate_args``, observations are checked against their distribution's support
+(a Bernoulli ``y = 2``, a Poisson count of ``-3``), and beyond it: non-finite observations
+outside any mask, values whose square overflows the dtype, non-finite coefficients of a linear
+predictor (``inf`` in ``X``), and, when the model itself fails, the failure is explained in
+terms of the data (:func:`explained`: which argument holds NaN, an empty plate, a dtype or a
+shape that changed since the guide was built).
+"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
+from pyro.distributions import constraints
 from pyro.poutine.trace_struct import Trace
 
-from .tracing import is_random
+from .tracing import is_random, linear_param, unwrap
 
-__all__ = ["check_observations", "check_structure", "per_index"]
+__all__ = [
+    "check_analysis",
+    "check_observations",
+    "check_structure",
+    "check_targets",
+    "data_shapes",
+    "explained",
+    "per_index",
+]
+
+
+def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
+    """The checks of a fresh analysis (new data): its observations (:func:`check_observations`)
+    and, where a data argument holds inf or NaN, the linear predictors ``eta = A z + c`` of the
+    observed sites, which must then be finite (an infinite covariate gives an infinite ``eta``
+    that no distribution refuses: the loss would be ``nan``)."""
+    check_observations(analysis.structure, structure)
+    bad_args = [
+        (n, a)
+        for n, a in _data_tensors(args, kwargs or {})
+        if a.is_floating_point() and not bool(torch.isfinite(a).all())
+    ]
+    if not bad_args:
+        return
+    arg, a = bad_args[0]
+    j = _first(~torch.isfinite(a))
+    where = f"the model's {arg} is {float(a[tuple(j)])} at index {j}"
+    for name, site in analysis.structure.nodes.items():
+        if not is_random(site) or not site["is_observed"] or name not in structure:
+            continue
+        base = unwrap(site["fn"])[0]
+        lin = linear_param(base)
+        if lin is None or not lin[1].is_floating_point():
+            continue
+        bad = ~torch.isfinite(lin[1])
+        if bool(bad.any()):
+            i = _first(bad)
+            raise ValueError(
+                f"site {name!r}: its {type(base).__name__} {lin[0]} is {float(lin[1][tuple(i)])} "
+                f"at index {i}: {where}. Remove or impute the non-finite inputs."
+            )
+    for spec in analysis.blocks:
+        for f in spec.factors:
+            A = f.jacobian
+            if A is None or not A.is_floating_point() or bool(torch.isfinite(A).all()):
+                continue
+            row, col = (~torch.isfinite(A)).nonzero()[0].tolist()
+            raise ValueError(
+                f"site {f.site!r}: its linear predictor has a non-finite coefficient (row {row}, "
+                f"coefficient of {spec.label} element {col}): {where}. Remove or impute the "
+                "non-finite inputs."
+            )
 
 
 def check_observations(trace: Trace, prototype) -> None:
@@ -35,19 +98,61 @@ def check_observations(trace: Trace, prototype) -> None:
                 f"{tuple(site['fn'].event_shape)}); reshape the data to match, e.g. y.reshape(-1)"
                 " for a column vector, or use .to_event() for event dims"
             )
-        if not v.is_floating_point():
-            continue
-        bad = ~torch.isfinite(v)
         mask = site["mask"]
-        if torch.is_tensor(mask):  # entries masked out (e.g. by obs_mask) may hold NaN
-            bad = bad & mask.reshape(mask.shape + (1,) * (bad.dim() - mask.dim()))
-        if bool(bad.any()):
-            bad = bad.nonzero()[0].tolist()
-            raise ValueError(
-                f"observed site {name!r} has a non-finite value (first at index {bad}). Remove or "
-                "impute those observations, or mark them missing with "
-                "pyro.sample(..., obs_mask=torch.isfinite(y))."
-            )
+        if v.is_floating_point():
+            bad = _masked(~torch.isfinite(v), mask)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"observed site {name!r} has a non-finite value (first at index "
+                    f"{_first(bad)}). Remove or impute those observations, or mark them "
+                    "missing with pyro.sample(..., obs_mask=torch.isfinite(y))."
+                )
+            big = torch.finfo(v.dtype).max ** 0.5
+            bad = _masked(v.abs() > big, mask)
+            if bool(bad.any()):
+                i = _first(bad)
+                raise ValueError(
+                    f"observed site {name!r} has the value {float(v[tuple(i)]):.3g} at index {i}, "
+                    f"beyond {big:.3g}: its square overflows {v.dtype} and the ELBO cannot be "
+                    "evaluated. Rescale the data (e.g. standardise y)."
+                )
+        _check_support(name, site, v, mask)
+
+
+def _masked(bad: torch.Tensor, mask) -> torch.Tensor:
+    """``bad`` where the site's mask is on (entries masked out, e.g. by obs_mask, are free)."""
+    if torch.is_tensor(mask):
+        bad = bad & mask.reshape(mask.shape + (1,) * (bad.dim() - mask.dim()))
+    return bad
+
+
+def _first(bad: torch.Tensor) -> list:
+    return bad.nonzero()[0].tolist() if bad.dim() else []
+
+
+def _check_support(name: str, site, v: torch.Tensor, mask) -> None:
+    """Pyro's support check of an observation, with the site and index named."""
+    fn = site["fn"]
+    try:
+        support = fn.support
+    except NotImplementedError:
+        return
+    if constraints.is_dependent(support):
+        return
+    try:
+        ok = support.check(v)
+    except (RuntimeError, TypeError, ValueError):
+        return
+    bad = _masked(~ok.reshape(ok.shape + (1,) * (v.dim() - ok.dim())), mask)
+    if bool(bad.any()):
+        i = _first(bad)
+        shown = v[tuple(i)] if len(i) <= v.dim() else v
+        raise ValueError(
+            f"observed site {name!r} has a value outside the support of its distribution "
+            f"{type(fn).__name__} ({support}): {shown.tolist()} at index {i}. Pyro's "
+            "Trace_ELBO refuses it too: fix the data (e.g. labels in {0, 1} for a Bernoulli, "
+            "non-negative integer counts for a Poisson)."
+        )
 
 
 def _broadcasts_into(shape, target) -> bool:
@@ -89,3 +194,92 @@ def check_structure(trace: Trace, prototype) -> None:
                 f"site {n!r} was observed when the guide was built and is latent now; build "
                 "a new AutoCVI for the new model"
             )
+
+
+def data_shapes(args, kwargs) -> dict:
+    """``{argument: shape}`` of the model's tensor arguments (for :func:`explained`)."""
+    return {n: tuple(a.shape) for n, a in _data_tensors(args, kwargs)}
+
+
+def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor) -> None:
+    """GPyTorch: the targets ``y`` against the support of ``likelihood``'s distribution of
+    ``y`` given latent values ``f`` (e.g. labels in {0, 1} for a Bernoulli likelihood)."""
+    try:
+        d = likelihood.forward(f)
+        support = d.support
+        if constraints.is_dependent(support):
+            return
+        bad = ~support.check(y.to(f.dtype) if d.support.is_discrete else y)
+        if y.is_floating_point():  # (NaN targets are refused by the step's finiteness check)
+            bad = bad & torch.isfinite(y)
+    except Exception:  # noqa: BLE001 (a likelihood without a plain torch distribution)
+        return
+    if bool(bad.any()):
+        i = _first(bad)
+        raise ValueError(
+            f"targets y: {y[tuple(i)].tolist()} at index {i} is outside the support of "
+            f"{type(likelihood).__name__} ({type(d).__name__}, {support}). Labels of a "
+            "Bernoulli likelihood are 0 and 1 (map labels in {-1, 1} with (y + 1) / 2)."
+        )
+
+
+def _data_tensors(args, kwargs):
+    for i, a in enumerate(args):
+        if torch.is_tensor(a):
+            yield f"argument {i}", a
+    for k, a in kwargs.items():
+        if torch.is_tensor(a):
+            yield f"argument {k!r}", a
+
+
+@contextmanager
+def explained(args, kwargs, shapes=None) -> Iterator[None]:
+    """Explain a failure of the model in terms of its data: a NaN that a distribution refused,
+    an empty plate, a dtype mismatch, or shapes that changed since ``shapes`` (the data the
+    guide was built with, ``{argument: shape}``)."""
+    try:
+        yield
+    except ZeroDivisionError as e:
+        empty = [f"{n} has shape {tuple(a.shape)}" for n, a in _data_tensors(args, kwargs)]
+        empty = [e for e, (_, a) in zip(empty, _data_tensors(args, kwargs)) if a.numel() == 0]
+        if not empty:
+            raise
+        raise ValueError(
+            f"the data is empty ({'; '.join(empty)}): a plate of size 0 has no data point to "
+            "fit. Pass at least one data point."
+        ) from e
+    except (ValueError, RuntimeError) as e:
+        text = str(e)
+        if isinstance(e, ValueError) and "to satisfy the constraint" in text:
+            for n, a in _data_tensors(args, kwargs):
+                if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+                    i = _first(~torch.isfinite(a))
+                    raise ValueError(
+                        f"the model's {n} has a non-finite value (first at index {i}: "
+                        f"{float(a[tuple(i)])}), and a distribution refused the result "
+                        f"({text.splitlines()[0][:160]}). Remove or impute it (observations "
+                        "may be marked missing with obs_mask)."
+                    ) from e
+            raise
+        if not isinstance(e, RuntimeError):
+            raise
+        now = {n: tuple(a.shape) for n, a in _data_tensors(args, kwargs)}
+        changed = [
+            f"{n}: {shapes[n]} -> {s}" for n, s in now.items() if shapes and shapes.get(n, s) != s
+        ]
+        if changed and ("size" in text or "shape" in text):
+            raise ValueError(
+                f"the data's shapes changed since the guide was built ({'; '.join(changed)}), "
+                f"and the model failed ({text.splitlines()[0][:160]}). An AutoCVI guide is "
+                "fitted to one model and data layout: build a new AutoCVI for the new shapes."
+            ) from e
+        if "dtype" in text or "cast" in text or "scalar type" in text:
+            kinds = ", ".join(f"{n}: {a.dtype}" for n, a in _data_tensors(args, kwargs))
+            raise TypeError(
+                f"the model failed on mixed dtypes ({text.splitlines()[0][:160]}). The data "
+                f"has {kinds}; every tensor the model combines must have one floating dtype: "
+                "make the data and the model's priors and parameters agree (e.g. X.double() "
+                "and y.double(), or priors built with X.new_zeros(...)); integer labels or "
+                "counts must be passed as floats."
+            ) from e
+        raise

@@ -45,6 +45,7 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from pyro_cvi.messages.quadrature import site_natural_params
+from pyro_cvi.model.validation import check_targets
 from pyro_cvi.step_control import Snapshot, StepControl
 from pyro_cvi.update import cvi_update
 
@@ -210,6 +211,8 @@ class CVIOptimizer:
             not change.
         """
         s = self.strategy
+        f = torch.zeros(y.shape, dtype=y.dtype if y.is_floating_point() else torch.float64)
+        check_targets(self.likelihood, y, f.to(y.device))  # y against the likelihood's support
         if s.inducing_form:
             return self._inducing_step(x, y, indices, **kwargs)
         indices = self._resolve_indices(x, indices)

@@ -1,0 +1,127 @@
+"""Transactional CVI steps: a step that fails or is interrupted leaves the guide as it was.
+
+One ``svi.step`` is two calls: the loss (:class:`~pyro_cvi.CVI_ELBO`: on the first step the
+guide's set-up, the analysis of new data, the step's trace and messages, the natural gradients)
+and the optimizer's update (:class:`~pyro_cvi.CVI`: eq. 12 on every block). Both only *rebind*
+attributes of the guide, its engine, its blocks and its step control, and change the CVI
+parameters *in place*. So a snapshot taken when the loss starts is cheap and complete: a shallow
+copy of those objects' attributes, clones of the guide's parameters, and the param store's
+names. If anything raises before the update has finished (a validation error, a numerical
+failure, ``KeyboardInterrupt``), the snapshot is put back: the parameters added by a failed
+first step leave the param store, the guide forgets a half-built set-up, autograd's global mode
+is restored, and the next good step works as if the failed one never happened.
+
+The snapshot lives from the loss until the optimizer's update (:func:`commit`), keyed weakly
+by the engine (a loss evaluated without a step, e.g. ``svi.evaluate_loss``, keeps none).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Dict, Iterable, Iterator, List, Optional
+
+import pyro
+import torch
+
+__all__ = ["Transaction", "pending", "commit", "rolled_back"]
+
+#: the snapshot each engine's pending step would roll back to: ``engine -> Transaction``
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Memento:
+    """The instance attributes of one object (a shallow copy: rebinding is undone; the
+    attribute values themselves are never mutated in place by a step)."""
+
+    def __init__(self, obj):
+        self.obj, self.saved = obj, dict(vars(obj))
+
+    def restore(self) -> None:
+        d = vars(self.obj)
+        for k in [k for k in d if k not in self.saved]:
+            del d[k]
+        d.update(self.saved)
+
+
+class Transaction:
+    """A snapshot of ``guide`` (an :class:`~pyro_cvi.AutoCVI`) and its parameters."""
+
+    def __init__(self, guide):
+        self.guide = guide
+        #: autograd's mode: an interrupt that lands between a ``with torch.no_grad()`` body and
+        #: its ``__exit__`` (CPython does not guard that point) would leave it switched off
+        self.grad_mode = torch.is_grad_enabled()
+        store = pyro.get_param_store()
+        self.names = set(store.keys())
+        objs: List = [guide, guide.counts]
+        self.params: Dict[str, torch.Tensor] = {}
+        engine = guide.engine
+        if engine is not None:
+            objs += [engine, engine.counts] + list(engine.blocks) + list(engine.natural.values())
+            if engine.control is not None:
+                objs.append(engine.control)
+            with torch.no_grad():
+                for n in engine.param_names() + [engine.steps_name]:
+                    if n in store:
+                        self.params[n] = _unconstrained(n).detach().clone()
+        self.mementos = list({id(o): _Memento(o) for o in objs}.values())
+
+    def rollback(self) -> None:
+        """Put the guide, its engine and its parameters back as they were at the snapshot."""
+        torch.set_grad_enabled(self.grad_mode)
+        store = pyro.get_param_store()
+        for n in [n for n in store.keys() if n not in self.names]:
+            del store[n]  # added by the failed step (a first step's set-up)
+        with torch.no_grad():
+            for n, v in self.params.items():
+                if n in store:
+                    u = _unconstrained(n)
+                    if u.shape == v.shape:
+                        u.copy_(v)
+                    u.grad = None
+        for m in self.mementos:
+            m.restore()
+
+
+def _unconstrained(name: str) -> torch.Tensor:
+    return pyro.param(name).unconstrained()
+
+
+def pending(engine) -> Optional[Transaction]:
+    """The snapshot the engine's pending step would roll back to (``None``: none)."""
+    return _OPEN.get(engine)
+
+
+def keep(engine, txn: Transaction) -> None:
+    """Keep ``txn`` until the optimizer's update of ``engine`` (:func:`commit`)."""
+    _OPEN[engine] = txn
+
+
+def commit(engines: Iterable) -> None:
+    """The update finished: the snapshots are dropped."""
+    for e in engines:
+        _OPEN.pop(e, None)
+
+
+@contextmanager
+def rolled_back(guide, keep_open: bool = False) -> Iterator[Transaction]:
+    """Run a loss evaluation as a transaction: on any exception (``KeyboardInterrupt``
+    included) the guide is rolled back and the exception re-raised. With ``keep_open`` the
+    snapshot stays open for the optimizer's update (:func:`commit` or :func:`abort`)."""
+    txn = Transaction(guide)
+    try:
+        yield txn
+        if keep_open and guide.engine is not None:
+            keep(guide.engine, txn)
+    except BaseException:
+        txn.rollback()
+        raise
+
+
+def abort(engines: Iterable) -> None:
+    """The update failed: roll every engine's guide back to its snapshot."""
+    for e in list(engines):
+        txn = _OPEN.pop(e, None)
+        if txn is not None:
+            txn.rollback()
