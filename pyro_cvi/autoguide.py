@@ -28,6 +28,8 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from .blocks.marginals import marginal_median, marginal_quantiles, marginal_std, standard_posterior
+from .blocks.packed import PackedLatent
 from .context import Options
 from .engine import Engine
 from .families import FAMILY_NAMES
@@ -41,13 +43,11 @@ from .guide_state import (
     sync_parameters,
     unbind_parameters,
 )
-from .marginals import marginal_median, marginal_quantiles, marginal_std, standard_posterior
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
-from .packed import PackedLatent
 from .scale.distributed import as_reducer
 from .transaction import rolled_back
 from .update import StepCounts
@@ -421,8 +421,8 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
     @torch.no_grad()
     def median(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
         """The posterior median of each latent site (its marginals' 0.5 quantiles, see
-        :mod:`pyro_cvi.marginals`; the mode, for discrete factors); a leaf's at its parents'
-        means. ``args``: the model's (only needed before the first step)."""
+        :mod:`pyro_cvi.blocks.marginals`; the mode, for discrete factors); a leaf's at its
+        parents' means. ``args``: the model's (only needed before the first step)."""
         engine = self._ready(args, kwargs)
         out = {}
         for block in engine.gaussian:
@@ -439,7 +439,7 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
     def quantiles(self, quantiles: Sequence[float], *args, **kwargs) -> Dict[str, torch.Tensor]:
         """Marginal quantiles of each latent site, stacked on a leading dim (deterministic:
         exact for Gaussians and any law with an ``icdf``, a fine CDF grid for the others, see
-        :mod:`pyro_cvi.marginals`); ``quantiles(..., 0.5, ...)`` is :meth:`median`."""
+        :mod:`pyro_cvi.blocks.marginals`); ``quantiles(..., 0.5, ...)`` is :meth:`median`."""
         engine = self._ready(args, kwargs)
         medians = self.median(*args, **kwargs)
         leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}

@@ -34,7 +34,7 @@ from pyro.infer import SVI
 from zoo import ZOO
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.marginals import marginal_median, marginal_quantiles
+from pyro_cvi.blocks.marginals import marginal_median, marginal_quantiles
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -251,7 +251,9 @@ def test_leaves_have_exact_medians_and_quantiles(dtype):
         "g": scipy.stats.gamma.ppf(ps, 0.7, scale=0.5),
         "x": scipy.stats.norm.ppf(ps, 1.0, 3.0),
     }
-    rtol = 3e-4  # the CDF grid's accuracy (float64 and float32 alike), see pyro_cvi.marginals
+    rtol = (
+        3e-4  # the CDF grid's accuracy (float64 and float32 alike), see pyro_cvi.blocks.marginals
+    )
     for name, ref in expect.items():
         got = qs[name].reshape(3, -1)
         assert got.dtype == dtype

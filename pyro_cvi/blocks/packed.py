@@ -228,8 +228,8 @@ class PackedLatent:
     def get_posterior(self, *args, **kwargs) -> PackedPosterior:
         """``q`` over the packed unconstrained latent (every continuous latent site mapped by
         ``biject_to(support)^-1``, flattened, in model order), as Pyro's
-        ``AutoContinuous.get_posterior`` gives it: see :class:`~pyro_cvi.packed.PackedPosterior`
-        (``mean``, ``variance``, ``covariance_matrix``, ``sample``, ``log_prob``)."""
+        ``AutoContinuous.get_posterior`` gives it: see :class:`PackedPosterior` (``mean``,
+        ``variance``, ``covariance_matrix``, ``sample``, ``log_prob``)."""
         engine = self._ready(args, kwargs)
         leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
         return packed_posterior(engine, leaves)
