@@ -20,7 +20,7 @@ with ``torch.save``, deep-copies and loads a ``state_dict``; their ``.grad`` (wr
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import pyro
 import pyro.distributions as dist
@@ -28,8 +28,9 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
-from .blocks.marginals import marginal_median, marginal_quantiles, marginal_std, standard_posterior
+from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
+from .blocks.summaries import Summaries
 from .context import Options
 from .engine import Engine
 from .families import FAMILY_NAMES
@@ -49,13 +50,14 @@ from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
+from .step_control import WarningLog
 from .transaction import rolled_back
 from .update import StepCounts
 
 __all__ = ["AutoCVI"]
 
 
-class AutoCVI(GuideState, PackedLatent, AutoGuide):
+class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     """Conjugate-computation variational inference guide (Khan & Lin, 2017).
 
     Example::
@@ -109,6 +111,12 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
         ``"cubature"`` (default: 2K+1-point unscented rule, Gauss-Hermite at K = 2), ``"mc"``
         (Monte Carlo, ``num_samples`` draws, default 100) or ``"bound"`` (Böhning's bound);
         see :mod:`pyro_cvi.messages.softmax`.
+    :param general_curvature: the expected Hessian of general (Monte Carlo) factors on a
+        Gaussian block: ``"hessian"`` (a dense Hessian per particle, Price's theorem),
+        ``"gradient"`` (gradients only, one batched model run: Stein's lemma,
+        ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
+        ``"auto"`` (default: dense up to
+        :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
     """
 
     def __init__(
@@ -129,7 +137,13 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
         init_scale: Optional[float] = None,
         process_group=None,
         softmax: str = "cubature",
+        general_curvature: str = "auto",
     ):
+        if general_curvature not in ("auto", "hessian", "gradient"):
+            raise ValueError(
+                "general_curvature must be 'auto', 'hessian' or 'gradient', "
+                f"got {general_curvature!r}"
+            )
         if softmax not in METHODS:
             raise ValueError(f"softmax must be one of {METHODS}, got {softmax!r}")
         if covariance not in ("full", "diag"):
@@ -162,9 +176,11 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
             init_scale,
             as_reducer(process_group),
             softmax,
+            general_curvature=general_curvature,
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
+        self.warning_log = WarningLog()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
         #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.scale.checkpoint`):
@@ -190,6 +206,11 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
     @num_rejected.setter
     def num_rejected(self, value: int) -> None:
         self.counts.rejected = int(value)
+
+    @property
+    def warning_counts(self) -> dict:
+        """``{(site, kind): count}`` of the step warnings so far (each is shown only once)."""
+        return dict(self.warning_log.counts)
 
     @property
     def reducer(self):
@@ -228,6 +249,7 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
         sync_parameters(self)
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
+        self.engine.warnings = self.warning_log
         sub = self.draw_subsample(args, kwargs)
         with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
             self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
@@ -298,6 +320,12 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
         for name, node in self.prototype_trace.nodes.items():
             if name not in out and name in self._minibatch_plates:
                 out[name] = node["fn"].sample()
+        analysis = getattr(self.engine, "analysis", None)
+        if analysis is not None:  # observation-only plates (the prototype hides their indices)
+            for name in sorted(analysis.minibatch_plates - set(out)):
+                node = analysis.structure.nodes[name]
+                if node["fn"].subsample_size is not None:  # (not pyro.plate(subsample=idx))
+                    out[name] = node["fn"].sample()
         return out
 
     def natural_params(self) -> Dict[str, torch.Tensor]:
@@ -419,46 +447,6 @@ class AutoCVI(GuideState, PackedLatent, AutoGuide):
         return self.engine.gaussian[blocks.pop()].joint(list(names))
 
     @torch.no_grad()
-    def median(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """The posterior median of each latent site (its marginals' 0.5 quantiles, see
-        :mod:`pyro_cvi.blocks.marginals`; the mode, for discrete factors); a leaf's at its
-        parents' means. ``args``: the model's (only needed before the first step)."""
-        engine = self._ready(args, kwargs)
-        out = {}
-        for block in engine.gaussian:
-            out.update(block.mean_values())
-        for name, nb in engine.natural.items():
-            out[name] = marginal_median(nb.dist({})).reshape(nb.mean_value({}).shape)
-        if engine.analysis.leaves:
-            for name, fn in self._leaf_priors(args or None, kwargs).items():
-                out[name] = marginal_median(fn).detach()
-        order = list(engine.analysis.latents)
-        return dict(sorted(out.items(), key=lambda kv: order.index(kv[0])))
-
-    @torch.no_grad()
-    def quantiles(self, quantiles: Sequence[float], *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """Marginal quantiles of each latent site, stacked on a leading dim (deterministic:
-        exact for Gaussians and any law with an ``icdf``, a fine CDF grid for the others, see
-        :mod:`pyro_cvi.blocks.marginals`); ``quantiles(..., 0.5, ...)`` is :meth:`median`."""
-        engine = self._ready(args, kwargs)
-        medians = self.median(*args, **kwargs)
-        leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
-        out = {}
-        for name, med in medians.items():
-            info = engine.analysis.latents[name]
-            if info.form == SITE:
-                q = engine.gaussian[info.block].marginal(name)
-                std = marginal_std(q).reshape(med.shape)
-                normal = torch.distributions.Normal(0.0, 1.0)
-                qs = torch.as_tensor(list(quantiles), dtype=med.dtype, device=med.device)
-                z = normal.icdf(qs).reshape((-1,) + (1,) * med.dim())
-                out[name] = med + z * std
-                continue
-            q = leaves[name] if name in leaves else engine.natural[name].dist({})
-            out[name] = marginal_quantiles(q, quantiles).reshape((-1,) + med.shape).detach()
-        return out
-
-    @torch.no_grad()
     def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
         """One joint draw of every latent: the continuous ones from ``q``, the collapsed
         discrete ones (``discrete="collapse"``) from ``p(z | x, theta)`` given that draw."""
@@ -488,5 +476,6 @@ for _name in (
     "vectorize_particles",
     "discrete",
     "softmax",
+    "general_curvature",
 ):
     setattr(AutoCVI, _name, option_property(_name))

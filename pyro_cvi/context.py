@@ -38,6 +38,9 @@ class Options:
     #: (:class:`pyro_cvi.scale.distributed.Reducer`); ``None`` for one process
     reducer: Any = None
     softmax: str = "cubature"
+    #: curvature of general factors on Gaussian blocks: ``"hessian"`` (dense Price),
+    #: ``"gradient"`` (Stein's lemma, gradients only) or ``"auto"`` (by the block's dimension)
+    general_curvature: str = "auto"
 
 
 @dataclass

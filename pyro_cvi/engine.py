@@ -41,16 +41,18 @@ from .blocks import (
 from .context import Options, StepContext
 from .messages.expectations import site_weight
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
+from .model.factor_roles import minibatch_renames
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, per_index
 from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
+    WarningLog,
+    backtrack_message,
     controlled_evaluation,
     initial_failure,
     is_numerical_error,
-    report_backtrack,
     warn_step_counts,
 )
 from .update import StepCounts, register_owner
@@ -74,12 +76,11 @@ class Engine:
         self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
         self.counts = StepCounts()
+        self.warnings = WarningLog()
         self.data_key = None
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
         self.control: Optional[StepControl] = None
         self.steps_name = f"{prefix}.num_steps"
-        #: (site, kind) pairs whose routine step events were logged (once per run)
-        self.reported: set = set()
 
     # ------------------------------------------------------------------ set-up
     def setup(self, args, kwargs, prototype_trace, init_loc_fn=None, subsample=None) -> None:
@@ -320,7 +321,8 @@ class Engine:
 
     def _warn_backtrack(self, beta: float, error) -> None:
         labels = [label for b in self.blocks for label in b.labels]
-        report_backtrack(labels, beta, error, self.reported)  # logged once; num_backtracks
+        kind = "step undone (numerical)" if error is not None else "step undone"
+        self.warnings.warn(labels, kind, backtrack_message(labels, beta, error), stacklevel=4)
 
     def _loss(self, args, kwargs, subsample, grads: bool, graph=False) -> torch.Tensor:
         ctx = self.context(args, kwargs, subsample, grads, graph)
@@ -338,7 +340,11 @@ class Engine:
         """Factors that depend on no latent (e.g. observations with learnable parameters only):
         constants of q, but part of the bound and of the hyperparameter gradients."""
         total = torch.zeros(())
-        for site, owner in self.analysis.owner.items():
+        owners = dict(self.analysis.owner)
+        for site, template in minibatch_renames(self.analysis, trace).items():
+            if template is not None:  # a sequential plate's site of this minibatch
+                owners.setdefault(site, owners[template])
+        for site, owner in owners.items():
             if owner == CONSTANT and site in trace.nodes:  # (sequential minibatch sites vary)
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
@@ -410,12 +416,7 @@ class Engine:
         no counts; see ``guide.num_shrunk`` / ``guide.num_rejected``)."""
         self.counts += report.counts
         warn_step_counts(
-            report.label,
-            report.kind,
-            report.beta,
-            report.counts,
-            stacklevel=6,
-            seen=self.reported,
+            report.label, report.kind, report.beta, report.counts, stacklevel=6, log=self.warnings
         )
 
 

@@ -34,12 +34,12 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
   only non-finite losses and errors backtrack, and the ceiling follows the Robbins-Monro
   schedule ``beta0 (1 + t / 10) ** -0.6`` (Hoffman et al. 2013).
 
-**Reporting.** Shrunk and undone steps are the step policy doing its job: they are counted on
-the guide (``guide.num_shrunk``, ``guide.num_backtracks``) and logged once per site and kind
-to the ``"pyro_cvi"`` logger (``logging.getLogger("pyro_cvi").setLevel(logging.INFO)`` shows
-them), not warned, so that suites which turn warnings into errors (Pyro's own) run quietly.
-Only a *rejected* step (no step size keeps ``q`` valid) is a ``RuntimeWarning``, once per site
-and kind.
+**Reporting.** Shrunk and undone steps are the step policy doing its job: they are counted
+on the guide (``guide.num_shrunk``, ``guide.num_backtracks``, ``guide.warning_counts``) and
+logged once per site and kind (:class:`WarningLog`) to the ``"pyro_cvi"`` logger at INFO,
+not warned, so that suites which turn warnings into errors (Pyro's own) run quietly. A
+*rejected* step (no step size keeps ``q`` valid) is a ``RuntimeWarning``, once per site and
+kind.
 
 :func:`controlled_evaluation` is the one backtracking loop (the engine and every other caller
 hand it the evaluation, a copy of the parameters and a restore function); :class:`StepControl`
@@ -52,7 +52,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -63,9 +63,9 @@ __all__ = [
     "is_numerical_error",
     "initial_failure",
     "backtrack_message",
-    "report_backtrack",
-    "log_once",
+    "ROUTINE",
     "warn_step_counts",
+    "WarningLog",
 ]
 
 
@@ -269,6 +269,32 @@ def initial_failure(error: Optional[BaseException]) -> ValueError:
     )
 
 
+#: the ``"pyro_cvi"`` logger: routine step-policy events (shrunk and undone steps)
+LOGGER = logging.getLogger("pyro_cvi")
+#: the kinds of :class:`WarningLog` that are routine (logged at INFO, not warned)
+ROUTINE = frozenset({"step shrunk", "step undone", "step undone (numerical)"})
+
+
+class WarningLog:
+    """One warning per ``(site, kind)`` per run (a guide's lifetime), however many steps repeat
+    it: the first occurrence is shown, every occurrence is counted (``counts``, shown on the
+    guide as ``guide.warning_counts``). Python's own once-per-text filter cannot do this, as
+    the texts carry the step size, which changes from step to step."""
+
+    def __init__(self) -> None:
+        self.counts: Dict[tuple, int] = {}
+
+    def warn(self, site, kind: str, message: str, stacklevel: int = 2) -> None:
+        key = (str(site), kind)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.counts[key] == 1:
+            text = message + " (shown once per site and kind; see guide.warning_counts)"
+            if kind in ROUTINE:  # the step policy doing its job: logged, not warned
+                LOGGER.info(text)
+            else:
+                warnings.warn(text, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> str:
     """The report of an undone step: which sites, why, the new step, and what to do."""
     why = "a numerical failure" if error is not None else "a worse ELBO"
@@ -280,46 +306,26 @@ def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> st
     )
 
 
-#: the ``"pyro_cvi"`` logger: routine step-policy events (shrunk and undone steps)
-LOGGER = logging.getLogger("pyro_cvi")
-_LOGGED: Set[Tuple[str, str]] = set()
-
-
-def log_once(key: Tuple[str, str], message: str, seen: Optional[Set] = None) -> None:
-    """Log ``message`` at INFO to ``"pyro_cvi"`` the first time ``key`` (site, kind) is in
-    ``seen`` (a guide's own set: once per run; default: once per process)."""
-    seen = _LOGGED if seen is None else seen
-    if key not in seen:
-        seen.add(key)
-        LOGGER.info(message)
-
-
-def report_backtrack(
-    labels, beta: float, error: Optional[BaseException], seen: Optional[Set] = None
-) -> None:
-    """Log an undone step (once per set of sites and cause; counted in ``num_backtracks``)."""
-    why = "numerical" if error is not None else "worse"
-    log_once((str(labels), f"backtrack-{why}"), backtrack_message(labels, beta, error), seen)
-
-
 def warn_step_counts(
-    label: str, what: str, beta: float, counts, stacklevel: int, seen: Optional[Set] = None
+    label: str, what: str, beta: float, counts, stacklevel: int, log: Optional[WarningLog] = None
 ) -> None:
-    """Report shrunk steps (logged once per site and kind: routine; the count is
-    ``guide.num_shrunk``) and rejected ones (a ``RuntimeWarning``, whose text carries no
-    counts, so Python shows it once per site and kind; the count is ``guide.num_rejected``)."""
+    """Warn about shrunk and rejected steps, once per site and kind when ``log`` is given (the
+    counts of elements are ``guide.num_shrunk`` / ``guide.num_rejected``)."""
+    log = log if log is not None else WarningLog()
     if counts.shrunk:
-        log_once(
-            (label, f"shrunk-{what}"),
+        log.warn(
+            label,
+            "step shrunk",
             f"AutoCVI: step on site {label!r} shrunk from {beta:g} to keep the {what} "
             "natural parameters valid (counted in guide.num_shrunk)",
-            seen,
+            stacklevel=stacklevel,
         )
     if counts.rejected:
-        warnings.warn(
+        log.warn(
+            label,
+            "step rejected",
             f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
             f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
             "step size, or raise num_general_samples.",
-            RuntimeWarning,
             stacklevel=stacklevel,
         )

@@ -76,15 +76,16 @@ def _elbo(entry, **kw):
     return Trace_ELBO(**kw)
 
 
-def evaluate(entry, guide, data, M: int, P: int):
+def evaluate(entry, guide, data, M: int, P: int, model=None):
     """Common estimator: mean and standard error of the -ELBO over ``M`` calls of ``P``
     particles, the same for every guide of a model."""
     elbo = _elbo(entry, num_particles=P)
+    model = entry.model if model is None else model
     vals = []
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(M):
-            vals.append(elbo.loss(entry.model, guide, *data.args, **data.kwargs))
+            vals.append(elbo.loss(model, guide, *data.args, **data.kwargs))
     v = torch.tensor(vals, dtype=torch.float64)
     ok = torch.isfinite(v)
     if not bool(ok.all()):
@@ -105,11 +106,12 @@ def kinds(guide) -> str:
     return f"q: {q}; factors: " + ", ".join(f"{k} {v}" for k, v in facs.items())
 
 
-def run_cvi(entry, data, steps: int):
+def run_cvi(entry, data, steps: int, dtype=None):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = AutoCVI(entry.model, **entry.guide_kwargs)
-    svi = SVI(entry.model, guide, CVI(step_size=entry.step_size), CVI_ELBO())
+    model, guide_kwargs = entry.build(dtype)
+    guide = AutoCVI(model, **guide_kwargs)
+    svi = SVI(model, guide, CVI(step_size=entry.step_size), CVI_ELBO())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def run_cvi(entry, data, steps: int):
     return guide, svi, wall, loss
 
 
-def bound_check(entry, svi, data, mc, mc_se, repeats: int):
+def bound_check(entry, svi, data, mc, mc_se, repeats: int, eps: float = 1e-7):
     """The loss CVI reports against the common estimator of the same ``q``: CVI's
     ``evaluate_loss`` averaged over ``repeats`` calls (once if it is exact), and
     ``z = (cvi - mc) / se`` with the combined standard error (floored at 1e-7 relative)."""
@@ -133,7 +135,7 @@ def bound_check(entry, svi, data, mc, mc_se, repeats: int):
     v = torch.tensor(vals, dtype=torch.float64)
     se = float(v.std() / math.sqrt(len(v))) if len(v) > 1 else 0.0
     tot = math.sqrt(se**2 + mc_se**2)
-    tot = max(tot, 1e-7 * abs(mc))  # round-off floor where q is exact and both se vanish
+    tot = max(tot, eps * abs(mc))  # round-off floor where q is exact and both se vanish
     z = (float(v.mean()) - mc) / tot
     return {"cvi_loss": float(v.mean()), "cvi_loss_se": se, "z": z, "exact": len(v) == 1}
 
@@ -189,6 +191,13 @@ def bench(name, entry, quick: bool, lrs, M: int, P: int, baselines: bool = True)
     row["bound"] = bound_check(entry, svi, data, row["cvi"]["elbo"], row["cvi"]["se"], M)
     if entry.heldout is not None:
         row["cvi"]["heldout"] = entry.heldout(entry.model, guide, data)
+    # the same run in float32 (Pyro's default dtype): its -ELBO and bound check
+    data32 = entry.data(torch.float32)
+    g32, svi32, wall32, _ = run_cvi(entry, data32, steps, torch.float32)
+    model32 = entry.build(torch.float32)[0]
+    res = dict(zip(("elbo", "se"), evaluate(entry, g32, data32, M, P, model32)), time=wall32)
+    res["bound"] = bound_check(entry, svi32, data32, res["elbo"], res["se"], M, eps=1e-6)
+    row["cvi_f32"] = res
     if not baselines:
         row["verdict"], row["reason"] = "-", "baselines skipped"
         return row
@@ -241,6 +250,7 @@ def _fmt(r):
 COLUMNS = [
     ("model", "zoo entry (tests/zoo)"),
     ("cvi", "AutoCVI + default CVI(): common -ELBO estimate +- se (wall seconds of its steps)"),
+    ("cvi f32", "the same in float32, with its bound z"),
     ("normal", "AutoNormal + Adam, best lr of the grid, same wall time: -ELBO +- se (s)"),
     ("mvn", "AutoMultivariateNormal + Adam likewise ('-': latent dimension > 300)"),
     ("other", "extra baselines of the entry (sparse gamma: the example's hand-written guide)"),
@@ -255,7 +265,7 @@ BASES = ("normal", "mvn")
 
 
 def _extras(r):
-    skip = ("model", "source", "kinds", "cvi_steps", "cvi", "verdict", "reason", "bound")
+    skip = ("model", "source", "kinds", "cvi_steps", "cvi", "cvi_f32", "verdict", "reason", "bound")
     return [k for k in r if k not in skip + BASES]
 
 
@@ -274,6 +284,7 @@ def report(rows):
         table.add(
             r["model"],
             _fmt(r["cvi"]),
+            _fmt(r["cvi_f32"]) + f" z {r['cvi_f32']['bound']['z']:+.1f}",
             _fmt(r.get("normal")),
             _fmt(r.get("mvn")),
             other,

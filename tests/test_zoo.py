@@ -6,11 +6,16 @@ leaves discrete sites to the model's enumeration). A few steps suffice: the chec
 ``q``. The bound check runs here on a selection that covers exact, Monte Carlo, minibatch,
 enumerated and masked models (the HMM masks sequence lengths); ``scripts/benchmark_zoo.py``
 makes the same check on every zoo model at its converged ``q`` (column ``bound``).
+
+Every test runs in float32 (Pyro's default dtype) and float64; the float32 bound check uses
+three standard errors, the issue's criterion, and covers every zoo model (the slow ones under
+``slow``).
 """
 
 import math
 import warnings
 
+import pyro
 import pyro.poutine as poutine
 import pytest
 import torch
@@ -24,6 +29,8 @@ from pyro_cvi.model.tracing import is_random
 # the bound check: exact, Monte Carlo, minibatch, enumerated; enumerated + masked under slow
 BOUND = ("coin", "poisson_regression", "eight_schools_noncentered", "subsampled_logistic", "lda")
 BOUND_SLOW = ("gaussian_mixture", "hmm")
+# steps before the both-dtype bound check (the rest: 20)
+STEPS = {"coin": 2, "hmm": 2, "sparse_gamma_def": 60, "lkj_mvn": 40}
 BOUNDS = list(BOUND) + [pytest.param(n, marks=pytest.mark.slow) for n in BOUND_SLOW]
 # every other model runs a few steps; those whose steps cost seconds under slow
 SLOW_RUN = ("bnn", "lkj_mvn", "sparse_gamma_def", "subsampled_logistic_sequential")
@@ -32,12 +39,36 @@ RUNS = [
     for n in ZOO
     if n not in BOUND + BOUND_SLOW
 ]
+F32, F64 = torch.float32, torch.float64
+# open rows of issue 23 (the bound still holds there; the first steps do not descend)
+KNOWN_DIVERGENT = {
+    ("local_level", F32): "a cumsum random walk with a latent step scale is mean-field with "
+    "Monte Carlo messages (not a Markov block): the first parallel steps overshoot",
+    **{
+        ("horseshoe_logistic", d): "the horseshoe prior's Monte Carlo ELBO term is heavy-tailed "
+        "(E_q[(tau lambda)^-2] is infinite under a Gamma q of shape <= 2): six noisy losses"
+        for d in (F32, F64)
+    },
+    **{
+        ("ppca", d): "the bilinear mean's general messages to the {W, mu} block overshoot in the "
+        "first steps since main's 7e14062 (dense Hessian for blocks of <= 4 dims); passed before it"
+        for d in (F32, F64)
+    },
+}
+DTYPES = pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+# the bound check in both dtypes on every zoo model: the BOUND selection fast, the rest slow
+ALL_BOUNDS = [
+    n if n in BOUND else pytest.param(n, marks=pytest.mark.slow) for n in ZOO if n != "hmm"
+] + [pytest.param("hmm", marks=pytest.mark.slow)]
 
 
-def fit(entry, steps):
-    data = entry.data()
-    guide = AutoCVI(entry.model, **entry.guide_kwargs)
-    svi = SVI(entry.model, guide, CVI(), loss=CVI_ELBO())  # the default: adaptive step
+def fit(entry, steps, dtype=F64):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    data = entry.data(dtype)
+    model, guide_kwargs = entry.build(dtype)
+    guide = AutoCVI(model, **guide_kwargs)
+    svi = SVI(model, guide, CVI(), loss=CVI_ELBO())  # the default: adaptive step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # shrunk steps are counted, not errors
         losses = [svi.step(*data.args, **data.kwargs) for _ in range(steps)]
@@ -57,13 +88,16 @@ def referee(model, guide, data):
     return Trace_ELBO if not missing else TraceEnum_ELBO
 
 
+@DTYPES
 @pytest.mark.parametrize("name", RUNS)
-def test_zoo_model_runs_with_the_default_cvi(name):
+def test_zoo_model_runs_with_the_default_cvi(name, dtype, request):
     """The first steps (where the adaptive step backtracks most) give finite losses, and the
     loss falls from the first to the last of them (beyond Monte Carlo noise: the first
     loss is at the prior, far above)."""
+    if (name, dtype) in KNOWN_DIVERGENT:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_DIVERGENT[name, dtype], strict=False))
     entry = ZOO[name]
-    _, guide, _, losses = fit(entry, 3 if name in SLOW_RUN else 6)
+    _, guide, _, losses = fit(entry, 3 if name in SLOW_RUN else 6, dtype)
     assert all(math.isfinite(v) for v in losses), losses
     assert losses[-1] < losses[0], losses
     for q in guide.median().values():
@@ -81,4 +115,24 @@ def test_zoo_loss_is_the_bound(name):
     M = {"hmm": 6, "gaussian_mixture": 40}.get(name, 30)
     assert_loss_is_bound(
         entry.model, guide, svi, data.args, M=M, P=10, kwargs=data.kwargs, referee=elbo
+    )
+
+
+@DTYPES
+@pytest.mark.parametrize("name", ALL_BOUNDS)
+def test_zoo_loss_is_the_bound_in_both_dtypes(name, dtype):
+    """After some steps of the defaults (``q`` away from the prior, where Monte Carlo
+    estimates are heavy-tailed), no NaN, and the loss ``svi.step`` returns is within three
+    standard errors of a large-sample Trace_ELBO / TraceEnum_ELBO estimate of the same guide,
+    in float32 as in float64."""
+    entry = ZOO[name]
+    data, guide, svi, losses = fit(entry, STEPS.get(name, 20), dtype)
+    assert all(math.isfinite(v) for v in losses), losses
+    for q in guide.median().values():
+        assert torch.isfinite(q).all()
+    model, _ = entry.build(dtype)
+    elbo = referee(model, guide, data)
+    M = {"hmm": 6, "gaussian_mixture": 40}.get(name, 30)
+    assert_loss_is_bound(
+        model, guide, svi, data.args, M=M, P=10, kwargs=data.kwargs, referee=elbo, z=3.0
     )

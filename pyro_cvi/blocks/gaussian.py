@@ -10,7 +10,8 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
   factor ``eta_f = A_f z + c_f`` (eq. 13, Appendix E.1), O(N) parameters;
 * one ``(lam1_n, lam2_n)`` site, a K-vector and a K x K matrix, per data point of every
   softmax factor (:mod:`~pyro_cvi.messages.softmax_sites`), O(N K^2) parameters;
-* one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo).
+* one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo, from gradients only
+  by default, :mod:`~pyro_cvi.messages.gaussian`).
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
 dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
@@ -32,9 +33,10 @@ from ..context import Options, StepContext
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
 from ..messages.gaussian import (
     RowBlock,
-    general_gaussian_message,
+    general_message,
     linear_predictor_message,
     linear_predictor_rows,
+    pd_preserving_target,
     warm_start_target,
 )
 from ..messages.softmax_sites import (
@@ -45,9 +47,16 @@ from ..messages.softmax_sites import (
     softmax_rows,
 )
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
+from ..model.gaussian_tree import plugin_expected_log_prob, tree_prior
 from ..model.probes import jacobian
 from ..model.tracing import linear_param, trace_model, unwrap
-from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from ..update import (
+    MAX_HALVINGS_SOLVE,
+    StepCounts,
+    cvi_update,
+    damped_step,
+    targets_from_grads,
+)
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
@@ -82,6 +91,9 @@ class GaussianBlock(SiteFormBlock):
         self.elbo_rows: List[Tuple[int, object]] = []
         self.post: Optional[GaussianPosterior] = None
         self._refreshed_from = None
+        #: whether the general factors' particles run as one batched (vmap) model run; set to
+        #: ``False`` the first time the model cannot be vectorised
+        self._vectorise = True
         #: the step's prior and rows with their graph to the model's parameters (``ctx.graph``
         #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
         self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
@@ -261,6 +273,7 @@ class GaussianBlock(SiteFormBlock):
         valued = post if gpost is None else gpost
         graph_rows = self._graph[1] if gpost is not None else self.rows
         shared = -valued.kl_to(prior)
+        shared = shared - plugin_expected_log_prob(prior, valued)  # (the mean field's)
         elbo = torch.zeros_like(shared)  # the factors' terms: this rank's data points
         for idx, fn in self.elbo_rows:
             sl = post.blocks[idx][1]
@@ -297,12 +310,8 @@ class GaussianBlock(SiteFormBlock):
                 p.grad = target - p.detach()
         general = self._general()
         if general is not None:
-            value, h, P = general_gaussian_message(
-                self._log_joint(ctx),
-                post.loc,
-                post.scale_tril(),
-                self.options.num_general_samples,
-                ctx.add_mc_samples,
+            value, h, P, self._vectorise = general_message(
+                self.options, self._log_joint(ctx), post, -general[1], ctx, self._vectorise
             )
             elbo = elbo + value
             if ctx.grads:
@@ -357,7 +366,19 @@ class GaussianBlock(SiteFormBlock):
                 solved["post"] = post
             return torch.tensor(ok, device=old[0].device)
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
+        new = cvi_update(old, target, beta)
+        if general is not None and bool(valid(new)):
+            counts = StepCounts()
+        else:
+            if general is not None:  # the plain step leaves the domain: Lin, Schmidt & Khan's
+                # (2020) update instead (positive definite for any b <= beta). Not at once:
+                # where G is huge its (b^2/2) G S G term overshoots the precision
+                post = self.post
+                pair = pd_preserving_target(
+                    old[-2:], target[-2:], post.loc, post.covariance(), beta
+                )
+                target = (*target[:-2], *pair)
+            new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():
@@ -421,6 +442,8 @@ class GaussianBlock(SiteFormBlock):
 
 def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
     """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
+    if spec.prior_rows:  # a linear-Gaussian tree: the joint prior in information form
+        return tree_prior(spec, trace, _gaussian_prior)
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
 

@@ -119,7 +119,8 @@ class NaturalBlock(Block):
         new, counts = damped_step(
             old, target, beta, fam.is_valid, fam.natural_bounds, fam.param_shapes
         )
-        self._write(new, subsample)
+        # float32: concentrations beyond the dtype's meaning are capped (mean kept)
+        self._write(fam.limit_natural(new), subsample)
         return counts
 
     def write_target(self, target: Sequence[torch.Tensor]) -> None:

@@ -38,11 +38,14 @@ from torch.distributions import Distribution
 
 from .special import (  # noqa: F401  (re-exported: the families import them from here)
     digamma_diff,
+    dirichlet_entropy,
     dirichlet_from_mean_log,
     exclusive_sum,
     inv_digamma,
     inv_log_minus_digamma,
     log_minus_digamma,
+    max_concentration,
+    stirling_remainder,
     x_trigamma_minus_one,
 )
 
@@ -261,6 +264,12 @@ class ExponentialFamily(abc.ABC):
             f"(event_shape={tuple(self.event_shape)}) at batch index {tuple(bad)}: "
             f"{'; '.join(values)}. Expected finite values with {self.domain}."
         )
+
+    def limit_natural(self, nat: Params) -> Params:
+        """Project ``nat`` onto the part of the domain the dtype can represent meaningfully
+        (identity by default; the concentration families cap their concentrations at
+        :func:`~pyro_cvi.families.special.max_concentration`, keeping the mean)."""
+        return nat
 
     def symmetrize(self, params: Params) -> Params:
         """Project a parameter-shaped tuple onto the parameter space (identity by default)."""

@@ -28,7 +28,9 @@ from .base import (
     Params,
     _float_value,
     digamma_diff,
+    dirichlet_entropy,
     dirichlet_from_mean_log,
+    max_concentration,
     sum_rightmost,
 )
 
@@ -79,6 +81,27 @@ class Beta(ExponentialFamily):
         e1, e2 = torch.broadcast_tensors(*nat)
         ok = (e1 > -1) & (e2 > -1)
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
+
+    def entropy(self, nat: Params) -> Tensor:
+        """The ``K = 2`` case of :func:`~pyro_cvi.families.special.dirichlet_entropy` (no
+        term grows with ``a + b``: float32-safe)."""
+        a, b = torch.broadcast_tensors(nat[0] + 1, nat[1] + 1)
+        return sum_rightmost(dirichlet_entropy(torch.stack([a, b], -1)), self.event_dim)
+
+    def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
+        """``-H[q] - E_q log p`` (stable entropy, ``E log z`` by ``digamma_diff``)."""
+        e1, e2 = self.natural_to_mean(nat_q)
+        log_p = nat_p[0] * e1 + nat_p[1] * e2
+        return (
+            -self.entropy(nat_q) - sum_rightmost(log_p, self.event_dim) + self.log_partition(nat_p)
+        )
+
+    def limit_natural(self, nat: Params) -> Params:
+        """``a + b`` at most :func:`max_concentration` (the mean ``a / (a + b)`` kept)."""
+        a, b = nat[0] + 1, nat[1] + 1
+        f = (max_concentration(a.dtype) / (a + b)).clamp(max=1.0)
+        capped = f < 1
+        return torch.where(capped, a * f - 1, nat[0]), torch.where(capped, b * f - 1, nat[1])
 
     # CVI helpers --------------------------------------------------------------------------------
     def mean_grad(self, nat: Params, grad_nat: Params) -> Params:

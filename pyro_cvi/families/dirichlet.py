@@ -30,8 +30,10 @@ from .base import (
     Params,
     _float_value,
     digamma_diff,
+    dirichlet_entropy,
     dirichlet_from_mean_log,
     exclusive_sum,
+    max_concentration,
     sum_rightmost,
 )
 
@@ -85,6 +87,22 @@ class Dirichlet(ExponentialFamily):
 
     def sufficient_stats(self, x: Tensor) -> Params:
         return (torch.log(x),)
+
+    def entropy(self, nat: Params) -> Tensor:
+        """:func:`~pyro_cvi.families.special.dirichlet_entropy` (float32-safe)."""
+        return sum_rightmost(dirichlet_entropy(nat[0] + 1), self.event_dim - 1)
+
+    def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
+        """``-H[q] - E_q log p`` (stable entropy, ``E log z`` by ``digamma_diff``)."""
+        (e_log,) = self.natural_to_mean(nat_q)
+        log_p = sum_rightmost(nat_p[0] * e_log, self.event_dim) - self.log_partition(nat_p)
+        return -self.entropy(nat_q) - log_p
+
+    def limit_natural(self, nat: Params) -> Params:
+        """``alpha_0`` at most :func:`max_concentration` (the mean ``alpha / alpha_0`` kept)."""
+        alpha = nat[0] + 1
+        f = (max_concentration(alpha.dtype) / alpha.sum(-1, keepdim=True)).clamp(max=1.0)
+        return (torch.where(f < 1, alpha * f - 1, nat[0]),)
 
     def _in_domain(self, nat: Params) -> Tensor:
         ok = nat[0] > -1

@@ -16,6 +16,7 @@ themselves carry only ``~eps * alpha * |log mu2|`` relative information about ``
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import pyro.distributions as dist
@@ -30,6 +31,9 @@ from .base import (
     Params,
     _float_value,
     inv_log_minus_digamma,
+    log_minus_digamma,
+    max_concentration,
+    stirling_remainder,
     sum_rightmost,
     x_trigamma_minus_one,
 )
@@ -53,8 +57,11 @@ class Gamma(ExponentialFamily):
         return nat[0] + 1, -nat[1]
 
     def natural_to_mean(self, nat: Params) -> Params:
+        """``E log z = log(alpha / beta) - (log alpha - psi(alpha))`` (the difference of
+        ``psi(alpha) ~ log alpha`` and ``log beta`` taken without cancellation)."""
         alpha, rate = self._shape_rate(nat)
-        return torch.digamma(alpha) - torch.log(rate), alpha / rate
+        mean = alpha / rate
+        return torch.log(mean) - log_minus_digamma(alpha), mean
 
     def mean_to_natural(self, mean: Params) -> Params:
         mu1, mu2 = mean
@@ -85,23 +92,33 @@ class Gamma(ExponentialFamily):
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
 
     def entropy(self, nat: Params) -> Tensor:
-        """``alpha - log beta + lgamma(alpha) + (1 - alpha) digamma(alpha)``."""
+        """``alpha - log beta + lgamma(alpha) + (1 - alpha) psi(alpha)``
+        ``= log(2 pi alpha) / 2 + r(alpha) + (alpha - 1)(log alpha - psi(alpha)) - log beta``
+        (``r``: Stirling's remainder): no term grows with ``alpha``, so float32 keeps its
+        digits where ``lgamma(alpha)`` alone has none left (alpha ~ 1e6)."""
         alpha, rate = self._shape_rate(nat)
-        h = alpha - torch.log(rate) + torch.lgamma(alpha) + (1 - alpha) * torch.digamma(alpha)
+        h = (
+            0.5 * torch.log(2 * math.pi * alpha)
+            + stirling_remainder(alpha)
+            + (alpha - 1) * log_minus_digamma(alpha)
+            - torch.log(rate)
+        )
         return sum_rightmost(h, self.event_dim)
 
     def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
-        """Closed form, grouped to avoid cancelling ``alpha log beta`` terms."""
-        aq, bq = self._shape_rate(nat_q)
+        """``-H[q] - E_q log p`` with the stable entropy and ``E_q log z`` of
+        :meth:`natural_to_mean` (the textbook grouping cancels ``alpha log beta`` terms)."""
         ap, bp = self._shape_rate(nat_p)
-        terms = (
-            (aq - ap) * torch.digamma(aq)
-            - torch.lgamma(aq)
-            + torch.lgamma(ap)
-            + ap * (torch.log(bq) - torch.log(bp))
-            + aq * (bp - bq) / bq
-        )
-        return sum_rightmost(terms, self.event_dim)
+        e_log, e_z = self.natural_to_mean(nat_q)
+        log_p = (ap - 1) * e_log - bp * e_z + ap * torch.log(bp) - torch.lgamma(ap)
+        return -self.entropy(nat_q) - sum_rightmost(log_p, self.event_dim)
+
+    def limit_natural(self, nat: Params) -> Params:
+        """Shape ``alpha`` at most :func:`max_concentration` (mean ``alpha / beta`` kept)."""
+        alpha, rate = self._shape_rate(nat)
+        f = (max_concentration(alpha.dtype) / alpha).clamp(max=1.0)
+        capped = f < 1
+        return torch.where(capped, alpha * f - 1, nat[0]), torch.where(capped, -rate * f, nat[1])
 
     # CVI helpers --------------------------------------------------------------------------------
     def mean_grad(self, nat: Params, grad_nat: Params) -> Params:

@@ -20,6 +20,9 @@ __all__ = [
     "inv_digamma",
     "dirichlet_from_mean_log",
     "exclusive_sum",
+    "stirling_remainder",
+    "dirichlet_entropy",
+    "max_concentration",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -50,6 +53,52 @@ def log_minus_digamma(x: Tensor) -> Tensor:
     xs = torch.where(big, torch.ones_like(x), x)
     series = 0.5 / xb + _poly_w(xb, _PSI_COEF)
     return torch.where(big, series, torch.log(xs) - torch.digamma(xs))
+
+
+def stirling_remainder(x: Tensor) -> Tensor:
+    """``r(x) = lgamma(x) - (x - 1/2) log x + x - log(2 pi) / 2`` (Stirling's remainder,
+    ``~ 1 / (12 x)``), without the cancellation of ``lgamma(x) ~ x log x`` for large ``x``:
+    the series ``sum_k B_2k / (2k (2k - 1) x^(2k-1))`` for ``x >= 8``."""
+    big = x >= _ASYMPTOTIC_MIN
+    xb = torch.where(big, x, torch.full_like(x, _ASYMPTOTIC_MIN))
+    xs = torch.where(big, torch.ones_like(x), x)
+    coefs = tuple(b / (2 * (k + 1) * (2 * k + 1)) for k, b in enumerate(_B2K))
+    series = _poly_w(xb, coefs) * xb
+    direct = torch.lgamma(xs) - (xs - 0.5) * torch.log(xs) + xs - 0.5 * math.log(2 * math.pi)
+    return torch.where(big, series, direct)
+
+
+def dirichlet_entropy(alpha: Tensor) -> Tensor:
+    """Entropy of ``Dirichlet(alpha)`` over the last dim (``K`` categories; Beta is ``K = 2``),
+    ``log B(alpha) + (a0 - K) psi(a0) - sum_j (a_j - 1) psi(a_j)``, written with
+    :func:`stirling_remainder` ``r`` and ``l(x) = log x - psi(x)`` so that no term grows with
+    the concentrations (the ``x log x`` terms cancel symbolically)::
+
+        H = sum_j [log(a_j) / 2 + r(a_j) + (a_j - 1) l(a_j)] + (1/2 - K) log a0 - r(a0)
+            - (a0 - K) l(a0) + (K - 1) log(2 pi) / 2
+
+    Accurate in float32 where the textbook form loses every digit (``lgamma(1e6) ~ 1.3e7``)."""
+    K = alpha.shape[-1]
+    a0 = alpha.sum(-1)
+    per = (
+        0.5 * torch.log(alpha) + stirling_remainder(alpha) + (alpha - 1) * log_minus_digamma(alpha)
+    )
+    return (
+        per.sum(-1)
+        + (0.5 - K) * torch.log(a0)
+        - stirling_remainder(a0)
+        - (a0 - K) * log_minus_digamma(a0)
+        + 0.5 * (K - 1) * math.log(2 * math.pi)
+    )
+
+
+def max_concentration(dtype: torch.dtype) -> float:
+    """The largest concentration (Gamma shape, Beta/Dirichlet parameters) a ``q`` keeps in
+    ``dtype``: ``1 / (16 eps)`` (5.2e5 in float32, 2.8e14 in float64). Beyond it ``q`` is a
+    point mass to the dtype's precision (``sd(log z) ~ alpha^-1/2``), its mean parameters
+    (``log mu2 - mu1 ~ 1 / (2 alpha)``) no longer determine it, and Monte Carlo messages
+    summed over many steps drive it to meaningless values (float32 reached 2.6e9)."""
+    return 1.0 / (16.0 * torch.finfo(dtype).eps)
 
 
 def x_trigamma_minus_one(x: Tensor) -> Tensor:

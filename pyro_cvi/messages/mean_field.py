@@ -25,6 +25,7 @@ import torch
 from ..context import Options, StepContext
 from ..model import conjugate_pairs as cp
 from ..model.analysis import MEANFIELD
+from ..model.factor_roles import minibatch_renames, minibatch_spec
 from ..model.tracing import run_model
 from ..scale.distributed import replicated_sites
 from .expectations import QState, expected_log_prob
@@ -59,12 +60,21 @@ def compute(
     sub = ctx.subsample
     q = QState(natural, gaussian, sub, want, fixed)
     specs = []
+    # a sequential subsampled plate names its sites by data index: this minibatch's sites
+    nodes = ctx.trace.nodes if ctx.trace is not None else None
+    renames = minibatch_renames(analysis, ctx.trace) if nodes is not None else {}
     for site, owner in analysis.owner.items():
-        if owner != MEANFIELD:
-            continue
+        if owner != MEANFIELD or (nodes is not None and site not in nodes):
+            continue  # (not in this minibatch)
         spec = analysis.spec(site)
         if value or spec.latents & want:
             specs.append(spec)
+    for site, template in renames.items():
+        if site not in analysis.owner and template is not None:
+            if analysis.owner[template] == MEANFIELD:
+                spec = minibatch_spec(analysis, site, template)
+                if value or spec.latents & want:
+                    specs.append(spec)
     if any(s.collapsed for s in specs):  # the collapsed group is one factor: all or nothing
         group = [analysis.spec(s) for s in analysis.collapsed_sites]
         specs += [s for s in group if s not in specs]

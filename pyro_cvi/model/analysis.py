@@ -36,7 +36,7 @@ from ..messages.collapsed import collapsed_sites, collapsed_spec, infinite_suppo
 from ..messages.softmax_sites import SOFTMAX, centred_logits
 from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
-from . import probes
+from . import gaussian_tree, probes
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
     COLLAPSED,
@@ -154,10 +154,12 @@ class Analysis:
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
+        self._probe_cache: Dict[int, list] = {}
+        self.specs: Dict[str, FactorSpec] = {}  # (asked while grouping; reset after)
         self.blocks = self._group_blocks()
+        self._probe_cache.clear()  # (block indices may have changed)
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
-        self._probe_cache: Dict[int, list] = {}
         self._classify()
         self._probe_cache.clear()
 
@@ -177,8 +179,10 @@ class Analysis:
         fam, chained = info.family, any(name in c.names for c in self.chains)
         if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance or chained:
             return False
-        if len(info.batch_shape) or self.deps.get(name) or name in self._feeds_collapsed:
+        if name in self._feeds_collapsed:
             return False
+        if len(info.batch_shape) or self.deps.get(name):  # a tree of conditional Normals?
+            return bool(self.deps.get(name)) and gaussian_tree.may_join(self, name)
         base = unwrap(self.structure.nodes[name]["fn"])[0]
         return isinstance(
             base, (torch.distributions.Normal, torch.distributions.MultivariateNormal)
@@ -187,6 +191,10 @@ class Analysis:
     def _group_blocks(self) -> List[BlockSpec]:
         """Connected components of the site-form candidates over shared factors (union-find)."""
         cand = [n for n in self.latents if self._site_form_candidate(n)]
+        reset = self._probe_cache.clear
+        return gaussian_tree.group(self, cand, self._union_blocks, self._probes, reset)
+
+    def _union_blocks(self, cand: List[str]) -> List[BlockSpec]:
         parent = {n: n for n in cand}
 
         def find(n):
@@ -207,8 +215,16 @@ class Analysis:
         for n in cand:
             groups.setdefault(find(n), []).append(n)
         blocks = []
+        for n in self.latents:  # (a regrouping starts from the mean field)
+            if self.latents[n].form == SITE:
+                self.latents[n].form, self.latents[n].block = NATURAL, None
         for i, names in enumerate(groups.values()):
-            shapes = tuple(torch.Size(self.latents[n].event_shape) for n in names)
+            shapes = tuple(
+                torch.Size(
+                    self.values[n].shape if self.deps.get(n) else self.latents[n].event_shape
+                )
+                for n in names
+            )
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
                 self.latents[n].form, self.latents[n].block = SITE, i
@@ -298,7 +314,11 @@ class Analysis:
                         why = f"{kind_name} {oname} depends on {label}"
                         return Factor(site, label, GENERAL, why)
             if not value.requires_grad:
-                why = f"{kind_name} {name} does not depend on {label}"
+                obs = tr.nodes[site]["value"]
+                if torch.is_tensor(obs) and obs.requires_grad:  # obs=f(z)
+                    why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
+                else:
+                    why = f"{kind_name} {name} does not depend on {label}"
                 return Factor(site, label, GENERAL, why)
         link = "log(rate)" if name == "rate" else name
         probed = self._probed_rows(site, block, value, lambda fn: linear_param(fn)[1])
@@ -401,6 +421,9 @@ class Analysis:
         other latents' expectations when conjugate given them (eq. 20), else general."""
         label = block.label
         others = ", ".join(sorted(spec.latents - set(block.names)))
+        if spec.site in block.scale_latent:  # a tree member's prior with a latent scale
+            why = f"Normal prior of {spec.site}, scale at E_q of {others} (the mean field's)"
+            return Factor(spec.site, label, PRIOR, why)
         loc = spec.roles.get("loc")
         if spec.exact and not spec.discrete and loc is not None and loc.kind == "affine":
             if set(loc.parents) - set(block.names):

@@ -10,6 +10,7 @@ message (eq. 20 / 89). Every role is confirmed by probing the model (:mod:`~pyro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Set, Union
 
@@ -19,7 +20,7 @@ from . import conjugate_pairs as cp
 from . import probes
 from .tracing import unwrap
 
-__all__ = ["FactorSpec", "analyze_factor"]
+__all__ = ["FactorSpec", "analyze_factor", "minibatch_renames", "minibatch_spec"]
 
 
 @dataclass
@@ -161,3 +162,51 @@ def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
                 return why
             return cp.Role(cp.IDENTITY, (p,), idx)
     return f"depends on {listed}: no conjugate pattern"
+
+
+def _sequential_minibatch_plate(an, node) -> Optional[str]:
+    for frame in node["cond_indep_stack"]:
+        if frame.name in an.minibatch_plates and not frame.vectorized:
+            return frame.name
+    return None
+
+
+def minibatch_renames(an, trace) -> Dict[str, Optional[str]]:
+    """Sites of a sequential subsampled plate (``for i in pyro.plate(..., subsample_size=B):
+    pyro.sample(f"obs_{i}", ...)``) are named by data index, so each minibatch has sites the
+    analysis never saw and lacks some it saw. Returns ``{site: template}`` for every observed
+    site of ``trace`` in such a plate: the analysed site of the same plate, distribution type
+    and observed-ness whose classification it shares (itself where the analysis saw it;
+    ``None`` where no analysed site matches). Analysed sites absent from ``trace`` are not
+    in this minibatch: skip them."""
+    out: Dict[str, Optional[str]] = {}
+    by_key: Dict[tuple, str] = {}
+    for name in an.owner:
+        node = an.structure.nodes.get(name)
+        if node is None or not node.get("is_observed"):
+            continue
+        plate = _sequential_minibatch_plate(an, node)
+        if plate is not None:
+            by_key.setdefault((plate, type(unwrap(node["fn"])[0])), name)
+    if not by_key:
+        return out
+    for name, node in trace.nodes.items():
+        if node.get("type") != "sample" or not node.get("is_observed"):
+            continue
+        plate = _sequential_minibatch_plate(an, node)
+        if plate is None:
+            continue
+        if name in an.owner:
+            out[name] = name
+        else:
+            out[name] = by_key.get((plate, type(unwrap(node["fn"])[0])))
+    return out
+
+
+def minibatch_spec(an, site: str, template: str) -> FactorSpec:
+    """The template's :class:`FactorSpec` for a minibatch site it stands for (same roles and
+    pattern: the plate's sites share their structure; Jacobians are re-read per site)."""
+    spec = an.spec(template)
+    if site == template:
+        return spec
+    return dataclasses.replace(spec, site=site, jacobians={})

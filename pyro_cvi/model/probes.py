@@ -66,7 +66,11 @@ def jacobian(
             return torch.stack(rows, 0) if rows else flat.new_zeros(0, D)
         v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
         # (a scalar output, not grad_outputs=v: torch imports sympy for explicit grad_outputs)
-        (atv,) = torch.autograd.grad((flat * v).sum(), z, retain_graph=True, create_graph=True)
+        (atv,) = torch.autograd.grad(
+            (flat * v).sum(), z, retain_graph=True, create_graph=True, allow_unused=True
+        )
+        if atv is None:  # ``out`` does not depend on ``z``
+            return flat.new_zeros(R, D)
         atv = atv.reshape(-1)
         for j in range(D):
             if not atv.requires_grad:
@@ -91,7 +95,11 @@ def jacobian(
             rows.append(g.reshape(-1, D))
         return torch.cat(rows, 0)
     v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
-    (atv,) = torch.autograd.grad(flat, z, v, retain_graph=True, create_graph=True)
+    (atv,) = torch.autograd.grad(
+        flat, z, v, retain_graph=True, create_graph=True, allow_unused=True
+    )
+    if atv is None:
+        return flat.new_zeros(R, D)
     atv = atv.reshape(-1)
     eye = torch.eye(D, dtype=out.dtype, device=out.device)
     for i in range(0, D, chunk):

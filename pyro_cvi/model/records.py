@@ -6,7 +6,7 @@ per joint Gaussian block, and the names of the kinds, forms and owners they use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -72,6 +72,11 @@ class BlockSpec:
     shapes: Tuple[torch.Size, ...]
     factors: List[Factor] = field(default_factory=list)
     chain: Optional[ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
+    #: members whose Normal prior has a loc affine in the others: ``name -> A`` (R x D), the
+    #: Jacobian of the loc in the joint z (a linear-Gaussian tree, model/gaussian_tree.py)
+    prior_rows: Dict[str, torch.Tensor] = field(default_factory=dict)
+    #: tree members whose prior scale depends on mean-field latents (a plug-in prior)
+    scale_latent: Set[str] = field(default_factory=set)
 
     @property
     def sizes(self) -> Tuple[int, ...]:

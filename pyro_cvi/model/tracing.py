@@ -94,7 +94,8 @@ def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Se
 
 
 def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Dict[str, Set[str]]:
-    """For each sample site of ``trace``, the continuous latent sites its distribution depends on.
+    """For each sample site of ``trace``, the continuous latent sites its distribution depends on,
+    through its parameters or its observed value (``pyro.sample("z", d, obs=f(x))``).
 
     ``trace`` was taken with the latent values ``leaves`` as autograd leaves; a latent is a
     dependency of a site when the gradient of the site's parameters with respect to it is not
@@ -108,6 +109,9 @@ def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Di
             if not is_random(site):
                 continue
             params = [p for p in float_params(site["fn"]) if p.requires_grad]
+            value = site["value"]
+            if name not in leaves and torch.is_tensor(value) and value.requires_grad:
+                params.append(value)  # an observed value computed from latents: obs=f(x)
             deps[name] = set()
             if not params or not names:
                 continue

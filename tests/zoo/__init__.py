@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
+import torch
+
 from .heldout import log_predictive_density
 
 __all__ = ["ZOO", "ZooData", "ZooModel", "log_predictive_density"]
@@ -54,6 +56,9 @@ class ZooModel:
     :param guide_kwargs: extra ``AutoCVI`` options (and, for ``init_loc_fn``, the baselines').
     :param baselines: extra baseline guides by name: ``model -> guide``.
     :param subsampled: the model subsamples a plate (its loss is a minibatch estimate).
+    :param for_dtype: ``dtype -> (model, guide_kwargs)`` for entries whose model or options
+        hold tensors of a fixed dtype (a ``PyroModule``'s priors, ``init_to_value``); use
+        :meth:`build`, which falls back to ``model`` and ``guide_kwargs``.
     """
 
     name: str
@@ -67,13 +72,20 @@ class ZooModel:
     guide_kwargs: Dict = field(default_factory=dict)
     baselines: Dict[str, Callable] = field(default_factory=dict)
     subsampled: bool = False
+    for_dtype: Optional[Callable] = None
+
+    def build(self, dtype=None) -> Tuple[Callable, Dict]:
+        """``(model, guide_kwargs)`` for data of ``dtype`` (float64 when ``None``)."""
+        if self.for_dtype is None:
+            return self.model, self.guide_kwargs
+        return self.for_dtype(dtype or torch.float64)
 
 
 def _registry() -> OrderedDict[str, ZooModel]:
-    from . import hierarchical, latent, simple
+    from . import hierarchical, latent, simple, users
 
     out: OrderedDict[str, ZooModel] = OrderedDict()
-    for module in (simple, hierarchical, latent):
+    for module in (simple, hierarchical, latent, users):
         for entry in module.ENTRIES:
             if entry.name in out:
                 raise ValueError(f"duplicate zoo name {entry.name!r}")

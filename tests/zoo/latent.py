@@ -41,8 +41,8 @@ def gaussian_mixture_data(dtype=torch.float64) -> ZooData:
     return ZooData((x,))
 
 
-def _mixture_init():
-    return init_to_value(values={"locs": torch.tensor([0.0, 10.0], dtype=torch.float64)})
+def _mixture_init(dtype=torch.float64):
+    return init_to_value(values={"locs": torch.tensor([0.0, 10.0], dtype=dtype)})
 
 
 # --------------------------------------------------------------------------- LDA
@@ -196,6 +196,7 @@ ENTRIES = [
         has_discrete=True,
         steps=60,
         guide_kwargs={"init_loc_fn": _mixture_init()},
+        for_dtype=lambda dtype: (gaussian_mixture, {"init_loc_fn": _mixture_init(dtype)}),
     ),
     ZooModel(
         "lda",

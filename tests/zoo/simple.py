@@ -165,7 +165,8 @@ def _lpd(model, guide, data):
     return log_predictive_density(model, guide, data)
 
 
-BNN_MODEL = BNN()
+BNN_MODELS = {torch.float64: BNN(), torch.float32: BNN(dtype=torch.float32)}
+BNN_MODEL = BNN_MODELS[torch.float64]
 
 ENTRIES = [
     ZooModel("coin", coin, coin_data, "Pyro tutorial: SVI Part I", steps=3),
@@ -192,6 +193,7 @@ ENTRIES = [
         "numpyro examples/bnn.py, with PyroModule/PyroSample",
         heldout=_lpd,
         steps=100,
+        for_dtype=lambda dtype: (BNN_MODELS[dtype], {}),
     ),
     ZooModel(
         "subsampled_logistic",
