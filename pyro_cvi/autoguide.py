@@ -40,6 +40,7 @@ from .guide_state import (
     bind_parameters,
     detach_distribution,
     option_property,
+    refuse_inside_svi_step,
     rng_preserved,
     sync_parameters,
     unbind_parameters,
@@ -338,6 +339,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     # ------------------------------------------------------------------ the guide itself
     def forward(self, *args, **kwargs):
         engine = self._ready(args, kwargs)
+        refuse_inside_svi_step(self)
         # under torch.jit.trace the current q is recorded as constants (its tensors detached)
         frozen = detach_distribution if torch.jit.is_tracing() else (lambda d: d)
         plates = self._create_plates(*args, **kwargs)

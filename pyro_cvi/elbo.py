@@ -18,6 +18,7 @@ from typing import Any, Callable, NoReturn, Union
 
 import torch
 from pyro.infer import ELBO
+from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
 from .methods.structured_guide import AutoStructuredCVI
@@ -54,6 +55,13 @@ class CVI_ELBO(ELBO):
 
     def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         cvi_guide = _checked(model, guide)
+        if cvi_guide.engine is not None and cvi_guide.engine.pending is not None:
+            raise ValueError(
+                "AutoCVI + CVI_ELBO with an optimizer that is not CVI (e.g. pyro.optim.Adam): "
+                "the natural gradients of the last step were never applied, so q cannot "
+                "change. Use SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); CVI(optim=...) "
+                "hands the model's other parameters to a torch optimizer of your choice"
+            )
         loss = -cvi_guide.elbo(args, kwargs, grads=True)
         if loss.requires_grad:
             try:
@@ -70,11 +78,18 @@ class CVI_ELBO(ELBO):
 def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI]:
     if not isinstance(guide, (AutoCVI, AutoStructuredCVI)):
         name = type(guide).__name__
+        parts = ""
+        if isinstance(guide, AutoGuideList):
+            parts = (
+                " (an AutoGuideList: CVI_ELBO needs the whole model's q from one AutoCVI, "
+                "which cannot see the values the other parts sample; give AutoCVI every site, "
+                "or use Gaussian parts such as AutoMultivariateNormal with Trace_ELBO)"
+            )
         raise TypeError(
-            f"CVI_ELBO needs an AutoCVI guide, got {name}. Natural-gradient CVI steps need "
-            "exponential-family factors with natural parameters: use guide = AutoCVI(model). "
-            f"To keep {name}, use pyro.infer.Trace_ELBO with a torch optimizer such as "
-            "pyro.optim.Adam."
+            f"CVI_ELBO needs an AutoCVI guide, got {name}{parts}. CVI_ELBO computes "
+            "AutoCVI's conjugate messages: use guide = AutoCVI(model). "
+            f"To keep {name}, use pyro.infer.Trace_ELBO (or another Pyro ELBO) with CVI(), "
+            "which steps Gaussian guides by natural gradients, or with pyro.optim.Adam."
         )
     if guide.model is not model and getattr(guide.model, "__wrapped__", None) is not model:
         raise ValueError(

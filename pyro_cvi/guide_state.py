@@ -33,6 +33,7 @@ from torch import nn
 
 __all__ = [
     "GuideState",
+    "refuse_inside_svi_step",
     "option_property",
     "unbind_parameters",
     "bind_parameters",
@@ -295,3 +296,28 @@ def option_property(name: str) -> property:
         setattr(self.options, name, value)
 
     return property(get, set_, doc=f"The guide option ``{name}`` (see :class:`AutoCVI`).")
+
+
+def refuse_inside_svi_step(guide) -> None:
+    """``SVI.step`` runs its loss under ``poutine.trace(param_only=True)``; CVI_ELBO never runs
+    the guide, so a guide run there is a Pyro ELBO's (Trace_ELBO, TraceEnum_ELBO, ...), whose
+    gradients cannot reach AutoCVI's natural parameters: q would never change (issue 21).
+    A guide already fitted by CVI_ELBO may be sampled there, fixed, while other parts of an
+    AutoGuideList train (a two-stage fit)."""
+    from pyro.poutine.runtime import _PYRO_STACK
+    from pyro.poutine.trace_messenger import TraceMessenger
+
+    engine = guide.engine
+    store = pyro.get_param_store()
+    if engine is not None and engine.steps_name in store:
+        if float(store[engine.steps_name]) > 0:
+            return
+    if any(isinstance(m, TraceMessenger) and m.param_only for m in _PYRO_STACK):
+        raise ValueError(
+            f"{type(guide).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
+            "TraceEnum_ELBO, ...) before any CVI_ELBO step: its q is computed by conjugate "
+            "computations, not differentiated, so it would never change. Use "
+            "SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); or, to keep a Pyro ELBO, a "
+            "Gaussian guide such as AutoMultivariateNormal or AutoNormal with CVI(), which "
+            "steps it by natural gradients"
+        )

@@ -1,25 +1,33 @@
 """``CVI``: the mirror-descent optimizer, as a :class:`pyro.optim.PyroOptim`.
 
-For the CVI parameters of an :class:`~pyro_cvi.AutoCVI` guide it applies Algorithm 1's step
-(eq. 12 followed by the conjugate computation of step 4)::
+Each parameter SVI hands it is stepped by its own rule:
 
-    lambda_tilde <- lambda_tilde + beta_t * grad = (1 - beta_t) lambda_tilde + beta_t * target
+* the CVI parameters of an :class:`~pyro_cvi.AutoCVI` guide (loss ``CVI_ELBO``): Algorithm 1's
+  step (eq. 12 followed by the conjugate computation of step 4)::
 
-shrinking ``beta_t`` where the result would be an invalid natural parameter. Every other
-parameter (hyperparameters, amortisation networks) is handed to a torch optimizer of the
-user's choice, so hybrid CVI + Adam learning is one ``svi.step``.
+      lambda_tilde <- lambda_tilde + beta_t * grad = (1 - beta_t) lambda_tilde + beta_t * target
+
+  shrinking ``beta_t`` where the result would be an invalid natural parameter;
+* the ``loc`` and ``scale`` / ``scale_tril`` / ``cov_factor`` of Pyro's Gaussian guides
+  (``AutoNormal``, ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
+  ``AutoLowRankMultivariateNormal``, hand-written Normal / MultivariateNormal guides), with any
+  Pyro ELBO: the same mirror-descent step for a Gaussian, from the gradients the ELBO wrote
+  (:mod:`pyro_cvi.natgrad`, docs/pairings.md);
+* every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows):
+  a torch optimizer of the user's choice, so hybrid learning is one ``svi.step``.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
 import pyro
 import torch
 from pyro.optim import PyroOptim
 
 from .divergence import watch
+from .natgrad import GaussianStepper
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
 from .update import owner_of
@@ -44,9 +52,23 @@ class CVI(PyroOptim):
         noise; ``beta`` starts at 1 for exact losses, 0.5 with Monte Carlo terms). Or a fixed
         ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
         :mod:`pyro_cvi.step_sizes`), applied as given (only shrunk to keep ``q`` valid).
+        For Pyro's Gaussian guides ``"auto"`` is the signal-to-noise control of
+        :mod:`pyro_cvi.natgrad.control` (the optimizer never sees the loss value).
     :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
-    :param optim: torch optimizer class for every non-CVI parameter (default ``torch.optim.Adam``).
+    :param optim: torch optimizer class for every other parameter (default ``torch.optim.Adam``).
     :param optim_args: its arguments (default ``{"lr": 0.01}``).
+    :param gaussian_step: the step of Pyro's Gaussian guides: ``"retraction"`` (default; Lin,
+        Schmidt & Khan 2020: no step size makes a covariance invalid) or ``"natural"`` (the
+        plain natural-gradient step, halved until valid; exact in one step at
+        ``step_size=1`` on a conjugate Gaussian model with exact gradients).
+    :param gaussians: Gaussians of a hand-written guide whose param names do not follow the
+        conventions of :mod:`pyro_cvi.natgrad.roles`: ``{label: (loc name, scale name)}`` or
+        ``{label: (loc name, scale_tril name)}``.
+
+    Example::
+
+        guide = AutoMultivariateNormal(model)
+        svi = SVI(model, guide, CVI(), loss=Trace_ELBO())  # natural-gradient steps
     """
 
     def __init__(
@@ -55,6 +77,8 @@ class CVI(PyroOptim):
         optim: Type[torch.optim.Optimizer] = torch.optim.Adam,
         optim_args: Optional[Union[Dict[str, Any], Callable[..., Dict[str, Any]]]] = None,
         max_step_size: float = 1.0,
+        gaussian_step: str = "retraction",
+        gaussians: Optional[Dict[str, Tuple[str, str]]] = None,
     ) -> None:
         self.auto = isinstance(step_size, str)
         if self.auto and step_size != "auto":
@@ -68,6 +92,7 @@ class CVI(PyroOptim):
         self.engines: Dict[int, weakref.ref[Any]] = {}
         # from set_state, until the engines appear
         self.saved_controls: Dict[str, Dict[str, Any]] = {}
+        self.gaussians = GaussianStepper(gaussian_step, gaussians)
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -76,6 +101,8 @@ class CVI(PyroOptim):
         the last engine stepped, before its minibatch decay)."""
         if self.auto:
             betas = [e.control.beta for e in self._live() if e.control is not None]
+            if not betas and self.gaussians.controls:
+                return float(list(self.gaussians.controls.values())[-1].step_size())
             return float(betas[-1]) if betas else self.max_step_size
         return float(self.schedule(self.t + 1))
 
@@ -106,14 +133,17 @@ class CVI(PyroOptim):
                 others.append(p)
             else:
                 engines[id(engine)] = engine
-        if not engines:
-            if others:
-                _refuse(others)
-            return []
+        groups, others = self.gaussians.split(others)
+        if not engines and not groups:
+            _refuse(others)
         if any(e.pending is None for e in engines.values()):
             raise ValueError(
-                "CVI found CVI parameters without natural gradients: the loss must be "
-                "CVI_ELBO, e.g. SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO())"
+                "AutoCVI + CVI(): the AutoCVI parameters got no natural gradients, so the loss "
+                "is not CVI_ELBO (Trace_ELBO, TraceEnum_ELBO and the other Pyro ELBOs cannot "
+                "differentiate AutoCVI's q; the guide would never change). Use "
+                "SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); or, to keep a Pyro ELBO, "
+                "a Gaussian guide (AutoNormal, AutoMultivariateNormal, ...), which CVI() steps "
+                "by natural gradients"
             )
         self.t += 1
         if self.auto:
@@ -123,6 +153,9 @@ class CVI(PyroOptim):
                     self.max_step_size, self.saved_controls.pop(engine.prefix, None)
                 )
                 engine.step(None)
+            if groups:
+                self._load_gaussian_controls()
+                self.gaussians.step(groups, _ceiling(self.max_step_size), adaptive=True)
         else:
             beta = float(self.schedule(self.t))
             if not 0.0 < beta <= 1.0:
@@ -135,6 +168,7 @@ class CVI(PyroOptim):
                     labels = [lbl for b in engine.blocks for lbl in b.labels]
                     watch(engine, beta, ctx.elbo, ctx.mc_var, str(labels))
                 engine.step(beta)
+            self.gaussians.step(groups, lambda control: (beta, None))
         reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
             reducer.reduce_grads(others)
@@ -144,6 +178,11 @@ class CVI(PyroOptim):
         for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
             p.grad = None
         return list(engines.values())
+
+    def _load_gaussian_controls(self) -> None:
+        saved = self.saved_controls.pop("__gaussians__", None)
+        if saved is not None:
+            self.gaussians.load(saved)
 
     def resume_control(self, engine: Any) -> None:
         """A checkpoint was restored into ``engine``: its adaptive step control is rebuilt
@@ -160,6 +199,8 @@ class CVI(PyroOptim):
         state = super().get_state()
         state["__cvi__"] = {"t": self.t}
         controls = {e.prefix: e.control.state() for e in self._live() if e.control is not None}
+        if self.gaussians.controls:
+            controls["__gaussians__"] = self.gaussians.state()
         if controls:
             state["__cvi__"]["control"] = controls
         return state
@@ -175,15 +216,30 @@ class CVI(PyroOptim):
         super().set_state(state_dict)
 
 
+def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:
+    def beta_of(control: Any) -> Tuple[float, float]:
+        control.ceiling = max_beta
+        b_prec, b_mean = control.step_sizes()
+        return float(b_prec), float(b_mean)
+
+    return beta_of
+
+
 def _refuse(params: List[torch.Tensor]) -> None:
     store = pyro.get_param_store()
     # param_name is None for a tensor outside the param store
     names = [n for n in (store.param_name(p) for p in params) if n is not None]
     auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
-    hint = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
+    what = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
+    if not params:
+        what = " (SVI handed it no parameters at all)"
+    elif not auto and names:
+        what = f" (got {names[:4]})"
     raise ValueError(
-        "CVI found no CVI parameters to step" + hint + ". CVI takes natural-gradient steps "
-        "on the natural parameters of an AutoCVI guide, with gradients from CVI_ELBO: use "
-        "SVI(model, AutoCVI(model), CVI(step_size=...), loss=CVI_ELBO()). For AutoNormal or "
-        "AutoMultivariateNormal guides use a torch optimizer such as pyro.optim.Adam instead."
+        "CVI found nothing to step by natural gradients" + what + ". CVI() steps AutoCVI "
+        "guides (loss CVI_ELBO) and Gaussian guides (AutoNormal, AutoDiagonalNormal, "
+        "AutoMultivariateNormal, AutoLowRankMultivariateNormal, hand-written Normal / "
+        "MultivariateNormal of pyro.param loc and scale or scale_tril, see CVI(gaussians=...)) "
+        "with any Pyro ELBO. For a guide without a Gaussian (AutoDelta, flows) use a torch "
+        "optimizer such as pyro.optim.Adam."
     )

@@ -25,6 +25,16 @@ baseline); ``verdict``: ``better`` (CVI's -ELBO lower by more than 2 combined se
 
     python scripts/benchmark_zoo.py [--quick] [--bound-only] [--models coin lda] [--out FILE]
 
+``--natgrad`` (issue 21) runs the other table instead: Pyro's own Gaussian guides
+(``AutoNormal``, ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``) with their usual
+loss (``Trace_ELBO``; ``TraceEnum_ELBO`` with discrete sites enumerated), stepped by ``CVI()``
+(natural gradients, ``pyro_cvi.natgrad``) for 400 steps beside Adam for 2000 steps, best of
+lr in {0.005, 0.01, 0.02, 0.05}; same common estimator; ``reached``: CVI's -ELBO within the
+larger of 0.5 nat and 0.5% of Adam's best; ``time``: CVI's wall time / the best Adam run's.
+``--natgrad --quick``: 100 CVI steps against 500 Adam steps at lr 0.05, fewer models.
+
+    python scripts/benchmark_zoo.py --natgrad [--quick] [--models ...] [--out FILE]
+
 Timings are wall-clock on a shared machine, one torch thread, Pyro validation off.
 """
 
@@ -43,7 +53,11 @@ import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
-from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+from pyro.infer.autoguide import (
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -308,6 +322,153 @@ def report(rows):
     return table, line
 
 
+# ---------------------------------------------------------------- --natgrad (issue 21)
+NATGRAD_GUIDES = {
+    "AutoNormal": AutoNormal,
+    "AutoMVN": AutoMultivariateNormal,
+    "AutoLowRankMVN": AutoLowRankMultivariateNormal,
+}
+NATGRAD_QUICK_MODELS = ("bayesian_regression", "poisson_regression", "eight_schools_noncentered")
+
+
+def _gaussian_guide(entry, cls):
+    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    return cls(model, **_init_kwargs(entry))
+
+
+def _run_steps(entry, data, cls, optim, steps: int):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = _gaussian_guide(entry, cls)
+    svi = SVI(entry.model, guide, optim, _elbo(entry))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = svi.step(*data.args, **data.kwargs)
+            if not math.isfinite(loss):
+                break
+        wall = time.perf_counter() - t0
+    return guide, wall
+
+
+def bench_natgrad(name, entry, quick: bool, M: int, P: int):
+    """CVI() against Adam on each of Pyro's Gaussian guides (one row per guide)."""
+    data = entry.data()
+    cvi_steps, adam_steps = (100, 500) if quick else (400, 2000)
+    lrs = (0.05,) if quick else (0.005, 0.01, 0.02, 0.05)
+    rows = []
+    for gname, cls in NATGRAD_GUIDES.items():
+        if cls is not AutoNormal and _latent_size(entry, data) > 300:
+            continue
+        row = {"model": name, "guide": gname, "cvi_steps": cvi_steps, "adam_steps": adam_steps}
+        try:
+            g, wall = _run_steps(entry, data, cls, CVI(), cvi_steps)
+            row["cvi"] = dict(zip(("elbo", "se"), evaluate(entry, g, data, M, P)), time=wall)
+        except Exception as e:  # reported, not fatal
+            row["cvi"] = {"elbo": float("inf"), "se": 0.0, "time": 0.0, "error": repr(e)[:200]}
+        best = None
+        for lr in lrs:
+            try:
+                g, wall = _run_steps(entry, data, cls, pyro.optim.Adam({"lr": lr}), adam_steps)
+                res = dict(zip(("elbo", "se"), evaluate(entry, g, data, M, P)), time=wall, lr=lr)
+            except Exception as e:
+                res = {"elbo": float("inf"), "se": 0.0, "time": 0.0, "lr": lr, "error": repr(e)}
+            if best is None or res["elbo"] < best["elbo"]:
+                best = res
+        row["adam"] = best
+        a, c = best["elbo"], row["cvi"]["elbo"]
+        row["reached"] = bool(math.isfinite(c) and c <= a + max(0.5, 0.005 * abs(a)))
+        row["time_ratio"] = row["cvi"]["time"] / best["time"] if best["time"] > 0 else None
+        rows.append(row)
+    return rows
+
+
+def _latent_size(entry, data) -> int:
+    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    with torch.no_grad(), poutine.block():
+        tr = poutine.trace(model).get_trace(*data.args, **data.kwargs)
+    return sum(
+        int(s["value"].numel())
+        for s in tr.nodes.values()
+        if s["type"] == "sample" and not s["is_observed"]
+    )
+
+
+NATGRAD_COLUMNS = [
+    ("model", "zoo entry (tests/zoo)"),
+    ("guide", "Pyro's guide, loss Trace_ELBO (TraceEnum_ELBO with enumerated discrete sites)"),
+    ("CVI()", "natural-gradient steps: common -ELBO +- se (wall seconds of its steps)"),
+    ("Adam", "best lr of the grid: -ELBO +- se (wall seconds) [lr]"),
+    ("reached", "CVI's -ELBO within max(0.5 nat, 0.5%) of Adam's best"),
+    ("time", "CVI wall time / Adam's (target <= 0.5)"),
+]
+
+
+def report_natgrad(rows, quick: bool):
+    steps = f"{rows[0]['cvi_steps']} vs {rows[0]['adam_steps']}" if rows else ""
+    table = Table(f"CVI() on Pyro's Gaussian guides against Adam ({steps} steps)", NATGRAD_COLUMNS)
+    for r in rows:
+        ratio = r["time_ratio"]
+        table.add(
+            r["model"],
+            r["guide"],
+            _fmt(r["cvi"]),
+            _fmt(r["adam"]) + f" [{r['adam'].get('lr')}]",
+            "yes" if r["reached"] else "no",
+            "-" if ratio is None else f"{ratio:.2f}",
+        )
+    table.print()
+    ok = [r for r in rows if r["reached"]]
+    fast = [r for r in ok if r["time_ratio"] is not None and r["time_ratio"] <= 0.5]
+    line = (
+        f"Verdict: CVI() reached Adam's best bound on {len(ok)} of {len(rows)} (model, guide) "
+        f"rows, in at most half of Adam's wall time on {len(fast)}"
+        + (" (quick settings)" if quick else "")
+        + "."
+    )
+    print(line)
+    return table, line
+
+
+def main_natgrad(a):
+    torch.set_num_threads(1)
+    pyro.enable_validation(False)
+    names = a.models or (list(NATGRAD_QUICK_MODELS) if a.quick else list(ZOO))
+    M, P = (10, 10) if a.quick else (50, 20)
+    rows = []
+    if a.report:  # runs split by --models, joined
+        rows = [r for f in a.report for r in json.loads(Path(f).read_text())["rows"]]
+        names = []
+    for name in tqdm(names, desc="zoo natgrad"):
+        rows.extend(bench_natgrad(name, ZOO[name], a.quick, M, P))
+        for r in rows[-3:]:
+            if r["model"] == name:
+                tqdm.write(f"{name}/{r['guide']}: cvi {_fmt(r['cvi'])} adam {_fmt(r['adam'])}")
+    table, line = report_natgrad(rows, a.quick)
+    meta = {"quick": a.quick, "M": M, "P": P, "torch": torch.__version__, "pyro": pyro.__version__}
+    out = a.out if a.out != DEFAULT_OUT else str(ROOT / "results" / "benchmark_zoo_natgrad.json")
+    write_results(
+        out,
+        {"meta": meta, "rows": rows},
+        title="Zoo: CVI() natural gradients on Pyro's Gaussian guides against Adam",
+        verdict=line,
+        tables=[table],
+        command="python scripts/benchmark_zoo.py --natgrad"
+        + (" --quick" if a.quick else "")
+        + (
+            " --models " + " ".join(sorted({r["model"] for r in rows}))
+            if a.models or a.report
+            else ""
+        ),
+        quick=a.quick,
+        text="Timings on a shared 2-core machine under load; CVI and Adam back to back.",
+    )
+
+
+DEFAULT_OUT = str(ROOT / "results" / "benchmark_zoo.json")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and particles (< 2 min)")
@@ -315,7 +476,12 @@ def main(argv=None):
     p.add_argument(
         "--bound-only", action="store_true", help="CVI and its bound check only, no baselines"
     )
-    p.add_argument("--out", default=str(ROOT / "results" / "benchmark_zoo.json"))
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument(
+        "--natgrad",
+        action="store_true",
+        help="CVI() on AutoNormal / AutoMVN / AutoLowRankMVN against Adam (issue 21)",
+    )
     p.add_argument(
         "--report",
         nargs="*",
@@ -323,6 +489,8 @@ def main(argv=None):
         help="print the table of earlier JSON outputs (e.g. runs split by --models) and exit",
     )
     a = p.parse_args(argv)
+    if a.natgrad:
+        return main_natgrad(a)
     if a.report:
         rows = [r for f in a.report for r in json.loads(Path(f).read_text())["rows"]]
         order = {n: i for i, n in enumerate(ZOO)}

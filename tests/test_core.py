@@ -295,14 +295,19 @@ def test_median_predictive_and_step_size_schedules():
         CVI(step_size=1.5)
 
 
-def test_cvi_refuses_plain_autoguides_with_a_clear_message():
+def test_cvi_steps_plain_autoguides_and_cvi_elbo_refuses_them():
+    """Issue 21: CVI() takes natural-gradient steps on Pyro's Gaussian guides with Trace_ELBO
+    (docs/pairings.md); CVI_ELBO still needs AutoCVI."""
     X, y = _toy_classification()
     model = _logreg_model(1.0)
     for Guide in (AutoNormal, AutoMultivariateNormal):
         pyro.clear_param_store()
-        svi = SVI(model, Guide(model), CVI(step_size=0.5), loss=Trace_ELBO())
-        with pytest.raises(ValueError, match="AutoCVI"):
-            svi.step(X, y)
+        guide = Guide(model)
+        svi = SVI(model, guide, CVI(step_size=0.5), loss=Trace_ELBO())
+        svi.step(X, y)
+        before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        svi.step(X, y)
+        assert all(not torch.equal(v, pyro.param(k).detach()) for k, v in before.items())
         svi = SVI(model, Guide(model), CVI(step_size=0.5), loss=CVI_ELBO())
         with pytest.raises(TypeError, match="AutoCVI"):
             svi.step(X, y)

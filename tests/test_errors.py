@@ -11,7 +11,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
@@ -152,7 +152,26 @@ def case_plain_guide_with_cvi_elbo():
 
 def case_cvi_with_other_loss():
     X, y = _data()
-    _svi(guide=AutoNormal(logreg), loss=Trace_ELBO()).step(X, y)
+    _svi(loss=Trace_ELBO()).step(X, y)
+
+
+def case_cvi_without_gaussian():
+    X, y = _data()
+    _svi(guide=AutoDelta(logreg), loss=Trace_ELBO()).step(X, y)
+
+
+def case_torch_optimizer_with_cvi_elbo():
+    X, y = _data()
+    svi = SVI(logreg, AutoCVI(logreg), pyro.optim.Adam({"lr": 0.1}), loss=CVI_ELBO())
+    svi.step(X, y)
+    svi.step(X, y)
+
+
+def case_guide_list_with_cvi_elbo():
+    X, y = _data()
+    guide = AutoGuideList(logreg)
+    guide.append(AutoCVI(logreg))
+    _svi(guide=guide).step(X, y)
 
 
 def case_num_particles():

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_cvi_refuses_a_tensor_outside_the_param_store_with_a_value_error(dtype):
     p = torch.zeros(3, dtype=dtype, requires_grad=True)
     p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match="CVI found no CVI parameters to step"):
+    with pytest.raises(ValueError, match="CVI found nothing to step by natural gradients"):
         CVI()([p])
     assert torch.equal(p, torch.zeros_like(p))  # nothing was stepped
 

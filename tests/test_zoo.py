@@ -49,11 +49,6 @@ KNOWN_DIVERGENT = {
         "(E_q[(tau lambda)^-2] is infinite under a Gamma q of shape <= 2): six noisy losses"
         for d in (F32, F64)
     },
-    **{
-        ("ppca", d): "the bilinear mean's general messages to the {W, mu} block overshoot in the "
-        "first steps since main's 7e14062 (dense Hessian for blocks of <= 4 dims); passed before it"
-        for d in (F32, F64)
-    },
 }
 DTYPES = pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
 # the bound check in both dtypes on every zoo model: the BOUND selection fast, the rest slow

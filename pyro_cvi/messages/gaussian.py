@@ -42,8 +42,12 @@ __all__ = [
 #: regression, D = 2..32): the gradient-only step was 10-40x cheaper at every D and reached the
 #: same -ELBO at equal wall time. The dense path is kept for the smallest blocks, where it
 #: costs a few backward passes per particle, is exact for quadratic factors at any particle
-#: count, and keeps the step behaviour the earlier releases documented.
-DENSE_HESSIAN_MAX_DIM = 4
+#: count, and keeps the step behaviour the earlier releases documented. With few particles
+#: (``S = D``) and no curvature estimate yet, the gradient-only target can also overshoot: the
+#: zoo's probabilistic PCA (a 15-dimensional ``W, mu`` block under a bilinear factor) diverged
+#: with it (-ELBO 2e5 -> 3e8 in five steps) and converges with the dense Hessian, so blocks up
+#: to 32 dimensions keep the dense path (about 10 ms per step there).
+DENSE_HESSIAN_MAX_DIM = 32
 #: Particles per dimension of the gradient-only estimate: its noise is about
 #: ``sqrt(D / S)`` times the control variate's error, so ``S >= D`` particles make the
 #: curvature iteration contract (measured on a 139-weight BNN: 64 particles wander for several

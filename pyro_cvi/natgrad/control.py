@@ -1,0 +1,133 @@
+"""The adaptive step size of natural-gradient steps on Pyro's Gaussian guides.
+
+The optimizer never sees the loss value (Pyro's ``SVI`` hands it parameters only), so the
+ELBO-based backtracking of :mod:`pyro_cvi.step_control` cannot run here. What it can see is the
+natural-gradient direction ``d_t`` of every step (whitened: dimensionless). Its signal-to-noise
+ratio decides the step:
+
+    r_t = |E d|^2 / E |d|^2   (exponential moving averages, rate ``rho``, bias-corrected;
+                               ``d`` clipped at 3 times the running RMS of ``|d|``)
+    b_t = min(start * grow^t, ceiling * clip(r_t, min_ratio, 1))
+
+once for the precision's direction and once for the mean's (each its own ``b``).
+
+The warm-up ``start * grow^t`` (0.1, 0.15, ... up to the ceiling within 6 steps) guards the
+first steps: a one-sample reparameterisation gradient of ``scale`` far from the optimum is
+dominated by ``(m - m_opt) eps`` terms, and a full step on it throws ``q`` far away. A
+direction that persists across steps (exact gradients, or far from the optimum) gives
+``r = 1`` and the full step (a fixed ``CVI(step_size=1.0)`` is the exact posterior in one step
+on a conjugate model with exact gradients). At the optimum, Monte Carlo noise alone makes
+``d_t`` independent with mean zero, so ``r`` falls to about ``rho / (2 - rho)`` and the step
+shrinks to average the noise out, the role the decaying ceiling plays in
+:mod:`pyro_cvi.step_control`; it grows back as soon as a direction persists (new data, a
+moving hyperparameter). Once both ratios stay below ``noisy_ratio`` for ``patience`` steps in a
+row, the ceiling decays by ``decay`` (to ``min_ceiling`` at the least), as the ceiling of
+:mod:`pyro_cvi.step_control` does under noise: a constant step leaves ``q`` jittering around
+the optimum with an amplitude that grows with the step. Each step is also capped by a trust
+region (``max_rel`` in :mod:`pyro_cvi.natgrad.steps`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["NoiseControl"]
+
+
+@dataclass
+class _Ratio:
+    """Bias-corrected exponential moving averages of a direction and of its squared norm."""
+
+    rho: float = 0.1
+    clip: float = 3.0
+    mean: Optional[torch.Tensor] = None
+    sq: float = 0.0
+    t: int = 0
+
+    def observe(self, d: torch.Tensor) -> None:
+        d = d.detach().double().reshape(-1)
+        norm = float(d.norm())
+        if not (math.isfinite(norm) and norm > 0):
+            return
+        if self.mean is not None and self.mean.shape == d.shape and self.t > 0:
+            rms = math.sqrt(self.sq / (1.0 - (1.0 - self.rho) ** self.t))
+            if norm > self.clip * rms > 0:  # one outlying step must not rule the ratio
+                d = d * (self.clip * rms / norm)
+        if self.mean is None or self.mean.shape != d.shape:
+            self.mean, self.sq, self.t = torch.zeros_like(d), 0.0, 0
+        self.t += 1
+        self.mean = (1.0 - self.rho) * self.mean + self.rho * d
+        self.sq = (1.0 - self.rho) * self.sq + self.rho * float(d.pow(2).sum())
+
+    def ratio(self) -> float:
+        if self.t == 0 or self.mean is None:
+            return 1.0
+        c = 1.0 - (1.0 - self.rho) ** self.t
+        if not self.sq > 0:
+            return 1.0
+        return min(1.0, float((self.mean / c).pow(2).sum()) / (self.sq / c))
+
+
+@dataclass
+class NoiseControl:
+    """The step-size state of one Gaussian of the guide: one ratio for the precision's
+    direction, one for the mean's (the mean gets its own step, see
+    :func:`pyro_cvi.natgrad.steps.diag_step`)."""
+
+    ceiling: float = 1.0
+    start: float = 0.1
+    grow: float = 1.5
+    min_ratio: float = 0.01
+    noisy_ratio: float = 0.1
+    patience: int = 5
+    decay: float = 0.9
+    min_ceiling: float = 0.05
+    decayed: float = 1.0
+    _flat: int = 0
+    prec: _Ratio = field(default_factory=_Ratio)
+    mean: _Ratio = field(default_factory=_Ratio)
+    t: int = 0
+
+    def _size(self, r: _Ratio) -> float:
+        ceiling = self.ceiling * self.decayed
+        warm = min(ceiling, self.start * self.grow**self.t)
+        return min(warm, ceiling * min(1.0, max(self.min_ratio, r.ratio())))
+
+    def step_sizes(self) -> Tuple[float, float]:
+        """``(b for the precision, b for the mean)`` of the next step."""
+        return self._size(self.prec), self._size(self.mean)
+
+    def step_size(self) -> float:
+        return self.step_sizes()[0]
+
+    def observe(self, d: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Record the whitened directions ``(mean, precision)`` of the step just taken; decay
+        the ceiling once both are noise-dominated ``patience`` steps in a row."""
+        self.t += 1
+        self.mean.observe(d[0])
+        self.prec.observe(d[1])
+        noisy = max(self.mean.ratio(), self.prec.ratio()) < self.noisy_ratio
+        self._flat = self._flat + 1 if noisy else 0
+        if self._flat >= self.patience:
+            self.decayed = max(self.min_ceiling, self.decayed * self.decay)
+            self._flat = 0
+
+    def state(self) -> Dict:
+        return {
+            "t": self.t,
+            "ceiling": self.ceiling,
+            "decayed": self.decayed,
+            "flat": self._flat,
+            "prec": (self.prec.mean, self.prec.sq, self.prec.t),
+            "mean": (self.mean.mean, self.mean.sq, self.mean.t),
+        }
+
+    def load(self, state: Dict) -> None:
+        self.t, self.ceiling = int(state["t"]), float(state["ceiling"])
+        self.decayed, self._flat = float(state["decayed"]), int(state["flat"])
+        self.prec.mean, self.prec.sq, self.prec.t = state["prec"]
+        self.mean.mean, self.mean.sq, self.mean.t = state["mean"]
