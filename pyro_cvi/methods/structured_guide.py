@@ -82,6 +82,12 @@ class AutoStructuredCVI(AutoGuide):
     def prefix(self) -> str:
         return self._pyro_name
 
+    @property
+    def engine(self) -> AutoStructuredCVI:
+        """The owner of the natural parameters (``CVI_ELBO`` and ``CVI`` ask a guide for its
+        engine): the guide itself."""
+        return self
+
     def _names(self, site: str):
         n = len(self.ssvi.families[site].param_shapes)
         return [f"{self._pyro_name}.ssvi{i}.{site}" for i in range(n)]
