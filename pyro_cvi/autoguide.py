@@ -9,15 +9,18 @@ AutoMultivariateNormal); every other site is a natural-parameter block (mean fie
 Algorithm 2). The guide is thin: the analysis, messages and steps live in
 :class:`~pyro_cvi.engine.Engine` (see docs/architecture.md).
 
-The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"``; their
-``.grad`` (written by :class:`~pyro_cvi.CVI_ELBO`) is the natural gradient
-``target - lambda``, and the :class:`~pyro_cvi.CVI` optimizer applies eq. 12.
+The parameters live in Pyro's param store under ``"<guide name>.<kind>.<site>"`` and are the
+guide's own ``nn.Parameter`` objects at ``<kind>.<site>`` (one tensor object in both views,
+as for Pyro's ``PyroModule``: see :mod:`pyro_cvi.guide_state`), so a guide pickles, saves
+with ``torch.save``, deep-copies and loads a ``state_dict``; their ``.grad`` (written by
+:class:`~pyro_cvi.CVI_ELBO`) is the natural gradient ``target - lambda``, and the
+:class:`~pyro_cvi.CVI` optimizer applies eq. 12.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import pyro
 import pyro.distributions as dist
@@ -25,9 +28,23 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from .blocks.marginals import standard_posterior
+from .blocks.packed import PackedLatent
+from .blocks.summaries import Summaries
 from .context import Options
 from .engine import Engine
 from .families import FAMILY_NAMES
+from .guide_state import (
+    GuideState,
+    Unsampled,
+    bind_parameters,
+    detach_distribution,
+    option_property,
+    refuse_inside_svi_step,
+    rng_preserved,
+    sync_parameters,
+    unbind_parameters,
+)
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .model.analysis import LEAF_FORM, SITE
@@ -41,7 +58,7 @@ from .update import StepCounts
 __all__ = ["AutoCVI"]
 
 
-class AutoCVI(AutoGuide):
+class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     """Conjugate-computation variational inference guide (Khan & Lin, 2017).
 
     Example::
@@ -222,15 +239,48 @@ class AutoCVI(AutoGuide):
                 for n, v in subsample_values(self.prototype_trace).items()
                 if len(v) < self.prototype_trace.nodes[n]["fn"].size
             }
-            self.engine = Engine(self.model, self._pyro_name, self.options)
-            self.engine.counts = self.counts
-            self.engine.warnings = self.warning_log
-            sub = self.draw_subsample(args, kwargs)
-            with poutine.block():  # set-up runs the model: hide it from an outer trace
-                self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+            self._build_engine(args, kwargs)
             if self.pending_restore is not None:
                 self.pending_restore(self)  # checks the checkpoint against the model first
                 self.pending_restore = None
+
+    def _build_engine(self, args, kwargs) -> None:
+        """Analyse the model and set up the blocks; parameters this guide already holds (a
+        restored or copied guide) are put into the param store first and kept."""
+        sync_parameters(self)
+        self.engine = Engine(self.model, self._pyro_name, self.options)
+        self.engine.counts = self.counts
+        self.engine.warnings = self.warning_log
+        sub = self.draw_subsample(args, kwargs)
+        with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
+            self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
+        bind_parameters(self, self.engine.param_names() + [self.engine.steps_name])
+
+    def _ready(self, args=(), kwargs=None) -> Engine:
+        """The engine, set up on first use (from ``args``) or rebuilt after unpickling or
+        copying (from ``args``, else the prototype trace's recorded inputs; without moving
+        the random state); the module's and the param store's parameters made one."""
+        kwargs = kwargs or {}
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        elif self.engine is None:
+            if self._model is None or self._model[0] is None:
+                raise ValueError(
+                    "this AutoCVI was pickled without its model (the model could not be pickled, "
+                    "e.g. a function defined inside another): set guide.model = model, or define "
+                    "the model at module level so that it pickles with the guide"
+                )
+            if not args and not kwargs:
+                inputs = self.prototype_trace.nodes["_INPUT"]
+                args, kwargs = inputs["args"], inputs["kwargs"]
+            with rng_preserved():
+                self._build_engine(args, kwargs)
+        elif self.engine.params_missing():  # the store was cleared under a live guide
+            unbind_parameters(self)
+            self._setup_prototype(*args, **kwargs)
+        else:
+            sync_parameters(self)
+        return self.engine
 
     def elbo(self, args, kwargs, grads: bool = False, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q for the model's arguments; with ``grads``, the natural
@@ -240,12 +290,24 @@ class AutoCVI(AutoGuide):
         # a transaction: a loss that fails leaves the guide as it was; with ``grads`` it stays
         # open until the optimizer's step (:mod:`pyro_cvi.transaction`)
         with rolled_back(self, keep_open=grads), explained(args, kwargs, self.data_shapes):
-            if self.prototype_trace is None or self.engine.params_missing():
-                # first call, or the param store was cleared under a live guide: start afresh
-                self._setup_prototype(*args, **kwargs)
-            self.engine.reanalyse_if_new_data(args, kwargs, self.prototype_trace)
+            self._ready(args, kwargs)  # first call, a restored guide, or a cleared store
+            with rng_preserved():  # new data are probed: the loss's draws do not depend on it
+                self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
             sub = self.draw_subsample(args, kwargs)
             return self.engine.loss(args, kwargs, sub, grads, graph)
+
+    def _prototype_for(self, args, kwargs):
+        """The prototype trace, or a fresh one when a subsampled plate's minibatch has another
+        size than the prototype's (e.g. the short last minibatch of an epoch): the analysis
+        then runs the model at values of the right shapes."""
+        frames = self._prototype_frames or {}
+        if all((f.full_size or f.size) == f.size for f in frames.values()):
+            return self.prototype_trace
+        plates = self._create_plates(*args, **kwargs)
+        if all(plates[n].subsample_size == f.size for n, f in frames.items() if n in plates):
+            return self.prototype_trace
+        model = poutine.block(self.model, self._prototype_hide_fn)
+        return poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
 
     def draw_subsample(self, args, kwargs) -> Dict[str, torch.Tensor]:
         """Fresh indices of every subsampled plate (``pyro.plate(subsample_size=...)``): the
@@ -276,10 +338,10 @@ class AutoCVI(AutoGuide):
 
     # ------------------------------------------------------------------ the guide itself
     def forward(self, *args, **kwargs):
-        _refuse_inside_svi_step(self)
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        engine = self.engine
+        engine = self._ready(args, kwargs)
+        refuse_inside_svi_step(self)
+        # under torch.jit.trace the current q is recorded as constants (its tensors detached)
+        frozen = detach_distribution if torch.jit.is_tracing() else (lambda d: d)
         plates = self._create_plates(*args, **kwargs)
         sub = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
         result, done = {}, set()
@@ -293,45 +355,45 @@ class AutoCVI(AutoGuide):
                 done.add(info.block)
                 block = engine.gaussian[info.block]
                 if len(block.names) == 1 and not info.batch_shape:
-                    result[name] = pyro.sample(name, block.marginal(name))
+                    result[name] = pyro.sample(name, frozen(block.marginal(name)))
                     continue
                 z = pyro.sample(
                     f"_{self._pyro_name}_latent_{info.block}",
-                    block.joint(),
+                    frozen(block.joint()),
                     infer={"is_auxiliary": True},
                 )
                 for n, v in block.spec.split(z).items():  # a site in plates: Delta in them
                     event_dim = len(engine.analysis.latents[n].event_shape)
-                    with ExitStack() as stack:
-                        for frame in self.prototype_trace.nodes[n]["cond_indep_stack"]:
-                            if frame.vectorized:
-                                stack.enter_context(plates[frame.name])
+                    with self._plates_of(n, plates):
                         result[n] = pyro.sample(n, dist.Delta(v, event_dim=event_dim))
             else:
-                site = self.prototype_trace.nodes[name]
-                with ExitStack() as stack:
-                    for frame in site["cond_indep_stack"]:
-                        if frame.vectorized:
-                            stack.enter_context(plates[frame.name])
-                    result[name] = pyro.sample(name, engine.natural[name].dist(sub))
+                with self._plates_of(name, plates):
+                    result[name] = pyro.sample(name, frozen(engine.natural[name].dist(sub)))
         if leaves:
-            tr = poutine.block(trace_model)(self.model, result, args, kwargs)
+            run = poutine.block(Unsampled(leaves)(trace_model))
+            tr = run(self.model, result, args, kwargs)
             for name in leaves:
                 site = tr.nodes[name]
-                with ExitStack() as stack:
-                    for frame in site["cond_indep_stack"]:
-                        if frame.vectorized:
-                            stack.enter_context(plates[frame.name])
+                with self._plates_of(name, plates, site):
                     fn = site["fn"]
                     if site["mask"] is not None:
                         fn = fn.mask(site["mask"])
-                    result[name] = pyro.sample(name, fn)
+                    result[name] = pyro.sample(name, frozen(fn))
         return result
+
+    def _plates_of(self, name: str, plates, site=None) -> ExitStack:
+        """The guide's plates (``pyro.plate`` objects) around site ``name``."""
+        site = site if site is not None else self.prototype_trace.nodes[name]
+        stack = ExitStack()
+        for frame in site["cond_indep_stack"]:
+            if frame.vectorized:
+                stack.enter_context(plates[frame.name])
+        return stack
 
     def _info(self, name: str):
         if self.prototype_trace is None:
             raise RuntimeError("AutoCVI has not seen the model yet: call svi.step(...) first")
-        latents = self.engine.analysis.latents
+        latents = self._ready().analysis.latents
         if name in self.engine.analysis.collapsed:
             raise ValueError(
                 f"{name!r} is summed out (AutoCVI(discrete='collapse')): it has no q; draw it "
@@ -341,20 +403,38 @@ class AutoCVI(AutoGuide):
             raise KeyError(
                 f"{name!r} is not a latent site of the model; latent sites: {list(latents)}"
             )
-        info = latents[name]
-        if info.form == LEAF_FORM:
-            raise ValueError(
-                f"{name!r} is a leaf latent: its q is the model's conditional prior given its "
-                "parents, sampled by the guide; it has no free parameters"
-            )
-        return info
+        return latents[name]
 
     def posterior(self, name: str) -> torch.distributions.Distribution:
-        """The current ``q`` of latent site ``name`` (a marginal, for a site in a joint block)."""
+        """The current ``q`` of latent site ``name``, a torch Distribution with ``mean`` and
+        ``variance`` (and ``covariance_matrix`` for a Gaussian over more than one value): a
+        marginal, for a site in a joint block; for a *leaf* (a site nothing depends on, whose
+        ``q`` is its conditional prior), that prior with its parents at their ``q`` means."""
         info = self._info(name)
-        if info.form == SITE:
-            return self.engine.gaussian[info.block].marginal(name)
-        return self.engine.natural[name].dist({})
+        if info.form == LEAF_FORM:
+            q = self._leaf_priors()[name]
+        elif info.form == SITE:
+            q = self.engine.gaussian[info.block].marginal(name)
+        else:
+            q = self.engine.natural[name].dist({})
+        return standard_posterior(q)
+
+    def _leaf_priors(self, args=None, kwargs=None) -> Dict[str, torch.distributions.Distribution]:
+        """Each leaf's conditional prior, in one model run with every other latent at its mean
+        (``args``: the model's, default the prototype trace's)."""
+        if args is None and not kwargs:
+            inputs = self.prototype_trace.nodes["_INPUT"]
+            args, kwargs = inputs["args"], inputs["kwargs"]
+        values = self.engine.sample_q({}, at_means=True)
+        run = poutine.block(Unsampled(self.engine.analysis.leaves)(trace_model))
+        with rng_preserved():
+            tr = run(self.model, values, tuple(args), kwargs or {})
+        out = {}
+        for name in self.engine.analysis.leaves:
+            site = tr.nodes[name]
+            fn = site["fn"]
+            out[name] = fn.mask(site["mask"]) if site["mask"] is not None else fn
+        return out
 
     def joint_posterior(self, *names: str) -> dist.MultivariateNormal:
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their
@@ -367,51 +447,6 @@ class AutoCVI(AutoGuide):
                 f"{[b.names for b in self.engine.gaussian]}"
             )
         return self.engine.gaussian[blocks.pop()].joint(list(names))
-
-    @torch.no_grad()
-    def median(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """The posterior median (the mean, for Gaussian factors; the mode, for discrete
-        ones) of each non-leaf latent site."""
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        out = {}
-        for block in self.engine.gaussian:
-            out.update(block.mean_values())
-        for name, nb in self.engine.natural.items():
-            out[name] = nb.mean_value({})
-        order = list(self.engine.analysis.latents)
-        return dict(sorted(out.items(), key=lambda kv: order.index(kv[0])))
-
-    @torch.no_grad()
-    def quantiles(self, quantiles: Sequence[float], *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """Marginal quantiles of each non-leaf latent site, stacked on a leading dim.
-
-        Exact for Gaussian sites (and any family whose torch distribution has ``icdf``);
-        otherwise from 4096 draws of q.
-        """
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        out = {}
-        for name in self.median():
-            q = self.posterior(name)
-            qs = torch.as_tensor(quantiles, dtype=torch.get_default_dtype())
-            if isinstance(q, (dist.Normal, dist.MultivariateNormal)) or (
-                isinstance(q, dist.TransformedDistribution)
-            ):
-                mean = self.median()[name]
-                std = _marginal_std(q).reshape(mean.shape)
-                normal = torch.distributions.Normal(0.0, 1.0)
-                z = normal.icdf(qs.to(mean)).reshape((-1,) + (1,) * mean.dim())
-                out[name] = mean + z * std
-                continue
-            try:
-                out[name] = torch.stack([q.icdf(torch.tensor(float(p))) for p in quantiles])
-            except (NotImplementedError, AttributeError):
-                draws = q.sample((4096,))
-                out[name] = torch.quantile(draws.double(), qs.double().to(draws.device), dim=0).to(
-                    draws.dtype
-                )
-        return out
 
     @torch.no_grad()
     def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
@@ -433,16 +468,6 @@ class AutoCVI(AutoGuide):
         return self.engine.analysis.explain()
 
 
-def _option(name: str) -> property:
-    def get(self):
-        return getattr(self.options, name)
-
-    def set_(self, value):
-        setattr(self.options, name, value)
-
-    return property(get, set_, doc=f"The guide option ``{name}`` (see :class:`AutoCVI`).")
-
-
 for _name in (
     "covariance",
     "num_quad_points",
@@ -455,37 +480,4 @@ for _name in (
     "softmax",
     "general_curvature",
 ):
-    setattr(AutoCVI, _name, _option(_name))
-
-
-def _refuse_inside_svi_step(guide) -> None:
-    """``SVI.step`` runs its loss under ``poutine.trace(param_only=True)``; CVI_ELBO never runs
-    the guide, so a guide run there is a Pyro ELBO's (Trace_ELBO, TraceEnum_ELBO, ...), whose
-    gradients cannot reach AutoCVI's natural parameters: q would never change (issue 21).
-    A guide already fitted by CVI_ELBO may be sampled there, fixed, while other parts of an
-    AutoGuideList train (a two-stage fit)."""
-    from pyro.poutine.runtime import _PYRO_STACK
-    from pyro.poutine.trace_messenger import TraceMessenger
-
-    engine = guide.engine
-    store = pyro.get_param_store()
-    if engine is not None and engine.steps_name in store:
-        if float(store[engine.steps_name]) > 0:
-            return
-    if any(isinstance(m, TraceMessenger) and m.param_only for m in _PYRO_STACK):
-        raise ValueError(
-            f"{type(guide).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
-            "TraceEnum_ELBO, ...) before any CVI_ELBO step: its q is computed by conjugate "
-            "computations, not differentiated, so it would never change. Use "
-            "SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); or, to keep a Pyro ELBO, a "
-            "Gaussian guide such as AutoMultivariateNormal or AutoNormal with CVI(), which "
-            "steps it by natural gradients"
-        )
-
-
-def _marginal_std(q) -> torch.Tensor:
-    if isinstance(q, dist.TransformedDistribution):
-        q = q.base_dist
-    if isinstance(q, dist.MultivariateNormal):
-        return q.covariance_matrix.diagonal().sqrt()
-    return q.stddev
+    setattr(AutoCVI, _name, option_property(_name))

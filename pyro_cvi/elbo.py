@@ -14,13 +14,14 @@ differences. The value it returns is the -ELBO of the current ``q``: exact where
 
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Union
 
 import torch
 from pyro.infer import ELBO
 from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
+from .methods.structured_guide import AutoStructuredCVI
 from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
@@ -74,8 +75,8 @@ class CVI_ELBO(ELBO):
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
 
 
-def _checked(model: _Fn, guide: _Fn) -> AutoCVI:
-    if not isinstance(guide, AutoCVI):
+def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI]:
+    if not isinstance(guide, (AutoCVI, AutoStructuredCVI)):
         name = type(guide).__name__
         parts = ""
         if isinstance(guide, AutoGuideList):

@@ -34,6 +34,13 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
   only non-finite losses and errors backtrack, and the ceiling follows the Robbins-Monro
   schedule ``beta0 (1 + t / 10) ** -0.6`` (Hoffman et al. 2013).
 
+**Reporting.** Shrunk and undone steps are the step policy doing its job: they are counted
+on the guide (``guide.num_shrunk``, ``guide.num_backtracks``, ``guide.warning_counts``) and
+logged once per site and kind (:class:`WarningLog`) to the ``"pyro_cvi"`` logger at INFO,
+not warned, so that suites which turn warnings into errors (Pyro's own) run quietly. A
+*rejected* step (no step size keeps ``q`` valid) is a ``RuntimeWarning``, once per site and
+kind.
+
 :func:`controlled_evaluation` is the one backtracking loop (the engine and every other caller
 hand it the evaluation, a copy of the parameters and a restore function); :class:`StepControl`
 holds the decisions' state.
@@ -41,6 +48,7 @@ holds the decisions' state.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -55,6 +63,7 @@ __all__ = [
     "is_numerical_error",
     "initial_failure",
     "backtrack_message",
+    "ROUTINE",
     "warn_step_counts",
     "WarningLog",
 ]
@@ -260,6 +269,12 @@ def initial_failure(error: Optional[BaseException]) -> ValueError:
     )
 
 
+#: the ``"pyro_cvi"`` logger: routine step-policy events (shrunk and undone steps)
+LOGGER = logging.getLogger("pyro_cvi")
+#: the kinds of :class:`WarningLog` that are routine (logged at INFO, not warned)
+ROUTINE = frozenset({"step shrunk", "step undone", "step undone (numerical)"})
+
+
 class WarningLog:
     """One warning per ``(site, kind)`` per run (a guide's lifetime), however many steps repeat
     it: the first occurrence is shown, every occurrence is counted (``counts``, shown on the
@@ -273,15 +288,15 @@ class WarningLog:
         key = (str(site), kind)
         self.counts[key] = self.counts.get(key, 0) + 1
         if self.counts[key] == 1:
-            warnings.warn(
-                message + " (shown once per site and kind; see guide.warning_counts)",
-                RuntimeWarning,
-                stacklevel=stacklevel + 1,
-            )
+            text = message + " (shown once per site and kind; see guide.warning_counts)"
+            if kind in ROUTINE:  # the step policy doing its job: logged, not warned
+                LOGGER.info(text)
+            else:
+                warnings.warn(text, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def backtrack_message(labels, beta: float, error: Optional[BaseException]) -> str:
-    """The warning for an undone step: which sites, why, the new step, and what to do."""
+    """The report of an undone step: which sites, why, the new step, and what to do."""
     why = "a numerical failure" if error is not None else "a worse ELBO"
     return (
         f"AutoCVI: a CVI step on sites {labels} led to {why}; it was undone and is retried "

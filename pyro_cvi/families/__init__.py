@@ -19,6 +19,7 @@ import numbers
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from pyro.distributions.constraints import sphere
 from torch.distributions import constraints
 
 from .base import ExponentialFamily, Params, fisher_solve_mean_grad, mean_grad_via_autograd
@@ -62,6 +63,11 @@ def _is_number(bound: object, value: float) -> bool:
 
 
 def _unsupported(support: constraints.Constraint, event_shape: torch.Size, why: str = ""):
+    if support is sphere:  # Pyro's own hint for ProjectedNormal sites
+        why += (
+            "; for a ProjectedNormal site use "
+            "poutine.reparam(model, {site: pyro.infer.reparam.ProjectedNormalReparam()})"
+        )
     return ValueError(
         f"pyro_cvi has no conjugate exponential family for a site with support {support} "
         f"(event_shape={tuple(event_shape)}){why}. Supported: {_SUPPORTED}. To use CVI, "

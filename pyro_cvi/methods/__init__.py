@@ -1,1 +1,2 @@
-"""Other inference methods built on the CVI machinery: structured SVI (``structured``)."""
+"""Other inference methods built on the CVI machinery: structured SVI (``structured``) and
+its Pyro guide ``AutoStructuredCVI`` (``structured_guide``)."""

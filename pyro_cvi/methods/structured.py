@@ -186,6 +186,11 @@ class StructuredSVI:
             else:
                 self.lam[name] = tuple(p.clone() for p in eta)
 
+    def setup(self, *args, **kwargs) -> None:
+        """Find the globals and locals and start ``q(beta)`` (done by the first step)."""
+        if not self.families:
+            self._setup(args, kwargs)
+
     # ------------------------------------------------------------------ q
     def posterior(self, name: str) -> torch.distributions.Distribution:
         """The current ``q(beta_k)`` of global site ``name``."""

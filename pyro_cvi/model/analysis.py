@@ -413,7 +413,7 @@ class Analysis:
                 markov.prepare_loop(chain, tr, leaves, moved, label)
         why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
         if chain.increments is not None:
-            why += f"; random walk x = cumsum({site}, dim={chain.increments.dim})"
+            why += "; " + chain.increments.describe(site)
         return Factor(site, label, PRIOR, why)
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:

@@ -4,6 +4,8 @@ Two forms, both turned into one :class:`ChainSpec` (states ``x (T, d)``):
 
 * **ssm**: one site whose distribution is a
   :class:`~pyro_cvi.statespace.distribution.LinearGaussianSSM` (e.g. ``MarkovGP``);
+* **hmm**: one site whose distribution is Pyro's ``dist.GaussianHMM`` (no batch dims): the
+  chain of ``(z_t, y_t)`` with the hidden ``z`` summed out (:mod:`~pyro_cvi.statespace.hmm`);
 * **loop**: a ``pyro.markov`` loop of Normal sites ``x_t ~ Normal(A_t x_{t-1} + b_t, Q_t)``
   (scalar, ``.to_event(1)`` or MVN): every site's prior depends on its predecessor only
   (read off autograd, structural), each site has one successor, and the transition is
@@ -17,13 +19,14 @@ on the analysis' leaf trace (O(T), no dense Jacobian) and are confirmed by the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..model import probes
 from ..model.tracing import linear_param, unwrap
 from .distribution import LinearGaussianSSM
+from .hmm import HiddenStates, hmm_chain, is_gaussian_hmm
 from .increments import Increments
 from .kalman import LinearGaussianChain
 
@@ -52,7 +55,9 @@ class ChainSpec:
     ssm: bool
     A: Optional[torch.Tensor] = None  # loop transitions (T-1, d, d), when static
     dynamic: bool = False  # loop transitions depend on learnable parameters
-    increments: Optional[Increments] = None  # a random walk: the one site holds diff(x)
+    #: a random walk (:class:`Increments`: the one site holds diff(x)) or a GaussianHMM
+    #: (:class:`HiddenStates`: the one site holds the observed part of the states)
+    increments: Optional[Union[Increments, HiddenStates]] = None
     probe: Optional[tuple] = None  # (dx, moved trace) of the detection, reused by the analysis
     observations: Dict[str, tuple] = field(default_factory=dict)  # confirmed at detection
 
@@ -104,9 +109,14 @@ def find_chains(an) -> List[ChainSpec]:
     out = []
     for n in latents:
         fn = tr.nodes[n]["fn"]
-        if isinstance(unwrap(fn)[0], LinearGaussianSSM) and not an.deps.get(n):
+        base = unwrap(fn)[0]
+        if isinstance(base, LinearGaussianSSM) and not an.deps.get(n):
             T, d = fn.event_shape
             out.append(ChainSpec((n,), int(d), int(T), True))
+        elif is_gaussian_hmm(base) and not an.deps.get(n) and not len(fn.batch_shape):
+            T, k = fn.event_shape
+            lay = HiddenStates(int(T), int(base.hidden_dim), int(k))
+            out.append(ChainSpec((n,), lay.state_dim, lay.length, False, increments=lay))
     used = {c.names[0] for c in out}
     cand = [n for n in latents if n not in used and _normal_site(tr.nodes[n]["fn"])]
     cset = set(cand)
@@ -186,6 +196,8 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     values, with the given or stored transitions ``A``)."""
     if spec.ssm:
         return unwrap(trace.nodes[spec.names[0]]["fn"])[0].chain
+    if isinstance(spec.increments, HiddenStates):
+        return hmm_chain(unwrap(trace.nodes[spec.names[0]]["fn"])[0])
     if spec.increments is not None:
         return walk_prior(spec.increments, unwrap(trace.nodes[spec.names[0]]["fn"])[0])
     parts = [_normal_parts(trace.nodes[n]["fn"]) for n in spec.names]

@@ -24,6 +24,9 @@ class Increments:
     shape: torch.Size
     dim: int
 
+    def describe(self, site: str) -> str:
+        return f"random walk x = cumsum({site}, dim={self.dim})"
+
     @property
     def length(self) -> int:
         return int(self.shape[self.dim])

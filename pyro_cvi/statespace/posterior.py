@@ -82,6 +82,21 @@ class MarkovPosterior(_ChainQ):
     def variance(self) -> torch.Tensor:
         return self.post.cov.diagonal(dim1=-2, dim2=-1).reshape(self.event_shape)
 
+    @property
+    def precision_matrix(self) -> torch.Tensor:
+        """The dense ``(T d, T d)`` precision of ``q`` over the flattened states (row-major
+        ``(T, d)``): the chain's block-tridiagonal precision plus the sites' ``J_t`` on the
+        diagonal blocks (computed on demand: O((T d)^2) memory)."""
+        return chain_precision(self.prior.detach(), self.J.detach())
+
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        """The dense ``(T d, T d)`` covariance of ``q`` over the flattened states (row-major
+        ``(T, d)``), the inverse of :attr:`precision_matrix` (computed on demand, O((T d)^3));
+        its diagonal blocks are the smoothed marginals."""
+        L = torch.linalg.cholesky(self.precision_matrix)
+        return torch.cholesky_inverse(L)
+
     def _states(self, value):
         return value.reshape(
             value.shape[: value.dim() - len(self.event_shape)] + (-1, self.prior.dim)
@@ -93,8 +108,12 @@ class MarkovPosterior(_ChainQ):
             return torch.stack([self.log_prob(v) for v in x.reshape((-1,) + x.shape[-2:])]).reshape(
                 x.shape[:-2]
             )
-        quad = (self.eta * x).sum() - 0.5 * torch.einsum("ti,tij,tj->", x, self.J, x)
-        return log_prob_chain(self.prior, x) + quad - self.post.log_z.detach()
+        return log_prob_chain(self.prior, x) + self.site_terms(x) - self.post.log_z.detach()
+
+    def site_terms(self, x: torch.Tensor) -> torch.Tensor:
+        """``sum_t eta_t' x_t - x_t' J_t x_t / 2`` of states ``(..., T, d)``."""
+        quad = torch.einsum("...ti,tij,...tj->...", x, self.J, x)
+        return (self.eta * x).sum((-1, -2)) - 0.5 * quad
 
     def sample(self, sample_shape=()) -> torch.Tensor:
         if bool((self.rows.w < 0).any()):
@@ -116,7 +135,9 @@ class IncrementPosterior(_ChainQ):
     """``q(eps)`` of a random walk ``x = cumsum(eps)``: the exact image of the chain's ``q(x)``
     under ``eps = diff(x)`` (unit Jacobian: ``log q(eps) = log q_x(cumsum eps)``). Means are
     differences of the smoothed means, variances need the lag-one covariances
-    (``post.cross``); draws are differenced draws of ``x``."""
+    (``post.cross``); draws are differenced draws of ``x``. With a
+    :class:`~pyro_cvi.statespace.hmm.HiddenStates` layout (a ``GaussianHMM`` site) it is the
+    marginal ``q(y)`` of the observed part of the states instead."""
 
     def __init__(self, states: MarkovPosterior, layout: Increments, event_shape):
         self.states, self.layout = states, layout
@@ -131,11 +152,46 @@ class IncrementPosterior(_ChainQ):
         post = self.states.post
         return self.layout.variance(post.cov, post.cross).reshape(self.event_shape)
 
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        """The dense ``(D, D)`` covariance of the flattened increments ``eps = M x``:
+        ``M Cov(x) M'`` with ``M`` the differencing map (computed on demand, O(D^3))."""
+        cov = self.states.covariance_matrix  # (T d, T d), states row-major
+        T, d = self.layout.length, self.layout.state_dim
+        half = self.layout.increments(cov.reshape(T * d, T, d))  # (T d, D): M applied to columns
+        return self.layout.increments(half.T.reshape(-1, T, d))  # (D, D)
+
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         lead = value.shape[: value.dim() - len(self.event_shape)]
-        x = self.layout.states(value.reshape(lead + (-1,)))
+        flat = value.reshape(lead + (-1,))
+        x = self.layout.states(flat)
+        if hasattr(self.layout, "prior_log_prob"):  # hidden states (GaussianHMM): summed out
+            q = self.states  # log q(y) = log p(y) + sum_r log site_r(y) - log Z
+            prior = self.layout.prior_log_prob(q.prior, flat)
+            return prior + q.site_terms(x) - q.post.log_z.detach()
         return self.states.log_prob(x)
 
     def sample(self, sample_shape=()) -> torch.Tensor:
         x = self.states.sample(sample_shape)  # (..., T, d)
         return self.layout.increments(x).reshape(torch.Size(sample_shape) + self.event_shape)
+
+
+def chain_precision(chain: LinearGaussianChain, J: torch.Tensor) -> torch.Tensor:
+    """Dense precision of ``p(x) prod_t exp(-x_t' J_t x_t / 2)`` over ``x (T, d)`` flattened
+    row-major. With ``x_t = A_t x_{t-1} + b_t + N(0, C_t)`` (``x_{-1} = 0``; ``all_steps``):
+    diagonal blocks ``C_t^-1 + A_{t+1}' C_{t+1}^-1 A_{t+1} + J_t``, off-diagonal blocks
+    ``(t, t-1) = -C_t^-1 A_t``."""
+    A, _, C = chain.all_steps()
+    T, d = A.shape[0], A.shape[-1]
+    Ci = torch.cholesky_inverse(torch.linalg.cholesky(C))
+    diag = Ci + J
+    nxt = A[1:].transpose(-1, -2) @ Ci[1:] @ A[1:]
+    diag = torch.cat([diag[:-1] + nxt, diag[-1:]], 0)
+    out = A.new_zeros(T, d, T, d)
+    idx = torch.arange(T, device=A.device)
+    out[idx, :, idx, :] = diag
+    if T > 1:
+        off = -(Ci[1:] @ A[1:])  # (t, t-1) for t = 1..T-1
+        out[idx[1:], :, idx[:-1], :] = off
+        out[idx[:-1], :, idx[1:], :] = off.transpose(-1, -2)
+    return out.reshape(T * d, T * d)
