@@ -268,7 +268,7 @@ class Engine:
             except (ValueError, RuntimeError, FloatingPointError) as e:
                 if not is_numerical_error(e) or not grads:
                     raise
-                if float(pyro.param(self.steps_name)) == 0:
+                if float(pyro.param(self.steps_name).detach()) == 0:
                     raise initial_failure(e) from e
                 raise ValueError(
                     "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "

@@ -310,7 +310,7 @@ def refuse_inside_svi_step(guide) -> None:
     engine = guide.engine
     store = pyro.get_param_store()
     if engine is not None and engine.steps_name in store:
-        if float(store[engine.steps_name]) > 0:
+        if float(store[engine.steps_name].detach()) > 0:
             return
     if any(isinstance(m, TraceMessenger) and m.param_only for m in _PYRO_STACK):
         raise ValueError(

@@ -155,7 +155,8 @@ def problems(site: Path) -> List[str]:
     results = page("_generated/results.html")
     titles = [re.sub(r"<[^>]+>", "", t).strip() for t in re.findall(r"<h2>(.*?)</h2>", results)]
     for js in sorted((ROOT / "results").glob("*.json")):
-        report = json.loads(js.read_text()).get("report")
+        data = json.loads(js.read_text())
+        report = data.get("report") if isinstance(data, dict) else None
         if results and isinstance(report, dict) and js.stem not in results:
             found.append(f"_generated/results.html: no section for {js.name}")
         if any(t.rstrip("¶").strip() == js.stem for t in titles):

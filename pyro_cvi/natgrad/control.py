@@ -3,7 +3,7 @@
 The optimizer never sees the loss value (Pyro's ``SVI`` hands it parameters only), so the
 ELBO-based backtracking of :mod:`pyro_cvi.step_control` cannot run here. What it can see is the
 natural-gradient direction ``d_t`` of every step (whitened: dimensionless). Its signal-to-noise
-ratio decides the step:
+ratio decides the step::
 
     r_t = |E d|^2 / E |d|^2   (exponential moving averages, rate ``rho``, bias-corrected;
                                ``d`` clipped at 3 times the running RMS of ``|d|``)
