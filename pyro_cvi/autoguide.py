@@ -275,10 +275,12 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
                 args, kwargs = inputs["args"], inputs["kwargs"]
             with rng_preserved():
                 self._build_engine(args, kwargs)
-        elif self.engine.params_missing():  # the store was cleared under a live guide
+        elif self.engine.params_missing() and (args or kwargs):
+            # the store was cleared under a live guide, and the model is run again: restart
             unbind_parameters(self)
             self._setup_prototype(*args, **kwargs)
-        else:
+        else:  # (a query without data after a cleared store: the guide's own values return,
+            # as for Pyro's PyroModule guides)
             sync_parameters(self)
         return self.engine
 

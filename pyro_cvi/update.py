@@ -32,6 +32,7 @@ __all__ = [
     "StepCounts",
     "cvi_update",
     "damped_step",
+    "halve_until_valid",
     "owner_of",
     "register_owner",
     "targets_from_grads",
@@ -101,20 +102,44 @@ def damped_step(
     target = tuple(t.detach() for t in target)
     if bounds is not None:
         return _box_step(old, target, beta, bounds, param_shapes, max_halvings)
-    ok = valid(cvi_update(old, target, beta))
+    new, _, ok, shrunk = halve_until_valid(
+        lambda b: cvi_update(old, target, b), valid, beta, max_halvings, like=old[0]
+    )
     if bool(ok.all()):
-        return cvi_update(old, target, beta), StepCounts()
-    b = torch.full(ok.shape, float(beta), dtype=old[0].dtype, device=old[0].device)
-    shrunk = 0
-    for _ in range(max_halvings):
-        shrunk += int((~ok).sum())
-        b = torch.where(ok, b, b / 2)
-        new = cvi_update(old, target, b)
-        ok = valid(new)
-        if bool(ok.all()):
-            return new, StepCounts(shrunk, 0)
+        return new, StepCounts(shrunk, 0)
     new = tuple(torch.where(_expand(ok, o), n, o) for o, n in zip(old, new))
     return new, StepCounts(shrunk, int((~ok).sum()))
+
+
+def halve_until_valid(
+    candidate: Callable[[Any], Any],
+    valid: Callable[[Any], torch.Tensor],
+    beta: Any,
+    max_halvings: int = MAX_HALVINGS,
+    like: Optional[torch.Tensor] = None,
+) -> Tuple[Any, torch.Tensor, torch.Tensor, int]:
+    """The one halving policy: ``b`` is halved, per batch element, where ``candidate(b)`` is
+    not ``valid`` (a bool tensor of the batch shape), at most ``max_halvings`` times.
+
+    ``beta`` is a float (``b`` then takes the batch shape of the first ``valid``, and the dtype
+    of ``like``) or a tensor that broadcasts like ``valid``'s result. Returns
+    ``(candidate(b), b, ok, shrunk)``: ``ok`` marks the valid elements (the others are the
+    caller's to reject), ``shrunk`` counts the invalid elements over the halvings."""
+    new = candidate(beta)
+    ok = valid(new)
+    b = beta
+    if not torch.is_tensor(b):
+        dtype = like.dtype if like is not None else torch.get_default_dtype()
+        b = torch.full(ok.shape, float(beta), dtype=dtype, device=ok.device)
+    shrunk = 0
+    for _ in range(max_halvings):
+        if bool(ok.all()):
+            break
+        shrunk += int((~ok).sum())
+        b = torch.where(ok, b, b / 2)
+        new = candidate(b)
+        ok = valid(new)
+    return new, b, ok, shrunk
 
 
 def _box_step(old, target, beta, bounds, param_shapes, max_halvings):

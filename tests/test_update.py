@@ -75,3 +75,16 @@ def test_box_step_stops_half_way_to_the_boundary(dtype):
         old, (torch.tensor([[4.0]], dtype=dtype),), 0.5, None, [(0.0, None)], [()]
     )
     assert float(new[0]) == 3.0 and counts == StepCounts()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_halving_returns_the_step_size_it_settled_on(dtype):
+    from pyro_cvi.update import halve_until_valid
+
+    p = torch.tensor([1.0, 1.0, 1.0], dtype=dtype)
+    g = torch.tensor([1.0, -3.0, -100.0], dtype=dtype)
+    new, b, ok, shrunk = halve_until_valid(lambda b: p + b * g, lambda n: n > 0, 1.0, like=p)
+    # element 1 valid at b = 1/4; element 2 first at b = 2^-7
+    assert b.dtype == dtype and torch.equal(b, torch.tensor([1.0, 0.25, 2.0**-7], dtype=dtype))
+    assert bool(ok.all()) and torch.allclose(new, p + b * g)
+    assert shrunk == 2 + 2 + 5 * 1

@@ -41,6 +41,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..update import halve_until_valid
+
 __all__ = [
     "chol_grad_to_cov_grad",
     "diag_step",
@@ -80,14 +82,10 @@ def diag_step(
     if retraction:
         p_new = p + b * g + 0.5 * (b * g).pow(2) / p
     else:
-        p_new = p + b * g
-        for _ in range(_MAX_HALVINGS):
-            bad = ~(p_new > 0)
-            if not bool(bad.any()):
-                break
-            b = torch.where(bad, 0.5 * b, b)
-            p_new = p + b * g
-        p_new = torch.where(p_new > 0, p_new, p)
+        p_new, b, ok, _ = halve_until_valid(
+            lambda b: p + b * g, lambda new: new > 0, b, _MAX_HALVINGS
+        )
+        p_new = torch.where(ok, p_new, p)
     bm = b if beta_mean is None else torch.full_like(p, beta_mean)
     step = bm * gm / p_new
     if max_rel is not None:  # at most MEAN_MAX_MOVE standard deviations of q' per step
@@ -148,12 +146,12 @@ def tril_step(
         P_new = 0.5 * P + 0.5 * (A @ S @ A)
         LP, info = torch.linalg.cholesky_ex(0.5 * (P_new + P_new.transpose(-1, -2)))
     else:
-        for _ in range(_MAX_HALVINGS):
-            P_new = P + b * G
-            LP, info = torch.linalg.cholesky_ex(P_new)
-            if not bool((info > 0).any()):
-                break
-            b = torch.where((info > 0)[..., None, None], 0.5 * b, b)
+
+        def factor_ok(new):
+            return (torch.linalg.cholesky_ex(new)[1] == 0)[..., None, None]
+
+        P_new, b, _, _ = halve_until_valid(lambda b: P + b * G, factor_ok, b, _MAX_HALVINGS)
+        LP, info = torch.linalg.cholesky_ex(P_new)
     if bool((info > 0).any()):  # round-off only (retraction) or no valid step: keep q
         keep = (info > 0)[..., None, None]
         P_new = torch.where(keep, P, P_new)
