@@ -23,6 +23,7 @@ __all__ = [
     "LINEAR_PARAMS",
     "linear_param",
     "with_param",
+    "has_learnable_params",
 ]
 
 
@@ -221,6 +222,15 @@ def linear_param(base) -> Optional[Tuple[str, torch.Tensor, Dict[str, torch.Tens
     value = link(getattr(base, name))
     others = {k: getattr(base, k) for k in _OTHER_ARGS[cls]}
     return name, value, others
+
+
+def has_learnable_params(base) -> bool:
+    """Whether a parameter of ``base`` other than its linear one carries a graph (a learned
+    scale, degrees of freedom, total count): the expected log-density must then keep it."""
+    return any(
+        torch.is_tensor(v) and v.requires_grad
+        for v in (getattr(base, k) for k in _OTHER_ARGS[_registered(base)])
+    )
 
 
 def with_param(base, linked_value: torch.Tensor):
