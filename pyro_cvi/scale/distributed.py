@@ -39,6 +39,7 @@ import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Set, Union
 
+import pyro
 import torch
 import torch.distributed as tdist
 import torch.distributed.nn.functional as tdist_nn
@@ -117,8 +118,19 @@ class Reducer:
         return grad_part + (value - grad_part.detach())
 
     def reduce_grads(self, params: Iterable[torch.Tensor]) -> None:
-        """All-reduce (SUM) the ``.grad`` of every parameter (zeros where a rank has none)."""
-        params = list(params)
+        """All-reduce (SUM) the ``.grad`` of every parameter (zeros where a rank has none).
+
+        The parameters are put in param-store-name order first: Pyro's ``SVI`` hands the
+        optimizer a *set*, whose order follows object ids and so differs between processes;
+        all-reducing in that order would add one rank's gradient of ``a`` to another's of
+        ``b``."""
+        store = pyro.get_param_store()
+
+        def key(p):
+            name = store.param_name(p)
+            return (name is None, name or "", tuple(p.shape))
+
+        params = sorted(params, key=key)
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
