@@ -24,7 +24,7 @@ A new kind of block is one class deriving from :class:`Block` plus one registrat
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import pyro
@@ -64,7 +64,6 @@ class BlockInit:
     init_trace: Any = None
     init_loc_fn: Optional[Callable] = None
     init_scale: Optional[float] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 class Block(abc.ABC):

@@ -178,10 +178,10 @@ def linear_predictor_message(
     f, gm, gv = mean_param_gradients(log_prob, mean, var, num_points, num_samples)
     lam1, lam2 = site_natural_params(mean.detach(), gm, gv)
     target = torch.stack([lam1.reshape(-1), lam2.reshape(-1)], -1)
-    if mean.requires_grad or has_learnable_params(base):
-        # the offset or the likelihood's other parameters (a learned scale) depend on
-        # hyperparameters: the value keeps that graph (at fixed q, as the block's value)
+    if mean.requires_grad:  # the offset depends on hyperparameters: keep that graph
         return expected_log_prob(log_prob, mean, var, num_points).sum(), target
+    if has_learnable_params(base):  # a learned scale (say): f already has its graph
+        return f.sum(), target
     return f.sum().detach(), target  # (no graph to keep: no backward pass for it)
 
 

@@ -146,12 +146,14 @@ def tril_step(
         P_new = 0.5 * P + 0.5 * (A @ S @ A)
         LP, info = torch.linalg.cholesky_ex(0.5 * (P_new + P_new.transpose(-1, -2)))
     else:
+        last = {}
 
-        def factor_ok(new):
-            return (torch.linalg.cholesky_ex(new)[1] == 0)[..., None, None]
+        def factor_ok(new):  # (the last factorisation is the step's: kept, not redone)
+            last["LP"], last["info"] = torch.linalg.cholesky_ex(new)
+            return (last["info"] == 0)[..., None, None]
 
         P_new, b, _, _ = halve_until_valid(lambda b: P + b * G, factor_ok, b, _MAX_HALVINGS)
-        LP, info = torch.linalg.cholesky_ex(P_new)
+        LP, info = last["LP"], last["info"]
     if bool((info > 0).any()):  # round-off only (retraction) or no valid step: keep q
         keep = (info > 0)[..., None, None]
         P_new = torch.where(keep, P, P_new)
