@@ -307,3 +307,32 @@ def exact_loss_named(model, guide, X, y):
     guide(X, y)
     s = pyro.param("beta")
     return -exact_elbo(X, y, pyro.param("alpha"), torch.diag_embed(s * s))
+
+
+def test_step_size_control_is_finite_after_any_number_of_steps():
+    """The warm-up ``start * grow ** t`` saturates at the ceiling: no overflow at any ``t``
+    (``1.5 ** 1751`` is past float range: every step from 1,751 on used to raise)."""
+    from pyro_cvi.natgrad.control import NoiseControl
+
+    control = NoiseControl()
+    d = (torch.ones(3), torch.ones(3))
+    for _ in range(10):
+        control.observe(d)
+    early = control.step_sizes()
+    control.t = 10**7
+    assert control.step_sizes() == early == (control.ceiling, control.ceiling)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autonormal_with_cvi_runs_past_the_old_overflow(dtype):
+    """2,500 steps of the drop-in path (past step 1,751, where ``grow ** t`` overflowed)."""
+    X, y = _data(dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(blr)
+    svi = SVI(blr, guide, CVI(), Trace_ELBO())
+    losses = [svi.step(X, y) for _ in range(2500)]
+    assert all(math.isfinite(v) for v in losses)
+    m, S = _posterior(X, y)
+    assert torch.allclose(guide.locs.w.detach().double(), m, atol=0.1)

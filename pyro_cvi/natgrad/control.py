@@ -37,6 +37,10 @@ import torch
 
 __all__ = ["NoiseControl"]
 
+# ``grow ** t`` is only needed until the warm-up reaches the ceiling (a few steps): bounded
+# here, it never overflows however long the run (``1.5 ** 1751`` is past float range).
+_WARM_STEPS = 64
+
 
 @dataclass
 class _Ratio:
@@ -94,7 +98,8 @@ class NoiseControl:
 
     def _size(self, r: _Ratio) -> float:
         ceiling = self.ceiling * self.decayed
-        warm = min(ceiling, self.start * self.grow**self.t)
+        # the warm-up saturates at the ceiling: the exponent is bounded so it never overflows
+        warm = min(ceiling, self.start * self.grow ** min(self.t, _WARM_STEPS))
         return min(warm, ceiling * min(1.0, max(self.min_ratio, r.ratio())))
 
     def step_sizes(self) -> Tuple[float, float]:
