@@ -102,7 +102,7 @@ class Engine:
             block.setup(init)
         like = next(iter(an.values.values()), torch.zeros(()))
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
-        self._tag_params()  # known to CVI() from the start, whatever the loss (issue 21)
+        self._tag_params()  # known to CVI() from the start, whatever the loss
         with torch.no_grad():
             ctx = self.context(args, kwargs, subsample or {}, grads=False)
             for block in self.blocks:

@@ -301,7 +301,7 @@ def option_property(name: str) -> property:
 def refuse_inside_svi_step(guide) -> None:
     """``SVI.step`` runs its loss under ``poutine.trace(param_only=True)``; CVI_ELBO never runs
     the guide, so a guide run there is a Pyro ELBO's (Trace_ELBO, TraceEnum_ELBO, ...), whose
-    gradients cannot reach AutoCVI's natural parameters: q would never change (issue 21).
+    gradients cannot reach AutoCVI's natural parameters: q would never change.
     A guide already fitted by CVI_ELBO may be sampled there, fixed, while other parts of an
     AutoGuideList train (a two-stage fit)."""
     from pyro.poutine.runtime import _PYRO_STACK

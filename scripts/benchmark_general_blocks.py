@@ -7,7 +7,7 @@ Compares, per model:
   estimate, Stein's lemma with one batched model run, for blocks above
   ``DENSE_HESSIAN_MAX_DIM`` dimensions);
 * ``cvi-hessian``: ``AutoCVI(model, general_curvature="hessian")``, the dense Price Hessian
-  per particle (the path before issue 23; per-step time only, a few steps);
+  per particle (the older path; per-step time only, a few steps);
 * ``mvn``, ``normal``: ``AutoMultivariateNormal`` / ``AutoNormal`` with Adam (lr 0.01) and
   ``Trace_ELBO``.
 

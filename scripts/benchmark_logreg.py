@@ -304,9 +304,9 @@ RATIOS = {
     "below 1 when cvi_api's step 1.0 needs fewer steps than plain_cvi's paper step)",
     "cvi_over_plain_per_iter": "cvi_api's time per step / plain_cvi's (the framework's "
     "overhead per step)",
-    "cvi_over_plain_per_iter_cpu": "the same in process CPU seconds (issue 25 target: <= 1.2)",
+    "cvi_over_plain_per_iter_cpu": "the same in process CPU seconds (target: <= 1.2)",
     "cvi_over_plain_incl_setup": "cvi_api's seconds to the target with its set-up / "
-    "plain_cvi's (issue 25 target at --api-step 0.4: <= 1.5)",
+    "plain_cvi's (target at --api-step 0.4: <= 1.5)",
     "adam_over_cvi_lower_bound": "Adam never reached the target: its whole run / cvi_api's "
     "time to the target (Adam is at least this many times slower)",
 }

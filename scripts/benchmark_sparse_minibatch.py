@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Sparse GP classification with minibatch CVI steps (issue 25 item 2): cost of a step and distance
+"""Sparse GP classification with minibatch CVI steps: cost of a step and distance
 to the full-batch optimum.
 
 Data: ``N`` points in 2-D (``x ~ U[-3, 3]^2``, ``y = 1[sin(x1) + cos(x2) + 0.3 eps > 0]``), ``M``

@@ -55,9 +55,9 @@ STEP_COLUMNS = [
     ),
 ]
 #: BayesNewton's CVI per step (s, CPU, one thread, JIT-compiled) on this machine kind, from the
-#: table of issue 25 (T = 200: the coal data, the same Matern-3/2 model); not run by this script
+#: the reference table (T = 200: the coal data, the same Matern-3/2 model); not run by this script
 BAYESNEWTON_ISSUE_25 = {200: 0.67e-3, 1000: 2.7e-3, 10000: 21e-3, 100000: 0.29, 1000000: 2.8}
-#: issue 25's targets: CPU s per Markov CVI step
+#: the targets: CPU s per Markov CVI step
 STEP_TARGETS = {200: 2e-3, 100000: 0.25}
 PEAK_COLUMN = ("peak MB", "peak resident memory of the process that ran this row")
 PART_NAMES = {"scaling": "scaling in T", "coal": "coal mining", "cumsum": "cumsum random walks"}
@@ -446,7 +446,7 @@ def main() -> None:
                 scale.ratio(
                     f"bayesnewton/markov T={r['T']:g}",
                     bn / r["step_cpu_s"],
-                    f"BayesNewton's jitted CVI step ({bn * 1e3:g} ms, issue 25's table: not run "
+                    f"BayesNewton's jitted CVI step ({bn * 1e3:g} ms, the published table: not run "
                     "here) / this run's CPU s per step; > 1: pyro-cvi faster",
                 )
             target = STEP_TARGETS.get(r["T"])
@@ -454,7 +454,7 @@ def main() -> None:
                 scale.ratio(
                     f"target/markov T={r['T']:g}",
                     target / r["step_cpu_s"],
-                    f"issue 25's target ({target:g} s CPU per step) / this run's; >= 1: met",
+                    f"the target ({target:g} s CPU per step) / this run's; >= 1: met",
                 )
         for T in dense_Ts:
             d = [r for r in rows if r["path"] == "dense" and r["T"] == T]

@@ -25,7 +25,7 @@ baseline); ``verdict``: ``better`` (CVI's -ELBO lower by more than 2 combined se
 
     python scripts/benchmark_zoo.py [--quick] [--bound-only] [--models coin lda] [--out FILE]
 
-``--natgrad`` (issue 21) runs the other table instead: Pyro's own Gaussian guides
+``--natgrad`` runs the other table instead: Pyro's own Gaussian guides
 (``AutoNormal``, ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``) with their usual
 loss (``Trace_ELBO``; ``TraceEnum_ELBO`` with discrete sites enumerated), stepped by ``CVI()``
 (natural gradients, ``pyro_cvi.natgrad``) for 400 steps beside Adam for 2000 steps, best of
@@ -67,7 +67,7 @@ from bench.reporting import Table, write_results  # noqa: E402
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 from tests.zoo import ZOO  # noqa: E402
 
-# Why CVI loses where it does (filled from measurements; see the notes of issue 10).
+# Why CVI loses where it does (filled from measurements).
 REASONS = {}
 
 
@@ -322,7 +322,7 @@ def report(rows):
     return table, line
 
 
-# ---------------------------------------------------------------- --natgrad (issue 21)
+# ---------------------------------------------------------------- --natgrad
 NATGRAD_GUIDES = {
     "AutoNormal": AutoNormal,
     "AutoMVN": AutoMultivariateNormal,
@@ -480,7 +480,7 @@ def main(argv=None):
     p.add_argument(
         "--natgrad",
         action="store_true",
-        help="CVI() on AutoNormal / AutoMVN / AutoLowRankMVN against Adam (issue 21)",
+        help="CVI() on AutoNormal / AutoMVN / AutoLowRankMVN against Adam",
     )
     p.add_argument(
         "--report",

@@ -1,4 +1,4 @@
-"""Exact resume in a fresh process (issue 22): max |difference| to the uninterrupted run.
+"""Exact resume in a fresh process: max |difference| to the uninterrupted run.
 
 For each model kind of ``tests/resume_worker.py`` (Gaussian block, Monte Carlo gradients,
 mean field, hybrid CVI + Adam; and the issue's report: australian, ``num_samples=4``, step 0.3,

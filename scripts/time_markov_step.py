@@ -1,4 +1,4 @@
-"""Process CPU and wall time of one Markov-GP CVI step (issue 25's per-step numbers).
+"""Process CPU and wall time of one Markov-GP CVI step.
 
 A synthetic Poisson time series (``scripts/benchmark_statespace.py``'s data: ``T`` regular
 inputs), ``markov_gp`` with a Matern-3/2 kernel (lengthscale 20, variance 1), plain
@@ -11,7 +11,7 @@ run it with ``PYTHONPATH`` set to each in turn (``scripts/`` alone imports the i
     PYTHONPATH=. python scripts/time_markov_step.py 200 1000 100000 [--learn] [--steps 10]
     PYTHONPATH=. python scripts/time_markov_step.py --quick      # T = 200, 1000, 10000
 
-Writes the rows as JSON to ``--out`` (default: none) and ends with a verdict against issue 25's
+Writes the rows as JSON to ``--out`` (default: none) and ends with a verdict against the
 targets (2 ms CPU per step at T = 200, 0.25 s at T = 1e5).
 """
 
@@ -73,7 +73,7 @@ def time_steps(T: int, learn: bool, steps: int) -> dict:
     )
 
 
-TARGETS = {200: 2e-3, 100000: 0.25}  # issue 25: CPU s per step, fixed hyperparameters
+TARGETS = {200: 2e-3, 100000: 0.25}  # CPU s per step, fixed hyperparameters
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Models on which fixed CVI steps diverged or raised raw torch errors (issue 10), written
+"""Models on which fixed CVI steps diverged or raised raw torch errors, written
 anew after Pyro's tutorials and examples, with small synthetic data (fixed seeds).
 
 Each builder returns ``(model, args, guide_kwargs)``; :func:`sparse_gamma_def` also returns the

@@ -351,7 +351,7 @@ if __name__ == "__main__":  # print the findings: python tests/test_architecture
 
 def test_the_optimizer_imports_nothing_from_the_engine():
     """``CVI`` finds what to step through the natural-gradient parameter protocol of
-    ``pyro_cvi.update`` (issue 20): no import of the engine, directly or through a package."""
+    ``pyro_cvi.update``: no import of the engine, directly or through a package."""
     graph, _ = import_graph()
     seen, todo = set(), [f"{PACKAGE}.optim"]
     while todo:

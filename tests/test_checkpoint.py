@@ -1,4 +1,4 @@
-"""Safe checkpoints (issue 22): no code runs on load, the file is checked before anything live
+"""Safe checkpoints: no code runs on load, the file is checked before anything live
 is touched, writes are atomic, and resume is bit-identical in a fresh process."""
 
 import os

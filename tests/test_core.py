@@ -296,7 +296,7 @@ def test_median_predictive_and_step_size_schedules():
 
 
 def test_cvi_steps_plain_autoguides_and_cvi_elbo_refuses_them():
-    """Issue 21: CVI() takes natural-gradient steps on Pyro's Gaussian guides with Trace_ELBO
+    """CVI() takes natural-gradient steps on Pyro's Gaussian guides with Trace_ELBO
     (docs/pairings.md); CVI_ELBO still needs AutoCVI."""
     X, y = _toy_classification()
     model = _logreg_model(1.0)

@@ -248,7 +248,7 @@ def case_backtracked_step():
     raise Logged([r.getMessage() for r in records if "undone" in r.getMessage()][0])
 
 
-# ---------------------------------------------------------------- issue 22: bad data, files
+# ---------------------------------------------------------------- bad data, files
 def _bad(**change):
     X, y = _data()
     X, y = X.clone(), y.clone()

@@ -1,4 +1,4 @@
-"""The gradient-only curvature of general factors on Gaussian blocks (issue 23, item 3).
+"""The gradient-only curvature of general factors on Gaussian blocks.
 
 ``gradient_gaussian_message`` (Stein's lemma, ``E[H] = E[S^-1 (z - m) grad^T]``, with a control
 variate) must target the same natural parameters as the dense Bonnet/Price estimate

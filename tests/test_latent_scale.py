@@ -1,4 +1,4 @@
-"""Conditionally conjugate priors with a latent scale (issue 23, item 5, in part): a Gaussian
+"""Conditionally conjugate priors with a latent scale: a Gaussian
 latent ``beta ~ Normal(loc, s(theta))`` whose scale depends on mean-field latents keeps its
 site form in a joint Gaussian block, with its prior at the scale's current ``q`` (a plug-in);
 the factor itself is owned by the mean field (Monte Carlo messages to ``theta``), and the block

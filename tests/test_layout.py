@@ -27,3 +27,20 @@ def test_moved_public_modules_import_from_their_old_paths(old, new):
 def test_an_unknown_module_still_fails_to_import():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pyro_cvi.no_such_module")
+
+
+def test_no_ticket_numbers_in_code_docs_or_tests():
+    """Docstrings and comments say what and why; the tracker's history stays in the tracker."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"issue [0-9]+", re.IGNORECASE)
+    found = []
+    for top in ("pyro_cvi", "docs", "tests", "scripts", "tutorials"):
+        for path in (root / top).rglob("*"):
+            if path.suffix in (".py", ".md", ".ipynb", ".rst", ".sh") and "_build" not in path.parts:
+                text = path.read_text(errors="ignore")
+                found += [f"{path.relative_to(root)}: {m.group(0)}" for m in pattern.finditer(text)]
+    found += [f"README.md: {m.group(0)}" for m in pattern.finditer((root / "README.md").read_text())]
+    assert not found, found

@@ -1,4 +1,4 @@
-"""Natural-gradient steps of Pyro's Gaussian guides by CVI() (pyro_cvi.natgrad, issue 21).
+"""Natural-gradient steps of Pyro's Gaussian guides by CVI() (pyro_cvi.natgrad).
 
 * exactness: on Bayesian linear regression, ONE step at step_size=1 of the plain natural form
   with the exact ELBO gradient (a closed-form loss of the guide's q) is the exact posterior;

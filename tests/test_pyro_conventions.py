@@ -1,4 +1,4 @@
-"""AutoCVI follows Pyro's autoguide conventions (issue 24), each checked on real numbers:
+"""AutoCVI follows Pyro's autoguide conventions, each checked on real numbers:
 
 * a proper ``PyroModule``: its CVI parameters are its ``named_parameters()`` and
   ``state_dict()`` (the same tensors as the param store's), it pickles, ``torch.save``\\ s,

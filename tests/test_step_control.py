@@ -3,7 +3,7 @@
 * With an exact -ELBO (quadrature, closed forms) the control never accepts an increase: the
   losses ``svi.step`` returns are non-increasing, on a nearly separable logistic regression
   where the fixed step 1 diverges to -ELBO ~ 1e5.
-* On the models where fixed steps diverged or raised raw torch errors (issue 10), the default
+* On the models where fixed steps diverged or raised raw torch errors, the default
   reaches the optimum found by a long run at the small fixed step 0.1.
 * A fixed ``step_size=b`` is today's exact behaviour (tests/test_conjugate_exact.py and the
   others run at ``step_size=1``), and a numerical failure under it is a clear error.
@@ -96,7 +96,7 @@ def test_control_rules():
     m.accepted(Snapshot({}, -10.0, 0.25), comparable=True)  # se 0.5
     assert m.accepts(-10.0 - 2 * math.sqrt(0.5) + 1e-6, 0.25, True)
     assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 0.25, True)
-    # a step into a region where the estimator explodes buys no wider tolerance (issue 10: the
+    # a step into a region where the estimator explodes buys no wider tolerance (the
     # Bayesian regression's -ELBO went from 476 to 2.8e9 with a standard error of 1.5e9)
     assert not m.accepts(-2.8e9, 2.2e18, True)
     assert not m.accepts(-10.0 - 2 * math.sqrt(0.5) - 1e-3, 100.0, True)
@@ -178,7 +178,7 @@ def _matrix_regression():
 
 
 def test_matrix_weight_next_to_a_gamma_site_is_the_cavi_fixed_point():
-    """A ``.to_event(2)`` weight matrix with a Gamma noise precision (issue 10: a bare
+    """A ``.to_event(2)`` weight matrix with a Gamma noise precision (a bare
     NotImplementedError from Distribution.mean): the default CVI() reaches the mean-field fixed
     point computed here by coordinate ascent (CAVI), column by column in closed form."""
     model, X, Y = _matrix_regression()

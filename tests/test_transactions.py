@@ -1,4 +1,4 @@
-"""Transactional steps (issue 22): a step that fails or is interrupted at any point leaves the
+"""Transactional steps: a step that fails or is interrupted at any point leaves the
 guide as it was, and the next good step is exactly the one an undisturbed run takes.
 
 The fault injection interrupts a step at its k-th executed line of pyro_cvi code (a trace

@@ -40,7 +40,7 @@ RUNS = [
     if n not in BOUND + BOUND_SLOW
 ]
 F32, F64 = torch.float32, torch.float64
-# open rows of issue 23 (the bound still holds there; the first steps do not descend)
+# known open rows (the bound still holds there; the first steps do not descend)
 KNOWN_DIVERGENT = {
     ("local_level", F32): "a cumsum random walk with a latent step scale is mean-field with "
     "Monte Carlo messages (not a Markov block): the first parallel steps overshoot",

@@ -1,4 +1,4 @@
-"""Natural gradients for Pyro's own Gaussian guides (issue 21).
+"""Natural gradients for Pyro's own Gaussian guides.
 
 ``CVI()`` steps ``AutoNormal``, ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
 ``AutoLowRankMultivariateNormal`` and hand-written ``Normal`` / ``MultivariateNormal`` guides of

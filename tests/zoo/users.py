@@ -1,4 +1,4 @@
-"""Zoo: models as new users write them (issue 23): float32 tensors, latent prior scales,
+"""Zoo: models as new users write them: float32 tensors, latent prior scales,
 non-centred hierarchies, neural networks with ``PyroModule``, random walks with ``cumsum``
 and sequential minibatch plates, each unmodified from the form of its source."""
 
