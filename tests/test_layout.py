@@ -39,8 +39,11 @@ def test_no_ticket_numbers_in_code_docs_or_tests():
     found = []
     for top in ("pyro_cvi", "docs", "tests", "scripts", "tutorials"):
         for path in (root / top).rglob("*"):
-            if path.suffix in (".py", ".md", ".ipynb", ".rst", ".sh") and "_build" not in path.parts:
+            suffix_ok = path.suffix in (".py", ".md", ".ipynb", ".rst", ".sh")
+            if suffix_ok and "_build" not in path.parts:
                 text = path.read_text(errors="ignore")
-                found += [f"{path.relative_to(root)}: {m.group(0)}" for m in pattern.finditer(text)]
-    found += [f"README.md: {m.group(0)}" for m in pattern.finditer((root / "README.md").read_text())]
+                rel = path.relative_to(root)
+                found += [f"{rel}: {m.group(0)}" for m in pattern.finditer(text)]
+    readme = (root / "README.md").read_text()
+    found += [f"README.md: {m.group(0)}" for m in pattern.finditer(readme)]
     assert not found, found
