@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What limits the sparse GP and the test log-loss on USPS 3-vs-5 (the last two targets of the GP benchmark).
+"""What limits the sparse GP and the test log-loss on USPS 3-vs-5 (the GP benchmark).
 
 Same protocol as ``scripts/benchmark_gpc.py`` (770/770 split, zero-mean GP, ScaleKernel(RBF),
 logistic likelihood, float64). Everything is fitted with CVI (``CVIOptimizer``, step 0.8)
