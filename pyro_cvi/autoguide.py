@@ -30,6 +30,7 @@ from pyro.infer.autoguide import AutoGuide
 
 from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
+from .blocks.remainder import Remainder
 from .blocks.summaries import Summaries
 from .context import Options
 from .engine import Engine
@@ -47,7 +48,7 @@ from .guide_state import (
 )
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
-from .model.analysis import LEAF_FORM, SITE
+from .model.analysis import LEAF_FORM, REMAINDER, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
@@ -118,6 +119,13 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
         ``"auto"`` (default: dense up to
         :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
+    :param remainder: the latents that receive no exact message (a general factor, and every
+        latent sharing a factor with one: :mod:`pyro_cvi.model.remainder`) get one joint
+        Gaussian on their unconstrained space, stepped by natural gradients
+        (:class:`~pyro_cvi.blocks.remainder.Remainder`): ``"auto"`` (default: full covariance
+        up to 100 coordinates, low rank plus diagonal beyond), ``"full"``, ``"lowrank"``,
+        ``"diag"``, a ``Remainder(...)``, or ``"off"`` (mean-field exponential families with
+        Monte Carlo messages instead).
     """
 
     def __init__(
@@ -139,6 +147,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         process_group=None,
         softmax: str = "cubature",
         general_curvature: str = "auto",
+        remainder="auto",
     ):
         if general_curvature not in ("auto", "hessian", "gradient"):
             raise ValueError(
@@ -178,6 +187,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
             as_reducer(process_group),
             softmax,
             general_curvature=general_curvature,
+            remainder=Remainder.of(remainder),
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -351,6 +361,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         for name, info in engine.analysis.latents.items():
             if info.form == LEAF_FORM:
                 leaves.append(name)
+            elif info.form == REMAINDER:
+                if "remainder" not in done:
+                    done.add("remainder")
+                    result.update(engine.remainder.guide_sample(self._pyro_name, plates, frozen))
             elif info.form == SITE:
                 if info.block in done:
                     continue
@@ -415,6 +429,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         info = self._info(name)
         if info.form == LEAF_FORM:
             q = self._leaf_priors()[name]
+        elif info.form == REMAINDER:
+            q = self.engine.remainder.marginal(name)
         elif info.form == SITE:
             q = self.engine.gaussian[info.block].marginal(name)
         else:

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 import pyro
 import torch
+from pyro.infer.autoguide.initialization import init_to_median
 
 from .blocks import (
     Block,
@@ -34,6 +35,7 @@ from .blocks import (
     MarkovBlock,
     MeanFieldBlock,
     NaturalBlock,
+    RemainderBlock,
     StepReport,
     init_messenger,
     registered_block_kinds,
@@ -41,6 +43,7 @@ from .blocks import (
 from .context import Options, StepContext
 from .messages.expectations import site_weight
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
+from .model.records import REMAINDER_OWNER
 from .model.factor_roles import minibatch_renames
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, per_index
@@ -72,6 +75,8 @@ class Engine:
         self.gaussian: List[GaussianBlock] = []
         self.natural: OrderedDict[str, NaturalBlock] = OrderedDict()
         self.mean_field: Optional[MeanFieldBlock] = None
+        #: the joint Gaussian of the latents without exact messages (or ``None``)
+        self.remainder: Optional[RemainderBlock] = None
         #: latent name -> the block that steps it in the sequential schedule
         self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
@@ -91,12 +96,20 @@ class Engine:
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
-        init_trace = None
+        init_trace = start_trace = None
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        if self.remainder is not None:  # it starts, as Pyro's Gaussian autoguides, at medians
+            model = init_messenger(init_loc_fn or init_to_median)(self.model)
+            start_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
         init = BlockInit(
-            an.values, prototype_trace, init_trace, init_loc_fn, self.options.init_scale
+            an.values,
+            prototype_trace,
+            init_trace,
+            init_loc_fn,
+            self.options.init_scale,
+            start_trace,
         )
         for block in self.blocks:
             block.setup(init)
@@ -110,8 +123,16 @@ class Engine:
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options
+        rem = o.remainder
         an = Analysis(
-            self.model, args, kwargs, prototype_trace, o.covariance, o.families, o.discrete
+            self.model,
+            args,
+            kwargs,
+            prototype_trace,
+            o.covariance,
+            o.families,
+            o.discrete,
+            remainder=rem is not None and rem.enabled and o.reducer is None,
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -140,9 +161,16 @@ class Engine:
                 self.leaf_values,
                 self.sequential_order,
             )
+        self.remainder = None
+        if an.remainder:
+            owned = [s for s, o in an.owner.items() if o == REMAINDER_OWNER]
+            self.remainder = RemainderBlock(an, self.prefix, o.remainder, owned)
         self.blocks = list(self.gaussian) + ([self.mean_field] if self.mean_field else [])
+        self.blocks += [self.remainder] if self.remainder is not None else []
         self.stepper = {n: b for b in self.gaussian for n in b.names}
         self.stepper.update(self.natural)
+        if self.remainder is not None:
+            self.stepper.update({n: self.remainder for n in self.remainder.names})
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
         self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
@@ -152,7 +180,12 @@ class Engine:
             and s["fn"].subsample_size not in (None, s["fn"].size)
             for s in an.structure.nodes.values()
         )
-        self._static = not self.natural and not self.minibatch and not self._has_params
+        self._static = (
+            not self.natural
+            and not self.minibatch
+            and not self._has_params
+            and self.remainder is None
+        )
         self._static_trace = None
 
     def _site_block(self, spec, owned) -> Block:
@@ -359,6 +392,9 @@ class Engine:
         ctx, self.pending = self.pending, None
         if ctx is None:
             return
+        # the user's ceiling: blocks with their own noise control (the remainder) step by it,
+        # not by the backtracked beta of the exact blocks
+        ctx.max_beta = self.control.max_beta if beta is None else beta
         if beta is None:
             beta = self.control.step_size(minibatch=bool(ctx.subsample) or self.minibatch)
             try:
@@ -381,7 +417,7 @@ class Engine:
             ) from e
 
     def _step(self, ctx: StepContext, beta: float) -> None:
-        if self.options.schedule != "parallel" and self.natural:
+        if self.options.schedule != "parallel" and (self.natural or self.remainder):
             self._sweep(ctx, beta)
         else:
             for block in self.blocks:

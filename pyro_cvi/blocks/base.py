@@ -64,6 +64,8 @@ class BlockInit:
     init_trace: Any = None
     init_loc_fn: Optional[Callable] = None
     init_scale: Optional[float] = None
+    #: a trace at ``init_loc_fn``'s values, else at the prior medians (Pyro's autoguides' start)
+    median_trace: Any = None
 
 
 class Block(abc.ABC):

@@ -207,6 +207,11 @@ def packed_posterior(engine, leaves) -> PackedPosterior:
     for name, info in an.latents.items():
         if name in an.collapsed:
             continue
+        if engine.remainder is not None and name in engine.remainder.names:
+            if "remainder" not in done:
+                done.add("remainder")
+                factors.append(engine.remainder.packed_factor())
+            continue
         if name not in leaves and name not in engine.natural:
             if info.block not in done:
                 done.add(info.block)

@@ -8,7 +8,7 @@ from typing import Dict, Sequence
 
 import torch
 
-from ..model.analysis import SITE
+from ..model.analysis import REMAINDER, SITE
 from .marginals import marginal_median, marginal_quantiles, marginal_std
 
 __all__ = ["Summaries"]
@@ -29,6 +29,8 @@ class Summaries:
             out.update(block.mean_values())
         for name, nb in engine.natural.items():
             out[name] = marginal_median(nb.dist({})).reshape(nb.mean_value({}).shape)
+        if engine.remainder is not None:
+            out.update(engine.remainder.median_values())
         if engine.analysis.leaves:
             for name, fn in self._leaf_priors(args or None, kwargs).items():
                 out[name] = marginal_median(fn).detach()
@@ -54,6 +56,9 @@ class Summaries:
                 z = normal.icdf(qs).reshape((-1,) + (1,) * med.dim())
                 out[name] = med + z * std
                 continue
-            q = leaves[name] if name in leaves else engine.natural[name].dist({})
+            if info.form == REMAINDER:
+                q = engine.remainder.marginal(name)
+            else:
+                q = leaves[name] if name in leaves else engine.natural[name].dist({})
             out[name] = marginal_quantiles(q, quantiles).reshape((-1,) + med.shape).detach()
         return out

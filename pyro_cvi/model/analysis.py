@@ -38,6 +38,7 @@ from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
 from . import gaussian_tree, probes
 from .factor_roles import FactorSpec, analyze_factor
+from .remainder import remainder_sets
 from .records import (
     COLLAPSED,
     CONJUGATE,
@@ -47,8 +48,11 @@ from .records import (
     LEAF_FORM,
     LINEAR,
     MEANFIELD,
+    NATGRAD,
     NATURAL,
     PRIOR,
+    REMAINDER,
+    REMAINDER_OWNER,
     SITE,
     BlockSpec,
     Factor,
@@ -66,7 +70,7 @@ from .tracing import (
     unwrap,
 )
 
-__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM"]  # (the records: pyro_cvi.model.records)
+__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM", "REMAINDER"]  # (the records: pyro_cvi.model.records)
 
 
 class Analysis:
@@ -88,6 +92,7 @@ class Analysis:
         covariance: str = "full",
         families: Optional[Dict[str, str]] = None,
         discrete: str = "mean_field",
+        remainder: bool = True,
     ):
         self.model, self.args, self.kwargs = model, args, kwargs
         proto = prototype_trace
@@ -160,8 +165,49 @@ class Analysis:
         self._probe_cache.clear()  # (block indices may have changed)
         self.specs: Dict[str, FactorSpec] = {}
         self.owner: Dict[str, object] = {}
+        #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
+        #: sums out (:mod:`~pyro_cvi.model.remainder`)
+        self.remainder: List[str] = []
+        self.remainder_discrete: Set[str] = set()
         self._classify()
         self._probe_cache.clear()
+        if remainder:
+            chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
+            self._apply_remainder(*remainder_sets(self, chosen))
+
+    def _apply_remainder(self, names: List[str], discrete: Set[str]) -> None:
+        """Move ``names`` into the remainder (summing out ``discrete``) and classify again."""
+        if not names:
+            return
+        self.remainder, self.remainder_discrete = names, set(discrete)
+        for n in names:
+            info = self.latents[n]
+            info.form, info.block, info.factors = REMAINDER, None, []
+        for n in discrete:
+            self.latents.pop(n, None)
+        self.collapsed -= self.remainder_discrete
+        self.collapsed_sites = [s for s in self.collapsed_sites if s not in self._remainder_sites()]
+        for n, info in self.latents.items():  # the rest is regrouped and classified afresh
+            if info.form != REMAINDER:
+                info.factors = []
+        self.specs = {}
+        self.blocks = self._group_blocks()
+        self._probe_cache.clear()
+        self.specs = {}
+        self.owner = {}
+        self._classify()
+        self._probe_cache.clear()
+
+    def _remainder_sites(self) -> Set[str]:
+        """The factors (sample sites) that hold a remainder latent."""
+        inside = set(self.remainder) | self.remainder_discrete
+        return {
+            s
+            for s, node in self.structure.nodes.items()
+            if is_random(node)
+            and s not in self.leaves
+            and (s in inside or self._latents_of(s) & inside)
+        }
 
     # ------------------------------------------------------------------ model runs
     def run(self, **override):
@@ -177,7 +223,9 @@ class Analysis:
     def _site_form_candidate(self, name: str) -> bool:
         info = self.latents[name]
         fam, chained = info.family, any(name in c.names for c in self.chains)
-        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance or chained:
+        if info.form in (LEAF_FORM, REMAINDER):
+            return False
+        if not fam.is_gaussian or not fam.full_covariance or chained:
             return False
         if name in self._feeds_collapsed:
             return False
@@ -218,6 +266,8 @@ class Analysis:
         for n in self.latents:  # (a regrouping starts from the mean field)
             if self.latents[n].form == SITE:
                 self.latents[n].form, self.latents[n].block = NATURAL, None
+        if getattr(self, "remainder", None):  # (no chain crosses into the remainder)
+            self.chains = [c for c in self.chains if not set(c.names) & set(self.remainder)]
         for i, names in enumerate(groups.values()):
             shapes = tuple(
                 torch.Size(
@@ -250,9 +300,16 @@ class Analysis:
         return (self.deps.get(site, set()) | own) - self.leaves
 
     def _classify(self) -> None:
+        self.remainder_factors: List[Factor] = []
         natural = {n for n, i in self.latents.items() if i.form == NATURAL}
+        inside = set(self.remainder) | self.remainder_discrete
         for site, node in self.structure.nodes.items():
             if not is_random(node) or site in self.leaves:
+                continue
+            if site in inside or self._latents_of(site) & inside:  # (model/remainder.py)
+                self.owner[site] = REMAINDER_OWNER
+                why = "reparameterised gradient -> natural-gradient step of the joint Gaussian"
+                self.remainder_factors.append(Factor(site, "remainder", NATGRAD, why))
                 continue
             lat = self._latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
@@ -468,6 +525,8 @@ class Analysis:
         lines = [f"{'factor':>20s}    {'latent':<12s} {'kind':<17s} why"]
         done = set()
         for name, info in self.latents.items():
+            if info.form == REMAINDER:
+                continue
             if info.form == SITE:
                 if info.block in done:
                     continue
@@ -485,4 +544,12 @@ class Analysis:
             lines.extend(f.describe() for f in info.factors)
         for name in sorted(self.collapsed, key=list(self.values).index):
             lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
+        if self.remainder:
+            summed = sorted(self.remainder_discrete, key=list(self.values).index)
+            also = f"; summed out: {', '.join(summed)}" if summed else ""
+            lines.append(
+                f"# remainder: q = one joint Gaussian on the unconstrained values of "
+                f"{', '.join(self.remainder)} (natural-gradient steps{also})"
+            )
+            lines.extend(f.describe() for f in self.remainder_factors)
         return "\n".join(lines)
