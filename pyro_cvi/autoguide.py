@@ -30,7 +30,6 @@ from pyro.infer.autoguide import AutoGuide
 
 from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
-from .blocks.remainder import Remainder
 from .blocks.summaries import Summaries
 from .context import Options
 from .engine import Engine
@@ -52,7 +51,8 @@ from .model.analysis import LEAF_FORM, REMAINDER, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
-from .step_control import WarningLog
+from .step_control import WarningLog, initial_failures
+from .strategies import Remainder
 from .transaction import rolled_back
 from .update import StepCounts
 
@@ -119,13 +119,11 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
         ``"auto"`` (default: dense up to
         :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
-    :param remainder: the latents that receive no exact message (a general factor, and every
-        latent sharing a factor with one: :mod:`pyro_cvi.model.remainder`) get one joint
-        Gaussian on their unconstrained space, stepped by natural gradients
-        (:class:`~pyro_cvi.blocks.remainder.Remainder`): ``"auto"`` (default: full covariance
-        up to 100 coordinates, low rank plus diagonal beyond), ``"full"``, ``"lowrank"``,
-        ``"diag"``, a ``Remainder(...)``, or ``"off"`` (mean-field exponential families with
-        Monte Carlo messages instead).
+    :param remainder: latents without an exact message (:mod:`pyro_cvi.model.remainder`) get
+        one joint Gaussian on their unconstrained space, stepped by natural gradients
+        (:class:`~pyro_cvi.strategies.Remainder`): ``"auto"`` (default: full covariance
+        up to 100 coordinates, low rank beyond), ``"full"``, ``"lowrank"``, ``"diag"``, a
+        ``Remainder(...)``, or ``"off"`` (mean field with Monte Carlo messages).
     """
 
     def __init__(
@@ -241,7 +239,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
 
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
-        with rolled_back(self):  # a set-up that fails or is interrupted leaves no trace
+        with rolled_back(self), initial_failures():  # a failed set-up leaves no trace
             super()._setup_prototype(*args, **kwargs)
             self.data_shapes = data_shapes(args, kwargs)
             self._minibatch_plates = {

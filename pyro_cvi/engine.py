@@ -42,9 +42,10 @@ from .blocks import (
 )
 from .context import Options, StepContext
 from .messages.expectations import site_weight
+from .messages.gaussian import gradient_only
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
-from .model.records import REMAINDER_OWNER
 from .model.factor_roles import minibatch_renames
+from .model.records import REMAINDER_OWNER
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, per_index
 from .scale.distributed import combine, start_ranks
@@ -55,6 +56,7 @@ from .step_control import (
     backtrack_message,
     controlled_evaluation,
     initial_failure,
+    initial_failures,
     is_numerical_error,
     warn_step_counts,
 )
@@ -102,7 +104,8 @@ class Engine:
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
         if self.remainder is not None:  # it starts, as Pyro's Gaussian autoguides, at medians
             model = init_messenger(init_loc_fn or init_to_median)(self.model)
-            start_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+            with initial_failures():
+                start_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
         init = BlockInit(
             an.values,
             prototype_trace,
@@ -132,7 +135,9 @@ class Engine:
             o.covariance,
             o.families,
             o.discrete,
-            remainder=rem is not None and rem.enabled and o.reducer is None,
+            remainder=(lambda dim: gradient_only(o, dim))
+            if rem is not None and rem.enabled and o.reducer is None
+            else None,
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -392,9 +397,12 @@ class Engine:
         ctx, self.pending = self.pending, None
         if ctx is None:
             return
-        # the user's ceiling: blocks with their own noise control (the remainder) step by it,
-        # not by the backtracked beta of the exact blocks
-        ctx.max_beta = self.control.max_beta if beta is None else beta
+        # blocks with their own noise control (the remainder) step by the user's ceiling, not
+        # by the exact blocks' noise-decayed beta; below its floor (numerical failures) by beta
+        ctx.max_beta = beta
+        if beta is None:
+            c = self.control
+            ctx.max_beta = c.max_beta if c.beta >= c.min_ceiling else c.beta
         if beta is None:
             beta = self.control.step_size(minibatch=bool(ctx.subsample) or self.minibatch)
             try:

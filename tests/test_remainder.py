@@ -21,8 +21,7 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.blocks.remainder import Remainder
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Remainder
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 
@@ -181,7 +180,9 @@ def test_reported_loss_is_the_bound(dtype):
     reported = torch.tensor([svi.evaluate_loss(*args) for _ in range(200)], dtype=torch.float64)
     ref, se = _trace_elbo(split_model, guide, args)
     r_mean, r_se = float(reported.mean()), float(reported.std() / math.sqrt(len(reported)))
-    assert abs(r_mean - ref) < 4 * math.hypot(se, r_se) + (1e-3 * abs(ref) if dtype == torch.float32 else 0)
+    assert abs(r_mean - ref) < 4 * math.hypot(se, r_se) + (
+        1e-3 * abs(ref) if dtype == torch.float32 else 0
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .gaussian import GaussianBlock
 from .markov import MarkovBlock
 from .mean_field import MeanFieldBlock
 from .natural import NaturalBlock, init_messenger, initial_natural
-from .remainder import Remainder, RemainderBlock
+from .remainder import RemainderBlock
 from .site_form import SiteFormBlock
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "MarkovBlock",
     "MeanFieldBlock",
     "NaturalBlock",
-    "Remainder",
     "RemainderBlock",
     "SiteFormBlock",
     "StepReport",

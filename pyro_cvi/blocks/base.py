@@ -123,6 +123,11 @@ class Block(abc.ABC):
         self.messages(ctx)
         return self.step(beta, ctx)
 
+    def state_objects(self) -> List[Any]:
+        """Objects besides the block whose attributes a step rebinds (e.g. a step-size
+        control): a transaction snapshots and restores them with the block."""
+        return []
+
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
         return None

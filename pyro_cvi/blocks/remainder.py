@@ -29,6 +29,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions.util import sum_rightmost
 from torch.distributions import biject_to, constraints
+from torch.distributions.transforms import ReshapeTransform
 
 from ..context import StepContext
 from ..messages.collapsed import collapsed_log_prob
@@ -36,67 +37,12 @@ from ..model.tracing import run_model
 from ..natgrad.control import NoiseControl
 from ..natgrad.params import write
 from ..natgrad.steps import diag_step, lowrank_step, tril_step
+from ..strategies import HESSIAN_MAX_DIM, Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, StepReport
 from .marginals import standard_posterior
 
-__all__ = ["Remainder", "RemainderBlock", "MAX_FULL_DIM", "COVARIANCES"]
-
-#: ``Remainder(covariance="auto")`` is full up to this many unconstrained coordinates
-MAX_FULL_DIM = 100
-COVARIANCES = ("auto", "full", "lowrank", "diag")
-
-
-@dataclass(frozen=True)
-class Remainder:
-    """How AutoCVI treats the latents that receive no exact message (the *remainder*).
-
-    :param covariance: ``"auto"`` (default: ``"full"`` up to :data:`MAX_FULL_DIM` unconstrained
-        coordinates, ``"lowrank"`` beyond), ``"full"`` (as ``AutoMultivariateNormal``),
-        ``"lowrank"`` (``diag(s) (I + W W^T) diag(s)``, as ``AutoLowRankMultivariateNormal``)
-        or ``"diag"`` (as ``AutoNormal``).
-    :param rank: the rank of ``W`` (default ``ceil(sqrt(D))``, Pyro's default).
-    :param particles: reparameterised draws per step (the ELBO estimate and its gradient).
-    :param init_scale: the initial standard deviation on the unconstrained space (AutoNormal's
-        default 0.1), around ``init_loc_fn``'s values (``init_to_median`` by default).
-    :param enabled: ``False`` keeps those latents mean-field with Monte Carlo messages.
-    """
-
-    covariance: str = "auto"
-    rank: Optional[int] = None
-    particles: int = 4
-    init_scale: float = 0.1
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        if self.covariance not in COVARIANCES:
-            raise ValueError(
-                f"Remainder(covariance={self.covariance!r}): choose one of {COVARIANCES}"
-            )
-        if self.rank is not None and not (isinstance(self.rank, int) and self.rank >= 1):
-            raise ValueError(f"Remainder(rank={self.rank!r}): a positive integer or None")
-        if not (isinstance(self.particles, int) and self.particles >= 1):
-            raise ValueError(f"Remainder(particles={self.particles!r}): a positive integer")
-        if not self.init_scale > 0:
-            raise ValueError(f"Remainder(init_scale={self.init_scale!r}): must be positive")
-
-    @classmethod
-    def of(cls, value) -> "Remainder":
-        """``AutoCVI(remainder=...)``: a :class:`Remainder`, a covariance name, or ``"off"``."""
-        if isinstance(value, Remainder):
-            return value
-        if value in ("off", None, False):
-            return cls(enabled=False)
-        if isinstance(value, str):
-            return cls(covariance=value)
-        raise TypeError(
-            f"AutoCVI(remainder={value!r}): a Remainder(...), one of {COVARIANCES} or 'off'"
-        )
-
-    def form(self, D: int) -> str:
-        if self.covariance != "auto":
-            return self.covariance
-        return "full" if D <= MAX_FULL_DIM else "lowrank"
+__all__ = ["Remainder", "RemainderBlock"]
 
 
 @dataclass
@@ -109,6 +55,7 @@ class _Site:
     frames: list
     start: int
     size: int
+    real: bool  # real support: the unconstrained value is the value
 
 
 class RemainderBlock(Block):
@@ -135,7 +82,9 @@ class RemainderBlock(Block):
             ushape = t.inv(value).shape
             size = int(ushape.numel())
             frames = [f for f in node["cond_indep_stack"] if f.vectorized]
-            self.sites.append(_Site(n, t, value.shape, ushape, fn.event_dim, frames, start, size))
+            real = _is_real(fn.support)
+            site = _Site(n, t, value.shape, ushape, fn.event_dim, frames, start, size, real)
+            self.sites.append(site)
             start += size
         self.dim = start
         self.form = strategy.form(self.dim)
@@ -151,7 +100,14 @@ class RemainderBlock(Block):
         # guide binds the store's tensors as its own): the steps keep L's diagonal and the
         # scales positive (the retraction, and s' = s exp(...))
         self.constraints = {n: constraints.real for n in self.param_names()}
-        self.control = NoiseControl()
+        #: Price's theorem (dense Hessians) for the precision, up to HESSIAN_MAX_DIM coordinates
+        self.hessian = self.form == "full" and (
+            strategy.curvature == "hessian"
+            or (strategy.curvature == "auto" and self.dim <= HESSIAN_MAX_DIM)
+        )
+        # the warm-up guards against a reparameterised gradient of S far from the optimum;
+        # Price's Hessian target has no such term: full steps from the start
+        self.control = NoiseControl(start=1.0) if self.hessian else NoiseControl()
         self._grads: Optional[Dict[str, torch.Tensor]] = None
         #: whether the particles run as one batched model run (``None``: not yet checked)
         self._vectorise: Optional[bool] = None
@@ -159,6 +115,9 @@ class RemainderBlock(Block):
     @property
     def label(self) -> str:
         return "remainder(" + ", ".join(self.names) + ")"
+
+    def state_objects(self) -> List:
+        return [self.control, self.control.prec, self.control.mean]
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
@@ -174,7 +133,7 @@ class RemainderBlock(Block):
             parts.append(s.transform.inv(value.detach()).reshape(-1))
         loc = torch.cat(parts)
         loc = torch.where(torch.isfinite(loc), loc, torch.zeros_like(loc))
-        scale = self.strategy.init_scale
+        scale = init.init_scale if init.init_scale is not None else self.strategy.init_scale
         pyro.param(self.loc_name, lambda: loc.clone())
         D = self.dim
         if self.form == "full":
@@ -247,18 +206,20 @@ class RemainderBlock(Block):
 
     # ------------------------------------------------------------------ messages and steps
     def messages(self, ctx: StepContext) -> torch.Tensor:
+        others = {
+            n: node["value"]
+            for n, node in ctx.trace.nodes.items()
+            if node["type"] == "sample"
+            and not node["is_observed"]
+            and n not in self.names
+            and n not in self.analysis.remainder_discrete
+        }
+        K = self.strategy.particles
         with torch.enable_grad():
+            if self.hessian:
+                return self._price_messages(ctx, others, K)
             leaves = {n: v.clone().requires_grad_(True) for n, v in self._values().items()}
-            K = self.strategy.particles
             draws = self._draw(leaves, K)
-            others = {
-                n: node["value"]
-                for n, node in ctx.trace.nodes.items()
-                if node["type"] == "sample"
-                and not node["is_observed"]
-                and n not in self.names
-                and n not in self.analysis.remainder_discrete
-            }
             # log p - log q at each draw, q's parameters held fixed in log q ("sticking the
             # landing", Roeder et al. 2017): unbiased for the ELBO and its gradient, and
             # without variance where q is the posterior
@@ -274,6 +235,38 @@ class RemainderBlock(Block):
                     n: (torch.zeros_like(leaves[n]) if g is None else g.detach())
                     for n, g in zip(names, gs)
                 }
+        return elbo
+
+    def _price_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
+        """Bonnet's and Price's theorems (eqs. 30-31): ``dL/dm = E[g]``, ``dL/dS = E[H] / 2 +
+        S^-1 / 2`` from the gradient ``g`` and Hessian ``H`` of ``log p(T(u)) + log|T'(u)|`` at
+        the draws (the mean's with the control variate ``S^-1 (u - m)``, zero in expectation).
+        The precision's target ``-E[H]`` is exact at once where the posterior is Gaussian in
+        ``u``, whatever ``q``: a Newton step (variational online Newton)."""
+        p = self._values()
+        m, L = p[self.loc_name], p[self.role_names[0]]
+        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
+        u = (m + eps @ L.mT).requires_grad_(True)
+        f = self._log_joint(ctx, u, others)
+        per_t = f - self._log_q(u)
+        elbo = per_t.mean()
+        ctx.add_mc_samples(per_t)
+        if ctx.grads:
+            (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
+            g = torch.zeros_like(u) if g is None else g
+            rows = []
+            for i in range(self.dim):
+                h = None
+                if g.requires_grad:
+                    (h,) = torch.autograd.grad(
+                        g[:, i].sum(), u, retain_graph=True, allow_unused=True
+                    )
+                rows.append(torch.zeros_like(u) if h is None else h)
+            H = torch.stack(rows, 1).mean(0).detach()
+            P = torch.cholesky_inverse(L)
+            gm = -(g.detach() + (u.detach() - m) @ P).mean(0)
+            G = -0.5 * (H + H.mT) - P
+            self._grads = {self.loc_name: gm, "G": G}
         return elbo
 
     def _log_joint(self, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
@@ -341,9 +334,9 @@ class RemainderBlock(Block):
         m = p[self.loc_name]
         if self.form == "full":
             (Ln,) = self.role_names
-            L = p[Ln]
-            gL = grads[Ln].tril()
-            m2, L2, d = tril_step(m, L, grads[self.loc_name], gL, b_prec, True, 1.0, b_mean)
+            L, G = p[Ln], grads.get("G")
+            gL = grads[Ln].tril() if G is None else None
+            m2, L2, d = tril_step(m, L, grads[self.loc_name], gL, b_prec, True, 1.0, b_mean, G)
             new = {self.loc_name: m2, Ln: L2}
         elif self.form == "diag":
             (sn,) = self.role_names
@@ -354,8 +347,15 @@ class RemainderBlock(Block):
         else:
             sn, Wn = self.role_names
             m2, s2, W2, d = lowrank_step(
-                m, p[sn], p[Wn], grads[self.loc_name], grads[sn], grads[Wn], b_prec,
-                max_rel=1.0, beta_mean=b_mean,
+                m,
+                p[sn],
+                p[Wn],
+                grads[self.loc_name],
+                grads[sn],
+                grads[Wn],
+                b_prec,
+                max_rel=1.0,
+                beta_mean=b_mean,
             )
             new = {self.loc_name: m2, sn: s2, Wn: W2}
         counts = StepCounts()
@@ -404,8 +404,17 @@ class RemainderBlock(Block):
         """The site's marginal: its unconstrained coordinates' Gaussian marginals (independent,
         within the site) pushed through ``biject_to(support)``."""
         s = self._site(name)
-        loc = pyro.param(self.loc_name).detach()[s.start : s.start + s.size]
-        sd = self._covariance().diagonal()[s.start : s.start + s.size].sqrt()
+        sl = slice(s.start, s.start + s.size)
+        loc = pyro.param(self.loc_name).detach()[sl]
+        cov = self._covariance()[sl, sl]
+        if s.real:  # a real site: its Gaussian, as a Gaussian block's
+            if len(s.shape) == 0:
+                return dist.Normal(loc[0], cov[0, 0].sqrt())
+            mvn = dist.MultivariateNormal(loc, covariance_matrix=cov)
+            if len(s.shape) == 1:
+                return mvn
+            return dist.TransformedDistribution(mvn, ReshapeTransform(mvn.event_shape, s.shape))
+        sd = cov.diagonal().sqrt()
         udim = s.event_dim + len(s.ushape) - len(s.shape)
         base = dist.Normal(loc.reshape(s.ushape), sd.reshape(s.ushape))
         if udim:
@@ -458,3 +467,8 @@ class RemainderBlock(Block):
     def natural_gradient_state(self) -> Dict:
         return self.control.state()
 
+
+def _is_real(c) -> bool:
+    while isinstance(c, constraints.independent):
+        c = c.base_constraint
+    return c is constraints.real

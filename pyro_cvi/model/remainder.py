@@ -11,7 +11,8 @@ unconstrained space, into one Gaussian stepped by natural gradients
 
 The remainder is a union of connected components of the factor graph: a *seed* (a latent
 with a general factor: a mean-field latent with a Monte Carlo message, a member of a Gaussian
-block with a general factor, a continuous latent of the collapsed group) pulls in every latent
+block with a general factor whose dense Price messages would be too costly, a continuous latent
+of the collapsed group) pulls in every latent
 that shares a factor with it, repeatedly. Every factor then lies wholly inside the remainder or
 wholly outside it, so the exact blocks keep their messages unchanged and the remainder's
 gradient needs no expectation over them. Finite discrete latents inside a remainder component
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Set, Tuple
 
-from .records import COLLAPSED, GENERAL, NATURAL, SITE
+from .records import COLLAPSED, GENERAL, NATGRAD, NATURAL, REMAINDER, SITE, Factor
+from .tracing import is_random
 
-__all__ = ["remainder_sets"]
+__all__ = ["remainder_sets", "apply_remainder", "remainder_sites", "remainder_factor"]
 
 
 def _components(an, nodes: Set[str]) -> Dict[str, str]:
@@ -43,21 +45,25 @@ def _components(an, nodes: Set[str]) -> Dict[str, str]:
     for site, node in an.structure.nodes.items():
         if node["type"] != "sample" or site in an.leaves:
             continue
-        members = sorted(an._latents_of(site) & nodes)
+        members = sorted(an.latents_of(site) & nodes)
         for m in members[1:]:
             parent[find(m)] = find(members[0])
     return {n: find(n) for n in nodes}
 
 
-def _seeds(an) -> Set[str]:
-    """Latents with a general (Monte Carlo) factor."""
+def _seeds(an, moves) -> Set[str]:
+    """Latents with a general (Monte Carlo) factor; ``moves(D)``: whether a Gaussian block of
+    ``D`` coordinates with a general factor moves (small blocks keep their exact rows and
+    Price's dense Hessian messages)."""
     seeds = set()
     for name, info in an.latents.items():
         if info.form == NATURAL and any(f.kind in (GENERAL, COLLAPSED) for f in info.factors):
             seeds.add(name)
     for block in an.blocks:
-        if block.chain is None and any(
-            f.kind == GENERAL and f.plate is None for f in block.factors
+        if (
+            block.chain is None
+            and moves(block.dim)
+            and any(f.kind == GENERAL and f.plate is None for f in block.factors)
         ):
             seeds.update(block.names)
     return seeds
@@ -72,11 +78,12 @@ def _blocked(an, name: str, chosen: Set[str]) -> bool:
     return any(f.name in an.minibatch_plates for f in frames)
 
 
-def remainder_sets(an, chosen: Set[str]) -> Tuple[List[str], Set[str]]:
+def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str]]:
     """``(continuous latents of the remainder in model order, discrete latents it sums out)``.
 
-    ``chosen``: latents whose family the user fixed (they and their components stay out)."""
-    seeds = _seeds(an)
+    ``chosen``: latents whose family the user fixed (they and their components stay out);
+    ``moves(D)``: whether a Gaussian block of ``D`` coordinates with a general factor joins."""
+    seeds = _seeds(an, moves)
     if not seeds:
         return [], set()
     nodes = {n for n in an.values if n not in an.leaves}
@@ -92,3 +99,37 @@ def remainder_sets(an, chosen: Set[str]) -> Tuple[List[str], Set[str]]:
     continuous = [n for n in an.values if n in members and n not in an.discrete]
     discrete = {n for n in members if n in an.discrete}
     return continuous, discrete
+
+
+def apply_remainder(an, names: List[str], discrete: Set[str]) -> None:
+    """Move ``names`` into the remainder (summing out ``discrete``) and classify again."""
+    if not names:
+        return
+    an.remainder, an.remainder_discrete = names, set(discrete)
+    for n in names:
+        info = an.latents[n]
+        info.form, info.block, info.factors = REMAINDER, None, []
+    for n in discrete:
+        an.latents.pop(n, None)
+    an.collapsed -= an.remainder_discrete
+    an.collapsed_sites = [s for s in an.collapsed_sites if s not in remainder_sites(an)]
+    for info in an.latents.values():  # the rest is regrouped and classified afresh
+        if info.form != REMAINDER:
+            info.factors = []
+    an.regroup()
+
+
+def remainder_sites(an) -> Set[str]:
+    """The factors (sample sites) that hold a remainder latent."""
+    inside = set(an.remainder) | an.remainder_discrete
+    return {
+        s
+        for s, node in an.structure.nodes.items()
+        if is_random(node) and s not in an.leaves and (s in inside or an.latents_of(s) & inside)
+    }
+
+
+def remainder_factor(site: str) -> Factor:
+    """The record of a factor the remainder owns."""
+    why = "reparameterised gradient -> natural-gradient step of the joint Gaussian"
+    return Factor(site, "remainder", NATGRAD, why)
