@@ -410,8 +410,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         latents = self._ready().analysis.latents
         if name in self.engine.analysis.collapsed:
             raise ValueError(
-                f"{name!r} is summed out (AutoCVI(discrete='collapse')): it has no q; draw it "
-                "from its posterior with guide.sample_discrete(*args)"
+                f"{name!r} is summed out (discrete='collapse', or inside the remainder): it has "
+                "no q; draw it from its posterior with guide.sample_discrete(*args)"
             )
         if name not in latents:
             raise KeyError(

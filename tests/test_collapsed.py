@@ -202,6 +202,7 @@ def test_guide_without_discrete_sites_and_predictive():
     with pytest.raises(ValueError, match="'assignment' is summed out"):
         guide.posterior("assignment")
     assert "assignment: no q, summed out exactly" in guide.explain()
+    assert "remainder" in guide.explain()  # (its scale has no exact message)
     pred = Predictive(tutorial_gmm, guide=guide, num_samples=7)(DATA)
     assert pred["assignment"].shape == (7, len(DATA))
     draw = guide.sample_discrete(DATA)

@@ -29,8 +29,10 @@ def explain(an) -> str:
         why = f"; {an.fallback[name]}" if name in an.fallback else ""
         lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
         lines.extend(f.describe() for f in info.factors)
-    for name in sorted(an.collapsed, key=list(an.values).index):
+    for name in sorted(an.collapsed - an.remainder_discrete, key=list(an.values).index):
         lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
+    for name in sorted(an.remainder_discrete, key=list(an.values).index):
+        lines.append(f"# {name}: no q, summed out exactly in the remainder's log joint")
     if an.remainder:
         summed = sorted(an.remainder_discrete, key=list(an.values).index)
         also = f"; summed out: {', '.join(summed)}" if summed else ""

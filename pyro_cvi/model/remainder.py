@@ -111,7 +111,7 @@ def apply_remainder(an, names: List[str], discrete: Set[str]) -> None:
         info.form, info.block, info.factors = REMAINDER, None, []
     for n in discrete:
         an.latents.pop(n, None)
-    an.collapsed -= an.remainder_discrete
+    an.collapsed |= an.remainder_discrete  # (summed out: no q)
     an.collapsed_sites = [s for s in an.collapsed_sites if s not in remainder_sites(an)]
     for info in an.latents.values():  # the rest is regrouped and classified afresh
         if info.form != REMAINDER:
