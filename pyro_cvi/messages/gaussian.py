@@ -242,7 +242,7 @@ def warm_start_target(
     var = torch.full_like(f_mean, 1e-4)
     with torch.enable_grad():
         _, target = linear_predictor_message(site, rows, f_mean, var, num_points, None)
-        if prior_var is not None:
+        if prior_var is not None and bool((prior_var <= FLAT_PRIOR_VAR).any()):
             _, at_prior = linear_predictor_message(site, rows, f_mean, prior_var, num_points)
             pick = (prior_var <= FLAT_PRIOR_VAR) & (at_prior[:, 1].abs() < target[:, 1].abs())
             target = torch.where(pick[:, None], at_prior, target)

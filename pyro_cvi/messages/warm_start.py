@@ -91,10 +91,11 @@ def softmax_warm_start(
     eye = torch.eye(K, dtype=m0.dtype, device=m0.device)
     # 5e-5 I: variance 1e-4 of each logit difference, as the scalar point mass
     _, target = softmax_message(site, rows, m0, 5e-5 * eye.expand(N, K, K))
-    if prior_cov is not None:
+    informative = None if prior_cov is None else _max_difference_var(prior_cov) <= FLAT_PRIOR_VAR
+    if informative is not None and bool(informative.any()):
         _, at_prior = softmax_message(site, rows, m0, prior_cov)
         curv = torch.diagonal(target[..., 1:], dim1=-2, dim2=-1).sum(-1).abs()
         curv_prior = torch.diagonal(at_prior[..., 1:], dim1=-2, dim2=-1).sum(-1).abs()
-        pick = (_max_difference_var(prior_cov) <= FLAT_PRIOR_VAR) & (curv_prior < curv)
+        pick = informative & (curv_prior < curv)
         target = torch.where(pick[:, None, None], at_prior, target)
     return target if bool(torch.isfinite(target).all()) else None
