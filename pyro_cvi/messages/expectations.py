@@ -18,7 +18,7 @@ from typing import Dict, Set, Tuple
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
-from pyro.distributions.util import scale_and_mask
+from pyro.distributions.util import broadcast_shape, scale_and_mask
 
 from ..families.base import sum_rightmost
 from ..model import conjugate_pairs as cp
@@ -250,7 +250,7 @@ def expected_log_prob(spec: FactorSpec, traces, q: QState, cache: Dict, key) -> 
         lp = spec.pattern.elp(FactorMoments(spec, traces, q, cache, key))
     extra = fn.event_dim - base.event_dim
     shape = fn.batch_shape + fn.event_shape[:extra]
-    lp = lp.expand(torch.broadcast_shapes(lp.shape, shape))
+    lp = lp.expand(broadcast_shape(lp.shape, shape))  # (torch's imports sympy on first use)
     lp = reduce_like(fn, lp)
     w = discrete_weight(spec, traces["mean"], q)
     if w is not None:
