@@ -28,6 +28,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from .blocks.base import GuideDraw
 from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
 from .blocks.summaries import Summaries
@@ -47,7 +48,7 @@ from .guide_state import (
 )
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
-from .model.analysis import LEAF_FORM, REMAINDER, SITE
+from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
@@ -354,35 +355,21 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         frozen = detach_distribution if torch.jit.is_tracing() else (lambda d: d)
         plates = self._create_plates(*args, **kwargs)
         sub = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
-        result, done = {}, set()
+        latents = engine.analysis.latents
+        draw = GuideDraw(
+            self._pyro_name,
+            lambda n: self._plates_of(n, plates),
+            frozen,
+            sub,
+            lambda n: len(latents[n].event_shape),
+        )
+        result: Dict[str, torch.Tensor] = {}
         leaves = []
-        for name, info in engine.analysis.latents.items():
+        for name, info in latents.items():  # model order (the guide's RNG stream)
             if info.form == LEAF_FORM:
                 leaves.append(name)
-            elif info.form == REMAINDER:
-                if "remainder" not in done:
-                    done.add("remainder")
-                    result.update(engine.remainder.guide_sample(self._pyro_name, plates, frozen))
-            elif info.form == SITE:
-                if info.block in done:
-                    continue
-                done.add(info.block)
-                block = engine.gaussian[info.block]
-                if len(block.names) == 1 and not info.batch_shape:
-                    result[name] = pyro.sample(name, frozen(block.marginal(name)))
-                    continue
-                z = pyro.sample(
-                    f"_{self._pyro_name}_latent_{info.block}",
-                    frozen(block.joint()),
-                    infer={"is_auxiliary": True},
-                )
-                for n, v in block.spec.split(z).items():  # a site in plates: Delta in them
-                    event_dim = len(engine.analysis.latents[n].event_shape)
-                    with self._plates_of(n, plates):
-                        result[n] = pyro.sample(n, dist.Delta(v, event_dim=event_dim))
-            else:
-                with self._plates_of(name, plates):
-                    result[name] = pyro.sample(name, frozen(engine.natural[name].dist(sub)))
+            elif name not in result:
+                result.update(engine.block_for(name).guide_sample(name, draw))
         if leaves:
             run = poutine.block(Unsampled(leaves)(trace_model))
             tr = run(self.model, result, args, kwargs)
@@ -427,12 +414,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         info = self._info(name)
         if info.form == LEAF_FORM:
             q = self._leaf_priors()[name]
-        elif info.form == REMAINDER:
-            q = self.engine.remainder.marginal(name)
-        elif info.form == SITE:
-            q = self.engine.gaussian[info.block].marginal(name)
         else:
-            q = self.engine.natural[name].dist({})
+            q = self.engine.block_for(name).marginal(name)
         return standard_posterior(q)
 
     def _leaf_priors(self, args=None, kwargs=None) -> Dict[str, torch.distributions.Distribution]:
@@ -456,13 +439,13 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their
         flattened values in the given order (e.g. ``joint_posterior("a", "b")``)."""
         infos = [self._info(n) for n in names]
-        blocks = {i.block for i in infos}
-        if any(i.form != SITE for i in infos) or len(blocks) != 1:
+        holders = {id(self.engine.block_for(n)) for n, i in zip(names, infos) if i.form == SITE}
+        if len(holders) != 1 or any(i.form != SITE for i in infos):
             raise ValueError(
                 f"sites {list(names)} do not lie in one Gaussian block; blocks: "
                 f"{[b.names for b in self.engine.gaussian]}"
             )
-        return self.engine.gaussian[blocks.pop()].joint(list(names))
+        return self.engine.block_for(names[0]).joint(list(names))
 
     @torch.no_grad()
     def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:

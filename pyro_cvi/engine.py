@@ -202,6 +202,14 @@ class Engine:
         kind = MarkovBlock if spec.chain is not None else GaussianBlock
         return kind(spec, self.prefix, owned, self.options)
 
+    def block_for(self, name: str) -> Block:
+        """The block that holds the ``q`` of latent site ``name`` (``KeyError``: none, a leaf
+        or a summed-out site)."""
+        for block in self.blocks:
+            if name in block.names:
+                return block
+        raise KeyError(f"{name!r} is held by no block (a leaf, or summed out)")
+
     def block_of(self, name: str) -> GaussianBlock:
         """The Gaussian block that holds latent site ``name``."""
         for block in self.gaussian:

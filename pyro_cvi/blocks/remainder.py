@@ -39,7 +39,7 @@ from ..natgrad.params import write
 from ..natgrad.steps import diag_step, lowrank_step, tril_step
 from ..strategies import HESSIAN_MAX_DIM, Remainder
 from ..update import StepCounts
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
 
 __all__ = ["Remainder", "RemainderBlock"]
@@ -139,11 +139,17 @@ class RemainderBlock(Block):
         if self.form == "full":
             eye = torch.eye(D, dtype=loc.dtype, device=loc.device)
             pyro.param(self.role_names[0], lambda: scale * eye)
-        else:
+        elif self.form == "diag":
             pyro.param(self.role_names[0], lambda: torch.full_like(loc, scale))
-        if self.form == "lowrank":
-            r = self.rank
-            pyro.param(self.role_names[1], lambda: loc.new_zeros(D, r))
+        else:  # W ~ N(0, 1/r), as Pyro's AutoLowRankMultivariateNormal (its Fisher is singular
+            # at W = 0); s so that every marginal sd is init_scale. A fixed local generator:
+            # the user's random stream is not consumed
+            g = torch.Generator().manual_seed(0)
+            W = torch.randn(D, self.rank, generator=g, dtype=loc.dtype) / math.sqrt(self.rank)
+            W = W.to(loc.device)
+            s0 = scale / (1.0 + (W * W).sum(-1)).sqrt()
+            pyro.param(self.role_names[0], lambda: s0)
+            pyro.param(self.role_names[1], lambda: W)
 
     def _values(self) -> Dict[str, torch.Tensor]:
         return {n: pyro.param(n).detach() for n in self.param_names()}
@@ -421,14 +427,12 @@ class RemainderBlock(Block):
             base = base.to_event(udim)
         return standard_posterior(dist.TransformedDistribution(base, [s.transform]))
 
-    def guide_sample(self, prefix: str, plates, frozen) -> Dict[str, torch.Tensor]:
-        """Sample the block in the guide: one auxiliary joint draw, then each site as a
-        ``Delta`` with the log-Jacobian of its map (as ``AutoContinuous.forward``)."""
-        from contextlib import ExitStack
-
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        """One auxiliary joint draw of ``u``, then each site a ``Delta`` with the log-Jacobian
+        of its map (as ``AutoContinuous.forward``); all at the block's first site."""
         u = pyro.sample(
-            f"_{prefix}_latent_remainder",
-            frozen(self.joint_unconstrained_with_graph()),
+            f"_{draw.prefix}_latent_remainder",
+            draw.frozen(self.joint_unconstrained_with_graph()),
             infer={"is_auxiliary": True},
         )
         out = {}
@@ -437,9 +441,7 @@ class RemainderBlock(Block):
             z = s.transform(x)
             ld = s.transform.inv.log_abs_det_jacobian(z, x)
             ld = sum_rightmost(ld, ld.dim() - z.dim() + s.event_dim)
-            with ExitStack() as stack:
-                for f in s.frames:
-                    stack.enter_context(plates[f.name])
+            with draw.plates(s.name):
                 out[s.name] = pyro.sample(
                     s.name, dist.Delta(z, log_density=ld, event_dim=s.event_dim)
                 )
@@ -460,12 +462,16 @@ class RemainderBlock(Block):
     def median_values(self) -> Dict[str, torch.Tensor]:
         return self.trace_values({})
 
-    def packed_factor(self):
-        """``(names, unconstrained shapes, q(u), joint)`` for ``get_posterior()``."""
-        return (self.names, [s.ushape for s in self.sites], self.joint_unconstrained(), True)
+    def packed_factors(self):
+        """``q(u)`` is already over the packed unconstrained values: one joint factor."""
+        return [(self.names, [s.ushape for s in self.sites], self.joint_unconstrained(), True)]
 
-    def natural_gradient_state(self) -> Dict:
-        return self.control.state()
+    def extra_state(self) -> Dict:
+        return {"control": self.control.state()}
+
+    def load_extra_state(self, state: Dict) -> None:
+        if "control" in state:
+            self.control.load(state["control"])
 
 
 def _is_real(c) -> bool:

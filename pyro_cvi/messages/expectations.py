@@ -62,9 +62,8 @@ class QState:
             if geo is not None:
                 self.geo[name] = geo
         for block in gaussian:
-            loc = block.post.loc.detach()
-            for n, v in block.spec.split(loc).items():
-                self.cond[n] = v.clone().requires_grad_(True)
+            for n, v in block.mean_values().items():
+                self.cond[n] = v.detach().clone().requires_grad_(True)
                 self.block_of[n] = block
         self.fixed.update(subsample)
 
@@ -88,15 +87,7 @@ class QState:
             else:
                 per_block.setdefault(id(block), (block, {}))[1][p] = A
         for block, parts in per_block.values():
-            R = next(iter(parts.values())).shape[0]
-            cols = [
-                parts.get(
-                    n, torch.zeros(R, k, dtype=block.post.loc.dtype, device=block.post.loc.device)
-                )
-                for n, k in zip(block.names, block.spec.sizes)
-            ]
-            A = torch.cat(cols, 1)
-            total = total + ((A @ block.post.covariance()) * A).sum(-1)
+            total = total + block.variance_along(parts)
         return total
 
 
