@@ -108,9 +108,12 @@ class LengthscaleMove:
         self._kernels, self._values = kernels, values
 
     def apply(self) -> None:
+        """Write the new lengthscales; their gradients (taken at the old values) are dropped,
+        so an optimizer step right after the move does not undo it."""
         with torch.no_grad():
             for (_, k), value in zip(self._kernels, self._values):
                 k.raw_lengthscale.copy_(value)
+                k.raw_lengthscale.grad = None
 
 
 def search_lengthscales(
