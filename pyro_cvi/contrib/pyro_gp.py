@@ -49,7 +49,16 @@ from pyro_cvi.messages.softmax import lse_expectations
 __all__ = ["Binary", "MultiClass", "Poisson", "expected_log_lik"]
 
 
-def _check(f_loc: Tensor, f_var: Tensor, y: Tensor, name: str) -> None:
+def _check(f_loc: Tensor, f_var: Tensor, y: Tensor, name: str, ok: Callable) -> None:
+    """Shapes of the marginals against ``y``, and ``y`` in the likelihood's support (``ok``):
+    a label outside it would give a finite but wrong expectation."""
+    bad = ~ok(y)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"pyro_cvi.contrib.pyro_gp.{name}: y = {float(y[idx])} at index {list(idx)} is "
+            f"outside the likelihood's support ({_SUPPORT[name]}); recode the targets"
+        )
     if f_loc.shape != f_var.shape:
         raise ValueError(
             f"{name}: f_loc {tuple(f_loc.shape)} and f_var {tuple(f_var.shape)} differ in shape"
@@ -59,6 +68,17 @@ def _check(f_loc: Tensor, f_var: Tensor, y: Tensor, name: str) -> None:
             f"{name}: y has {y.shape[-1]} points but the latent GP {f_loc.shape[-1]}; pass the "
             "training targets that match the GP's inputs"
         )
+
+
+_SUPPORT = {
+    "Binary": "labels 0 or 1",
+    "Poisson": "counts 0, 1, 2, ...",
+    "MultiClass": "class indices 0, ..., K - 1",
+}
+
+
+def _is_count(y: Tensor) -> Tensor:
+    return (y >= 0) & (y == torch.round(y))
 
 
 class Binary(gp.likelihoods.Binary):
@@ -82,16 +102,18 @@ class Binary(gp.likelihoods.Binary):
             )
         r = self.response_function
 
-        def log_p(e):
-            p = r(e).clamp(1e-12, 1.0 - 1e-12)
-            return y * torch.log(p) + (1.0 - y) * torch.log1p(-p)
+        tiny = torch.finfo(f_loc.dtype).tiny
+
+        def log_p(e):  # as precise as r(e) is where it rounds to 0 or 1
+            p = r(e)
+            return torch.where(y > 0.5, p.clamp_min(tiny).log(), (1.0 - p).clamp_min(tiny).log())
 
         return expected_log_prob(log_p, f_loc, f_var, self.num_points)
 
     def forward(self, f_loc: Tensor, f_var: Tensor, y: Optional[Tensor] = None):
         if y is None:
             return super().forward(f_loc, f_var, y)
-        _check(f_loc, f_var, y, "Binary")
+        _check(f_loc, f_var, y, "Binary", lambda t: (t == 0) | (t == 1))
         return expected_log_lik(self, self.expected_log_prob(f_loc, f_var, y), y)
 
 
@@ -122,7 +144,7 @@ class Poisson(gp.likelihoods.Poisson):
     def forward(self, f_loc: Tensor, f_var: Tensor, y: Optional[Tensor] = None):
         if y is None:
             return super().forward(f_loc, f_var, y)
-        _check(f_loc, f_var, y, "Poisson")
+        _check(f_loc, f_var, y, "Poisson", _is_count)
         return expected_log_lik(self, self.expected_log_prob(f_loc, f_var, y), y)
 
 
@@ -155,7 +177,7 @@ class MultiClass(gp.likelihoods.MultiClass):
     def forward(self, f_loc: Tensor, f_var: Tensor, y: Optional[Tensor] = None):
         if y is None:
             return super().forward(f_loc, f_var, y)
-        _check(f_loc, f_var, y, "MultiClass")
+        _check(f_loc, f_var, y, "MultiClass", lambda t: _is_count(t) & (t < self.num_classes))
         return expected_log_lik(self, self.expected_log_prob(f_loc, f_var, y), y)
 
 
