@@ -25,6 +25,11 @@ leaf tensors ``m_v``, ``S_v`` and the KL term carries a scalar probe whose gradi
 ``loss = -mll(model(x), y); loss.backward(); adam.step()`` loop trains q (Adam only sees the
 hyperparameters: the sites are buffers). A :class:`CVIOptimizer` turns this off and takes its own
 steps (with backtracking) instead.
+
+**The first step** (sites at their start, one GP, ``lengthscale_search``) also keeps the batch's
+marginals and their gradients (per-point sites, eqs. 30-31) and runs the lengthscale M-step of
+:mod:`~pyro_cvi.contrib.gpytorch.lengthscale_search`; a move is written into the kernels once the
+backward pass has finished (the graph still holds the old values), its stale gradient dropped.
 """
 
 from __future__ import annotations
