@@ -29,7 +29,7 @@ steps (with backtracking) instead.
 **The first step** (sites at their start, one GP, ``lengthscale_search``) also keeps the batch's
 marginals and their gradients (per-point sites, eqs. 30-31) and runs the lengthscale M-step of
 :mod:`~pyro_cvi.contrib.gpytorch.lengthscale_search`; a move is written into the kernels once the
-backward pass has finished (the graph still holds the old values), its stale gradient dropped.
+backward pass has finished (the graph still holds the old values).
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ class InducingForm:
 
     def _backward_update(self, t1: Tensor, t2: Tensor, c: Tensor) -> None:
         d = self._variational_distribution
-        cap, self._capture = self._capture, None
+        cap = self.pop_captured()
         if cap is not None and cap.get("gm") is not None and cap.get("gv") is not None:
             moved = self.search_step(cap["x"], cap["mean"], -cap["gm"] / c, -cap["gv"] / c)
             if moved is not None:  # the new lengthscales once this backward pass has finished
@@ -321,6 +321,12 @@ class InducingForm:
         if hooks:
             mean.register_hook(lambda g: cap.__setitem__("gm", g.detach()))
             var.register_hook(lambda g: cap.__setitem__("gv", g.detach()))
+
+    def pop_captured(self) -> Optional[dict]:
+        """The first step's captured marginals (``x``, ``mean``, and ``graph``: the tensors of
+        the batch's mean and variance), cleared here; ``None`` if none were captured."""
+        cap, self._capture = self._capture, None
+        return cap
 
     def search_step(self, x: Tensor, mean: Tensor, gm: Tensor, gv: Tensor):
         """Run the lengthscale search from the data sites at the marginals ``N(mean, .)`` with

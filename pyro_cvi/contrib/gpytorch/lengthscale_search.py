@@ -108,12 +108,13 @@ class LengthscaleMove:
         self._kernels, self._values = kernels, values
 
     def apply(self) -> None:
-        """Write the new lengthscales; their gradients (taken at the old values) are dropped,
-        so an optimizer step right after the move does not undo it."""
+        """Write the new lengthscales. Their gradients are left as they are (GPyTorch's
+        contract: every parameter has a non-zero gradient after ``backward``), so in the
+        tutorial's loop the optimizer's step right after the move (one step of its learning
+        rate) starts from the new values."""
         with torch.no_grad():
             for (_, k), value in zip(self._kernels, self._values):
                 k.raw_lengthscale.copy_(value)
-                k.raw_lengthscale.grad = None
 
 
 def search_lengthscales(

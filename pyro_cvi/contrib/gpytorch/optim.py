@@ -319,11 +319,11 @@ class CVIOptimizer:
                 "minibatches pass CVIOptimizer(model, likelihood, num_data=N)."
             )
         scale = self.num_data / n
-        s._capture = None
+        s.pop_captured()
         with s.tracked_q() as (m_v, S_v), torch.enable_grad():
             out = self.model(x)
             ell = self.likelihood.expected_log_prob(y.to(out.mean.device), out, **kwargs).sum()
-            cap, s._capture = s._capture, None  # the first step's marginals (lengthscale search)
+            cap = s.pop_captured()  # the first step's marginals (lengthscale search)
             leaves = (m_v, S_v) + (() if cap is None else cap["graph"])
             gm, gS, *g_point = torch.autograd.grad(ell, leaves, allow_unused=True)
         gm = torch.zeros_like(m_v) if gm is None else gm
