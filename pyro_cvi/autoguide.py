@@ -28,6 +28,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from .blocks.base import GuideDraw
 from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
 from .blocks.summaries import Summaries
@@ -51,7 +52,8 @@ from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
-from .step_control import WarningLog
+from .step_control import WarningLog, initial_failures
+from .strategies import Remainder
 from .transaction import rolled_back
 from .update import StepCounts
 
@@ -118,6 +120,11 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
         ``"auto"`` (default: dense up to
         :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
+    :param remainder: latents without an exact message (:mod:`pyro_cvi.model.remainder`) get
+        one joint Gaussian on their unconstrained space, stepped by natural gradients
+        (:class:`~pyro_cvi.strategies.Remainder`): ``"auto"`` (default: full covariance
+        up to 100 coordinates, low rank beyond), ``"full"``, ``"lowrank"``, ``"diag"``, a
+        ``Remainder(...)``, or ``"off"`` (mean field with Monte Carlo messages).
     """
 
     def __init__(
@@ -139,6 +146,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         process_group=None,
         softmax: str = "cubature",
         general_curvature: str = "auto",
+        remainder="auto",
     ):
         if general_curvature not in ("auto", "hessian", "gradient"):
             raise ValueError(
@@ -178,6 +186,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
             as_reducer(process_group),
             softmax,
             general_curvature=general_curvature,
+            remainder=Remainder.of(remainder),
         )
         self.init_loc_fn = init_loc_fn
         self.counts = StepCounts()
@@ -231,7 +240,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
 
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
-        with rolled_back(self):  # a set-up that fails or is interrupted leaves no trace
+        with rolled_back(self), initial_failures():  # a failed set-up leaves no trace
             super()._setup_prototype(*args, **kwargs)
             self.data_shapes = data_shapes(args, kwargs)
             self._minibatch_plates = {
@@ -346,31 +355,21 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         frozen = detach_distribution if torch.jit.is_tracing() else (lambda d: d)
         plates = self._create_plates(*args, **kwargs)
         sub = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
-        result, done = {}, set()
+        latents = engine.analysis.latents
+        draw = GuideDraw(
+            self._pyro_name,
+            lambda n: self._plates_of(n, plates),
+            frozen,
+            sub,
+            lambda n: len(latents[n].event_shape),
+        )
+        result: Dict[str, torch.Tensor] = {}
         leaves = []
-        for name, info in engine.analysis.latents.items():
+        for name, info in latents.items():  # model order (the guide's RNG stream)
             if info.form == LEAF_FORM:
                 leaves.append(name)
-            elif info.form == SITE:
-                if info.block in done:
-                    continue
-                done.add(info.block)
-                block = engine.gaussian[info.block]
-                if len(block.names) == 1 and not info.batch_shape:
-                    result[name] = pyro.sample(name, frozen(block.marginal(name)))
-                    continue
-                z = pyro.sample(
-                    f"_{self._pyro_name}_latent_{info.block}",
-                    frozen(block.joint()),
-                    infer={"is_auxiliary": True},
-                )
-                for n, v in block.spec.split(z).items():  # a site in plates: Delta in them
-                    event_dim = len(engine.analysis.latents[n].event_shape)
-                    with self._plates_of(n, plates):
-                        result[n] = pyro.sample(n, dist.Delta(v, event_dim=event_dim))
-            else:
-                with self._plates_of(name, plates):
-                    result[name] = pyro.sample(name, frozen(engine.natural[name].dist(sub)))
+            elif name not in result:
+                result.update(engine.block_for(name).guide_sample(name, draw))
         if leaves:
             run = poutine.block(Unsampled(leaves)(trace_model))
             tr = run(self.model, result, args, kwargs)
@@ -398,8 +397,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         latents = self._ready().analysis.latents
         if name in self.engine.analysis.collapsed:
             raise ValueError(
-                f"{name!r} is summed out (AutoCVI(discrete='collapse')): it has no q; draw it "
-                "from its posterior with guide.sample_discrete(*args)"
+                f"{name!r} is summed out (discrete='collapse', or inside the remainder): it has "
+                "no q; draw it from its posterior with guide.sample_discrete(*args)"
             )
         if name not in latents:
             raise KeyError(
@@ -415,10 +414,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         info = self._info(name)
         if info.form == LEAF_FORM:
             q = self._leaf_priors()[name]
-        elif info.form == SITE:
-            q = self.engine.gaussian[info.block].marginal(name)
         else:
-            q = self.engine.natural[name].dist({})
+            q = self.engine.block_for(name).marginal(name)
         return standard_posterior(q)
 
     def _leaf_priors(self, args=None, kwargs=None) -> Dict[str, torch.distributions.Distribution]:
@@ -442,13 +439,13 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their
         flattened values in the given order (e.g. ``joint_posterior("a", "b")``)."""
         infos = [self._info(n) for n in names]
-        blocks = {i.block for i in infos}
-        if any(i.form != SITE for i in infos) or len(blocks) != 1:
+        holders = {id(self.engine.block_for(n)) for n, i in zip(names, infos) if i.form == SITE}
+        if len(holders) != 1 or any(i.form != SITE for i in infos):
             raise ValueError(
                 f"sites {list(names)} do not lie in one Gaussian block; blocks: "
                 f"{[b.names for b in self.engine.gaussian]}"
             )
-        return self.engine.gaussian[blocks.pop()].joint(list(names))
+        return self.engine.block_for(names[0]).joint(list(names))
 
     @torch.no_grad()
     def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:

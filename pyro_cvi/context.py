@@ -41,6 +41,8 @@ class Options:
     #: curvature of general factors on Gaussian blocks: ``"hessian"`` (dense Price),
     #: ``"gradient"`` (Stein's lemma, gradients only) or ``"auto"`` (by the block's dimension)
     general_curvature: str = "auto"
+    #: the remainder's strategy (:class:`~pyro_cvi.blocks.remainder.Remainder`); ``None``: off
+    remainder: Any = None
 
 
 @dataclass
@@ -69,6 +71,8 @@ class StepContext:
     mc_var: Optional[float] = None
     #: the ELBO value of the loss computed in this context (set by the engine)
     elbo: Optional[float] = None
+    #: the step's ceiling: the adaptive step's ``max_beta``, or the fixed step size
+    max_beta: Optional[float] = None
 
     def add_mc_samples(self, values: torch.Tensor) -> None:
         """Record the i.i.d. per-sample values whose mean is a Monte Carlo term of the loss."""

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 import pyro
 import torch
+from pyro.infer.autoguide.initialization import init_to_median
 
 from .blocks import (
     Block,
@@ -34,14 +35,17 @@ from .blocks import (
     MarkovBlock,
     MeanFieldBlock,
     NaturalBlock,
+    RemainderBlock,
     StepReport,
     init_messenger,
     registered_block_kinds,
 )
 from .context import Options, StepContext
 from .messages.expectations import site_weight
+from .messages.gaussian import gradient_only
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
 from .model.factor_roles import minibatch_renames
+from .model.records import REMAINDER_OWNER
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, per_index
 from .scale.distributed import combine, start_ranks
@@ -52,6 +56,7 @@ from .step_control import (
     backtrack_message,
     controlled_evaluation,
     initial_failure,
+    initial_failures,
     is_numerical_error,
     warn_step_counts,
 )
@@ -72,6 +77,8 @@ class Engine:
         self.gaussian: List[GaussianBlock] = []
         self.natural: OrderedDict[str, NaturalBlock] = OrderedDict()
         self.mean_field: Optional[MeanFieldBlock] = None
+        #: the joint Gaussian of the latents without exact messages (or ``None``)
+        self.remainder: Optional[RemainderBlock] = None
         #: latent name -> the block that steps it in the sequential schedule
         self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
@@ -91,12 +98,21 @@ class Engine:
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
-        init_trace = None
+        init_trace = start_trace = None
         if init_loc_fn is not None and self.natural:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        if self.remainder is not None:  # it starts, as Pyro's Gaussian autoguides, at medians
+            model = init_messenger(init_loc_fn or init_to_median)(self.model)
+            with initial_failures():
+                start_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
         init = BlockInit(
-            an.values, prototype_trace, init_trace, init_loc_fn, self.options.init_scale
+            an.values,
+            prototype_trace,
+            init_trace,
+            init_loc_fn,
+            self.options.init_scale,
+            start_trace,
         )
         for block in self.blocks:
             block.setup(init)
@@ -110,8 +126,18 @@ class Engine:
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options
+        rem = o.remainder
         an = Analysis(
-            self.model, args, kwargs, prototype_trace, o.covariance, o.families, o.discrete
+            self.model,
+            args,
+            kwargs,
+            prototype_trace,
+            o.covariance,
+            o.families,
+            o.discrete,
+            remainder=(lambda dim: gradient_only(o, dim))
+            if rem is not None and rem.enabled and o.reducer is None
+            else None,
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs)
@@ -140,9 +166,16 @@ class Engine:
                 self.leaf_values,
                 self.sequential_order,
             )
+        self.remainder = None
+        if an.remainder:
+            owned = [s for s, o in an.owner.items() if o == REMAINDER_OWNER]
+            self.remainder = RemainderBlock(an, self.prefix, o.remainder, owned)
         self.blocks = list(self.gaussian) + ([self.mean_field] if self.mean_field else [])
+        self.blocks += [self.remainder] if self.remainder is not None else []
         self.stepper = {n: b for b in self.gaussian for n in b.names}
         self.stepper.update(self.natural)
+        if self.remainder is not None:
+            self.stepper.update({n: self.remainder for n in self.remainder.names})
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
         self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
@@ -152,7 +185,12 @@ class Engine:
             and s["fn"].subsample_size not in (None, s["fn"].size)
             for s in an.structure.nodes.values()
         )
-        self._static = not self.natural and not self.minibatch and not self._has_params
+        self._static = (
+            not self.natural
+            and not self.minibatch
+            and not self._has_params
+            and self.remainder is None
+        )
         self._static_trace = None
 
     def _site_block(self, spec, owned) -> Block:
@@ -163,6 +201,14 @@ class Engine:
                 return factory(spec, self.prefix, owned, self.options)
         kind = MarkovBlock if spec.chain is not None else GaussianBlock
         return kind(spec, self.prefix, owned, self.options)
+
+    def block_for(self, name: str) -> Block:
+        """The block that holds the ``q`` of latent site ``name`` (``KeyError``: none, a leaf
+        or a summed-out site)."""
+        for block in self.blocks:
+            if name in block.names:
+                return block
+        raise KeyError(f"{name!r} is held by no block (a leaf, or summed out)")
 
     def block_of(self, name: str) -> GaussianBlock:
         """The Gaussian block that holds latent site ``name``."""
@@ -359,6 +405,12 @@ class Engine:
         ctx, self.pending = self.pending, None
         if ctx is None:
             return
+        # blocks with their own noise control (the remainder) step by the user's ceiling, not
+        # by the exact blocks' noise-decayed beta; below its floor (numerical failures) by beta
+        ctx.max_beta = beta
+        if beta is None:
+            c = self.control
+            ctx.max_beta = c.max_beta if c.beta >= c.min_ceiling else c.beta
         if beta is None:
             beta = self.control.step_size(minibatch=bool(ctx.subsample) or self.minibatch)
             try:
@@ -381,7 +433,7 @@ class Engine:
             ) from e
 
     def _step(self, ctx: StepContext, beta: float) -> None:
-        if self.options.schedule != "parallel" and self.natural:
+        if self.options.schedule != "parallel" and (self.natural or self.remainder):
             self._sweep(ctx, beta)
         else:
             for block in self.blocks:

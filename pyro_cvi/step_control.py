@@ -48,6 +48,7 @@ holds the decisions' state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -62,6 +63,7 @@ __all__ = [
     "controlled_evaluation",
     "is_numerical_error",
     "initial_failure",
+    "initial_failures",
     "backtrack_message",
     "ROUTINE",
     "warn_step_counts",
@@ -267,6 +269,18 @@ def initial_failure(error: Optional[BaseException]) -> ValueError:
         "any CVI step this is not a step-size problem: check the model's priors, parameters and "
         "data, or start q elsewhere with AutoCVI(init_loc_fn=...)."
     )
+
+
+@contextlib.contextmanager
+def initial_failures():
+    """Numerical failures of the model at the start (a prior draw, ``init_loc_fn``'s values)
+    become :func:`initial_failure`."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as e:
+        if not is_numerical_error(e) or str(e).startswith("AutoCVI"):
+            raise
+        raise initial_failure(e) from e
 
 
 #: the ``"pyro_cvi"`` logger: routine step-policy events (shrunk and undone steps)

@@ -59,6 +59,7 @@ class Transaction:
         engine = guide.engine
         if engine is not None:
             objs += [engine, engine.counts] + list(engine.blocks) + list(engine.natural.values())
+            objs += [o for b in engine.blocks for o in b.state_objects()]
             if engine.control is not None:
                 objs.append(engine.control)
             with torch.no_grad():

@@ -20,4 +20,4 @@ def mixed(x, y):
     pyro.sample("leaf", dist.Normal(w.sum(), 1.0))
     with pyro.plate("data", len(x)):
         pyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
-        pyro.sample("z", dist.Normal(0.0, s), obs=x[:, 1])
+        pyro.sample("z", dist.Normal(0.0, s.rsqrt()), obs=x[:, 1])  # s: a precision

@@ -167,3 +167,84 @@ def test_every_block_kind_derives_from_the_protocol():
         assert issubclass(kind, Block), kind
     with pytest.raises(TypeError):
         Block()  # abstract
+
+
+def mixed_kinds(y, counts, X, labels, series):
+    """The toy block (``x``) beside a Gamma natural block, a Gaussian block and a Markov chain."""
+    x = pyro.sample("x", dist.Normal(y.new_tensor(1.0), 2.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(3.0 * x - 1.0, 0.5), obs=y)
+    rate = pyro.sample("rate", dist.Gamma(y.new_tensor(2.0), 1.0))
+    with pyro.plate("counts", len(counts)):
+        pyro.sample("c", dist.Poisson(rate), obs=counts)
+    w = pyro.sample("w", dist.Normal(y.new_zeros(2), 1.0).to_event(1))
+    with pyro.plate("labels", len(labels)):
+        pyro.sample("b", dist.Bernoulli(logits=X @ w), obs=labels)
+    z = y.new_tensor(0.0)
+    for t in pyro.markov(range(len(series))):
+        z = pyro.sample(f"z_{t}", dist.Normal(z, 0.5))
+        pyro.sample(f"s_{t}", dist.Normal(z, 1.0), obs=series[t])
+
+
+def _mixed_data(dtype):
+    g = torch.Generator().manual_seed(3)
+    y = torch.tensor([2.0, 1.5, 2.7, 1.9], dtype=dtype)
+    counts = torch.tensor([3.0, 1.0, 4.0, 2.0, 2.0], dtype=dtype)
+    X = torch.randn(20, 2, generator=g, dtype=torch.float64).to(dtype)
+    labels = (X[:, 0] > 0).to(dtype)
+    series = torch.cumsum(torch.randn(6, generator=g, dtype=torch.float64), 0).to(dtype)
+    return y, counts, X, labels, series
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_toy_block_answers_every_guide_method_beside_the_other_kinds(toy_kind, dtype, tmp_path):
+    """The worked example defines only the protocol's abstract methods; the guide's methods
+    (median, quantiles, posterior, get_posterior, sample_latent, Predictive, a checkpoint round
+    trip) work for it through the protocol's defaults, beside Gamma, Gaussian and Markov blocks."""
+    from pyro.infer import Predictive
+
+    from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
+
+    args = _mixed_data(dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(mixed_kinds)
+    optim = CVI(step_size=1.0)
+    svi = SVI(mixed_kinds, guide, optim, loss=CVI_ELBO())
+    svi.step(*args)
+    svi.step(*args)
+    kinds = {type(b).__name__ for b in guide.engine.blocks}
+    assert {"ConjugateScalarBlock", "GaussianBlock", "MarkovBlock", "MeanFieldBlock"} <= kinds
+    y = args[0].double()
+    prec = 1 / 4 + len(y) * 9 / 0.25
+    mean = (1.0 / 4 + (3.0 * (y + 1.0)).sum().item() / 0.25) / prec
+    tol = 1e-4 if dtype == torch.float32 else 1e-9
+    med = guide.median()
+    assert abs(float(med["x"]) - mean) < tol * (1 + abs(mean))
+    assert set(med) == {"x", "rate", "w"} | {f"z_{t}" for t in range(6)}
+    qs = guide.quantiles([0.1, 0.5, 0.9])
+    assert torch.allclose(qs["x"][1], med["x"])
+    half = 1.2815515655446004 * math.sqrt(1 / prec)  # the 0.9 quantile of N(0, 1)
+    assert abs(float(qs["x"][2] - qs["x"][0]) - 2 * half) < 1e-3
+    q = guide.posterior("x")
+    assert abs(float(q.variance) - 1 / prec) < tol
+    packed = guide.get_posterior()
+    assert packed.event_shape == (1 + 1 + 2 + 6,)
+    u = pyro.poutine.trace(guide.sample_latent).get_trace().nodes["_AutoCVI_latent"]["value"]
+    assert u.shape == (10,) and bool(torch.isfinite(u).all())
+    draws = Predictive(mixed_kinds, guide=guide, num_samples=200)(*args)
+    x = draws["x"].reshape(-1)  # (Predictive pads global sites to the plates' depth)
+    assert x.shape == (200,)
+    assert abs(float(x.double().mean()) - mean) < 4 * math.sqrt(1 / prec / 200)
+    # a checkpoint round trip: the same q, and the same next step
+    path = tmp_path / "run.pt"
+    save_checkpoint(path, optim, guide)
+    pyro.set_rng_seed(1)
+    expected = svi.step(*args)
+    pyro.clear_param_store()
+    guide2, optim2 = AutoCVI(mixed_kinds), CVI(step_size=1.0)
+    load_checkpoint(path, optim2, guide2)
+    svi2 = SVI(mixed_kinds, guide2, optim2, loss=CVI_ELBO())
+    pyro.set_rng_seed(1)
+    assert svi2.step(*args) == pytest.approx(expected, rel=1e-6)
+    assert isinstance(guide2.engine.block_for("x"), ConjugateScalarBlock)

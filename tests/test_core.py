@@ -168,7 +168,7 @@ def test_nonaffine_and_scale_dependence_are_general():
             pyro.sample("y", dist.Normal(torch.tanh(X @ w), 0.5), obs=y)
             pyro.sample("y2", dist.Normal(X @ w, torch.exp(w[0])), obs=y)
 
-    guide = AutoCVI(model)
+    guide = AutoCVI(model, remainder="off")
     guide(X, y)
     lines = {ln.split("->")[0].strip(): ln for ln in guide.explain().splitlines() if "->" in ln}
     assert "general" in lines["y"] and "not affine" in lines["y"]
@@ -235,7 +235,7 @@ def test_general_factor_bonnet_price_converges():
         with pyro.plate("data", x.shape[0]):
             pyro.sample("y", dist.Normal(w[0] ** 3 * x, 0.1), obs=y)
 
-    guide = AutoCVI(model, num_general_samples=16)
+    guide = AutoCVI(model, remainder="off", num_general_samples=16)
     svi = SVI(model, guide, CVI(step_size=step_sizes.robbins_monro(0.5, 1.0, 0.7)), loss=CVI_ELBO())
     for _ in range(150):
         svi.step(x, y)

@@ -233,14 +233,15 @@ def case_initial_q_invalid():
 
 def case_fixed_step_failed():
     y = torch.full((20,), 30.0, dtype=torch.float64)
-    svi = _svi(_exponential_rate, step=1.0)
+    svi = _svi(_exponential_rate, step=1.0, guide=AutoCVI(_exponential_rate, remainder="off"))
     for _ in range(3):
         svi.step(y)
 
 
 def case_backtracked_step():
     y = torch.full((20,), 30.0, dtype=torch.float64)
-    svi = SVI(_exponential_rate, AutoCVI(_exponential_rate), CVI(), CVI_ELBO())
+    guide = AutoCVI(_exponential_rate, remainder="off")
+    svi = SVI(_exponential_rate, guide, CVI(), CVI_ELBO())
     with _logged() as records:
         for _ in range(3):
             svi.step(y)

@@ -1,4 +1,6 @@
-"""Conditionally conjugate priors with a latent scale: a Gaussian
+"""Conditionally conjugate priors with a latent scale, in the mean-field mode
+(``AutoCVI(remainder="off")``; by default such a model is the natural-gradient remainder's,
+``tests/test_remainder.py``): a Gaussian
 latent ``beta ~ Normal(loc, s(theta))`` whose scale depends on mean-field latents keeps its
 site form in a joint Gaussian block, with its prior at the scale's current ``q`` (a plug-in);
 the factor itself is owned by the mean field (Monte Carlo messages to ``theta``), and the block
@@ -40,7 +42,7 @@ def test_latent_scale_prior_keeps_the_site_form_and_the_bound(dtype):
     X, y = X.to(dtype), y.to(dtype)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = AutoCVI(shrinkage_regression)
+    guide = AutoCVI(shrinkage_regression, remainder="off")
     svi = SVI(shrinkage_regression, guide, CVI(), CVI_ELBO())
     for _ in range(10):
         svi.step(X, y)
@@ -60,7 +62,7 @@ def test_varying_intercepts_keep_their_quadrature(dtype):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     data = entry.data(dtype)
-    guide = AutoCVI(entry.model)
+    guide = AutoCVI(entry.model, remainder="off")
     svi = SVI(entry.model, guide, CVI(), CVI_ELBO())
     for _ in range(30):
         svi.step(*data.args, **data.kwargs)

@@ -200,7 +200,7 @@ def test_non_conjugate_pattern_is_general():
             pyro.sample("y", dist.Poisson(z.sum(-1)), obs=y)
             pyro.sample("y2", dist.Gamma(s, 1.0), obs=y + 1)
 
-    guide = AutoCVI(model, num_general_samples=2)
+    guide = AutoCVI(model, remainder="off", num_general_samples=2)
     guide(torch.tensor([1.0, 2.0]))
     lines = {ln.split("->")[0].strip(): ln for ln in guide.explain().splitlines() if "->" in ln}
     assert "general" in lines["y"] and "monomial" in lines["y"]
@@ -463,7 +463,7 @@ def test_gamma_shape_model_reaches_the_best_gamma_q():
     opt.step(closure)
     best = -float(closure().detach())
 
-    guide = AutoCVI(model, num_general_samples=16)
+    guide = AutoCVI(model, remainder="off", num_general_samples=16)
     svi = SVI(model, guide, CVI(step_size=step_sizes.robbins_monro(1.0, 1.0, 0.8)), loss=CVI_ELBO())
     avg = None
     for t in range(200):
@@ -490,7 +490,7 @@ def test_invalid_steps_are_shrunk_and_counted(caplog):
         with pyro.plate("data", len(y)):
             pyro.sample("y", dist.Gamma(z, 1.0), obs=y)
 
-    guide = AutoCVI(model, num_general_samples=1)
+    guide = AutoCVI(model, remainder="off", num_general_samples=1)
     svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
     with caplog.at_level(logging.INFO, logger="pyro_cvi"), warnings.catch_warnings():
         warnings.simplefilter("error")  # routine: counted and logged once, not warned
@@ -516,7 +516,7 @@ def test_non_conjugate_factor_of_gaussian_latents_in_a_plate():
             with pyro.plate("obs", N, dim=-1):
                 pyro.sample("y", dist.Poisson(torch.exp(z)), obs=y)
 
-    guide = AutoCVI(model, num_general_samples=8)
+    guide = AutoCVI(model, remainder="off", num_general_samples=8)
     svi = SVI(model, guide, CVI(step_size=step_sizes.robbins_monro(1.0, 1.0, 0.7)), loss=CVI_ELBO())
     for _ in range(200):
         svi.step(y)

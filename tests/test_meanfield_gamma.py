@@ -180,7 +180,7 @@ def test_monte_carlo_messages_are_unbiased_and_vectorize():
 def test_vectorize_particles_explains_a_model_that_does_not_broadcast():
     X = torch.tensor([[2.0, 0.0, 3.0], [1.0, 4.0, 2.0]], dtype=torch.float64)
     model = gm.poisson_mf_model(2, 0.5, 0.5)  # Z @ W does not broadcast over particles
-    guide = AutoCVI(model, num_general_samples=3, vectorize_particles=True)
+    guide = AutoCVI(model, remainder="off", num_general_samples=3, vectorize_particles=True)
     svi = SVI_(model, guide, 0.1)
     with pytest.raises(ValueError, match="broadcast"):
         svi.step(X, None)

@@ -227,7 +227,7 @@ def test_explain_names_the_fallback_sites_and_why():
         with pyro.plate("d", len(y)):
             pyro.sample("y", dist.Normal(m, s), obs=y)
 
-    guide = AutoCVI(model, families={"tau": "gaussian"})
+    guide = AutoCVI(model, remainder="off", families={"tau": "gaussian"})
     SVI(model, guide, CVI(), CVI_ELBO()).step(torch.randn(10, dtype=F64))
     text = guide.explain()
     fallback = "# sigma: q = gaussian (unconstrained) (natural form; no native family for Interval"

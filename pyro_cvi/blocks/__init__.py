@@ -27,6 +27,7 @@ from .gaussian import GaussianBlock
 from .markov import MarkovBlock
 from .mean_field import MeanFieldBlock
 from .natural import NaturalBlock, init_messenger, initial_natural
+from .remainder import RemainderBlock
 from .site_form import SiteFormBlock
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "MarkovBlock",
     "MeanFieldBlock",
     "NaturalBlock",
+    "RemainderBlock",
     "SiteFormBlock",
     "StepReport",
     "init_messenger",

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import pyro
 import torch
 
 from ..context import StepContext
 from ..update import StepCounts
+from .marginals import marginal_median
 
 __all__ = [
     "Block",
     "BlockInit",
+    "GuideDraw",
     "StepReport",
     "register_block_kind",
     "registered_block_kinds",
@@ -54,6 +56,22 @@ class StepReport(NamedTuple):
 
 
 @dataclass
+class GuideDraw:
+    """What a block needs to sample its sites inside the guide (``AutoCVI.forward``)."""
+
+    #: the guide's param-store prefix (names of auxiliary sites)
+    prefix: str
+    #: ``name -> context manager``: the guide's plates around latent site ``name``
+    plates: Callable[[str], ContextManager]
+    #: ``q -> q``: the identity, or ``q`` with detached tensors under ``torch.jit.trace``
+    frozen: Callable[[Any], Any]
+    #: the subsample indices of the step's subsampled plates
+    subsample: Dict[str, torch.Tensor]
+    #: ``name -> number of event dims`` of latent site ``name``
+    event_dim: Callable[[str], int]
+
+
+@dataclass
 class BlockInit:
     """What a block may read when it registers its parameters (the guide's first call)."""
 
@@ -64,6 +82,8 @@ class BlockInit:
     init_trace: Any = None
     init_loc_fn: Optional[Callable] = None
     init_scale: Optional[float] = None
+    #: a trace at ``init_loc_fn``'s values, else at the prior medians (Pyro's autoguides' start)
+    median_trace: Any = None
 
 
 class Block(abc.ABC):
@@ -121,6 +141,11 @@ class Block(abc.ABC):
         self.messages(ctx)
         return self.step(beta, ctx)
 
+    def state_objects(self) -> List[Any]:
+        """Objects besides the block whose attributes a step rebinds (e.g. a step-size
+        control): a transaction snapshots and restores them with the block."""
+        return []
+
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
         return None
@@ -152,6 +177,52 @@ class Block(abc.ABC):
         if names is not None and len(names) == 1:
             return self.marginal(names[0])
         raise ValueError(f"block {self.label!r} has no joint q over {names}")
+
+    def mean_values(self) -> Dict[str, torch.Tensor]:
+        """``E_q`` of each of the block's sites (default: its marginal's mean)."""
+        return {n: self.marginal(n).mean.detach() for n in self.names}
+
+    def variance_along(self, parts: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """``Var_q(sum_n A_n z_n)`` over the block's sites ``n`` (``A_n``: ``(R, size of n)``),
+        e.g. the variance of a linear predictor that the mean field reads (default: the sites
+        independent, each with its marginal's variances)."""
+        total = None
+        for n, A in parts.items():
+            var = self.marginal(n).variance.detach().reshape(-1).to(A)
+            term = (A * A) @ var
+            total = term if total is None else total + term
+        return total
+
+    # ------------------------------------------------------------------ the guide's methods
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        """Sample, inside the guide, what the block draws when the model order reaches latent
+        ``name`` (default: that site from its marginal, in its plates). A block that draws its
+        sites jointly returns all of them at its first site."""
+        with draw.plates(name):
+            return {name: pyro.sample(name, draw.frozen(self.marginal(name)))}
+
+    def median_values(self) -> Dict[str, torch.Tensor]:
+        """The median of each of the block's sites (default: its marginal's)."""
+        return {n: marginal_median(self.marginal(n)).detach() for n in self.names}
+
+    def packed_factors(self) -> List[Tuple[Sequence[str], Sequence[torch.Size], Any, bool]]:
+        """``(names, unconstrained shapes, q, joint)`` per factor of ``q`` over the packed
+        unconstrained latent (``guide.get_posterior()``; default: one per continuous site)."""
+        out = []
+        for n in self.names:
+            q = self.marginal(n)
+            if not q.support.is_discrete:
+                out.append(((n,), (q.batch_shape + q.event_shape,), q, False))
+        return out
+
+    def extra_state(self) -> Dict[str, Any]:
+        """State besides the param store that an exact resume needs (tensors and plain
+        values, for a safe checkpoint); default: none."""
+        return {}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`extra_state` (from a checkpoint)."""
+        return None
 
 
 #: ``[(accepts(spec) -> bool, factory(spec, prefix, owned, options) -> Block)]``

@@ -46,6 +46,7 @@ from ..messages.softmax_sites import (
     softmax_message,
     softmax_rows,
 )
+from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_warm_start
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob, tree_prior
 from ..model.probes import jacobian
@@ -136,23 +137,26 @@ class GaussianBlock(SiteFormBlock):
         The site target of eq. 13 for a point mass at ``eta = A m0 + c`` is
         ``(f'(eta) - f''(eta) eta, f''(eta) / 2)``: a Newton/Laplace step from the prior mean.
         It starts q near the posterior instead of at the prior, which matters for flat priors
-        (australian, ``delta = 1e-5``). Positive curvature is clipped to zero.
+        (australian, ``delta = 1e-5``). Positive curvature is clipped to zero. Where the
+        prior's own moments give a row less curvature, its target there instead; softmax rows
+        by the same rule (:mod:`~pyro_cvi.messages.warm_start`).
         """
-        m0 = self._prior(trace).loc.detach()
+        prior = self._prior(trace)
+        m0 = prior.loc.detach()
         sites = self._sites()
         for f in self.linear:
             p = sites[f.site]
             rows = linear_predictor_rows(trace.nodes[f.site], f, self.z_at, p.detach())
             f_mean = f.jacobian @ m0
-            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points)
+            v = prior_row_var(prior, f.jacobian)
+            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points, v)
             if target is not None:
                 p.data.copy_(target)
-        for f in self.softmax:  # the same step, K-variate: variance 1e-4 of logit differences
+        for f in self.softmax:  # the same rule, K-variate
             r = softmax_rows(trace.nodes[f.site], f, self.z_at)
-            N, K = r.N, r.K
-            eye = torch.eye(K, dtype=m0.dtype, device=m0.device)
-            _, target = softmax_message(trace.nodes[f.site], r, m0, 5e-5 * eye.expand(N, K, K))
-            if bool(torch.isfinite(target).all()):
+            cov = prior_row_cov_blocks(prior, f.jacobian, r.K)
+            target = softmax_warm_start(trace.nodes[f.site], r, m0, cov)
+            if target is not None:
                 sites[f.site].data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation

@@ -113,13 +113,16 @@ class MarkovBlock(SiteFormBlock):
         self.prior = self._chain_prior(trace, None)
         d, T = self.chain.state_dim, self.chain.length
         zero = self.z_at.new_zeros(T, d)
-        m0 = smooth(self.prior.detach(), zero, zero.new_zeros(T, d, d)).mean
+        p0 = smooth(self.prior.detach(), zero, zero.new_zeros(T, d, d))
+        m0 = p0.mean
         sites = self._sites()
         for f in self.linear:
+            H = f.jacobian.to(m0)
+            v = (H.unsqueeze(-2) @ p0.cov[f.time_index] @ H.unsqueeze(-1)).flatten()
             p = sites[f.site]
             rows = self._rows(trace.nodes[f.site], f, p.detach())
             f_mean = (f.jacobian * m0[f.time_index]).sum(-1)
-            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points)
+            target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points, v)
             if target is not None:
                 p.data.copy_(target)
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
+import pyro
 import torch
 
 from ..context import Options, StepContext
 from ..messages.mean_field import compute
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, GuideDraw, StepReport
+from .marginals import marginal_median
 from .natural import NaturalBlock
 
 __all__ = ["MeanFieldBlock"]
@@ -150,3 +152,23 @@ class MeanFieldBlock(Block):
 
     def marginal(self, name: str) -> torch.distributions.Distribution:
         return self.natural[name].marginal(name)
+
+    # ------------------------------------------------------------------ the guide's methods
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        with draw.plates(name):
+            q = self.natural[name].dist(draw.subsample)
+            return {name: pyro.sample(name, draw.frozen(q))}
+
+    def median_values(self) -> Dict[str, torch.Tensor]:
+        return {
+            n: marginal_median(nb.dist({})).reshape(nb.mean_value({}).shape)
+            for n, nb in self.natural.items()
+        }
+
+    def packed_factors(self):
+        out = []
+        for n, nb in self.natural.items():
+            q = nb.dist({})
+            if not q.support.is_discrete:
+                out.append(((n,), (q.batch_shape + q.event_shape,), q, False))
+        return out

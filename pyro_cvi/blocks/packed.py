@@ -203,18 +203,9 @@ def packed_posterior(engine, leaves) -> PackedPosterior:
     (over its sites) and per other continuous site; ``leaves``: each leaf's conditional prior
     (discrete and summed-out sites are left out)."""
     an = engine.analysis
-    factors, done = [], set()
-    for name, info in an.latents.items():
-        if name in an.collapsed:
-            continue
-        if name not in leaves and name not in engine.natural:
-            if info.block not in done:
-                done.add(info.block)
-                block = engine.gaussian[info.block]
-                factors.append((block.names, block.spec.shapes, block.joint(), True))
-            continue
-        q = leaves[name] if name in leaves else engine.natural[name].dist({})
-        if not q.support.is_discrete:
+    factors = [f for block in engine.blocks for f in block.packed_factors()]
+    for name, q in leaves.items():
+        if name not in an.collapsed and not q.support.is_discrete:
             factors.append(((name,), (q.batch_shape + q.event_shape,), q, False))
     if not factors:
         raise ValueError("AutoCVI.get_posterior(): the model has no continuous latent site")

@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import pyro
+import pyro.distributions as dist
 import torch
 
 from ..context import StepContext
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, GuideDraw, StepReport
 
 __all__ = ["SiteFormBlock"]
 
@@ -82,3 +83,48 @@ class SiteFormBlock(Block):
         if at_means:
             return {n: v.detach() for n, v in self.mean_values().items()}
         return self.spec.split(self.joint().sample().detach())
+
+    # ------------------------------------------------------------------ the guide's methods
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        """One scalar-or-vector site alone: its marginal; otherwise one auxiliary joint draw,
+        and each site a ``Delta`` in its plates."""
+        if len(self.names) == 1 and len(self.spec.shapes[0]) == draw.event_dim(name):
+            return {name: pyro.sample(name, draw.frozen(self.marginal(name)))}
+        z = pyro.sample(
+            f"_{draw.prefix}_latent_{self.spec.index}",
+            draw.frozen(self.joint()),
+            infer={"is_auxiliary": True},
+        )
+        out = {}
+        for n, v in self.spec.split(z).items():
+            with draw.plates(n):
+                out[n] = pyro.sample(n, dist.Delta(v, event_dim=draw.event_dim(n)))
+        return out
+
+    def median_values(self) -> Dict[str, torch.Tensor]:
+        return {n: v.detach() for n, v in self.mean_values().items()}
+
+    def variance_along(self, parts: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """With the block's joint covariance (cross-site terms included)."""
+        cov = getattr(self.post, "covariance", None)
+        if cov is None:
+            return super().variance_along(parts)
+        like = next(iter(parts.values()))
+        R = like.shape[0]
+        cols = [
+            parts.get(n, torch.zeros(R, k, dtype=like.dtype, device=like.device))
+            for n, k in zip(self.names, self.spec.sizes)
+        ]
+        A = torch.cat(cols, 1)
+        return ((A @ cov()) * A).sum(-1)
+
+    def packed_factors(self):
+        return [(self.names, self.spec.shapes, self.joint(), True)]
+
+    def extra_state(self) -> Dict:
+        # the fixed point sets the bits of the offsets c: an exact resume restores it
+        return {"z_at": self.z_at.detach()} if torch.is_tensor(self.z_at) else {}
+
+    def load_extra_state(self, state: Dict) -> None:
+        if "z_at" in state and torch.is_tensor(self.z_at):
+            self.z_at = state["z_at"].to(self.z_at)

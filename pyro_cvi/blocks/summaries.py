@@ -8,7 +8,6 @@ from typing import Dict, Sequence
 
 import torch
 
-from ..model.analysis import SITE
 from .marginals import marginal_median, marginal_quantiles, marginal_std
 
 __all__ = ["Summaries"]
@@ -25,10 +24,8 @@ class Summaries:
         parents' means. ``args``: the model's (only needed before the first step)."""
         engine = self._ready(args, kwargs)
         out = {}
-        for block in engine.gaussian:
-            out.update(block.mean_values())
-        for name, nb in engine.natural.items():
-            out[name] = marginal_median(nb.dist({})).reshape(nb.mean_value({}).shape)
+        for block in engine.blocks:
+            out.update(block.median_values())
         if engine.analysis.leaves:
             for name, fn in self._leaf_priors(args or None, kwargs).items():
                 out[name] = marginal_median(fn).detach()
@@ -45,15 +42,26 @@ class Summaries:
         leaves = self._leaf_priors(args or None, kwargs) if engine.analysis.leaves else {}
         out = {}
         for name, med in medians.items():
-            info = engine.analysis.latents[name]
-            if info.form == SITE:
-                q = engine.gaussian[info.block].marginal(name)
-                std = marginal_std(q).reshape(med.shape)
+            if name in leaves:
+                q = leaves[name]
+            else:
+                q = engine.block_for(name).marginal(name)
+            if _gaussian(q):
+                std = marginal_std(q).reshape(med.shape)  # (a Gaussian: median + z sd)
                 normal = torch.distributions.Normal(0.0, 1.0)
                 qs = torch.as_tensor(list(quantiles), dtype=med.dtype, device=med.device)
                 z = normal.icdf(qs).reshape((-1,) + (1,) * med.dim())
                 out[name] = med + z * std
                 continue
-            q = leaves[name] if name in leaves else engine.natural[name].dist({})
             out[name] = marginal_quantiles(q, quantiles).reshape((-1,) + med.shape).detach()
         return out
+
+
+def _gaussian(q) -> bool:
+    """A Gaussian marginal, possibly reshaped: its quantiles are ``median + z sd``."""
+    T = torch.distributions
+    while isinstance(q, T.TransformedDistribution):
+        if not all(isinstance(t, T.transforms.ReshapeTransform) for t in q.transforms):
+            return False
+        q = q.base_dist
+    return isinstance(q, (T.Normal, T.MultivariateNormal))

@@ -33,6 +33,7 @@ import abc
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
+from pyro.distributions.util import broadcast_shape
 from torch import Tensor
 from torch.distributions import Distribution
 
@@ -133,7 +134,7 @@ class ExponentialFamily(abc.ABC):
     def batch_shape(self, params: Params) -> torch.Size:
         """Broadcast batch shape of a parameter tuple."""
         shapes = [p.shape[: p.dim() - len(s)] for p, s in zip(params, self.param_shapes)]
-        return torch.broadcast_shapes(*shapes)
+        return torch.Size(broadcast_shape(*shapes))  # (torch's imports sympy on first use)
 
     def value_batch_shape(self, x: Tensor) -> torch.Size:
         """Batch shape of a value ``x`` of the site."""

@@ -18,7 +18,7 @@ from typing import Dict, Set, Tuple
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
-from pyro.distributions.util import scale_and_mask
+from pyro.distributions.util import broadcast_shape, scale_and_mask
 
 from ..families.base import sum_rightmost
 from ..model import conjugate_pairs as cp
@@ -62,9 +62,8 @@ class QState:
             if geo is not None:
                 self.geo[name] = geo
         for block in gaussian:
-            loc = block.post.loc.detach()
-            for n, v in block.spec.split(loc).items():
-                self.cond[n] = v.clone().requires_grad_(True)
+            for n, v in block.mean_values().items():
+                self.cond[n] = v.detach().clone().requires_grad_(True)
                 self.block_of[n] = block
         self.fixed.update(subsample)
 
@@ -88,15 +87,7 @@ class QState:
             else:
                 per_block.setdefault(id(block), (block, {}))[1][p] = A
         for block, parts in per_block.values():
-            R = next(iter(parts.values())).shape[0]
-            cols = [
-                parts.get(
-                    n, torch.zeros(R, k, dtype=block.post.loc.dtype, device=block.post.loc.device)
-                )
-                for n, k in zip(block.names, block.spec.sizes)
-            ]
-            A = torch.cat(cols, 1)
-            total = total + ((A @ block.post.covariance()) * A).sum(-1)
+            total = total + block.variance_along(parts)
         return total
 
 
@@ -250,7 +241,7 @@ def expected_log_prob(spec: FactorSpec, traces, q: QState, cache: Dict, key) -> 
         lp = spec.pattern.elp(FactorMoments(spec, traces, q, cache, key))
     extra = fn.event_dim - base.event_dim
     shape = fn.batch_shape + fn.event_shape[:extra]
-    lp = lp.expand(torch.broadcast_shapes(lp.shape, shape))
+    lp = lp.expand(broadcast_shape(lp.shape, shape))  # (torch's imports sympy on first use)
     lp = reduce_like(fn, lp)
     w = discrete_weight(spec, traces["mean"], q)
     if w is not None:

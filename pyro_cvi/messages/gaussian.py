@@ -34,6 +34,7 @@ __all__ = [
     "gradient_particles",
     "general_message",
     "gradient_only",
+    "FLAT_PRIOR_VAR",
 ]
 
 #: The largest block dimension for which ``general_curvature="auto"`` takes the dense Price
@@ -217,13 +218,34 @@ def poisson_expectation(weight, y, mean, var):
     return f, weight * (y - r), -0.5 * weight * r
 
 
-def warm_start_target(site, rows: RowBlock, f_mean: torch.Tensor, num_points: int = 20):
+#: a prior variance of a linear predictor above which the prior is "flat" on the likelihood's
+#: scale: its moments say nothing about the curvature there (australian, ``delta = 1e-5``)
+FLAT_PRIOR_VAR = 100.0
+
+
+def warm_start_target(
+    site,
+    rows: RowBlock,
+    f_mean: torch.Tensor,
+    num_points: int = 20,
+    prior_var: Optional[torch.Tensor] = None,
+):
     """Site targets of a linear-predictor factor at a near point mass (variance ``1e-4``) at
     ``f_mean``: the warm start of its sites (``lam2 <= 0``; ``lam1 = 0`` where ``lam2 = 0``),
-    or ``None`` when they are not finite."""
+    or ``None`` when they are not finite.
+
+    With the rows' prior variances ``prior_var``: per row, the target at the prior's own
+    moments (Algorithm 1's first full step from ``q`` = prior) where that prior is not flat
+    (variance <= ``FLAT_PRIOR_VAR``) and it gives the row less curvature than the point mass
+    (the more conservative start). Measured: a1a (logistic, prior variance ~5) needs 12 steps
+    at a fixed step 0.4 from the point mass, whose curvature overstates the precision."""
     var = torch.full_like(f_mean, 1e-4)
     with torch.enable_grad():
         _, target = linear_predictor_message(site, rows, f_mean, var, num_points, None)
+        if prior_var is not None and bool((prior_var <= FLAT_PRIOR_VAR).any()):
+            _, at_prior = linear_predictor_message(site, rows, f_mean, prior_var, num_points)
+            pick = (prior_var <= FLAT_PRIOR_VAR) & (at_prior[:, 1].abs() < target[:, 1].abs())
+            target = torch.where(pick[:, None], at_prior, target)
     target[:, 1] = target[:, 1].clamp(max=0.0)
     target[:, 0] = torch.where(target[:, 1] == 0, 0.0, target[:, 0])
     return target if bool(torch.isfinite(target).all()) else None

@@ -37,6 +37,7 @@ from ..messages.softmax_sites import SOFTMAX, centred_logits
 from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
 from . import gaussian_tree, probes
+from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
     COLLAPSED,
@@ -49,11 +50,14 @@ from .records import (
     MEANFIELD,
     NATURAL,
     PRIOR,
+    REMAINDER,
+    REMAINDER_OWNER,
     SITE,
     BlockSpec,
     Factor,
     LatentInfo,
 )
+from .remainder import apply_remainder, remainder_factor, remainder_sets
 from .tracing import (
     continuous_dependencies,
     discrete_dependencies,
@@ -66,7 +70,13 @@ from .tracing import (
     unwrap,
 )
 
-__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM"]  # (the records: pyro_cvi.model.records)
+__all__ = [
+    "Analysis",
+    "SITE",
+    "NATURAL",
+    "LEAF_FORM",
+    "REMAINDER",
+]  # (the records: pyro_cvi.model.records)
 
 
 class Analysis:
@@ -88,6 +98,7 @@ class Analysis:
         covariance: str = "full",
         families: Optional[Dict[str, str]] = None,
         discrete: str = "mean_field",
+        remainder: Optional[Callable[[int], bool]] = None,
     ):
         self.model, self.args, self.kwargs = model, args, kwargs
         proto = prototype_trace
@@ -155,10 +166,21 @@ class Analysis:
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
         self._probe_cache: Dict[int, list] = {}
+        #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
+        #: sums out (:mod:`~pyro_cvi.model.remainder`)
+        self.remainder: List[str] = []
+        self.remainder_discrete: Set[str] = set()
+        self.regroup()
+        if remainder:
+            chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
+            apply_remainder(self, *remainder_sets(self, chosen, remainder))
+
+    def regroup(self) -> None:
+        """Group the Gaussian blocks and classify every factor (again, after latents moved)."""
         self.specs: Dict[str, FactorSpec] = {}  # (asked while grouping; reset after)
         self.blocks = self._group_blocks()
         self._probe_cache.clear()  # (block indices may have changed)
-        self.specs: Dict[str, FactorSpec] = {}
+        self.specs = {}
         self.owner: Dict[str, object] = {}
         self._classify()
         self._probe_cache.clear()
@@ -177,7 +199,9 @@ class Analysis:
     def _site_form_candidate(self, name: str) -> bool:
         info = self.latents[name]
         fam, chained = info.family, any(name in c.names for c in self.chains)
-        if info.form == LEAF_FORM or not fam.is_gaussian or not fam.full_covariance or chained:
+        if info.form in (LEAF_FORM, REMAINDER) or not fam.is_gaussian:
+            return False
+        if not fam.full_covariance or chained:
             return False
         if name in self._feeds_collapsed:
             return False
@@ -218,6 +242,7 @@ class Analysis:
         for n in self.latents:  # (a regrouping starts from the mean field)
             if self.latents[n].form == SITE:
                 self.latents[n].form, self.latents[n].block = NATURAL, None
+        self.chains = [c for c in self.chains if not set(c.names) & set(self.remainder)]
         for i, names in enumerate(groups.values()):
             shapes = tuple(
                 torch.Size(
@@ -245,16 +270,22 @@ class Analysis:
             self.specs[site] = analyze_factor(self, site)
         return self.specs[site]
 
-    def _latents_of(self, site: str) -> Set[str]:
+    def latents_of(self, site: str) -> Set[str]:
         own = {site} if site in self.latents and site not in self.leaves else set()
         return (self.deps.get(site, set()) | own) - self.leaves
 
     def _classify(self) -> None:
+        self.remainder_factors: List[Factor] = []
         natural = {n for n, i in self.latents.items() if i.form == NATURAL}
+        inside = set(self.remainder) | self.remainder_discrete
         for site, node in self.structure.nodes.items():
             if not is_random(node) or site in self.leaves:
                 continue
-            lat = self._latents_of(site) - self.collapsed
+            if site in inside or self.latents_of(site) & inside:  # (model/remainder.py)
+                self.owner[site] = REMAINDER_OWNER
+                self.remainder_factors.append(remainder_factor(site))
+                continue
+            lat = self.latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
             if site in self.collapsed_sites:  # (its latents are all natural-form)
                 self.owner[site] = MEANFIELD
@@ -465,24 +496,5 @@ class Analysis:
 
     # ------------------------------------------------------------------ text
     def explain(self) -> str:
-        lines = [f"{'factor':>20s}    {'latent':<12s} {'kind':<17s} why"]
-        done = set()
-        for name, info in self.latents.items():
-            if info.form == SITE:
-                if info.block in done:
-                    continue
-                done.add(info.block)
-                block = self.blocks[info.block]
-                what = "gaussian" if len(block.names) == 1 else f"joint gaussian, D={block.dim}"
-                if block.chain is not None:
-                    what = f"Markov gaussian chain, {block.chain.size_text}"
-                lines.append(f"# {block.label}: q = {what} (site form)")
-                lines.extend(f.describe() for f in block.factors)
-                continue
-            fam = info.family.name if info.family is not None else "conditional prior"
-            why = f"; {self.fallback[name]}" if name in self.fallback else ""
-            lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
-            lines.extend(f.describe() for f in info.factors)
-        for name in sorted(self.collapsed, key=list(self.values).index):
-            lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
-        return "\n".join(lines)
+        """One line per (factor, latent or block): the kind CVI gives it, and why."""
+        return explain(self)

@@ -20,15 +20,18 @@ LINEAR = "linear-predictor"
 GENERAL = "general"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
+NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
 
 # forms of a latent's q
 SITE = "site"
 NATURAL = "natural"
 LEAF_FORM = "leaf"
+REMAINDER = "remainder"  # in the joint Gaussian of the remainder (model/remainder.py)
 
 # owners of ELBO terms (besides a block index)
 MEANFIELD = "meanfield"
 CONSTANT = "constant"
+REMAINDER_OWNER = "remainder"
 
 
 @dataclass

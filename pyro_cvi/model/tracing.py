@@ -113,6 +113,11 @@ def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Di
             value = site["value"]
             if name not in leaves and torch.is_tensor(value) and value.requires_grad:
                 params.append(value)  # an observed value computed from latents: obs=f(x)
+            # and through the density itself: parameters held inside the distribution object
+            # (MixtureSameFamily's components, a DiscreteHMM's observation law, ...)
+            lp = _log_prob(site)
+            if lp is not None:
+                params.append(lp)
             deps[name] = set()
             if not params or not names:
                 continue
@@ -120,8 +125,17 @@ def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Di
             grads = torch.autograd.grad(
                 total, [leaves[n] for n in names], allow_unused=True, retain_graph=True
             )
-            deps[name] = {n for n, g in zip(names, grads) if g is not None}
+            deps[name] = {n for n, g in zip(names, grads) if g is not None and n != name}
     return deps
+
+
+def _log_prob(site) -> Optional[torch.Tensor]:
+    """The site's log density at its value, where it has a graph (else ``None``)."""
+    try:
+        lp = site["fn"].log_prob(site["value"])
+    except Exception:  # (a density that cannot be evaluated here: its parameters decide)
+        return None
+    return lp if torch.is_tensor(lp) and lp.requires_grad else None
 
 
 def float_params(fn) -> list:

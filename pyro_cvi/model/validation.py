@@ -73,6 +73,16 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
             )
 
 
+def _scores_per_batch(fn, value) -> bool:
+    """Whether ``fn`` scores ``value`` with one term per batch element (a value longer than the
+    event shape suggests, that the law itself reads whole: ``DiscreteHMM`` over T steps)."""
+    try:
+        lp = fn.log_prob(value)
+    except Exception:
+        return False
+    return torch.is_tensor(lp) and tuple(lp.shape) == tuple(fn.batch_shape)
+
+
 def check_observations(trace: Trace, prototype) -> None:
     """Raise ``ValueError`` for non-finite observations or a model whose sites changed."""
     check_structure(trace, prototype)
@@ -91,7 +101,7 @@ def check_observations(trace: Trace, prototype) -> None:
         if not torch.is_tensor(v):
             continue
         expected = site["fn"].shape()
-        if not _broadcasts_into(v.shape, expected):
+        if not _broadcasts_into(v.shape, expected) and not _scores_per_batch(site["fn"], v):
             raise ValueError(
                 f"observed site {name!r} has shape {tuple(v.shape)} but its distribution has "
                 f"shape {tuple(expected)} (batch {tuple(site['fn'].batch_shape)}, event "

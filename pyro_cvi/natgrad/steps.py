@@ -119,17 +119,19 @@ def tril_step(
     retraction: bool = True,
     max_rel: Optional[float] = None,
     beta_mean: Optional[float] = None,
+    G: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One step of ``N(m, L L^T)`` (batched over leading dims), in float64 inside.
-    Returns ``(m', L', d)`` with ``d = (L^T dl/dm, L^T G L)`` whitened.
+    Returns ``(m', L', d)`` with ``d = (L^T dl/dm, L^T G L)`` whitened. ``G = 2 dl/dS`` may be
+    given instead of ``gL`` (e.g. by Price's theorem, ``G = -E_q[grad^2 log p] - S^-1``).
 
     ``max_rel`` (the adaptive step only) caps ``b`` so that the whitened precision change
     ``b ||L^T G L||_2`` is at most ``max_rel``: under heavy Monte Carlo noise the retraction's
     ``b^2 G S G / 2``, positive whatever the sign of ``G``, would otherwise inflate the
     precision (collapse ``S``) systematically."""
     dtype = m.dtype
-    m, L, gm, gL = (t.double() for t in (m, L, gm, gL))
-    G = 2.0 * chol_grad_to_cov_grad(L, gL)
+    m, L, gm = (t.double() for t in (m, L, gm))
+    G = 2.0 * chol_grad_to_cov_grad(L, gL.double()) if G is None else G.double()
     P = _chol_inverse(L)
     S = L @ L.transpose(-1, -2)
     b = torch.full(P.shape[:-2] + (1, 1), float(beta), dtype=P.dtype, device=P.device)

@@ -34,7 +34,7 @@ import os
 import pickle
 import random
 import tempfile
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import pyro
@@ -103,7 +103,7 @@ def _guide_state(guide: AutoCVI) -> Dict[str, Any]:
         store = pyro.get_param_store()
         names = engine.param_names() + [engine.steps_name]
         out["params"] = {n: list(store[n].shape) for n in names if n in store}
-        out["z_at"] = {_key(b): z.detach() for b, z in _fixed_points(engine)}
+        out["blocks"] = {_key(b): b.extra_state() for b in engine.blocks if b.extra_state()}
     return out
 
 
@@ -126,15 +126,6 @@ def _engine(guide: AutoCVI) -> Any:
 
 def _key(block: Any) -> str:
     return "+".join(block.names)
-
-
-def _fixed_points(engine: Any) -> Iterator[Tuple[Any, torch.Tensor]]:
-    """``(block, z_at)``: the points site-form blocks trace the model at (they set the bits
-    of the offsets ``c``, so an exact resume restores them instead of recomputing them)."""
-    for b in engine.blocks:
-        z = getattr(b, "z_at", None)
-        if torch.is_tensor(z):
-            yield b, z
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -403,10 +394,12 @@ def _apply(state: Dict[str, Any], optim: CVI, guide: Optional[AutoCVI]) -> None:
         guide.num_rejected = saved.get("num_rejected", 0)
         engine = guide.engine
         if engine is not None:
-            z_at = saved.get("z_at", {})
-            for block, z in list(_fixed_points(engine)):
-                if _key(block) in z_at:
-                    block.z_at = z_at[_key(block)].to(z)
+            extra = dict(saved.get("blocks", {}))
+            for key, z in saved.get("z_at", {}).items():  # (written by an earlier version)
+                extra.setdefault(key, {"z_at": z})
+            for block in engine.blocks:
+                if _key(block) in extra:
+                    block.load_extra_state(extra[_key(block)])
             engine.invalidate()
             optim.resume_control(engine)
     rng = state["rng"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
+from pyro.distributions.util import broadcast_shape
 
 from ..linalg import NotPositiveDefinite
 from . import soa
@@ -244,7 +245,8 @@ def _descend(levels: List, root: Element):
 def _time_major(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, packed: bool):
     """The leaves (transition then site, per step), time first: ``(T, *B, ...)``."""
     A, b, C = chain.all_steps()
-    batch = torch.broadcast_shapes(A.shape[:-3], eta.shape[:-2], J.shape[:-3])
+    # (pyro's pure-Python broadcast: torch.broadcast_shapes imports sympy, 0.6 s, on first use)
+    batch = torch.Size(broadcast_shape(A.shape[:-3], eta.shape[:-2], J.shape[:-3]))
     T, d = eta.shape[-2], eta.shape[-1]
 
     def mat(M):

@@ -274,6 +274,7 @@ def run_cvi(
     pyro.clear_param_store()
     guide = AutoCVI(
         model,
+        remainder="off",  # the paper's algorithm: Gamma q with Monte Carlo messages
         num_general_samples=num_samples,
         init_loc_fn=init_to_value(values=init),
         vectorize_particles=vectorize_particles,

@@ -1,0 +1,480 @@
+"""The remainder: one joint Gaussian, on the unconstrained space, for every latent without an
+exact message (:mod:`pyro_cvi.model.remainder` decides which), stepped by natural gradients.
+
+``q(u) = N(m, S)`` over the packed unconstrained values ``u`` of the remainder's sites
+(``z_i = T_i(u_i)``, ``T_i = biject_to(support_i)``, as Pyro's ``AutoContinuous`` packs them).
+Its part of the ELBO is
+
+    L_R = E_q[ sum_{f in R} log p_f(T(u)) + log |T'(u)| ] + H[N(m, S)]
+
+(the factors it owns: every factor that holds one of its latents; finite discrete latents of
+those factors summed out by Pyro's TraceEnum contraction). The loss estimates it with
+``particles`` reparameterised draws ``u = m + L eps`` and differentiates the estimate in
+``(m, L)``; the step is CVI's mirror-descent step for a Gaussian from those gradients (Khan &
+Lin 2017, eqs. 10-13) in the positive-definite form of Lin, Schmidt & Khan (2020), the one
+:mod:`pyro_cvi.natgrad` applies to Pyro's own Gaussian guides (``CVI()`` on
+``AutoMultivariateNormal``): full covariance up to :data:`MAX_FULL_DIM` coordinates, low rank
+plus diagonal beyond (``AutoLowRankMultivariateNormal``'s form), or diagonal. Its step size is
+the signal-to-noise control of :mod:`pyro_cvi.natgrad.control`, capped by the engine's ``beta``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions.util import sum_rightmost
+from torch.distributions import biject_to, constraints
+from torch.distributions.transforms import ReshapeTransform
+
+from ..context import StepContext
+from ..messages.collapsed import collapsed_log_prob
+from ..model.tracing import run_model
+from ..natgrad.control import NoiseControl
+from ..natgrad.params import write
+from ..natgrad.steps import diag_step, lowrank_step, tril_step
+from ..strategies import HESSIAN_MAX_DIM, Remainder
+from ..update import StepCounts
+from .base import Block, BlockInit, GuideDraw, StepReport
+from .marginals import standard_posterior
+
+__all__ = ["Remainder", "RemainderBlock"]
+
+
+@dataclass
+class _Site:
+    name: str
+    transform: torch.distributions.Transform
+    shape: torch.Size  # constrained value
+    ushape: torch.Size  # unconstrained value
+    event_dim: int  # of the site's distribution
+    frames: list
+    start: int
+    size: int
+    real: bool  # real support: the unconstrained value is the value
+
+
+class RemainderBlock(Block):
+    """The remainder's joint Gaussian (see the module docstring).
+
+    :param analysis: the model's :class:`~pyro_cvi.model.analysis.Analysis`.
+    :param prefix: the guide's param-store prefix.
+    :param strategy: the guide's :class:`Remainder`.
+    :param owned: the factor sites whose ELBO terms this block computes.
+    """
+
+    kind = "remainder"
+
+    def __init__(self, analysis, prefix: str, strategy: Remainder, owned: Sequence[str]):
+        self.analysis, self.strategy = analysis, strategy
+        self.names = tuple(analysis.remainder)
+        self.owned = list(owned)
+        self.sites: List[_Site] = []
+        start = 0
+        for n in self.names:
+            node = analysis.structure.nodes[n]
+            fn, value = node["fn"], analysis.values[n]
+            t = biject_to(fn.support)
+            ushape = t.inv(value).shape
+            size = int(ushape.numel())
+            frames = [f for f in node["cond_indep_stack"] if f.vectorized]
+            real = _is_real(fn.support)
+            site = _Site(n, t, value.shape, ushape, fn.event_dim, frames, start, size, real)
+            self.sites.append(site)
+            start += size
+        self.dim = start
+        self.form = strategy.form(self.dim)
+        self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
+        self.rank = min(self.rank, self.dim)
+        self.loc_name = f"{prefix}.remainder.loc"
+        self.role_names = {
+            "full": (f"{prefix}.remainder.scale_tril",),
+            "lowrank": (f"{prefix}.remainder.scale", f"{prefix}.remainder.cov_factor"),
+            "diag": (f"{prefix}.remainder.scale",),
+        }[self.form]
+        # every parameter is stored as it is (constraint real, as every AutoCVI parameter: the
+        # guide binds the store's tensors as its own): the steps keep L's diagonal and the
+        # scales positive (the retraction, and s' = s exp(...))
+        self.constraints = {n: constraints.real for n in self.param_names()}
+        #: Price's theorem (dense Hessians) for the precision, up to HESSIAN_MAX_DIM coordinates
+        self.hessian = self.form == "full" and (
+            strategy.curvature == "hessian"
+            or (strategy.curvature == "auto" and self.dim <= HESSIAN_MAX_DIM)
+        )
+        # the warm-up guards against a reparameterised gradient of S far from the optimum;
+        # Price's Hessian target has no such term: full steps from the start
+        self.control = NoiseControl(start=1.0) if self.hessian else NoiseControl()
+        self._grads: Optional[Dict[str, torch.Tensor]] = None
+        #: whether the particles run as one batched model run (``None``: not yet checked)
+        self._vectorise: Optional[bool] = None
+
+    @property
+    def label(self) -> str:
+        return "remainder(" + ", ".join(self.names) + ")"
+
+    def state_objects(self) -> List:
+        return [self.control, self.control.prec, self.control.mean]
+
+    # ------------------------------------------------------------------ parameters
+    def param_names(self) -> List[str]:
+        return [self.loc_name, *self.role_names]
+
+    def setup(self, init: BlockInit) -> None:
+        tr = init.median_trace if init.median_trace is not None else init.prototype_trace
+        parts = []
+        for s in self.sites:
+            value = tr.nodes[s.name]["value"] if tr is not None and s.name in tr.nodes else None
+            if value is None:
+                value = self.analysis.values[s.name]
+            parts.append(s.transform.inv(value.detach()).reshape(-1))
+        loc = torch.cat(parts)
+        loc = torch.where(torch.isfinite(loc), loc, torch.zeros_like(loc))
+        scale = init.init_scale if init.init_scale is not None else self.strategy.init_scale
+        pyro.param(self.loc_name, lambda: loc.clone())
+        D = self.dim
+        if self.form == "full":
+            eye = torch.eye(D, dtype=loc.dtype, device=loc.device)
+            pyro.param(self.role_names[0], lambda: scale * eye)
+        elif self.form == "diag":
+            pyro.param(self.role_names[0], lambda: torch.full_like(loc, scale))
+        else:  # W ~ N(0, 1/r), as Pyro's AutoLowRankMultivariateNormal (its Fisher is singular
+            # at W = 0); s so that every marginal sd is init_scale. A fixed local generator:
+            # the user's random stream is not consumed
+            g = torch.Generator().manual_seed(0)
+            W = torch.randn(D, self.rank, generator=g, dtype=loc.dtype) / math.sqrt(self.rank)
+            W = W.to(loc.device)
+            s0 = scale / (1.0 + (W * W).sum(-1)).sqrt()
+            pyro.param(self.role_names[0], lambda: s0)
+            pyro.param(self.role_names[1], lambda: W)
+
+    def _values(self) -> Dict[str, torch.Tensor]:
+        return {n: pyro.param(n).detach() for n in self.param_names()}
+
+    # ------------------------------------------------------------------ the Gaussian
+    def _draw(self, params: Dict[str, torch.Tensor], K: int) -> torch.Tensor:
+        """``K`` reparameterised draws ``u = m + L eps`` (graph to ``params``)."""
+        m = params[self.loc_name]
+        if self.form == "full":
+            L = params[self.role_names[0]].tril()
+            return m + torch.randn(K, self.dim, dtype=m.dtype, device=m.device) @ L.mT
+        s = params[self.role_names[0]]
+        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
+        if self.form == "diag":
+            return m + s * eps
+        W = params[self.role_names[1]]
+        eps2 = torch.randn(K, W.shape[-1], dtype=m.dtype, device=m.device)
+        return m + s * (eps + eps2 @ W.mT)
+
+    def _entropy(self, params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        m = params[self.loc_name]
+        const = 0.5 * self.dim * (1.0 + math.log(2 * math.pi))
+        if self.form == "full":
+            L = params[self.role_names[0]]
+            return L.diagonal().abs().log().sum() + const
+        s = params[self.role_names[0]]
+        h = s.log().sum() + const
+        if self.form == "lowrank":
+            W = params[self.role_names[1]]
+            eye = torch.eye(W.shape[-1], dtype=m.dtype, device=m.device)
+            h = h + 0.5 * torch.logdet(eye + W.mT @ W)
+        return h
+
+    def _log_q(self, u: torch.Tensor) -> torch.Tensor:
+        """``log q(u)`` at draws ``u`` (with their graph; none to the parameters)."""
+        return self.joint_unconstrained().log_prob(u)
+
+    def _covariance(self) -> torch.Tensor:
+        p = self._values()
+        if self.form == "full":
+            L = p[self.role_names[0]]
+            return L @ L.mT
+        s = p[self.role_names[0]]
+        cov = torch.diag_embed(torch.ones_like(s))
+        if self.form == "lowrank":
+            W = p[self.role_names[1]]
+            cov = cov + W @ W.mT
+        return s[:, None] * cov * s[None, :]
+
+    def _unpack(self, u: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """Constrained site values of one packed ``u`` and ``sum log |T'(u)|``."""
+        values, logdet = {}, u.new_zeros(())
+        for s in self.sites:
+            x = u[s.start : s.start + s.size].reshape(s.ushape)
+            z = s.transform(x)
+            ld = s.transform.log_abs_det_jacobian(x, z)
+            logdet = logdet + ld.sum()
+            values[s.name] = z
+        return values, logdet
+
+    # ------------------------------------------------------------------ messages and steps
+    def messages(self, ctx: StepContext) -> torch.Tensor:
+        others = {
+            n: node["value"]
+            for n, node in ctx.trace.nodes.items()
+            if node["type"] == "sample"
+            and not node["is_observed"]
+            and n not in self.names
+            and n not in self.analysis.remainder_discrete
+        }
+        K = self.strategy.particles
+        with torch.enable_grad():
+            if self.hessian:
+                return self._price_messages(ctx, others, K)
+            leaves = {n: v.clone().requires_grad_(True) for n, v in self._values().items()}
+            draws = self._draw(leaves, K)
+            # log p - log q at each draw, q's parameters held fixed in log q ("sticking the
+            # landing", Roeder et al. 2017): unbiased for the ELBO and its gradient, and
+            # without variance where q is the posterior
+            per_t = self._log_joint(ctx, draws, others) - self._log_q(draws)
+            elbo = per_t.mean()
+            ctx.add_mc_samples(per_t)
+            if ctx.grads:
+                names = list(leaves)
+                gs = torch.autograd.grad(
+                    -elbo, [leaves[n] for n in names], retain_graph=True, allow_unused=True
+                )
+                self._grads = {
+                    n: (torch.zeros_like(leaves[n]) if g is None else g.detach())
+                    for n, g in zip(names, gs)
+                }
+        return elbo
+
+    def _price_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
+        """Bonnet's and Price's theorems (eqs. 30-31): ``dL/dm = E[g]``, ``dL/dS = E[H] / 2 +
+        S^-1 / 2`` from the gradient ``g`` and Hessian ``H`` of ``log p(T(u)) + log|T'(u)|`` at
+        the draws (the mean's with the control variate ``S^-1 (u - m)``, zero in expectation).
+        The precision's target ``-E[H]`` is exact at once where the posterior is Gaussian in
+        ``u``, whatever ``q``: a Newton step (variational online Newton)."""
+        p = self._values()
+        m, L = p[self.loc_name], p[self.role_names[0]]
+        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
+        u = (m + eps @ L.mT).requires_grad_(True)
+        f = self._log_joint(ctx, u, others)
+        per_t = f - self._log_q(u)
+        elbo = per_t.mean()
+        ctx.add_mc_samples(per_t)
+        if ctx.grads:
+            (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
+            g = torch.zeros_like(u) if g is None else g
+            rows = []
+            for i in range(self.dim):
+                h = None
+                if g.requires_grad:
+                    (h,) = torch.autograd.grad(
+                        g[:, i].sum(), u, retain_graph=True, allow_unused=True
+                    )
+                rows.append(torch.zeros_like(u) if h is None else h)
+            H = torch.stack(rows, 1).mean(0).detach()
+            P = torch.cholesky_inverse(L)
+            gm = -(g.detach() + (u.detach() - m) @ P).mean(0)
+            G = -0.5 * (H + H.mT) - P
+            self._grads = {self.loc_name: gm, "G": G}
+        return elbo
+
+    def _log_joint(self, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
+        """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (the owned factors, the discrete
+        latents summed out): one model run with a particle plate left of the model's plates
+        when the model broadcasts over it (checked once against one run per draw), else one
+        run per draw."""
+        if self._vectorise is not False:
+            try:
+                batched = self._log_joint_vectorised(ctx, draws, others)
+            except (RuntimeError, ValueError, IndexError, TypeError):
+                batched = None
+            if batched is None:
+                self._vectorise = False
+            elif self._vectorise:
+                return batched
+        per = []
+        enum = self.analysis.enum_dims if self.analysis.remainder_discrete else None
+        for k in range(draws.shape[0]):
+            values, logdet = self._unpack(draws[k])
+            tr = run_model(
+                ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum
+            )
+            sites = [s for s in self.owned if s in tr.nodes]
+            per.append(collapsed_log_prob(tr, sites) + logdet)
+        looped = torch.stack(per)
+        if self._vectorise is None:  # the first step: do both agree?
+            tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
+            same = bool(torch.allclose(batched.detach(), looped.detach(), rtol=tol, atol=tol))
+            self._vectorise = same
+        return looped
+
+    def _log_joint_vectorised(self, ctx: StepContext, draws: torch.Tensor, others):
+        K, P = draws.shape[0], self.analysis.plate_dims
+        values, logdet = {}, draws.new_zeros(K)
+        for s in self.sites:
+            x = draws[:, s.start : s.start + s.size].reshape((K,) + s.ushape)
+            z = s.transform(x)
+            ld = s.transform.log_abs_det_jacobian(x, z).reshape(K, -1).sum(-1)
+            logdet = logdet + ld
+            batch = len(s.shape) - s.event_dim
+            values[s.name] = z.reshape((K,) + (1,) * (P - batch) + s.shape)
+
+        def particles(*a, **k):
+            with pyro.plate("_cvi_particles", K, dim=-1 - P):
+                return ctx.model(*a, **k)
+
+        enum = P + 1 if self.analysis.remainder_discrete else None
+        tr = run_model(particles, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
+        sites = [s for s in self.owned if s in tr.nodes]
+        for name in sites:
+            shape = tr.nodes[name]["fn"].batch_shape
+            if len(shape) < P + 1 or shape[len(shape) - 1 - P] != K:
+                return None
+        return collapsed_log_prob(tr, sites, "_cvi_particles") + logdet
+
+    def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
+        grads, self._grads = self._grads, None
+        if grads is None:
+            return []
+        ceiling = ctx.max_beta if ctx is not None and ctx.max_beta is not None else beta
+        self.control.ceiling = float(ceiling)
+        b_prec, b_mean = self.control.step_sizes()
+        p = self._values()
+        m = p[self.loc_name]
+        if self.form == "full":
+            (Ln,) = self.role_names
+            L, G = p[Ln], grads.get("G")
+            gL = grads[Ln].tril() if G is None else None
+            m2, L2, d = tril_step(m, L, grads[self.loc_name], gL, b_prec, True, 1.0, b_mean, G)
+            new = {self.loc_name: m2, Ln: L2}
+        elif self.form == "diag":
+            (sn,) = self.role_names
+            m2, s2, d = diag_step(
+                m, p[sn], grads[self.loc_name], grads[sn], b_prec, True, 1.0, b_mean
+            )
+            new = {self.loc_name: m2, sn: s2}
+        else:
+            sn, Wn = self.role_names
+            m2, s2, W2, d = lowrank_step(
+                m,
+                p[sn],
+                p[Wn],
+                grads[self.loc_name],
+                grads[sn],
+                grads[Wn],
+                b_prec,
+                max_rel=1.0,
+                beta_mean=b_mean,
+            )
+            new = {self.loc_name: m2, sn: s2, Wn: W2}
+        counts = StepCounts()
+        if all(bool(torch.isfinite(v).all()) for v in new.values()):
+            for n, v in new.items():
+                write(n, v, self.constraints)
+            self.control.observe(d)
+        else:
+            counts.rejected += 1
+        return [StepReport(self.label, "remainder", b_prec, counts)]
+
+    # ------------------------------------------------------------------ the current q
+    def _at(self, u: torch.Tensor, exclude: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+        values, _ = self._unpack(u)
+        return {n: v for n, v in values.items() if n not in exclude}
+
+    def trace_values(self, subsample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return self._at(pyro.param(self.loc_name).detach())
+
+    def sample(
+        self,
+        subsample: Dict[str, torch.Tensor],
+        exclude: Sequence[str] = (),
+        at_means: bool = False,
+    ) -> Dict[str, torch.Tensor]:
+        if at_means:
+            return self._at(pyro.param(self.loc_name).detach(), exclude)
+        with torch.no_grad():
+            return self._at(self._draw(self._values(), 1)[0], exclude)
+
+    def joint_unconstrained(self) -> dist.MultivariateNormal:
+        """``q(u)``: the Gaussian over the packed unconstrained values."""
+        loc = pyro.param(self.loc_name).detach()
+        if self.form == "full":
+            L = pyro.param(self.role_names[0]).detach()
+            return dist.MultivariateNormal(loc, scale_tril=L)
+        return dist.MultivariateNormal(loc, covariance_matrix=self._covariance())
+
+    def _site(self, name: str) -> _Site:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(f"{name!r} is not in the remainder")
+
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        """The site's marginal: its unconstrained coordinates' Gaussian marginals (independent,
+        within the site) pushed through ``biject_to(support)``."""
+        s = self._site(name)
+        sl = slice(s.start, s.start + s.size)
+        loc = pyro.param(self.loc_name).detach()[sl]
+        cov = self._covariance()[sl, sl]
+        if s.real:  # a real site: its Gaussian, as a Gaussian block's
+            if len(s.shape) == 0:
+                return dist.Normal(loc[0], cov[0, 0].sqrt())
+            mvn = dist.MultivariateNormal(loc, covariance_matrix=cov)
+            if len(s.shape) == 1:
+                return mvn
+            return dist.TransformedDistribution(mvn, ReshapeTransform(mvn.event_shape, s.shape))
+        sd = cov.diagonal().sqrt()
+        udim = s.event_dim + len(s.ushape) - len(s.shape)
+        base = dist.Normal(loc.reshape(s.ushape), sd.reshape(s.ushape))
+        if udim:
+            base = base.to_event(udim)
+        return standard_posterior(dist.TransformedDistribution(base, [s.transform]))
+
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        """One auxiliary joint draw of ``u``, then each site a ``Delta`` with the log-Jacobian
+        of its map (as ``AutoContinuous.forward``); all at the block's first site."""
+        u = pyro.sample(
+            f"_{draw.prefix}_latent_remainder",
+            draw.frozen(self.joint_unconstrained_with_graph()),
+            infer={"is_auxiliary": True},
+        )
+        out = {}
+        for s in self.sites:
+            x = u[..., s.start : s.start + s.size].reshape(u.shape[:-1] + s.ushape)
+            z = s.transform(x)
+            ld = s.transform.inv.log_abs_det_jacobian(z, x)
+            ld = sum_rightmost(ld, ld.dim() - z.dim() + s.event_dim)
+            with draw.plates(s.name):
+                out[s.name] = pyro.sample(
+                    s.name, dist.Delta(z, log_density=ld, event_dim=s.event_dim)
+                )
+        return out
+
+    def joint_unconstrained_with_graph(self) -> dist.MultivariateNormal:
+        """``q(u)`` with its graph to the parameters (for Pyro ELBOs that differentiate the
+        guide, and for ``torch.jit`` tracing)."""
+        loc = pyro.param(self.loc_name)
+        if self.form == "full":
+            return dist.MultivariateNormal(loc, scale_tril=pyro.param(self.role_names[0]))
+        s = pyro.param(self.role_names[0])
+        if self.form == "diag":
+            return dist.MultivariateNormal(loc, scale_tril=torch.diag_embed(s))
+        W = pyro.param(self.role_names[1])
+        return dist.LowRankMultivariateNormal(loc, s[:, None] * W, s * s)
+
+    def median_values(self) -> Dict[str, torch.Tensor]:
+        return self.trace_values({})
+
+    def packed_factors(self):
+        """``q(u)`` is already over the packed unconstrained values: one joint factor."""
+        return [(self.names, [s.ushape for s in self.sites], self.joint_unconstrained(), True)]
+
+    def extra_state(self) -> Dict:
+        return {"control": self.control.state()}
+
+    def load_extra_state(self, state: Dict) -> None:
+        if "control" in state:
+            self.control.load(state["control"])
+
+
+def _is_real(c) -> bool:
+    while isinstance(c, constraints.independent):
+        c = c.base_constraint
+    return c is constraints.real
