@@ -450,6 +450,19 @@ def case_gpytorch_labels():
     CVIOptimizer(GP().double(), lik, 1.0).step(X, 2 * y - 1)  # labels in {-1, 1}
 
 
+def case_pyro_gp_labels():
+    from pyro_cvi.contrib import pyro_gp
+
+    f = torch.zeros(3, dtype=torch.float64)
+    pyro_gp.Binary()(f, f + 1.0, torch.tensor([0.0, -1.0, 1.0], dtype=torch.float64))
+
+
+def case_pyro_gp_multiclass_response():
+    from pyro_cvi.contrib import pyro_gp
+
+    pyro_gp.MultiClass(3, response_function=torch.sigmoid)
+
+
 CASES = {
     name[5:].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")
 }

@@ -39,9 +39,13 @@ GPyTorch's GP-classification loop, with the strategy swapped in (the only change
         optimizer.step()
 
 This is GPyTorch's NGD on whitened natural parameters with ``lr = step_size`` (a test checks
-the trajectories agree). Adding ``cvi = CVIOptimizer(model, likelihood)`` and ``cvi.step(train_x,
-train_y)`` before ``optimizer.zero_grad()`` fits q with backtracking instead
-(``scripts/benchmark_gpytorch_loop.py``).
+the trajectories agree with ``lengthscale_search=False``). By default the first step also takes
+an M-step on the lengthscales (:mod:`~pyro_cvi.contrib.gpytorch.lengthscale_search`): from a
+lengthscale far longer than the labels' scale, every method that fits q quickly stalls on the
+bound's plateau (GPyTorch's own NGD and whitened strategy too), and this step leaves it.
+Adding ``cvi = CVIOptimizer(model, likelihood)`` and ``cvi.step(train_x, train_y)`` before
+``optimizer.zero_grad()`` fits q with backtracking instead
+(``scripts/benchmark_gpytorch_loop.py``, ``scripts/benchmark_tutorial_datasets.py``).
 
 Hybrid training with the data-site form (CVI for q, Adam for the hyperparameters)::
 

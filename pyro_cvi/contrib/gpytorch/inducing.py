@@ -25,6 +25,11 @@ leaf tensors ``m_v``, ``S_v`` and the KL term carries a scalar probe whose gradi
 ``loss = -mll(model(x), y); loss.backward(); adam.step()`` loop trains q (Adam only sees the
 hyperparameters: the sites are buffers). A :class:`CVIOptimizer` turns this off and takes its own
 steps (with backtracking) instead.
+
+**The first step** (sites at their start, one GP, ``lengthscale_search``) also keeps the batch's
+marginals and their gradients (per-point sites, eqs. 30-31) and runs the lengthscale M-step of
+:mod:`~pyro_cvi.contrib.gpytorch.lengthscale_search`; a move is written into the kernels once the
+backward pass has finished (the graph still holds the old values).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch.distributions import register_kl
 
 from pyro_cvi.update import cvi_update
 
+from .lengthscale_search import LengthscaleMove, data_sites, search_lengthscales
 from .posterior import safe_cholesky
 
 __all__ = [
@@ -155,7 +161,8 @@ class BackwardStep:
     turns their gradients into one CVI step (module docstring).
 
     :param q: q(v) at the current sites.
-    :param apply: called with ``(t1, t2)``, the CVI targets (full-data scale), once per backward.
+    :param apply: called with ``(t1, t2, c)``, the CVI targets (full-data scale) and the KL's
+        weight in the loss, once per backward.
     """
 
     _warned = False
@@ -193,7 +200,7 @@ class BackwardStep:
         gm = torch.zeros_like(self.m_v) if gm is None else gm
         gS = torch.zeros_like(self.S_v) if gS is None else gS
         t1, t2 = mean_param_targets(self.m_v.detach(), -gm / c[..., None], -gS / c[..., None, None])
-        self.apply(t1, t2)
+        self.apply(t1, t2, c)
 
 
 class InducingForm:
@@ -229,10 +236,15 @@ class InducingForm:
         self._cache = self._prior_cache = None
         self.reducer = None
 
-    def _inducing_init(self, step_size: float) -> None:
+    def _inducing_init(self, step_size: float, lengthscale_search: bool = True) -> None:
         if not 0.0 < float(step_size) <= 1.0:
             raise ValueError(f"step_size must be in (0, 1], got {step_size}")
         self.step_size = float(step_size)
+        #: the first step's M-step on the lengthscales (:mod:`.lengthscale_search`)
+        self.lengthscale_search = bool(lengthscale_search)
+        self.lengthscale_move: Optional[LengthscaleMove] = None
+        self._searched = False
+        self._capture: Optional[dict] = None
         self.backward_step = True
         self.num_clipped = 0
         self._q_cache = None
@@ -281,9 +293,51 @@ class InducingForm:
         finally:
             self._tracked = None
 
-    def _backward_update(self, t1: Tensor, t2: Tensor) -> None:
+    def _backward_update(self, t1: Tensor, t2: Tensor, c: Tensor) -> None:
         d = self._variational_distribution
+        cap = self.pop_captured()
+        if cap is not None and cap.get("gm") is not None and cap.get("gv") is not None:
+            moved = self.search_step(cap["x"], cap["mean"], -cap["gm"] / c, -cap["gv"] / c)
+            if moved is not None:  # the new lengthscales once this backward pass has finished
+                torch.autograd.Variable._execution_engine.queue_callback(moved.apply)
+                t1, t2 = moved.targets
         self.blend_sites((d.lam1, d.lam2), (t1, t2), self.step_size)
+
+    # ------------------------------------------------- the lengthscale search
+    def search_pending(self) -> bool:
+        """Whether the next step is the first from the initial sites (``lam2 = 0``) of a single
+        GP with the search enabled: the step that runs :mod:`.lengthscale_search`."""
+        d = self._variational_distribution
+        return (
+            self.lengthscale_search
+            and not self._searched
+            and d.lam1.dim() == 1
+            and not bool(d.lam2.any())
+        )
+
+    def _capture_marginals(self, x: Tensor, mean: Tensor, var: Tensor, hooks: bool) -> None:
+        """Keep the batch's marginals of the first step; with ``hooks``, their gradients too."""
+        cap = self._capture = {"x": x.detach(), "mean": mean.detach(), "graph": (mean, var)}
+        if hooks:
+            mean.register_hook(lambda g: cap.__setitem__("gm", g.detach()))
+            var.register_hook(lambda g: cap.__setitem__("gv", g.detach()))
+
+    def pop_captured(self) -> Optional[dict]:
+        """The first step's captured marginals (``x``, ``mean``, and ``graph``: the tensors of
+        the batch's mean and variance), cleared here; ``None`` if none were captured."""
+        cap, self._capture = self._capture, None
+        return cap
+
+    def search_step(self, x: Tensor, mean: Tensor, gm: Tensor, gv: Tensor):
+        """Run the lengthscale search from the data sites at the marginals ``N(mean, .)`` with
+        ``dF/dm = gm``, ``dF/dv = gv`` (full-data scale); the move (not yet applied) or None."""
+        self._searched = True
+        lam1, lam2 = data_sites(mean, gm, gv)
+        if not bool(torch.isfinite(lam1).all() and torch.isfinite(lam2).all()):
+            return None
+        move = search_lengthscales(self.model, self.inducing_points, x, lam1, lam2, self.jitter)
+        self.lengthscale_move = move
+        return move
 
     def blend_sites(self, old, target, beta: float) -> None:
         """Eq. 12 towards ``target`` (``lam2`` projected to NSD first; counted in
@@ -322,7 +376,11 @@ class InducingForm:
         K_xx = cov[..., M:, M:]
         if diag and self.training:
             var = K_xx.diagonal(dim1=-2, dim2=-1) + (Phi * (A - Phi)).sum(-2)
-            return MultivariateNormal(mean, DiagLinearOperator(var.clamp_min(0.0) + self.jitter))
+            var = var.clamp_min(0.0) + self.jitter
+            stepping = self._tracked is not None or self.backward_step
+            if stepping and torch.is_grad_enabled() and mean.dim() == 1 and self.search_pending():
+                self._capture_marginals(x, mean, var, hooks=self._tracked is None)
+            return MultivariateNormal(mean, DiagLinearOperator(var))
         out_batch = A.shape[:-2]
         K_xx = K_xx.add_jitter(self.jitter)
         if K_xx.shape[:-2] != out_batch:

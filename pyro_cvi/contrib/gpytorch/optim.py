@@ -319,10 +319,13 @@ class CVIOptimizer:
                 "minibatches pass CVIOptimizer(model, likelihood, num_data=N)."
             )
         scale = self.num_data / n
+        s.pop_captured()
         with s.tracked_q() as (m_v, S_v), torch.enable_grad():
             out = self.model(x)
             ell = self.likelihood.expected_log_prob(y.to(out.mean.device), out, **kwargs).sum()
-            gm, gS = torch.autograd.grad(ell, (m_v, S_v), allow_unused=True)
+            cap = s.pop_captured()  # the first step's marginals (lengthscale search)
+            leaves = (m_v, S_v) + (() if cap is None else cap["graph"])
+            gm, gS, *g_point = torch.autograd.grad(ell, leaves, allow_unused=True)
         gm = torch.zeros_like(m_v) if gm is None else gm
         gS = torch.zeros_like(S_v) if gS is None else gS
         if not bool(torch.isfinite(ell) and torch.isfinite(gm).all() and torch.isfinite(gS).all()):
@@ -334,8 +337,14 @@ class CVIOptimizer:
         with torch.no_grad():
             loss = (s.kl_divergence().sum() - ell.detach() * scale).detach()
         key = s.state_key()[1:] if (self.backtrack and self.num_data in (None, n)) else None
+        same = self._same_point(key)
+        if cap is not None and len(g_point) == 2 and None not in g_point:
+            move = s.search_step(cap["x"], cap["mean"], g_point[0] * scale, g_point[1] * scale)
+            if move is not None:  # new lengthscales: this step's -ELBO is not comparable
+                move.apply()
+                (t1, t2), key, same = move.targets, None, False
         old = (s.site_lam1, s.site_lam2)
-        return self._take_step(key, self._same_point(key), loss, old, (t1, t2), None)
+        return self._take_step(key, same, loss, old, (t1, t2), None)
 
     def loss(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         """-ELBO / N for the hyperparameters: ``-mll(model(x), y)`` of

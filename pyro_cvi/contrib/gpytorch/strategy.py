@@ -93,6 +93,10 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         (:data:`pyro_cvi.scale.distributed.WORLD`) or a ``torch.distributed`` group;
         ``num_data`` and ``train_inputs`` are then this rank's shard. See :class:`CVIOptimizer`.
     :param step_size: ``beta`` of the step taken in ``loss.backward()`` (GPyTorch-way only).
+    :param lengthscale_search: GPyTorch-way, one GP: the first CVI step also moves every learnable
+        lengthscale by the factor ``2^k`` that maximises the bound with the likelihood's sites
+        held fixed (:mod:`~pyro_cvi.contrib.gpytorch.lengthscale_search`; the move is in
+        ``lengthscale_move``), so that training does not stall on the long-lengthscale plateau.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         jitter_val: Optional[float] = None,
         process_group=None,
         step_size: float = 0.5,
+        lengthscale_search: bool = True,
     ):
         if isinstance(variational_distribution, (int, float)) or torch.is_tensor(
             variational_distribution
@@ -120,19 +125,14 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
             inducing_points = inducing_points.unsqueeze(-1)
         self.inducing_form = num_data is None
         if self.inducing_form:
-            self._init_inducing(
-                model,
-                inducing_points,
-                variational_distribution,
-                learn_inducing_locations,
-                jitter_val,
-            )
+            dist, learn = variational_distribution, learn_inducing_locations
+            self._init_inducing(model, inducing_points, dist, learn, jitter_val)
             if process_group is not None:
                 raise ValueError(
                     "data-parallel CVI (process_group) needs the data-site sparse form: pass "
                     "num_data= and train_inputs= (this rank's rows)."
                 )
-            self._inducing_init(step_size)
+            self._inducing_init(step_size, lengthscale_search)
             return
         learn = bool(learn_inducing_locations)
         self._init_data_sites(model, inducing_points, int(num_data), learn, train_inputs)
