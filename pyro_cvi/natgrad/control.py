@@ -24,7 +24,7 @@ moving hyperparameter). Once both ratios stay below ``noisy_ratio`` for ``patien
 row, the ceiling decays by ``decay`` (to ``min_ceiling`` at the least), as the ceiling of
 :mod:`pyro_cvi.step_control` does under noise: a constant step leaves ``q`` jittering around
 the optimum with an amplitude that grows with the step. Each step is also capped by a trust
-region (``max_rel`` in :mod:`pyro_cvi.natgrad.steps`).
+region (``max_rel`` in :mod:`pyro_cvi.gaussian.steps`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class _Ratio:
 class NoiseControl:
     """The step-size state of one Gaussian of the guide: one ratio for the precision's
     direction, one for the mean's (the mean gets its own step, see
-    :func:`pyro_cvi.natgrad.steps.diag_step`)."""
+    :func:`pyro_cvi.gaussian.steps.diag_step`)."""
 
     ceiling: float = 1.0
     start: float = 0.1
