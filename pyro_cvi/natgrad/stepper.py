@@ -75,8 +75,8 @@ class GaussianStepper:
         adaptive: bool = False,
     ) -> None:
         """One step of every Gaussian in ``groups``; ``beta_of(control)`` gives its sizes
-        ``(b, b for the mean or None: the same)``.
-        ``adaptive``: also cap each step by a trust region (see :func:`.steps.tril_step`)."""
+        ``(b, b for the mean or None: the same)``. ``adaptive``: also cap each step by a trust
+        region (see :func:`pyro_cvi.gaussian.steps.tril_step`)."""
         if not groups:
             return
         cons = pyro.get_param_store().get_state()["constraints"]
