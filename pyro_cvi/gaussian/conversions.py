@@ -46,7 +46,7 @@ def _eye_like(M: Tensor) -> Tensor:
 
 def precision_from_scale_tril(L: Tensor) -> Tensor:
     """``P = S^-1 = L^-T L^-1`` for ``S = L L^T`` (one triangular solve)."""
-    Linv = torch.linalg.solve_triangular(L, _eye_like(L).expand_as(L), upper=False)
+    Linv: Tensor = torch.linalg.solve_triangular(L, _eye_like(L).expand_as(L), upper=False)
     return Linv.mT @ Linv
 
 
@@ -97,11 +97,13 @@ def scale_tril_from_precision(
     so ``S = U^-T U^-1`` and ``scale_tril = U^-T`` (one Cholesky, one triangular solve).
     ``cholesky`` factorises (the caller's jitter policy)."""
     upper = cholesky(P.flip(-2, -1)).flip(-2, -1)
-    return torch.linalg.solve_triangular(upper, _eye_like(P), upper=True).mT
+    lower_inv: Tensor = torch.linalg.solve_triangular(upper, _eye_like(P), upper=True)
+    return lower_inv.mT
 
 
 def log_partition(eta1: Tensor, chol_P: Tensor) -> Tensor:
     """``A = |L^-1 eta1|^2 / 2 - sum log diag L`` for ``P = L L^T`` (without the base
     measure ``-D/2 log 2 pi``)."""
-    w = torch.linalg.solve_triangular(chol_P, eta1.unsqueeze(-1), upper=False).squeeze(-1)
+    w: Tensor = torch.linalg.solve_triangular(chol_P, eta1.unsqueeze(-1), upper=False)
+    w = w.squeeze(-1)
     return 0.5 * w.square().sum(-1) - chol_P.diagonal(dim1=-2, dim2=-1).log().sum(-1)

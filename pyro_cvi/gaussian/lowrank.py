@@ -13,7 +13,7 @@ to 256 parameters, ``F`` is formed by one batched product and solved exactly).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -36,11 +36,11 @@ def lowrank_fisher_mv(
     with ``K^-1 = I - W C W^T``, ``C = (I + W^T W)^-1``, ``K^-1 W = W C``."""
     r = W.shape[-1]
     eye = torch.eye(r, dtype=W.dtype, device=W.device)
-    C = torch.linalg.inv(eye + W.T @ W)
+    C: torch.Tensor = torch.linalg.inv(eye + W.T @ W)
     WC = W @ C
     M = W.T @ (v_rho[..., :, None] * W)  # W^T diag(v) W (batched over leading dims of v)
 
-    def kinv(X):  # K^-1 X
+    def kinv(X: torch.Tensor) -> torch.Tensor:  # K^-1 X
         return X - WC @ (W.T @ X)
 
     # diag(E K^-1) = v + diag(K diag(v) K^-1) + diag((V W^T + W V^T) K^-1)
@@ -56,7 +56,10 @@ def lowrank_fisher_mv(
     return f_rho, f_W
 
 
-def _cg(mv, b, iters: int, tol: float):
+_Vec = Tuple[torch.Tensor, ...]
+
+
+def _cg(mv: Callable[[_Vec], _Vec], b: _Vec, iters: int, tol: float) -> _Vec:
     """Conjugate gradients for ``A x = b`` (a tuple of tensors, ``A`` PSD)."""
     x = tuple(torch.zeros_like(t) for t in b)
     r = b
@@ -104,7 +107,7 @@ def lowrank_step(
     m, s, W, gm, gs, gW = (t.double() for t in (m, s, W, gm, gs, gW))
     g_rho = gs * s
 
-    def mv(v):
+    def mv(v: _Vec) -> _Vec:
         f_rho, f_W = lowrank_fisher_mv(W, v[0], v[1])
         return f_rho + damping * v[0], f_W + damping * v[1]
 

@@ -84,7 +84,8 @@ def stein_hessian(eps: Tensor, dz: Tensor, L: Tensor, G: Tensor, H0: Tensor) -> 
     for a quadratic ``f`` once ``H0`` is (with antithetic pairs the constant part of the
     residual cancels). The estimate is symmetrised."""
     S = eps.shape[0]
-    U = torch.linalg.solve_triangular(L.T, eps.T, upper=True).T  # rows L^-T eps
+    U: Tensor = torch.linalg.solve_triangular(L.T, eps.T, upper=True)
+    U = U.T  # rows L^-T eps
     H = H0 + U.T @ (G - dz @ H0) / S
     return 0.5 * (H + H.T)
 

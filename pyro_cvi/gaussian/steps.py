@@ -32,7 +32,7 @@ natural gradient of that family (:mod:`pyro_cvi.gaussian.lowrank`).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -128,9 +128,9 @@ def tril_step(
         P_new = retract(P, G, S, b)
         LP, info = torch.linalg.cholesky_ex(0.5 * (P_new + P_new.transpose(-1, -2)))
     else:
-        last = {}
+        last: Dict[str, torch.Tensor] = {}
 
-        def factor_ok(new):  # (the last factorisation is the step's: kept, not redone)
+        def factor_ok(new: torch.Tensor) -> torch.Tensor:  # (the last factorisation is kept)
             last["LP"], last["info"] = torch.linalg.cholesky_ex(new)
             return (last["info"] == 0)[..., None, None]
 
