@@ -4,7 +4,7 @@ This module is the one place where a Cholesky factorisation may be retried with 
 one implementation of the dual-form (Rasmussen & Williams, Alg. 3.2) Gaussian solve. Everything
 is batched over leading dimensions and follows the dtype and device of its inputs.
 
-:func:`cholesky` has three policies, chosen by what a failure means to the caller:
+:func:`cholesky` has four policies, chosen by what a failure means to the caller:
 
 * ``jitter="none"`` (strict): for a *precision* built from CVI's natural parameters (and for
   ``B`` matrices, whose eigenvalues are >= 1 when the parameters are valid). A failure means
@@ -18,6 +18,9 @@ is batched over leading dimensions and follows the dtype and device of its input
   covariance), which may be positive semi-definite. The failing entries are retried with
   ``c 10^k * mean_i |M_ii|`` (the mean clamped below at ``1e-30``) for ``k = 0, ..., 5``, with
   ``c = 1e-6`` in reduced precision and ``1e-10`` in float64.
+* ``jitter="eps"``: for a covariance that is singular by construction (a Markov chain's step
+  covariance with noise-free state components, for sampling): ``10 eps max(max_i |M_ii|, eps)``
+  (``eps`` the dtype's machine epsilon) is always added to the diagonal, then strict.
 
 :func:`dual_solve` computes ``q(f) ∝ N(f | mu_f, K) prod_n exp(b_n f_n - w_n f_n^2 / 2)``
 without inverting ``K``; see its docstring.
@@ -33,7 +36,7 @@ from torch import Tensor
 
 __all__ = ["NotPositiveDefinite", "cholesky", "dual_solve", "DualSolution", "JitterPolicy"]
 
-JitterPolicy = Literal["none", "float32", "grow"]
+JitterPolicy = Literal["none", "float32", "grow", "eps"]
 
 _REDUCED = (torch.float32, torch.float16, torch.bfloat16)
 _FLOAT32_JITTERS = (1e-6, 1e-5, 1e-4)
@@ -73,6 +76,13 @@ def _jitters(M: Tensor, jitter: JitterPolicy) -> Iterator[Tensor]:
             yield scale * base * 10**k
 
 
+def _eps_jitter(M: Tensor) -> Tensor:
+    """``10 eps max(max_i |M_ii|, eps) I`` per batch entry (the ``"eps"`` policy)."""
+    eps = torch.finfo(M.dtype).eps
+    scale = M.diagonal(dim1=-2, dim2=-1).abs().amax(-1).clamp(min=eps)
+    return (10 * eps * scale)[..., None, None] * _eye_like(M)
+
+
 def _max_jitter(M: Tensor, jitter: JitterPolicy) -> Optional[float]:
     if jitter == "float32" and M.dtype in _REDUCED:
         return _FLOAT32_JITTERS[-1]
@@ -87,18 +97,23 @@ def cholesky(
     """Lower Cholesky factor ``L`` of the symmetric matrix ``M = L L^T`` (batched over ``[...]``).
 
     :param M: ``[..., n, n]``; only its lower triangle is read.
-    :param jitter: ``"none"`` (strict), ``"float32"`` or ``"grow"``; see the module docstring.
+    :param jitter: ``"none"`` (strict), ``"float32"``, ``"grow"`` or ``"eps"``; see the module
+        docstring.
         Jitter ``J`` is added as ``M + J I`` and only to the batch entries that failed, so the
         entries that factorise as they are keep their exact factor.
     :param what: names the matrix in the error message.
     :param hint: appended to the error message (advice to the user).
     :raises NotPositiveDefinite: when some batch entry fails (after all retries).
     """
-    if jitter not in ("none", "float32", "grow"):
-        raise ValueError(f"cholesky: jitter must be 'none', 'float32' or 'grow', not {jitter!r}")
+    if jitter not in ("none", "float32", "grow", "eps"):
+        raise ValueError(
+            f"cholesky: jitter must be 'none', 'float32', 'grow' or 'eps', not {jitter!r}"
+        )
+    if jitter == "eps":
+        M = M + _eps_jitter(M)
     L, info = torch.linalg.cholesky_ex(M)
     failed = info != 0
-    if jitter == "none":
+    if jitter in ("none", "eps"):
         failed = failed | ~torch.isfinite(L).flatten(-2).all(-1)
     if not bool(failed.any()):
         return L

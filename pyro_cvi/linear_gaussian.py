@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .gaussian.conversions import loc_from_natural
 from .linalg import NotPositiveDefinite, cholesky, dual_solve
 
 __all__ = [
@@ -286,7 +287,7 @@ def _solve_primal(prior, A, w, b, extra_h, extra_prec, stats=None):
     if extra_h is not None:
         h = h + extra_h
     L = cholesky(Lam, what="posterior precision Lambda0 + A^T W A")
-    m = torch.cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
+    m = loc_from_natural(h, L)
     logdet_cov = -2 * L.diagonal().log().sum()
     if A.shape[0]:
         U = torch.linalg.solve_triangular(L, A.T, upper=False)

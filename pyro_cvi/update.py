@@ -28,7 +28,11 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .gaussian.halving import MAX_HALVINGS, MAX_HALVINGS_SOLVE, halve_until_valid
+
 __all__ = [
+    "MAX_HALVINGS",
+    "MAX_HALVINGS_SOLVE",
     "StepCounts",
     "cvi_update",
     "damped_step",
@@ -42,11 +46,6 @@ Params = Tuple[torch.Tensor, ...]
 
 #: a shrunk step covers at most this fraction of the distance to a box boundary
 TO_BOUNDARY = 0.5
-#: halvings before an element's step is rejected (each costs one validity check)
-MAX_HALVINGS = 30
-#: the same for blocks whose validity check is a solve (a Cholesky of the block's precision):
-#: ``2^-12`` of a step is already below what the adaptive step control would take
-MAX_HALVINGS_SOLVE = 12
 
 
 @dataclass
@@ -109,37 +108,6 @@ def damped_step(
         return new, StepCounts(shrunk, 0)
     new = tuple(torch.where(_expand(ok, o), n, o) for o, n in zip(old, new))
     return new, StepCounts(shrunk, int((~ok).sum()))
-
-
-def halve_until_valid(
-    candidate: Callable[[Any], Any],
-    valid: Callable[[Any], torch.Tensor],
-    beta: Any,
-    max_halvings: int = MAX_HALVINGS,
-    like: Optional[torch.Tensor] = None,
-) -> Tuple[Any, torch.Tensor, torch.Tensor, int]:
-    """The one halving policy: ``b`` is halved, per batch element, where ``candidate(b)`` is
-    not ``valid`` (a bool tensor of the batch shape), at most ``max_halvings`` times.
-
-    ``beta`` is a float (``b`` then takes the batch shape of the first ``valid``, and the dtype
-    of ``like``) or a tensor that broadcasts like ``valid``'s result. Returns
-    ``(candidate(b), b, ok, shrunk)``: ``ok`` marks the valid elements (the others are the
-    caller's to reject), ``shrunk`` counts the invalid elements over the halvings."""
-    new = candidate(beta)
-    ok = valid(new)
-    b = beta
-    if not torch.is_tensor(b):
-        dtype = like.dtype if like is not None else torch.get_default_dtype()
-        b = torch.full(ok.shape, float(beta), dtype=dtype, device=ok.device)
-    shrunk = 0
-    for _ in range(max_halvings):
-        if bool(ok.all()):
-            break
-        shrunk += int((~ok).sum())
-        b = torch.where(ok, b, b / 2)
-        new = candidate(b)
-        ok = valid(new)
-    return new, b, ok, shrunk
 
 
 def _box_step(old, target, beta, bounds, param_shapes, max_halvings):

@@ -361,3 +361,87 @@ def test_the_optimizer_imports_nothing_from_the_engine():
                 seen.add(dep)
                 todo.append(dep)
     assert f"{PACKAGE}.engine" not in seen, sorted(seen)
+
+
+# ------------------------------------------------------------------------------------------------
+# the Gaussian's formulae exist once
+# ------------------------------------------------------------------------------------------------
+#: code forms of the formulae that :mod:`pyro_cvi.gaussian` holds once: the site-to-row map
+#: ``w = -2 lam2, b = lam1 + 2 lam2 c`` and the retraction ``P + b G + (b^2/2) G S G``
+GAUSSIAN_FORMULAE = {
+    "site-to-row map (use pyro_cvi.gaussian.sites)": [
+        r"-\s*2(\.0)?\s*\*.*\+\s*2(\.0)?\s*\*",
+        r"\+\s*2(\.0)?\s*\*.*-\s*2(\.0)?\s*\*",
+        r"lam1\w*\s*\+\s*2(\.0)?\s*\*",
+    ],
+    "retraction (use pyro_cvi.gaussian.retraction)": [
+        r"\b([A-Z]\w*)\s*@\s*\w+\s*@\s*\1\b(?![.\w(])",  # a sandwich G S G, A S A
+        r"\(\s*\w+\s*\*\s*\w+\s*\)(\.pow\(2\)|\s*\*\*\s*2)\s*/",  # (b g)^2 / p
+    ],
+}
+#: the GPyTorch adapter is switched over separately
+FORMULAE_EXEMPT = ("gaussian", "contrib")
+
+
+def gaussian_formulae_outside(root=ROOT):
+    """``file:line: what`` for each code line outside ``pyro_cvi/gaussian`` (and the exempt
+    sub-packages) that writes one of :data:`GAUSSIAN_FORMULAE` again."""
+    import re
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in FORMULAE_EXEMPT:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for what, patterns in GAUSSIAN_FORMULAE.items():
+                if any(re.search(p, code) for p in patterns):
+                    found.append(f"{path.relative_to(root)}:{n}: {what}: {line.strip()}")
+    return found
+
+
+def test_gaussian_formulae_exist_once():
+    found = gaussian_formulae_outside()
+    assert not found, "Gaussian formulae written outside pyro_cvi/gaussian:\n" + "\n".join(found)
+
+
+def test_gaussian_formulae_checker_flags_the_forms(tmp_path):
+    """The checker itself: the forms the package used to repeat are flagged; the one module
+    and quadratic forms of vectors are not."""
+    pkg = tmp_path / "pkg"
+    (pkg / "gaussian").mkdir(parents=True)
+    (pkg / "blocks").mkdir()
+    (pkg / "gaussian" / "sites.py").write_text("w, b = -2 * lam2, lam1 + 2 * lam2 * c\n")
+    (pkg / "blocks" / "a.py").write_text(
+        "r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c\n"
+        "b = lam1 + 2 * (lam2 @ c)\n"
+        "P_new = 0.5 * P + 0.5 * (A @ S @ A)\n"
+        "C = G @ cov @ G\n"
+        "p_new = p + b * g + 0.5 * (b * g).pow(2) / p\n"
+        "maha = diff @ P @ diff\n"
+        "cov = L @ L.mT\n"
+        "x = -2 * y  # lam1 + 2 * lam2 * c in a comment\n"
+    )
+    found = gaussian_formulae_outside(pkg)
+    assert [f.split(":")[1] for f in found] == ["1", "2", "3", "4", "5"], found
+
+
+def test_the_gaussian_package_is_a_bottom_layer():
+    """``pyro_cvi.gaussian`` imports only torch, numpy, ``pyro_cvi.linalg`` and itself."""
+    graph, mods = import_graph()
+    inside = [m for m in mods if m == f"{PACKAGE}.gaussian" or m.startswith(f"{PACKAGE}.gaussian.")]
+    assert len(inside) >= 8, inside
+    allowed_pkg = set(inside) | {f"{PACKAGE}.linalg"}
+    bad = [f"{m} -> {d}" for m in inside for d in graph[m] if d not in allowed_pkg]
+    for m in inside:
+        for node in ast.walk(_tree(mods[m])):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in ("torch", "numpy", "typing", "functools", "__future__", PACKAGE):
+                    bad.append(f"{m} -> {name}")
+    assert not bad, bad

@@ -212,7 +212,7 @@ def test_lowrank_fisher_against_dense_jacobian(dtype):
 def test_lowrank_step_is_fisher_natural_gradient(dense, monkeypatch):
     """A small low-rank step moves the covariance parameters by ``-b F^-1 g`` (an independent
     dense solve), by the step's exact solve and by its conjugate gradients alike."""
-    import pyro_cvi.natgrad.steps as steps
+    import pyro_cvi.gaussian.lowrank as steps
 
     if not dense:
         monkeypatch.setattr(steps, "_DENSE_FISHER", 0)

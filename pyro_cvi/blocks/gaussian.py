@@ -30,13 +30,14 @@ import pyro.distributions as dist
 import torch
 
 from ..context import Options, StepContext
+from ..gaussian.retraction import retraction_target
+from ..gaussian.sites import site_to_row
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
 from ..messages.gaussian import (
     RowBlock,
     general_message,
     linear_predictor_message,
     linear_predictor_rows,
-    pd_preserving_target,
     warm_start_target,
 )
 from ..messages.softmax_sites import (
@@ -237,7 +238,7 @@ class GaussianBlock(SiteFormBlock):
                 extra += [nat] if nat is not None else []
             elif site_name is not None and site_values is not None:
                 s = site_values[site_name]
-                blocks.append((r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c))
+                blocks.append((r.A, *site_to_row(s[:, 0], s[:, 1], r.c)))
             else:
                 blocks.append((r.A, r.w, r.b))
         like, D = prior.loc, self.spec.dim
@@ -378,9 +379,7 @@ class GaussianBlock(SiteFormBlock):
                 # (2020) update instead (positive definite for any b <= beta). Not at once:
                 # where G is huge its (b^2/2) G S G term overshoots the precision
                 post = self.post
-                pair = pd_preserving_target(
-                    old[-2:], target[-2:], post.loc, post.covariance(), beta
-                )
+                pair = retraction_target(old[-2:], target[-2:], post.loc, post.covariance(), beta)
                 target = (*target[:-2], *pair)
             new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
@@ -399,7 +398,7 @@ class GaussianBlock(SiteFormBlock):
         for site_name, r in self.rows:
             if site_name is not None and not isinstance(r, SoftmaxRows):
                 s = sites[site_name].detach()
-                r.w, r.b = -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c
+                r.w, r.b = site_to_row(s[:, 0], s[:, 1], r.c)
 
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""

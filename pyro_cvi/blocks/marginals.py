@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import pyro.distributions as pdist
 import torch
 from torch.distributions import (
@@ -38,6 +37,8 @@ from torch.distributions import (
     TransformedDistribution,
     biject_to,
 )
+
+from ..gaussian.quadrature import gauss_hermite
 
 __all__ = [
     "marginal_quantiles",
@@ -217,7 +218,7 @@ class TransformedPosterior(pdist.TransformedDistribution):
         if isinstance(base, (MultivariateNormal, LowRankMultivariateNormal)):
             base = Normal(base.mean, base.variance.sqrt())
         if isinstance(base, Normal) and _elementwise(self):
-            x, w = _gauss_hermite(64, base.loc)
+            x, w = gauss_hermite(64, base.loc.dtype, base.loc.device)
             z = base.loc + base.scale * x.reshape((-1,) + (1,) * base.loc.dim())
             for t in self.transforms:
                 z = t(z)
@@ -241,13 +242,6 @@ class TransformedPosterior(pdist.TransformedDistribution):
     @property
     def variance(self) -> torch.Tensor:
         return self._moments()[1]
-
-
-def _gauss_hermite(n: int, like: torch.Tensor):
-    """Nodes and weights of ``E_{N(0,1)}[f] ~= sum_i w_i f(x_i)`` (probabilists' rule)."""
-    x, w = np.polynomial.hermite_e.hermegauss(n)
-    w = w / w.sum()
-    return like.new_tensor(x), like.new_tensor(w)
 
 
 def standard_posterior(d: Distribution) -> Distribution:

@@ -24,6 +24,7 @@ import pyro.distributions as dist
 import torch
 
 from ..context import Options, StepContext
+from ..gaussian.sites import site_to_row
 from ..messages.gaussian import (
     RowBlock,
     linear_predictor_message,
@@ -78,17 +79,16 @@ class MarkovBlock(SiteFormBlock):
     # ------------------------------------------------------------------ sites on the steps
     def _rows(self, site, f, sites: torch.Tensor, H=None) -> RowBlock:
         """As :func:`~pyro_cvi.messages.gaussian.linear_predictor_rows`, with ``f_r = h_r'
-        x_{t_r}``:
-        ``c = eta_at - f_at``, ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``. With ``H`` given (the
-        coefficients, with their graph where they depend on parameters) ``c`` keeps its graph
-        to the model's parameters too."""
+        x_{t_r}``: ``c = eta_at - f_at`` and ``(w, b)`` by
+        :func:`~pyro_cvi.gaussian.sites.site_to_row`. With ``H`` given (the coefficients, with
+        their graph where they depend on parameters) ``c`` keeps its graph to the model's
+        parameters too."""
         eta_at = linear_param(unwrap(site["fn"])[0])[1]
         eta_at = (eta_at if H is not None else eta_at.detach()).reshape(-1)
         H = f.jacobian if H is None else H
         x = self.chain.states(self.z_at)
         c = eta_at - (H.to(x) * x[f.time_index]).sum(-1)
-        lam1, lam2 = sites[..., 0], sites[..., 1]
-        return RowBlock(H, -2 * lam2, lam1 + 2 * lam2 * c, c)
+        return RowBlock(H, *site_to_row(sites[..., 0], sites[..., 1], c), c)
 
     def _site_rows(self, rows: Sequence[RowBlock]) -> SiteRows:
         """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``)."""
@@ -237,7 +237,7 @@ class MarkovBlock(SiteFormBlock):
         def rows_for(new):
             out = []
             for r, s in zip(self.rows, new):
-                out.append(RowBlock(r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c, r.c))
+                out.append(RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c))
             return out
 
         def valid(new) -> torch.Tensor:
@@ -270,7 +270,7 @@ class MarkovBlock(SiteFormBlock):
         if self.post is not None:
             sites = self._sites()
             self.rows = [
-                RowBlock(r.A, -2 * s[:, 1], s[:, 0] + 2 * s[:, 1] * r.c, r.c)
+                RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c)
                 for r, s in zip(self.rows, (sites[f.site].detach() for f in self.linear))
             ]
             self.post = self._solve(self.rows)

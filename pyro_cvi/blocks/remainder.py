@@ -12,7 +12,7 @@ those factors summed out by Pyro's TraceEnum contraction). The loss estimates it
 ``particles`` reparameterised draws ``u = m + L eps`` and differentiates the estimate in
 ``(m, L)``; the step is CVI's mirror-descent step for a Gaussian from those gradients (Khan &
 Lin 2017, eqs. 10-13) in the positive-definite form of Lin, Schmidt & Khan (2020), the one
-:mod:`pyro_cvi.natgrad` applies to Pyro's own Gaussian guides (``CVI()`` on
+:mod:`pyro_cvi.gaussian` gives Pyro's own Gaussian guides too (``CVI()`` on
 ``AutoMultivariateNormal``): full covariance up to :data:`MAX_FULL_DIM` coordinates, low rank
 plus diagonal beyond (``AutoLowRankMultivariateNormal``'s form), or diagonal. Its step size is
 the signal-to-noise control of :mod:`pyro_cvi.natgrad.control`, capped by the engine's ``beta``.
@@ -32,11 +32,17 @@ from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ReshapeTransform
 
 from ..context import StepContext
+from ..gaussian import (
+    bonnet_mean_gradient,
+    diag_step,
+    lowrank_step,
+    price_precision_gradient,
+    tril_step,
+)
 from ..messages.collapsed import collapsed_log_prob
 from ..model.tracing import run_model
 from ..natgrad.control import NoiseControl
 from ..natgrad.params import write
-from ..natgrad.steps import diag_step, lowrank_step, tril_step
 from ..strategies import HESSIAN_MAX_DIM, Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
@@ -270,8 +276,8 @@ class RemainderBlock(Block):
                 rows.append(torch.zeros_like(u) if h is None else h)
             H = torch.stack(rows, 1).mean(0).detach()
             P = torch.cholesky_inverse(L)
-            gm = -(g.detach() + (u.detach() - m) @ P).mean(0)
-            G = -0.5 * (H + H.mT) - P
+            gm = -bonnet_mean_gradient(g.detach(), u.detach(), m, P)
+            G = price_precision_gradient(H, P)
             self._grads = {self.loc_name: gm, "G": G}
         return elbo
 

@@ -16,12 +16,11 @@ distribution is a ``Normal``; for ``event_shape == (D,)`` it is a ``Multivariate
 multi-dimensional event it is a ``MultivariateNormal`` over the flattened event pushed through a
 ``ReshapeTransform``.
 
-The covariance factor handed to ``MultivariateNormal`` is computed from the precision without
-forming ``V``: with ``J`` the index reversal, ``chol(J Lambda J) = Lf`` gives
-``Lambda = U U^T`` for the upper-triangular ``U = J Lf J``, so ``V = U^{-T} U^{-1}`` and
-``scale_tril = U^{-T}`` (one triangular solve). If a Cholesky factorisation fails in reduced
-precision (float32/float16/bfloat16) the failing batch entries are retried with a jitter of
-``1e-6, 1e-5, 1e-4`` times the mean diagonal; in float64 (or if that also fails) a
+The maps themselves are :mod:`pyro_cvi.gaussian.conversions` (the covariance factor handed to
+``MultivariateNormal`` is computed from the precision without forming ``V``). If a Cholesky
+factorisation fails in reduced precision (float32/float16/bfloat16) the failing batch entries
+are retried with a jitter of ``1e-6, 1e-5, 1e-4`` times the mean diagonal (the ``"float32"``
+policy of :func:`pyro_cvi.linalg.cholesky`); in float64 (or if that also fails) a
 ``ValueError`` is raised.
 
 Diagonal covariance, elementwise over ``event_shape``:
@@ -45,20 +44,23 @@ from torch.distributions import Normal as _TorchNormal
 from torch.distributions import TransformedDistribution as _TorchTransformed
 from torch.distributions.transforms import ReshapeTransform
 
+from ..gaussian.conversions import (
+    diagonal_moments_from_natural,
+    diagonal_natural_from_moments,
+    log_partition,
+    mean_params,
+    moments_from_mean_params,
+    moments_from_natural,
+    natural_from_moments,
+    scale_tril_from_precision,
+    symmetrise,
+)
 from ..linalg import cholesky
 from .base import ExponentialFamily, Params, _float_value, sum_rightmost
 
 __all__ = ["Gaussian", "GaussianDiag"]
 
 _LOG_2PI = math.log(2 * math.pi)
-
-
-def _sym(m: Tensor) -> Tensor:
-    return 0.5 * (m + m.mT)
-
-
-def _eye_like(m: Tensor) -> Tensor:
-    return torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
 
 
 def _cholesky(m: Tensor, what: str = "precision matrix") -> Tensor:
@@ -71,13 +73,6 @@ def _cholesky(m: Tensor, what: str = "precision matrix") -> Tensor:
     )
 
 
-def _precision_to_scale_tril(prec: Tensor) -> Tensor:
-    """Cholesky factor of ``prec^{-1}`` using one Cholesky and one triangular solve."""
-    flipped = _cholesky(prec.flip(-2, -1))
-    upper = flipped.flip(-2, -1)
-    return torch.linalg.solve_triangular(upper, _eye_like(prec), upper=True).mT
-
-
 def _unwrap(d: Distribution) -> Distribution:
     while isinstance(d, Independent):
         d = d.base_dist
@@ -88,8 +83,7 @@ def _unwrap(d: Distribution) -> Distribution:
 def _elementwise_mean_grad(nat: Params, grad_nat: Params) -> Params:
     """``F^{-1} g`` for ``F = d(m, v + m^2) / d(m / v, -1 / (2v)) = [[v, 2mv], [2mv, 4m^2 v +
     2v^2]]`` (``det = 2 v^3``): ``((2m^2 + v) g1 - m g2, g2 / 2 - m g1) / v^2``."""
-    v = -0.5 / nat[1]
-    m = nat[0] * v
+    m, v = diagonal_moments_from_natural(*nat)
     g1, g2 = grad_nat
     return ((2 * m.square() + v) * g1 - m * g2) / v.square(), (g2 / 2 - m * g1) / v.square()
 
@@ -137,7 +131,7 @@ class Gaussian(ExponentialFamily):
         p1, p2 = params
         if self.event_dim == 0:
             return p1.unsqueeze(-1), p2[..., None, None]
-        return p1, _sym(p2)
+        return p1, symmetrise(p2)
 
     def _from_mat(self, v: Tensor, m: Tensor) -> Params:
         if self.event_dim == 0:
@@ -156,17 +150,12 @@ class Gaussian(ExponentialFamily):
     # maps ---------------------------------------------------------------------------------------
     def natural_to_mean(self, nat: Params) -> Params:
         eta1, prec = self._precision(nat)
-        chol = _cholesky(prec)
-        cov = torch.cholesky_inverse(chol)
-        m = torch.cholesky_solve(eta1.unsqueeze(-1), chol).squeeze(-1)
-        return self._from_mat(m, cov + m.unsqueeze(-1) * m.unsqueeze(-2))
+        return self._from_mat(*mean_params(*moments_from_natural(eta1, _cholesky(prec))))
 
     def mean_to_natural(self, mean: Params) -> Params:
-        m, mu2 = self._to_mat(mean)
-        cov = _sym(mu2 - m.unsqueeze(-1) * m.unsqueeze(-2))
+        m, cov = moments_from_mean_params(*self._to_mat(mean))
         chol = _cholesky(cov, "covariance matrix mu2 - mu1 mu1^T")
-        prec = torch.cholesky_inverse(chol)
-        eta1 = torch.cholesky_solve(m.unsqueeze(-1), chol).squeeze(-1)
+        eta1, prec = natural_from_moments(m, chol)
         return self._from_mat(eta1, -0.5 * prec)
 
     def natural_to_dist(self, nat: Params) -> Distribution:
@@ -174,7 +163,7 @@ class Gaussian(ExponentialFamily):
         if self.event_dim == 0:
             var = prec[..., 0, 0].reciprocal()
             return dist.Normal(eta1[..., 0] * var, var.sqrt())
-        scale_tril = _precision_to_scale_tril(prec)
+        scale_tril = scale_tril_from_precision(prec, _cholesky)
         loc = (scale_tril @ (scale_tril.mT @ eta1.unsqueeze(-1))).squeeze(-1)
         mvn = dist.MultivariateNormal(loc, scale_tril=scale_tril)
         if self.event_dim == 1:
@@ -189,9 +178,7 @@ class Gaussian(ExponentialFamily):
                 d = d.base_dist
         d = _unwrap(d)
         if isinstance(d, _TorchMVN):
-            loc, tril = d.loc, d.scale_tril
-            eta1 = torch.cholesky_solve(loc.unsqueeze(-1), tril).squeeze(-1)
-            prec = torch.cholesky_inverse(tril)
+            eta1, prec = natural_from_moments(d.loc, d.scale_tril)
         elif isinstance(d, _TorchNormal):
             prec_diag = d.scale.pow(-2)
             loc = d.loc
@@ -208,9 +195,7 @@ class Gaussian(ExponentialFamily):
 
     def log_partition(self, nat: Params) -> Tensor:
         eta1, prec = self._precision(nat)
-        chol = _cholesky(prec)
-        w = torch.linalg.solve_triangular(chol, eta1.unsqueeze(-1), upper=False).squeeze(-1)
-        return 0.5 * w.square().sum(-1) - chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return log_partition(eta1, _cholesky(prec))
 
     def sufficient_stats(self, x: Tensor) -> Params:
         z = self._flat_value(x)
@@ -253,7 +238,7 @@ class Gaussian(ExponentialFamily):
     def symmetrize(self, params: Params) -> Params:
         if self.event_dim == 0:
             return params
-        return params[0], _sym(params[1])
+        return params[0], symmetrise(params[1])
 
     # CVI helpers --------------------------------------------------------------------------------
     def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
@@ -332,15 +317,12 @@ class GaussianDiag(ExponentialFamily):
         return (self.event_shape, self.event_shape)
 
     def natural_to_mean(self, nat: Params) -> Params:
-        eta1, eta2 = nat
-        var = -0.5 / eta2
-        m = eta1 * var
+        m, var = diagonal_moments_from_natural(*nat)
         return m, var + m.square()
 
     def mean_to_natural(self, mean: Params) -> Params:
         m, mu2 = mean
-        var = mu2 - m.square()
-        return m / var, -0.5 / var
+        return diagonal_natural_from_moments(m, mu2 - m.square())
 
     def natural_to_dist(self, nat: Params) -> Distribution:
         eta1, eta2 = nat
@@ -382,8 +364,8 @@ class GaussianDiag(ExponentialFamily):
     def kl(self, nat_q: Params, nat_p: Params) -> Tensor:
         """``sum (log(vp / vq) + (vq + (mq - mp)^2) / vp - 1) / 2``."""
         (e1q, e2q), (e1p, e2p) = nat_q, nat_p
-        vq, vp = -0.5 / e2q, -0.5 / e2p
-        mq, mp = e1q * vq, e1p * vp
+        mq, vq = diagonal_moments_from_natural(e1q, e2q)
+        mp, vp = diagonal_moments_from_natural(e1p, e2p)
         ratio = vq / vp
         terms = 0.5 * (ratio - 1 - torch.log(ratio) + (mq - mp).square() / vp)
         return sum_rightmost(terms, self.event_dim)

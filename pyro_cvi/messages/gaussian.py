@@ -10,11 +10,14 @@ parameters ``grad_mu E_q[log p_factor]`` that CVI averages into the factor's sit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import pyro
 import torch
 
+from ..gaussian.price import price_target, stein_hessian
+from ..gaussian.retraction import retraction_target as pd_preserving_target
+from ..gaussian.sites import site_to_row
 from ..model.probes import jacobian
 from ..model.tracing import has_learnable_params, linear_param, unwrap, with_param
 from .quadrature import expected_log_prob, mean_param_gradients, site_natural_params
@@ -130,8 +133,8 @@ def linear_predictor_rows(
 ) -> RowBlock:
     """Rows of a linear-predictor factor from its site parameters ``(lam1, lam2)`` (eq. 13).
 
-    In ``f = A z`` coordinates with ``eta = f + c`` the site is
-    ``exp(lam2 f^2 + (lam1 + 2 lam2 c) f)``, i.e. ``w = -2 lam2``, ``b = lam1 + 2 lam2 c``.
+    In ``f = A z`` coordinates with ``eta = f + c`` the site is a row ``exp(b f - w f^2 / 2)``
+    (:func:`pyro_cvi.gaussian.sites.site_to_row`).
     With ``A`` given (``factor.jacobian`` with its graph to learnable parameters, or the same
     constant) the rows keep their graph: ``c = eta(z_at) - A z_at`` with ``eta``'s graph, so a
     ``q`` solved from them moves with the parameters at fixed ``(lam1, lam2)``.
@@ -140,8 +143,7 @@ def linear_predictor_rows(
     graph = A is not None
     A = factor.jacobian if A is None else A
     c = (eta_at if graph else eta_at.detach()).reshape(-1) - A @ z_at.reshape(-1)
-    lam1, lam2 = sites[..., 0], sites[..., 1]
-    return RowBlock(A, -2 * lam2, lam1 + 2 * lam2 * c, c)
+    return RowBlock(A, *site_to_row(sites[..., 0], sites[..., 1], c), c)
 
 
 def linear_predictor_message(
@@ -280,8 +282,7 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int, on_sa
         values.append(v)
     S = eps.shape[0]
     g, H = g_sum / S, H_sum / S
-    P = -H
-    h = g + P @ loc
+    h, P = price_target(g, H, loc)
     if on_samples is not None:  # the antithetic pairs' means are the i.i.d. samples
         pairs = torch.stack([torch.as_tensor(v).detach() for v in values]).reshape(2, -1)
         on_samples(pairs.mean(0))
@@ -348,42 +349,13 @@ def gradient_gaussian_message(
     L = scale_tril.detach()
     dz = eps @ L.T  # z - m
     _, V, G, vectorised = particle_gradients(log_joint, loc.detach() + dz, vectorize)
-    S = eps.shape[0]
     g = G.mean(0)
     H0 = torch.zeros_like(L) if curvature is None else curvature.detach()
-    U = torch.linalg.solve_triangular(L.T, eps.T, upper=True).T  # rows L^-T eps
-    H = H0 + U.T @ (G - dz @ H0) / S
-    H = 0.5 * (H + H.T)
-    P = -H
-    h = g + P @ loc.detach()
+    H = stein_hessian(eps, dz, L, G, H0)
+    h, P = price_target(g, H, loc.detach())
     if on_samples is not None:  # the antithetic pairs' means are the i.i.d. samples
         on_samples(V.detach().reshape(2, -1).mean(0))
     return V.mean(), h, P, vectorised
-
-
-def pd_preserving_target(
-    old: Tuple[torch.Tensor, torch.Tensor],
-    target: Tuple[torch.Tensor, torch.Tensor],
-    loc: torch.Tensor,
-    cov: torch.Tensor,
-    beta: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The target ``(h', P')`` of a general pair ``(h, P)`` that makes the plain step
-    ``x + b (target' - x)`` the update of Lin, Schmidt & Khan (2020, eq. 8)::
-
-        Lambda <- Lambda - b G + (b^2 / 2) G S G,   m <- m + b Lambda_new^-1 grad_m,
-        G = P - P_target,   S = Lambda^-1,   grad_m = eta1* - Lambda* m
-
-    i.e. ``P' = P_target + C`` and ``h' = h_target + C m`` with ``C = (beta / 2) G S G``, for
-    ``b = beta``. For a shrunk step ``b <= beta`` the added ``(b beta / 2) G S G`` is at least
-    ``(b^2 / 2) G S G``, so ``Lambda`` stays positive definite:
-    ``Lambda - b G + (b^2/2) G S G = (Lambda + (Lambda - b G) S (Lambda - b G)) / 2``. The
-    fixed point (``G = 0``) is that of the plain step.
-    """
-    G = old[1] - target[1]
-    C = G @ cov @ G
-    C = 0.25 * beta * (C + C.T)
-    return target[0] + C @ loc, target[1] + C
 
 
 def gradient_only(options, dim: int) -> bool:

@@ -37,6 +37,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..gaussian.price import site_natural_params_multivariate
 from .quadrature import expected_log_prob
 
 __all__ = [
@@ -226,6 +227,5 @@ def site_targets(
     e, U = torch.linalg.eigh(lam2)
     if bool((e > 0).any()):
         lam2 = (U * e.clamp_max(0).unsqueeze(-2)) @ U.mT
-    m = mean.detach()
-    lam1 = dm - 2 * (lam2 @ m.unsqueeze(-1)).squeeze(-1)
+    lam1, lam2 = site_natural_params_multivariate(mean.detach(), dm, lam2)
     return F, lam1, lam2

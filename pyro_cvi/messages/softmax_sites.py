@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..gaussian.sites import site_to_row_multivariate
 from ..model import probes
 from ..model.tracing import unwrap
 from .softmax import lse_expectations, site_targets
@@ -102,9 +103,7 @@ class SoftmaxRows:
         ``A = X (x) G`` (:attr:`kron`), no rows and the natural parameters ``(h, P)`` summed in
         ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G``, ``h = sum_n x_n (x) G^T b_n``."""
         N, K = self.N, self.K
-        lam1, lam2 = sites[..., 0], sites[..., 1:]
-        W = -(lam2 + lam2.mT)  # -2 lam2, symmetrised
-        b = lam1 + 2 * (lam2 @ self.c.reshape(N, K, 1)).squeeze(-1)
+        W, b = site_to_row_multivariate(sites[..., 0], sites[..., 1:], self.c.reshape(N, K))
         if self.kron is not None:
             X, G = self.kron
             Dx = X.shape[1]

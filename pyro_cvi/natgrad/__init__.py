@@ -8,14 +8,15 @@ eqs. 10-13), computed from the gradients any Pyro ELBO (``Trace_ELBO``, ``TraceM
 
 * :mod:`.roles`: which parameters form which Gaussian (param names and constraints);
 * :mod:`.params`: constrained values and gradients of a parameter, and writing it back;
-* :mod:`.steps`: the per-family steps (diagonal, Cholesky, low rank), pure maths;
+* :mod:`pyro_cvi.gaussian`: the per-family steps (diagonal, Cholesky, low rank), pure maths,
+  shared with AutoCVI's blocks (:mod:`.steps` keeps their old import path);
 * :mod:`.control`: the adaptive step size under Monte Carlo noise;
 * :mod:`.stepper`: all of the above for the optimizer.
 """
 
+from ..gaussian import chol_grad_to_cov_grad, diag_step, lowrank_fisher_mv, lowrank_step, tril_step
 from .roles import GaussianGroup, find_gaussians
 from .stepper import FORMS, GaussianStepper
-from .steps import chol_grad_to_cov_grad, diag_step, lowrank_fisher_mv, lowrank_step, tril_step
 
 __all__ = [
     "FORMS",

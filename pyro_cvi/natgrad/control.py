@@ -28,7 +28,7 @@ constant step leaves ``q`` jittering around the optimum with an amplitude that g
 step. (Measured on the centred eight schools, AutoNormal: a floor of 0.01 left the bound at
 35.3 after 2,000 steps; 0.3 reaches 33.6 in 250, where Adam needs 2,000 steps for 34.1:
 ``scripts/benchmark_natgrad_control.py``.) Each step is also capped by a trust
-region (``max_rel`` in :mod:`pyro_cvi.natgrad.steps`).
+region (``max_rel`` in :mod:`pyro_cvi.gaussian.steps`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class _Ratio:
 class NoiseControl:
     """The step-size state of one Gaussian of the guide: one ratio for the precision's
     direction, one for the mean's (the mean gets its own step, see
-    :func:`pyro_cvi.natgrad.steps.diag_step`)."""
+    :func:`pyro_cvi.gaussian.steps.diag_step`)."""
 
     ceiling: float = 1.0
     start: float = 0.1

@@ -1,5 +1,5 @@
 """Natural-gradient steps for the Gaussians of a Pyro guide, as the :class:`~pyro_cvi.CVI`
-optimizer applies them (see :mod:`pyro_cvi.natgrad.steps` for the maths and
+optimizer applies them (see :mod:`pyro_cvi.gaussian.steps` for the maths and
 :mod:`pyro_cvi.natgrad.roles` for how the Gaussians are found)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 import pyro
 import torch
 
+from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
 from .params import read, write
 from .roles import GaussianGroup, find_gaussians
-from .steps import diag_step, lowrank_step, tril_step
 
 __all__ = ["GaussianStepper", "FORMS"]
 
@@ -75,8 +75,8 @@ class GaussianStepper:
         adaptive: bool = False,
     ) -> None:
         """One step of every Gaussian in ``groups``; ``beta_of(control)`` gives its sizes
-        ``(b, b for the mean or None: the same)``.
-        ``adaptive``: also cap each step by a trust region (see :func:`.steps.tril_step`)."""
+        ``(b, b for the mean or None: the same)``. ``adaptive``: also cap each step by a trust
+        region (see :func:`pyro_cvi.gaussian.steps.tril_step`)."""
         if not groups:
             return
         cons = pyro.get_param_store().get_state()["constraints"]

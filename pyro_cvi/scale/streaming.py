@@ -50,6 +50,7 @@ import pyro.poutine as poutine
 import torch
 
 from ..blocks.gaussian import block_prior
+from ..gaussian.sites import site_to_row
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, row_statistics, solve_statistics
 from ..messages.gaussian import linear_predictor_message, linear_predictor_rows, normal_rows
 from ..model.analysis import CONJUGATE, LINEAR, NATURAL, PRIOR, Analysis, BlockSpec
@@ -190,7 +191,7 @@ class StreamingCVI:
             if laplace:
                 lam2 = lam2.clamp(max=0.0)
                 lam1 = torch.where(lam2 == 0, torch.zeros_like(lam1), lam1)
-            S, s = row_statistics(A, -2 * lam2, lam1 + 2 * lam2 * rows.c)
+            S, s = row_statistics(A, *site_to_row(lam1, lam2, rows.c))
             stats[0], stats[1] = stats[0] + S, stats[1] + s
         return value, stats
 

@@ -38,7 +38,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from pyro.distributions.util import broadcast_shape
 
-from ..linalg import NotPositiveDefinite
+from ..linalg import NotPositiveDefinite, cholesky
 from . import soa
 from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
 
@@ -346,16 +346,9 @@ def prefix_affine(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def sample_prior(chain: LinearGaussianChain, generator: Optional[torch.Generator] = None):
     """One draw of the chain (ancestral sampling as a parallel scan)."""
     A, b, C = chain.all_steps()
-    L = torch.linalg.cholesky(C + _jitter(C))
+    L = cholesky(C, jitter="eps", what="chain step covariance")
     eps = torch.randn(b.shape, dtype=b.dtype, device=b.device, generator=generator)
     return prefix_affine(A, b + _tmv(L, eps))
-
-
-def _jitter(C: torch.Tensor) -> torch.Tensor:
-    eps = torch.finfo(C.dtype).eps
-    scale = C.diagonal(dim1=-2, dim2=-1).abs().amax(-1).clamp(min=eps)
-    eye = torch.eye(C.shape[-1], dtype=C.dtype, device=C.device)
-    return (10 * eps * scale)[..., None, None] * eye
 
 
 def log_prob_chain(chain: LinearGaussianChain, x: torch.Tensor) -> torch.Tensor:
