@@ -71,6 +71,24 @@ def arma11(y):
         pyro.sample("y", dist.Normal(torch.stack(nu, -1), sigma), obs=y)
 
 
+def arma11_vectorised(y):
+    """:func:`arma11` with the error recursion solved as one triangular system,
+    ``err_t + theta err_{t-1} = y_t - mu - phi y_{t-1}``: the same density (the tests check it)
+    at a fraction of the cost per gradient, for long NUTS runs."""
+    mu = pyro.sample("mu", dist.Normal(y.new_tensor(0.0), 10.0))
+    phi = pyro.sample("phi", dist.Normal(y.new_tensor(0.0), 2.0))
+    theta = pyro.sample("theta", dist.Normal(y.new_tensor(0.0), 2.0))
+    sigma = pyro.sample("sigma", dist.HalfCauchy(y.new_tensor(5.0)))
+    T = y.shape[0]
+    previous = torch.cat([mu.reshape(1), y[:-1]])
+    c = y - mu - phi * previous
+    lower = torch.eye(T, dtype=y.dtype, device=y.device)
+    lower = lower + theta * torch.diag(y.new_ones(T - 1), -1)
+    err = torch.linalg.solve_triangular(lower, c.unsqueeze(-1), upper=False).squeeze(-1)
+    with pyro.plate("time", T):
+        pyro.sample("y", dist.Normal(y - err, sigma), obs=y)
+
+
 def arma11_data(dtype=torch.float64) -> ZooData:
     """100 points of ARMA(1, 1) with mu 1, phi 0.6, theta 0.3, sigma 0.5."""
     g = _gen(51)
