@@ -15,7 +15,7 @@ from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from zoo import ZOO, clients
-from zoo.clients import CANONICAL, CLIENTS
+from zoo.clients import CANONICAL, CLIENT_ENTRIES, CLIENTS
 from zoo.reference import (
     latent_sites,
     load_reference,
@@ -30,7 +30,6 @@ F32, F64 = torch.float32, torch.float64
 DTYPES = pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
 # the markov-loop HMM costs about a second per step: three steps, under slow
 SLOW = ("hmm_gaussian",)
-OWN = tuple(e.name for e in clients.ENTRIES)  # the entries defined in clients.py
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CLIENTS]
 
 
@@ -55,7 +54,7 @@ def test_client_model_traces_in_the_data_dtype(name, dtype):
     for site in latents:
         assert tr.nodes[site]["value"].dtype == dtype, site
     assert torch.isfinite(tr.log_prob_sum())
-    if name not in OWN:  # users.py draws each dtype's data anew
+    if name not in CLIENT_ENTRIES:  # users.py draws each dtype's data anew
         return
     # the same data in both dtypes (drawn in float64, then cast)
     other = entry.data(F64 if dtype == F32 else F32)

@@ -407,5 +407,7 @@ ENTRIES = [
     ),
 ]
 
+#: The entries this module defines.
+CLIENT_ENTRIES = tuple(e.name for e in ENTRIES)
 #: The client models in benchmark order (two of them defined in ``users.py``).
-CLIENTS = tuple(e.name for e in ENTRIES) + ("horseshoe_logistic", "ppca")
+CLIENTS = CLIENT_ENTRIES + ("horseshoe_logistic", "ppca")

@@ -87,19 +87,30 @@ def _compared(name: str, ref: dict) -> Dict[str, dict]:
     return ref["canonical"] if name in CANONICAL else ref["sites"]
 
 
-def standardised_error(name: str, draws: Dict[str, torch.Tensor], ref: dict) -> dict:
+def posterior_means(name: str, draws: Dict[str, torch.Tensor]) -> Dict[str, list]:
+    """Means of the canonical quantities of ``draws`` (what :func:`mean_error` compares)."""
+    return {
+        k: v.detach().to(torch.float64).mean(0).tolist() for k, v in canonical(name, draws).items()
+    }
+
+
+def mean_error(name: str, means: Dict[str, list], ref: dict) -> dict:
     """``{"mean": m, "max": M, "by_site": {...}}``: the mean (and largest) over scalar parameters
-    of ``|mean(draws) - NUTS mean| / NUTS sd``, on the canonical quantities where the model has
-    symmetries. Sites the reference lacks are skipped; a reference site ``draws`` lacks raises
-    ``KeyError``."""
-    draws = canonical(name, draws)
+    of ``|mean - NUTS mean| / NUTS sd`` for ``means`` from :func:`posterior_means`. A
+    reference quantity ``means`` lacks raises ``KeyError``."""
     errs, by_site = [], {}
     for site, r in _compared(name, ref).items():
-        got = draws[site].detach().to(torch.float64).mean(0)
-        mean = torch.tensor(r["mean"], dtype=torch.float64)
+        ref_mean = torch.tensor(r["mean"], dtype=torch.float64)
+        got = torch.tensor(means[site], dtype=torch.float64).reshape(ref_mean.shape)
         sd = torch.tensor(r["sd"], dtype=torch.float64).clamp(min=1e-12)
-        e = ((got.reshape(mean.shape) - mean).abs() / sd).reshape(-1)
+        e = ((got - ref_mean).abs() / sd).reshape(-1)
         by_site[site] = float(e.mean())
         errs.append(e)
     e = torch.cat(errs)
     return {"mean": float(e.mean()), "max": float(e.max()), "by_site": by_site}
+
+
+def standardised_error(name: str, draws: Dict[str, torch.Tensor], ref: dict) -> dict:
+    """:func:`mean_error` of the posterior means of ``draws`` (``{site: (S, *shape)}``), on the
+    canonical quantities where the model has symmetries."""
+    return mean_error(name, posterior_means(name, draws), ref)
