@@ -27,6 +27,12 @@ than each competitor: its estimate at most ``max(0.5 nat, 0.5%)`` above the comp
 ``--quick``: ``--steps-scale 0.25`` (unless given), Adam at lr 0.03 only, 200 draws per
 estimate, output under ``results/quick/`` (git-ignored). An error in one method is recorded
 in its cell (text) and the row goes on; an error outside the methods is recorded in the row.
+
+To measure a change to AutoCVI alone, reuse the competitors of an earlier run (their Adam
+budget stays that run's) and rescore joined runs against the references on disk::
+
+    python scripts/benchmark_remainder.py --competitors-from results/benchmark_remainder.json
+    python scripts/benchmark_remainder.py --report run_a.json run_b.json --out joined.json
 """
 
 from __future__ import annotations
@@ -300,7 +306,9 @@ def no_worse(autocvi: dict, other: dict):
     return a <= b + max(0.5, 0.005 * abs(b))
 
 
-def run_case(name: str, dtype: torch.dtype, scale: float, lrs, draws: int) -> dict:
+def run_case(name: str, dtype: torch.dtype, scale: float, lrs, draws: int, stored=None) -> dict:
+    """One (model, dtype) row; the competitors' cells taken from ``stored`` (a row of an
+    earlier run) when given, so that only AutoCVI runs."""
     row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "client": name in CLIENTS}
     try:
         case = Case(name, dtype)
@@ -313,14 +321,19 @@ def run_case(name: str, dtype: torch.dtype, scale: float, lrs, draws: int) -> di
             methods["autocvi"] = run_autocvi(case, max(5, round(AUTOCVI_STEPS * scale)), ref, draws)
         except Exception as e:
             methods["autocvi"] = {"error": _err(e), "trace": traceback.format_exc()[-1500:]}
-        for kind in ("normal", "mvn"):
+        if stored is not None:
+            methods.update({c: stored["methods"][c] for c in COMPETITORS})
+            row["competitors_from"] = stored.get("source_file", "an earlier run")
+            row["adam_budget_basis"] = stored.get("adam_budget_basis")
+        for kind in ("normal", "mvn") if stored is None else ():
             try:
                 methods[f"cvi_{kind}"] = run_cvi(case, kind, cvi_steps, ref, draws)
             except Exception as e:
                 methods[f"cvi_{kind}"] = {"error": _err(e)}
-        budget = 3.0 * methods["autocvi"].get("cpu", methods["cvi_normal"].get("cpu", 10.0))
-        row["adam_budget_basis"] = "autocvi" if "cpu" in methods["autocvi"] else "cvi_normal"
-        for kind in ("normal", "lowrank", "mvn"):
+        if stored is None:
+            budget = 3.0 * methods["autocvi"].get("cpu", methods["cvi_normal"].get("cpu", 10.0))
+            row["adam_budget_basis"] = "autocvi" if "cpu" in methods["autocvi"] else "cvi_normal"
+        for kind in ("normal", "lowrank", "mvn") if stored is None else ():
             try:
                 methods[f"adam_{kind}"] = run_adam(case, kind, budget, lrs, ref, draws)
             except Exception as e:
@@ -451,6 +464,13 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="steps x0.25, one lr, 200 draws")
     p.add_argument("--out", default=None)
     p.add_argument(
+        "--competitors-from",
+        nargs="+",
+        default=None,
+        help="reuse the competitors' cells of earlier JSON outputs (same model and dtype) and "
+        "run AutoCVI only; rows missing there run in full",
+    )
+    p.add_argument(
         "--report",
         nargs="+",
         default=None,
@@ -469,11 +489,17 @@ def main(argv=None):
     dtypes = list(DTYPES.values()) if a.dtype == "both" else [DTYPES[a.dtype]]
     sub = "quick/" if a.quick else ""
     out = a.out or str(ROOT / "results" / sub / "benchmark_remainder.json")
+    stored = {}
+    for f in a.competitors_from or ():
+        for r in json.loads(Path(f).read_text())["rows"]:
+            if "methods" in r and all(c in r["methods"] for c in COMPETITORS):
+                stored[r["model"], r["dtype"]] = {**r, "source_file": f}
     rows = []
     for name in names:
         for dtype in dtypes:
             t0 = time.process_time()
-            rows.append(run_case(name, dtype, scale, lrs, draws))
+            key = (name, str(dtype).replace("torch.", ""))
+            rows.append(run_case(name, dtype, scale, lrs, draws, stored.get(key)))
             r = rows[-1]
             a_ = r.get("methods", {}).get("autocvi", {})
             print(

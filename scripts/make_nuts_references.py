@@ -107,6 +107,8 @@ def run_model(name: str, chains: int, warmup: int, samples: int) -> dict:
 
 
 def _run_nuts(name: str, settings: dict) -> dict:
+    chains, warmup, samples = settings["chains"], settings["warmup"], settings["samples"]
+    print(f"{name}: NUTS, {chains} x ({warmup} warm-up + {samples})", flush=True)
     nuts_name = settings["nuts_model"]
     data = ZOO[name].data(torch.float64)
     model = ZOO[nuts_name].model if nuts_name in ZOO else getattr(clients, nuts_name)
@@ -188,7 +190,6 @@ def main(argv=None):
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in a.models.split(","):
-        print(f"{name}: NUTS, {a.chains} x ({a.warmup} warm-up + {a.samples})", flush=True)
         ref = run_model(name, a.chains, a.warmup, a.samples)
         (out_dir / f"{name}.json").write_text(json.dumps(ref, indent=1) + "\n")
         s = ref["summary"]
