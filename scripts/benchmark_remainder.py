@@ -226,13 +226,14 @@ def _steps(svi, case: Case, steps: int, budget: float = math.inf):
     return losses, time.process_time() - t0
 
 
-def run_autocvi(case: Case, steps: int, ref, draws: int) -> dict:
+def run_autocvi(case: Case, steps: int, ref, draws: int, max_cpu: float = math.inf) -> dict:
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = AutoCVI(case.model, **case.guide_kwargs)
     svi = SVI(case.model, guide, CVI(), CVI_ELBO())
-    losses, cpu = _steps(svi, case, steps)
+    losses, cpu = _steps(svi, case, steps, max_cpu)
     out = {"steps": len(losses), "cpu": cpu, "nonfinite": sum(not math.isfinite(v) for v in losses)}
+    out["capped"] = len(losses) < steps  # stopped at max_cpu
     last = torch.tensor(losses[-20:], dtype=torch.float64)
     out["reported"] = float(last.mean())
     out["reported_se"] = float(last.std() / math.sqrt(len(last))) if len(last) > 1 else 0.0
@@ -258,13 +259,14 @@ def _kinds(guide) -> str:
     return f"q: {q}; factors: " + ", ".join(f"{k} {v}" for k, v in facs.items())
 
 
-def run_cvi(case: Case, kind: str, steps: int, ref, draws: int) -> dict:
+def run_cvi(case: Case, kind: str, steps: int, ref, draws: int, max_cpu: float = math.inf) -> dict:
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = GUIDES[kind](case.hidden_model, **case.inits())
     svi = SVI(case.model, guide, CVI(), case.elbo())
-    losses, cpu = _steps(svi, case, steps)
+    losses, cpu = _steps(svi, case, steps, max_cpu)
     out = {"steps": len(losses), "cpu": cpu, "nonfinite": sum(not math.isfinite(v) for v in losses)}
+    out["capped"] = len(losses) < steps
     out.update(score(case, guide, ref, draws))
     return out
 
@@ -318,7 +320,8 @@ def run_case(name: str, dtype: torch.dtype, scale: float, lrs, draws: int, store
         cvi_steps = max(5, round(CVI_STEPS * scale))
         methods = {}
         try:
-            methods["autocvi"] = run_autocvi(case, max(5, round(AUTOCVI_STEPS * scale)), ref, draws)
+            n = max(5, round(AUTOCVI_STEPS * scale))
+            methods["autocvi"] = run_autocvi(case, n, ref, draws, max_cpu)
         except Exception as e:
             methods["autocvi"] = {"error": _err(e), "trace": traceback.format_exc()[-1500:]}
         if stored is not None:
@@ -327,7 +330,7 @@ def run_case(name: str, dtype: torch.dtype, scale: float, lrs, draws: int, store
             row["adam_budget_basis"] = stored.get("adam_budget_basis")
         for kind in ("normal", "mvn") if stored is None else ():
             try:
-                methods[f"cvi_{kind}"] = run_cvi(case, kind, cvi_steps, ref, draws)
+                methods[f"cvi_{kind}"] = run_cvi(case, kind, cvi_steps, ref, draws, max_cpu)
             except Exception as e:
                 methods[f"cvi_{kind}"] = {"error": _err(e)}
         if stored is None:
@@ -365,7 +368,7 @@ COLUMNS = [
     ("autocvi", "AutoCVI + CVI() + CVI_ELBO: -ELBO +- se [mean |mean - NUTS| / NUTS sd]"),
     ("z", "AutoCVI's reported loss (mean of its last 20 steps) - estimate, in combined se"),
     ("nf", "AutoCVI's non-finite step losses"),
-    ("cpu", "AutoCVI's CPU seconds"),
+    ("cpu", "AutoCVI's CPU seconds ('cap': stopped at --max-cpu before its steps)"),
     ("cvi_normal", "CVI() on AutoNormal, Trace_ELBO / TraceEnum_ELBO, 400 steps"),
     ("cvi_mvn", "CVI() on AutoMultivariateNormal, 400 steps"),
     ("adam_normal", "AutoNormal + Adam, best lr of the grid, 3x AutoCVI's CPU time"),
@@ -391,7 +394,7 @@ def report(rows, title: str):
             _cell(a),
             "-" if z is None else f"{z:+.1f}",
             str(a.get("nonfinite", "-")),
-            f"{a['cpu']:.1f}" if "cpu" in a else "-",
+            (f"{a['cpu']:.1f}" + (" cap" if a.get("capped") else "")) if "cpu" in a else "-",
             *[_cell(m[c]) for c in COMPETITORS],
             f"{sum(r['no_worse'].values())}/5",
         )
@@ -464,6 +467,12 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="steps x0.25, one lr, 200 draws")
     p.add_argument("--out", default=None)
     p.add_argument(
+        "--max-cpu",
+        type=float,
+        default=600.0,
+        help="CPU seconds after which AutoCVI's and CVI()'s steps stop (recorded as capped)",
+    )
+    p.add_argument(
         "--competitors-from",
         nargs="+",
         default=None,
@@ -499,7 +508,7 @@ def main(argv=None):
         for dtype in dtypes:
             t0 = time.process_time()
             key = (name, str(dtype).replace("torch.", ""))
-            rows.append(run_case(name, dtype, scale, lrs, draws, stored.get(key)))
+            rows.append(run_case(name, dtype, scale, lrs, draws, stored.get(key), a.max_cpu))
             r = rows[-1]
             a_ = r.get("methods", {}).get("autocvi", {})
             print(
