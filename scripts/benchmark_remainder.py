@@ -308,7 +308,15 @@ def no_worse(autocvi: dict, other: dict):
     return a <= b + max(0.5, 0.005 * abs(b))
 
 
-def run_case(name: str, dtype: torch.dtype, scale: float, lrs, draws: int, stored=None) -> dict:
+def run_case(
+    name: str,
+    dtype: torch.dtype,
+    scale: float,
+    lrs,
+    draws: int,
+    stored=None,
+    max_cpu: float = math.inf,
+) -> dict:
     """One (model, dtype) row; the competitors' cells taken from ``stored`` (a row of an
     earlier run) when given, so that only AutoCVI runs."""
     row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "client": name in CLIENTS}
