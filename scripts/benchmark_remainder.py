@@ -343,6 +343,8 @@ def run_case(
                 methods[f"cvi_{kind}"] = {"error": _err(e)}
         if stored is None:
             budget = 3.0 * methods["autocvi"].get("cpu", methods["cvi_normal"].get("cpu", 10.0))
+            row["adam_budget_capped"] = budget > max_cpu
+            budget = min(budget, max_cpu)
             row["adam_budget_basis"] = "autocvi" if "cpu" in methods["autocvi"] else "cvi_normal"
         for kind in ("normal", "lowrank", "mvn") if stored is None else ():
             try:
@@ -478,7 +480,8 @@ def main(argv=None):
         "--max-cpu",
         type=float,
         default=600.0,
-        help="CPU seconds after which AutoCVI's and CVI()'s steps stop (recorded as capped)",
+        help="CPU seconds after which AutoCVI's and CVI()'s steps stop, and the most each Adam "
+        "run gets (recorded as capped)",
     )
     p.add_argument(
         "--competitors-from",
