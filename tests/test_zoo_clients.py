@@ -122,7 +122,8 @@ def test_nuts_reference_matches_the_model(name):
     # draws equal to the means (raw sites; canonical quantities recomputed from them) score
     # 0 for a model without symmetries
     if name not in CANONICAL:
-        draws = {k: torch.tensor(ref["sites"][k]["mean"]).expand(4, *sites[k]) for k in sites}
+        means = {k: torch.tensor(ref["sites"][k]["mean"], dtype=F64) for k in sites}
+        draws = {k: v.expand(4, *sites[k]) for k, v in means.items()}
         assert standardised_error(name, draws, ref)["mean"] == pytest.approx(0.0, abs=1e-12)
 
 
