@@ -119,7 +119,8 @@ def _run_nuts(name: str, settings: dict) -> dict:
     data = ZOO[name].data(torch.float64)
     model = ZOO[nuts_name].model if nuts_name in ZOO else getattr(clients, nuts_name)
     if settings.get("reparam"):  # the same posterior, non-centred for NUTS's geometry
-        model = poutine.reparam(model, config={k: LocScaleReparam(0.0) for k in settings["reparam"]})
+        config = {k: LocScaleReparam(0.0) for k in settings["reparam"]}
+        model = poutine.reparam(model, config=config)
     sites = latent_sites(ZOO[name].model, data)
     nesting = max_plate_nesting(model, data)
     init = init_to_sample if settings["init"] == "sample" else init_to_median
