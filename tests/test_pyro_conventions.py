@@ -32,6 +32,7 @@ import torch
 from guide_models import data, mixed
 from pyro.infer import SVI
 from zoo import ZOO
+from zoo.clients import CLIENT_ENTRIES
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.blocks.marginals import marginal_median, marginal_quantiles
@@ -291,7 +292,9 @@ def test_marginal_quantiles_against_scipy():
 
 # --------------------------------------------------------------------------- posterior(name)
 ZOO_FAST = [
-    n for n in ZOO if n not in ("bnn", "sparse_gamma_def", "subsampled_logistic_sequential")
+    n
+    for n in ZOO
+    if n not in ("bnn", "sparse_gamma_def", "subsampled_logistic_sequential") + CLIENT_ENTRIES
 ]
 
 

@@ -82,10 +82,10 @@ class ZooModel:
 
 
 def _registry() -> OrderedDict[str, ZooModel]:
-    from . import hierarchical, latent, simple, users
+    from . import clients, hierarchical, latent, simple, users
 
     out: OrderedDict[str, ZooModel] = OrderedDict()
-    for module in (simple, hierarchical, latent, users):
+    for module in (simple, hierarchical, latent, users, clients):
         for entry in module.ENTRIES:
             if entry.name in out:
                 raise ValueError(f"duplicate zoo name {entry.name!r}")
