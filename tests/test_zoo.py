@@ -45,8 +45,6 @@ RUNS = [
 F32, F64 = torch.float32, torch.float64
 # known open rows (the bound still holds there; the first steps do not descend)
 KNOWN_DIVERGENT = {
-    ("local_level", F32): "a cumsum random walk with a latent step scale is mean-field with "
-    "Monte Carlo messages (not a Markov block): the first parallel steps overshoot",
     **{
         ("horseshoe_logistic", d): "the horseshoe prior's Monte Carlo ELBO term is heavy-tailed "
         "(E_q[(tau lambda)^-2] is infinite under a Gamma q of shape <= 2): six noisy losses"
@@ -97,9 +95,10 @@ def test_zoo_model_runs_with_the_default_cvi(name, dtype, request):
     if (name, dtype) in KNOWN_DIVERGENT:
         request.applymarker(pytest.mark.xfail(reason=KNOWN_DIVERGENT[name, dtype], strict=False))
     entry = ZOO[name]
-    _, guide, _, losses = fit(entry, 3 if name in SLOW_RUN else 6, dtype)
+    _, guide, _, losses = fit(entry, 3 if name in SLOW_RUN else 10, dtype)
     assert all(math.isfinite(v) for v in losses), losses
-    assert losses[-1] < losses[0], losses
+    # (the last losses' mean: the natural-gradient remainder's first steps are noisy)
+    assert sum(losses[-3:]) / 3 < losses[0], losses
     for q in guide.median().values():
         assert torch.isfinite(q).all()
 
