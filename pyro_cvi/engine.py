@@ -225,6 +225,24 @@ class Engine:
     def param_names(self) -> List[str]:
         return [n for b in self.blocks for n in b.param_names()]
 
+    # ------------------------------------------------------------------ the owner protocol
+    # (what the CVI optimizer asks: pyro_cvi.update.NaturalGradientOwner)
+    @property
+    def reducer(self):
+        return self.options.reducer
+
+    def has_pending_step(self) -> bool:
+        return self.pending is not None
+
+    def pending_loss(self):
+        ctx = self.pending
+        if ctx is None or ctx.subsample or self.minibatch:
+            return None
+        return ctx.elbo, ctx.mc_var
+
+    def step_labels(self) -> List[str]:
+        return [label for b in self.blocks for label in b.labels]
+
     def params_missing(self) -> bool:
         """Whether the param store lost this engine's parameters (``pyro.clear_param_store()``)."""
         store = pyro.get_param_store()

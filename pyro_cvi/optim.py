@@ -30,7 +30,7 @@ from .divergence import watch
 from .natgrad import GaussianStepper
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
-from .update import owner_of
+from .update import NaturalGradientOwner, owner_of
 
 __all__ = ["CVI"]
 
@@ -89,7 +89,7 @@ class CVI(PyroOptim):
         if not callable(step_size):
             self.schedule(1)  # validates the constant
         self.t = 0
-        self.engines: Dict[int, weakref.ref[Any]] = {}
+        self.engines: Dict[int, weakref.ref[NaturalGradientOwner]] = {}
         # from set_state, until the engines appear
         self.saved_controls: Dict[str, Dict[str, Any]] = {}
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
@@ -126,7 +126,8 @@ class CVI(PyroOptim):
         commit(engines)
 
     def _update(self, params: List[torch.Tensor], args: Any, kwargs: Any) -> List[Any]:
-        engines, others = {}, []
+        engines: Dict[int, NaturalGradientOwner] = {}
+        others: List[torch.Tensor] = []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
             if engine is None:
@@ -136,7 +137,7 @@ class CVI(PyroOptim):
         groups, others = self.gaussians.split(others)
         if not engines and not groups:
             _refuse(others)
-        if any(e.pending is None for e in engines.values()):
+        if any(not e.has_pending_step() for e in engines.values()):
             raise ValueError(
                 "AutoCVI + CVI(): the AutoCVI parameters got no natural gradients, so the loss "
                 "is not CVI_ELBO (Trace_ELBO, TraceEnum_ELBO and the other Pyro ELBOs cannot "
@@ -163,13 +164,12 @@ class CVI(PyroOptim):
                     f"step-size schedule gave beta_{self.t} = {beta}; it must be in (0, 1]"
                 )
             for engine in engines.values():
-                ctx = engine.pending
-                if not (ctx.subsample or engine.minibatch):  # comparable losses only
-                    labels = [lbl for b in engine.blocks for lbl in b.labels]
-                    watch(engine, beta, ctx.elbo, ctx.mc_var, str(labels))
+                pending = engine.pending_loss()  # (comparable losses only)
+                if pending is not None:
+                    watch(engine, beta, pending[0], pending[1], str(engine.step_labels()))
                 engine.step(beta)
             self.gaussians.step(groups, lambda control: (beta, None))
-        reducers = {id(r): r for r in (e.options.reducer for e in engines.values()) if r}
+        reducers = {id(r): r for r in (e.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
             reducer.reduce_grads(others)
         others = [p for p in others if p.grad is not None]

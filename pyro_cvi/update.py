@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
 from .gaussian.halving import MAX_HALVINGS, MAX_HALVINGS_SOLVE, halve_until_valid
 
 __all__ = [
+    "NaturalGradientOwner",
     "MAX_HALVINGS",
     "MAX_HALVINGS_SOLVE",
     "StepCounts",
@@ -148,7 +149,42 @@ def _box_step(old, target, beta, bounds, param_shapes, max_halvings):
 _OWNERS: Dict[int, tuple] = {}
 
 
-def owner_of(param: torch.Tensor) -> Optional[Any]:
+@runtime_checkable
+class NaturalGradientOwner(Protocol):
+    """What :class:`~pyro_cvi.CVI` asks of whatever owns natural parameters (an AutoCVI guide's
+    engine, ``AutoStructuredCVI``): the loss leaves a pending step, the optimizer applies it.
+    A typed protocol (checked by mypy where the optimizer uses it), not a registry of ids."""
+
+    @property
+    def prefix(self) -> str:
+        """The owner's param-store prefix (checkpointed step-control state is keyed by it)."""
+
+    @property
+    def control(self) -> Optional[Any]:
+        """The adaptive step control, once enabled (``None``: none)."""
+
+    @property
+    def reducer(self) -> Optional[Any]:
+        """The data-parallel reducer (``None``: one process)."""
+
+    def has_pending_step(self) -> bool:
+        """Whether the last loss left natural gradients for a step."""
+
+    def pending_loss(self) -> Optional[Tuple[float, Optional[float]]]:
+        """``(ELBO, its Monte Carlo variance or None)`` of the pending step's loss where
+        successive losses are comparable (no minibatch), for the fixed step's monitor."""
+
+    def step_labels(self) -> List[str]:
+        """The labels a warning about the steps names (the sites stepped)."""
+
+    def enable_control(self, max_beta: float, state: Optional[Dict[str, Any]] = None) -> Any:
+        """Switch on the adaptive step (or restore its state from a checkpoint)."""
+
+    def step(self, beta: Optional[float]) -> None:
+        """Apply the pending step with step size ``beta`` (``None``: the adaptive one)."""
+
+
+def owner_of(param: torch.Tensor) -> Optional[NaturalGradientOwner]:
     """The owner that steps ``param`` by eq. 12 (see the module docstring), or ``None``."""
     entry = _OWNERS.get(id(param))
     if entry is None or entry[0]() is not param:

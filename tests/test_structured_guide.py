@@ -73,3 +73,29 @@ def test_forward_draws_locals_from_their_exact_conditional():
     loc = (mu + Y.sum(1, keepdim=True)) / (1 + Y.shape[1])
     assert torch.allclose(q.mean.reshape(-1), loc.reshape(-1), atol=1e-10)
     assert tr.nodes["theta"]["value"].shape == (5, 1)
+
+
+def test_a_fixed_cvi_step_size_works():
+    """``CVI(step_size=0.5)`` applies that step to AutoStructuredCVI (the optimizer talks to it
+    through the owner protocol, ``pyro_cvi.update.NaturalGradientOwner``)."""
+    from pyro_cvi.update import NaturalGradientOwner
+
+    args = (_groups(N=8, J=3, seed=1),)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoStructuredCVI(hierarchical)
+    svi = SVI(hierarchical, guide, CVI(step_size=0.5), CVI_ELBO())
+    losses = [svi.step(*args) for _ in range(60)]
+    assert isinstance(guide.engine, NaturalGradientOwner)
+    assert guide.t == 60
+    # the fixed step reaches the same q as the guide's own schedule, within the draws' noise
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    ref = AutoStructuredCVI(hierarchical)
+    svi = SVI(hierarchical, ref, CVI(), CVI_ELBO())
+    for _ in range(60):
+        svi.step(*args)
+    mine, theirs = guide.posterior("mu").mean, ref.posterior("mu").mean
+    sd = ref.posterior("mu").stddev
+    assert torch.allclose(mine, theirs, atol=float(3 * sd.max())), (mine, theirs)
+    assert sum(losses[-10:]) / 10 < losses[0] + 50

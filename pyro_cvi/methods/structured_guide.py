@@ -25,7 +25,6 @@ the param store under ``"<guide name>.ssvi<i>.<site>"``.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from types import SimpleNamespace
 from typing import Callable, Dict, Optional, Sequence, Union
 
 import pyro
@@ -76,7 +75,6 @@ class AutoStructuredCVI(AutoGuide):
         # the owner protocol of the CVI optimizer (no adaptive control, one process)
         self.pending: Optional[Dict[str, tuple]] = None
         self.control = None
-        self.options = SimpleNamespace(reducer=None)
 
     @property
     def prefix(self) -> str:
@@ -141,6 +139,21 @@ class AutoStructuredCVI(AutoGuide):
         return elbo.detach()
 
     # ------------------------------------------------------------------ the step (CVI)
+    # (the owner protocol of the CVI optimizer: pyro_cvi.update.NaturalGradientOwner)
+    @property
+    def reducer(self):
+        return None
+
+    def has_pending_step(self) -> bool:
+        return self.pending is not None
+
+    def pending_loss(self):
+        """``None``: a single-draw estimate; the fixed step's monitor does not watch it."""
+        return None
+
+    def step_labels(self):
+        return list(self.ssvi.global_names)
+
     def enable_control(self, max_beta: float, state=None):
         """``CVI()`` (adaptive): this guide keeps its own Robbins-Monro schedule."""
         return None
