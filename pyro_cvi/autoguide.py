@@ -34,6 +34,7 @@ from .blocks.summaries import Summaries
 from .context import Options
 from .engine import Engine
 from .families import FAMILY_NAMES
+from .guide_names import check_prefix, claim_prefix
 from .guide_state import (
     GuideState,
     Unsampled,
@@ -118,6 +119,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
         ``"auto"`` (default: dense up to
         :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
+    :param prefix: the prefix of the guide's names in Pyro's param store
+        (``"<prefix>.<kind>.<site>"``; default ``"AutoCVI"``). Two guides in one process need
+        two prefixes; a second guide set up under a prefix that a live guide uses is refused
+        (:mod:`pyro_cvi.guide_names`).
     """
 
     def __init__(
@@ -139,7 +144,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         process_group=None,
         softmax: str = "cubature",
         general_curvature: str = "auto",
+        prefix: str = "AutoCVI",
     ):
+        check_prefix(prefix)
         if general_curvature not in ("auto", "hessian", "gradient"):
             raise ValueError(
                 "general_curvature must be 'auto', 'hessian' or 'gradient', "
@@ -164,6 +171,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")
         super().__init__(model, create_plates=create_plates)
+        self._pyro_name = prefix  # the param store names: "<prefix>.<kind>.<site>"
         self.options = Options(
             covariance,
             num_quad_points,
@@ -232,6 +240,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
         with rolled_back(self):  # a set-up that fails or is interrupted leaves no trace
+            claim_prefix(self)  # another live guide under this prefix: a clear error
             super()._setup_prototype(*args, **kwargs)
             self.data_shapes = data_shapes(args, kwargs)
             self._minibatch_plates = {
