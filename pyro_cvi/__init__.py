@@ -19,12 +19,21 @@ from typing import Any, Optional
 from . import step_sizes
 from .autoguide import AutoCVI
 from .elbo import CVI_ELBO
+from .guard import DivergenceError
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
 
 __version__ = "0.1.0"
-__all__ = ["AutoCVI", "AutoStructuredCVI", "CVI", "CVI_ELBO", "StructuredSVI", "step_sizes"]
+__all__ = [
+    "AutoCVI",
+    "AutoStructuredCVI",
+    "CVI",
+    "CVI_ELBO",
+    "DivergenceError",
+    "StructuredSVI",
+    "step_sizes",
+]
 
 #: public modules that moved into sub-packages: the old import paths keep working
 #: (``import pyro_cvi.checkpoint`` is the module ``pyro_cvi.scale.checkpoint``).

@@ -34,6 +34,7 @@ from .blocks.summaries import Summaries
 from .context import Options
 from .engine import Engine
 from .families import FAMILY_NAMES
+from .guard import check_loss
 from .guide_names import check_prefix, claim_prefix
 from .guide_state import (
     GuideState,
@@ -305,7 +306,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
             with rng_preserved():  # new data are probed: the loss's draws do not depend on it
                 self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
             sub = self.draw_subsample(args, kwargs)
-            return self.engine.loss(args, kwargs, sub, grads, graph)
+            loss = self.engine.loss(args, kwargs, sub, grads, graph)
+        if grads:  # a non-finite or exploding loss: back to the best q, and an error
+            check_loss(self.engine, -loss.detach())
+        return loss
 
     def _prototype_for(self, args, kwargs):
         """The prototype trace, or a fresh one when a subsampled plate's minibatch has another

@@ -135,7 +135,11 @@ class StepControl:
         """Whether the point just evaluated is kept (``False``: undo the last step)."""
         if not math.isfinite(elbo):
             return False
-        if self.snapshot is None or not comparable:
+        if self.snapshot is None:
+            return True
+        if exploded(elbo, self.snapshot.elbo):  # whatever the noise estimate or minibatch says
+            return False
+        if not comparable:
             return True
         return elbo >= self.snapshot.elbo - self.tolerance(elbo, var)
 
@@ -329,3 +333,11 @@ def warn_step_counts(
             "step size, or raise num_general_samples.",
             stacklevel=stacklevel,
         )
+
+
+def exploded(elbo: float, best: float) -> bool:
+    """Whether an ELBO fell by orders of magnitude below ``best`` (:mod:`pyro_cvi.guard`): a
+    divergent point, not Monte Carlo noise, whose variance estimate there is as huge."""
+    from .guard import FLOOR, GROWTH
+
+    return elbo < best - GROWTH * max(abs(best), FLOOR)
