@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 from . import step_sizes
 from .autoguide import AutoCVI
+from .divergence import DivergenceError
 from .elbo import CVI_ELBO
-from .guard import DivergenceError
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI

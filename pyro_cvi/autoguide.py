@@ -32,18 +32,20 @@ from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
 from .blocks.summaries import Summaries
 from .context import Options
+from .divergence import check_loss
 from .engine import Engine
 from .families import FAMILY_NAMES
-from .guard import check_loss
-from .guide_names import check_prefix, claim_prefix
 from .guide_state import (
     GuideState,
     Unsampled,
     bind_parameters,
+    check_prefix,
+    claim_prefix,
     detach_distribution,
     option_property,
     refuse_inside_svi_step,
     rng_preserved,
+    set_prefix,
     sync_parameters,
     unbind_parameters,
 )
@@ -120,10 +122,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``E[H] = E[S^-1 (z - m) grad^T]``, ``max(num_general_samples, D)`` particles) or
         ``"auto"`` (default: dense up to
         :data:`~pyro_cvi.messages.gaussian.DENSE_HESSIAN_MAX_DIM` dimensions).
-    :param prefix: the prefix of the guide's names in Pyro's param store
-        (``"<prefix>.<kind>.<site>"``; default ``"AutoCVI"``). Two guides in one process need
-        two prefixes; a second guide set up under a prefix that a live guide uses is refused
-        (:mod:`pyro_cvi.guide_names`).
+    :param prefix: of the guide's names in Pyro's param store (``"<prefix>.<kind>.<site>"``):
+        two guides in one process need two (:func:`pyro_cvi.guide_state.claim_prefix`).
     """
 
     def __init__(
@@ -172,7 +172,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")
         super().__init__(model, create_plates=create_plates)
-        self._pyro_name = prefix  # the param store names: "<prefix>.<kind>.<site>"
+        set_prefix(self, prefix)  # the param store names: "<prefix>.<kind>.<site>"
         self.options = Options(
             covariance,
             num_quad_points,
@@ -307,9 +307,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
                 self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
             sub = self.draw_subsample(args, kwargs)
             loss = self.engine.loss(args, kwargs, sub, grads, graph)
-        if grads:  # a non-finite or exploding loss: back to the best q, and an error
-            check_loss(self.engine, -loss.detach())
-        return loss
+            if grads:  # a non-finite or exploding loss: an error, and back to the best q
+                check_loss(self.engine, -float(loss.detach()))
+            return loss
 
     def _prototype_for(self, args, kwargs):
         """The prototype trace, or a fresh one when a subsampled plate's minibatch has another

@@ -336,8 +336,8 @@ def warn_step_counts(
 
 
 def exploded(elbo: float, best: float) -> bool:
-    """Whether an ELBO fell by orders of magnitude below ``best`` (:mod:`pyro_cvi.guard`): a
+    """Whether an ELBO fell by orders of magnitude below ``best`` (:mod:`pyro_cvi.divergence`): a
     divergent point, not Monte Carlo noise, whose variance estimate there is as huge."""
-    from .guard import FLOOR, GROWTH
+    from .divergence import FLOOR, GROWTH
 
     return elbo < best - GROWTH * max(abs(best), FLOOR)

@@ -1,4 +1,4 @@
-"""Divergence is never silent (:mod:`pyro_cvi.guard`): a training loss that is not finite or
+"""Divergence is never silent (:mod:`pyro_cvi.divergence`): a training loss that is not finite or
 grows by orders of magnitude raises :class:`~pyro_cvi.DivergenceError`, the guide is put back
 to its best q, and the next step continues from there; the adaptive ``CVI()`` undoes such a
 point by itself (whatever its Monte Carlo variance estimate says)."""
