@@ -56,6 +56,9 @@ class CVI_ELBO(ELBO):
     def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         cvi_guide = _checked(model, guide)
         if cvi_guide.engine is not None and cvi_guide.engine.pending is not None:
+            engine = cvi_guide.engine
+            abort([engine])  # the unapplied step is dropped: a CVI() step can follow
+            engine.pending = None
             raise ValueError(
                 "AutoCVI + CVI_ELBO with an optimizer that is not CVI (e.g. pyro.optim.Adam): "
                 "the natural gradients of the last step were never applied, so q cannot "

@@ -36,6 +36,7 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
     observed sites, which must then be finite (an infinite covariate gives an infinite ``eta``
     that no distribution refuses: the loss would be ``nan``)."""
     check_observations(analysis.structure, structure)
+    _check_densities(analysis.structure, structure)
     bad_args = [
         (n, a)
         for n, a in _data_tensors(args, kwargs or {})
@@ -250,6 +251,7 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
         ) from e
     except (ValueError, RuntimeError) as e:
         text = str(e)
+        _refuse_dtypes(e, text, args, kwargs)
         if isinstance(e, ValueError) and "to satisfy the constraint" in text:
             for n, a in _data_tensors(args, kwargs):
                 if a.is_floating_point() and not bool(torch.isfinite(a).all()):
@@ -283,3 +285,57 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
                 "counts must be passed as floats."
             ) from e
         raise
+
+
+def _refuse_dtypes(e: BaseException, text: str, args, kwargs) -> None:
+    """A failure on half-precision or bool data, said in terms of the data."""
+    tensors = list(_data_tensors(args, kwargs))
+    half = [f"{n} ({a.dtype})" for n, a in tensors if a.dtype in (torch.float16, torch.bfloat16)]
+    if half and ("Half" in text or "BFloat16" in text):
+        raise TypeError(
+            f"the model's data is in half precision ({', '.join(half)}), which pyro_cvi does not "
+            "support (its Cholesky factors and quadrature need float32 or float64): convert "
+            "the data, e.g. X.float() or X.double()."
+        ) from e
+    bools = [n for n, a in tensors if a.dtype == torch.bool]
+    if bools and "bool" in text:
+        raise TypeError(
+            f"the model failed on a bool tensor ({', '.join(bools)}: "
+            f"{text.splitlines()[0][:120]}); pass labels or counts as floats, e.g. y.float() "
+            "or y.double() (a mask for obs_mask may stay bool)."
+        ) from e
+
+
+def _check_densities(trace: Trace, structure) -> None:
+    """Latent point masses (a ``Delta``: no density to fit a ``q`` to) and observations whose
+    log-density is not finite at the analysis point (e.g. a Beta observation of exactly 0 or 1,
+    on the edge of its support): errors naming the site and the fix."""
+    for name, site in trace.nodes.items():
+        if not is_random(site) or name not in structure:
+            continue
+        base = unwrap(site["fn"])[0]
+        if not structure[name]:
+            if type(base).__name__ == "Delta":
+                raise ValueError(
+                    f"latent site {name!r} is a Delta (a point mass): it has no density to fit "
+                    f"a q to. Use pyro.deterministic({name!r}, value) for a computed value, or "
+                    "observe it (obs=...)."
+                )
+            continue
+        v = site["value"]
+        if not torch.is_tensor(v) or not v.is_floating_point():
+            continue
+        try:
+            lp = site["fn"].log_prob(v).detach()
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        bad = _masked(~torch.isfinite(lp), site["mask"])
+        if bool(bad.any()):
+            i = _first(bad)
+            shown = v[tuple(i)] if len(i) <= v.dim() and v.dim() else v
+            raise ValueError(
+                f"observed site {name!r} has log-density {float(lp[tuple(i)])} at index {i} "
+                f"(value {shown.tolist()}) under its {type(base).__name__}: the value is "
+                "impossible or singular there (e.g. 0 or 1 for a Beta, on the edge of its "
+                "support). Fix the data (e.g. clip into the open support) or the model."
+            )

@@ -78,7 +78,13 @@ def save_checkpoint(
     _check_plain(state, "checkpoint")
     path = rank_path(path, guide.reducer if guide is not None else None)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    except OSError as e:
+        raise ValueError(
+            f"cannot write checkpoint {os.fspath(path)!r}: its folder {folder!r} does not exist "
+            f"or is not writable ({e.strerror}). Create the folder, or save to another path."
+        ) from e
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -337,7 +343,13 @@ def load_checkpoint(
         return
 
     def restore(g: AutoCVI) -> None:  # at the guide's set-up (see AutoCVI.pending_restore)
-        _check_model(path, saved, g)
+        try:
+            _check_model(path, saved, g)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} The checkpoint stays pending until a step with the saved run's model "
+                "and data; set guide.pending_restore = None to go on without it."
+            ) from e
         _apply(state, optim, g)
 
     guide.pending_restore = restore
