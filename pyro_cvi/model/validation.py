@@ -36,13 +36,13 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
     observed sites, which must then be finite (an infinite covariate gives an infinite ``eta``
     that no distribution refuses: the loss would be ``nan``)."""
     check_observations(analysis.structure, structure)
-    _check_densities(analysis.structure, structure)
     bad_args = [
         (n, a)
         for n, a in _data_tensors(args, kwargs or {})
         if a.is_floating_point() and not bool(torch.isfinite(a).all())
     ]
     if not bad_args:
+        _check_densities(analysis.structure, structure)
         return
     arg, a = bad_args[0]
     j = _first(~torch.isfinite(a))
@@ -72,6 +72,7 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
                 f"coefficient of {spec.label} element {col}): {where}. Remove or impute the "
                 "non-finite inputs."
             )
+    _check_densities(analysis.structure, structure)
 
 
 def check_observations(trace: Trace, prototype) -> None:
@@ -204,7 +205,14 @@ def data_shapes(args, kwargs) -> dict:
 
 def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor) -> None:
     """GPyTorch: the targets ``y`` against the support of ``likelihood``'s distribution of
-    ``y`` given latent values ``f`` (e.g. labels in {0, 1} for a Bernoulli likelihood)."""
+    ``y`` given latent values ``f`` (e.g. labels in {0, 1} for a Bernoulli likelihood), and
+    finite (a NaN target would fail inside the quadrature with a message naming no target)."""
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        i = _first(~torch.isfinite(y))
+        raise ValueError(
+            f"targets y: {y[tuple(i)].tolist()} at index {i} is not finite. Remove or impute "
+            "those points (and their inputs) before the step."
+        )
     try:
         d = likelihood.forward(f)
         support = d.support
