@@ -22,6 +22,7 @@ from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
 from .methods.structured_guide import AutoStructuredCVI
+from .scale.distributed import tell_ranks
 from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
@@ -65,7 +66,11 @@ class CVI_ELBO(ELBO):
                 "change. Use SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); CVI(optim=...) "
                 "hands the model's other parameters to a torch optimizer of your choice"
             )
-        loss = -cvi_guide.elbo(args, kwargs, grads=True)
+        try:
+            loss = -cvi_guide.elbo(args, kwargs, grads=True)
+        except BaseException as e:  # data-parallel: the other ranks raise too, not wait
+            tell_ranks(getattr(cvi_guide, "reducer", None), e)
+            raise
         if loss.requires_grad:
             try:
                 loss.backward()
