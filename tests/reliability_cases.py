@@ -6,6 +6,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer import SVI
+from pyro.infer.autoguide import init_to_value
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.scale.checkpoint import save_checkpoint
@@ -124,6 +125,17 @@ def case_checkpoint_unwritable(tmp_path):
     guide = AutoCVI(logreg)
     SVI(logreg, guide, optim, loss=CVI_ELBO()).step(X, y)
     save_checkpoint(tmp_path / "no such folder" / "run.pt", optim, guide)
+
+
+def case_improper_prior():
+    def model(x):
+        mu = pyro.sample("mu", dist.ImproperUniform(dist.constraints.real, (), ()))
+        with pyro.plate("n", x.shape[0]):
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+    svi(model, AutoCVI(model, init_loc_fn=init_to_value(values={"mu": BETA_DATA[0]}))).step(
+        BETA_DATA
+    )
 
 
 def gp_problem():

@@ -259,7 +259,7 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
         ) from e
     except (ValueError, RuntimeError) as e:
         text = str(e)
-        _refuse_dtypes(e, text, args, kwargs)
+        _explain_known(e, text, args, kwargs)
         if isinstance(e, ValueError) and "to satisfy the constraint" in text:
             for n, a in _data_tensors(args, kwargs):
                 if a.is_floating_point() and not bool(torch.isfinite(a).all()):
@@ -295,8 +295,16 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
         raise
 
 
-def _refuse_dtypes(e: BaseException, text: str, args, kwargs) -> None:
-    """A failure on half-precision or bool data, said in terms of the data."""
+def _explain_known(e: BaseException, text: str, args, kwargs) -> None:
+    """A failure on half-precision or bool data, or on a prior that cannot be sampled (an
+    ``ImproperUniform``), said in terms of what to change."""
+    if "does not support sampling" in text:
+        what = text.split(" does not support sampling")[0].split()[-1]
+        raise ValueError(
+            f"a latent site's prior is a {what}, which cannot be sampled and has no normalised "
+            "density: AutoCVI builds q from a proper prior and evaluates the ELBO with it "
+            "(init_loc_fn does not change that). Use a proper prior, e.g. a wide Normal."
+        ) from e
     tensors = list(_data_tensors(args, kwargs))
     half = [f"{n} ({a.dtype})" for n, a in tensors if a.dtype in (torch.float16, torch.bfloat16)]
     if half and ("Half" in text or "BFloat16" in text):
