@@ -329,8 +329,11 @@ def warn_step_counts(
             label,
             "step rejected",
             f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
-            f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
-            "step size, or raise num_general_samples.",
+            f"the {what} natural parameters valid (counted in guide.num_rejected), so the "
+            "step's target itself is invalid and a smaller step size does not help. Causes: "
+            "Monte Carlo noise (raise num_samples or num_general_samples), or a likelihood "
+            "that overflows at q (a prior far wider than the data's scale: start q at the "
+            "data, init_sites='laplace', or narrow the prior).",
             stacklevel=stacklevel,
         )
 
