@@ -368,7 +368,7 @@ def _keep_rng_through_late_setup(guide: torch.nn.Module) -> None:
     if getattr(guide, "prototype_trace", True) is not None:
         return
 
-    def once(module, args, kwargs):
+    def once(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         handle.remove()
         with rng_preserved(), pyro.poutine.block():
             module(*args, **kwargs)
