@@ -17,7 +17,7 @@ shrinks such steps. Minibatch losses are not comparable between steps and are no
 **Divergence under any step** (:func:`check_loss`, every training loss of an
 :class:`~pyro_cvi.AutoCVI` guide, whatever the step size). The loss is the -ELBO ``F_t`` of the
 current ``q_t``; the lowest so far, ``F_best``, is kept with a clone of its ``q``'s CVI
-parameters. A loss is divergent when
+parameters. A loss is divergent when::
 
     F_t is not finite,   or   F_t > F_best + growth * max(|F_best|, floor)
 
