@@ -57,8 +57,8 @@ def marginal_median(d: Distribution) -> torch.Tensor:
     base = _unwrap(d)
     if base.support.is_discrete:
         return base.mode.detach()
-    if isinstance(base, TransformedDistribution) and _monotone(base):  # medians commute
-        out = marginal_median(base.base_dist)
+    if isinstance(base, TransformedDistribution) and all(t.bijective for t in base.transforms):
+        out = marginal_median(base.base_dist)  # (not through a folding map, e.g. HalfNormal)
         for t in base.transforms:
             out = t(out)
         return out.detach()
