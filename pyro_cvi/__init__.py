@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from . import step_sizes
 from .autoguide import AutoCVI
+from .divergence import DivergenceError
 from .elbo import CVI_ELBO
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
@@ -30,6 +31,7 @@ __all__ = [
     "AutoStructuredCVI",
     "CVI",
     "CVI_ELBO",
+    "DivergenceError",
     "Remainder",
     "StructuredSVI",
     "step_sizes",

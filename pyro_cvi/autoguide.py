@@ -33,16 +33,20 @@ from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
 from .blocks.summaries import Summaries
 from .context import Options
+from .divergence import check_loss
 from .engine import Engine
 from .families import FAMILY_NAMES
 from .guide_state import (
     GuideState,
     Unsampled,
     bind_parameters,
+    check_prefix,
+    claim_prefix,
     detach_distribution,
     option_property,
     refuse_inside_svi_step,
     rng_preserved,
+    set_prefix,
     sync_parameters,
     unbind_parameters,
 )
@@ -125,6 +129,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         (:class:`~pyro_cvi.strategies.Remainder`): ``"auto"`` (default: full covariance
         up to 100 coordinates, low rank beyond), ``"full"``, ``"lowrank"``, ``"diag"``, a
         ``Remainder(...)``, or ``"off"`` (mean field with Monte Carlo messages).
+    :param prefix: of the guide's names in Pyro's param store (``"<prefix>.<kind>.<site>"``):
+        two guides in one process need two (:func:`pyro_cvi.guide_state.claim_prefix`).
     """
 
     def __init__(
@@ -147,7 +153,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         softmax: str = "cubature",
         general_curvature: str = "auto",
         remainder="auto",
+        prefix: str = "AutoCVI",
     ):
+        check_prefix(prefix)
         if general_curvature not in ("auto", "hessian", "gradient"):
             raise ValueError(
                 "general_curvature must be 'auto', 'hessian' or 'gradient', "
@@ -172,6 +180,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")
         super().__init__(model, create_plates=create_plates)
+        set_prefix(self, prefix)  # the param store names: "<prefix>.<kind>.<site>"
         self.options = Options(
             covariance,
             num_quad_points,
@@ -241,6 +250,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     # ------------------------------------------------------------------ set-up and the loss
     def _setup_prototype(self, *args, **kwargs):
         with rolled_back(self), initial_failures():  # a failed set-up leaves no trace
+            claim_prefix(self)  # another live guide under this prefix: a clear error
             super()._setup_prototype(*args, **kwargs)
             self.data_shapes = data_shapes(args, kwargs)
             self._minibatch_plates = {
@@ -305,7 +315,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
             with rng_preserved():  # new data are probed: the loss's draws do not depend on it
                 self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
             sub = self.draw_subsample(args, kwargs)
-            return self.engine.loss(args, kwargs, sub, grads, graph)
+            loss = self.engine.loss(args, kwargs, sub, grads, graph)
+            if grads:  # a non-finite or exploding loss: an error, and back to the best q
+                check_loss(self.engine, -float(loss.detach()))
+            return loss
 
     def _prototype_for(self, args, kwargs):
         """The prototype trace, or a fresh one when a subsampled plate's minibatch has another

@@ -13,6 +13,20 @@ progress it made, while a cycling one falls back by a large part of it. When ``m
 of the last ``window`` steps are such drops, or the ELBO is not finite, one
 ``RuntimeWarning`` per guide says so and advises the adaptive ``CVI()``, which undoes and
 shrinks such steps. Minibatch losses are not comparable between steps and are not watched.
+
+**Divergence under any step** (:func:`check_loss`, every training loss of an
+:class:`~pyro_cvi.AutoCVI` guide, whatever the step size). The loss is the -ELBO ``F_t`` of the
+current ``q_t``; the lowest so far, ``F_best``, is kept with a clone of its ``q``'s CVI
+parameters. A loss is divergent when::
+
+    F_t is not finite,   or   F_t > F_best + growth * max(|F_best|, floor)
+
+(``growth = 1000``: three orders of magnitude above the best bound's scale, far beyond Monte
+Carlo noise or the transient overshoot of a long fixed step, which recovers). Then
+:class:`DivergenceError` names the sites, both values and what to do; the step's transaction
+is rolled back and the guide put back to its best ``q`` (cached solves and the adaptive step
+control start afresh), so the next ``svi.step`` continues from there. A first loss that is not
+finite has no best ``q``: the step is undone and the error says the initial ``q`` is invalid.
 """
 
 from __future__ import annotations
@@ -21,9 +35,13 @@ import math
 import warnings
 import weakref
 from collections import deque
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
-__all__ = ["Monitor", "watch"]
+import pyro
+import torch
+
+__all__ = ["DivergenceError", "Monitor", "check_loss", "watch"]
 
 _MONITORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -91,3 +109,75 @@ def watch(engine, beta: float, elbo: Optional[float], var: Optional[float], labe
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+# ------------------------------------------------------------------ divergence under any step
+GROWTH = 1000.0
+FLOOR = 10.0
+
+
+class DivergenceError(ValueError):
+    """The fit diverged: a non-finite loss, or one orders of magnitude above the best so far.
+    The guide holds its best ``q`` when this is raised."""
+
+
+@dataclass
+class _Best:
+    loss: float = math.inf
+    step: int = 0
+    values: Dict[str, torch.Tensor] = field(default_factory=dict)
+    seen: int = 0
+
+
+_BEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _values(engine) -> Dict[str, torch.Tensor]:
+    return {n: pyro.param(n).unconstrained().detach().clone() for n in engine.param_names()}
+
+
+def _back_to(engine, values: Dict[str, torch.Tensor]):
+    """The action run after the step's rollback: the best ``q``, caches and control afresh."""
+
+    def restore() -> None:
+        with torch.no_grad():
+            for n, v in values.items():
+                pyro.param(n).unconstrained().copy_(v)
+        engine.invalidate()
+
+    return restore
+
+
+def check_loss(engine, loss: float) -> None:
+    """Record the training loss (the -ELBO) of ``engine``'s current ``q``; raise
+    :class:`DivergenceError` if it diverged (see the module docstring). Called inside the
+    step's transaction: the error rolls the step back, then restores the best ``q``."""
+    best = _BEST.get(engine)
+    if best is None:
+        best = _BEST[engine] = _Best()
+    best.seen += 1
+    if math.isfinite(loss) and loss <= best.loss:
+        best.loss, best.step, best.values = loss, best.seen, _values(engine)
+        return
+    if math.isfinite(loss) and loss <= best.loss + GROWTH * max(abs(best.loss), FLOOR):
+        return
+    labels = [label for b in engine.blocks for label in b.labels]
+    if not math.isfinite(best.loss):  # no finite loss yet: no q to go back to
+        best.seen -= 1
+        raise DivergenceError(
+            f"AutoCVI: the -ELBO of the initial q is {loss} on sites {labels}: it cannot be "
+            "fitted from there. Check the model at the prior's scale (a prior far wider than the "
+            "data's scale makes exp(...) or a likelihood overflow), start q at the data "
+            "(init_sites='laplace', the default; init_loc_fn=...), or use float64."
+        )
+    what = "is not finite" if not math.isfinite(loss) else "grew by orders of magnitude"
+    error = DivergenceError(
+        f"AutoCVI: the fit diverged on sites {labels}: the -ELBO {what} ({loss:.6g} at step "
+        f"{best.seen}; the best so far was {best.loss:.6g}, at step {best.step}). The guide was "
+        "rolled back to that best q, and the next svi.step continues from it. Fixes: the "
+        "adaptive CVI() instead of a fixed step_size (or a smaller one), more Monte Carlo "
+        "samples (AutoCVI(num_samples=..., num_general_samples=...)), a lower learning rate "
+        "for the model's pyro.param hyperparameters (CVI(optim_args={'lr': ...})), or float64."
+    )
+    error.after_rollback = _back_to(engine, best.values)
+    raise error

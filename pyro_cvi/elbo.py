@@ -22,6 +22,7 @@ from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
 from .methods.structured_guide import AutoStructuredCVI
+from .scale.distributed import tell_ranks
 from .transaction import abort
 
 __all__ = ["CVI_ELBO"]
@@ -56,13 +57,20 @@ class CVI_ELBO(ELBO):
     def loss_and_grads(self, model: _Fn, guide: _Fn, *args: Any, **kwargs: Any) -> float:
         cvi_guide = _checked(model, guide)
         if cvi_guide.engine is not None and cvi_guide.engine.pending is not None:
+            engine = cvi_guide.engine
+            abort([engine])  # the unapplied step is dropped: a CVI() step can follow
+            engine.pending = None
             raise ValueError(
                 "AutoCVI + CVI_ELBO with an optimizer that is not CVI (e.g. pyro.optim.Adam): "
                 "the natural gradients of the last step were never applied, so q cannot "
                 "change. Use SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); CVI(optim=...) "
                 "hands the model's other parameters to a torch optimizer of your choice"
             )
-        loss = -cvi_guide.elbo(args, kwargs, grads=True)
+        try:
+            loss = -cvi_guide.elbo(args, kwargs, grads=True)
+        except BaseException as e:  # data-parallel: the other ranks raise too, not wait
+            tell_ranks(getattr(cvi_guide, "reducer", None), e)
+            raise
         if loss.requires_grad:
             try:
                 loss.backward()

@@ -46,8 +46,9 @@ from .messages.gaussian import gradient_only
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
 from .model.factor_roles import minibatch_renames
 from .model.records import REMAINDER_OWNER
+from .model.signature import check_signature, closure_key, signature
 from .model.tracing import is_random, trace_model
-from .model.validation import check_analysis, check_observations, per_index
+from .model.validation import check_analysis, check_observations, check_structure, per_index
 from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
@@ -140,7 +141,8 @@ class Engine:
             else None,
         )
         self.analysis = an
-        self.data_key = data_key(args, kwargs)
+        self.data_key = data_key(args, kwargs) + closure_key(self.model)
+        self.signature = None  # of the first step's trace (model/signature.py)
         # the sample sites, and which are observed (the analysis trace conditions the latents)
         self.structure = {
             n: n not in an.values
@@ -257,7 +259,7 @@ class Engine:
     def reanalyse_if_new_data(self, args, kwargs, prototype_trace) -> None:
         """New data (other tensors): the affine coefficients are re-probed; the site
         parameters are kept, so the number of data points must not change."""
-        key = data_key(args, kwargs)
+        key = data_key(args, kwargs) + closure_key(self.model)  # (closure data too)
         if key == self.data_key:
             return
         old = {b.label: b for b in self.blocks}
@@ -304,10 +306,16 @@ class Engine:
         ctx.retrace = lambda: self._trace(ctx)
         ctx.report = self._report
         if self._static_trace is not None and not ctx.subsample:
+            fresh = self._trace(ctx)  # a model that changed (or now raises) is still seen
+            check_structure(fresh, self.structure)
+            check_signature(fresh, self.signature)
             ctx.trace = self._static_trace
             return ctx
         ctx.trace = self._trace(ctx)
         check_observations(ctx.trace, self.structure)
+        if self.signature is None:
+            self.signature = signature(ctx.trace)
+        check_signature(ctx.trace, self.signature)
         if self._static:
             self._static_trace = ctx.trace
         return ctx

@@ -15,16 +15,28 @@ fresh guide (Pyro's ``AutoNormal`` would put its old values back).
 Everything else a guide holds that cannot be pickled (the engine: traces, closures, caches) is
 dropped and rebuilt from the prototype trace's recorded inputs on first use, with the random
 state preserved so that a restored guide draws exactly what the original draws.
+
+**Names per guide** (:func:`claim_prefix`). A guide keeps its parameters in the param store
+under ``"<prefix>.<kind>.<site>"``, the prefix being its ``PyroModule`` name (``"AutoCVI"`` by
+default, as Pyro's autoguides use their class name). Two guides with one prefix would read and
+write each other's parameters (two logistic regressions stepped in turn got each other's
+sites). So each guide claims its prefix at its set-up; the claim fails with a ``ValueError``
+naming the prefix and the fix (``AutoCVI(model, prefix="...")``) while another live guide is
+bound to the very tensors the store holds under that prefix. A dropped guide, or one whose
+parameters left the store (``pyro.clear_param_store()``, a checkpoint loaded over them),
+holds no claim.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import random
 import sys
+import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import pyro
 import torch
@@ -34,6 +46,9 @@ from pyro.util import set_rng_state
 from torch import nn
 
 __all__ = [
+    "check_prefix",
+    "claim_prefix",
+    "set_prefix",
     "GuideState",
     "refuse_inside_svi_step",
     "option_property",
@@ -326,3 +341,56 @@ def refuse_inside_svi_step(guide) -> None:
             "Gaussian guide such as AutoMultivariateNormal or AutoNormal with CVI(), which "
             "steps it by natural gradients"
         )
+
+
+#: prefix -> the guides that claimed it (weakly: a dropped guide holds no claim)
+_CLAIMS: Dict[str, List[weakref.ref]] = {}
+
+
+def check_prefix(prefix: Any, owner: str = "AutoCVI") -> str:
+    """A valid prefix (a non-empty string without leading or trailing dots), or a ``ValueError``."""
+    if not isinstance(prefix, str) or not prefix.strip(".") or prefix != prefix.strip("."):
+        raise ValueError(
+            f"{owner}(prefix={prefix!r}): the prefix of the guide's parameter names must be a "
+            "non-empty string that neither starts nor ends with a dot, e.g. prefix='logreg'"
+        )
+    return prefix
+
+
+def _holds_store_tensors(guide: Any) -> bool:
+    """Whether ``guide`` is set up and bound to tensors the store holds under its names."""
+    if getattr(guide, "prototype_trace", None) is None:
+        return False
+    store = pyro.get_param_store()
+    return any(
+        name in store and param is store.get_param(name).unconstrained()
+        for name, param in bound_parameters(guide).items()
+    )
+
+
+def set_prefix(guide: Any, prefix: str) -> None:
+    """Make ``prefix`` the guide's ``PyroModule`` name: its param store names' prefix."""
+    guide._pyro_name = check_prefix(prefix)
+
+
+def claim_prefix(guide: Any) -> None:
+    """Claim ``guide``'s prefix for its set-up; ``ValueError`` if another live guide holds it."""
+    prefix = guide.param_prefix
+    for attempt in range(2):
+        refs = [r for r in _CLAIMS.get(prefix, []) if r() is not None and r() is not guide]
+        others = [r() for r in refs]
+        if not any(_holds_store_tensors(g) for g in others):
+            break
+        if attempt == 0:
+            gc.collect()  # a dropped guide in a reference cycle holds no claim
+            continue
+        kind = type(guide).__name__
+        raise ValueError(
+            f"{kind}: another guide in this process already keeps its parameters under the "
+            f"prefix {prefix!r} in Pyro's param store ({prefix}.*); two guides with one prefix "
+            "would read and overwrite each other's parameters. Give each guide its own prefix, "
+            f"e.g. {kind}(model, prefix='{prefix}_2'), or call pyro.clear_param_store() to start "
+            "a new run without the old guide's parameters."
+        )
+    _CLAIMS[prefix] = [r for r in _CLAIMS.get(prefix, []) if r() is not None and r() is not guide]
+    _CLAIMS[prefix].append(weakref.ref(guide))

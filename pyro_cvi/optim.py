@@ -28,6 +28,7 @@ from pyro.optim import PyroOptim
 
 from .divergence import watch
 from .natgrad import GaussianStepper
+from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
 from .update import NaturalGradientOwner, owner_of
@@ -116,10 +117,13 @@ class CVI(PyroOptim):
         t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
         try:
             engines = self._update(params, args, kwargs)
-        except BaseException:
+        except BaseException as error:
             self.t, self.saved_controls = t, saved
             torch.set_grad_enabled(grad_mode)
-            abort({e for e in map(owner_of, params) if e is not None})
+            owners = {e for e in map(owner_of, params) if e is not None}
+            for reducer in {id(r): r for r in (e.reducer for e in owners) if r}.values():
+                tell_ranks(reducer, error)  # data-parallel: the other ranks undo theirs too
+            abort(owners)
             for p in params:  # this step's gradients must not leak into the next one
                 p.grad = None
             raise
@@ -171,6 +175,7 @@ class CVI(PyroOptim):
             self.gaussians.step(groups, lambda control: (beta, None))
         reducers = {id(r): r for r in (e.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
+            reducer.status()  # every rank's step ends here: a failure anywhere is seen by all
             reducer.reduce_grads(others)
         others = [p for p in others if p.grad is not None]
         if others:

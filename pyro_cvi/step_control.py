@@ -137,7 +137,11 @@ class StepControl:
         """Whether the point just evaluated is kept (``False``: undo the last step)."""
         if not math.isfinite(elbo):
             return False
-        if self.snapshot is None or not comparable:
+        if self.snapshot is None:
+            return True
+        if exploded(elbo, self.snapshot.elbo):  # whatever the noise estimate or minibatch says
+            return False
+        if not comparable:
             return True
         return elbo >= self.snapshot.elbo - self.tolerance(elbo, var)
 
@@ -339,7 +343,18 @@ def warn_step_counts(
             label,
             "step rejected",
             f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
-            f"the {what} natural parameters valid (counted in guide.num_rejected). Lower the "
-            "step size, or raise num_general_samples.",
+            f"the {what} natural parameters valid (counted in guide.num_rejected), so the "
+            "step's target itself is invalid and a smaller step size does not help. Causes: "
+            "Monte Carlo noise (raise num_samples or num_general_samples), or a likelihood "
+            "that overflows at q (a prior far wider than the data's scale: start q at the "
+            "data, init_sites='laplace', or narrow the prior).",
             stacklevel=stacklevel,
         )
+
+
+def exploded(elbo: float, best: float) -> bool:
+    """Whether an ELBO fell by orders of magnitude below ``best`` (:mod:`pyro_cvi.divergence`): a
+    divergent point, not Monte Carlo noise, whose variance estimate there is as huge."""
+    from .divergence import FLOOR, GROWTH
+
+    return elbo < best - GROWTH * max(abs(best), FLOOR)

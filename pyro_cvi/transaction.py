@@ -115,8 +115,11 @@ def rolled_back(guide, keep_open: bool = False) -> Iterator[Transaction]:
         yield txn
         if keep_open and guide.engine is not None:
             keep(guide.engine, txn)
-    except BaseException:
+    except BaseException as e:
         txn.rollback()
+        after = getattr(e, "after_rollback", None)  # e.g. back to the best q (divergence.py)
+        if callable(after):
+            after()
         raise
 
 

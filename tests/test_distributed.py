@@ -137,3 +137,31 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
         "run.rank0-of-2.pt",
         "run.rank1-of-2.pt",
     ]
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_makes_every_rank_fail_and_the_next_step_is_exact(tmp_path):
+    """2 gloo ranks; rank 1's model raises in one step and rank 1 gets NaN data in another.
+    Every rank raises in that step (rank 0: RankFailure naming rank 1, at once rather than
+    gloo's timeout), every rank's step is undone, and the good steps after it are those of an
+    undisturbed run (to 1e-12)."""
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    worker = str(HERE / "fault_worker.py")
+    runs = {}
+    for name, extra in (("clean", []), ("faults", ["faults"])):
+        out = tmp_path / f"{name}.pt"
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+        launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
+        subprocess.run(launch + [worker, str(out), *extra], env=env, check=True, timeout=300)
+        runs[name] = torch.load(out, weights_only=False)
+    for rank in (0, 1):
+        clean, faults = runs["clean"][rank], runs["faults"][rank]
+        assert len(faults["losses"]) == len(clean["losses"]) == 6
+        assert faults["losses"] == pytest.approx(clean["losses"], rel=1e-12)
+        torch.testing.assert_close(faults["mean"], clean["mean"], rtol=1e-12, atol=1e-12)
+        assert faults["seconds"] < 60  # no rank waits for gloo's timeout
+    e0, e1 = runs["faults"][0]["errors"], runs["faults"][1]["errors"]
+    assert len(e0) == len(e1) == 2
+    assert all(e.startswith("RankFailure: data-parallel CVI: rank 1 of 2 failed") for e in e0)
+    assert e1[0].startswith("RuntimeError: a fault on rank 1")
+    assert e1[1].startswith("ValueError: the model's argument 0 has a non-finite value")

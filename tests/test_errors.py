@@ -12,8 +12,9 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
+from reliability_cases import CASES as MORE_CASES
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, DivergenceError
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
@@ -466,6 +467,7 @@ def case_pyro_gp_multiclass_response():
 CASES = {
     name[5:].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")
 }
+CASES.update(MORE_CASES)  # the second reliability pass (tests/reliability_cases.py)
 
 
 def test_table_and_cases_match():
@@ -478,6 +480,7 @@ def test_documented_error(case, tmp_path):
     kind, message = ROWS[case]
     exc = {
         "ValueError": ValueError,
+        "DivergenceError": DivergenceError,
         "TypeError": TypeError,
         "RuntimeWarning": RuntimeWarning,
         "INFO": Logged,

@@ -510,7 +510,7 @@ def test_invalid_inputs_raise_clear_errors():
         )
     with pytest.raises(ValueError):
         model.variational_strategy.set_sites(torch.zeros(50).double(), torch.ones(50).double())
-    with pytest.raises(FloatingPointError):
+    with pytest.raises(ValueError, match=r"targets y: nan at index \[0\] is not finite"):
         bad = y.clone()
         bad[0] = float("nan")
         opt.step(X, bad)

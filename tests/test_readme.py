@@ -55,3 +55,44 @@ def test_readme_results_rows_are_measured():
         for script in re.findall(r"scripts/([\w]+\.py)", row):
             assert (README.parent / "scripts" / script).exists(), f"{row} cites a missing script"
     assert not re.search(r"^[A-Z_]+_ROWS$", visible, re.M), "an unfilled row marker"
+
+
+def _distributed_block() -> str:
+    (code,) = [b for b in _blocks("python") if "torchrun" in b]
+    return code
+
+
+def _run_script(tmp_path, *launcher):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_distributed_block())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    root = str(README.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, *launcher, str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [line for line in out.stdout.splitlines() if line.startswith("-ELBO")]
+
+
+def test_readme_distributed_example_runs_as_pasted_in_one_process(tmp_path):
+    (line,) = _run_script(tmp_path)
+    assert re.match(r"-ELBO \d+\.\d{4}, posterior mean \[", line)
+
+
+@pytest.mark.slow
+def test_readme_distributed_example_runs_as_pasted_under_torchrun(tmp_path):
+    """Two ranks print the one-process result (the exact full-batch step on every rank)."""
+    (single,) = _run_script(tmp_path)
+    lines = _run_script(
+        tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"
+    )
+    assert len(lines) == 2
+    for line in lines:
+        loss, mean = line.split(", posterior mean ")
+        loss1, mean1 = single.split(", posterior mean ")
+        assert abs(float(loss.split()[1]) - float(loss1.split()[1])) < 1e-6
+        assert mean == mean1

@@ -22,6 +22,7 @@ from pyro.infer import SVI
 from step_models import MODELS
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.divergence import DivergenceError
 from pyro_cvi.step_control import Snapshot, StepControl, is_numerical_error
 
 F64 = torch.float64
@@ -53,8 +54,8 @@ def _run(model, args, optim, steps, **guide_kwargs):
 
 def test_exact_neg_elbo_is_never_accepted_higher():
     model, args = _separable()
-    fixed, _ = _run(model, args, CVI(step_size=1.0), 8)
-    assert max(fixed) > 1e3 * min(fixed)  # the undamped fixed-point iteration diverges
+    with pytest.raises(DivergenceError, match="grew by orders of magnitude"):
+        _run(model, args, CVI(step_size=1.0), 8)  # the undamped fixed-point iteration diverges
     pyro.clear_param_store()
     losses, guide = _run(model, args, CVI(), 30)
     assert guide.num_backtracks >= 2
@@ -87,7 +88,9 @@ def test_control_rules():
     c.accepted(Snapshot({}, -10.0, None), comparable=True)
     assert c.accepts(-10.0, None, True) and not c.accepts(-10.001, None, True)
     assert not c.accepts(float("nan"), None, True) and not c.accepts(-1e9, None, True)
-    assert c.accepts(-1e9, None, comparable=False)  # another minibatch: not comparable
+    assert c.accepts(-900.0, None, comparable=False)  # another minibatch: not comparable,
+    assert not c.accepts(-1e9, None, comparable=False)  # but orders of magnitude: divergent
+    assert not c.accepts(-1e9, 1e30, True)  # whatever the Monte Carlo variance estimate
     assert c.rejected() == 0.5 and c.num_backtracks == 1
     # Monte Carlo: a drop within two standard errors of the difference is noise
     m = StepControl()

@@ -58,8 +58,8 @@ def marginal_median(d: Distribution) -> torch.Tensor:
     base = _unwrap(d)
     if base.support.is_discrete:
         return base.mode.detach()
-    if isinstance(base, TransformedDistribution):  # medians commute with monotone maps
-        out = marginal_median(base.base_dist)
+    if isinstance(base, TransformedDistribution) and all(t.bijective for t in base.transforms):
+        out = marginal_median(base.base_dist)  # (not through a folding map, e.g. HalfNormal)
         for t in base.transforms:
             out = t(out)
         return out.detach()
@@ -76,7 +76,7 @@ def marginal_quantiles(d: Distribution, ps: Sequence[float]) -> torch.Tensor:
     shape = d.batch_shape + d.event_shape
     if isinstance(d, (MultivariateNormal, LowRankMultivariateNormal)):
         d = Normal(d.mean, d.variance.sqrt())
-    if isinstance(d, TransformedDistribution) and _elementwise(d):
+    if isinstance(d, TransformedDistribution) and _monotone(d):
         sign = 1
         for t in d.transforms:
             sign = sign * int(t.sign)
@@ -111,6 +111,17 @@ def _unwrap(d: Distribution) -> Distribution:
 def _elementwise(d: TransformedDistribution) -> bool:
     try:
         return all(t.domain.event_dim == 0 and t.codomain.event_dim == 0 for t in d.transforms)
+    except NotImplementedError:
+        return False
+
+
+def _monotone(d: TransformedDistribution) -> bool:
+    """Elementwise, bijective transforms with a known sign (quantiles map through them); not
+    e.g. ``HalfNormal``'s ``AbsTransform``, which folds the line (its own ``icdf`` is used)."""
+    if not _elementwise(d):
+        return False
+    try:
+        return all(t.bijective and int(t.sign) in (-1, 1) for t in d.transforms)
     except NotImplementedError:
         return False
 

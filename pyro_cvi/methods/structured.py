@@ -32,6 +32,7 @@ from pyro.poutine.util import site_is_subsample
 
 from ..families import family_for_support
 from ..families.base import ExponentialFamily, Params
+from ..model.probes import rtol
 from ..step_sizes import Schedule, as_schedule, robbins_monro
 from ..update import StepCounts, damped_step
 
@@ -94,6 +95,9 @@ class StructuredSVI:
     :param init_values: optional start of ``q(beta_k)`` per global site: a value (the mean,
         with the prior's spread) or a distribution of the site's family (e.g. a narrow one:
         a single-sample step from a broad ``q`` has a high variance).
+    :param probe_rtol: the relative residual above which a local is not conditionally
+        conjugate; default the probes' tolerance of the data's dtype (1e-6 in float64, 1e-3 in
+        float32, whose rounding alone leaves residuals near 1e-4).
     """
 
     def __init__(
@@ -105,7 +109,7 @@ class StructuredSVI:
         init_values: Optional[
             Dict[str, Union[torch.Tensor, torch.distributions.Distribution]]
         ] = None,
-        probe_rtol: float = 1e-6,
+        probe_rtol: Optional[float] = None,
     ) -> None:
         self.model = model
         self.local_names = None if local is None else tuple(local)
@@ -255,13 +259,17 @@ class StructuredSVI:
             )
             rows.append(torch.cat([stats, torch.ones_like(stats[..., :1])], -1))
             targets.append(logf - fam.base_log_measure(z))
-        A = torch.stack(rows, -2)  # [*batch, P, dim + 1]
         b = torch.stack(targets, -1)  # [*batch, P]
+        # the least-squares fit in float64 (its normal equations square the conditioning);
+        # the residual test then sees only the rounding of the log-densities themselves
+        A = torch.stack(rows, -2).double()  # [*batch, P, dim + 1]
         At = A.transpose(-1, -2)
-        coef = torch.linalg.solve(At @ A, (At @ b.unsqueeze(-1))).squeeze(-1)
-        resid = (A @ coef.unsqueeze(-1)).squeeze(-1) - b
+        coef = torch.linalg.solve(At @ A, (At @ b.double().unsqueeze(-1))).squeeze(-1)
+        resid = (A @ coef.unsqueeze(-1)).squeeze(-1) - b.double()
+        coef = coef.to(b.dtype)
         scale = 1.0 + b.detach().abs().amax(-1)
-        if bool((resid.detach().abs().amax(-1) > self.probe_rtol * scale).any()):
+        tol = self.probe_rtol if self.probe_rtol is not None else rtol(b.dtype)
+        if bool((resid.detach().abs().amax(-1) > tol * scale).any()):
             raise ValueError(
                 f"StructuredSVI: site '{name}' is not conditionally conjugate given the globals "
                 f"(its log-density is not affine in the {fam.name} sufficient statistics; "

@@ -42,6 +42,7 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
         if a.is_floating_point() and not bool(torch.isfinite(a).all())
     ]
     if not bad_args:
+        _check_densities(analysis.structure, structure)
         return
     arg, a = bad_args[0]
     j = _first(~torch.isfinite(a))
@@ -71,6 +72,7 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
                 f"coefficient of {spec.label} element {col}): {where}. Remove or impute the "
                 "non-finite inputs."
             )
+    _check_densities(analysis.structure, structure)
 
 
 def _scores_per_batch(fn, value) -> bool:
@@ -213,7 +215,14 @@ def data_shapes(args, kwargs) -> dict:
 
 def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor) -> None:
     """GPyTorch: the targets ``y`` against the support of ``likelihood``'s distribution of
-    ``y`` given latent values ``f`` (e.g. labels in {0, 1} for a Bernoulli likelihood)."""
+    ``y`` given latent values ``f`` (e.g. labels in {0, 1} for a Bernoulli likelihood), and
+    finite (a NaN target would fail inside the quadrature with a message naming no target)."""
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        i = _first(~torch.isfinite(y))
+        raise ValueError(
+            f"targets y: {y[tuple(i)].tolist()} at index {i} is not finite. Remove or impute "
+            "those points (and their inputs) before the step."
+        )
     try:
         d = likelihood.forward(f)
         support = d.support
@@ -260,6 +269,7 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
         ) from e
     except (ValueError, RuntimeError) as e:
         text = str(e)
+        _explain_known(e, text, args, kwargs)
         if isinstance(e, ValueError) and "to satisfy the constraint" in text:
             for n, a in _data_tensors(args, kwargs):
                 if a.is_floating_point() and not bool(torch.isfinite(a).all()):
@@ -293,3 +303,65 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
                 "counts must be passed as floats."
             ) from e
         raise
+
+
+def _explain_known(e: BaseException, text: str, args, kwargs) -> None:
+    """A failure on half-precision or bool data, or on a prior that cannot be sampled (an
+    ``ImproperUniform``), said in terms of what to change."""
+    if "does not support sampling" in text:
+        what = text.split(" does not support sampling")[0].split()[-1]
+        raise ValueError(
+            f"a latent site's prior is a {what}, which cannot be sampled and has no normalised "
+            "density: AutoCVI builds q from a proper prior and evaluates the ELBO with it "
+            "(init_loc_fn does not change that). Use a proper prior, e.g. a wide Normal."
+        ) from e
+    tensors = list(_data_tensors(args, kwargs))
+    half = [f"{n} ({a.dtype})" for n, a in tensors if a.dtype in (torch.float16, torch.bfloat16)]
+    if half and ("Half" in text or "BFloat16" in text):
+        raise TypeError(
+            f"the model's data is in half precision ({', '.join(half)}), which pyro_cvi does not "
+            "support (its Cholesky factors and quadrature need float32 or float64): convert "
+            "the data, e.g. X.float() or X.double()."
+        ) from e
+    bools = [n for n, a in tensors if a.dtype == torch.bool]
+    if bools and "bool" in text:
+        raise TypeError(
+            f"the model failed on a bool tensor ({', '.join(bools)}: "
+            f"{text.splitlines()[0][:120]}); pass labels or counts as floats, e.g. y.float() "
+            "or y.double() (a mask for obs_mask may stay bool)."
+        ) from e
+
+
+def _check_densities(trace: Trace, structure) -> None:
+    """Latent point masses (a ``Delta``: no density to fit a ``q`` to) and observations whose
+    log-density is not finite at the analysis point (e.g. a Beta observation of exactly 0 or 1,
+    on the edge of its support): errors naming the site and the fix."""
+    for name, site in trace.nodes.items():
+        if not is_random(site) or name not in structure:
+            continue
+        base = unwrap(site["fn"])[0]
+        if not structure[name]:
+            if type(base).__name__ == "Delta":
+                raise ValueError(
+                    f"latent site {name!r} is a Delta (a point mass): it has no density to fit "
+                    f"a q to. Use pyro.deterministic({name!r}, value) for a computed value, or "
+                    "observe it (obs=...)."
+                )
+            continue
+        v = site["value"]
+        if not torch.is_tensor(v) or not v.is_floating_point():
+            continue
+        try:
+            lp = site["fn"].log_prob(v).detach()
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        bad = _masked(~torch.isfinite(lp), site["mask"])
+        if bool(bad.any()):
+            i = _first(bad)
+            shown = v[tuple(i)] if len(i) <= v.dim() and v.dim() else v
+            raise ValueError(
+                f"observed site {name!r} has log-density {float(lp[tuple(i)])} at index {i} "
+                f"(value {shown.tolist()}) under its {type(base).__name__}: the value is "
+                "impossible or singular there (e.g. 0 or 1 for a Beta, on the edge of its "
+                "support). Fix the data (e.g. clip into the open support) or the model."
+            )

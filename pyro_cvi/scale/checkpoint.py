@@ -34,7 +34,7 @@ import os
 import pickle
 import random
 import tempfile
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import pyro
@@ -43,6 +43,7 @@ import torch
 import torch.distributions.constraints as torch_constraints
 
 from ..autoguide import AutoCVI
+from ..guide_state import rng_preserved
 from ..optim import CVI
 from .distributed import rank_path
 
@@ -78,7 +79,13 @@ def save_checkpoint(
     _check_plain(state, "checkpoint")
     path = rank_path(path, guide.reducer if guide is not None else None)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    except OSError as e:
+        raise ValueError(
+            f"cannot write checkpoint {os.fspath(path)!r}: its folder {folder!r} does not exist "
+            f"or is not writable ({e.strerror}). Create the folder, or save to another path."
+        ) from e
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -303,18 +310,23 @@ def _decode_constraint(d: Any) -> Any:
 
 
 def load_checkpoint(
-    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[AutoCVI] = None
+    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[torch.nn.Module] = None
 ) -> None:
     """Restore a checkpoint written by :func:`save_checkpoint` (before the next ``svi.step``).
 
     The file is checked completely before anything live is replaced; with a guide that has
     seen the model, also against the model (sites, shapes, guide parameters). A guide that
-    has not seen it yet restores the checkpoint at its set-up, after the same check.
+    has not seen it yet restores the checkpoint at its set-up, after the same check. Pass
+    Pyro's own guides (``AutoNormal``, ...) too: one that has not run yet sets itself up at
+    its first call without drawing from the restored generators, so the resumed run draws
+    what the uninterrupted one draws.
     """
-    path = rank_path(path, guide.reducer if guide is not None else None)
+    path = rank_path(path, getattr(guide, "reducer", None))
     state = read_checkpoint(path)
-    if guide is None:
+    if not isinstance(guide, AutoCVI):
         _apply(state, optim, None)
+        if guide is not None:
+            _keep_rng_through_late_setup(guide)
         return
     saved = state.get("guide", {})
     if saved.get("name", guide.param_prefix) != guide.param_prefix:
@@ -328,10 +340,31 @@ def load_checkpoint(
         return
 
     def restore(g: AutoCVI) -> None:  # at the guide's set-up (see AutoCVI.pending_restore)
-        _check_model(path, saved, g)
+        try:
+            _check_model(path, saved, g)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} The checkpoint stays pending until a step with the saved run's model "
+                "and data; set guide.pending_restore = None to go on without it."
+            ) from e
         _apply(state, optim, g)
 
     guide.pending_restore = restore
+
+
+def _keep_rng_through_late_setup(guide: torch.nn.Module) -> None:
+    """An autoguide that has not run yet draws random numbers at its set-up (its first call),
+    which the uninterrupted run drew before the checkpoint: its first call runs once more,
+    hidden and with the generators put back, before the real one."""
+    if getattr(guide, "prototype_trace", True) is not None:
+        return
+
+    def once(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        handle.remove()
+        with rng_preserved(), pyro.poutine.block():
+            module(*args, **kwargs)
+
+    handle = guide.register_forward_pre_hook(once, with_kwargs=True)
 
 
 def _check_model(path: Any, saved: Dict[str, Any], guide: AutoCVI) -> None:

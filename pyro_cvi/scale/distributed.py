@@ -47,7 +47,9 @@ import torch.distributed.nn.functional as tdist_nn
 from ..model.analysis import MEANFIELD, SITE, Analysis
 
 __all__ = [
+    "RankFailure",
     "Reducer",
+    "tell_ranks",
     "WORLD",
     "as_reducer",
     "replicated_sites",
@@ -59,6 +61,10 @@ __all__ = [
 
 #: pass as ``process_group`` for the default (world) group
 WORLD = "world"
+
+
+class RankFailure(RuntimeError):
+    """Another rank of a data-parallel run failed in this step; this rank's step was undone."""
 
 
 class Reducer:
@@ -84,11 +90,32 @@ class Reducer:
             else torch.device("cpu")
         )
 
+    def status(self, failed: bool = False) -> None:
+        """The status all-reduce that precedes every collective (and ends every step): each
+        rank adds 1 at its own index if it failed. A rank that raises calls it once with
+        ``failed=True`` (:func:`tell_ranks`), which meets the others' next status all-reduce:
+        they raise :class:`RankFailure` naming it, every rank's step is rolled back, and the
+        next step starts from the same ``q`` everywhere (instead of the others waiting in a
+        data all-reduce the failed rank never reaches, until gloo's timeout)."""
+        t = torch.zeros(self.world_size, device=self.device)
+        if failed:
+            t[self.rank] = 1.0
+        tdist.all_reduce(t, op=tdist.ReduceOp.SUM, group=self.group)
+        others = [r for r in range(self.world_size) if r != self.rank and float(t[r]) > 0]
+        if others and not failed:
+            raise RankFailure(
+                f"data-parallel CVI: rank {others[0] if len(others) == 1 else others} of "
+                f"{self.world_size} failed in this step (its own error says why). This rank's "
+                "step was undone as well, so every rank still holds the same q: fix the cause "
+                "and step again on every rank."
+            )
+
     def __call__(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """Sum every tensor over the ranks: one flat all-reduce for the whole list. Where a
         tensor depends on learnable parameters (e.g. rows ``A`` with a learned lengthscale) the
         sum is differentiable: its backward all-reduces the incoming gradient, so each rank's
         parameters get the full-data gradient's share of their own rows."""
+        self.status()
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if flat.requires_grad and torch.is_grad_enabled():
             flat = tdist_nn.all_reduce(flat, op=tdist.ReduceOp.SUM, group=self.group)
@@ -103,6 +130,7 @@ class Reducer:
 
     def all_agree(self, flag: bool, like: torch.Tensor) -> bool:
         """Whether ``flag`` holds on every rank (collective decisions must be identical)."""
+        self.status()
         t = like.new_tensor(1.0 if flag else 0.0).reshape(1)
         tdist.all_reduce(t, op=tdist.ReduceOp.MIN, group=self.group)
         return bool(t.item() == 1.0)
@@ -172,9 +200,21 @@ class Reducer:
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
         """Overwrite every tensor in place with rank 0's value."""
         src = tdist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.status()
         with torch.no_grad():
             for t in tensors:
                 tdist.broadcast(t.data, src=src, group=self.group)
+
+
+def tell_ranks(reducer: Optional[Reducer], error: BaseException) -> None:
+    """This rank failed with ``error``: tell the others (their next collective raises
+    :class:`RankFailure`). Nothing for one process, or when the failure came from another rank."""
+    if reducer is None or isinstance(error, RankFailure):
+        return
+    try:
+        reducer.status(failed=True)
+    except Exception:  # noqa: BLE001 (the group itself is broken: the rank's own error stands)
+        pass
 
 
 def start_ranks(reducer: Optional[Reducer], analysis: Analysis, named_params, prefix: str):

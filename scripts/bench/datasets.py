@@ -25,7 +25,10 @@ __all__ = [
     "load_breast_cancer_sklearn",
     "load_usps_3vs5",
     "CoalData",
+    "bin_events",
     "load_coal",
+    "load_coal_events",
+    "simulated_coal_events",
 ]
 
 #: Prior precision ``delta`` of ``w ~ N(0, I / delta)`` per dataset (the paper's Table 1).
@@ -190,7 +193,29 @@ def load_coal(
     dtype: torch.dtype = torch.float64,
 ) -> CoalData:
     """Bin the 191 event dates on ``[min, max]`` into ``T`` bins (Poisson counts)."""
-    events = np.loadtxt(data_dir(path) / "coal_mining_disasters.txt")
+    return bin_events(load_coal_events(path), T, dtype)
+
+
+def load_coal_events(path: Optional[Union[str, os.PathLike]] = None) -> np.ndarray:
+    """The 191 coal-mining disaster dates (decimal years); ``FileNotFoundError`` without data."""
+    return np.loadtxt(data_dir(path) / "coal_mining_disasters.txt")
+
+
+def simulated_coal_events(seed: int = 0) -> np.ndarray:
+    """Event dates of a Poisson process on [1851, 1962] with a known intensity (3 a year
+    before 1890, 1 a year after, a smooth change between): a stand-in for the coal data where
+    the data folder is absent (the tutorial says so when it uses it)."""
+    rng = np.random.default_rng(seed)
+    lo, hi, peak = 1851.0, 1962.0, 3.0
+    n = rng.poisson(peak * (hi - lo))
+    t = np.sort(rng.uniform(lo, hi, n))
+    rate = 1.0 + 2.0 / (1.0 + np.exp((t - 1890.0) / 3.0))  # thinning to the intensity
+    return t[rng.uniform(0.0, peak, n) < rate]
+
+
+def bin_events(events: np.ndarray, T: int = 200, dtype: torch.dtype = torch.float64) -> CoalData:
+    """Event dates binned on ``[min, max]`` into ``T`` equal bins, with the held-out mask of
+    :class:`CoalData`."""
     edges = np.linspace(events.min(), events.max(), T + 1)
     counts = np.histogram(events, edges)[0]
     test = np.zeros(T, dtype=bool)
