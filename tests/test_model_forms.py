@@ -314,3 +314,34 @@ def test_autocvi_composes_inside_autoguidelist():
     pred = Predictive(two_part_model, guide=guide, num_samples=5)(y1, y2)
     assert pred["obs1"].shape == (5, 15) and pred["a"].shape[0] == 5
     assert math.isfinite(Trace_ELBO(num_particles=20).loss(two_part_model, guide, y1, y2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_dims_outside_plates_get_a_joint_q(dtype):
+    """``Normal(zeros(3), 1)`` without ``to_event`` and outside any plate: its elements are not
+    declared independent, so q is one joint Gaussian (the exact posterior in one step), as
+    with ``to_event(1)``; the guide samples it as such (and ``Trace_ELBO`` agrees)."""
+    A = torch.tensor([[1.0, 0.9, 0.0], [0.0, 1.0, 0.9], [0.5, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    A, y = A.to(dtype), torch.tensor([1.0, 0.5, -0.3, 0.8], dtype=dtype)
+
+    def batched(y):
+        z = pyro.sample("z", dist.Normal(y.new_zeros(3), 1.0))
+        with pyro.plate("data", 4):
+            pyro.sample("y", dist.Normal(A @ z, 0.5), obs=y)
+
+    pyro.clear_param_store()
+    guide = AutoCVI(batched)
+    svi = SVI(batched, guide, CVI(step_size=1.0), loss=CVI_ELBO())
+    svi.step(y)
+    loss = svi.step(y)
+    P = torch.eye(3, dtype=torch.float64) + A.double().T @ A.double() / 0.25
+    cov = torch.linalg.inv(P)
+    q = guide.posterior("z")
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert torch.allclose(q.covariance_matrix.double(), cov, atol=tol)
+    assert guide(y)["z"].shape == (3,)
+    with pyro.validation_enabled(False):  # Pyro's shape check wants a plate or to_event here
+        ref = torch.tensor(
+            [Trace_ELBO().loss(batched, guide, y) for _ in range(2000)], dtype=torch.float64
+        )
+    assert abs(float(ref.mean()) - loss) < 4 * float(ref.std()) / math.sqrt(len(ref)) + 1e-4

@@ -205,7 +205,8 @@ class Analysis:
             return False
         if name in self._feeds_collapsed:
             return False
-        if len(info.batch_shape) or self.deps.get(name):  # a tree of conditional Normals?
+        # batch dims that no plate declares independent are one joint value (as to_event)
+        if (len(info.batch_shape) and info.frames) or self.deps.get(name):  # a tree?
             return bool(self.deps.get(name)) and gaussian_tree.may_join(self, name)
         base = unwrap(self.structure.nodes[name]["fn"])[0]
         return isinstance(
@@ -244,12 +245,7 @@ class Analysis:
                 self.latents[n].form, self.latents[n].block = NATURAL, None
         self.chains = [c for c in self.chains if not set(c.names) & set(self.remainder)]
         for i, names in enumerate(groups.values()):
-            shapes = tuple(
-                torch.Size(
-                    self.values[n].shape if self.deps.get(n) else self.latents[n].event_shape
-                )
-                for n in names
-            )
+            shapes = tuple(torch.Size(self.values[n].shape) for n in names)
             blocks.append(BlockSpec(i, tuple(names), shapes))
             for n in names:
                 self.latents[n].form, self.latents[n].block = SITE, i
