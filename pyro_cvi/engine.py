@@ -46,7 +46,7 @@ from .messages.gaussian import gradient_only
 from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
 from .model.factor_roles import minibatch_renames
 from .model.records import REMAINDER_OWNER
-from .model.signature import check_signature, closure_key, signature
+from .model.signature import check_signature, closure_key, data_key, signature
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, check_structure, per_index
 from .scale.distributed import combine, start_ranks
@@ -497,11 +497,3 @@ class Engine:
         warn_step_counts(
             report.label, report.kind, report.beta, report.counts, stacklevel=6, log=self.warnings
         )
-
-
-def data_key(args, kwargs):
-    """Identifies the data: the arguments' identities, versions and shapes."""
-    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
-    return tuple(
-        (id(a), a._version, tuple(a.shape)) if torch.is_tensor(a) else id(a) for a in items
-    )

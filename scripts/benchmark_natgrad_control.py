@@ -111,8 +111,14 @@ def main() -> None:
         if a.quick
         else "results/benchmark_natgrad_control.json"
     )
+    met = [r["guide"] for r in rows if r["ratio"] is not None and r["ratio"] <= 1 / 3]
+    verdict = (
+        f"CVI() reaches Adam's {steps}-step bound in a third of Adam's CPU time or less on "
+        f"{len(met)} of {len(rows)} guides" + (f" ({', '.join(met)})" if met else "")
+    )
+    print(f"verdict: {verdict}")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"steps": steps, "rows": rows}, indent=1))
+    Path(out).write_text(json.dumps({"steps": steps, "rows": rows, "verdict": verdict}, indent=1))
     print(f"wrote {out}")
 
 

@@ -50,14 +50,14 @@ def case_bad_prefix():
     AutoCVI(logreg, prefix="")
 
 
-def _wide_poisson(dtype):
+def _wide_poisson(dtype, scale=10.0):
     """A Poisson regression whose prior is far wider than the data's scale."""
     g = torch.Generator().manual_seed(0)
     X = torch.randn(50, 3, generator=g, dtype=torch.float64)
     y = torch.poisson(torch.exp(X @ torch.full((3,), 1.5, dtype=X.dtype)), generator=g)
 
     def model(X, y):
-        w = pyro.sample("w", dist.Normal(X.new_zeros(3), 10.0).to_event(1))
+        w = pyro.sample("w", dist.Normal(X.new_zeros(3), scale).to_event(1))
         with pyro.plate("data", 50):
             pyro.sample("y", dist.Poisson(torch.exp(X @ w)), obs=y)
 
@@ -66,14 +66,14 @@ def _wide_poisson(dtype):
 
 def case_diverged():
     model, X, y = _wide_poisson(torch.float64)
-    pyro.set_rng_seed(0)
+    pyro.set_rng_seed(1)  # draws with which the fixed full step overshoots (most seeds do)
     s = svi(model, AutoCVI(model, init_sites="prior", num_samples=4))
-    for _ in range(10):
+    for _ in range(25):
         s.step(X, y)
 
 
 def case_initial_q_not_finite():
-    model, X, y = _wide_poisson(torch.float32)  # exp(X w) overflows float32 at the prior
+    model, X, y = _wide_poisson(torch.float32, 30.0)  # exp(X w) overflows float32 at the prior
     pyro.set_rng_seed(0)
     svi(model, AutoCVI(model, init_sites="prior", num_samples=4)).step(X, y)
 

@@ -16,15 +16,16 @@ from pyro_cvi import CVI, CVI_ELBO, AutoCVI, DivergenceError
 N, D = 50, 3
 
 
-def _poisson(dtype):
+def _poisson(dtype, scale=10.0):
     """A Poisson regression with a prior far wider than the data's scale: from the prior, a
-    fixed full step with 4-sample Monte Carlo messages overshoots to a -ELBO of about 1e36."""
+    fixed full step with 4-sample Monte Carlo messages often overshoots by orders of magnitude
+    (whether it does depends on the draws); with ``scale=30`` the initial -ELBO overflows."""
     g = torch.Generator().manual_seed(0)
     X = torch.randn(N, D, generator=g, dtype=torch.float64)
     y = torch.poisson(torch.exp(X @ torch.full((D,), 1.5, dtype=torch.float64)), generator=g)
 
     def model(X, y):
-        w = pyro.sample("w", dist.Normal(X.new_zeros(D), 10.0).to_event(1))
+        w = pyro.sample("w", dist.Normal(X.new_zeros(D), scale).to_event(1))
         with pyro.plate("data", N):
             pyro.sample("y", dist.Poisson(torch.exp(X @ w)), obs=y)
 
@@ -37,16 +38,23 @@ def _guide(model):
 
 def test_an_exploding_loss_raises_and_rolls_back_to_the_best_q():
     model, X, y = _poisson(torch.float64)
-    pyro.set_rng_seed(0)
-    guide = _guide(model)
-    svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
-    losses = []
-    with pytest.raises(DivergenceError) as info:
-        for _ in range(10):
-            losses.append(svi.step(X, y))
+    for seed in range(6):  # the overshoot depends on the Monte Carlo draws: most seeds diverge
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = _guide(model)
+        svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
+        losses = []
+        try:
+            for _ in range(10):
+                losses.append(svi.step(X, y))
+        except DivergenceError as e:
+            info = e
+            break
+    else:
+        raise AssertionError("a fixed full step from the prior never diverged in 6 seeds")
     best = min(losses)
     assert len(losses) >= 2 and math.isfinite(best) and best < 1e4
-    text = str(info.value)
+    text = str(info)
     assert "sites ['w']" in text and "rolled back" in text and "CVI()" in text
     assert f"{best:.6g}" in text
     # the guide holds the best q: its loss is the best loss, and CVI() steps on from it
@@ -58,15 +66,16 @@ def test_an_exploding_loss_raises_and_rolls_back_to_the_best_q():
 
 
 def test_a_non_finite_initial_loss_is_an_error_and_the_guide_stays_usable():
-    """In float32 the same prior makes exp(X w) overflow at the initial q (the -ELBO is NaN):
-    no best q to go back to; the error names the fix, and the fix (q started at the data,
-    ``init_sites="laplace"``) fits."""
-    model, X, y = _poisson(torch.float32)
+    """In float32 a prior three times wider makes exp(X w) overflow at the initial q (the
+    -ELBO is NaN): no best q to go back to; the error names the fix. At the first test's
+    prior, q started at the data (``init_sites="laplace"``, the default) fits."""
+    model, X, y = _poisson(torch.float32, scale=30.0)
     pyro.set_rng_seed(0)
     svi = SVI(model, _guide(model), CVI(step_size=1.0), loss=CVI_ELBO())
     with pytest.raises(DivergenceError, match="initial q is nan.*init_sites='laplace'"):
         svi.step(X, y)
     pyro.clear_param_store()
+    model, X, y = _poisson(torch.float32)  # the prior of the first test: q starts at the data
     guide = AutoCVI(model, num_samples=4)
     svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
     losses = [svi.step(X, y) for _ in range(15)]

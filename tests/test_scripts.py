@@ -10,7 +10,14 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 #: Tools, not benchmarks.
-NOT_BENCHMARKS = {"report.py", "smoke_test.py", "check_docs.py", "demo.py", "strip_tqdm_warning.py"}
+NOT_BENCHMARKS = {
+    "report.py",
+    "smoke_test.py",
+    "check_docs.py",
+    "demo.py",
+    "strip_tqdm_warning.py",
+    "make_nuts_references.py",  # writes the reference posteriors of tests/zoo
+}
 BENCHMARKS = sorted(p for p in SCRIPTS.glob("*.py") if p.name not in NOT_BENCHMARKS)
 
 

@@ -217,7 +217,7 @@ def test_pyro_markov_loop_is_fitted_by_plain_autocvi():
     text = guide.explain()
     assert "Markov prior: Kalman smoother, O(T d^3)" in text
     assert "linear-predictor" in text
-    gd = AutoCVI(dense)
+    gd = AutoCVI(dense, prefix="dense")
     svi_d = SVI(dense, gd, CVI(), loss=CVI_ELBO())
     ld = [svi_d.step(y) for _ in range(30)]
     assert losses[-1] == pytest.approx(ld[-1], rel=1e-6)

@@ -202,7 +202,8 @@ def test_matrix_weight_next_to_a_gamma_site_is_the_cavi_fixed_point():
 @pytest.mark.slow
 def test_bnn_with_matrix_weights_and_a_gamma_precision_runs():
     """numpyro's bnn.py in Pyro (tanh layers, ``.to_event(2)`` weights, Gamma precision): Monte
-    Carlo messages, no error, finite losses, and a fit better than the first step's."""
+    Carlo gradients of one joint Gaussian (the remainder), no error, finite losses, and a fit
+    better than the first step's."""
     g = torch.Generator().manual_seed(0)
     X = torch.randn(30, 2, generator=g, dtype=F64)
     y = torch.sin(X.sum(-1)) + 0.1 * torch.randn(30, generator=g, dtype=F64)
@@ -218,7 +219,7 @@ def test_bnn_with_matrix_weights_and_a_gamma_precision_runs():
     losses, guide = _run(model, (X, y), CVI(), 15)
     assert all(math.isfinite(v) for v in losses)
     assert statistics.median(losses[-5:]) < losses[0] - 5.0
-    assert "Monte Carlo" in guide.explain()
+    assert "natural-gradient step of the joint Gaussian" in guide.explain()
 
 
 def test_explain_names_the_fallback_sites_and_why():

@@ -59,6 +59,7 @@ from ..update import (
     damped_step,
     targets_from_grads,
 )
+from .laplace import laplace_start
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
@@ -99,6 +100,8 @@ class GaussianBlock(SiteFormBlock):
         #: the step's prior and rows with their graph to the model's parameters (``ctx.graph``
         #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
         self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
+
+    damped_start = laplace_start
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:

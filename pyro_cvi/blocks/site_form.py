@@ -42,7 +42,16 @@ class SiteFormBlock(Block):
     def initialise(self, ctx: StepContext, fresh: bool) -> None:
         if self.options.init_sites == "laplace" and fresh:
             self.init_sites_at_prior_mean(ctx.trace, self.options.num_quad_points)
+            self.refresh(ctx)
+            if not self.damped_start(ctx):  # one Newton step was enough
+                return
+            self._refreshed_from = None
         self.refresh(ctx)
+
+    def damped_start(self, ctx: StepContext) -> bool:
+        """Where one Newton step from the prior mean overshoots, move the sites to the mode's
+        (:mod:`~pyro_cvi.blocks.laplace`); whether they moved. None by default."""
+        return False
 
     def continue_from(self, previous: Optional[Block], values: Dict[str, torch.Tensor]) -> None:
         """Keep the fixed point of the block it replaces; the number of data points of each

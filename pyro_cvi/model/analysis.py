@@ -165,7 +165,7 @@ class Analysis:
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
-        self._probe_cache: Dict[int, list] = {}
+        self._probe_cache: Dict[object, list] = {}
         #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
         self.remainder: List[str] = []
@@ -390,10 +390,15 @@ class Analysis:
             jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
             params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
             dynamic = probes.depends_on_params(value, zs, params)
-        moved = [(dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in self._probes(block)]
-        if not probes.affine_at(value.detach(), moved, jac):
-            return None
-        return torch.cat([jac[n] for n in block.names], 1), dynamic
+        for shrink in (1.0, 1e-2):  # smaller moves where exp(...) overflowed at the first
+            moved = [
+                (dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in self._probes(block, shrink)
+            ]
+            if probes.affine_at(value.detach(), moved, jac):
+                return torch.cat([jac[n] for n in block.names], 1), dynamic
+            if all(bool(torch.isfinite(f).all()) for _, f in moved):
+                return None
+        return None
 
     def minibatch_plate(self, site: str) -> Optional[str]:
         """The subsampled plate (``subsample_size < size``) that factor ``site`` lies in."""
@@ -402,17 +407,19 @@ class Analysis:
                 return frame.name
         return None
 
-    def _probes(self, block: BlockSpec):
-        """Two model runs at joint random perturbations of the block's sites, shared by every
-        factor of the block: ``[(perturbations by site, trace)]``."""
-        if block.index not in self._probe_cache:
+    def _probes(self, block: BlockSpec, shrink: float = 1.0):
+        """Two model runs at joint random perturbations of the block's sites (scaled by
+        ``shrink``), shared by every factor of the block: ``[(perturbations by site, trace)]``."""
+        key = block.index if shrink == 1.0 else (block.index, shrink)
+        if key not in self._probe_cache:
             at = {n: self.ref[n] for n in block.names}
             out = []
             for dz in probes.perturbations(at):
+                dz = {n: shrink * d for n, d in dz.items()}
                 with torch.no_grad():
                     out.append((dz, self.run(**{n: at[n] + dz[n] for n in block.names})))
-            self._probe_cache[block.index] = out
-        return self._probe_cache[block.index]
+            self._probe_cache[key] = out
+        return self._probe_cache[key]
 
     def _chain_factor(self, site: str, block: BlockSpec, base) -> Factor:
         """A factor of a Markov block: the chain prior (Kalman smoother), or an observation

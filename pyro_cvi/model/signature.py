@@ -29,7 +29,7 @@ from pyro.poutine.util import site_is_subsample
 
 from .tracing import unwrap
 
-__all__ = ["signature", "check_signature", "closure_key"]
+__all__ = ["signature", "check_signature", "closure_key", "data_key"]
 
 Sig = Dict[str, Tuple]
 
@@ -110,4 +110,12 @@ def closure_key(model: Callable) -> Tuple:
     items += [(n, env[n]) for n in code.co_names if n in env]
     return tuple(
         (n, id(v), v._version, tuple(v.shape)) for n, v in items if isinstance(v, torch.Tensor)
+    )
+
+
+def data_key(args, kwargs):
+    """Identifies the data: the arguments' identities, versions and shapes."""
+    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return tuple(
+        (id(a), a._version, tuple(a.shape)) if torch.is_tensor(a) else id(a) for a in items
     )

@@ -332,6 +332,16 @@ def _explain_known(e: BaseException, text: str, args, kwargs) -> None:
         ) from e
 
 
+def _parameters_finite(fn) -> bool:
+    """Whether every floating-point parameter of ``fn`` is finite (an infinite Poisson rate at a
+    prior draw, ``exp`` overflowing, is the model's point, not a fault of the data)."""
+    for key in getattr(fn, "arg_constraints", {}):
+        a = getattr(fn, key, None)
+        if torch.is_tensor(a) and a.is_floating_point() and not bool(torch.isfinite(a).all()):
+            return False
+    return True
+
+
 def _check_densities(trace: Trace, structure) -> None:
     """Latent point masses (a ``Delta``: no density to fit a ``q`` to) and observations whose
     log-density is not finite at the analysis point (e.g. a Beta observation of exactly 0 or 1,
@@ -356,7 +366,7 @@ def _check_densities(trace: Trace, structure) -> None:
         except (ValueError, RuntimeError, NotImplementedError):
             continue
         bad = _masked(~torch.isfinite(lp), site["mask"])
-        if bool(bad.any()):
+        if bool(bad.any()) and _parameters_finite(base):  # else an overflow, not the data
             i = _first(bad)
             shown = v[tuple(i)] if len(i) <= v.dim() and v.dim() else v
             raise ValueError(

@@ -32,6 +32,7 @@ All tensors may carry leading batch dims (independent chains): ``m0 (*B, d)``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -356,8 +357,12 @@ def log_prob_chain(chain: LinearGaussianChain, x: torch.Tensor) -> torch.Tensor:
     A, b, C = chain.all_steps()
     prev = torch.cat([x.new_zeros(1, x.shape[-1]), x[:-1]], 0)
     loc = _tmv(A, prev) + b
-    mvn = torch.distributions.MultivariateNormal(loc, covariance_matrix=C, validate_args=False)
-    return mvn.log_prob(x).sum()
+    # (by hand: torch's MultivariateNormal calls broadcast_shapes, which imports sympy)
+    L = torch.linalg.cholesky(C)
+    u = torch.linalg.solve_triangular(L, (x - loc).unsqueeze(-1), upper=False).squeeze(-1)
+    logdet = torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum()
+    d = x.shape[-1] * x.shape[0]
+    return -0.5 * (u * u).sum() - logdet - 0.5 * d * math.log(2 * math.pi)
 
 
 def sample_posterior(
