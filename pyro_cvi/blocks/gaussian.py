@@ -59,14 +59,14 @@ from ..update import (
     damped_step,
     targets_from_grads,
 )
-from .laplace import laplace_start
+from .laplace import LaplaceStart
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
 
 
-class GaussianBlock(SiteFormBlock):
+class GaussianBlock(LaplaceStart, SiteFormBlock):
     """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
@@ -100,8 +100,6 @@ class GaussianBlock(SiteFormBlock):
         #: the step's prior and rows with their graph to the model's parameters (``ctx.graph``
         #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
         self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
-
-    damped_start = laplace_start
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:

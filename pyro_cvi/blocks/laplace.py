@@ -22,7 +22,7 @@ from ..linear_gaussian import GaussianPrior
 from ..messages.gaussian import linear_predictor_value, warm_start_target
 from ..update import MAX_HALVINGS_SOLVE
 
-__all__ = ["laplace_start"]
+__all__ = ["LaplaceStart"]
 
 #: Newton iterations at most (each a solve of the block's linear regression)
 MAX_NEWTON = 50
@@ -62,45 +62,48 @@ def _targets_at(block, trace, m: torch.Tensor) -> Optional[Dict[str, torch.Tenso
     return out
 
 
-def laplace_start(block, ctx) -> bool:
-    """If the warm-started ``q``'s mean lowers ``L`` below its value at the prior mean (or is
-    not finite), move the sites to the point-mass targets at the mode of ``L`` (module
-    docstring). Returns whether the sites were moved. Blocks with softmax or general factors,
-    or split over data-parallel ranks, keep the one-step start."""
-    if block.softmax or block.general or block.options.reducer is not None or not block.linear:
-        return False
-    trace = ctx.trace
-    with torch.no_grad():
-        m = block.prior.loc.detach().clone()
-        best = _log_joint(block, trace, m)
-        one_step = _log_joint(block, trace, block.post.loc.detach())
-        if not bool(torch.isfinite(best)) or (
-            bool(torch.isfinite(one_step)) and bool(one_step >= best)
-        ):
+class LaplaceStart:
+    """Mixin of :class:`~pyro_cvi.blocks.gaussian.GaussianBlock`: its :meth:`damped_start`."""
+
+    def damped_start(self, ctx) -> bool:
+        """If the warm-started ``q``'s mean lowers ``L`` below its value at the prior mean (or is
+        not finite), move the sites to the point-mass targets at the mode of ``L`` (module
+        docstring). Returns whether the sites were moved. Blocks with softmax or general factors,
+        or split over data-parallel ranks, keep the one-step start."""
+        if self.softmax or self.general or self.options.reducer is not None or not self.linear:
             return False
-        moved = False
-        for _ in range(MAX_NEWTON):
-            targets = _targets_at(block, trace, m)
-            if targets is None:
-                break
-            step = block._solve(site_values=targets).loc.detach() - m
-            t, accepted = 1.0, False
-            for _ in range(MAX_HALVINGS_SOLVE):
-                value = _log_joint(block, trace, m + t * step)
-                if bool(torch.isfinite(value)) and bool(value >= best):
-                    accepted = True
+        trace = ctx.trace
+        with torch.no_grad():
+            m = self.prior.loc.detach().clone()
+            best = _log_joint(self, trace, m)
+            one_step = _log_joint(self, trace, self.post.loc.detach())
+            if not bool(torch.isfinite(best)) or (
+                bool(torch.isfinite(one_step)) and bool(one_step >= best)
+            ):
+                return False
+            moved = False
+            for _ in range(MAX_NEWTON):
+                targets = _targets_at(self, trace, m)
+                if targets is None:
                     break
-                t *= 0.5
-            if not accepted:
-                break
-            gain = float(value - best)
-            m, best, moved = m + t * step, value, True
-            if gain <= 1e-8 * (1.0 + abs(float(best))):
-                break
-        targets = _targets_at(block, trace, m) if moved else None
-        if targets is None:
-            return False
-        sites = block._sites()
-        for name, t in targets.items():
-            sites[name].data.copy_(t)
-    return True
+                step = self._solve(site_values=targets).loc.detach() - m
+                t, accepted = 1.0, False
+                for _ in range(MAX_HALVINGS_SOLVE):
+                    value = _log_joint(self, trace, m + t * step)
+                    if bool(torch.isfinite(value)) and bool(value >= best):
+                        accepted = True
+                        break
+                    t *= 0.5
+                if not accepted:
+                    break
+                gain = float(value - best)
+                m, best, moved = m + t * step, value, True
+                if gain <= 1e-8 * (1.0 + abs(float(best))):
+                    break
+            targets = _targets_at(self, trace, m) if moved else None
+            if targets is None:
+                return False
+            sites = self._sites()
+            for name, t in targets.items():
+                sites[name].data.copy_(t)
+        return True

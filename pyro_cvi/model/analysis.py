@@ -391,14 +391,12 @@ class Analysis:
             params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
             dynamic = probes.depends_on_params(value, zs, params)
         for shrink in (1.0, 1e-2):  # smaller moves where exp(...) overflowed at the first
-            moved = [
-                (dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in self._probes(block, shrink)
-            ]
+            runs = self._probes(block, shrink)
+            moved = [(dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in runs]
             if probes.affine_at(value.detach(), moved, jac):
                 return torch.cat([jac[n] for n in block.names], 1), dynamic
             if all(bool(torch.isfinite(f).all()) for _, f in moved):
                 return None
-        return None
 
     def minibatch_plate(self, site: str) -> Optional[str]:
         """The subsampled plate (``subsample_size < size``) that factor ``site`` lies in."""
@@ -409,16 +407,14 @@ class Analysis:
 
     def _probes(self, block: BlockSpec, shrink: float = 1.0):
         """Two model runs at joint random perturbations of the block's sites (scaled by
-        ``shrink``), shared by every factor of the block: ``[(perturbations by site, trace)]``."""
+        ``shrink``), shared by every factor of the block: ``[(perturbations, trace)]``."""
         key = block.index if shrink == 1.0 else (block.index, shrink)
         if key not in self._probe_cache:
             at = {n: self.ref[n] for n in block.names}
-            out = []
-            for dz in probes.perturbations(at):
-                dz = {n: shrink * d for n, d in dz.items()}
-                with torch.no_grad():
-                    out.append((dz, self.run(**{n: at[n] + dz[n] for n in block.names})))
-            self._probe_cache[key] = out
+            moves = [{n: shrink * d for n, d in dz.items()} for dz in probes.perturbations(at)]
+            with torch.no_grad():
+                runs = [self.run(**{n: at[n] + dz[n] for n in block.names}) for dz in moves]
+            self._probe_cache[key] = list(zip(moves, runs))
         return self._probe_cache[key]
 
     def _chain_factor(self, site: str, block: BlockSpec, base) -> Factor:
