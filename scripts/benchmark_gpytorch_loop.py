@@ -32,6 +32,7 @@ import os
 
 import gpytorch
 import torch
+from bench.reporting import quick_path  # noqa: E402
 from gpytorch.variational import (
     CholeskyVariationalDistribution,
     NaturalVariationalDistribution,
@@ -127,6 +128,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="100 iterations in part B, not 200")
     ap.add_argument("--out", default="results/benchmark_gpytorch_loop.json")
     args = ap.parse_args()
+    args.out = str(quick_path(args.out, args.quick))  # --quick: under results/quick/
     torch.set_num_threads(1)
     x = torch.linspace(0, 1, args.n)
     y = torch.sign(torch.cos(x * (4 * math.pi))).add(1).div(2)

@@ -830,6 +830,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--ngd-lrs", help="part B: NGD learning rates (0.1,0.25,0.5)")
     ap.add_argument("--chol-lrs", help="part B: Adam lrs, Cholesky q (0.01,0.03)")
     args = ap.parse_args(argv)
+    from bench.reporting import quick_path
+
+    args.out = str(quick_path(args.out, args.quick))  # --quick: under results/quick/
     torch.set_default_dtype(F64)
     torch.set_num_threads(1)
     torch.manual_seed(0)

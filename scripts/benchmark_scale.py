@@ -288,6 +288,9 @@ def main():
     ap.add_argument("--stream-child", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--render", metavar="JSON", help="only print the tables of a written run")
     a = ap.parse_args()
+    from bench.reporting import quick_path
+
+    a.out = str(quick_path(a.out, a.quick))  # --quick: under results/quick/
     if a.render:
         return render(a.render)
     if a.stream_child:

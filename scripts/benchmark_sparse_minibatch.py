@@ -29,6 +29,7 @@ import time
 
 import gpytorch
 import torch
+from bench.reporting import quick_path  # noqa: E402
 
 from pyro_cvi.contrib.gpytorch import CVIOptimizer, CVIVariationalStrategy
 
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="results/benchmark_sparse_minibatch.json")
     args = ap.parse_args()
+    args.out = str(quick_path(args.out, args.quick))  # --quick: under results/quick/
     if args.quick:
         args.n, args.m, args.b = 5000, 100, 512
     torch.set_num_threads(1)

@@ -62,7 +62,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tests/zoo
-from bench.reporting import Table, write_results  # noqa: E402
+from bench.reporting import Table, quick_path, write_results  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 from tests.zoo import ZOO  # noqa: E402
@@ -489,6 +489,7 @@ def main(argv=None):
         help="print the table of earlier JSON outputs (e.g. runs split by --models) and exit",
     )
     a = p.parse_args(argv)
+    a.out = str(quick_path(a.out, a.quick))  # --quick: under results/quick/
     if a.natgrad:
         return main_natgrad(a)
     if a.report:

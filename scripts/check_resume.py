@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from bench.reporting import quick_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "resume_worker.py"
@@ -38,6 +39,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the Gaussian block only")
     parser.add_argument("--out", default=str(ROOT / "results" / "check_resume.json"))
     args = parser.parse_args()
+    args.out = str(quick_path(args.out, args.quick))  # --quick: under results/quick/
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for kind in KINDS[:1] if args.quick else KINDS:

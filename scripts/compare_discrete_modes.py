@@ -219,6 +219,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path("results") / "compare_discrete_modes.json"))
     a = p.parse_args(argv)
+    from bench.reporting import quick_path
+
+    a.out = str(quick_path(a.out, a.quick))  # --quick: under results/quick/
     torch.set_num_threads(1)
     pyro.enable_validation(False)
     warnings.filterwarnings("ignore")

@@ -45,3 +45,23 @@ def test_the_results_page_renders_every_committed_json(tmp_path):
     for path in sorted((SCRIPTS.parent / "results").glob("*.json")):
         lines = report.render_file(path, tmp_path, "results")
         assert lines and lines[0].startswith("## "), path.name
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
+def test_a_quick_run_never_overwrites_the_committed_results(path):
+    """``--quick`` writes under ``results/quick/`` (git-ignored): through ``write_results`` or
+    ``quick_path`` of ``scripts/bench/reporting.py``, or a default of its own there."""
+    source = path.read_text()
+    if re.search(r'"--out",[^)]*default=None', source) or '"--out", help=' in source:
+        return  # writes JSON only where it is told to
+    assert any(k in source for k in ("write_results(", "quick_path(", "results/quick")), path.name
+
+
+def test_quick_path_redirects_only_results_files():
+    from bench.reporting import quick_path
+
+    assert (
+        quick_path("results/benchmark_x.json", True).as_posix() == "results/quick/benchmark_x.json"
+    )
+    assert quick_path("results/benchmark_x.json", False).as_posix() == "results/benchmark_x.json"
+    assert quick_path("/tmp/mine.json", True).as_posix() == "/tmp/mine.json"

@@ -338,6 +338,15 @@ def save_plots(json_path: Path, tables: Sequence[Dict[str, Any]]) -> List[Path]:
     return [save_plot(s, json_path.with_name(plot_file(json_path.stem, t, p))) for t, p, s in specs]
 
 
+def quick_path(path: str, quick: bool) -> Path:
+    """A ``--quick`` run never overwrites a committed full result: ``results/x.json`` becomes
+    ``results/quick/x.json`` (git-ignored); any other path is kept."""
+    out = Path(path)
+    if quick and out.parent.name == "results":
+        return out.parent / "quick" / out.name
+    return out
+
+
 def write_results(
     path: str,
     payload: Dict[str, Any],
@@ -360,7 +369,7 @@ def write_results(
         "tables": [t.as_dict() for t in tables],
         "run": run_info(),
     }
-    out = Path(path)
+    out = quick_path(path, quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = thin({**payload, "report": report})
     out.write_text(json.dumps(data, separators=(",", ":"), default=float) + "\n")
