@@ -71,13 +71,13 @@ class CVI_ELBO(ELBO):
         except BaseException as e:  # data-parallel: the other ranks raise too, not wait
             tell_ranks(getattr(cvi_guide, "reducer", None), e)
             raise
-        if loss.requires_grad:
-            try:
+        try:
+            if loss.requires_grad:
                 loss.backward()
-            except BaseException:  # the step's transaction is rolled back
-                abort([cvi_guide.engine])
-                raise
-        return float(loss.detach())
+            return float(loss.detach())
+        except BaseException:  # the step's transaction is rolled back (an interrupt, too)
+            abort([cvi_guide.engine])
+            raise
 
     def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
