@@ -220,7 +220,11 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         with torch.enable_grad():
             t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
             base = unwrap(t.nodes[f.site]["fn"])[0]
-            value = centred_logits(base) if f.kind == SOFTMAX else linear_param(base)[1]
+            value = (
+                centred_logits(base)
+                if f.kind == SOFTMAX
+                else linear_param(base, f.param, f.link)[1]
+            )
             A = [jacobian(value, leaves[n], create_graph=create_graph) for n in self.names]
             A = torch.cat(A, 1)
             return A if create_graph else A.detach()
