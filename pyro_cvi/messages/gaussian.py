@@ -253,7 +253,7 @@ def normal_scale_expectation(loc, weight, y, mean, var):
     ``w (r^2 e - 1)`` and ``-w r^2 e`` with ``e = exp(-2 m + 2 v)``. The value keeps the graph
     of ``loc``, ``mean`` and ``var``; the derivatives have none."""
     r2 = (y - loc).square()
-    e = torch.exp(-2 * mean + 2 * var)
+    e = torch.exp(2 * (var - mean))
     f = weight * (-0.5 * math.log(2 * math.pi) - mean - 0.5 * r2 * e)
     q = (r2 * e).detach()
     return f, weight * (q - 1), -weight * q

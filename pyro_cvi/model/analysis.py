@@ -65,12 +65,13 @@ from .tracing import (
     is_random,
     linear_candidates,
     linear_param,
+    linked_reader,
     max_plate_nesting,
+    rebuilds,
     run_model,
     subsample_values,
     trace_model,
     unwrap,
-    with_param,
 )
 
 __all__ = [
@@ -80,23 +81,6 @@ __all__ = [
     "LEAF_FORM",
     "REMAINDER",
 ]  # (the records: pyro_cvi.model.records)
-
-
-def _rebuilds(site, base, value, name: str, link) -> bool:
-    """Whether the distribution rebuilt from the linked parameter (``with_param``) has the
-    site's log density at its value (a constructor that takes the parameter as read)."""
-    if link is None:
-        return True
-    y = site["value"]
-    try:
-        with torch.no_grad():
-            again = with_param(base, value.detach(), name, link).log_prob(y)
-            lp = base.log_prob(y)
-    except (ValueError, RuntimeError, TypeError):
-        return False
-    again, lp = torch.broadcast_tensors(again, lp)
-    ok = torch.isfinite(lp)
-    return probes.close(again[ok], lp[ok], probes.rtol(lp.dtype))
 
 
 class Analysis:
@@ -349,34 +333,26 @@ class Analysis:
         if centred_logits(base) is not None:
             return self._softmax_factor(site, block, base)
         zs = [leaves[n] for n in block.names]
-        obs = tr.nodes[site]["value"]
-        if torch.is_tensor(obs) and obs.requires_grad:  # obs=f(z)
+        if torch.is_tensor(obs := tr.nodes[site]["value"]) and obs.requires_grad:  # obs=f(z)
             why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
             return Factor(site, label, GENERAL, why)
         with torch.enable_grad():
             candidates = linear_candidates(base, zs)
-        if not candidates:
-            why = f"{kind_name}: no one parameter of it carries {label} (general likelihood)"
-            return Factor(site, label, GENERAL, why)
         for name, link in candidates:
             value = linear_param(base, name, link)[1]
-            probed = self._probed_rows(
-                site, block, value, lambda fn, n=name, g=link: linear_param(fn, n, g)[1]
-            )
-            if probed is None or not _rebuilds(tr.nodes[site], base, value, name, link):
+            probed = self._probed_rows(site, block, value, linked_reader(name, link))
+            if probed is None or not rebuilds(tr.nodes[site], base, value, name, link):
                 continue
             A, dynamic = probed
             R, D = A.shape
             if isinstance(base, torch.distributions.Normal) and name == "loc":
                 why = f"Normal loc affine in {label} (probed, A: {R}x{D}), scale free of them"
                 return Factor(site, label, CONJUGATE, why, name, A, dynamic)
-            how = describe_link(base, name, link)
-            why = f"{kind_name} {how} with . = A z + c (probed, A: {R}x{D}); {R} sites"
-            if link is None:
-                why = f"{kind_name} {how} = A z + c (probed, A: {R}x{D}); {R} sites"
+            how = describe_link(base, name, link, "A z + c")
+            why = f"{kind_name} {how} (probed, A: {R}x{D}); {R} sites"
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
-        tried = ", ".join(describe_link(base, n, g) for n, g in candidates)
-        why = f"{kind_name}: not affine in {label} through any link (probed: {tried})"
+        tried = ", ".join(describe_link(base, n, g) for n, g in candidates) or "none"
+        why = f"{kind_name}: no parameter affine in {label} through a link (probed: {tried})"
         return Factor(site, label, GENERAL, why)
 
     def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:

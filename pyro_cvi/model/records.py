@@ -53,6 +53,11 @@ class Factor:
     #: likelihood's own, ``model.tracing.LINEAR_PARAMS``)
     link: Optional[str] = None
 
+    @property
+    def link_of(self) -> Tuple[Optional[str], Optional[str]]:
+        """``(param, link)``: how to read its linked value (``tracing.linked_reader``)."""
+        return self.param, self.link
+
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"
 

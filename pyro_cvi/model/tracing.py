@@ -12,6 +12,8 @@ from pyro.infer.enum import config_enumerate
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.trace_struct import Trace
 
+from . import probes
+
 __all__ = [
     "trace_model",
     "run_model",
@@ -29,6 +31,8 @@ __all__ = [
     "with_param",
     "has_learnable_params",
     "describe_link",
+    "rebuilds",
+    "linked_reader",
 ]
 
 
@@ -376,10 +380,35 @@ def with_param(
     return type(base)(**kwargs, validate_args=False)
 
 
-def describe_link(base, param: str, link: Optional[str]) -> str:
-    """``"log(rate)"``, ``"logits"``, ``"scale = exp(.)"``: how the affine part enters."""
+def describe_link(base, param: str, link: Optional[str], rhs: str = "") -> str:
+    """``"log(rate)"``, ``"logits"``, ``"scale = exp(.)"``: how the affine part enters; with
+    ``rhs`` the equation (``"log(rate) = A z + c"``, ``"scale = exp(.) with . = A z + c"``)."""
     if link is None:
-        return "log(rate)" if param == "rate" else param
-    if link == "identity":
-        return param
-    return f"{param} = {link}(.)"
+        how = "log(rate)" if param == "rate" else param
+    else:
+        how = param if link == "identity" else f"{param} = {link}(.)"
+    if not rhs:
+        return how
+    return f"{how} = {rhs}" if link in (None, "identity") else f"{how} with . = {rhs}"
+
+
+def linked_reader(param: str, link: Optional[str]) -> Callable:
+    """``fn -> g^-1(fn.param)``: the linked value of a distribution (for probes)."""
+    return lambda fn: linear_param(fn, param, link)[1]
+
+
+def rebuilds(site, base, value, name: str, link) -> bool:
+    """Whether the distribution rebuilt from the linked parameter (``with_param``) has the
+    site's log density at its value (a constructor that takes the parameter as read)."""
+    if link is None:
+        return True
+    y = site["value"]
+    try:
+        with torch.no_grad():
+            again = with_param(base, value.detach(), name, link).log_prob(y)
+            lp = base.log_prob(y)
+    except (ValueError, RuntimeError, TypeError):
+        return False
+    again, lp = torch.broadcast_tensors(again, lp)
+    ok = torch.isfinite(lp)
+    return probes.close(again[ok], lp[ok], probes.rtol(lp.dtype))
