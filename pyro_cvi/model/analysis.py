@@ -351,7 +351,7 @@ class Analysis:
             how = describe_link(base, name, link, "A z + c")
             why = f"{kind_name} {how} (probed, A: {R}x{D}); {R} sites"
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
-        tried = ", ".join(describe_link(base, n, g) for n, g in candidates) or "none"
+        tried = ", ".join(describe_link(base, n, g) for n, g in candidates) or "no one carries it"
         why = f"{kind_name}: no parameter affine in {label} through a link (probed: {tried})"
         return Factor(site, label, GENERAL, why)
 
