@@ -67,6 +67,7 @@ from .tracing import (
     linear_param,
     linked_reader,
     max_plate_nesting,
+    no_link_reason,
     rebuilds,
     run_model,
     subsample_values,
@@ -351,9 +352,7 @@ class Analysis:
             how = describe_link(base, name, link, "A z + c")
             why = f"{kind_name} {how} (probed, A: {R}x{D}); {R} sites"
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
-        tried = ", ".join(describe_link(base, n, g) for n, g in candidates) or "no one carries it"
-        why = f"{kind_name}: no parameter affine in {label} through a link (probed: {tried})"
-        return Factor(site, label, GENERAL, why)
+        return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
 
     def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
         """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred

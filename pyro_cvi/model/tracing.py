@@ -33,6 +33,7 @@ __all__ = [
     "describe_link",
     "rebuilds",
     "linked_reader",
+    "no_link_reason",
 ]
 
 
@@ -390,6 +391,19 @@ def describe_link(base, param: str, link: Optional[str], rhs: str = "") -> str:
     if not rhs:
         return how
     return f"{how} = {rhs}" if link in (None, "identity") else f"{how} with . = {rhs}"
+
+
+def no_link_reason(base, zs, candidates, label: str) -> str:
+    """Why a factor on the leaves ``zs`` is no linear predictor, having probed ``candidates``:
+    two of its parameters depend on them, or none of the readings tried is affine."""
+    kind_name = type(base).__name__
+    touched = [p for p in _constructor_args(base) if _depends(getattr(base, p), zs)]
+    if len(touched) > 1:
+        return f"{kind_name} {', '.join(touched)} depend on {label}: no one linear predictor"
+    tried = ", ".join(describe_link(base, n, g) for n, g in candidates)
+    if not tried:
+        return f"{kind_name}: no parameter of it carries {label} through a link"
+    return f"{kind_name} {tried} not affine in {label} (probed)"
 
 
 def linked_reader(param: str, link: Optional[str]) -> Callable:
