@@ -70,7 +70,7 @@ def test_non_affine_and_two_parameter_factors_are_general():
     an = _analysis(model, x, remainder="off")
     kinds = {f.site: (f.kind, f.reason) for f in an.blocks[0].factors}
     assert kinds["y"][0] == GENERAL and "not affine" in kinds["y"][1]
-    assert kinds["v"][0] == GENERAL and "scale depends on a" in kinds["v"][1]
+    assert kinds["v"][0] == GENERAL and "loc, scale depend on a" in kinds["v"][1]
 
 
 def test_factors_without_latents_are_constants_in_the_loss():

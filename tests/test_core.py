@@ -172,7 +172,7 @@ def test_nonaffine_and_scale_dependence_are_general():
     guide(X, y)
     lines = {ln.split("->")[0].strip(): ln for ln in guide.explain().splitlines() if "->" in ln}
     assert "general" in lines["y"] and "not affine" in lines["y"]
-    assert "general" in lines["y2"] and "scale depends on w" in lines["y2"]
+    assert "general" in lines["y2"] and "loc, scale depend on w" in lines["y2"]
 
 
 def _brute_force_gaussian(X, y, delta, steps=400):

@@ -51,7 +51,7 @@ from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_w
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob, tree_prior
 from ..model.probes import jacobian
-from ..model.tracing import linear_param, trace_model, unwrap
+from ..model.tracing import linked_reader, trace_model, unwrap
 from ..update import (
     MAX_HALVINGS_SOLVE,
     StepCounts,
@@ -220,7 +220,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         with torch.enable_grad():
             t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
             base = unwrap(t.nodes[f.site]["fn"])[0]
-            value = centred_logits(base) if f.kind == SOFTMAX else linear_param(base)[1]
+            value = centred_logits(base) if f.kind == SOFTMAX else linked_reader(*f.link_of)(base)
             A = [jacobian(value, leaves[n], create_graph=create_graph) for n in self.names]
             A = torch.cat(A, 1)
             return A if create_graph else A.detach()

@@ -83,12 +83,12 @@ class MarkovBlock(SiteFormBlock):
         :func:`~pyro_cvi.gaussian.sites.site_to_row`. With ``H`` given (the coefficients, with
         their graph where they depend on parameters) ``c`` keeps its graph to the model's
         parameters too."""
-        eta_at = linear_param(unwrap(site["fn"])[0])[1]
+        eta_at = linear_param(unwrap(site["fn"])[0], f.param, f.link)[1]
         eta_at = (eta_at if H is not None else eta_at.detach()).reshape(-1)
         H = f.jacobian if H is None else H
         x = self.chain.states(self.z_at)
         c = eta_at - (H.to(x) * x[f.time_index]).sum(-1)
-        return RowBlock(H, *site_to_row(sites[..., 0], sites[..., 1], c), c)
+        return RowBlock(H, *site_to_row(sites[..., 0], sites[..., 1], c), c, f.param, f.link)
 
     def _site_rows(self, rows: Sequence[RowBlock]) -> SiteRows:
         """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``)."""
@@ -153,7 +153,7 @@ class MarkovBlock(SiteFormBlock):
             if f.dynamic:
                 trace, leaves = leafy
                 with torch.enable_grad():
-                    value = linear_param(unwrap(trace.nodes[f.site]["fn"])[0])[1]
+                    value = linear_param(unwrap(trace.nodes[f.site]["fn"])[0], f.param, f.link)[1]
                     _, H = detect.observation_rows(self.chain, value, leaves, ctx.graph)
                 f.jacobian = H.detach()
                 out[f.site] = H
@@ -237,7 +237,7 @@ class MarkovBlock(SiteFormBlock):
         def rows_for(new):
             out = []
             for r, s in zip(self.rows, new):
-                out.append(RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c))
+                out.append(RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c, *r.link_of))
             return out
 
         def valid(new) -> torch.Tensor:
@@ -270,7 +270,7 @@ class MarkovBlock(SiteFormBlock):
         if self.post is not None:
             sites = self._sites()
             self.rows = [
-                RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c)
+                RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c, *r.link_of)
                 for r, s in zip(self.rows, (sites[f.site].detach() for f in self.linear))
             ]
             self.post = self._solve(self.rows)

@@ -9,7 +9,9 @@ parameters ``grad_mu E_q[log p_factor]`` that CVI averages into the factor's sit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import pyro
@@ -68,12 +70,21 @@ def gradient_particles(dim: int, num_samples: int) -> int:
 
 @dataclass
 class RowBlock:
-    """Sites ``exp(b f - w f^2 / 2)`` on ``f = A z`` (``c``: the offset of ``eta = f + c``)."""
+    """Sites ``exp(b f - w f^2 / 2)`` on ``f = A z`` (``c``: the offset of ``eta = f + c``);
+    ``param``, ``link``: the factor's parameter ``g(eta)`` (``link`` ``None``: the registered
+    likelihood's, :func:`~pyro_cvi.model.tracing.linear_param`)."""
 
     A: torch.Tensor
     w: torch.Tensor
     b: torch.Tensor
     c: torch.Tensor
+    param: Optional[str] = None
+    link: Optional[str] = None
+
+    @property
+    def link_of(self):
+        """``(param, link)``, to carry into rows rebuilt from these."""
+        return self.param, self.link
 
 
 def _weight(site, like: torch.Tensor) -> torch.Tensor:
@@ -139,11 +150,11 @@ def linear_predictor_rows(
     constant) the rows keep their graph: ``c = eta(z_at) - A z_at`` with ``eta``'s graph, so a
     ``q`` solved from them moves with the parameters at fixed ``(lam1, lam2)``.
     """
-    _, eta_at, _ = linear_param(unwrap(site["fn"])[0])
+    _, eta_at, _ = linear_param(unwrap(site["fn"])[0], factor.param, factor.link)
     graph = A is not None
     A = factor.jacobian if A is None else A
     c = (eta_at if graph else eta_at.detach()).reshape(-1) - A @ z_at.reshape(-1)
-    return RowBlock(A, *site_to_row(sites[..., 0], sites[..., 1], c), c)
+    return RowBlock(A, *site_to_row(sites[..., 0], sites[..., 1], c), c, factor.param, factor.link)
 
 
 def linear_predictor_message(
@@ -161,7 +172,7 @@ def linear_predictor_message(
     ``(df/dm - 2 m df/dv, df/dv)`` (eqs. 30-31).
     """
     base, _, _ = unwrap(site["fn"])
-    _, eta_now, _ = linear_param(base)
+    _, eta_now, _ = linear_param(base, rows.param, rows.link)
     shape = eta_now.shape
     weight = _weight(site, eta_now)
     y = _flat_obs(site, eta_now, weight)
@@ -171,19 +182,20 @@ def linear_predictor_message(
     var = f_var.reshape(shape)
 
     def log_prob(eta):
-        return weight * with_param(base, eta).log_prob(y)
+        return weight * with_param(base, eta, rows.param, rows.link).log_prob(y)
 
-    if num_samples is None and isinstance(base, torch.distributions.Poisson):
-        f, gm, gv = poisson_expectation(weight, y, mean, var)
+    closed = _closed_form(base, rows) if num_samples is None else None
+    if closed is not None:
+        f, gm, gv = closed(weight, y, mean, var)
         lam1, lam2 = site_natural_params(mean.detach(), gm, gv)
         target = torch.stack([lam1.reshape(-1), lam2.reshape(-1)], -1)
-        return (f.sum() if mean.requires_grad else f.sum().detach()), target
+        return (f.sum() if f.requires_grad else f.sum().detach()), target
     f, gm, gv = mean_param_gradients(log_prob, mean, var, num_points, num_samples)
     lam1, lam2 = site_natural_params(mean.detach(), gm, gv)
     target = torch.stack([lam1.reshape(-1), lam2.reshape(-1)], -1)
     if mean.requires_grad:  # the offset depends on hyperparameters: keep that graph
         return expected_log_prob(log_prob, mean, var, num_points).sum(), target
-    if has_learnable_params(base):  # a learned scale (say): f already has its graph
+    if has_learnable_params(base, rows.param, rows.link):  # a learned scale (say): f has it
         return f.sum(), target
     return f.sum().detach(), target  # (no graph to keep: no backward pass for it)
 
@@ -195,18 +207,32 @@ def linear_predictor_value(
     graph to ``f_mean``, ``f_var``, ``c`` and the likelihood's other parameters (the value
     :func:`linear_predictor_message` returns, for rows and moments that keep their graph)."""
     base, _, _ = unwrap(site["fn"])
-    _, eta_now, _ = linear_param(base)
+    _, eta_now, _ = linear_param(base, rows.param, rows.link)
     weight = _weight(site, eta_now)
     y = _flat_obs(site, eta_now, weight)
     mean = (f_mean + rows.c).reshape(eta_now.shape)
 
     def log_prob(eta):
-        return weight * with_param(base, eta).log_prob(y)
+        return weight * with_param(base, eta, rows.param, rows.link).log_prob(y)
 
     var = f_var.reshape(eta_now.shape)
-    if isinstance(base, torch.distributions.Poisson):
-        return poisson_expectation(weight, y, mean, var)[0].sum()
+    closed = _closed_form(base, rows)
+    if closed is not None:
+        return closed(weight, y, mean, var)[0].sum()
     return expected_log_prob(log_prob, mean, var, num_points).sum()
+
+
+def _closed_form(base, rows: RowBlock):
+    """The closed-form expectation of a factor (``(weight, y, mean, var) -> (f, df/dm,
+    df/dv)``), where there is one: a Poisson's log rate, a Normal's log scale; else ``None``."""
+    if isinstance(base, torch.distributions.Poisson) and rows.link in (None, "exp"):
+        return poisson_expectation
+    if isinstance(base, torch.distributions.Normal) and (rows.param, rows.link) == (
+        "scale",
+        "exp",
+    ):
+        return partial(normal_scale_expectation, base.loc)
+    return None
 
 
 def poisson_expectation(weight, y, mean, var):
@@ -218,6 +244,19 @@ def poisson_expectation(weight, y, mean, var):
     f = weight * (y * mean - rate - torch.lgamma(y + 1))
     r = rate.detach()
     return f, weight * (y - r), -0.5 * weight * r
+
+
+def normal_scale_expectation(loc, weight, y, mean, var):
+    """``E[log Normal(y | loc, exp(eta))]`` for ``eta ~ N(mean, var)`` in closed form,
+    ``w (-log(2 pi) / 2 - m - r^2 exp(-2 m + 2 v) / 2)`` with ``r = y - loc`` (the log-normal
+    moment ``E[exp(-2 eta)]``), and its exact derivatives in ``m`` and ``v``:
+    ``w (r^2 e - 1)`` and ``-w r^2 e`` with ``e = exp(-2 m + 2 v)``. The value keeps the graph
+    of ``loc``, ``mean`` and ``var``; the derivatives have none."""
+    r2 = (y - loc).square()
+    e = torch.exp(2 * (var - mean))
+    f = weight * (-0.5 * math.log(2 * math.pi) - mean - 0.5 * r2 * e)
+    q = (r2 * e).detach()
+    return f, weight * (q - 1), -weight * q
 
 
 #: a prior variance of a linear predictor above which the prior is "flat" on the likelihood's

@@ -60,10 +60,15 @@ from .records import (
 from .remainder import apply_remainder, remainder_factor, remainder_sets
 from .tracing import (
     continuous_dependencies,
+    describe_link,
     discrete_dependencies,
     is_random,
+    linear_candidates,
     linear_param,
+    linked_reader,
     max_plate_nesting,
+    no_link_reason,
+    rebuilds,
     run_model,
     subsample_values,
     trace_model,
@@ -328,37 +333,26 @@ class Analysis:
             return Factor(site, label, GENERAL, why, plate=plate)
         if centred_logits(base) is not None:
             return self._softmax_factor(site, block, base)
-        linked = linear_param(base)
-        if linked is None:
-            return Factor(site, label, GENERAL, f"{kind_name} is not a registered likelihood")
-        name, value, others = linked
         zs = [leaves[n] for n in block.names]
-        with torch.enable_grad():
-            for oname, ov in others.items():
-                if torch.is_tensor(ov) and ov.requires_grad:
-                    gs = torch.autograd.grad(ov.sum(), zs, allow_unused=True, retain_graph=True)
-                    if any(g is not None for g in gs):
-                        why = f"{kind_name} {oname} depends on {label}"
-                        return Factor(site, label, GENERAL, why)
-            if not value.requires_grad:
-                obs = tr.nodes[site]["value"]
-                if torch.is_tensor(obs) and obs.requires_grad:  # obs=f(z)
-                    why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
-                else:
-                    why = f"{kind_name} {name} does not depend on {label}"
-                return Factor(site, label, GENERAL, why)
-        link = "log(rate)" if name == "rate" else name
-        probed = self._probed_rows(site, block, value, lambda fn: linear_param(fn)[1])
-        if probed is None:
-            why = f"{kind_name} {link} is not affine in {label} (probed)"
+        if torch.is_tensor(obs := tr.nodes[site]["value"]) and obs.requires_grad:  # obs=f(z)
+            why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
             return Factor(site, label, GENERAL, why)
-        A, dynamic = probed
-        R, D = A.shape
-        if isinstance(base, torch.distributions.Normal) and name == "loc":
-            why = f"Normal loc affine in {label} (probed, A: {R}x{D}), scale free of them"
-            return Factor(site, label, CONJUGATE, why, name, A, dynamic)
-        why = f"{kind_name} {link} = A z + c (probed, A: {R}x{D}); {R} sites"
-        return Factor(site, label, LINEAR, why, name, A, dynamic)
+        with torch.enable_grad():
+            candidates = linear_candidates(base, zs)
+        for name, link in candidates:
+            value = linear_param(base, name, link)[1]
+            probed = self._probed_rows(site, block, value, linked_reader(name, link))
+            if probed is None or not rebuilds(tr.nodes[site], base, value, name, link):
+                continue
+            A, dynamic = probed
+            R, D = A.shape
+            if isinstance(base, torch.distributions.Normal) and name == "loc":
+                why = f"Normal loc affine in {label} (probed, A: {R}x{D}), scale free of them"
+                return Factor(site, label, CONJUGATE, why, name, A, dynamic)
+            how = describe_link(base, name, link, "A z + c")
+            why = f"{kind_name} {how} (probed, A: {R}x{D}); {R} sites"
+            return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
+        return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
 
     def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
         """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
@@ -432,10 +426,12 @@ class Analysis:
         dx, moved = self._probe_cache[block.index]
         if site not in block.names:
             found = chain.observations.get(site)
-            name, rows, why, dyn = found or markov.observation_factor(
+            name, rows, why, dyn, link = found or markov.observation_factor(
                 site, chain, base, tr, leaves, moved, dx
             )
-            return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0])
+            return Factor(
+                site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0], link=link
+            )
         if site != block.names[0]:
             return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
         if not chain.ssm and chain.increments is None:

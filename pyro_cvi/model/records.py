@@ -49,6 +49,14 @@ class Factor:
     time_index: Optional[torch.Tensor] = None  # Markov block: the step of each row (R,)
     num_classes: int = 0  # K of a softmax factor (its Jacobian has N K point-major rows)
     plate: Optional[str] = None  # a subsampled plate it lies in (its sites change per minibatch)
+    #: a linear predictor's link: ``param = LINKS[link][0](A z + c)`` (``None``: the registered
+    #: likelihood's own, ``model.tracing.LINEAR_PARAMS``)
+    link: Optional[str] = None
+
+    @property
+    def link_of(self) -> Tuple[Optional[str], Optional[str]]:
+        """``(param, link)``: how to read its linked value (``tracing.linked_reader``)."""
+        return self.param, self.link
 
     def describe(self) -> str:
         return f"{self.site:>20s} -> {self.latent:<12s} {self.kind:<17s} {self.reason}"

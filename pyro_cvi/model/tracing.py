@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Set, Tuple
+import inspect
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -10,6 +11,8 @@ import torch
 from pyro.infer.enum import config_enumerate
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.trace_struct import Trace
+
+from . import probes
 
 __all__ = [
     "trace_model",
@@ -21,9 +24,16 @@ __all__ = [
     "is_random",
     "unwrap",
     "LINEAR_PARAMS",
+    "LINKS",
     "linear_param",
+    "link_candidates",
+    "linear_candidates",
     "with_param",
     "has_learnable_params",
+    "describe_link",
+    "rebuilds",
+    "linked_reader",
+    "no_link_reason",
 ]
 
 
@@ -227,30 +237,192 @@ def _registered(base):
     return None
 
 
-def linear_param(base) -> Optional[Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]]:
-    """``(name, link(value), other_params)`` for a registered likelihood, else ``None``."""
+def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(exp(x) - 1)``, stable for large ``x``: ``x + log(1 - exp(-x))``."""
+    return x + torch.log(-torch.expm1(-x))
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp_min(0).sqrt()
+
+
+#: Fixed monotone links ``theta = g(eta)`` of a distribution parameter ``theta`` and one affine
+#: function ``eta`` of Gaussian latents: ``name -> (g, g^-1)``. A factor is a linear-predictor
+#: factor through ``g`` when ``g^-1(theta)`` is affine in the block (probed); its message
+#: evaluates ``log p(y | theta = g(eta))`` at the quadrature nodes of ``eta``. ``sqrt`` is
+#: ``g(eta) = sqrt(max(eta, 0))``: its messages assume ``q`` keeps ``eta`` positive.
+LINKS: Dict[str, Tuple[Callable, Callable]] = {
+    "identity": (_identity, _identity),
+    "exp": (torch.exp, torch.log),
+    "softplus": (torch.nn.functional.softplus, _inverse_softplus),
+    "sigmoid": (torch.sigmoid, torch.logit),
+    "sqrt": (_sqrt, torch.square),
+}
+
+
+def _links_for(constraint) -> Tuple[str, ...]:
+    """The links whose range is a parameter's support: real -> identity; positive -> exp,
+    softplus, sqrt; the unit interval -> sigmoid; any other support -> none."""
+    C = torch.distributions.constraints
+    c = constraint
+    while isinstance(c, C.independent):
+        c = c.base_constraint
+    if isinstance(c, C._Real):
+        return ("identity",)
+    if isinstance(c, (C.greater_than, C.greater_than_eq)) and c.lower_bound == 0:
+        return ("exp", "softplus", "sqrt")
+    if isinstance(c, (C.interval, C.half_open_interval)) and (c.lower_bound, c.upper_bound) == (
+        0,
+        1,
+    ):
+        return ("sigmoid",)
+    return ()
+
+
+def _constructor_args(base) -> List[str]:
+    """The parameters that rebuild ``base``: its ``arg_constraints`` that its constructor takes,
+    with ``logits`` rather than ``probs`` where both are (one of them determines the other)."""
+    try:
+        accepted = inspect.signature(type(base).__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    names = [n for n in getattr(base, "arg_constraints", {}) if n in accepted]
+    if "probs" in names and "logits" in names:
+        names.remove("probs")
+    return names
+
+
+def link_candidates(base) -> List[Tuple[str, str]]:
+    """``(parameter, link)`` pairs to try for a univariate distribution: every floating
+    parameter of its constructor with each link whose range is the parameter's support."""
+    if len(getattr(base, "event_shape", (1,))):
+        return []
+    out = []
+    for name in _constructor_args(base):
+        try:
+            v = getattr(base, name)
+        except Exception:  # (a lazy parameter that cannot be computed)
+            continue
+        if torch.is_tensor(v) and v.is_floating_point():
+            out += [(name, g) for g in _links_for(base.arg_constraints[name])]
+    return out
+
+
+def _depends(value, zs) -> bool:
+    if not (torch.is_tensor(value) and value.requires_grad):
+        return False
+    with torch.enable_grad():
+        gs = torch.autograd.grad(value.sum(), zs, allow_unused=True, retain_graph=True)
+    return any(g is not None for g in gs)
+
+
+def linear_candidates(base, zs) -> List[Tuple[str, Optional[str]]]:
+    """The ``(parameter, link)`` readings to probe for a factor on the autograd leaves ``zs``
+    (``link`` ``None``: the registered likelihood's own). The registered one first, where its
+    other parameters are free of ``zs`` and it depends on them; then, where exactly one
+    constructor parameter depends on ``zs``, that parameter through every link of its
+    support (:data:`LINKS`). Empty when two parameters depend on ``zs``."""
+    out: List[Tuple[str, Optional[str]]] = []
+    cls = _registered(base)
+    if cls is not None:
+        name, value, others = linear_param(base)
+        if _depends(value, zs) and not any(_depends(v, zs) for v in others.values()):
+            out.append((name, None))
+    pairs = link_candidates(base)
+    touched = {p for p in _constructor_args(base) if _depends(getattr(base, p), zs)}
+    if len(touched) != 1:
+        return out
+    registered = None
+    if cls is not None:
+        name, g_inv, _ = LINEAR_PARAMS[cls]
+        registered = (name, "identity" if g_inv is _identity else "exp")
+    return out + [(p, g) for p, g in pairs if p in touched and (p, g) != registered]
+
+
+def linear_param(
+    base, param: Optional[str] = None, link: Optional[str] = None
+) -> Optional[Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]]:
+    """``(name, g^-1(value), other_params)``: with ``link`` the parameter ``param`` through the
+    link ``LINKS[link]``; without, a registered likelihood's linear parameter (``None`` for an
+    unregistered one)."""
+    if link is not None:
+        value = LINKS[link][1](getattr(base, param))
+        others = {k: getattr(base, k) for k in _constructor_args(base) if k != param}
+        return param, value, others
     cls = _registered(base)
     if cls is None:
         return None
-    name, link, _ = LINEAR_PARAMS[cls]
-    value = link(getattr(base, name))
+    name, g_inv, _ = LINEAR_PARAMS[cls]
+    value = g_inv(getattr(base, name))
     others = {k: getattr(base, k) for k in _OTHER_ARGS[cls]}
     return name, value, others
 
 
-def has_learnable_params(base) -> bool:
+def has_learnable_params(base, param: Optional[str] = None, link: Optional[str] = None) -> bool:
     """Whether a parameter of ``base`` other than its linear one carries a graph (a learned
     scale, degrees of freedom, total count): the expected log-density must then keep it."""
-    return any(
-        torch.is_tensor(v) and v.requires_grad
-        for v in (getattr(base, k) for k in _OTHER_ARGS[_registered(base)])
-    )
+    others = linear_param(base, param, link)[2]
+    return any(torch.is_tensor(v) and v.requires_grad for v in others.values())
 
 
-def with_param(base, linked_value: torch.Tensor):
-    """A copy of ``base`` whose linear parameter is ``inverse_link(linked_value)``."""
+def with_param(
+    base, linked_value: torch.Tensor, param: Optional[str] = None, link: Optional[str] = None
+):
+    """A copy of ``base`` whose linear parameter is ``g(linked_value)`` (the registered one, or
+    ``param`` through ``LINKS[link]``)."""
+    if link is not None:
+        kwargs = linear_param(base, param, link)[2]
+        kwargs[param] = LINKS[link][0](linked_value)
+        return type(base)(**kwargs, validate_args=False)
     cls = _registered(base)
     name, _, inv = LINEAR_PARAMS[cls]
     kwargs = {k: getattr(base, k) for k in _OTHER_ARGS[cls]}
     kwargs[name] = inv(linked_value)
     return type(base)(**kwargs, validate_args=False)
+
+
+def describe_link(base, param: str, link: Optional[str], rhs: str = "") -> str:
+    """``"log(rate)"``, ``"logits"``, ``"scale = exp(.)"``: how the affine part enters; with
+    ``rhs`` the equation (``"log(rate) = A z + c"``, ``"scale = exp(.) with . = A z + c"``)."""
+    if link is None:
+        how = "log(rate)" if param == "rate" else param
+    else:
+        how = param if link == "identity" else f"{param} = {link}(.)"
+    if not rhs:
+        return how
+    return f"{how} = {rhs}" if link in (None, "identity") else f"{how} with . = {rhs}"
+
+
+def no_link_reason(base, zs, candidates, label: str) -> str:
+    """Why a factor on the leaves ``zs`` is no linear predictor, having probed ``candidates``:
+    two of its parameters depend on them, or none of the readings tried is affine."""
+    kind_name = type(base).__name__
+    touched = [p for p in _constructor_args(base) if _depends(getattr(base, p), zs)]
+    if len(touched) > 1:
+        return f"{kind_name} {', '.join(touched)} depend on {label}: no one linear predictor"
+    tried = ", ".join(describe_link(base, n, g) for n, g in candidates)
+    if not tried:
+        return f"{kind_name}: no parameter of it carries {label} through a link"
+    return f"{kind_name} {tried} not affine in {label} (probed)"
+
+
+def linked_reader(param: str, link: Optional[str]) -> Callable:
+    """``fn -> g^-1(fn.param)``: the linked value of a distribution (for probes)."""
+    return lambda fn: linear_param(fn, param, link)[1]
+
+
+def rebuilds(site, base, value, name: str, link) -> bool:
+    """Whether the distribution rebuilt from the linked parameter (``with_param``) has the
+    site's log density at its value (a constructor that takes the parameter as read)."""
+    if link is None:
+        return True
+    y = site["value"]
+    try:
+        with torch.no_grad():
+            again = with_param(base, value.detach(), name, link).log_prob(y)
+            lp = base.log_prob(y)
+    except (ValueError, RuntimeError, TypeError):
+        return False
+    again, lp = torch.broadcast_tensors(again, lp)
+    ok = torch.isfinite(lp)
+    return probes.close(again[ok], lp[ok], probes.rtol(lp.dtype))

@@ -146,7 +146,7 @@ class StreamingCVI:
             out = []
             for f in self.spec.factors:
                 base = unwrap(tr.nodes[f.site]["fn"])[0]
-                v = base.loc if f.kind == CONJUGATE else linear_param(base)[1]
+                v = base.loc if f.kind == CONJUGATE else linear_param(base, f.param, f.link)[1]
                 out.append(v.detach().reshape(-1))
             return out
 

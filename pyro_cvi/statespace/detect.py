@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from ..model import probes
-from ..model.tracing import linear_param, unwrap
+from ..model.tracing import describe_link, linear_candidates, linear_param, unwrap
 from .distribution import LinearGaussianSSM
 from .hmm import HiddenStates, hmm_chain, is_gaussian_hmm
 from .increments import Increments
@@ -278,30 +278,40 @@ def confirm_affine(spec, rows, eta_at, eta_moved, dx) -> bool:
 
 
 def observation_factor(site: str, spec: ChainSpec, base, trace, leaves, moved, dx):
-    """An observation of a chain: its linked parameter must be affine in one step's state per
-    element, its other parameters free of the states. Returns ``(param name, (t, H), why,
-    dynamic)``; ``dynamic``: ``H`` depends on learnable parameters (recomputed every step)."""
-    linked = linear_param(base)
+    """An observation of a chain: one of its parameters, through a link (``param = g(eta)``,
+    :data:`~pyro_cvi.model.tracing.LINKS`), must be affine in one step's state per element,
+    its other parameters free of the states. Returns ``(param name, (t, H), why, dynamic,
+    link)``; ``dynamic``: ``H`` depends on learnable parameters (recomputed every step);
+    ``link``: ``None`` for a registered likelihood's own parameter."""
     kind_name = type(base).__name__
-    advice = "an observation of a Markov chain needs a registered likelihood whose"
-    if linked is None:
-        raise ValueError(f"site {site!r}: {kind_name}: {advice} parameter is affine in x_t")
-    name, value, others = linked
+    advice = "an observation of a Markov chain needs a likelihood one of whose parameters"
     zs = [leaves[n] for n in spec.names]
     with torch.enable_grad():
-        for oname, ov in others.items():
-            if torch.is_tensor(ov) and ov.requires_grad:
-                if any(depends(ov, z) for z in zs):
-                    raise ValueError(f"site {site!r}: {advice} {oname} is free of the states")
-        try:
-            rows = observation_rows(spec, value, leaves)
-        except ValueError as e:
-            raise ValueError(f"site {site!r}: {e}; {advice} elements each see one step") from e
-        params = [s["value"] for s in trace.nodes.values() if s["type"] == "param"]
-        dynamic = probes.depends_on_params(value, zs, params)
-    eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0])[1]
-    if not confirm_affine(spec, rows, value.detach(), eta_moved, dx):
-        raise ValueError(f"site {site!r}: {kind_name} {name} is not affine in the states")
-    link = "log(rate)" if name == "rate" else name
-    why = f"{kind_name} {link} = h' x_t + c (probed); {rows[0].numel()} sites"
-    return name, (rows[0], rows[1].detach()), why, dynamic
+        candidates = linear_candidates(base, zs)
+    if not candidates:
+        raise ValueError(
+            f"site {site!r}: {kind_name}: {advice} carries the states (the others free of them)"
+        )
+    problems = []
+    for name, link in candidates:
+        value = linear_param(base, name, link)[1]
+        with torch.enable_grad():
+            try:
+                rows = observation_rows(spec, value, leaves)
+            except (ValueError, RuntimeError) as e:
+                problems.append(f"{describe_link(base, name, link)}: {e}")
+                continue
+            params = [s["value"] for s in trace.nodes.values() if s["type"] == "param"]
+            dynamic = probes.depends_on_params(value, zs, params)
+        eta_moved = linear_param(unwrap(moved.nodes[site]["fn"])[0], name, link)[1]
+        if not confirm_affine(spec, rows, value.detach(), eta_moved, dx):
+            problems.append(f"{describe_link(base, name, link)} is not affine in the states")
+            continue
+        how = describe_link(base, name, link)
+        eq = f"{how} with . = h' x_t + c" if link is not None else f"{how} = h' x_t + c"
+        why = f"{kind_name} {eq} (probed); {rows[0].numel()} sites"
+        return name, (rows[0], rows[1].detach()), why, dynamic, link
+    raise ValueError(
+        f"site {site!r}: {kind_name}: {advice}, through a link, is affine in one step's state "
+        f"per element ({'; '.join(problems)})"
+    )

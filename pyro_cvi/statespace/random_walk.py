@@ -5,8 +5,9 @@ from the model's source):
 
 * its prior is an independent Normal (``Normal``, expanded, in plates or ``.to_event``) free
   of other latents, unmasked, in no subsampled plate;
-* every factor that depends on it depends on it alone and is an observation (a registered
-  likelihood, in no subsampled plate) whose linked parameter, in the coordinates
+* every factor that depends on it depends on it alone and is an observation (in no
+  subsampled plate) one of whose parameters, through a link (``g^-1(param)``, e.g. the log
+  of a Normal's scale), in the coordinates
   ``x = cumsum(eps)`` along some dim ``a`` of the site, has every element on one step:
   ``eta_r = h_r' x_{t_r} + c_r``, i.e. its Jacobian in ``eps`` has cumulative rows
   ``h_r[k] 1[s <= t_r]``. The rows come from
@@ -25,7 +26,7 @@ from typing import List, Optional, Set
 
 import torch
 
-from ..model.tracing import linear_param, unwrap
+from ..model.tracing import linear_candidates, linear_param, unwrap
 from .detect import MIN_LOOP_LENGTH, ChainSpec, observation_factor, observation_rows
 from .increments import Increments
 
@@ -64,8 +65,6 @@ def _observations(an, name: str) -> Optional[List[str]]:
         if name not in deps or site in an.leaves:
             continue
         if deps != {name} or site in an.values or an.minibatch_plate(site) is not None:
-            return None
-        if linear_param(unwrap(an.structure.nodes[site]["fn"])[0]) is None:
             return None
         out.append(site)
     return out or None
@@ -107,11 +106,14 @@ def _random_walk(an, name: str) -> Optional[ChainSpec]:
 
 
 def _one_step_rows(spec: ChainSpec, tr, leaves, site: str) -> bool:
-    """Whether every element of the factor's linked parameter sees one step (JVPs only)."""
-    value = linear_param(unwrap(tr.nodes[site]["fn"])[0])[1]
+    """Whether every element of one of the factor's linked parameters (through a link) sees
+    one step (JVPs only)."""
+    base = unwrap(tr.nodes[site]["fn"])[0]
     with torch.enable_grad():
-        try:
-            observation_rows(spec, value, leaves)
-        except (ValueError, RuntimeError):
-            return False
-    return True
+        for name, link in linear_candidates(base, [leaves[n] for n in spec.names]):
+            try:
+                observation_rows(spec, linear_param(base, name, link)[1], leaves)
+            except (ValueError, RuntimeError):
+                continue
+            return True
+    return False
