@@ -3,7 +3,7 @@ exact message (:mod:`pyro_cvi.model.remainder` decides which), stepped by natura
 
 ``q(u) = N(m, S)`` over the packed unconstrained values ``u`` of the remainder's sites
 (``z_i = T_i(u_i)``, ``T_i = biject_to(support_i)``, as Pyro's ``AutoContinuous`` packs them).
-Its part of the ELBO is
+Its part of the ELBO is::
 
     L_R = E_q[ sum_{f in R} log p_f(T(u)) + log |T'(u)| ] + H[N(m, S)]
 

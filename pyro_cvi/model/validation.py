@@ -57,8 +57,9 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
         bad = ~torch.isfinite(lin[1])
         if bool(bad.any()):
             i = _first(bad)
+            value = float(lin[1][tuple(i)].detach())
             raise ValueError(
-                f"site {name!r}: its {type(base).__name__} {lin[0]} is {float(lin[1][tuple(i)])} "
+                f"site {name!r}: its {type(base).__name__} {lin[0]} is {value} "
                 f"at index {i}: {where}. Remove or impute the non-finite inputs."
             )
     for spec in analysis.blocks:
