@@ -379,8 +379,7 @@ GAUSSIAN_FORMULAE = {
         r"\(\s*\w+\s*\*\s*\w+\s*\)(\.pow\(2\)|\s*\*\*\s*2)\s*/",  # (b g)^2 / p
     ],
 }
-#: the GPyTorch adapter is switched over separately
-FORMULAE_EXEMPT = ("gaussian", "contrib")
+FORMULAE_EXEMPT = ("gaussian",)
 
 
 def gaussian_formulae_outside(root=ROOT):

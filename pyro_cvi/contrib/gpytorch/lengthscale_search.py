@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...gaussian.price import site_natural_params
 from ...linalg import NotPositiveDefinite
 from .posterior import SparseSitePosterior, site_sums
 
@@ -81,8 +82,7 @@ def lengthscale_kernels(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Modu
 def data_sites(mean: Tensor, grad_mean: Tensor, grad_var: Tensor) -> Tuple[Tensor, Tensor]:
     """Per-point sites ``(lam1, lam2)`` from ``dF/dm``, ``dF/dv`` at ``N(mean, var)`` (eqs. 30-31),
     the curvature of non-log-concave points clipped at 0 (as :class:`CVIOptimizer` does)."""
-    lam2 = grad_var.clamp_max(0.0)
-    return grad_mean - 2.0 * lam2 * mean, lam2
+    return site_natural_params(mean, grad_mean, grad_var.clamp_max(0.0))
 
 
 def site_bound(blocks, lam1: Tensor, lam2: Tensor, jitter: float) -> Tuple[Tensor, Tensor, Tensor]:

@@ -41,6 +41,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...gaussian.sites import site_to_row
 from ...linalg import cholesky, dual_solve
 
 __all__ = ["FullSitePosterior", "SparseSitePosterior", "safe_cholesky"]
@@ -61,7 +62,8 @@ def safe_cholesky(A: Tensor, what: str) -> Tensor:
 
 
 def _site_precisions(lam2: Tensor) -> Tensor:
-    return (-2.0 * lam2).clamp_min(0.0)
+    """The row precisions ``w = -2 lam2`` of sites on ``f`` itself, negative ones at 0."""
+    return site_to_row(lam2, lam2, torch.zeros_like(lam2))[0].clamp_min(0.0)
 
 
 class FullSitePosterior:

@@ -11,6 +11,8 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import _VariationalDistribution
 from torch import Tensor
 
+from ...gaussian.sites import pseudo_observations
+
 __all__ = [
     "CVISites",
     "check_data_site_args",
@@ -131,12 +133,3 @@ def warn_untrained() -> None:
         RuntimeWarning,
         stacklevel=5,
     )
-
-
-def pseudo_observations(lam1: Tensor, lam2: Tensor) -> Tuple[Tensor, Tensor]:
-    """Pseudo-targets ``lam1 / W`` and noise variances ``1 / W`` (``W = -2 lam2``) of 1-D sites;
-    sites with ``W = 0`` carry no information: noise ``inf``, target 0."""
-    w = -2.0 * lam2
-    noise = torch.where(w > 0, 1.0 / w, torch.full_like(w, float("inf")))
-    target = torch.where(w > 0, lam1 / w.clamp_min(1e-300), torch.zeros_like(w))
-    return target, noise
