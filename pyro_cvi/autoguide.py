@@ -127,7 +127,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     :param remainder: latents without an exact message (:mod:`pyro_cvi.model.remainder`) get
         one joint Gaussian on their unconstrained space, stepped by natural gradients
         (:class:`~pyro_cvi.strategies.Remainder`): ``"auto"`` (default: full covariance
-        up to 100 coordinates, low rank beyond), ``"full"``, ``"lowrank"``, ``"diag"``, a
+        up to 256 coordinates, low rank beyond), ``"full"``, ``"lowrank"``, ``"diag"``, a
         ``Remainder(...)``, or ``"off"`` (mean field with Monte Carlo messages).
     :param prefix: of the guide's names in Pyro's param store (``"<prefix>.<kind>.<site>"``):
         two guides in one process need two (:func:`pyro_cvi.guide_state.claim_prefix`).

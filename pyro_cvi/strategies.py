@@ -8,8 +8,9 @@ from typing import Optional
 
 __all__ = ["Remainder", "MAX_FULL_DIM", "HESSIAN_MAX_DIM", "COVARIANCES", "CURVATURES"]
 
-#: ``Remainder(covariance="auto")`` is full up to this many unconstrained coordinates
-MAX_FULL_DIM = 100
+#: ``Remainder(covariance="auto")`` is full up to this many unconstrained coordinates (a
+#: 151-dimensional stochastic volatility diverged with the low-rank form and fits with the full one)
+MAX_FULL_DIM = 256
 #: ``Remainder(curvature="auto")`` uses dense Hessians (Price's theorem) up to this many
 HESSIAN_MAX_DIM = 32
 COVARIANCES = ("auto", "full", "lowrank", "diag")
