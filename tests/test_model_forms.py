@@ -345,3 +345,37 @@ def test_batch_dims_outside_plates_get_a_joint_q(dtype):
             [Trace_ELBO().loss(batched, guide, y) for _ in range(2000)], dtype=torch.float64
         )
     assert abs(float(ref.mean()) - loss) < 4 * float(ref.std()) / math.sqrt(len(ref)) + 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_guide_draws_under_a_particles_plate_have_the_models_shapes(dtype):
+    """A plate outside the model (vectorised particles, as Pyro's ``vectorize_particles`` and
+    ``Predictive(parallel=True)`` add) broadcasts against each site's own plates, for a
+    Gaussian block (a conjugate tree) and for the remainder (a Dirichlet in a plate), as
+    AutoContinuous unpacks its latent; the replayed model then runs."""
+    data = torch.tensor([0.3, -1.2], dtype=dtype)
+
+    def tree(data):
+        x = pyro.sample("x", dist.Normal(data.new_zeros(()), 1.0))
+        with pyro.plate("data", 2):
+            y = pyro.sample("y", dist.Normal(x, 1.0))
+            pyro.sample("obs", dist.Normal(y, 1.0), obs=data)
+        return x, y
+
+    def simplex(data):
+        b = pyro.sample("b", dist.Normal(data.new_zeros(3), 1.0).to_event(1))
+        with pyro.plate("i", 2):
+            d = pyro.sample("d", dist.Dirichlet(b.exp()))
+            pyro.sample("e", dist.Categorical(logits=d), obs=torch.tensor([0, 2]))
+        return b, d
+
+    for model, shapes in ((tree, [(7, 1), (7, 2)]), (simplex, [(7, 1, 3), (7, 2, 3)])):
+        pyro.clear_param_store()
+        guide = AutoCVI(model)
+        svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+        svi.step(data)
+        with torch.no_grad(), pyro.plate("particles", 7, dim=-2):
+            tr = poutine.trace(guide).get_trace(data)
+            values = poutine.replay(model, tr)(data)
+        assert [tuple(v.shape) for v in values] == shapes, model.__name__
+        assert all(bool(torch.isfinite(v).all()) for v in values)

@@ -442,8 +442,12 @@ class RemainderBlock(Block):
             infer={"is_auxiliary": True},
         )
         out = {}
+        batch = u.shape[:-1]  # plates outside the model's (vectorised particles)
         for s in self.sites:
-            x = u[..., s.start : s.start + s.size].reshape(u.shape[:-1] + s.ushape)
+            # broadcast against the site's own plate dims, as AutoContinuous unpacks
+            udim = s.event_dim + len(s.ushape) - len(s.shape)
+            shape = torch.broadcast_shapes(s.ushape, batch + (1,) * udim)
+            x = u[..., s.start : s.start + s.size].reshape(shape)
             z = s.transform(x)
             ld = s.transform.inv.log_abs_det_jacobian(z, x)
             ld = sum_rightmost(ld, ld.dim() - z.dim() + s.event_dim)

@@ -104,8 +104,11 @@ class SiteFormBlock(Block):
             draw.frozen(self.joint()),
             infer={"is_auxiliary": True},
         )
-        out = {}
+        out, batch = {}, z.shape[:-1]  # plates outside the model's (vectorised particles)
         for n, v in self.spec.split(z).items():
+            # broadcast against the site's own plate dims, as AutoContinuous unpacks
+            shape = v.shape[len(batch) :]
+            v = v.reshape(torch.broadcast_shapes(shape, batch + (1,) * draw.event_dim(n)))
             with draw.plates(n):
                 out[n] = pyro.sample(n, dist.Delta(v, event_dim=draw.event_dim(n)))
         return out
