@@ -115,6 +115,13 @@ class RemainderBlock(Block):
         # Price's Hessian target has no such term: full steps from the start
         self.control = NoiseControl(start=1.0) if self.hessian else NoiseControl()
         self._grads: Optional[Dict[str, torch.Tensor]] = None
+        #: latents of other blocks that its factors hold (Algorithm 2 between blocks): drawn
+        #: from their ``q`` for its messages, so its value and gradient are expectations under
+        #: them (unbiased, one joint draw per step)
+        inside = set(self.names) | set(analysis.remainder_discrete) | set(analysis.leaves)
+        self.cross = sorted(
+            {n for s in self.owned for n in analysis.latents_of(s)} - inside - analysis.collapsed
+        )
         #: whether the particles run as one batched model run (``None``: not yet checked)
         self._vectorise: Optional[bool] = None
 
@@ -226,6 +233,9 @@ class RemainderBlock(Block):
             and n not in self.names
             and n not in self.analysis.remainder_discrete
         }
+        if self.cross:
+            drawn = ctx.sample_q(exclude=set(self.names))
+            others.update({n: drawn[n] for n in self.cross if n in drawn})
         K = self.strategy.particles
         with torch.enable_grad():
             if self.hessian:

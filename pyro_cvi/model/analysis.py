@@ -285,6 +285,7 @@ class Analysis:
             if site in inside or self.latents_of(site) & inside:  # (model/remainder.py)
                 self.owner[site] = REMAINDER_OWNER
                 self.remainder_factors.append(remainder_factor(site))
+                self._cross_factor(site, inside)
                 continue
             lat = self.latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
@@ -313,6 +314,19 @@ class Analysis:
         for block in self.blocks:
             for n in block.names:
                 self.latents[n].factors = block.factors
+
+    def _cross_factor(self, site: str, inside: Set[str]) -> None:
+        """A remainder factor that also holds latents of Gaussian site blocks: each such block
+        gets a Bonnet/Price message under the remainder's ``q`` (Algorithm 2 between blocks;
+        the remainder owns the factor's ELBO term)."""
+        lat = self.latents_of(site) - inside - self.collapsed
+        blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
+        given = ", ".join(sorted(self.latents_of(site) & inside))
+        for b in sorted(blocks):
+            block = self.blocks[b]
+            why = f"shared with the remainder; given {given} drawn from its q: Bonnet/Price"
+            plate = self.minibatch_plate(site)
+            block.factors.append(Factor(site, block.label, GENERAL, why, plate=plate))
 
     def _block_factor(self, site: str, block: BlockSpec) -> Factor:
         """A factor whose latents all lie in one Gaussian block: prior, conjugate Normal,

@@ -9,15 +9,20 @@ than by the reparameterised gradient of Pyro's Gaussian guides). So such latents
 unconstrained space, into one Gaussian stepped by natural gradients
 (:mod:`pyro_cvi.blocks.remainder`).
 
-The remainder is a union of connected components of the factor graph: a *seed* (a latent
-with a general factor: a mean-field latent with a Monte Carlo message, a member of a Gaussian
-block with a general factor whose dense Price messages would be too costly, a continuous latent
-of the collapsed group) pulls in every latent
-that shares a factor with it, repeatedly. Every factor then lies wholly inside the remainder or
-wholly outside it, so the exact blocks keep their messages unchanged and the remainder's
-gradient needs no expectation over them. Finite discrete latents inside a remainder component
-are summed out in its log joint (Pyro's TraceEnum contraction), as ``TraceEnum_ELBO`` does for
-AutoNormal. A component stays as it was (mean field) where the remainder cannot hold it: a
+The remainder is a union of connected components of the factor graph *through the latents
+without an exact block*: a *seed* (a latent with a general factor: a mean-field latent with a
+Monte Carlo message, a member of a Gaussian block with a general factor whose dense Price
+messages would be too costly, a continuous latent of the collapsed group) pulls in every
+natural-form latent that shares a factor with it, repeatedly. A Gaussian site block that is
+no seed (its factors have exact rows, linear-predictor sites, or dense Price messages) stays
+out and keeps its exact messages (Algorithm 2 between blocks): a factor it shares with the
+remainder is owned by the remainder, which estimates its expectation with the block's latents
+drawn from their ``q``, and sends the block a Bonnet/Price message with the remainder's
+latents drawn from the remainder's ``q`` (eqs. 30-31 under ``q(remainder)``). Finite discrete
+latents inside a remainder component are summed out in its log joint (Pyro's TraceEnum
+contraction), as ``TraceEnum_ELBO`` does for AutoNormal; a component with discrete latents
+takes in its Gaussian blocks too (their exact rows would need expectations over the summed-out
+labels). A component stays as it was (mean field) where the remainder cannot hold it: a
 latent inside a subsampled plate (its sites change per minibatch), a latent whose ``q`` family
 the user chose (``AutoCVI(families=...)``, other than ``"gaussian"``), or a data-parallel run.
 """
@@ -33,7 +38,7 @@ __all__ = ["remainder_sets", "apply_remainder", "remainder_sites", "remainder_fa
 
 
 def _components(an, nodes: Set[str]) -> Dict[str, str]:
-    """Union-find over the non-leaf latents: two latents are joined when one factor holds both."""
+    """Union-find over ``nodes``: two of them are joined when one factor holds both."""
     parent = {n: n for n in nodes}
 
     def find(n):
@@ -87,18 +92,34 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str]]:
     if not seeds:
         return [], set()
     nodes = {n for n in an.values if n not in an.leaves}
-    comp = _components(an, nodes)
+    comp = _components(an, nodes - _kept_blocks(an, seeds))
     roots = {comp[s] for s in seeds}
-    for n in nodes:
+    if any(comp.get(n) in roots for n in an.discrete):  # such a component takes its Gaussian
+        comp = _components(an, nodes)  # blocks in (the module docstring)
+        roots = {comp[s] for s in seeds}
+    for n in comp:
         if comp[n] in roots and _blocked(an, n, chosen):
             roots.discard(comp[n])
     for n, info in an.latents.items():  # a Markov chain keeps its Kalman block (and component)
-        if info.form == SITE and an.blocks[info.block].chain is not None:
+        if info.form == SITE and an.blocks[info.block].chain is not None and n in comp:
             roots.discard(comp[n])
-    members = {n for n in nodes if comp[n] in roots}
+    members = {n for n in comp if comp[n] in roots}
     continuous = [n for n in an.values if n in members and n not in an.discrete]
     discrete = {n for n in members if n in an.discrete}
     return continuous, discrete
+
+
+def _kept_blocks(an, seeds: Set[str]) -> Set[str]:
+    """Members of Gaussian site blocks that are no seed and whose priors are free of latents
+    outside the block: they keep their exact block beside the remainder (Algorithm 2:
+    messages under the other block's ``q``)."""
+    kept = set()
+    for block in an.blocks:
+        names = set(block.names)
+        free = all(not (an.latents_of(n) - names) for n in block.names)
+        if block.chain is None and not names & seeds and free:
+            kept.update(block.names)
+    return kept
 
 
 def apply_remainder(an, names: List[str], discrete: Set[str]) -> None:
