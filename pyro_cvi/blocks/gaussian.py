@@ -23,6 +23,7 @@ with graph (:mod:`~pyro_cvi.blocks.rows`), so its gradient is that of the ELBO a
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyro
@@ -51,7 +52,7 @@ from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_w
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob, tree_prior
 from ..model.probes import jacobian
-from ..model.tracing import linked_reader, trace_model, unwrap
+from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import (
     MAX_HALVINGS_SOLVE,
     StepCounts,
@@ -61,6 +62,7 @@ from ..update import (
 )
 from .laplace import LaplaceStart
 from .rows import factor_rows, has_graph, site_value
+from .base import StepReport
 from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
@@ -79,12 +81,20 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         self.names = spec.names
         self.options = options
         self.owned = set(owned)
-        self.linear = [f for f in spec.factors if f.kind == LINEAR]
+        self.linear = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is None]
+        #: linear predictors in a subsampled plate: one site per data point of the plate, the
+        #: minibatch's stepped in place, all of them summed in ``sum_names`` (incremental form)
+        self.minibatch = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is not None]
         self.conjugate = [f for f in spec.factors if f.kind == CONJUGATE]
         self.general = [f for f in spec.factors if f.kind == GENERAL]
         self.softmax = [f for f in spec.factors if f.kind == SOFTMAX]
         key = "+".join(self.names)
-        self.site_names = {f.site: f"{prefix}.sites.{f.site}" for f in self.linear + self.softmax}
+        self.site_names = {
+            f.site: f"{prefix}.sites.{f.site}" for f in self.linear + self.minibatch + self.softmax
+        }
+        self.sum_names = {f.site: f"{prefix}.site_sums.{f.site}" for f in self.minibatch}
+        #: this step's minibatch of each such factor: (rows of its sites, A, offsets c)
+        self._batch: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.general_names = (
             (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
         )
@@ -103,7 +113,9 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
-        return list(self.site_names.values()) + list(self.general_names)
+        return list(self.site_names.values()) + list(self.sum_names.values()) + list(
+            self.general_names
+        )
 
     def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""
@@ -118,6 +130,16 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         for f in self.linear:
             R = f.jacobian.shape[0]
             pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
+        if self.minibatch and self.options.reducer is not None:
+            raise NotImplementedError(
+                f"block {self.spec.label!r}: data-parallel CVI (process_group) does not take "
+                f"subsampled plates ({[f.site for f in self.minibatch]}): split the data over "
+                "the ranks instead of subsampling, or run in one process (process_group=None)."
+            )
+        for f in self.minibatch:
+            R = math.prod(f.minibatch[1])
+            pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
+            pyro.param(self.sum_names[f.site], lambda: like.new_zeros(D, D + 1))
         for f in self.softmax:
             N, K = f.jacobian.shape[0] // f.num_classes, f.num_classes
             pyro.param(self.site_names[f.site], lambda N=N, K=K: like.new_zeros(N, K, K + 1))
@@ -182,12 +204,18 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
                 A = self._jacobian(f, ctx, create_graph=ctx.graph)
                 f.jacobian = A.detach()
             site = tr.nodes[f.site]
-            name, r, fn = factor_rows(f, site, self.z_at, sites)
+            view = sites
+            if f.minibatch is not None:  # this minibatch's rows of the plate's sites
+                idx = _batch_rows(f, subsample_values(tr)[f.plate])
+                view = {**sites, f.site: sites[f.site][idx]}
+            name, r, fn = factor_rows(f, site, self.z_at, view)
+            if f.minibatch is not None:
+                self._batch[f.site] = (idx, r.A, r.c)
             rows.append((name, r))
             if fn is not None and f.site in self.owned:
                 elbo_rows.append((len(rows) - 1, fn))
             if A is not None:
-                name, r, graph_fns[len(rows) - 1] = factor_rows(f, site, self.z_at, sites, A)
+                name, r, graph_fns[len(rows) - 1] = factor_rows(f, site, self.z_at, view, A)
                 graph_rows.append((name, r))
         self._graph = None
         if ctx.graph and has_graph(prior, graph_rows):
@@ -196,6 +224,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
             self.post is not None
             and not self.general
             and not self.softmax
+            and not self.minibatch
             and _same(self.prior, self.rows, prior, rows)
         )
         if self.options.reducer is not None:  # every rank must take the same branch
@@ -217,6 +246,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
             for n, v in self.spec.split(self.z_at).items()
         }
         values = {**ctx.sample_q(exclude=set(self.names), at_means=True), **leaves}
+        values.update(subsample_values(ctx.trace))  # the step's minibatch
         with torch.enable_grad():
             t = trace_model(ctx.model, values, ctx.args, ctx.kwargs)
             base = unwrap(t.nodes[f.site]["fn"])[0]
@@ -239,6 +269,8 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
                 extra += [nat] if nat is not None else []
             elif site_name is not None and site_values is not None:
                 s = site_values[site_name]
+                if site_name in self._batch:
+                    s = s[self._batch[site_name][0]]
                 blocks.append((r.A, *site_to_row(s[:, 0], s[:, 1], r.c)))
             else:
                 blocks.append((r.A, r.w, r.b))
@@ -255,6 +287,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         general = general_values if general_values is not None else self._general()
         if general is not None:
             extra.append(tuple(t.detach() for t in general))
+        extra += [self._others_of_plate(f.site) for f in self.minibatch if f.site in self._batch]
         if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
             h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
         post = solve(prior, A, w, b, h, P, reduce=self.options.reducer, keep_graph=graph)
@@ -311,7 +344,12 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
             if gpost is not None:  # the same number, with its graph
                 value = site_value(tr.nodes[site_name], rg, gpost, sl, self.options)
             elbo = elbo + value
-            if ctx.grads:
+            if ctx.grads and site_name in self._batch:  # a per-point site: N / B taken out
+                p, idx = sites[site_name], self._batch[site_name][0]
+                grad = torch.zeros_like(p)
+                grad[idx] = target / _subsample_scale(tr.nodes[site_name]) - p.detach()[idx]
+                p.grad = grad
+            elif ctx.grads:
                 p = sites[site_name]
                 p.grad = target - p.detach()
         general = self._general()
@@ -350,6 +388,15 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         return f
 
     # ------------------------------------------------------------------ the step
+    def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
+        """Per-point minibatch sites are exact targets, not noisy averages: without general
+        factors the block steps by the step's ceiling, not the minibatch schedule's decayed
+        ``beta`` (each visited point's site moves to its target at the current ``q``, the
+        incremental form; the fixed point is full-batch CVI's)."""
+        if self.minibatch and not self.general and ctx is not None and ctx.max_beta:
+            beta = max(beta, float(ctx.max_beta))
+        return super().step(beta, ctx)
+
     def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, general = self._sites(), self._general()
@@ -386,6 +433,14 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         if counts.rejected:
             return counts
         with torch.no_grad():
+            for f in self.minibatch:  # the running sums: this minibatch's old rows out, new in
+                if f.site in self._batch:
+                    s = dict(zip(keys, new[: len(keys)]))[f.site]
+                    total = self._others_of_plate(f.site)
+                    h, P = self._rows_sum(f.site, s)
+                    pyro.param(self.sum_names[f.site]).copy_(
+                        torch.cat([total[1] + P, (total[0] + h)[:, None]], 1)
+                    )
             for p, v in zip(params, new):
                 p.copy_(v)
         self.post = solved["post"]
@@ -399,7 +454,25 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         for site_name, r in self.rows:
             if site_name is not None and not isinstance(r, SoftmaxRows):
                 s = sites[site_name].detach()
+                if site_name in self._batch:
+                    s = s[self._batch[site_name][0]]
                 r.w, r.b = site_to_row(s[:, 0], s[:, 1], r.c)
+
+    def _rows_sum(self, site: str, sites: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(A^T b, A^T W A)`` of this minibatch's rows of ``site`` at site values ``sites``
+        (every point of the plate)."""
+        idx, A, c = self._batch[site]
+        s = sites.detach()[idx]
+        w, b = site_to_row(s[:, 0], s[:, 1], c)
+        return A.T @ b, A.T @ (w[:, None] * A)
+
+    def _others_of_plate(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The natural parameters ``(h, P)`` of every stored site of ``site`` but this
+        minibatch's: the running sum less this minibatch's stored rows (eq. 11 over the whole
+        plate, whose other rows this step does not see)."""
+        total = pyro.param(self.sum_names[site]).detach()
+        h, P = self._rows_sum(site, pyro.param(self.site_names[site]))
+        return total[:, -1] - h, total[:, :-1] - P
 
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
@@ -450,6 +523,24 @@ def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
         return tree_prior(spec, trace, _gaussian_prior)
     parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
+
+
+def _batch_rows(f, index: torch.Tensor) -> torch.Tensor:
+    """The rows (of a factor's per-point sites over the full plate) of this minibatch's
+    elements, in the order of the minibatch's linked value."""
+    axis, full = f.minibatch
+    rows = torch.arange(math.prod(full), device=index.device).reshape(full)
+    return rows.index_select(axis, index.reshape(-1).long()).reshape(-1)
+
+
+def _subsample_scale(site) -> float:
+    """The factor ``size / subsample_size`` of a site's subsampled plates (Pyro's scale of a
+    minibatch's log-density, eq. 10 of SVI), which per-point sites do not carry."""
+    scale = 1.0
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.full_size is not None and frame.full_size != frame.size:
+            scale *= frame.full_size / frame.size
+    return scale
 
 
 def _observed_in(site, plates) -> bool:

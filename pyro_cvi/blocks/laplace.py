@@ -70,7 +70,13 @@ class LaplaceStart:
         not finite), move the sites to the point-mass targets at the mode of ``L`` (module
         docstring). Returns whether the sites were moved. Blocks with softmax or general factors,
         or split over data-parallel ranks, keep the one-step start."""
-        if self.softmax or self.general or self.options.reducer is not None or not self.linear:
+        if (
+            self.softmax
+            or self.general
+            or self.minibatch
+            or self.options.reducer is not None
+            or not self.linear
+        ):
             return False
         trace = ctx.trace
         with torch.no_grad():

@@ -26,6 +26,7 @@ discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Set
 
@@ -62,6 +63,7 @@ from .tracing import (
     continuous_dependencies,
     describe_link,
     discrete_dependencies,
+    has_learnable_params,
     is_random,
     linear_candidates,
     linear_param,
@@ -341,8 +343,11 @@ class Analysis:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
         plate = self.minibatch_plate(site)
         if plate is not None:
-            # its rows change with every minibatch: a damped stochastic message (doubly
-            # stochastic CVI) instead of rows or sites fitted to one minibatch
+            # one site per data point, the minibatch's updated in place (incremental form);
+            # else a damped stochastic message (doubly stochastic CVI)
+            minibatch = self._minibatch_factor(site, block, base, plate)
+            if minibatch is not None:
+                return minibatch
             why = f"{kind_name} in subsampled plate {plate!r}: minibatch message (Bonnet/Price)"
             return Factor(site, label, GENERAL, why, plate=plate)
         if centred_logits(base) is not None:
@@ -367,6 +372,47 @@ class Analysis:
             why = f"{kind_name} {how} (probed, A: {R}x{D}); {R} sites"
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
         return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
+
+    def _minibatch_factor(self, site: str, block: BlockSpec, base, plate: str):
+        """A factor in a vectorised subsampled plate whose linked parameter is affine in the
+        block, with rows and offsets free of the model's parameters: linear-predictor sites for
+        every data point of the plate (eq. 13), those of each minibatch updated in place, the
+        rest kept in a running sum (the incremental form of Algorithm 1 on minibatches). A
+        Normal loc takes the same sites (its quadrature is exact). ``None``: not such a factor."""
+        tr, leaves = self.leaf_trace()
+        node = tr.nodes[site]
+        frame = next(f for f in node["cond_indep_stack"] if f.name == plate)
+        if not frame.vectorized or centred_logits(base) is not None:
+            return None
+        if torch.is_tensor(node["value"]) and node["value"].requires_grad:
+            return None
+        zs = [leaves[n] for n in block.names]
+        params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
+        with torch.enable_grad():
+            candidates = linear_candidates(base, zs)
+        for name, link in candidates:
+            value = linear_param(base, name, link)[1]
+            if has_learnable_params(base, name, link) or _has_graph_to(value, params):
+                return None
+            probed = self._probed_rows(site, block, value, linked_reader(name, link))
+            if probed is None or probed[1] or not rebuilds(node, base, value, name, link):
+                continue
+            A = probed[0]
+            axis = value.dim() - len(base.event_shape) + frame.dim
+            full = list(value.shape)
+            if axis < 0 or full[axis] != len(self.subsample[plate]):
+                return None
+            full[axis] = frame.full_size if frame.full_size is not None else frame.size
+            how = describe_link(base, name, link, "A z + c")
+            n = math.prod(full)
+            why = (
+                f"{type(base).__name__} {how} in subsampled plate {plate!r} (probed per "
+                f"minibatch); {n} sites, the minibatch's updated in place"
+            )
+            f = Factor(site, block.label, LINEAR, why, name, A, True, link=link, plate=plate)
+            f.minibatch = (axis, tuple(full))
+            return f
+        return None
 
     def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
         """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
@@ -507,3 +553,12 @@ class Analysis:
     def explain(self) -> str:
         """One line per (factor, latent or block): the kind CVI gives it, and why."""
         return explain(self)
+
+
+def _has_graph_to(value: torch.Tensor, params) -> bool:
+    """Whether ``value`` depends on any of the model's parameters ``params``."""
+    if not params or not value.requires_grad:
+        return False
+    with torch.enable_grad():
+        grads = torch.autograd.grad(value.sum(), params, allow_unused=True, retain_graph=True)
+    return any(g is not None for g in grads)

@@ -52,6 +52,9 @@ class Factor:
     #: a linear predictor's link: ``param = LINKS[link][0](A z + c)`` (``None``: the registered
     #: likelihood's own, ``model.tracing.LINEAR_PARAMS``)
     link: Optional[str] = None
+    #: a linear predictor in a vectorised subsampled plate: ``(axis, full shape)`` of its
+    #: linked value (the plate's axis and the value's shape at the plate's full size)
+    minibatch: Optional[Tuple[int, Tuple[int, ...]]] = None
 
     @property
     def link_of(self) -> Tuple[Optional[str], Optional[str]]:

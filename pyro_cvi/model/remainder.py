@@ -31,8 +31,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Set, Tuple
 
+import torch
+
 from .records import COLLAPSED, GENERAL, NATGRAD, NATURAL, REMAINDER, SITE, Factor
-from .tracing import is_random
+from .tracing import is_random, unwrap
 
 __all__ = ["remainder_sets", "apply_remainder", "remainder_sites", "remainder_factor"]
 
@@ -92,7 +94,7 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str]]:
     if not seeds:
         return [], set()
     nodes = {n for n in an.values if n not in an.leaves}
-    comp = _components(an, nodes - _kept_blocks(an, seeds))
+    comp = _components(an, nodes - _kept_blocks(an, seeds, moves))
     roots = {comp[s] for s in seeds}
     if any(comp.get(n) in roots for n in an.discrete):  # such a component takes its Gaussian
         comp = _components(an, nodes)  # blocks in (the module docstring)
@@ -109,17 +111,67 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str]]:
     return continuous, discrete
 
 
-def _kept_blocks(an, seeds: Set[str]) -> Set[str]:
-    """Members of Gaussian site blocks that are no seed and whose priors are free of latents
-    outside the block: they keep their exact block beside the remainder (Algorithm 2:
-    messages under the other block's ``q``)."""
+def _kept_blocks(an, seeds: Set[str], moves) -> Set[str]:
+    """Members of the Gaussian site blocks that stay exact beside the remainder (Algorithm 2:
+    messages under the other blocks' ``q``): no seed, no Markov chain, a prior free of outside
+    latents, few enough coordinates for Price's dense Hessian (exact given the outside
+    latents), and every factor it shares with outside latents Gaussian-linear given them
+    (:func:`conjugate_given_others`)."""
     kept = set()
     for block in an.blocks:
         names = set(block.names)
-        free = all(not (an.latents_of(n) - names) for n in block.names)
-        if block.chain is None and not names & seeds and free:
-            kept.update(block.names)
+        if block.chain is not None or names & seeds or moves(block.dim):
+            continue
+        if any(an.latents_of(n) - names for n in block.names):
+            continue
+        shared = [
+            site
+            for site, node in an.structure.nodes.items()
+            if is_random(node)
+            and site not in an.leaves
+            and site not in names
+            and an.latents_of(site) & names
+            and an.latents_of(site) - names
+        ]
+        if all(conjugate_given_others(an, site, block.names) for site in shared):
+            kept.update(names)
     return kept
+
+
+def conjugate_given_others(an, site: str, names) -> bool:
+    """Whether factor ``site`` is a Normal whose loc is affine in the block's latents ``names``
+    with a coefficient free of every other latent, and whose scale is free of ``names``: then
+    ``E_q[log p]`` is the block's Bayesian linear regression given ``E_q[1 / scale^2]`` of the
+    others (eq. 20), and Price's Hessian at a draw of the others is that regression's."""
+    tr, leaves = an.leaf_trace()
+    node = tr.nodes[site]
+    base = unwrap(node["fn"])[0]
+    if not isinstance(base, torch.distributions.Normal) or not node["is_observed"]:
+        return False
+    if torch.is_tensor(node["value"]) and node["value"].requires_grad:
+        return False
+    own = [leaves[n] for n in names if n in leaves]
+    others = [v for n, v in leaves.items() if n not in names]
+    if not own:
+        return False
+    with torch.enable_grad():
+        loc, scale = base.loc, base.scale
+        if torch.is_tensor(scale) and scale.requires_grad:
+            gs = torch.autograd.grad(scale.sum(), own, allow_unused=True, retain_graph=True)
+            if any(g is not None and bool(g.ne(0).any()) for g in gs):
+                return False
+        if not (torch.is_tensor(loc) and loc.requires_grad):
+            return False
+        v = torch.randn_like(loc)
+        gl = torch.autograd.grad((loc * v).sum(), own, allow_unused=True, create_graph=True)
+        gl = [g for g in gl if g is not None]
+        if not gl:
+            return False
+        probe = sum((g * torch.randn_like(g)).sum() for g in gl)
+        if not probe.requires_grad:  # a coefficient free of every latent: affine
+            return True
+        second = torch.autograd.grad(probe, own + others, allow_unused=True, retain_graph=True)
+        return all(g is None or not bool(g.ne(0).any()) for g in second)
 
 
 def apply_remainder(an, names: List[str], discrete: Set[str]) -> None:
