@@ -60,9 +60,9 @@ from ..update import (
     damped_step,
     targets_from_grads,
 )
+from .base import StepReport
 from .laplace import LaplaceStart
 from .rows import factor_rows, has_graph, site_value
-from .base import StepReport
 from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
@@ -113,8 +113,10 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
-        return list(self.site_names.values()) + list(self.sum_names.values()) + list(
-            self.general_names
+        return (
+            list(self.site_names.values())
+            + list(self.sum_names.values())
+            + list(self.general_names)
         )
 
     def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
