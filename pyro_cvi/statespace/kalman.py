@@ -284,12 +284,55 @@ class Marginals:
         return self.mean.reshape(-1) if self.to_z is None else self.to_z(self.mean)
 
 
+def _check_log_z(log_z: torch.Tensor) -> None:
+    if not bool(torch.isfinite(log_z).all()):
+        raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
+
+
+class TreeSmoother:
+    """The reduction tree and its explicit descent (module docstring): ``O(T d^3)`` work in
+    ``2 log2 T`` levels, the top ones packed, the long ones as arrays (:mod:`.soa`)."""
+
+    name = "tree"
+
+    def __call__(self, chain: LinearGaussianChain, eta, J, lag_one: bool):
+        levels: List = []
+        el = _time_major(chain, eta, J, eta.shape[-2] <= PACK_BELOW)
+        root = soa.pack(reduce(el, levels))
+        log_z = root[5][0]
+        _check_log_z(log_z)
+        m, S, X = _descend(levels, root)
+        return log_z, m, S, X
+
+
+class ScanSmoother:
+    """The associative-scan filter and smoother (:mod:`.scan`): ``O(T d^3 log T)`` work in
+    ``2 log2 T`` levels of few, large ops; fewer ops than the tree's descent."""
+
+    name = "scan"
+
+    def __call__(self, chain: LinearGaussianChain, eta, J, lag_one: bool):
+        return _scan.smooth_scan(chain, eta, J, lag_one)
+
+
+TREE, SCAN = TreeSmoother(), ScanSmoother()
+#: The longest chain, per state dimension, for which the scan is the faster (CPU, one thread,
+#: measured by ``scripts/benchmark_kalman.py``); beyond, and for larger states, the tree.
+SCAN_MAX_T = {1: 0, 2: 0, 3: 0}
+
+
+def choose_smoother(T: int, d: int):
+    """The faster of the two exact smoothers for a chain of ``T`` steps of dimension ``d``."""
+    return SCAN if T <= SCAN_MAX_T.get(d, 0) else TREE
+
+
 def smooth(
     chain: LinearGaussianChain,
     eta: torch.Tensor,
     J: torch.Tensor,
     keep_graph: bool = False,
     lag_one: bool = False,
+    method: Optional[Callable] = None,
 ) -> Marginals:
     """``log Z``, the smoothed marginals and (``lag_one``) ``Cov(x_t, x_{t-1})`` in one
     forward-backward pass over the reduction tree (module docstring); O(T d^3).
@@ -297,17 +340,13 @@ def smooth(
     With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
     and to ``eta`` and ``J``: ``q`` is then differentiable in the model's parameters at fixed
     sites. Without, nothing records a graph. Leading batch dims: independent chains.
+    ``method``: :data:`TREE` or :data:`SCAN` (same numbers); default by :func:`choose_smoother`.
     """
     if not keep_graph:
         chain, eta, J = chain.detach(), eta.detach(), J.detach()
-    T = eta.shape[-2]
+    strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
     with torch.set_grad_enabled(keep_graph):
-        levels: List = []
-        root = soa.pack(reduce(_time_major(chain, eta, J, T <= PACK_BELOW), levels))
-        log_z = root[5][0]
-        if not bool(torch.isfinite(log_z).all()):
-            raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-        m, S, X = _descend(levels, root)
+        log_z, m, S, X = strategy(chain, eta, J, lag_one)
     mean = m.squeeze(-1).movedim(0, -2)
     cov = S.movedim(0, -3)
     cov = 0.5 * (cov + cov.transpose(-1, -2))
@@ -382,3 +421,6 @@ def sample_posterior(
     eps = noise_rows(n)
     shift = eta + eps - _tmv(J, x0)
     return x0 + smooth(chain.zero_mean(), shift, J).mean
+
+
+from . import scan as _scan  # noqa: E402  (scan.py uses this module's elements)
