@@ -141,6 +141,8 @@ def combine(i: Element, j: Element):
     the backward pass needs: ``W = M A_i``, ``nu = M (b_i + C_i e_j)``, ``P1 = M C_i`` (the
     law of ``y`` given ``x`` and the information of ``K_j``, ``M = (I + C_i J_j)^-1``) and
     ``A_j P1``."""
+    if soa.is_packed(i[0]):
+        return _combine_packed(i, j)
     Ai, bi, Ci, ei, Ji, gi = i
     Aj, bj, Cj, ej, Jj, gj = j
     Minv, det = inv_det(_plus_eye(mm(Ci, Jj)))
@@ -160,6 +162,31 @@ def combine(i: Element, j: Element):
     quad = dot(bi, sub(ej, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
     g = _log_det_g(det, gi + gj + quad)
     return (A, b, C, e, J, g), (W, nu, P1, AjP1)
+
+
+def _combine_packed(i: Element, j: Element):
+    """:func:`combine` of packed stacks with the products sharing a left factor fused into one
+    matmul each (``M [A_i | b_i + C_i e_j | C_i | C_i r]``, ``A_j [W | nu | P1]``, ...):
+    a third of the ops, the same numbers."""
+    Ai, bi, Ci, ei, Ji, gi = i
+    Aj, bj, Cj, ej, Jj, gj = j
+    d = Ai.shape[-1]
+    CJ = Ci @ Jj
+    CJ.diagonal(dim1=-2, dim2=-1).add_(1.0)
+    Minv, det = inv_det(CJ)
+    JbA = Jj @ torch.cat([bi, Ai], -1)
+    Jb, JA = JbA[..., :1], JbA[..., 1:]
+    r = ej - Jb
+    Ce = Ci @ torch.cat([ej, r], -1)
+    Y = Minv @ torch.cat([Ai, bi + Ce[..., :1], Ci, Ce[..., 1:]], -1)
+    W, nu, P1, P1r = Y[..., :d], Y[..., d : d + 1], Y[..., d + 1 : 2 * d + 1], Y[..., -1:]
+    Z = Aj @ Y[..., : 2 * d + 1]
+    AjP1 = Z[..., d + 1 :]
+    eJ = W.transpose(-1, -2) @ torch.cat([r, JA], -1)
+    quad = (bi * (ej - 0.5 * Jb) + 0.5 * r * P1r).sum((-2, -1))
+    A, b, C = Z[..., :d], Z[..., d : d + 1] + bj, AjP1 @ Aj.transpose(-1, -2) + Cj
+    e, J = eJ[..., :1] + ei, eJ[..., 1:] + Ji
+    return (A, b, C, e, J, _log_det_g(det, gi + gj + quad)), (W, nu, P1, AjP1)
 
 
 def _half(v):

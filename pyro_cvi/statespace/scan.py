@@ -38,36 +38,60 @@ from typing import Tuple
 import torch
 
 from . import kalman
-from .soa import inv
+from .soa import inv, inv_det
 
 __all__ = ["filter_scan", "smooth_scan"]
 
 
-def _cat_first(head: tuple, rest: tuple) -> tuple:
-    return tuple(torch.cat([h, r], 0) for h, r in zip(head, rest))
+def _filter_combine(Fi: torch.Tensor, gi: torch.Tensor, Fj: torch.Tensor, gj: torch.Tensor):
+    """The filtering operator (F2) on elements stored as one tensor ``[A | b | C | eta | J]``
+    ``(n, *B, d, 3d + 2)`` and ``g (n, *B)``; ``i`` earlier. With ``M = (I + C_i J_j)^-1``:
+    ``A = A_j M A_i``, ``b = A_j M (b_i + C_i eta_j) + b_j``, ``C = A_j M C_i A_j' + C_j``,
+    ``eta = A_i' M' (eta_j - J_j b_i) + eta_i``, ``J = A_i' M' J_j A_i + J_i`` and
+    ``g = g_i + g_j + b_i' (eta_j - J_j b_i / 2) + r' M C_i r / 2 - log det(M^-1) / 2``
+    (``r = eta_j - J_j b_i``); the products sharing a left factor share one matmul."""
+    d = Fi.shape[-2]
+    Ci, Aj = Fi[..., d + 1 : 2 * d + 1], Fj[..., :d]
+    ej, Jj = Fj[..., 2 * d + 1 : 2 * d + 2], Fj[..., 2 * d + 2 :]
+    CJ = Ci @ Jj
+    CJ.diagonal(dim1=-2, dim2=-1).add_(1.0)
+    Minv, det = inv_det(CJ)
+    JAb = Jj @ Fi[..., : d + 1]  # [J_j A_i | J_j b_i]
+    Jb = JAb[..., d:]
+    r = ej - Jb
+    Y = Minv @ Fi[..., : 2 * d + 1]  # [W | M b_i | P1], W = M A_i, P1 = M C_i
+    P1 = Y[..., d + 1 :]
+    Pe = P1 @ torch.cat([ej, r], -1)  # [P1 eta_j | P1 r]
+    nu = Y[..., d : d + 1] + Pe[..., :1]
+    Z = Aj @ torch.cat([Y[..., :d], nu, P1], -1)  # [A | A_j nu | A_j P1]
+    W = Y[..., :d]
+    eJ = W.transpose(-1, -2) @ torch.cat([r, JAb[..., :d]], -1)
+    F = torch.cat([Z[..., : d + 1], Z[..., d + 1 :] @ Aj.transpose(-1, -2), eJ], -1)
+    F[..., d : 2 * d + 1] += Fj[..., d : 2 * d + 1]  # + [b_j | C_j]
+    F[..., 2 * d + 1 :] += Fi[..., 2 * d + 1 :]  # + [eta_i | J_i]
+    quad = (Fi[..., d : d + 1] * (ej - 0.5 * Jb) + 0.5 * r * Pe[..., 1:]).sum((-2, -1))
+    return F, (gi + gj + quad) - 0.5 * det.log()
 
 
-def filter_scan(el: Tuple) -> Tuple:
-    """All inclusive prefixes ``e_0 o ... o e_k`` of packed, time-major filtering elements
-    ``(A, b, C, eta, J, g)`` (Hillis-Steele: at level ``s`` every ``k >= s`` takes
-    ``prefix_{k-s} o prefix_k``)."""
-    T = el[5].shape[0]
+def filter_scan(F: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """All inclusive prefixes ``e_0 o ... o e_k`` of time-major filtering elements (Hillis-
+    Steele: at level ``s`` every ``k >= s`` takes ``prefix_{k-s} o prefix_k``)."""
+    T = g.shape[0]
     s = 1
     while s < T:
-        later = tuple(t[s:] for t in el)
-        earlier = tuple(t[: T - s] for t in el)
-        combined, _ = kalman.combine(earlier, later)
-        el = _cat_first(tuple(t[:s] for t in el), combined)
+        Fn, gn = _filter_combine(F[: T - s], g[: T - s], F[s:], g[s:])
+        F, g = torch.cat([F[:s], Fn], 0), torch.cat([g[:s], gn], 0)
         s *= 2
-    return el
+    return F, g
 
 
 def _smoothing_elements(chain: kalman.LinearGaussianChain, mf, Pf, batch):
-    """``(E, g, L)`` of every step from the filtering means ``mf (T, *B, d, 1)`` and covariances
-    ``Pf (T, *B, d, d)``; also the gains ``E`` for the lag-one covariances."""
+    """``[E | g | L] (T, *B, d, 2d + 1)`` of every step (S1) from the filtering means
+    ``mf (T, *B, d, 1)`` and covariances ``Pf (T, *B, d, d)``."""
     T, d = Pf.shape[0], Pf.shape[-1]
+    last = torch.cat([Pf.new_zeros(Pf[-1:].shape), mf[-1:], Pf[-1:]], -1)
     if T == 1:
-        return Pf.new_zeros(Pf.shape), mf, Pf
+        return last
 
     def steps(M, tail):
         return M.expand(batch + (T - 1,) + tail).movedim(len(batch), 0)
@@ -76,29 +100,29 @@ def _smoothing_elements(chain: kalman.LinearGaussianChain, mf, Pf, batch):
     b = steps(chain.b, (d,)).unsqueeze(-1)
     Q = steps(chain.Q, (d, d))
     m, P = mf[:-1], Pf[:-1]
-    AP = A @ P
+    APm = A @ torch.cat([P, m], -1)  # [A P | A m]
+    AP = APm[..., :d]
     S = AP @ A.transpose(-1, -2) + Q
     E = (inv(S) @ AP).transpose(-1, -2)  # P A' S^-1 (P, S symmetric)
-    g = m - E @ (A @ m + b)
-    L = P - E @ AP  # P - P A' S^-1 A P
-    E = torch.cat([E, E.new_zeros(E[:1].shape)], 0)
-    return E, torch.cat([g, mf[-1:]], 0), torch.cat([L, Pf[-1:]], 0)
+    Epm = E @ torch.cat([APm[..., d:] + b, AP], -1)  # [E (A m + b) | E A P]
+    gL = torch.cat([m, P], -1) - Epm
+    return torch.cat([torch.cat([E, gL], -1), last], 0)
 
 
-def smoothing_scan(E, g, L):
-    """All suffixes ``a_k o ... o a_{T-1}`` of the smoothing elements: the smoothed means and
-    covariances (the suffix's ``E`` is zero)."""
-    T = g.shape[0]
+def smoothing_scan(X: torch.Tensor) -> torch.Tensor:
+    """All suffixes ``a_k o ... o a_{T-1}`` (S2) of the smoothing elements ``[E | g | L]``:
+    the suffix's ``E`` is zero, its ``[g | L]`` the smoothed mean and covariance."""
+    T, d = X.shape[0], X.shape[-2]
     s = 1
     while s < T:
-        Ei, gi, Li = E[: T - s], g[: T - s], L[: T - s]
-        Ej, gj, Lj = E[s:], g[s:], L[s:]
-        EL = Ei @ Lj
-        E = torch.cat([Ei @ Ej, E[T - s :]], 0)
-        g = torch.cat([Ei @ gj + gi, g[T - s :]], 0)
-        L = torch.cat([EL @ Ei.transpose(-1, -2) + Li, L[T - s :]], 0)
+        Xi = X[: T - s]
+        Ei = Xi[..., :d]
+        P = Ei @ X[s:]  # [E_i E_j | E_i g_j | E_i L_j]
+        new = torch.cat([P[..., : d + 1], P[..., d + 1 :] @ Ei.transpose(-1, -2)], -1)
+        new[..., d:] += Xi[..., d:]
+        X = torch.cat([new, X[T - s :]], 0)
         s *= 2
-    return g, L
+    return X[..., d:]
 
 
 def smooth_scan(
@@ -106,15 +130,16 @@ def smooth_scan(
 ):
     """``(log Z, means (T, *B, d, 1), covariances (T, *B, d, d), Cov(x_t, x_{t-1}) or None)``,
     time-major, by the two scans (module docstring). Grad mode is the caller's."""
-    el = kalman._time_major(chain, eta, J, packed=True)
-    batch = el[5].shape[1:]
-    prefix = filter_scan(el)
-    log_z = prefix[5][-1]
+    A, b, C, e, Jl, g = kalman._time_major(chain, eta, J, packed=True)
+    d = A.shape[-1]
+    batch = g.shape[1:]
+    F, g = filter_scan(torch.cat([A, b, C, e, Jl], -1), g)
+    log_z = g[-1]
     kalman._check_log_z(log_z)
-    mf, Pf = prefix[1], prefix[2]
-    E, g, L = _smoothing_elements(chain, mf, Pf, batch)
-    gains = E[:-1]
-    m, S = smoothing_scan(E, g, L)
+    X = _smoothing_elements(chain, F[..., d : d + 1], F[..., d + 1 : 2 * d + 1], batch)
+    gains = X[:-1, ..., :d]
+    gL = smoothing_scan(X)
+    m, S = gL[..., :1], gL[..., 1:]
     cross = None
     if lag_one:
         cross = S[1:] @ gains.transpose(-1, -2)
