@@ -60,7 +60,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dims = [1, 2] if args.quick else [1, 2, 3, 4, 6]
-    Ts = [2, 7, 64, 200, 1000] if args.quick else [2, 7, 64, 200, 1000, 4000, 10_000, 100_000]
+    Ts = (
+        [2, 7, 64, 200, 1000]
+        if args.quick
+        else [2, 7, 64, 200, 400, 700, 1000, 4000, 10_000, 100_000]
+    )
     table = Table(
         "Kalman smoother: reduction tree vs associative scan (CPU ms per call, one thread)",
         [

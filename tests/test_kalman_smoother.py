@@ -247,7 +247,8 @@ def test_the_scan_raises_on_an_indefinite_q():
 def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
     assert kalman.choose_smoother(10**6, 2) is kalman.TREE
     assert kalman.choose_smoother(64, 8) is kalman.TREE
+    assert kalman.choose_smoother(1, 1) is kalman.TREE
     for d, T in kalman.SCAN_MAX_T.items():
-        if T:
-            assert kalman.choose_smoother(T, d) is kalman.SCAN
-            assert kalman.choose_smoother(T + 1, d) is kalman.TREE
+        assert kalman.choose_smoother(T, d) is kalman.SCAN
+        assert kalman.choose_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
+        assert kalman.choose_smoother(T + 1, d) is kalman.TREE

@@ -344,13 +344,16 @@ class ScanSmoother:
 
 TREE, SCAN = TreeSmoother(), ScanSmoother()
 #: The longest chain, per state dimension, for which the scan is the faster (CPU, one thread,
-#: measured by ``scripts/benchmark_kalman.py``); beyond, and for larger states, the tree.
-SCAN_MAX_T = {1: 0, 2: 0, 3: 0}
+#: float64, measured by ``scripts/benchmark_kalman.py``: its fewer ops win while the time is
+#: per-op overhead, its ``log T`` factor of work loses beyond); longer chains, larger states
+#: and chains shorter than ``SCAN_MIN_T`` take the tree.
+SCAN_MAX_T = {1: 800, 2: 400, 3: 200, 4: 64, 5: 32, 6: 16}
+SCAN_MIN_T = 4
 
 
 def choose_smoother(T: int, d: int):
     """The faster of the two exact smoothers for a chain of ``T`` steps of dimension ``d``."""
-    return SCAN if T <= SCAN_MAX_T.get(d, 0) else TREE
+    return SCAN if SCAN_MIN_T <= T <= SCAN_MAX_T.get(d, 0) else TREE
 
 
 def smooth(
