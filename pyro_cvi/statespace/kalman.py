@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from pyro.distributions.util import broadcast_shape
 
 from ..linalg import NotPositiveDefinite, cholesky
+from . import scan as _scan
 from . import soa
+from .elements import LinearGaussianChain, _half, _log_det_g, _plus_eye, check_log_z, time_major
 from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
 
 __all__ = [
@@ -55,85 +56,12 @@ __all__ = [
 ]
 
 
-@dataclass
-class LinearGaussianChain:
-    """The prior: ``m0 (*B, d), P0 (*B, d, d), A (*B, T-1, d, d), b (*B, T-1, d),
-    Q (*B, T-1, d, d)`` (``*B``: optional batch dims of independent chains)."""
-
-    m0: torch.Tensor
-    P0: torch.Tensor
-    A: torch.Tensor
-    b: torch.Tensor
-    Q: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.A.shape[-3] + 1
-
-    @property
-    def dim(self) -> int:
-        return self.m0.shape[-1]
-
-    def detach(self) -> LinearGaussianChain:
-        return LinearGaussianChain(*(t.detach() for t in self.tensors()))
-
-    def tensors(self):
-        return (self.m0, self.P0, self.A, self.b, self.Q)
-
-    def requires_grad(self) -> bool:
-        return any(t.requires_grad for t in self.tensors())
-
-    def zero_mean(self) -> LinearGaussianChain:
-        return LinearGaussianChain(
-            torch.zeros_like(self.m0), self.P0, self.A, torch.zeros_like(self.b), self.Q
-        )
-
-    def all_steps(self):
-        """``(A, b, C)`` for t = 0..T-1, the first a kernel from a dummy ``x_{-1}``."""
-        m0, P0 = self.m0.unsqueeze(-2), self.P0.unsqueeze(-3)
-        A = torch.cat([torch.zeros_like(P0).expand(self.A.shape[:-3] + P0.shape[-3:]), self.A], -3)
-        b = torch.cat([m0.expand(self.b.shape[:-2] + m0.shape[-2:]), self.b], -2)
-        C = torch.cat([P0.expand(self.Q.shape[:-3] + P0.shape[-3:]), self.Q], -3)
-        return A, b, C
-
-
 # ---------------------------------------------------------------------------- the elements
 # An element is ``(A, b, C, e, J, g)`` (see the module docstring), a stack over time in either
 # storage form of :mod:`.soa`: arrays for long stacks, packed below ``PACK_BELOW`` (the tree's
 # top levels, where per-op overhead dominates).
 Element = Tuple  # (A, b, C, e, J, g)
 PACK_BELOW = 2048
-
-
-def _plus_eye(M):
-    if soa.is_packed(M):
-        return M + torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-    out = [list(row) for row in M]
-    for k in range(len(out)):
-        out[k][k] = out[k][k] + 1.0
-    return out
-
-
-def _log_det_g(det, g):
-    """``g - log(det) / 2``: NaN or +inf where ``det <= 0`` (``q`` not positive definite),
-    which reaches ``log Z`` and is caught there."""
-    return g - 0.5 * det.log()
-
-
-def leaf(A, b, C, eta, J) -> Element:
-    """Transition ``N(x_t; A x_{t-1} + b, C)`` followed by the site ``(eta_t, J_t)``:
-    ``M = (I + C J)^-1``, ``x_t | x_{t-1}, site ~ N(M (A x + b + C eta), M C)`` and the site's
-    likelihood of ``x_{t-1}``."""
-    Minv, det = inv_det(_plus_eye(mm(C, J)))
-    P1 = mm(Minv, C)
-    W = mm(Minv, A)
-    Jb = mv(J, b)
-    r = sub(eta, Jb)
-    Wt = tr(W)
-    quad = dot(b, sub(eta, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
-    e = mv(Wt, r)
-    g = _log_det_g(det, quad)
-    return W, mv(Minv, add(b, mv(C, eta))), P1, e, mm(Wt, mm(J, A)), g
 
 
 def combine(i: Element, j: Element):
@@ -187,10 +115,6 @@ def _combine_packed(i: Element, j: Element):
     A, b, C = Z[..., :d], Z[..., d : d + 1] + bj, AjP1 @ Aj.transpose(-1, -2) + Cj
     e, J = eJ[..., :1] + ei, eJ[..., 1:] + Ji
     return (A, b, C, e, J, _log_det_g(det, gi + gj + quad)), (W, nu, P1, AjP1)
-
-
-def _half(v):
-    return soa.tree_map(lambda t: 0.5 * t, v)
 
 
 def _vec_of(M):
@@ -270,29 +194,10 @@ def _descend(levels: List, root: Element):
     return soa.pack(state)
 
 
-def _time_major(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, packed: bool):
-    """The leaves (transition then site, per step), time first: ``(T, *B, ...)``."""
-    A, b, C = chain.all_steps()
-    # (pyro's pure-Python broadcast: torch.broadcast_shapes imports sympy, 0.6 s, on first use)
-    batch = torch.Size(broadcast_shape(A.shape[:-3], eta.shape[:-2], J.shape[:-3]))
-    T, d = eta.shape[-2], eta.shape[-1]
-
-    def mat(M):
-        return M.expand(batch + (T, d, d)).movedim(-3, 0)
-
-    def vec(v):
-        return v.expand(batch + (T, d)).movedim(-2, 0).unsqueeze(-1)
-
-    if packed:
-        return leaf(mat(A), vec(b), mat(C), vec(eta), mat(J))
-    m, v = soa.to_arrays_mat, soa.to_arrays_vec
-    return leaf(m(mat(A)), v(vec(b)), m(mat(C)), v(vec(eta)), m(mat(J)))
-
-
 def log_normalizer(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     """``log Z`` of prior x sites (see the module docstring); differentiable in everything."""
     T = eta.shape[-2]
-    return reduce(_time_major(chain, eta, J, T <= PACK_BELOW))[5][0]
+    return reduce(time_major(chain, eta, J, T <= PACK_BELOW))[5][0]
 
 
 @dataclass
@@ -311,11 +216,6 @@ class Marginals:
         return self.mean.reshape(-1) if self.to_z is None else self.to_z(self.mean)
 
 
-def _check_log_z(log_z: torch.Tensor) -> None:
-    if not bool(torch.isfinite(log_z).all()):
-        raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-
-
 class TreeSmoother:
     """The reduction tree and its explicit descent (module docstring): ``O(T d^3)`` work in
     ``2 log2 T`` levels, the top ones packed, the long ones as arrays (:mod:`.soa`)."""
@@ -324,10 +224,10 @@ class TreeSmoother:
 
     def __call__(self, chain: LinearGaussianChain, eta, J, lag_one: bool):
         levels: List = []
-        el = _time_major(chain, eta, J, eta.shape[-2] <= PACK_BELOW)
+        el = time_major(chain, eta, J, eta.shape[-2] <= PACK_BELOW)
         root = soa.pack(reduce(el, levels))
         log_z = root[5][0]
-        _check_log_z(log_z)
+        check_log_z(log_z)
         m, S, X = _descend(levels, root)
         return log_z, m, S, X
 
@@ -451,6 +351,3 @@ def sample_posterior(
     eps = noise_rows(n)
     shift = eta + eps - _tmv(J, x0)
     return x0 + smooth(chain.zero_mean(), shift, J).mean
-
-
-from . import scan as _scan  # noqa: E402  (scan.py uses this module's elements)

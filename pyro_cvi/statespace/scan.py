@@ -10,7 +10,7 @@ along): element ``k`` is ``(A_k, b_k, C_k, eta_k, J_k, g_k)``, the kernel
     (F1)  p(x_k | x_{k-1}, y_k) = N(x_k; A_k x_{k-1} + b_k, C_k),
           p(y_k | x_{k-1}) = exp(g_k + eta_k' x_{k-1} - x_{k-1}' J_k x_{k-1} / 2)
 
-(:func:`.kalman.leaf`); neighbours combine by the paper's filtering operator (F2,
+(:func:`.elements.leaf`); neighbours combine by the paper's filtering operator (F2,
 :func:`.kalman.combine`). Element 0 starts from a dummy ``x_{-1}`` (``A_0 = 0``), so the
 inclusive prefix ``0..k`` holds the filtering law ``N(m^f_k, P^f_k)`` in its ``(b, C)`` and
 ``log p(y_{0..k})`` in its ``g``; the last ``g`` is ``log Z``.
@@ -37,7 +37,7 @@ from typing import Tuple
 
 import torch
 
-from . import kalman
+from .elements import LinearGaussianChain, check_log_z, time_major
 from .soa import inv, inv_det
 
 __all__ = ["filter_scan", "smooth_scan"]
@@ -85,7 +85,7 @@ def filter_scan(F: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.T
     return F, g
 
 
-def _smoothing_elements(chain: kalman.LinearGaussianChain, mf, Pf, batch):
+def _smoothing_elements(chain: LinearGaussianChain, mf, Pf, batch):
     """``[E | g | L] (T, *B, d, 2d + 1)`` of every step (S1) from the filtering means
     ``mf (T, *B, d, 1)`` and covariances ``Pf (T, *B, d, d)``."""
     T, d = Pf.shape[0], Pf.shape[-1]
@@ -125,17 +125,15 @@ def smoothing_scan(X: torch.Tensor) -> torch.Tensor:
     return X[..., d:]
 
 
-def smooth_scan(
-    chain: kalman.LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, lag_one: bool
-):
+def smooth_scan(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, lag_one: bool):
     """``(log Z, means (T, *B, d, 1), covariances (T, *B, d, d), Cov(x_t, x_{t-1}) or None)``,
     time-major, by the two scans (module docstring). Grad mode is the caller's."""
-    A, b, C, e, Jl, g = kalman._time_major(chain, eta, J, packed=True)
+    A, b, C, e, Jl, g = time_major(chain, eta, J, packed=True)
     d = A.shape[-1]
     batch = g.shape[1:]
     F, g = filter_scan(torch.cat([A, b, C, e, Jl], -1), g)
     log_z = g[-1]
-    kalman._check_log_z(log_z)
+    check_log_z(log_z)
     X = _smoothing_elements(chain, F[..., d : d + 1], F[..., d + 1 : 2 * d + 1], batch)
     gains = X[:-1, ..., :d]
     gL = smoothing_scan(X)
