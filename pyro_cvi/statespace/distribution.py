@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import pyro
 import torch
@@ -97,11 +97,12 @@ class MarkovGP(LinearGaussianSSM):
 #: The last few priors of kernels with fixed hyperparameters, by the identity (and version)
 #: of their inputs: a model that builds ``MarkovGP(times, Matern32(20.0, 1.0))`` every step
 #: pays the matrix exponentials once. Short chains only (the entries hold ``A``, ``Q``).
-_PRIORS: OrderedDict[tuple, tuple] = OrderedDict()
+_Prior = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_PRIORS: OrderedDict[Tuple[object, ...], Tuple[torch.Tensor, _Prior]] = OrderedDict()
 _PRIORS_SIZE, _PRIORS_MAX_T = 4, 20_000
 
 
-def _transitions(times: torch.Tensor, kernel: SDEKernel):
+def _transitions(times: torch.Tensor, kernel: SDEKernel) -> _Prior:
     dt = times[1:] - times[:-1]
     if bool((dt <= 0).any()):
         raise ValueError(
@@ -112,7 +113,7 @@ def _transitions(times: torch.Tensor, kernel: SDEKernel):
     return A, Q, kernel.stationary_cov(times)
 
 
-def _prior_of(times: torch.Tensor, kernel: SDEKernel):
+def _prior_of(times: torch.Tensor, kernel: SDEKernel) -> _Prior:
     """``(A, Q, P_inf)`` of the kernel at the inputs, from :data:`_PRIORS` when the kernel's
     hyperparameters are numbers and ``times`` is the same, unmodified, grad-free tensor."""
     kkey = kernel.key()

@@ -58,7 +58,7 @@ class SDEKernel:
     def __add__(self, other: SDEKernel) -> SumKernel:
         return SumKernel([self, other])
 
-    def key(self) -> Optional[tuple]:
+    def key(self) -> Optional[Tuple[object, ...]]:
         """A hashable key of the kernel when its hyperparameters are plain numbers (the prior
         is then a function of the inputs alone and may be cached), else ``None``."""
         return None
@@ -71,7 +71,7 @@ class _Matern(SDEKernel):
         self.lengthscale, self.variance = lengthscale, variance
         self.state_dim = self.order + 1
 
-    def key(self) -> Optional[tuple]:
+    def key(self) -> Optional[Tuple[object, ...]]:
         ls, s2 = self.lengthscale, self.variance
         numbers = isinstance(ls, (int, float)) and isinstance(s2, (int, float))
         return (type(self).__name__, float(ls), float(s2)) if numbers else None
@@ -168,7 +168,7 @@ class SumKernel(SDEKernel):
     def emission(self, like: torch.Tensor) -> torch.Tensor:
         return torch.cat([p.emission(like) for p in self.parts])
 
-    def key(self) -> Optional[tuple]:
+    def key(self) -> Optional[Tuple[object, ...]]:
         keys = tuple(p.key() for p in self.parts)
         return None if any(k is None for k in keys) else ("sum",) + keys
 
