@@ -252,3 +252,20 @@ def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
         assert kalman.choose_smoother(T, d) is kalman.SCAN
         assert kalman.choose_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
         assert kalman.choose_smoother(T + 1, d) is kalman.TREE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_small_inverses_and_determinants_equal_lapack_in_both_forms(d, dtype):
+    from pyro_cvi.statespace import soa
+
+    g = torch.Generator().manual_seed(d)
+    M = torch.randn(50, 3, d, d, generator=g, dtype=D64) + 2 * torch.eye(d, dtype=D64)
+    inv_ref, det_ref = torch.linalg.inv(M), torch.linalg.det(M)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=1e-4, atol=1e-4)
+    inv, det = soa.inv_det(M.to(dtype))
+    torch.testing.assert_close(inv.double(), inv_ref, **tol)
+    torch.testing.assert_close(det.double(), det_ref, **tol)
+    inv_a, det_a = soa.inv_det(soa.to_arrays_mat(M.to(dtype)))
+    torch.testing.assert_close(soa.pack(inv_a).double(), inv_ref, **tol)
+    torch.testing.assert_close(det_a.double(), det_ref, **tol)

@@ -155,7 +155,8 @@ def unflatten(template, flat):
 
 
 def inv_det(M):
-    """``(M^-1, det M)`` of a stack of small matrices: closed forms for d = 1, 2, 3."""
+    """``(M^-1, det M)`` of a stack of small matrices: closed forms for d = 1, 2, 3 in both
+    storage forms."""
     d = M.shape[-1] if torch.is_tensor(M) else len(M)
     if torch.is_tensor(M):
         if d == 1:
@@ -172,6 +173,8 @@ def inv_det(M):
         det = a * e - b * c
         r = det.reciprocal()
         return [[e * r, -b * r], [-c * r, a * r]], det
+    if d == 3:
+        return _inv_det_3_arrays(M)
     full = torch.stack([torch.stack(row, -1) for row in M], -2)
     return to_arrays_mat(torch.linalg.inv(full)), torch.linalg.det(full)
 
@@ -193,6 +196,20 @@ def _inv_det_3(M: torch.Tensor):
     adj = torch.stack([c0, torch.linalg.cross(r2, r0), torch.linalg.cross(r0, r1)], -1)
     det = (r0 * c0).sum(-1)
     return adj / det[..., None, None], det
+
+
+def _inv_det_3_arrays(M):
+    """Arrays 3 x 3: the cofactors (``adj M`` is the transposed cofactor matrix) and
+    ``det M = a A + b B + c C`` along the first row, all elementwise."""
+    (a, b, c), (d, e, f), (g, h, i) = M
+    A, B, C = e * i - f * h, f * g - d * i, d * h - e * g
+    det = a * A + b * B + c * C
+    r = det.reciprocal()
+    return [
+        [A * r, (c * h - b * i) * r, (b * f - c * e) * r],
+        [B * r, (a * i - c * g) * r, (c * d - a * f) * r],
+        [C * r, (b * g - a * h) * r, (a * e - b * d) * r],
+    ], det
 
 
 def inv(M):
