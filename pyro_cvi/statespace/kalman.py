@@ -247,7 +247,7 @@ TREE, SCAN = TreeSmoother(), ScanSmoother()
 #: float64, measured by ``scripts/benchmark_kalman.py``: its fewer ops win while the time is
 #: per-op overhead, its ``log T`` factor of work loses beyond); longer chains, larger states
 #: and chains shorter than ``SCAN_MIN_T`` take the tree.
-SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 64, 5: 32, 6: 16}
+SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
 SCAN_MIN_T = 4
 
 
