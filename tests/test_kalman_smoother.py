@@ -130,3 +130,142 @@ def test_an_indefinite_q_raises():
     chain, eta, J = _chain(9, 2)
     with pytest.raises(NotPositiveDefinite):
         smooth(chain, eta, -50.0 * J)
+
+
+# ---------------------------------------------------------------- the associative scan
+def _sequential(chain, eta, J):
+    """An independent reference: the textbook forward Kalman filter (sites as information
+    updates, ``log Z`` by the chain rule of the sites' marginal likelihoods) and the RTS
+    backward pass, one step at a time."""
+    A, b, C = chain.all_steps()
+    T, d = eta.shape
+    mf, Pf, mp, Pp = [], [], [], []
+    log_z = eta.new_zeros(())
+    m, P = b[0], C[0]
+    for t in range(T):
+        if t > 0:
+            m, P = A[t] @ mf[-1] + b[t], A[t] @ Pf[-1] @ A[t].T + C[t]
+        mp.append(m)
+        Pp.append(P)
+        Pi = torch.linalg.inv(P)
+        S = torch.linalg.inv(Pi + J[t])
+        h = Pi @ m + eta[t]
+        mu = S @ h
+        log_z = log_z + 0.5 * (h @ mu - m @ Pi @ m)
+        log_z = log_z + 0.5 * (torch.logdet(S) - torch.logdet(P))
+        mf.append(mu)
+        Pf.append(0.5 * (S + S.T))
+    ms, Ps, cross = [mf[-1]], [Pf[-1]], []
+    for t in range(T - 2, -1, -1):
+        G = Pf[t] @ A[t + 1].T @ torch.linalg.inv(Pp[t + 1])
+        ms.insert(0, mf[t] + G @ (ms[0] - mp[t + 1]))
+        cross.insert(0, Ps[0] @ G.T)  # Cov(x_{t+1}, x_t)
+        Ps.insert(0, Pf[t] + G @ (Ps[0] - Pp[t + 1]) @ G.T)
+    stack = torch.stack
+    return log_z, stack(ms), stack(Ps), stack(cross) if cross else eta.new_zeros(0, d, d)
+
+
+METHODS = [kalman.TREE, kalman.SCAN]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 64])
+def test_both_smoothers_equal_dense(T, d, dtype, method):
+    chain, eta, J = _chain(T, d, seed=T * 10 + d)
+    log_z, mean, cov = _dense(chain, eta, J)
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    post = smooth(cast, eta.to(dtype), J.to(dtype), lag_one=True, method=method)
+    assert post.mean.dtype == dtype and post.cov.dtype == dtype
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(post.log_z.double(), log_z, **tol)
+    torch.testing.assert_close(post.mean.double(), mean, **tol)
+    torch.testing.assert_close(post.cov.double(), _blocks(cov, T, d, 0), **tol)
+    torch.testing.assert_close(
+        post.cross.double(), _blocks(cov, T, d, 1).reshape(T - 1, d, d), **tol
+    )
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [1, 2, 3, 5])
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 64, 1000])
+def test_both_smoothers_equal_the_sequential_filter_and_rts(T, d, dtype, method):
+    """Against the one-step-at-a-time Kalman filter and RTS smoother, in float64 (a long
+    chain's ``log Z`` sums ``T`` terms: relative tolerance there)."""
+    chain, eta, J = _chain(T, d, seed=T + 100 * d)
+    log_z, mean, cov, cross = _sequential(chain, eta, J)
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    post = smooth(cast, eta.to(dtype), J.to(dtype), lag_one=True, method=method)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(post.log_z.double(), log_z, **tol)
+    torch.testing.assert_close(post.mean.double(), mean, **tol)
+    torch.testing.assert_close(post.cov.double(), cov, **tol)
+    torch.testing.assert_close(post.cross.double(), cross, **tol)
+
+
+def test_the_scan_on_batched_chains_equals_the_tree():
+    T, d, B = 13, 3, (3, 2)
+    chain, eta, J = _chain(T, d, seed=7, batch=B)
+    a = smooth(chain, eta, J, lag_one=True, method=kalman.SCAN)
+    b = smooth(chain, eta, J, lag_one=True, method=kalman.TREE)
+    for x, y in [(a.log_z, b.log_z), (a.mean, b.mean), (a.cov, b.cov), (a.cross, b.cross)]:
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_the_scan_keeps_the_graph_and_its_gradients_equal_the_dense_ones():
+    T, d = 11, 2
+    chain, eta, J = _chain(T, d, seed=3)
+    leaves = [t.clone().requires_grad_(True) for t in chain.tensors()]
+    eta = eta.clone().requires_grad_(True)
+
+    def objective(log_z, mean, var):
+        return log_z + (mean**2).sum() + var.sum()
+
+    post = smooth(LinearGaussianChain(*leaves), eta, J, keep_graph=True, method=kalman.SCAN)
+    var = post.cov.diagonal(dim1=-2, dim2=-1)
+    g_new = torch.autograd.grad(objective(post.log_z, post.mean, var), leaves + [eta])
+    log_z, mean, cov = _dense(LinearGaussianChain(*leaves), eta, J)
+    g_ref = torch.autograd.grad(
+        objective(log_z, mean, cov.diagonal().reshape(T, d)), leaves + [eta], allow_unused=True
+    )
+    for k, (a, b) in enumerate(zip(g_new, g_ref)):
+        b = torch.zeros_like(a) if b is None else b
+        if k in (1, 4):  # P0, Q: symmetric, only the symmetrised gradient is defined
+            a, b = a + a.transpose(-1, -2), b + b.transpose(-1, -2)
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_the_scan_raises_on_an_indefinite_q():
+    chain, eta, J = _chain(9, 2)
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, eta, -50.0 * J, method=kalman.SCAN)
+
+
+def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
+    assert kalman.choose_smoother(10**6, 2) is kalman.TREE
+    assert kalman.choose_smoother(64, 8) is kalman.TREE
+    assert kalman.choose_smoother(1, 1) is kalman.TREE
+    for d, T in kalman.SCAN_MAX_T.items():
+        assert kalman.choose_smoother(T, d) is kalman.SCAN
+        assert kalman.choose_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
+        assert kalman.choose_smoother(T + 1, d) is kalman.TREE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_small_inverses_and_determinants_equal_lapack_in_both_forms(d, dtype):
+    from pyro_cvi.statespace import soa
+
+    g = torch.Generator().manual_seed(d)
+    M = torch.randn(50, 3, d, d, generator=g, dtype=D64) + 2 * torch.eye(d, dtype=D64)
+    inv_ref, det_ref = torch.linalg.inv(M), torch.linalg.det(M)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=1e-4, atol=1e-4)
+    inv, det = soa.inv_det(M.to(dtype))
+    torch.testing.assert_close(inv.double(), inv_ref, **tol)
+    torch.testing.assert_close(det.double(), det_ref, **tol)
+    inv_a, det_a = soa.inv_det(soa.to_arrays_mat(M.to(dtype)))
+    torch.testing.assert_close(soa.pack(inv_a).double(), inv_ref, **tol)
+    torch.testing.assert_close(det_a.double(), det_ref, **tol)

@@ -301,3 +301,26 @@ def test_markov_posterior_log_prob_and_samples_match_the_dense_q():
     se = cov.diagonal().sqrt() / n**0.5
     assert ((xs.mean(0) - mean).abs() < 5 * se).all()
     assert torch.allclose(torch.cov(xs.T), cov, atol=0.4 * float(cov.diagonal().max()))
+
+
+def test_a_fixed_kernel_prior_is_built_once_per_inputs_and_equals_a_fresh_one():
+    """A model rebuilding ``MarkovGP(t, Matern32(20.0, 1.0))`` every step gets the cached
+    transitions for the same (unmodified) ``t``: the same numbers as a fresh computation; new
+    numbers when ``t`` changes in place; no cache for tensor hyperparameters (their graph)."""
+    t = torch.cumsum(torch.rand(50, dtype=torch.float64) + 0.1, 0)
+    a, b = MarkovGP(t, Matern32(20.0, 1.0)), MarkovGP(t, Matern32(20.0, 1.0))
+    assert b.A is a.A and b.Q is a.Q
+    fresh_A, fresh_Q = Matern32(20.0, 1.0).transitions(t[1:] - t[:-1])
+    torch.testing.assert_close(a.A, fresh_A, rtol=0, atol=0)
+    torch.testing.assert_close(a.Q, fresh_Q, rtol=0, atol=0)
+    assert MarkovGP(t, Matern32(10.0, 1.0)).A is not a.A  # other hyperparameters
+    assert MarkovGP(t.clone(), Matern32(20.0, 1.0)).A is not a.A  # other inputs
+    t.mul_(2.0)
+    c = MarkovGP(t, Matern32(20.0, 1.0))
+    torch.testing.assert_close(c.A, Matern32(20.0, 1.0).transitions(t[1:] - t[:-1])[0])
+    assert not torch.allclose(c.A, a.A)
+    ls = torch.tensor(20.0, dtype=torch.float64, requires_grad=True)
+    d = MarkovGP(t, Matern32(ls, 1.0))
+    assert d.A.requires_grad and MarkovGP(t, Matern32(ls, 1.0)).A is not d.A
+    with pytest.raises(ValueError, match="strictly increasing"):
+        MarkovGP(t.flip(0), Matern32(20.0, 1.0))

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections import OrderedDict
+from typing import Optional, Sequence, Tuple, Union
 
 import pyro
 import torch
@@ -82,15 +83,8 @@ class MarkovGP(LinearGaussianSSM):
     def __init__(
         self, times: torch.Tensor, kernel: SDEKernel, validate_args: Optional[bool] = None
     ) -> None:
-        dt = times[1:] - times[:-1]
-        if bool((dt <= 0).any()):
-            raise ValueError(
-                "MarkovGP needs strictly increasing inputs: sort them (and merge duplicates) "
-                "before building the prior"
-            )
         self.times, self.kernel = times, kernel
-        A, Q = kernel.transitions(dt)
-        P = kernel.stationary_cov(times)
+        A, Q, P = _prior_of(times, kernel)
         m0 = times.new_zeros(P.shape[-1])
         b = times.new_zeros(A.shape[:-1])
         super().__init__(m0, P, A, b, Q)
@@ -98,6 +92,43 @@ class MarkovGP(LinearGaussianSSM):
     @property
     def emission(self) -> torch.Tensor:
         return self.kernel.emission(self.m0)
+
+
+#: The last few priors of kernels with fixed hyperparameters, by the identity (and version)
+#: of their inputs: a model that builds ``MarkovGP(times, Matern32(20.0, 1.0))`` every step
+#: pays the matrix exponentials once. Short chains only (the entries hold ``A``, ``Q``).
+_Prior = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_PRIORS: OrderedDict[Tuple[object, ...], Tuple[torch.Tensor, _Prior]] = OrderedDict()
+_PRIORS_SIZE, _PRIORS_MAX_T = 4, 20_000
+
+
+def _transitions(times: torch.Tensor, kernel: SDEKernel) -> _Prior:
+    dt = times[1:] - times[:-1]
+    if bool((dt <= 0).any()):
+        raise ValueError(
+            "MarkovGP needs strictly increasing inputs: sort them (and merge duplicates) "
+            "before building the prior"
+        )
+    A, Q = kernel.transitions(dt)
+    return A, Q, kernel.stationary_cov(times)
+
+
+def _prior_of(times: torch.Tensor, kernel: SDEKernel) -> _Prior:
+    """``(A, Q, P_inf)`` of the kernel at the inputs, from :data:`_PRIORS` when the kernel's
+    hyperparameters are numbers and ``times`` is the same, unmodified, grad-free tensor."""
+    kkey = kernel.key()
+    if kkey is None or times.requires_grad or times.numel() > _PRIORS_MAX_T:
+        return _transitions(times, kernel)
+    key = (id(times), times._version, times.dtype, times.device, kkey)
+    hit = _PRIORS.get(key)
+    if hit is not None and hit[0] is times:  # (the reference keeps the id from being reused)
+        _PRIORS.move_to_end(key)
+        return hit[1]
+    out = _transitions(times, kernel)
+    _PRIORS[key] = (times, out)
+    while len(_PRIORS) > _PRIORS_SIZE:
+        _PRIORS.popitem(last=False)
+    return out
 
 
 def markov_gp(name: str, times: torch.Tensor, kernel: SDEKernel) -> torch.Tensor:

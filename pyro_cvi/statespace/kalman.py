@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from pyro.distributions.util import broadcast_shape
 
 from ..linalg import NotPositiveDefinite, cholesky
+from . import scan as _scan
 from . import soa
+from .elements import LinearGaussianChain, _half, _log_det_g, _plus_eye, check_log_z, time_major
 from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
 
 __all__ = [
@@ -55,48 +56,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class LinearGaussianChain:
-    """The prior: ``m0 (*B, d), P0 (*B, d, d), A (*B, T-1, d, d), b (*B, T-1, d),
-    Q (*B, T-1, d, d)`` (``*B``: optional batch dims of independent chains)."""
-
-    m0: torch.Tensor
-    P0: torch.Tensor
-    A: torch.Tensor
-    b: torch.Tensor
-    Q: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.A.shape[-3] + 1
-
-    @property
-    def dim(self) -> int:
-        return self.m0.shape[-1]
-
-    def detach(self) -> LinearGaussianChain:
-        return LinearGaussianChain(*(t.detach() for t in self.tensors()))
-
-    def tensors(self):
-        return (self.m0, self.P0, self.A, self.b, self.Q)
-
-    def requires_grad(self) -> bool:
-        return any(t.requires_grad for t in self.tensors())
-
-    def zero_mean(self) -> LinearGaussianChain:
-        return LinearGaussianChain(
-            torch.zeros_like(self.m0), self.P0, self.A, torch.zeros_like(self.b), self.Q
-        )
-
-    def all_steps(self):
-        """``(A, b, C)`` for t = 0..T-1, the first a kernel from a dummy ``x_{-1}``."""
-        m0, P0 = self.m0.unsqueeze(-2), self.P0.unsqueeze(-3)
-        A = torch.cat([torch.zeros_like(P0).expand(self.A.shape[:-3] + P0.shape[-3:]), self.A], -3)
-        b = torch.cat([m0.expand(self.b.shape[:-2] + m0.shape[-2:]), self.b], -2)
-        C = torch.cat([P0.expand(self.Q.shape[:-3] + P0.shape[-3:]), self.Q], -3)
-        return A, b, C
-
-
 # ---------------------------------------------------------------------------- the elements
 # An element is ``(A, b, C, e, J, g)`` (see the module docstring), a stack over time in either
 # storage form of :mod:`.soa`: arrays for long stacks, packed below ``PACK_BELOW`` (the tree's
@@ -105,42 +64,13 @@ Element = Tuple  # (A, b, C, e, J, g)
 PACK_BELOW = 2048
 
 
-def _plus_eye(M):
-    if soa.is_packed(M):
-        return M + torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-    out = [list(row) for row in M]
-    for k in range(len(out)):
-        out[k][k] = out[k][k] + 1.0
-    return out
-
-
-def _log_det_g(det, g):
-    """``g - log(det) / 2``: NaN or +inf where ``det <= 0`` (``q`` not positive definite),
-    which reaches ``log Z`` and is caught there."""
-    return g - 0.5 * det.log()
-
-
-def leaf(A, b, C, eta, J) -> Element:
-    """Transition ``N(x_t; A x_{t-1} + b, C)`` followed by the site ``(eta_t, J_t)``:
-    ``M = (I + C J)^-1``, ``x_t | x_{t-1}, site ~ N(M (A x + b + C eta), M C)`` and the site's
-    likelihood of ``x_{t-1}``."""
-    Minv, det = inv_det(_plus_eye(mm(C, J)))
-    P1 = mm(Minv, C)
-    W = mm(Minv, A)
-    Jb = mv(J, b)
-    r = sub(eta, Jb)
-    Wt = tr(W)
-    quad = dot(b, sub(eta, _half(Jb))) + 0.5 * dot(r, mv(P1, r))
-    e = mv(Wt, r)
-    g = _log_det_g(det, quad)
-    return W, mv(Minv, add(b, mv(C, eta))), P1, e, mm(Wt, mm(J, A)), g
-
-
 def combine(i: Element, j: Element):
     """``(K_i o K_j)(x, z) = int K_i(x, y) K_j(y, z) dy`` (i earlier in time than j), and what
     the backward pass needs: ``W = M A_i``, ``nu = M (b_i + C_i e_j)``, ``P1 = M C_i`` (the
     law of ``y`` given ``x`` and the information of ``K_j``, ``M = (I + C_i J_j)^-1``) and
     ``A_j P1``."""
+    if soa.is_packed(i[0]):
+        return _combine_packed(i, j)
     Ai, bi, Ci, ei, Ji, gi = i
     Aj, bj, Cj, ej, Jj, gj = j
     Minv, det = inv_det(_plus_eye(mm(Ci, Jj)))
@@ -162,8 +92,29 @@ def combine(i: Element, j: Element):
     return (A, b, C, e, J, g), (W, nu, P1, AjP1)
 
 
-def _half(v):
-    return soa.tree_map(lambda t: 0.5 * t, v)
+def _combine_packed(i: Element, j: Element):
+    """:func:`combine` of packed stacks with the products sharing a left factor fused into one
+    matmul each (``M [A_i | b_i + C_i e_j | C_i | C_i r]``, ``A_j [W | nu | P1]``, ...):
+    a third of the ops, the same numbers."""
+    Ai, bi, Ci, ei, Ji, gi = i
+    Aj, bj, Cj, ej, Jj, gj = j
+    d = Ai.shape[-1]
+    CJ = Ci @ Jj
+    CJ.diagonal(dim1=-2, dim2=-1).add_(1.0)
+    Minv, det = inv_det(CJ)
+    JbA = Jj @ torch.cat([bi, Ai], -1)
+    Jb, JA = JbA[..., :1], JbA[..., 1:]
+    r = ej - Jb
+    Ce = Ci @ torch.cat([ej, r], -1)
+    Y = Minv @ torch.cat([Ai, bi + Ce[..., :1], Ci, Ce[..., 1:]], -1)
+    W, nu, P1, P1r = Y[..., :d], Y[..., d : d + 1], Y[..., d + 1 : 2 * d + 1], Y[..., -1:]
+    Z = Aj @ Y[..., : 2 * d + 1]
+    AjP1 = Z[..., d + 1 :]
+    eJ = W.transpose(-1, -2) @ torch.cat([r, JA], -1)
+    quad = (bi * (ej - 0.5 * Jb) + 0.5 * r * P1r).sum((-2, -1))
+    A, b, C = Z[..., :d], Z[..., d : d + 1] + bj, AjP1 @ Aj.transpose(-1, -2) + Cj
+    e, J = eJ[..., :1] + ei, eJ[..., 1:] + Ji
+    return (A, b, C, e, J, _log_det_g(det, gi + gj + quad)), (W, nu, P1, AjP1)
 
 
 def _vec_of(M):
@@ -243,29 +194,10 @@ def _descend(levels: List, root: Element):
     return soa.pack(state)
 
 
-def _time_major(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, packed: bool):
-    """The leaves (transition then site, per step), time first: ``(T, *B, ...)``."""
-    A, b, C = chain.all_steps()
-    # (pyro's pure-Python broadcast: torch.broadcast_shapes imports sympy, 0.6 s, on first use)
-    batch = torch.Size(broadcast_shape(A.shape[:-3], eta.shape[:-2], J.shape[:-3]))
-    T, d = eta.shape[-2], eta.shape[-1]
-
-    def mat(M):
-        return M.expand(batch + (T, d, d)).movedim(-3, 0)
-
-    def vec(v):
-        return v.expand(batch + (T, d)).movedim(-2, 0).unsqueeze(-1)
-
-    if packed:
-        return leaf(mat(A), vec(b), mat(C), vec(eta), mat(J))
-    m, v = soa.to_arrays_mat, soa.to_arrays_vec
-    return leaf(m(mat(A)), v(vec(b)), m(mat(C)), v(vec(eta)), m(mat(J)))
-
-
 def log_normalizer(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     """``log Z`` of prior x sites (see the module docstring); differentiable in everything."""
     T = eta.shape[-2]
-    return reduce(_time_major(chain, eta, J, T <= PACK_BELOW))[5][0]
+    return reduce(time_major(chain, eta, J, T <= PACK_BELOW))[5][0]
 
 
 @dataclass
@@ -284,12 +216,53 @@ class Marginals:
         return self.mean.reshape(-1) if self.to_z is None else self.to_z(self.mean)
 
 
+class TreeSmoother:
+    """The reduction tree and its explicit descent (module docstring): ``O(T d^3)`` work in
+    ``2 log2 T`` levels, the top ones packed, the long ones as arrays (:mod:`.soa`)."""
+
+    name = "tree"
+
+    def __call__(self, chain: LinearGaussianChain, eta, J, lag_one: bool):
+        levels: List = []
+        el = time_major(chain, eta, J, eta.shape[-2] <= PACK_BELOW)
+        root = soa.pack(reduce(el, levels))
+        log_z = root[5][0]
+        check_log_z(log_z)
+        m, S, X = _descend(levels, root)
+        return log_z, m, S, X
+
+
+class ScanSmoother:
+    """The associative-scan filter and smoother (:mod:`.scan`): ``O(T d^3 log T)`` work in
+    ``2 log2 T`` levels of few, large ops; fewer ops than the tree's descent."""
+
+    name = "scan"
+
+    def __call__(self, chain: LinearGaussianChain, eta, J, lag_one: bool):
+        return _scan.smooth_scan(chain, eta, J, lag_one)
+
+
+TREE, SCAN = TreeSmoother(), ScanSmoother()
+#: The longest chain, per state dimension, for which the scan is the faster (CPU, one thread,
+#: float64, measured by ``scripts/benchmark_kalman.py``: its fewer ops win while the time is
+#: per-op overhead, its ``log T`` factor of work loses beyond); longer chains, larger states
+#: and chains shorter than ``SCAN_MIN_T`` take the tree.
+SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
+SCAN_MIN_T = 4
+
+
+def choose_smoother(T: int, d: int):
+    """The faster of the two exact smoothers for a chain of ``T`` steps of dimension ``d``."""
+    return SCAN if SCAN_MIN_T <= T <= SCAN_MAX_T.get(d, 0) else TREE
+
+
 def smooth(
     chain: LinearGaussianChain,
     eta: torch.Tensor,
     J: torch.Tensor,
     keep_graph: bool = False,
     lag_one: bool = False,
+    method: Optional[Callable] = None,
 ) -> Marginals:
     """``log Z``, the smoothed marginals and (``lag_one``) ``Cov(x_t, x_{t-1})`` in one
     forward-backward pass over the reduction tree (module docstring); O(T d^3).
@@ -297,17 +270,13 @@ def smooth(
     With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
     and to ``eta`` and ``J``: ``q`` is then differentiable in the model's parameters at fixed
     sites. Without, nothing records a graph. Leading batch dims: independent chains.
+    ``method``: :data:`TREE` or :data:`SCAN` (same numbers); default by :func:`choose_smoother`.
     """
     if not keep_graph:
         chain, eta, J = chain.detach(), eta.detach(), J.detach()
-    T = eta.shape[-2]
+    strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
     with torch.set_grad_enabled(keep_graph):
-        levels: List = []
-        root = soa.pack(reduce(_time_major(chain, eta, J, T <= PACK_BELOW), levels))
-        log_z = root[5][0]
-        if not bool(torch.isfinite(log_z).all()):
-            raise NotPositiveDefinite("q is not positive definite: log Z is not finite")
-        m, S, X = _descend(levels, root)
+        log_z, m, S, X = strategy(chain, eta, J, lag_one)
     mean = m.squeeze(-1).movedim(0, -2)
     cov = S.movedim(0, -3)
     cov = 0.5 * (cov + cov.transpose(-1, -2))

@@ -15,7 +15,7 @@ Lengthscale and variance are numbers or tensors (e.g. ``pyro.param``; gradients 
 from __future__ import annotations
 
 import math
-from typing import List, Tuple, Union, cast
+from typing import List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -58,6 +58,11 @@ class SDEKernel:
     def __add__(self, other: SDEKernel) -> SumKernel:
         return SumKernel([self, other])
 
+    def key(self) -> Optional[Tuple[object, ...]]:
+        """A hashable key of the kernel when its hyperparameters are plain numbers (the prior
+        is then a function of the inputs alone and may be cached), else ``None``."""
+        return None
+
 
 class _Matern(SDEKernel):
     order = 0  # p, with nu = p + 1/2
@@ -65,6 +70,11 @@ class _Matern(SDEKernel):
     def __init__(self, lengthscale: Number = 1.0, variance: Number = 1.0):
         self.lengthscale, self.variance = lengthscale, variance
         self.state_dim = self.order + 1
+
+    def key(self) -> Optional[Tuple[object, ...]]:
+        ls, s2 = self.lengthscale, self.variance
+        numbers = isinstance(ls, (int, float)) and isinstance(s2, (int, float))
+        return (type(self).__name__, float(ls), float(s2)) if numbers else None
 
     def params(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lengthscale, variance, lam = sqrt(2 nu) / lengthscale)`` as tensors like ``like``."""
@@ -157,6 +167,10 @@ class SumKernel(SDEKernel):
 
     def emission(self, like: torch.Tensor) -> torch.Tensor:
         return torch.cat([p.emission(like) for p in self.parts])
+
+    def key(self) -> Optional[Tuple[object, ...]]:
+        keys = tuple(p.key() for p in self.parts)
+        return None if any(k is None for k in keys) else ("sum",) + keys
 
     def covariance(self, t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, sum(p.covariance(t1, t2) for p in self.parts))

@@ -155,13 +155,16 @@ def unflatten(template, flat):
 
 
 def inv_det(M):
-    """``(M^-1, det M)`` of a stack of small matrices: closed forms for d = 1, 2."""
+    """``(M^-1, det M)`` of a stack of small matrices: closed forms for d = 1, 2, 3 in both
+    storage forms."""
     d = M.shape[-1] if torch.is_tensor(M) else len(M)
     if torch.is_tensor(M):
         if d == 1:
             return M.reciprocal(), M[..., 0, 0]
         if d == 2:
             return _inv_det_2(M)
+        if d == 3:
+            return _inv_det_3(M)
         return torch.linalg.inv(M), torch.linalg.det(M)
     if d == 1:
         return [[M[0][0].reciprocal()]], M[0][0]
@@ -170,20 +173,47 @@ def inv_det(M):
         det = a * e - b * c
         r = det.reciprocal()
         return [[e * r, -b * r], [-c * r, a * r]], det
+    if d == 3:
+        return _inv_det_3_arrays(M)
     full = torch.stack([torch.stack(row, -1) for row in M], -2)
     return to_arrays_mat(torch.linalg.inv(full)), torch.linalg.det(full)
 
 
 def _inv_det_2(M: torch.Tensor):
-    """Packed 2 x 2: the adjugate over the determinant (a LAPACK call per stack costs more)."""
-    flat = M.flatten(-2)
-    adj = flat[..., [3, 1, 2, 0]] * flat.new_tensor([1.0, -1.0, -1.0, 1.0])
-    det = (flat[..., :2] * adj[..., 0::2]).sum(-1)  # a e - b c
-    return adj.unflatten(-1, (2, 2)) / det[..., None, None], det
+    """Packed 2 x 2: ``adj M = tr(M) I - M`` (Cayley-Hamilton) over ``det M = a e - b c``."""
+    f = M.flatten(-2)
+    det = f[..., 0] * f[..., 3] - f[..., 1] * f[..., 2]
+    adj = -M
+    adj.diagonal(dim1=-2, dim2=-1).add_((f[..., 0] + f[..., 3]).unsqueeze(-1))
+    return adj / det[..., None, None], det
+
+
+def _inv_det_3(M: torch.Tensor):
+    """Packed 3 x 3: the columns of ``adj M`` are the cross products of the rows
+    ``(r1 x r2, r2 x r0, r0 x r1)``, and ``det M = r0 . (r1 x r2)``."""
+    r0, r1, r2 = M.unbind(-2)
+    c0 = torch.linalg.cross(r1, r2)
+    adj = torch.stack([c0, torch.linalg.cross(r2, r0), torch.linalg.cross(r0, r1)], -1)
+    det = (r0 * c0).sum(-1)
+    return adj / det[..., None, None], det
+
+
+def _inv_det_3_arrays(M):
+    """Arrays 3 x 3: the cofactors (``adj M`` is the transposed cofactor matrix) and
+    ``det M = a A + b B + c C`` along the first row, all elementwise."""
+    (a, b, c), (d, e, f), (g, h, i) = M
+    A, B, C = e * i - f * h, f * g - d * i, d * h - e * g
+    det = a * A + b * B + c * C
+    r = det.reciprocal()
+    return [
+        [A * r, (c * h - b * i) * r, (b * f - c * e) * r],
+        [B * r, (a * i - c * g) * r, (c * d - a * f) * r],
+        [C * r, (b * g - a * h) * r, (a * e - b * d) * r],
+    ], det
 
 
 def inv(M):
     """``M^-1`` of a stack of small matrices."""
-    if torch.is_tensor(M) and M.shape[-1] > 2:
+    if torch.is_tensor(M) and M.shape[-1] > 3:
         return torch.linalg.inv(M)
     return inv_det(M)[0]

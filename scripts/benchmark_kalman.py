@@ -1,0 +1,122 @@
+"""The two exact Kalman smoothers side by side: the reduction tree with its explicit descent
+(``kalman.TREE``) and the associative scans (``kalman.SCAN``, Sarkka & Garcia-Fernandez 2021).
+
+Per state dimension ``d`` and chain length ``T``: the median process CPU time of one
+``smooth(..., lag_one=True)`` (one thread, float64, random stable chain and sites), each method,
+their ratio, and which one :func:`~pyro_cvi.statespace.kalman.choose_smoother` picks. The rule
+``kalman.SCAN_MAX_T`` is set from this table.
+
+    PYTHONPATH=. python scripts/benchmark_kalman.py
+    PYTHONPATH=. python scripts/benchmark_kalman.py --quick      # d = 1, 2; T <= 1000
+
+Writes ``results/benchmark_kalman.json`` (``--quick``: ``results/quick/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import List, Optional
+
+import torch
+from bench.reporting import Table, write_results
+
+from pyro_cvi.statespace import LinearGaussianChain, kalman
+
+
+def problem(T: int, d: int):
+    g = torch.Generator().manual_seed(T + d)
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
+    def spd(*s):
+        M = r(*s, d, d)
+        return M @ M.transpose(-1, -2) / d + 0.3 * torch.eye(d, dtype=torch.float64)
+
+    chain = LinearGaussianChain(r(d), spd(), 0.7 * r(T - 1, d, d), r(T - 1, d), spd(T - 1))
+    return chain, r(T, d), spd(T)
+
+
+def cpu_per_call(fn, budget: float) -> float:
+    fn()  # warm
+    times: List[float] = []
+    start = time.process_time()
+    while len(times) < 5 or (time.process_time() - start < budget and len(times) < 200):
+        c = time.process_time()
+        fn()
+        times.append(time.process_time() - c)
+    return statistics.median(times)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="the JSON (default: results/...)")
+    ap.add_argument("--budget", type=float, default=0.5, help="CPU s per measurement")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dims = [1, 2] if args.quick else [1, 2, 3, 4, 6]
+    Ts = (
+        [2, 7, 64, 200, 1000]
+        if args.quick
+        else [2, 7, 64, 200, 400, 700, 1000, 4000, 10_000, 100_000]
+    )
+    table = Table(
+        "Kalman smoother: reduction tree vs associative scan (CPU ms per call, one thread)",
+        [
+            ("d", "state dimension"),
+            ("T", "chain length"),
+            ("tree ms", "kalman.TREE"),
+            ("scan ms", "kalman.SCAN"),
+            ("scan/tree", "below 1: the scan is faster"),
+            ("chosen", "kalman.choose_smoother(T, d)"),
+        ],
+    )
+    rows = []
+    for d in dims:
+        for T in Ts:
+            if T * d * d > 2_000_000:
+                continue
+            chain, eta, J = problem(T, d)
+            ms = {}
+            for m in (kalman.TREE, kalman.SCAN):
+                ms[m.name] = 1e3 * cpu_per_call(
+                    lambda c=chain, e=eta, j=J, m=m: kalman.smooth(c, e, j, lag_one=True, method=m),
+                    args.budget,
+                )
+            chosen = kalman.choose_smoother(T, d).name
+            ratio = ms["scan"] / ms["tree"]
+            rows.append(dict(d=d, T=T, tree_ms=ms["tree"], scan_ms=ms["scan"], chosen=chosen))
+            table.add(d, T, f"{ms['tree']:.3f}", f"{ms['scan']:.3f}", f"{ratio:.2f}", chosen)
+            print(f"d={d} T={T}: tree {ms['tree']:.3f} ms, scan {ms['scan']:.3f} ms", flush=True)
+    table.print()
+    wins = [
+        f"d={r['d']} T={r['T']}"
+        for r in rows
+        if r["chosen"] != min(("tree", "scan"), key=lambda k: r[k + "_ms"])
+    ]
+    verdict = "Verdict: the rule picks the faster smoother " + (
+        "everywhere." if not wins else "except at " + ", ".join(wins) + "."
+    )
+    print(verdict)
+    out = args.out or f"results/{'quick/' if args.quick else ''}benchmark_kalman.json"
+    write_results(
+        out,
+        {"config": dict(threads=1, dtype="float64", device="cpu"), "rows": rows},
+        title="Kalman smoother: reduction tree vs associative scan",
+        verdict=verdict,
+        tables=[table],
+        command="PYTHONPATH=. python scripts/benchmark_kalman.py"
+        + (" --quick" if args.quick else ""),
+        quick=args.quick,
+        text="Process CPU seconds on one thread, float64, median per call.",
+    )
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""``probes.jacobian``: the matrix of a linear predictor ``X @ w`` read off autograd's record
+equals the Jacobian by backward passes; every other graph takes the backward passes."""
+
+import pytest
+import torch
+
+from pyro_cvi.model import probes
+
+
+def _loop(out, z):
+    """The Jacobian row by row, by plain backward passes (the reference)."""
+    rows = [torch.autograd.grad(o, z, retain_graph=True)[0] for o in out.reshape(-1)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("expand", [False, True], ids=["plain", "plate-expand"])
+def test_a_linear_predictor_jacobian_is_its_matrix(dtype, expand):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 7, generator=g, dtype=dtype)
+    w = torch.randn(7, generator=g, dtype=dtype, requires_grad=True)
+    out = X @ w
+    if expand:
+        out = out.expand(300)
+    assert probes._matvec_jacobian(out, w) is not None
+    J = probes.jacobian(out, w)
+    torch.testing.assert_close(J, _loop(out, w), rtol=0, atol=0)
+    torch.testing.assert_close(J, X, rtol=0, atol=0)
+    assert J.data_ptr() != X.data_ptr()  # a copy: the user's data is not aliased
+
+
+def _graphs():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    b = torch.randn(40, generator=g, dtype=torch.float64)
+    w = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    Xg = X.clone().requires_grad_(True)
+    return [
+        ("offset", lambda: X @ w + b, w),
+        ("scaled", lambda: X @ (2.0 * w), w),
+        ("matrix needs grad", lambda: Xg @ w, w),
+        ("broadcast expand", lambda: (X @ w).expand(3, 40), w),
+        ("nonlinear", lambda: torch.tanh(X @ w), w),
+    ]
+
+
+@pytest.mark.parametrize("case", _graphs(), ids=lambda c: c[0])
+def test_other_graphs_take_the_backward_passes(case):
+    _, make, w = case
+    out = make()
+    assert probes._matvec_jacobian(out, w) is None
+    torch.testing.assert_close(probes.jacobian(out, w), _loop(out, w), rtol=1e-12, atol=1e-12)
