@@ -260,7 +260,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
             }
             self._build_engine(args, kwargs)
             if self.pending_restore is not None:
-                self.pending_restore(self)  # checks the checkpoint against the model first
+                # checks the checkpoint against the model first; refused, it is dropped (the
+                # set-up is rolled back and the next step starts from the guide's own init)
+                self.pending_restore(self)
                 self.pending_restore = None
 
     def _build_engine(self, args, kwargs) -> None:

@@ -14,7 +14,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
 from reliability_cases import CASES as MORE_CASES
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI, DivergenceError
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, CheckpointError, DivergenceError
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
@@ -421,6 +421,47 @@ def case_checkpoint_other_sites(tmp_path):
     _load_into_live(path, model=other)
 
 
+def case_checkpoint_directory(tmp_path):
+    (tmp_path / "runs").mkdir()
+    _load_into_live(tmp_path / "runs")
+
+
+def case_checkpoint_empty(tmp_path):
+    path = tmp_path / "run.pt"
+    path.write_bytes(b"")
+    _load_into_live(path)
+
+
+def _pyro_guide_checkpoint(tmp_path, guide_cls, optim):
+    from pyro.infer import Trace_ELBO
+
+    from pyro_cvi.scale.checkpoint import save_checkpoint
+
+    guide = guide_cls(logreg)
+    SVI(logreg, guide, optim, loss=Trace_ELBO()).step(*_data())
+    save_checkpoint(tmp_path / "run.pt", optim, guide)
+    pyro.clear_param_store()
+    return tmp_path / "run.pt"
+
+
+def case_checkpoint_other_optimizer(tmp_path):
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_cvi.scale.checkpoint import load_checkpoint
+
+    path = _pyro_guide_checkpoint(tmp_path, AutoNormal, CVI())
+    load_checkpoint(path, pyro.optim.Adam({"lr": 0.01}), AutoNormal(logreg))
+
+
+def case_checkpoint_other_guide(tmp_path):
+    from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+
+    from pyro_cvi.scale.checkpoint import load_checkpoint
+
+    path = _pyro_guide_checkpoint(tmp_path, AutoNormal, CVI())
+    load_checkpoint(path, CVI(), AutoMultivariateNormal(logreg))
+
+
 def case_checkpoint_unsafe_state(tmp_path):
     from pyro_cvi.scale.checkpoint import save_checkpoint
 
@@ -481,6 +522,7 @@ def test_documented_error(case, tmp_path):
     exc = {
         "ValueError": ValueError,
         "DivergenceError": DivergenceError,
+        "CheckpointError": CheckpointError,
         "TypeError": TypeError,
         "RuntimeWarning": RuntimeWarning,
         "INFO": Logged,
