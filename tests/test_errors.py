@@ -421,6 +421,27 @@ def case_checkpoint_other_sites(tmp_path):
     _load_into_live(path, model=other)
 
 
+def _plate_model(X, y=None, size=None):
+    w = pyro.sample("w", dist.Normal(X.new_zeros(X.shape[1]), 1.0).to_event(1))
+    with pyro.plate("data", size):
+        pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def case_plate_size_mismatch():
+    X, y = _data(40)
+    SVI(_plate_model, AutoCVI(_plate_model), CVI(), loss=CVI_ELBO()).step(X, y, size=39)
+
+
+def case_plate_size_one():
+    X, y = _data(40)
+    SVI(_plate_model, AutoCVI(_plate_model), CVI(), loss=CVI_ELBO()).step(X, y, size=1)
+
+
+def case_transposed_design_matrix():
+    X, y = _data()
+    _svi(any_width).step(X.T.contiguous(), y)
+
+
 def case_checkpoint_directory(tmp_path):
     (tmp_path / "runs").mkdir()
     _load_into_live(tmp_path / "runs")
