@@ -442,6 +442,26 @@ def case_transposed_design_matrix():
     _svi(any_width).step(X.T.contiguous(), y)
 
 
+def case_natgrad_diverged():
+    from pyro.infer import Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    def model(X, y):
+        s = pyro.param("s", torch.tensor(1.0, dtype=X.dtype), constraint=dist.constraints.positive)
+        w = pyro.sample("w", dist.Normal(X.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, s), obs=y)
+
+    X, _ = _data()
+    y = X.sum(-1)
+    for seed in range(10):  # a learning rate far too large: most seeds diverge within 80 steps
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        svi = SVI(model, AutoNormal(model), CVI(optim_args={"lr": 50.0}), loss=Trace_ELBO())
+        for _ in range(80):
+            svi.step(X, y)
+
+
 def case_checkpoint_directory(tmp_path):
     (tmp_path / "runs").mkdir()
     _load_into_live(tmp_path / "runs")
