@@ -23,6 +23,7 @@ from .elbo import CVI_ELBO
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
+from .scale.checkpoint import CheckpointError
 from .strategies import Remainder
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "AutoStructuredCVI",
     "CVI",
     "CVI_ELBO",
+    "CheckpointError",
     "DivergenceError",
     "Remainder",
     "StructuredSVI",

@@ -46,7 +46,6 @@ from .guide_state import (
     option_property,
     refuse_inside_svi_step,
     rng_preserved,
-    set_prefix,
     sync_parameters,
     unbind_parameters,
 )
@@ -180,7 +179,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")
         super().__init__(model, create_plates=create_plates)
-        set_prefix(self, prefix)  # the param store names: "<prefix>.<kind>.<site>"
+        # the PyroModule name is the param store names' prefix: "<prefix>.<kind>.<site>"
+        self._pyro_name = prefix
         self.options = Options(
             covariance,
             num_quad_points,
@@ -260,7 +260,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
             }
             self._build_engine(args, kwargs)
             if self.pending_restore is not None:
-                self.pending_restore(self)  # checks the checkpoint against the model first
+                # checks the checkpoint against the model first; refused, it is dropped (the
+                # set-up is rolled back and the next step starts from the guide's own init)
+                self.pending_restore(self)
                 self.pending_restore = None
 
     def _build_engine(self, args, kwargs) -> None:

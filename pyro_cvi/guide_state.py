@@ -48,7 +48,6 @@ from torch import nn
 __all__ = [
     "check_prefix",
     "claim_prefix",
-    "set_prefix",
     "GuideState",
     "refuse_inside_svi_step",
     "option_property",
@@ -67,7 +66,7 @@ _BOUND = "_cvi_bound"  # the module attribute listing the bound store names
 
 def bound_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
     """``{store name: module parameter}`` of every bound parameter."""
-    prefix = module._pyro_name
+    prefix = module.param_prefix
     out = {}
     for name in getattr(module, _BOUND, ()):
         owner_path, _, leaf = name[len(prefix) + 1 :].rpartition(".")
@@ -83,7 +82,7 @@ def bound_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
 def bind_parameters(module: nn.Module, names: Iterable[str]) -> None:
     """Make the store's tensors ``names`` parameters of ``module`` (one object in both views)."""
     store = pyro.get_param_store()
-    prefix = module._pyro_name
+    prefix = module.param_prefix
     bound = list(getattr(module, _BOUND, ()))
     for name in names:
         if not name.startswith(prefix + "."):
@@ -99,7 +98,7 @@ def bind_parameters(module: nn.Module, names: Iterable[str]) -> None:
 def unbind_parameters(module: nn.Module) -> None:
     """Forget the bound parameters (the guide starts afresh: a cleared param store under a
     live guide)."""
-    prefix = module._pyro_name
+    prefix = module.param_prefix
     for name in getattr(module, _BOUND, ()):
         owner_path, _, leaf = name[len(prefix) + 1 :].rpartition(".")
         try:
@@ -114,7 +113,7 @@ def sync_parameters(module: nn.Module) -> None:
     """Pyro's ``PyroModule`` rule for every bound parameter: the store wins where it has the
     name; the module's tensor is put into the store where it has not."""
     store = pyro.get_param_store()
-    prefix = module._pyro_name
+    prefix = module.param_prefix
     for name, param in bound_parameters(module).items():
         if name in store:
             value = store.get_param(name).unconstrained()
@@ -366,11 +365,6 @@ def _holds_store_tensors(guide: Any) -> bool:
         name in store and param is store.get_param(name).unconstrained()
         for name, param in bound_parameters(guide).items()
     )
-
-
-def set_prefix(guide: Any, prefix: str) -> None:
-    """Make ``prefix`` the guide's ``PyroModule`` name: its param store names' prefix."""
-    guide._pyro_name = check_prefix(prefix)
 
 
 def claim_prefix(guide: Any) -> None:

@@ -19,6 +19,7 @@ Each parameter SVI hands it is stepped by its own rule:
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
@@ -26,8 +27,9 @@ import pyro
 import torch
 from pyro.optim import PyroOptim
 
-from .divergence import watch
+from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
+from .natgrad.guard import LossGuard, loss_of_caller
 from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
@@ -94,6 +96,8 @@ class CVI(PyroOptim):
         # from set_state, until the engines appear
         self.saved_controls: Dict[str, Dict[str, Any]] = {}
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
+        #: divergence of the Gaussians of Pyro's guides, from the loss svi.step got
+        self.guard = LossGuard()
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -115,8 +119,11 @@ class CVI(PyroOptim):
         # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
         params = list(params)
         t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
+        frame = inspect.currentframe()
+        loss = loss_of_caller(frame.f_back if frame is not None else None)
+        del frame
         try:
-            engines = self._update(params, args, kwargs)
+            engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
             self.t, self.saved_controls = t, saved
             torch.set_grad_enabled(grad_mode)
@@ -129,7 +136,9 @@ class CVI(PyroOptim):
             raise
         commit(engines)
 
-    def _update(self, params: List[torch.Tensor], args: Any, kwargs: Any) -> List[Any]:
+    def _update(
+        self, params: List[torch.Tensor], args: Any, kwargs: Any, loss: Optional[float] = None
+    ) -> List[Any]:
         engines: Dict[int, NaturalGradientOwner] = {}
         others: List[torch.Tensor] = []
         for p in params:
@@ -151,6 +160,13 @@ class CVI(PyroOptim):
                 "by natural gradients"
             )
         self.t += 1
+        if groups and loss is not None:
+            try:
+                self.guard.check(loss, groups)
+            except DivergenceError:
+                for g in groups:  # the step control of each Gaussian starts afresh
+                    self.gaussians.controls.pop(g.label, None)
+                raise
         if self.auto:
             for key, engine in engines.items():
                 self.engines[key] = weakref.ref(engine)

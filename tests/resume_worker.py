@@ -6,7 +6,7 @@ KIND: ``gaussian`` (logistic regression, one Gaussian block, quadrature, fixed s
 ``montecarlo`` (logistic regression, Monte Carlo linear-predictor gradients, adaptive step),
 ``meanfield`` (Poisson-Gamma factorisation, natural blocks with Monte Carlo messages, adaptive
 step), ``hybrid`` (Student-t regression with a learned offset: CVI + Adam, adaptive step).
-``australian``: the issue-22 report (logistic regression on australian, ``num_samples=4``,
+``australian``: a user's report (logistic regression on australian, ``num_samples=4``,
 ``CVI(step_size=0.3)``; needs ../shared/data and scikit-learn).
 MODE: ``full`` (all steps), ``first`` (the first half, then a checkpoint), ``resume`` (load,
 then the second half) or ``resume-called`` (``guide(*data)`` before loading).

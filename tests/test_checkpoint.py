@@ -14,7 +14,12 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from pyro_cvi.scale.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"
@@ -171,7 +176,8 @@ def test_checkpoint_of_another_model_or_data_is_refused(tmp_path):
 
 def test_deferred_restore_checks_the_model_at_set_up(tmp_path):
     """A guide that has not seen the model restores at its first step, after the check; a
-    failed check rolls the set-up back and the right data then restores."""
+    refused restore rolls the set-up back and is dropped: the next step trains the guide from
+    its own initialisation, and loading again before a step with the right data restores."""
     path = tmp_path / "c.pt"
     _, guide, optim, data = _run()
     save_checkpoint(path, optim, guide)
@@ -181,11 +187,39 @@ def test_deferred_restore_checks_the_model_at_set_up(tmp_path):
     optim = CVI(step_size=0.5)
     load_checkpoint(path, optim, guide)
     svi = SVI(logreg, guide, optim, loss=CVI_ELBO())
-    with pytest.raises(ValueError, match=r"c\.pt.*site 'y' has shape \(40,\)"):
+    with pytest.raises(CheckpointError, match=r"c\.pt.*site 'y' has shape \(40,\).*dropped"):
         svi.step(*_data(N=25))
     assert guide.prototype_trace is None and len(pyro.get_param_store().keys()) == 0
+    assert guide.pending_restore is None and optim.t == 0
+    load_checkpoint(path, optim, guide)
     guide(*data)  # the set-up applies the checkpoint
     assert _same(saved, _live())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_guide_steps_normally_after_a_refused_restore(tmp_path, dtype):
+    """Other data and another model, refused at load time (a guide that ran) or at set-up (a
+    fresh guide): the next steps are exactly those of a run that never loaded the file."""
+    path = tmp_path / "c.pt"
+    _, guide, optim, data = _run(data=_data(dtype=dtype))
+    save_checkpoint(path, optim, guide)
+    small = _data(N=25, dtype=dtype)
+
+    def steps(model, data, warm, load):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        guide, optim = AutoCVI(model), CVI(step_size=0.5)
+        svi = SVI(model, guide, optim, loss=CVI_ELBO())
+        losses = [svi.step(*data)] if warm else []
+        if load:
+            with pytest.raises(CheckpointError, match="another model or other data"):
+                load_checkpoint(path, optim, guide)
+                svi.step(*data)
+        return losses + [svi.step(*data) for _ in range(3)]
+
+    for model, d in ((logreg, small), (other, data)):
+        for warm in (False, True):
+            assert steps(model, d, warm, True) == steps(model, d, warm, False), (model, warm)
 
 
 def test_save_refuses_state_that_a_safe_load_could_not_read(tmp_path):

@@ -142,8 +142,9 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
 @pytest.mark.slow
 def test_a_rank_that_fails_makes_every_rank_fail_and_the_next_step_is_exact(tmp_path):
     """2 gloo ranks; rank 1's model raises in one step and rank 1 gets NaN data in another.
-    Every rank raises in that step (rank 0: RankFailure naming rank 1, at once rather than
-    gloo's timeout), every rank's step is undone, and the good steps after it are those of an
+    Every rank raises in that step (rank 0: RankFailure naming rank 1, at once: a rank that
+    waited for gloo's timeout would raise gloo's error instead, and never within the run's time
+    limit), every rank's step is undone, and the good steps after it are those of an
     undisturbed run (to 1e-12)."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "fault_worker.py")
@@ -159,7 +160,6 @@ def test_a_rank_that_fails_makes_every_rank_fail_and_the_next_step_is_exact(tmp_
         assert len(faults["losses"]) == len(clean["losses"]) == 6
         assert faults["losses"] == pytest.approx(clean["losses"], rel=1e-12)
         torch.testing.assert_close(faults["mean"], clean["mean"], rtol=1e-12, atol=1e-12)
-        assert faults["seconds"] < 60  # no rank waits for gloo's timeout
     e0, e1 = runs["faults"][0]["errors"], runs["faults"][1]["errors"]
     assert len(e0) == len(e1) == 2
     assert all(e.startswith("RankFailure: data-parallel CVI: rank 1 of 2 failed") for e in e0)

@@ -14,7 +14,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
 from reliability_cases import CASES as MORE_CASES
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI, DivergenceError
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, CheckpointError, DivergenceError
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
@@ -421,6 +421,88 @@ def case_checkpoint_other_sites(tmp_path):
     _load_into_live(path, model=other)
 
 
+def _plate_model(X, y=None, size=None):
+    w = pyro.sample("w", dist.Normal(X.new_zeros(X.shape[1]), 1.0).to_event(1))
+    with pyro.plate("data", size):
+        pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def case_plate_size_mismatch():
+    X, y = _data(40)
+    SVI(_plate_model, AutoCVI(_plate_model), CVI(), loss=CVI_ELBO()).step(X, y, size=39)
+
+
+def case_plate_size_one():
+    X, y = _data(40)
+    SVI(_plate_model, AutoCVI(_plate_model), CVI(), loss=CVI_ELBO()).step(X, y, size=1)
+
+
+def case_transposed_design_matrix():
+    X, y = _data()
+    _svi(any_width).step(X.T.contiguous(), y)
+
+
+def case_natgrad_diverged():
+    from pyro.infer import Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    def model(X, y):
+        s = pyro.param("s", torch.tensor(1.0, dtype=X.dtype), constraint=dist.constraints.positive)
+        w = pyro.sample("w", dist.Normal(X.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, s), obs=y)
+
+    X, _ = _data()
+    y = X.sum(-1)
+    for seed in range(10):  # a learning rate far too large: most seeds diverge within 80 steps
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        svi = SVI(model, AutoNormal(model), CVI(optim_args={"lr": 50.0}), loss=Trace_ELBO())
+        for _ in range(80):
+            svi.step(X, y)
+
+
+def case_checkpoint_directory(tmp_path):
+    (tmp_path / "runs").mkdir()
+    _load_into_live(tmp_path / "runs")
+
+
+def case_checkpoint_empty(tmp_path):
+    path = tmp_path / "run.pt"
+    path.write_bytes(b"")
+    _load_into_live(path)
+
+
+def _pyro_guide_checkpoint(tmp_path, guide_cls, optim):
+    from pyro.infer import Trace_ELBO
+
+    from pyro_cvi.scale.checkpoint import save_checkpoint
+
+    guide = guide_cls(logreg)
+    SVI(logreg, guide, optim, loss=Trace_ELBO()).step(*_data())
+    save_checkpoint(tmp_path / "run.pt", optim, guide)
+    pyro.clear_param_store()
+    return tmp_path / "run.pt"
+
+
+def case_checkpoint_other_optimizer(tmp_path):
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_cvi.scale.checkpoint import load_checkpoint
+
+    path = _pyro_guide_checkpoint(tmp_path, AutoNormal, CVI())
+    load_checkpoint(path, pyro.optim.Adam({"lr": 0.01}), AutoNormal(logreg))
+
+
+def case_checkpoint_other_guide(tmp_path):
+    from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+
+    from pyro_cvi.scale.checkpoint import load_checkpoint
+
+    path = _pyro_guide_checkpoint(tmp_path, AutoNormal, CVI())
+    load_checkpoint(path, CVI(), AutoMultivariateNormal(logreg))
+
+
 def case_checkpoint_unsafe_state(tmp_path):
     from pyro_cvi.scale.checkpoint import save_checkpoint
 
@@ -481,6 +563,7 @@ def test_documented_error(case, tmp_path):
     exc = {
         "ValueError": ValueError,
         "DivergenceError": DivergenceError,
+        "CheckpointError": CheckpointError,
         "TypeError": TypeError,
         "RuntimeWarning": RuntimeWarning,
         "INFO": Logged,

@@ -24,12 +24,15 @@ from zoo.reference import (
     standardised_error,
 )
 
-from pyro_cvi import CVI
+from pyro_cvi import CVI, DivergenceError
 
 F32, F64 = torch.float32, torch.float64
 DTYPES = pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
 # the markov-loop HMM costs about a second per step: three steps, under slow
 SLOW = ("hmm_gaussian",)
+#: client models on which CVI() + AutoNormal diverges within its first steps (the loss
+#: ``svi.step`` gets grows by orders of magnitude: a DivergenceError at the best q)
+DIVERGES = {"stochastic_volatility"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CLIENTS]
 
 
@@ -175,9 +178,17 @@ def test_autonormal_with_cvi_runs_on_every_client_model(name, dtype):
     pyro.set_rng_seed(0)
     guide = AutoNormal(hidden)
     svi = SVI(model, guide, CVI(), loss)
+    losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        losses = [svi.step(*data.args, **data.kwargs) for _ in range(3 if name in SLOW else 5)]
+        try:
+            for _ in range(3 if name in SLOW else 5):
+                losses.append(svi.step(*data.args, **data.kwargs))
+        except DivergenceError:
+            # stochastic volatility: CVI()'s first steps overshoot and the loss grows by orders
+            # of magnitude (8e8 at step 5 in float64, 1e66 by step 56 if nothing stops it);
+            # the fit is stopped and the Gaussians are put back to their best q
+            assert name in DIVERGES, name
     assert all(math.isfinite(v) for v in losses), losses
     for v in guide.median(*data.args, **data.kwargs).values():
         assert torch.isfinite(v).all() and v.dtype == dtype

@@ -81,6 +81,11 @@ class AutoStructuredCVI(AutoGuide):
         return self._pyro_name
 
     @property
+    def param_prefix(self) -> str:
+        """The prefix of this guide's names in Pyro's param store."""
+        return self._pyro_name
+
+    @property
     def engine(self) -> AutoStructuredCVI:
         """The owner of the natural parameters (``CVI_ELBO`` and ``CVI`` ask a guide for its
         engine): the guide itself."""

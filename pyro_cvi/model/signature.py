@@ -13,14 +13,18 @@ again and compares:
   were built for the old structure: a new guide is needed). Sites added or removed, or a
   model that starts raising, are caught by the same model run.
 * :func:`closure_key`: identities, versions and shapes of the tensors the model function reads
-  from its closure cells and its module globals. Data read that way is then treated as data
-  passed as arguments: replaced or changed in place, it is re-analysed at the next step (a
-  tensor read inside another function the model calls is not seen: pass data as arguments).
+  from its closure cells and its module globals, also inside containers there (lists, tuples,
+  dicts) and as attributes of captured objects or modules (``data.X``, ``self.X``) that the
+  model's code names; at bounded cost (:data:`MAX_DEPTH` levels, :data:`MAX_ITEMS` values).
+  Data read that way is then treated as data passed as arguments: replaced or changed in
+  place, it is re-analysed at the next step (a tensor read inside another function the model
+  calls is not seen: pass data as arguments).
 """
 
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -29,7 +33,13 @@ from pyro.poutine.util import site_is_subsample
 
 from .tracing import unwrap
 
-__all__ = ["signature", "check_signature", "closure_key", "data_key"]
+__all__ = ["signature", "check_signature", "closure_key", "data_key", "MAX_DEPTH", "MAX_ITEMS"]
+
+#: how deep :func:`closure_key` looks into captured containers and objects
+MAX_DEPTH = 3
+#: how many captured values :func:`closure_key` looks at in all (a model that captures a
+#: larger collection should take its data as arguments)
+MAX_ITEMS = 512
 
 Sig = Dict[str, Tuple]
 
@@ -85,17 +95,13 @@ def closure_key(model: Callable) -> Tuple:
     """``(name, id, version, shape)`` of every tensor ``model`` reads from its closure or its
     module's globals (a ``functools.partial``, a bound method or a callable object: its
     function), in a fixed order."""
-    fn = inspect.unwrap(model) if callable(model) else model
-    while True:
-        if hasattr(fn, "func") and callable(fn.func):  # functools.partial
-            fn = fn.func
-        elif inspect.ismethod(fn):
-            fn = fn.__func__
-        else:
-            break
+    fn = _bound(model)
+    owner = fn.__self__ if inspect.ismethod(fn) else None  # a bound method's object
+    if inspect.ismethod(fn):
+        fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None and callable(fn):  # a callable object: its __call__
-        fn = type(fn).__call__
+        owner, fn = fn, type(fn).__call__
         code = getattr(fn, "__code__", None)
     if code is None:
         return ()
@@ -108,9 +114,79 @@ def closure_key(model: Callable) -> Tuple:
             continue
     env = getattr(fn, "__globals__", {})
     items += [(n, env[n]) for n in code.co_names if n in env]
-    return tuple(
-        (n, id(v), v._version, tuple(v.shape)) for n, v in items if isinstance(v, torch.Tensor)
-    )
+    if owner is not None:  # the object a method reads its data from (self.X)
+        items.append(("self", owner))
+    attrs = set(code.co_names)  # the attribute names the model's code reads
+    found: list = []
+    budget = [MAX_ITEMS]
+    for name, value in items:
+        _collect(name, value, attrs, MAX_DEPTH, found, budget, set())
+    return tuple(found)
+
+
+def _bound(model: Callable) -> Callable:
+    """The function (or bound method, or callable object) under wrappers and partials."""
+    fn = inspect.unwrap(model) if callable(model) else model
+    while hasattr(fn, "func") and callable(fn.func):  # functools.partial
+        fn = fn.func
+    return fn
+
+
+def _collect(path: str, value, attrs: set, depth: int, found: list, budget: list, seen: set):
+    """Append ``(path, id, version, shape)`` of every tensor in ``value``: the value itself,
+    the items of a list, tuple or dict, and the attributes named in ``attrs`` of an object, a
+    module or an ``nn.Module`` (its buffers; a parameter is learned, not data: skipped). Read
+    without running code (no properties, no ``PyroModule`` side effects)."""
+    if budget[0] <= 0:
+        return
+    budget[0] -= 1
+    if isinstance(value, torch.nn.Parameter):
+        return
+    if isinstance(value, torch.Tensor):
+        found.append((path, id(value), value._version, tuple(value.shape)))
+        return
+    if depth == 0 or id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value[:MAX_ITEMS]):
+            _collect(f"{path}[{i}]", v, attrs, depth - 1, found, budget, seen)
+    elif isinstance(value, dict):
+        for k in list(value)[:MAX_ITEMS]:
+            _collect(f"{path}[{k!r}]", value[k], attrs, depth - 1, found, budget, seen)
+    elif _holds_attributes(value):
+        for a in sorted(attrs):
+            v = _attribute(value, a)
+            if v is not _MISSING:
+                _collect(f"{path}.{a}", v, attrs, depth - 1, found, budget, seen)
+
+
+_MISSING = object()
+
+
+def _holds_attributes(value) -> bool:
+    """An object whose attributes may hold data: a module, an ``nn.Module``, an instance with
+    a ``__dict__`` (not a function, a class or a descriptor)."""
+    if isinstance(value, (types.ModuleType, torch.nn.Module)):
+        return True
+    if inspect.isroutine(value) or inspect.isclass(value):
+        return False
+    return hasattr(value, "__dict__")
+
+
+def _attribute(obj, name: str):
+    """``obj.name`` without running code (``_MISSING`` if absent or computed)."""
+    if isinstance(obj, torch.nn.Module):
+        for get in (obj.get_buffer, obj.get_submodule):
+            try:
+                return get(name)
+            except AttributeError:
+                pass
+    try:
+        v = inspect.getattr_static(obj, name)
+    except AttributeError:
+        return _MISSING
+    return _MISSING if isinstance(v, (property, staticmethod, classmethod)) else v
 
 
 def data_key(args, kwargs):

@@ -10,6 +10,7 @@ shape that changed since the guide was built).
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -86,6 +87,30 @@ def _scores_per_batch(fn, value) -> bool:
     return torch.is_tensor(lp) and tuple(lp.shape) == tuple(fn.batch_shape)
 
 
+def _explain_transposed(trace: Trace, name: str, v: torch.Tensor, expected) -> None:
+    """An observation that does not fit its distribution because a design matrix was passed
+    transposed: an argument of shape ``(D, N)`` where ``N`` is the number of observations and
+    ``D`` the distribution's batch size. Raise an error that says so."""
+    inputs = trace.nodes.get("_INPUT", {})
+    if v.dim() != 1 or len(expected) != 1:
+        return
+    n, d = v.shape[0], expected[0]
+    found = [
+        (label, a)
+        for label, a in _data_tensors(inputs.get("args", ()), inputs.get("kwargs", {}))
+        if a.dim() == 2 and tuple(a.shape) == (d, n) and d != n
+    ]
+    if found:
+        label, a = found[0]
+        raise ValueError(
+            f"observed site {name!r} has shape {tuple(v.shape)} but its distribution has "
+            f"shape {tuple(expected)}: the model's {label} has shape {tuple(a.shape)}, which "
+            f"looks transposed (its {n} columns match the {n} observations of {name!r}, and "
+            f"its {d} rows made the distribution's {d}). Pass it with one row per "
+            f"observation, its transpose (e.g. X.T, of shape {(n, d)})."
+        )
+
+
 def check_observations(trace: Trace, prototype) -> None:
     """Raise ``ValueError`` for non-finite observations or a model whose sites changed."""
     check_structure(trace, prototype)
@@ -105,6 +130,7 @@ def check_observations(trace: Trace, prototype) -> None:
             continue
         expected = site["fn"].shape()
         if not _broadcasts_into(v.shape, expected) and not _scores_per_batch(site["fn"], v):
+            _explain_transposed(trace, name, v, expected)
             raise ValueError(
                 f"observed site {name!r} has shape {tuple(v.shape)} but its distribution has "
                 f"shape {tuple(expected)} (batch {tuple(site['fn'].batch_shape)}, event "
@@ -243,6 +269,26 @@ def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor) -> None:
         )
 
 
+def first_line(text: str, width: int) -> str:
+    """The first line of an error message, at most about ``width`` characters: cut at a word
+    boundary (never inside a word) and with its parentheses and brackets closed, so that it
+    reads as one clause inside another message's parentheses."""
+    lines = str(text).strip().splitlines()
+    line = lines[0] if lines else ""
+    if len(line) > width:
+        cut = line[:width]
+        if line[width] != " " and " " in cut:
+            cut = cut.rsplit(" ", 1)[0]
+        line = cut.rstrip(" ,;:") + " ..."
+    stack = []
+    for ch in line:
+        if ch in "([{":
+            stack.append({"(": ")", "[": "]", "{": "}"}[ch])
+        elif ch in ")]}" and stack and stack[-1] == ch:
+            stack.pop()
+    return line + "".join(reversed(stack))
+
+
 def _data_tensors(args, kwargs):
     for i, a in enumerate(args):
         if torch.is_tensor(a):
@@ -278,7 +324,7 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
                     raise ValueError(
                         f"the model's {n} has a non-finite value (first at index {i}: "
                         f"{float(a[tuple(i)])}), and a distribution refused the result "
-                        f"({text.splitlines()[0][:160]}). Remove or impute it (observations "
+                        f"({first_line(text, 160)}). Remove or impute it (observations "
                         "may be marked missing with obs_mask)."
                     ) from e
             raise
@@ -289,15 +335,27 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
             f"{n}: {shapes[n]} -> {s}" for n, s in now.items() if shapes and shapes.get(n, s) != s
         ]
         if changed and ("size" in text or "shape" in text):
+            flipped = [
+                (n, s)
+                for n, s in now.items()
+                if shapes and len(s) == 2 and s[0] != s[1] and shapes.get(n) == s[::-1]
+            ]
+            if flipped:
+                n, (d, rows) = flipped[0]
+                raise ValueError(
+                    f"the model's {n} has shape {(d, rows)}, which looks transposed: the guide "
+                    f"was built with shape {(rows, d)}, one row per observation. Pass its "
+                    f"transpose (e.g. X.T, of shape {(rows, d)})."
+                ) from e
             raise ValueError(
                 f"the data's shapes changed since the guide was built ({'; '.join(changed)}), "
-                f"and the model failed ({text.splitlines()[0][:160]}). An AutoCVI guide is "
+                f"and the model failed ({first_line(text, 160)}). An AutoCVI guide is "
                 "fitted to one model and data layout: build a new AutoCVI for the new shapes."
             ) from e
         if "dtype" in text or "cast" in text or "scalar type" in text:
             kinds = ", ".join(f"{n}: {a.dtype}" for n, a in _data_tensors(args, kwargs))
             raise TypeError(
-                f"the model failed on mixed dtypes ({text.splitlines()[0][:160]}). The data "
+                f"the model failed on mixed dtypes ({first_line(text, 160)}). The data "
                 f"has {kinds}; every tensor the model combines must have one floating dtype: "
                 "make the data and the model's priors and parameters agree (e.g. X.double() "
                 "and y.double(), or priors built with X.new_zeros(...)); integer labels or "
@@ -306,9 +364,31 @@ def explained(args, kwargs, shapes=None) -> Iterator[None]:
         raise
 
 
+_PLATE_MISMATCH = re.compile(
+    r"Shape mismatch inside plate\('(?P<plate>[^']*)'\) at site (?P<site>\S+) dim "
+    r"(?P<dim>-?\d+), (?P<size>\d+) vs (?P<got>\d+)"
+)
+
+
 def _explain_known(e: BaseException, text: str, args, kwargs) -> None:
-    """A failure on half-precision or bool data, or on a prior that cannot be sampled (an
-    ``ImproperUniform``), said in terms of what to change."""
+    """A failure on half-precision or bool data, on a prior that cannot be sampled (an
+    ``ImproperUniform``), or on a plate whose size is not its data's, said in terms of what to
+    change."""
+    m = _PLATE_MISMATCH.search(text)
+    if m is not None:
+        plate, site, size, got = m["plate"], m["site"], int(m["size"]), int(m["got"])
+        one = (
+            " A plate of size 1 does not broadcast over the data: its size must be the number "
+            "of data points."
+            if size == 1
+            else ""
+        )
+        raise ValueError(
+            f"plate {plate!r} has size {size}, but site {site!r} inside it has {got} elements "
+            f"along the plate's dim {m['dim']} (from its data or its distribution's "
+            f"parameters).{one} Give the plate the number of data points, e.g. "
+            f"pyro.plate({plate!r}, {got}), or pass data with one entry per plate element."
+        ) from e
     if "does not support sampling" in text:
         what = text.split(" does not support sampling")[0].split()[-1]
         raise ValueError(
@@ -328,7 +408,7 @@ def _explain_known(e: BaseException, text: str, args, kwargs) -> None:
     if bools and "bool" in text:
         raise TypeError(
             f"the model failed on a bool tensor ({', '.join(bools)}: "
-            f"{text.splitlines()[0][:120]}); pass labels or counts as floats, e.g. y.float() "
+            f"{first_line(text, 120)}); pass labels or counts as floats, e.g. y.float() "
             "or y.double() (a mask for obs_mask may stay bool)."
         ) from e
 

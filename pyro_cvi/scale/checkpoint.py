@@ -17,11 +17,13 @@ Safety. The file holds only tensors and plain Python values (RNG states are tens
 constraints are stored by name) and is read with ``torch.load(weights_only=True)``: a crafted
 file cannot run code. Loading checks the whole file first (format, version, every entry's type,
 and, with a guide, that it was written for the same model: the same sample sites with the same
-shapes, the same guide parameters); only then is anything live replaced. A file that fails a
-check raises ``ValueError`` naming the file and what is wrong, and leaves the run untouched.
-If the guide has not seen the model yet, the check against the model and the restore happen at
-its set-up (the first ``svi.step``), which is then rolled back if the check fails. Writing is
-atomic: a temporary file in the same folder, renamed over ``path`` (``os.replace``).
+shapes, the same guide parameters, the same kind of optimizer); only then is anything live
+replaced. A file that fails a check raises :class:`CheckpointError` (a ``ValueError``) naming
+the file and what is wrong, and leaves the run untouched. If the guide has not seen the model
+yet, the check against the model and the restore happen at its set-up (the first
+``svi.step``); a refused restore is rolled back and dropped, so the next step trains the guide
+from its own initialisation. Writing is atomic: a temporary file in the same folder, renamed
+over ``path`` (``os.replace``).
 
 In a data-parallel run (``AutoCVI(..., process_group=...)``) every rank writes and reads its
 own file, ``run.rank{r}-of-{R}.pt`` (its shard's sites; ``q`` and the hyperparameters are the
@@ -31,53 +33,72 @@ same on all ranks): call both functions on every rank with the same ``path`` and
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import pyro
-import pyro.distributions.constraints as pyro_constraints
 import torch
-import torch.distributions.constraints as torch_constraints
+from pyro.optim import PyroOptim
 
 from ..autoguide import AutoCVI
 from ..guide_state import rng_preserved
 from ..optim import CVI
+from .checkpoint_file import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    check_plain,
+    encode_constraint,
+    read_checkpoint,
+    rng_state,
+)
 from .distributed import rank_path
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT", "VERSION"]
-
-#: the ``"format"`` entry of every checkpoint file
-FORMAT = "pyro-cvi checkpoint"
-#: version 1 (pyro-cvi <= 0.x) pickled numpy and Python objects and needed an unsafe load
-VERSION = 2
-
-_PLAIN = (str, int, float, bool, type(None))
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_checkpoint",
+    "FORMAT",
+    "VERSION",
+]
 
 
 # ------------------------------------------------------------------------------------ saving
 def save_checkpoint(
-    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[AutoCVI] = None
+    path: Union[str, os.PathLike[str]],
+    optim: PyroOptim,
+    guide: Optional[torch.nn.Module] = None,
 ) -> None:
     """Write the param store, the optimizer, the guide's state and the RNG states to ``path``
-    (atomically: a reader never sees a half-written file)."""
+    (atomically: a reader never sees a half-written file). ``guide`` is an ``AutoCVI`` or any
+    Pyro guide (``AutoNormal``, ...): its kind and parameter shapes are kept, so that a load
+    into another guide is refused."""
+    if not isinstance(optim, PyroOptim):
+        raise TypeError(
+            f"save_checkpoint: optim is a {type(optim).__name__}; pass the Pyro optimizer "
+            "given to SVI (CVI(...) or a pyro.optim optimizer)"
+        )
     live = pyro.get_param_store().get_state()
-    state = {
+    state: Dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
+        "optim_kind": _optim_kind(optim),
         "param_store": {
             "params": {n: p.detach() for n, p in live["params"].items()},
-            "constraints": {n: _encode_constraint(c) for n, c in live["constraints"].items()},
+            "constraints": {n: encode_constraint(c) for n, c in live["constraints"].items()},
         },
         "optim": optim.get_state(),
-        "rng": _rng_state(),
+        "rng": rng_state(),
     }
-    if guide is not None:
+    if isinstance(guide, AutoCVI):
         state["guide"] = _guide_state(guide)
-    _check_plain(state, "checkpoint")
-    path = rank_path(path, guide.reducer if guide is not None else None)
+    elif guide is not None:
+        state["guide"] = _pyro_guide_state(guide)
+    check_plain(state, "checkpoint")
+    path = rank_path(path, getattr(guide, "reducer", None))
     folder = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
@@ -114,6 +135,46 @@ def _guide_state(guide: AutoCVI) -> Dict[str, Any]:
     return out
 
 
+def _optim_kind(optim: Any) -> str:
+    """``"CVI"`` or the class name of the torch optimizer a ``pyro.optim`` optimizer wraps."""
+    if isinstance(optim, CVI):
+        return "CVI"
+    inner = getattr(optim, "pt_optim_constructor", None)
+    return getattr(inner, "__name__", type(optim).__name__)
+
+
+def _module_params(guide: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, str]]:
+    """``{param store name: (module, attribute)}`` of the guide's ``nn.Parameter`` attributes
+    that are in the store (its ``PyroParam`` attributes Pyro reads back from the store)."""
+    store = pyro.get_param_store()
+    out: Dict[str, Tuple[torch.nn.Module, str]] = {}
+    for module in guide.modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if attr.endswith("_unconstrained"):
+                continue  # a PyroParam: Pyro reads it back from the store itself
+            name = store.param_name(p)
+            if name is not None:
+                out[name] = (module, attr)
+    return out
+
+
+def _guide_param_names(guide: torch.nn.Module) -> List[str]:
+    """The param store names of all of a Pyro guide's parameters (once it has run)."""
+    store = pyro.get_param_store()
+    names = (store.param_name(p) for p in guide.parameters())
+    return sorted(n for n in names if n is not None)
+
+
+def _pyro_guide_state(guide: torch.nn.Module) -> Dict[str, Any]:
+    """A Pyro guide's kind and, once it has run, its parameters' shapes."""
+    store = pyro.get_param_store()
+    names = _guide_param_names(guide)
+    return {
+        "class": type(guide).__name__,
+        "params": {n: list(store[n].shape) for n in names if n in store},
+    }
+
+
 def _signature(guide: AutoCVI) -> Dict[str, List[Any]]:
     """``{site: [shape, observed]}`` of the model's sample sites as the guide saw them."""
     engine = _engine(guide)
@@ -135,203 +196,41 @@ def _key(block: Any) -> str:
     return "+".join(block.names)
 
 
-def _rng_state() -> Dict[str, Any]:
-    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    version, internal, py_gauss = random.getstate()
-    out: Dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "python": {
-            "version": int(version),
-            "state": torch.tensor(internal, dtype=torch.int64),
-            "gauss": py_gauss,
-        },
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        out["cuda"] = list(torch.cuda.get_rng_state_all())
-    return out
-
-
-def _encode_constraint(c: Any) -> Dict[str, Any]:
-    """A constraint as plain values: a module-level one by name, others by class and fields."""
-    for module in (pyro_constraints, torch_constraints):
-        for name, obj in vars(module).items():
-            if obj is c and not name.startswith("__"):
-                return {"name": name}
-    fields: Dict[str, Any] = {}
-    for k, v in vars(c).items():
-        if isinstance(v, torch_constraints.Constraint):
-            fields[k] = {"constraint": _encode_constraint(v)}
-        elif torch.is_tensor(v) or isinstance(v, _PLAIN):
-            fields[k] = v
-        else:
-            raise TypeError(
-                f"save_checkpoint: the constraint {c!r} has a field {k!r} of type "
-                f"{type(v).__name__}, which a safe checkpoint cannot store"
-            )
-    return {"class": type(c).__name__, "fields": fields}
-
-
-def _check_plain(obj: Any, where: str) -> None:
-    """Every entry must be a tensor or a plain value (what ``weights_only=True`` reads)."""
-    if torch.is_tensor(obj) or isinstance(obj, _PLAIN + (torch.Size, torch.dtype)):
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)):
-                raise TypeError(f"save_checkpoint: {where} has a key {k!r} that is not plain")
-            _check_plain(v, f"{where}[{k!r}]")
-        return
-    if isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _check_plain(v, f"{where}[{i}]")
-        return
-    raise TypeError(
-        f"save_checkpoint: {where} is a {type(obj).__name__}; a safe checkpoint holds only "
-        "tensors and plain Python values (use a torch optimizer whose state_dict is plain)"
-    )
-
-
 # ------------------------------------------------------------------------------------ loading
-def read_checkpoint(path: Union[str, os.PathLike[str]]) -> Dict[str, Any]:
-    """Read and check a checkpoint file without touching anything live; returns its contents
-    with the RNG states and constraints decoded. Raises ``ValueError`` naming the file and
-    the problem (missing, truncated, not a checkpoint, an old or unknown version, malformed)."""
-    path = os.fspath(path)
-    state: Any
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {path!r} does not exist (or is not a file)")
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
-        raise ValueError(
-            f"checkpoint {path!r} was refused by the safe loader: it holds Python objects "
-            f"other than tensors and plain values ({first}). It is not a checkpoint written "
-            f"by this pyro-cvi (format {VERSION}); a file from an unknown source may run code "
-            "when unpickled, so it is never loaded unsafely."
-        ) from None
-    except Exception as e:  # noqa: BLE001 (zip, EOF, OS errors of a damaged file)
-        raise ValueError(
-            f"checkpoint {path!r} cannot be read: it is truncated or not a torch file "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
-        ) from None
-    bad = _why_malformed(state)
-    if bad is not None:
-        raise ValueError(f"checkpoint {path!r} is not a pyro-cvi checkpoint: {bad}")
-    try:
-        state["rng"] = _decode_rng(state["rng"])
-        cons = state["param_store"]["constraints"]
-        state["param_store"]["constraints"] = {n: _decode_constraint(c) for n, c in cons.items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint {path!r} is malformed: {e}") from None
-    checked: Dict[str, Any] = state
-    return checked
-
-
-def _why_malformed(state: Any) -> Optional[str]:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        if isinstance(state, dict) and state.get("version") == 1 and "param_store" in state:
-            return (
-                "it is a format-1 checkpoint of an older pyro-cvi, which stored numpy and "
-                "Python objects and needed an unsafe load; re-create it with this version"
-            )
-        return f"it holds a {type(state).__name__} without the entry format={FORMAT!r}"
-    if state.get("version") != VERSION:
-        return f"format version {state.get('version')!r}; this pyro-cvi reads version {VERSION}"
-    for key, kind in (("param_store", dict), ("optim", dict), ("rng", dict)):
-        if not isinstance(state.get(key), kind):
-            return f"its entry {key!r} is missing or not a {kind.__name__}"
-    ps = state["param_store"]
-    params, cons = ps.get("params"), ps.get("constraints")
-    if not isinstance(params, dict) or not isinstance(cons, dict) or params.keys() != cons.keys():
-        return "its param store is malformed (params and constraints do not match)"
-    for n, v in params.items():
-        if not torch.is_tensor(v):
-            return f"param {n!r} is a {type(v).__name__}, not a tensor"
-    if "guide" in state and not isinstance(state["guide"], dict):
-        return "its entry 'guide' is not a dict"
-    return None
-
-
-def _decode_rng(rng: Dict[str, Any]) -> Dict[str, Any]:
-    t = rng["torch"]
-    like = torch.get_rng_state()
-    if not (torch.is_tensor(t) and t.dtype == like.dtype and t.shape == like.shape):
-        raise ValueError("the torch RNG state is not a uint8 tensor of the right size")
-    npy, py = rng["numpy"], rng["python"]
-    keys = npy["keys"]
-    if not (torch.is_tensor(keys) and keys.shape == (624,)):
-        raise ValueError("the numpy RNG state is not 624 keys")
-    state = py["state"]
-    if not (torch.is_tensor(state) and state.shape == (625,)):
-        raise ValueError("the Python RNG state is not 625 words")
-    return {
-        "torch": t,
-        "numpy": (
-            "MT19937",
-            keys.numpy().astype(np.uint32),
-            int(npy["pos"]),
-            int(npy["has_gauss"]),
-            float(npy["gauss"]),
-        ),
-        "python": (int(py["version"]), tuple(int(v) for v in state.tolist()), py["gauss"]),
-        "cuda": rng.get("cuda"),
-    }
-
-
-def _constraint_class(name: str) -> Any:
-    for module in (pyro_constraints, torch_constraints):
-        obj = vars(module).get(name)
-        if isinstance(obj, type) and issubclass(obj, torch_constraints.Constraint):
-            return obj
-    raise ValueError(f"unknown constraint class {name!r}")
-
-
-def _decode_constraint(d: Any) -> Any:
-    if not isinstance(d, dict):
-        raise TypeError(f"a constraint entry is a {type(d).__name__}, not a dict")
-    if "name" in d:
-        for module in (pyro_constraints, torch_constraints):
-            obj = vars(module).get(d["name"])
-            if isinstance(obj, torch_constraints.Constraint):
-                return obj
-        raise ValueError(f"unknown constraint {d['name']!r}")
-    cls = _constraint_class(d["class"])
-    c = cls.__new__(cls)  # fields only: no code of the file runs
-    for k, v in d["fields"].items():
-        vars(c)[k] = _decode_constraint(v["constraint"]) if isinstance(v, dict) else v
-    return c
-
-
 def load_checkpoint(
-    path: Union[str, os.PathLike[str]], optim: CVI, guide: Optional[torch.nn.Module] = None
+    path: Union[str, os.PathLike[str]],
+    optim: PyroOptim,
+    guide: Optional[torch.nn.Module] = None,
 ) -> None:
     """Restore a checkpoint written by :func:`save_checkpoint` (before the next ``svi.step``).
 
-    The file is checked completely before anything live is replaced; with a guide that has
-    seen the model, also against the model (sites, shapes, guide parameters). A guide that
-    has not seen it yet restores the checkpoint at its set-up, after the same check. Pass
-    Pyro's own guides (``AutoNormal``, ...) too: one that has not run yet sets itself up at
-    its first call without drawing from the restored generators, so the resumed run draws
-    what the uninterrupted one draws.
+    The file is checked completely before anything live is replaced: its form, that ``optim``
+    is the kind of optimizer that wrote it, and, with a guide, that the guide is of the kind
+    that was saved and (once it has seen the model) that it was written for the same model:
+    sites, shapes, guide parameters. An ``AutoCVI`` that has not seen the model yet restores
+    the checkpoint at its set-up, after the same check; a refused one is dropped. Pass Pyro's
+    own guides (``AutoNormal``, ...) too, whether or not they ran: one that has not sets itself
+    up at its first call without drawing from the restored generators, one that has gets the
+    restored parameters, so the resumed run draws what the uninterrupted one draws.
+    Raises :class:`CheckpointError` naming the file and the problem.
     """
     path = rank_path(path, getattr(guide, "reducer", None))
     state = read_checkpoint(path)
+    _check_optim(path, state, optim)
+    saved = state.get("guide", {})
     if not isinstance(guide, AutoCVI):
+        if guide is not None:
+            _check_pyro_guide(path, saved, guide)
+        bound = _module_params(guide) if guide is not None else {}
         _apply(state, optim, None)
         if guide is not None:
+            _rebind(bound)
             _keep_rng_through_late_setup(guide)
         return
-    saved = state.get("guide", {})
-    if saved.get("name", guide.param_prefix) != guide.param_prefix:
-        raise ValueError(
-            f"checkpoint {os.fspath(path)!r} holds guide {saved['name']!r} but got "
+    if "class" in saved or saved.get("name", guide.param_prefix) != guide.param_prefix:
+        held = saved.get("name") or saved.get("class")
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r} holds guide {held!r} but got AutoCVI "
             f"{guide.param_prefix!r}; build the guide the same way as in the saved run"
         )
     if guide.prototype_trace is not None and guide.engine is not None:
@@ -342,14 +241,96 @@ def load_checkpoint(
     def restore(g: AutoCVI) -> None:  # at the guide's set-up (see AutoCVI.pending_restore)
         try:
             _check_model(path, saved, g)
-        except ValueError as e:
-            raise ValueError(
-                f"{e} The checkpoint stays pending until a step with the saved run's model "
-                "and data; set guide.pending_restore = None to go on without it."
-            ) from e
+        except CheckpointError as e:
+            refused = CheckpointError(
+                f"{e} The checkpoint was not applied and is dropped: the next step trains the "
+                "guide from its own initialisation; call load_checkpoint again before a step "
+                "with the saved run's model and data to resume it."
+            )
+            # the set-up's rollback puts the guide's attributes back: drop the restore after it
+            refused.after_rollback = lambda: setattr(  # type: ignore[attr-defined]
+                g, "pending_restore", None
+            )
+            raise refused from None
         _apply(state, optim, g)
 
     guide.pending_restore = restore
+
+
+def _check_optim(path: Any, state: Dict[str, Any], optim: Any) -> None:
+    """Raise :class:`CheckpointError` if ``optim`` is not the kind that wrote the checkpoint."""
+    if not isinstance(optim, PyroOptim):
+        raise CheckpointError(
+            f"load_checkpoint({os.fspath(path)!r}, optim, ...): optim is a "
+            f"{type(optim).__name__}; pass the Pyro optimizer given to SVI (CVI(...) or a "
+            "pyro.optim optimizer)"
+        )
+    saved = state.get("optim_kind", "CVI" if "__cvi__" in state["optim"] else None)
+    now = _optim_kind(optim)
+    if saved is None or saved == now:
+        return
+    if saved == "CVI":
+        fix = "build the optimizer as CVI(...), as in the saved run"
+    elif now == "CVI":
+        fix = f"build the optimizer as pyro.optim.{saved}(...), as in the saved run"
+    else:
+        fix = f"use a {saved} optimizer, as in the saved run"
+    raise CheckpointError(
+        f"checkpoint {os.fspath(path)!r} was written with a {saved} optimizer, but got "
+        f"{now}: its state cannot continue that run; {fix}"
+    )
+
+
+def _check_pyro_guide(path: Any, saved: Dict[str, Any], guide: torch.nn.Module) -> None:
+    """Raise :class:`CheckpointError` if a Pyro guide is not the kind that was saved, or (once
+    it has run) its parameters' names or shapes differ from the saved ones."""
+    name = type(guide).__name__
+    if "name" in saved:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r} holds an AutoCVI guide {saved['name']!r} but got "
+            f"{name}; build the guide as in the saved run"
+        )
+    if "class" not in saved:
+        return
+    if saved["class"] != name:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r} holds a {saved['class']} guide but got {name}; "
+            "build the guide as in the saved run"
+        )
+    store = pyro.get_param_store()
+    now = {n: list(store[n].shape) for n in _guide_param_names(guide) if n in store}
+    then = saved.get("params", {})
+    if not now or not then:
+        return  # not run yet: its set-up creates the parameters the restore has put in place
+    problems = [f"the guide's parameters differ: {sorted(set(now) ^ set(then))}"]
+    if set(now) == set(then):
+        problems = [
+            f"parameter {n!r} has shape {tuple(then[n])} in the checkpoint and {tuple(now[n])} here"
+            for n in sorted(now)
+            if list(then[n]) != now[n]
+        ]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r} was written for another model or other data: "
+            + "; ".join(problems[:5])
+            + ". Build the model, the guide and the data as in the saved run."
+        )
+
+
+def _rebind(bound: Dict[str, Tuple[torch.nn.Module, str]]) -> None:
+    """A guide that ran holds its ``nn.Parameter`` attributes itself (Pyro reads only
+    ``PyroParam`` attributes back from the store): point them at the restored tensors."""
+    store = pyro.get_param_store()
+    for name, (module, attr) in bound.items():
+        if name not in store:
+            continue
+        value = store[name].unconstrained()  # type: ignore[attr-defined]
+        if not isinstance(value, torch.nn.Parameter):
+            # (an nn.Parameter attribute has the real constraint: the store keeps it as is)
+            store[name] = torch.nn.Parameter(value.detach())
+            value = store[name].unconstrained()  # type: ignore[attr-defined]
+        if isinstance(value, torch.nn.Parameter):
+            module._parameters[attr] = value
 
 
 def _keep_rng_through_late_setup(guide: torch.nn.Module) -> None:
@@ -368,7 +349,8 @@ def _keep_rng_through_late_setup(guide: torch.nn.Module) -> None:
 
 
 def _check_model(path: Any, saved: Dict[str, Any], guide: AutoCVI) -> None:
-    """Raise ``ValueError`` if the checkpoint was written for other sites, shapes or data."""
+    """Raise :class:`CheckpointError` if the checkpoint was written for other sites, shapes
+    or data."""
     problems = []
     if "sites" in saved:
         then, now = saved["sites"], _signature(guide)
@@ -406,14 +388,14 @@ def _check_model(path: Any, saved: Dict[str, Any], guide: AutoCVI) -> None:
                 if list(saved["params"][n]) != shapes[n]
             ]
     if problems:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {os.fspath(path)!r} was written for another model or other data: "
             + "; ".join(problems[:5])
             + ". Build the model, the guide and the data as in the saved run."
         )
 
 
-def _apply(state: Dict[str, Any], optim: CVI, guide: Optional[AutoCVI]) -> None:
+def _apply(state: Dict[str, Any], optim: PyroOptim, guide: Optional[AutoCVI]) -> None:
     """Replace the live state with a checked checkpoint."""
     store = pyro.get_param_store()
     store.clear()
@@ -434,7 +416,8 @@ def _apply(state: Dict[str, Any], optim: CVI, guide: Optional[AutoCVI]) -> None:
                 if _key(block) in extra:
                     block.load_extra_state(extra[_key(block)])
             engine.invalidate()
-            optim.resume_control(engine)
+            if isinstance(optim, CVI):
+                optim.resume_control(engine)
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
