@@ -23,7 +23,6 @@ with graph (:mod:`~pyro_cvi.blocks.rows`), so its gradient is that of the ELBO a
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyro
@@ -50,7 +49,7 @@ from ..messages.softmax_sites import (
 )
 from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_warm_start
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
-from ..model.gaussian_tree import plugin_expected_log_prob, tree_prior
+from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import (
@@ -60,15 +59,16 @@ from ..update import (
     damped_step,
     targets_from_grads,
 )
-from .base import StepReport
+from .block_prior import block_prior
 from .laplace import LaplaceStart
+from .plate_sites import PlateSites
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
 
 
-class GaussianBlock(LaplaceStart, SiteFormBlock):
+class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
     """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
@@ -82,8 +82,6 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         self.options = options
         self.owned = set(owned)
         self.linear = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is None]
-        #: linear predictors in a subsampled plate: one site per data point of the plate, the
-        #: minibatch's stepped in place, all of them summed in ``sum_names`` (incremental form)
         self.minibatch = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is not None]
         self.conjugate = [f for f in spec.factors if f.kind == CONJUGATE]
         self.general = [f for f in spec.factors if f.kind == GENERAL]
@@ -92,9 +90,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         self.site_names = {
             f.site: f"{prefix}.sites.{f.site}" for f in self.linear + self.minibatch + self.softmax
         }
-        self.sum_names = {f.site: f"{prefix}.site_sums.{f.site}" for f in self.minibatch}
-        #: this step's minibatch of each such factor: (rows of its sites, A, offsets c)
-        self._batch: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.init_plate_sites(prefix)
         self.general_names = (
             (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
         )
@@ -132,16 +128,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         for f in self.linear:
             R = f.jacobian.shape[0]
             pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
-        if self.minibatch and self.options.reducer is not None:
-            raise NotImplementedError(
-                f"block {self.spec.label!r}: data-parallel CVI (process_group) does not take "
-                f"subsampled plates ({[f.site for f in self.minibatch]}): split the data over "
-                "the ranks instead of subsampling, or run in one process (process_group=None)."
-            )
-        for f in self.minibatch:
-            R = math.prod(f.minibatch[1])
-            pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
-            pyro.param(self.sum_names[f.site], lambda: like.new_zeros(D, D + 1))
+        self.setup_plate_sites(like)
         for f in self.softmax:
             N, K = f.jacobian.shape[0] // f.num_classes, f.num_classes
             pyro.param(self.site_names[f.site], lambda N=N, K=K: like.new_zeros(N, K, K + 1))
@@ -206,13 +193,9 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
                 A = self._jacobian(f, ctx, create_graph=ctx.graph)
                 f.jacobian = A.detach()
             site = tr.nodes[f.site]
-            view = sites
-            if f.minibatch is not None:  # this minibatch's rows of the plate's sites
-                idx = _batch_rows(f, subsample_values(tr)[f.plate])
-                view = {**sites, f.site: sites[f.site][idx]}
+            view = self.plate_view(f, sites, tr)  # (a plate's: this minibatch's sites)
             name, r, fn = factor_rows(f, site, self.z_at, view)
-            if f.minibatch is not None:
-                self._batch[f.site] = (idx, r.A, r.c)
+            self.keep_batch(f, r)
             rows.append((name, r))
             if fn is not None and f.site in self.owned:
                 elbo_rows.append((len(rows) - 1, fn))
@@ -270,9 +253,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
                 blocks.append(tuple(block))
                 extra += [nat] if nat is not None else []
             elif site_name is not None and site_values is not None:
-                s = site_values[site_name]
-                if site_name in self._batch:
-                    s = s[self._batch[site_name][0]]
+                s = self.batch_of(site_name, site_values[site_name])
                 blocks.append((r.A, *site_to_row(s[:, 0], s[:, 1], r.c)))
             else:
                 blocks.append((r.A, r.w, r.b))
@@ -289,7 +270,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         general = general_values if general_values is not None else self._general()
         if general is not None:
             extra.append(tuple(t.detach() for t in general))
-        extra += [self._others_of_plate(f.site) for f in self.minibatch if f.site in self._batch]
+        extra += self.plate_extras()
         if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
             h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
         post = solve(prior, A, w, b, h, P, reduce=self.options.reducer, keep_graph=graph)
@@ -346,14 +327,8 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
             if gpost is not None:  # the same number, with its graph
                 value = site_value(tr.nodes[site_name], rg, gpost, sl, self.options)
             elbo = elbo + value
-            if ctx.grads and site_name in self._batch:  # a per-point site: N / B taken out
-                p, idx = sites[site_name], self._batch[site_name][0]
-                grad = torch.zeros_like(p)
-                grad[idx] = target / _subsample_scale(tr.nodes[site_name]) - p.detach()[idx]
-                p.grad = grad
-            elif ctx.grads:
-                p = sites[site_name]
-                p.grad = target - p.detach()
+            if ctx.grads:
+                self.write_site_grad(sites[site_name], target, tr.nodes[site_name])
         general = self._general()
         if general is not None:
             value, h, P, self._vectorise = general_message(
@@ -390,15 +365,6 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         return f
 
     # ------------------------------------------------------------------ the step
-    def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
-        """Per-point minibatch sites are exact targets, not noisy averages: without general
-        factors the block steps by the step's ceiling, not the minibatch schedule's decayed
-        ``beta`` (each visited point's site moves to its target at the current ``q``, the
-        incremental form; the fixed point is full-batch CVI's)."""
-        if self.minibatch and not self.general and ctx is not None and ctx.max_beta:
-            beta = max(beta, float(ctx.max_beta))
-        return super().step(beta, ctx)
-
     def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, general = self._sites(), self._general()
@@ -435,14 +401,7 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         if counts.rejected:
             return counts
         with torch.no_grad():
-            for f in self.minibatch:  # the running sums: this minibatch's old rows out, new in
-                if f.site in self._batch:
-                    s = dict(zip(keys, new[: len(keys)]))[f.site]
-                    total = self._others_of_plate(f.site)
-                    h, P = self._rows_sum(f.site, s)
-                    pyro.param(self.sum_names[f.site]).copy_(
-                        torch.cat([total[1] + P, (total[0] + h)[:, None]], 1)
-                    )
+            self.update_plate_sums(dict(zip(keys, new[: len(keys)])))
             for p, v in zip(params, new):
                 p.copy_(v)
         self.post = solved["post"]
@@ -455,26 +414,8 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         sites = self._sites()
         for site_name, r in self.rows:
             if site_name is not None and not isinstance(r, SoftmaxRows):
-                s = sites[site_name].detach()
-                if site_name in self._batch:
-                    s = s[self._batch[site_name][0]]
+                s = self.batch_of(site_name, sites[site_name].detach())
                 r.w, r.b = site_to_row(s[:, 0], s[:, 1], r.c)
-
-    def _rows_sum(self, site: str, sites: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(A^T b, A^T W A)`` of this minibatch's rows of ``site`` at site values ``sites``
-        (every point of the plate)."""
-        idx, A, c = self._batch[site]
-        s = sites.detach()[idx]
-        w, b = site_to_row(s[:, 0], s[:, 1], c)
-        return A.T @ b, A.T @ (w[:, None] * A)
-
-    def _others_of_plate(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The natural parameters ``(h, P)`` of every stored site of ``site`` but this
-        minibatch's: the running sum less this minibatch's stored rows (eq. 11 over the whole
-        plate, whose other rows this step does not see)."""
-        total = pyro.param(self.sum_names[site]).detach()
-        h, P = self._rows_sum(site, pyro.param(self.site_names[site]))
-        return total[:, -1] - h, total[:, :-1] - P
 
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
@@ -519,65 +460,12 @@ class GaussianBlock(LaplaceStart, SiteFormBlock):
         return self.spec.split(self.post.loc.detach())
 
 
-def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
-    """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
-    if spec.prior_rows:  # a linear-Gaussian tree: the joint prior in information form
-        return tree_prior(spec, trace, _gaussian_prior)
-    parts = [_gaussian_prior(trace.nodes[n]["fn"], k) for n, k in zip(spec.names, spec.sizes)]
-    return parts[0] if len(parts) == 1 else _block_diag(parts)
-
-
-def _batch_rows(f, index: torch.Tensor) -> torch.Tensor:
-    """The rows (of a factor's per-point sites over the full plate) of this minibatch's
-    elements, in the order of the minibatch's linked value."""
-    axis, full = f.minibatch
-    rows = torch.arange(math.prod(full), device=index.device).reshape(full)
-    return rows.index_select(axis, index.reshape(-1).long()).reshape(-1)
-
-
-def _subsample_scale(site) -> float:
-    """The factor ``size / subsample_size`` of a site's subsampled plates (Pyro's scale of a
-    minibatch's log-density, eq. 10 of SVI), which per-point sites do not carry."""
-    scale = 1.0
-    for frame in site["cond_indep_stack"]:
-        if frame.vectorized and frame.full_size is not None and frame.full_size != frame.size:
-            scale *= frame.full_size / frame.size
-    return scale
-
-
 def _observed_in(site, plates) -> bool:
     return (
         site["type"] == "sample"
         and site["is_observed"]
         and any(f.name in plates for f in site["cond_indep_stack"])
     )
-
-
-def _gaussian_prior(fn, D: int) -> GaussianPrior:
-    base, _, _ = unwrap(fn)
-    if isinstance(base, torch.distributions.MultivariateNormal):
-        loc = base.loc.expand(base.batch_shape + base.event_shape).reshape(-1)
-        if "precision_matrix" in vars(base):  # the model gave a precision: keep it
-            return GaussianPrior(loc, precision=base.precision_matrix)
-        return GaussianPrior(loc, cov=base.covariance_matrix)
-    loc = base.loc.expand(fn.shape()).reshape(-1)
-    var = (base.scale**2).expand(fn.shape()).reshape(-1)
-    if loc.numel() != D:
-        raise ValueError(f"prior has {loc.numel()} elements, expected {D}")
-    return GaussianPrior(loc, var=var)
-
-
-def _block_diag(parts: List[GaussianPrior]) -> GaussianPrior:
-    """The joint prior of independent sites: diagonal, precision or covariance form."""
-    loc = torch.cat([p.loc for p in parts])
-    if all(p.is_diagonal for p in parts):
-        return GaussianPrior(loc, var=torch.cat([p.var for p in parts]))
-    if any(p.precision is not None for p in parts):
-        return GaussianPrior(
-            loc, precision=torch.block_diag(*[p.precision_matrix() for p in parts])
-        )
-    covs = [torch.diag_embed(p.var) if p.is_diagonal else p.cov for p in parts]
-    return GaussianPrior(loc, cov=torch.block_diag(*covs))
 
 
 def _same(old_prior, old_rows, prior, rows) -> bool:

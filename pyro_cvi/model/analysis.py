@@ -26,7 +26,6 @@ discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Set
 
@@ -38,6 +37,7 @@ from ..messages.softmax_sites import SOFTMAX, centred_logits
 from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
 from . import gaussian_tree, probes
+from .block_factors import cross_factor, plate_factor
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -63,7 +63,6 @@ from .tracing import (
     continuous_dependencies,
     describe_link,
     discrete_dependencies,
-    has_learnable_params,
     is_random,
     linear_candidates,
     linear_param,
@@ -287,7 +286,7 @@ class Analysis:
             if site in inside or self.latents_of(site) & inside:  # (model/remainder.py)
                 self.owner[site] = REMAINDER_OWNER
                 self.remainder_factors.append(remainder_factor(site))
-                self._cross_factor(site, inside)
+                cross_factor(self, site, inside)
                 continue
             lat = self.latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
@@ -317,19 +316,6 @@ class Analysis:
             for n in block.names:
                 self.latents[n].factors = block.factors
 
-    def _cross_factor(self, site: str, inside: Set[str]) -> None:
-        """A remainder factor that also holds latents of Gaussian site blocks: each such block
-        gets a Bonnet/Price message under the remainder's ``q`` (Algorithm 2 between blocks;
-        the remainder owns the factor's ELBO term)."""
-        lat = self.latents_of(site) - inside - self.collapsed
-        blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
-        given = ", ".join(sorted(self.latents_of(site) & inside))
-        for b in sorted(blocks):
-            block = self.blocks[b]
-            why = f"shared with the remainder; given {given} drawn from its q: Bonnet/Price"
-            plate = self.minibatch_plate(site)
-            block.factors.append(Factor(site, block.label, GENERAL, why, plate=plate))
-
     def _block_factor(self, site: str, block: BlockSpec) -> Factor:
         """A factor whose latents all lie in one Gaussian block: prior, conjugate Normal,
         linear predictor (the linked parameter affine in the joint z, probed) or general."""
@@ -345,7 +331,7 @@ class Analysis:
         if plate is not None:
             # one site per data point, the minibatch's updated in place (incremental form);
             # else a damped stochastic message (doubly stochastic CVI)
-            minibatch = self._minibatch_factor(site, block, base, plate)
+            minibatch = plate_factor(self, site, block, base, plate)
             if minibatch is not None:
                 return minibatch
             why = f"{kind_name} in subsampled plate {plate!r}: minibatch message (Bonnet/Price)"
@@ -360,7 +346,7 @@ class Analysis:
             candidates = linear_candidates(base, zs)
         for name, link in candidates:
             value = linear_param(base, name, link)[1]
-            probed = self._probed_rows(site, block, value, linked_reader(name, link))
+            probed = self.probed_rows(site, block, value, linked_reader(name, link))
             if probed is None or not rebuilds(tr.nodes[site], base, value, name, link):
                 continue
             A, dynamic = probed
@@ -373,47 +359,6 @@ class Analysis:
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
         return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
 
-    def _minibatch_factor(self, site: str, block: BlockSpec, base, plate: str):
-        """A factor in a vectorised subsampled plate whose linked parameter is affine in the
-        block, with rows and offsets free of the model's parameters: linear-predictor sites for
-        every data point of the plate (eq. 13), those of each minibatch updated in place, the
-        rest kept in a running sum (the incremental form of Algorithm 1 on minibatches). A
-        Normal loc takes the same sites (its quadrature is exact). ``None``: not such a factor."""
-        tr, leaves = self.leaf_trace()
-        node = tr.nodes[site]
-        frame = next(f for f in node["cond_indep_stack"] if f.name == plate)
-        if not frame.vectorized or centred_logits(base) is not None:
-            return None
-        if torch.is_tensor(node["value"]) and node["value"].requires_grad:
-            return None
-        zs = [leaves[n] for n in block.names]
-        params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
-        with torch.enable_grad():
-            candidates = linear_candidates(base, zs)
-        for name, link in candidates:
-            value = linear_param(base, name, link)[1]
-            if has_learnable_params(base, name, link) or _has_graph_to(value, params):
-                return None
-            probed = self._probed_rows(site, block, value, linked_reader(name, link))
-            if probed is None or probed[1] or not rebuilds(node, base, value, name, link):
-                continue
-            A = probed[0]
-            axis = value.dim() - len(base.event_shape) + frame.dim
-            full = list(value.shape)
-            if axis < 0 or full[axis] != len(self.subsample[plate]):
-                return None
-            full[axis] = frame.full_size if frame.full_size is not None else frame.size
-            how = describe_link(base, name, link, "A z + c")
-            n = math.prod(full)
-            why = (
-                f"{type(base).__name__} {how} in subsampled plate {plate!r} (probed per "
-                f"minibatch); {n} sites, the minibatch's updated in place"
-            )
-            f = Factor(site, block.label, LINEAR, why, name, A, True, link=link, plate=plate)
-            f.minibatch = (axis, tuple(full))
-            return f
-        return None
-
     def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
         """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
         logits are affine in the block's z (Jacobian by autograd, confirmed by probing)."""
@@ -422,7 +367,7 @@ class Analysis:
         K = value.shape[-1]
         if not value.requires_grad:
             return Factor(site, label, GENERAL, f"{kind_name} logits do not depend on {label}")
-        probed = self._probed_rows(site, block, value, centred_logits)
+        probed = self.probed_rows(site, block, value, centred_logits)
         if probed is None:
             why = f"{kind_name} logits are not affine in {label} (probed)"
             return Factor(site, label, GENERAL, why)
@@ -434,7 +379,7 @@ class Analysis:
         )
         return Factor(site, label, SOFTMAX, why, "logits", A, dynamic, num_classes=K)
 
-    def _probed_rows(self, site: str, block: BlockSpec, value, read: Callable):
+    def probed_rows(self, site: str, block: BlockSpec, value, read: Callable):
         """The Jacobian ``A`` of ``value`` in the block's joint z (autograd), confirmed affine
         at the shared probe runs (``read(fn)`` takes the same quantity from a moved trace):
         ``(A, dynamic)``, or ``None`` when it is not affine."""
@@ -553,12 +498,3 @@ class Analysis:
     def explain(self) -> str:
         """One line per (factor, latent or block): the kind CVI gives it, and why."""
         return explain(self)
-
-
-def _has_graph_to(value: torch.Tensor, params) -> bool:
-    """Whether ``value`` depends on any of the model's parameters ``params``."""
-    if not params or not value.requires_grad:
-        return False
-    with torch.enable_grad():
-        grads = torch.autograd.grad(value.sum(), params, allow_unused=True, retain_graph=True)
-    return any(g is not None for g in grads)

@@ -1,0 +1,93 @@
+"""Factors of a Gaussian block in two settings the plain classification does not cover.
+
+* :func:`cross_factor`: a factor the block shares with the remainder gets a Bonnet/Price
+  message under the remainder's ``q`` (Algorithm 2 between blocks; the remainder owns its
+  ELBO term).
+* :func:`plate_factor`: a linear predictor in a vectorised subsampled plate keeps one site per
+  data point of the whole plate (the incremental form, :mod:`pyro_cvi.blocks.plate_sites`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Set
+
+import torch
+
+from ..messages.softmax_sites import centred_logits
+from .records import GENERAL, LINEAR, SITE, Factor
+from .tracing import (
+    describe_link,
+    has_learnable_params,
+    linear_candidates,
+    linear_param,
+    linked_reader,
+    rebuilds,
+)
+
+__all__ = ["cross_factor", "plate_factor"]
+
+
+def cross_factor(an, site: str, inside: Set[str]) -> None:
+    """A remainder factor that also holds latents of Gaussian site blocks: each such block
+    gets a Bonnet/Price message under the remainder's ``q`` (Algorithm 2 between blocks;
+    the remainder owns the factor's ELBO term)."""
+    lat = an.latents_of(site) - inside - an.collapsed
+    blocks = {an.latents[n].block for n in lat if an.latents[n].form == SITE}
+    given = ", ".join(sorted(an.latents_of(site) & inside))
+    for b in sorted(blocks):
+        block = an.blocks[b]
+        why = f"shared with the remainder; given {given} drawn from its q: Bonnet/Price"
+        plate = an.minibatch_plate(site)
+        block.factors.append(Factor(site, block.label, GENERAL, why, plate=plate))
+
+
+def plate_factor(an, site: str, block, base, plate: str) -> Optional[Factor]:
+    """A factor in a vectorised subsampled plate whose linked parameter is affine in the
+    block, with rows and offsets free of the model's parameters: linear-predictor sites for
+    every data point of the plate (eq. 13), those of each minibatch updated in place, the
+    rest kept in a running sum (the incremental form of Algorithm 1 on minibatches). A
+    Normal loc takes the same sites (its quadrature is exact). ``None``: not such a factor."""
+    tr, leaves = an.leaf_trace()
+    node = tr.nodes[site]
+    frame = next(f for f in node["cond_indep_stack"] if f.name == plate)
+    if not frame.vectorized or centred_logits(base) is not None:
+        return None
+    if torch.is_tensor(node["value"]) and node["value"].requires_grad:
+        return None
+    zs = [leaves[n] for n in block.names]
+    params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
+    with torch.enable_grad():
+        candidates = linear_candidates(base, zs)
+    for name, link in candidates:
+        value = linear_param(base, name, link)[1]
+        if has_learnable_params(base, name, link) or _has_graph_to(value, params):
+            return None
+        probed = an.probed_rows(site, block, value, linked_reader(name, link))
+        if probed is None or probed[1] or not rebuilds(node, base, value, name, link):
+            continue
+        A = probed[0]
+        axis = value.dim() - len(base.event_shape) + frame.dim
+        full = list(value.shape)
+        if axis < 0 or full[axis] != len(an.subsample[plate]):
+            return None
+        full[axis] = frame.full_size if frame.full_size is not None else frame.size
+        how = describe_link(base, name, link, "A z + c")
+        n = math.prod(full)
+        why = (
+            f"{type(base).__name__} {how} in subsampled plate {plate!r} (probed per "
+            f"minibatch); {n} sites, the minibatch's updated in place"
+        )
+        f = Factor(site, block.label, LINEAR, why, name, A, True, link=link, plate=plate)
+        f.minibatch = (axis, tuple(full))
+        return f
+    return None
+
+
+def _has_graph_to(value: torch.Tensor, params) -> bool:
+    """Whether ``value`` depends on any of the model's parameters ``params``."""
+    if not params or not value.requires_grad:
+        return False
+    with torch.enable_grad():
+        grads = torch.autograd.grad(value.sum(), params, allow_unused=True, retain_graph=True)
+    return any(g is not None for g in grads)
