@@ -63,6 +63,7 @@ from .tracing import (
     describe_link,
     discrete_dependencies,
     is_random,
+    latent_weight,
     linear_candidates,
     linear_param,
     linked_reader,
@@ -170,6 +171,9 @@ class Analysis:
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
+        # the Kalman smoother reads the transition densities unweighted: a chain with a scaled or
+        # masked latent (poutine.scale / mask) goes to the blocks that weigh its prior
+        self.chains = [c for c in self.chains if not self._weighted_chain(c)]
         self._probe_cache: Dict[object, list] = {}
         #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
@@ -179,6 +183,10 @@ class Analysis:
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
             apply_remainder(self, *remainder_sets(self, chosen, remainder))
+
+    def _weighted_chain(self, chain) -> bool:
+        nodes = self.structure.nodes
+        return any(latent_weight(nodes[n]) is not None for n in chain.names)
 
     def regroup(self) -> None:
         """Group the Gaussian blocks and classify every factor (again, after latents moved)."""
