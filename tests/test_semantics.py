@@ -22,7 +22,8 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.nn import PyroModule, PyroSample
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
@@ -228,3 +229,107 @@ def assert_loss(svi, args, expected, tol, z=4.0):
     v = torch.tensor([first] + [svi.evaluate_loss(*args) for _ in range(39)], dtype=F64)
     se = float(v.std()) / math.sqrt(len(v))
     assert abs(float(v.mean()) - expected) <= z * se + tol * abs(expected), (v.mean(), se)
+
+
+# ------------------------------------------------------------------------------------------------
+# every summary of q agrees, for every latent shape
+# ------------------------------------------------------------------------------------------------
+class _Inner(PyroModule):
+    def __init__(self, dtype):
+        super().__init__()
+        zero = torch.zeros((), dtype=dtype)
+        self.weight = PyroSample(dist.Normal(zero, 1.0).expand([1, 2]).to_event(2))
+        self.bias = PyroSample(dist.Normal(zero, 1.0).expand([1]).to_event(1))
+
+    def forward(self, x):
+        return x @ self.weight.reshape(2) + self.bias.reshape(())
+
+
+class _Middle(PyroModule):
+    def __init__(self, dtype):
+        super().__init__()
+        self.inner = _Inner(dtype)
+
+
+class _ShapesModel(PyroModule):
+    """Latents of event dims 0..3, plated batch shapes, positive and unit-interval supports and
+    ``PyroSample`` parameters two modules deep (sites ``middle.inner.weight`` / ``.bias``)."""
+
+    def __init__(self, dtype, noise):
+        super().__init__()
+        self.middle = _Middle(dtype)
+        self.noise = noise
+
+    def forward(self, x, y):
+        z = x.new_zeros
+        a = pyro.sample("a", dist.Normal(z(()), 1.0))
+        b = pyro.sample("b", dist.Normal(z(2), 1.0).to_event(1))
+        c = pyro.sample("c", dist.Normal(z(2, 2), 1.0).to_event(2))
+        d = pyro.sample("d", dist.Normal(z(2, 1, 2), 1.0).to_event(3))
+        with pyro.plate("p", 3):
+            e = pyro.sample("e", dist.Normal(z(()), 1.0))
+            f = pyro.sample("f", dist.Normal(z(2), 1.0).to_event(1))
+        s = pyro.sample("s", dist.Gamma(z(()) + 2.0, 2.0))
+        r = pyro.sample("r", dist.Beta(z(()) + 2.0, 2.0))
+        mu = a + b.sum() + c.sum() + d.sum() + e.sum() + f.sum() + r
+        mu = mu + self.middle.inner(x)
+        with pyro.plate("data", len(y)):
+            if self.noise == "latent":  # s and r in the likelihood: the remainder's joint q
+                pyro.sample("obs", dist.Normal(mu, s), obs=y)
+            else:  # conjugate: Gaussian blocks, a Gamma and a Beta q
+                pyro.sample("obs", dist.Normal(mu, SIGMA), obs=y)
+                pyro.sample("count", dist.Poisson(s), obs=(y.abs() * 3).floor())
+                pyro.sample("flip", dist.Bernoulli(r), obs=(y > 0).to(y))
+
+
+@pytest.mark.parametrize("noise", ["fixed", "latent"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_every_summary_agrees_for_every_latent_shape(dtype, noise):
+    """``posterior``, ``median``, ``quantiles``, ``get_posterior``, ``sample_latent``, the
+    guide's draws and ``Predictive`` describe the same q, site by site."""
+    X, y = _data(dtype, n=15, d=2)
+    model = _ShapesModel(dtype, noise)
+    guide, svi = _fit(model, (X, y), steps=4)
+    tr = poutine.trace(model).get_trace(X, y)
+    med = guide.median(X, y)
+    qs = guide.quantiles([0.25, 0.5, 0.75], X, y)
+    packed = guide.get_posterior(X, y)
+    draw = guide(X, y)
+    S = 1000
+    pred = Predictive(model, guide=guide, num_samples=S, return_sites=list(med))(X, y)
+    tol = _tol(dtype)
+    assert set(med) == set(tr.stochastic_nodes) - {"p", "data"}
+    assert "middle.inner.weight" in med
+    for name, m in med.items():
+        shape = tr.nodes[name]["value"].shape
+        q = guide.posterior(name)
+        sd = q.variance.reshape(shape).sqrt()
+        assert m.shape == shape and draw[name].shape == shape, name
+        assert qs[name].shape == (3,) + shape, name
+        assert torch.allclose(qs[name][1], m, atol=tol, rtol=tol), name
+        assert bool((qs[name][0] < m).all() and (m < qs[name][2]).all()), name
+        samples = pred[name].reshape((S,) + shape)
+        zscore = (samples.mean(0) - q.mean.reshape(shape)) / (sd / math.sqrt(S))
+        assert float(zscore.abs().max()) < 5.0, (name, zscore)
+        u = packed.mean[packed.slices[name]]
+        if isinstance(q, (dist.Gamma, torch.distributions.Gamma)):  # E log z, closed form
+            expect = torch.digamma(q.concentration) - torch.log(q.rate)
+            assert torch.allclose(u, expect.reshape(-1), atol=tol, rtol=tol), name
+            continue
+        if isinstance(q, (dist.Beta, torch.distributions.Beta)):  # E logit z
+            expect = torch.digamma(q.concentration1) - torch.digamma(q.concentration0)
+            assert torch.allclose(u, expect.reshape(-1), atol=tol, rtol=tol), name
+            continue
+        if name in ("s", "r"):  # a Gaussian on log s / logit r
+            base = q.base_dist
+            assert torch.allclose(u, base.mean.reshape(-1), atol=tol, rtol=tol), name
+            assert torch.allclose(m, q.transforms[-1](base.mean).reshape(shape), atol=tol), name
+            continue
+        # a Gaussian q: median and mean agree, quantiles are median +- 0.6745 sd
+        assert torch.allclose(m, q.mean.reshape(shape), atol=tol, rtol=tol), name
+        half = 0.5 * (qs[name][2] - qs[name][0])
+        assert torch.allclose(half, 0.6744897501960817 * sd, atol=tol, rtol=10 * tol), name
+        assert torch.allclose(u, q.mean.reshape(-1), atol=tol, rtol=tol), name
+        var = packed.variance[packed.slices[name]]
+        assert torch.allclose(var, q.variance.reshape(-1), atol=tol, rtol=10 * tol), name
+    assert guide.sample_latent(X, y).shape == packed.mean.shape
