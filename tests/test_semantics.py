@@ -22,7 +22,7 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
-from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import SVI, Predictive
 from pyro.nn import PyroModule, PyroSample
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
@@ -333,3 +333,80 @@ def test_every_summary_agrees_for_every_latent_shape(dtype, noise):
         var = packed.variance[packed.slices[name]]
         assert torch.allclose(var, q.variance.reshape(-1), atol=tol, rtol=10 * tol), name
     assert guide.sample_latent(X, y).shape == packed.mean.shape
+
+
+# ------------------------------------------------------------------------------------------------
+# weighted members of linear-Gaussian trees and chains
+# ------------------------------------------------------------------------------------------------
+def tempered_gaussian(A, t, var, c):
+    """``(mean, cov, log Z)`` of ``prod_r N(t_r | A_r z, var_r)^(c_r)`` over ``z`` (float64):
+    every density of a linear-Gaussian model as a row, prior rows included."""
+    A, t, var, c = (torch.as_tensor(v, dtype=F64) for v in (A, t, var, c))
+    P = A.T @ ((c / var)[:, None] * A)
+    b = A.T @ (c * t / var)
+    cov = torch.linalg.inv(P)
+    mean = cov @ b
+    k = (c * (-0.5 * torch.log(2 * math.pi * var) - 0.5 * t**2 / var)).sum()
+    log_z = k + 0.5 * b @ mean + 0.5 * len(b) * math.log(2 * math.pi) - 0.5 * torch.logdet(P)
+    return mean, cov, float(log_z)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_tempered_member_of_a_tree(dtype):
+    """``theta_j ~ N(mu, 1)`` under ``poutine.scale(0.5)`` joins ``mu``'s block (a tree): q is
+    the tempered joint posterior, the loss ``-log Z``."""
+    J = 4
+    y = torch.tensor([1.5, -0.3, 0.8, 2.2], dtype=dtype)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 2.0))
+        with pyro.plate("groups", J), poutine.scale(scale=0.5):
+            theta = pyro.sample("theta", dist.Normal(mu, 1.0))
+        with pyro.plate("obs_plate", J):
+            pyro.sample("y", dist.Normal(theta, 0.5), obs=y)
+
+    guide, svi = _fit(model, (y,))
+    eye = torch.eye(J + 1, dtype=F64)
+    A = torch.cat([eye[:1], eye[1:] - eye[:1], eye[1:]])
+    t = torch.cat([torch.zeros(1 + J, dtype=F64), y.double()])
+    var = torch.tensor([4.0] + [1.0] * J + [0.25] * J, dtype=F64)
+    c = torch.tensor([1.0] + [0.5] * J + [1.0] * J, dtype=F64)
+    m, V, log_z = tempered_gaussian(A, t, var, c)
+    q = guide.joint_posterior("mu", "theta")
+    tol = _tol(dtype)
+    assert torch.allclose(q.mean.double(), m, atol=tol, rtol=tol)
+    assert torch.allclose(q.covariance_matrix.double(), V, atol=tol, rtol=tol)
+    assert_loss(svi, (y,), -log_z, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_tempered_transition_of_a_chain(dtype):
+    """A ``pyro.markov`` local-level chain with one transition under ``poutine.scale`` and one
+    masked out: q is the tempered joint posterior (the Kalman block reads densities unweighted,
+    so such a chain is solved as a joint Gaussian), the loss ``-log Z``."""
+    T, Q, R = 6, 0.5, 0.3
+    y = torch.tensor([0.3, 0.9, 1.4, 0.2, -0.5, 0.1], dtype=dtype)
+    weights = {2: 0.4, 4: 0.0}
+
+    def model(y):
+        x = pyro.sample("x_0", dist.Normal(y.new_zeros(()), 1.0))
+        pyro.sample("y_0", dist.Normal(x, R**0.5), obs=y[0])
+        for t in pyro.markov(range(1, T)):
+            w = weights.get(t, 1.0)
+            with poutine.scale(scale=w) if w else poutine.mask(mask=False):
+                x = pyro.sample(f"x_{t}", dist.Normal(0.9 * x, Q**0.5))
+            pyro.sample(f"y_{t}", dist.Normal(x, R**0.5), obs=y[t])
+
+    guide, svi = _fit(model, (y,))
+    eye = torch.eye(T, dtype=F64)
+    A = torch.cat([eye[:1], eye[1:] - 0.9 * eye[:-1], eye])
+    t = torch.cat([torch.zeros(T, dtype=F64), y.double()])
+    var = torch.tensor([1.0] + [Q] * (T - 1) + [R] * T, dtype=F64)
+    c = torch.tensor([1.0] + [weights.get(t, 1.0) for t in range(1, T)] + [1.0] * T, dtype=F64)
+    m, V, log_z = tempered_gaussian(A, t, var, c)
+    names = [f"x_{t}" for t in range(T)]
+    q = guide.joint_posterior(*names)
+    tol = _tol(dtype)
+    assert torch.allclose(q.mean.double(), m, atol=tol, rtol=tol)
+    assert torch.allclose(q.covariance_matrix.double(), V, atol=tol, rtol=tol)
+    assert_loss(svi, (y,), -log_z, tol)

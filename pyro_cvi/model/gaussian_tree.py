@@ -147,7 +147,12 @@ def tree_prior(spec, trace, root_prior: Callable):
     log_norm = None
     if weighted or any(p.log_norm is not None for p in parts):
         log_norm = rows + sum(p.normaliser() for p in parts)
-    prior = GaussianPrior(torch.linalg.solve(P, h), precision=P, log_norm=log_norm)
+    if log_norm is None:
+        loc = torch.linalg.solve(P, h)
+    else:  # a masked conditional can leave the prior flat along some direction: P singular,
+        # but h = B^T W c lies in its range (the rows B are independent), so any solution fits
+        loc = torch.linalg.lstsq(P, h.unsqueeze(-1)).solution.squeeze(-1)
+    prior = GaussianPrior(loc, precision=P, log_norm=log_norm)
     prior.plugin = plugin  # (plug-in conditionals: the mean field owns their factors)
     return prior
 
