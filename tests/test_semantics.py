@@ -493,7 +493,8 @@ def test_tempered_mean_field_gaussian(dtype):
     def model(X, y):
         with pyro.plate("d", D), poutine.scale(scale=0.5), poutine.mask(mask=keep):
             w = pyro.sample("w", dist.Normal(X.new_zeros(()), 1.0))
-        _likelihood(X, y, w)
+        with pyro.plate("data", len(y)):  # (written to broadcast over vectorised particles)
+            pyro.sample("obs", dist.Normal((X * w.unsqueeze(-2)).sum(-1), SIGMA), obs=y)
 
     guide, svi = _fit(model, (X, y), steps=60)
     cp = 0.5 * keep.double()
@@ -504,7 +505,7 @@ def test_tempered_mean_field_gaussian(dtype):
     prec = cp + (X.double() ** 2).sum(0) / SIGMA**2
     assert torch.allclose(q.variance.double(), 1 / prec, atol=tol, rtol=tol)
     loss = svi.evaluate_loss(X, y)
-    elbo = Trace_ELBO(num_particles=1000)
+    elbo = Trace_ELBO(num_particles=1000, vectorize_particles=True, max_plate_nesting=1)
     v = torch.tensor([elbo.loss(model, guide, X, y) for _ in range(10)], dtype=F64)
     se = float(v.std()) / math.sqrt(len(v))
     assert abs(loss - float(v.mean())) <= 3 * se + tol * abs(loss), (loss, v.mean(), se)
