@@ -509,3 +509,26 @@ def test_tempered_mean_field_gaussian(dtype):
     v = torch.tensor([elbo.loss(model, guide, X, y) for _ in range(10)], dtype=F64)
     se = float(v.std()) / math.sqrt(len(v))
     assert abs(loss - float(v.mean())) <= 3 * se + tol * abs(loss), (loss, v.mean(), se)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_tempered_leaf(dtype):
+    """A latent nothing depends on, under ``poutine.scale(0.5)``: its q is the tempered prior
+    ``N(0, 2^2 / 0.5)`` (not the prior, the q of an unweighted leaf), and the loss adds
+    ``-log int N(z | 0, 2^2)^0.5 dz``."""
+    X, y = _data(dtype)
+
+    def model(X, y):
+        w = _prior(X)
+        with poutine.scale(scale=0.5):
+            pyro.sample("z", dist.Normal(X.new_zeros(()), 2.0))
+        _likelihood(X, y, w)
+
+    guide, svi = _fit(model, (X, y))
+    q = guide.posterior("z")
+    tol = _tol(dtype)
+    assert float(q.mean) == pytest.approx(0.0, abs=tol)
+    assert float(q.variance) == pytest.approx(8.0, rel=tol)
+    _, _, log_z = tempered_regression(X, y, 1.0, 1.0)
+    log_z += -0.25 * math.log(2 * math.pi * 4.0) + 0.5 * math.log(2 * math.pi * 8.0)
+    assert_loss(svi, (X, y), -log_z, tol)

@@ -85,6 +85,29 @@ __all__ = [
 ]  # (the records: pyro_cvi.model.records)
 
 
+def _weighted_leaf(name: str, site) -> bool:
+    """Whether latent ``name``, which nothing depends on, has a prior weight other than a
+    mask: a leaf's ``q`` is its conditional prior, masked as the prior is (so a masked element
+    adds nothing to the ELBO, as under Trace_ELBO with that guide), which is the optimum only
+    for weights 0 and 1. A scaled leaf gets a ``q`` of its own instead (``q ~ p^c``); scaled and
+    partly masked, its masked elements would be free in a ``q`` that is not masked: an error."""
+    weight = latent_weight(site)
+    if weight is None or bool(((weight == 0) | (weight == 1)).all()):
+        return False
+    if bool((weight == 0).any()):
+        raise UnboundedELBOError(
+            f"latent site {name!r} is both scaled and partly masked, and no other site "
+            "depends on it: a q fitted to its tempered prior would leave the masked elements' "
+            "ELBO term H(q) without a maximum. Scale it without the mask, or drop the masked "
+            "elements from the site."
+        )
+    return True
+
+
+class UnboundedELBOError(ValueError):
+    """A construct for which Trace_ELBO's objective has no maximum (raised at set-up)."""
+
+
 class Analysis:
     """Classifies a model's latents and factors for CVI (see the module docstring).
 
@@ -141,7 +164,13 @@ class Analysis:
             self.deps = {n: d | extra.get(n, set()) for n, d in self.deps.items()}
             self._leaf_trace = (tr, leaves)
         referenced = set().union(*self.deps.values()) if self.deps else set()
-        self.leaves = {n for n in self.values if n not in referenced}
+        # a leaf's q is its conditional prior, the optimum only for an unweighted prior: a
+        # tempered leaf (poutine.scale / mask) gets a q of its own, q ~ p^c
+        self.leaves = {
+            n
+            for n in self.values
+            if n not in referenced and not _weighted_leaf(n, self.structure.nodes[n])
+        }
         for name, e in unsupported.items():
             fn = proto.nodes[name]["fn"]
             if name in self.leaves:
