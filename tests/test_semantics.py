@@ -615,3 +615,32 @@ def test_loss_never_below_minus_log_evidence(dtype):
         if model.__name__ != "plated_regression":  # (a mean-field q stays above it)
             _, svi = _fit(model, args, steps=3)
             assert svi.evaluate_loss(*args) == pytest.approx(-log_ev, rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_event_dims_under_a_scale(k, dtype):
+    """A coefficient latent of event shape ``(2,) * k`` under ``poutine.scale(0.5)`` around
+    its prior: q is the tempered posterior over its flattened values, the loss ``-log Z``."""
+    shape = (2,) * k
+    n = 2**k
+    X, y = _data(dtype, d=n, seed=k)
+
+    def model(X, y):
+        with poutine.scale(scale=0.5):
+            w = pyro.sample("w", dist.Normal(X.new_zeros(shape), 1.0).to_event(k))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(X @ w.reshape(n), SIGMA), obs=y)
+
+    guide, svi = _fit(model, (X, y))
+    q = guide.posterior("w")
+    m, V, log_z = tempered_regression(X, y, 0.5, 1.0)
+    tol = _tol(dtype)
+    assert q.mean.shape == shape
+    assert torch.allclose(q.mean.reshape(-1).double(), m, atol=tol, rtol=tol)
+    var = q.variance.reshape(-1).double()
+    assert torch.allclose(var, V.diagonal(), atol=tol, rtol=tol)
+    if k:
+        mean, cov = _joint(guide, ["w"])
+        assert torch.allclose(cov.double(), V, atol=tol, rtol=tol)
+    assert_loss(svi, (X, y), -log_z, tol)

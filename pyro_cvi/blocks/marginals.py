@@ -269,6 +269,20 @@ class TransformedPosterior(pdist.TransformedDistribution):
     def variance(self) -> torch.Tensor:
         return self._moments()[1]
 
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        """A reshaped Gaussian's covariance over its flattened values (row-major, as
+        ``mean.reshape(-1)``); other transforms have none in closed form."""
+        base = self.base_dist
+        if not all(_is_reshape(t) for t in self.transforms) or not isinstance(
+            base, (MultivariateNormal, LowRankMultivariateNormal)
+        ):
+            raise AttributeError(
+                "covariance_matrix: this q is a Gaussian pushed through a nonlinear transform "
+                "(use mean and variance, or sample)"
+            )
+        return base.covariance_matrix
+
 
 def standard_posterior(d: Distribution) -> Distribution:
     """``d`` as one of the classes above where it is a Normal, an ``Independent`` Normal or
