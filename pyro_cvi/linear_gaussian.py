@@ -26,6 +26,7 @@ lazily, for ``posterior()`` and for sampling.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -54,19 +55,26 @@ class GaussianPrior:
 
     The form the model wrote is kept: a GP prior stays a covariance (its precision can be
     numerically meaningless), a precision-parameterised MVN stays a precision.
+
+    ``log_norm``, when set, makes the prior an unnormalised Gaussian: its log-density is
+    ``log_norm - (z - loc)^T S0^-1 (z - loc) / 2`` (``None``: the normalised
+    ``-log|2 pi S0| / 2``). A tempered prior ``c log N(z | m, S)`` (Pyro's ``poutine.scale`` or
+    ``mask`` on a latent) is ``S0 = S / c``, ``log_norm = -c log|2 pi S| / 2``; ``c = 0`` gives a
+    zero precision (a flat prior), which only the precision form can hold.
     """
 
     loc: torch.Tensor
     var: Optional[torch.Tensor] = None
     precision: Optional[torch.Tensor] = None
     cov: Optional[torch.Tensor] = None
+    log_norm: Optional[torch.Tensor] = None
 
     @property
     def is_diagonal(self) -> bool:
         return self.var is not None
 
     def tensors(self):
-        return (self.loc, self.var, self.precision, self.cov)
+        return (self.loc, self.var, self.precision, self.cov, self.log_norm)
 
     def cov_cholesky(self) -> torch.Tensor:
         """Cholesky factor of the dense ``cov``, computed once per prior object."""
@@ -80,6 +88,19 @@ class GaussianPrior:
         if self.cov is not None:
             return torch.cholesky_inverse(self.cov_cholesky())
         return torch.diag_embed(self.var.reciprocal())
+
+    def normaliser(self) -> torch.Tensor:
+        """``log_norm``, or the normalised Gaussian's ``-log|2 pi S0| / 2``."""
+        if self.log_norm is not None:
+            return self.log_norm
+        D = self.loc.numel()
+        if self.var is not None:
+            logdet = self.var.log().sum()
+        elif self.cov is not None:
+            logdet = 2 * self.cov_cholesky().diagonal().log().sum()
+        else:
+            logdet = -2 * cholesky(self.precision, what="prior precision").diagonal().log().sum()
+        return -0.5 * (D * math.log(2 * math.pi) + logdet)
 
     def detach(self) -> GaussianPrior:
         """A copy without graph; ``self`` when there is none (keeping its memoised Cholesky)."""
@@ -187,7 +208,14 @@ class GaussianPosterior:
             P = prior.precision
             trace = (P * self.covariance()).sum()
             maha = diff @ P @ diff
-            logdet_p = -2 * cholesky(P, what="prior precision").diagonal().log().sum()
+            logdet_p = (
+                None
+                if prior.log_norm is not None
+                else -2 * cholesky(P, what="prior precision").diagonal().log().sum()
+            )
+        if prior.log_norm is not None:  # an unnormalised (tempered) prior: -E_q[log p] - H(q)
+            entropy = 0.5 * (D * math.log(2 * math.pi * math.e) + self.logdet_cov)
+            return 0.5 * (trace + maha) - prior.log_norm - entropy
         return 0.5 * (trace + maha - D + logdet_p - self.logdet_cov)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
@@ -544,6 +545,19 @@ def case_pyro_gp_multiclass_response():
     from pyro_cvi.contrib import pyro_gp
 
     pyro_gp.MultiClass(3, response_function=torch.sigmoid)
+
+
+def case_scaled_masked_leaf():
+    X, y = _data()
+
+    def model(X, y):
+        with pyro.plate("two", 2), poutine.scale(scale=0.5):
+            with poutine.mask(mask=torch.tensor([True, False])):
+                pyro.sample("z", dist.Normal(X.new_zeros(()), 1.0))  # nothing depends on it
+        logreg(X, y)
+
+    guide = AutoCVI(model)
+    SVI(model, guide, CVI(), loss=CVI_ELBO()).step(X, y)
 
 
 CASES = {

@@ -109,10 +109,18 @@ def _unwrap(d: Distribution) -> Distribution:
 
 
 def _elementwise(d: TransformedDistribution) -> bool:
+    return _elementwise_transforms(d.transforms)
+
+
+def _elementwise_transforms(transforms) -> bool:
     try:
-        return all(t.domain.event_dim == 0 and t.codomain.event_dim == 0 for t in d.transforms)
+        return all(t.domain.event_dim == 0 and t.codomain.event_dim == 0 for t in transforms)
     except NotImplementedError:
         return False
+
+
+def _is_reshape(t) -> bool:
+    return isinstance(t, torch.distributions.transforms.ReshapeTransform)
 
 
 def _monotone(d: TransformedDistribution) -> bool:
@@ -228,10 +236,17 @@ class TransformedPosterior(pdist.TransformedDistribution):
         base = _unwrap(self.base_dist)
         if isinstance(base, (MultivariateNormal, LowRankMultivariateNormal)):
             base = Normal(base.mean, base.variance.sqrt())
-        if isinstance(base, Normal) and _elementwise(self):
+        # a reshape moves the Normal marginals (a Gaussian of any event shape): exact
+        transforms = list(self.transforms)
+        while isinstance(base, Normal) and transforms and _is_reshape(transforms[0]):
+            t = transforms.pop(0)
+            base = Normal(t(base.loc), t(base.scale))
+        if isinstance(base, Normal) and not transforms:
+            mean, var = base.loc, base.scale**2
+        elif isinstance(base, Normal) and _elementwise_transforms(transforms):
             x, w = gauss_hermite(64, base.loc.dtype, base.loc.device)
             z = base.loc + base.scale * x.reshape((-1,) + (1,) * base.loc.dim())
-            for t in self.transforms:
+            for t in transforms:
                 z = t(z)
             w = w.reshape((-1,) + (1,) * base.loc.dim())
             mean = (w * z).sum(0)
@@ -253,6 +268,20 @@ class TransformedPosterior(pdist.TransformedDistribution):
     @property
     def variance(self) -> torch.Tensor:
         return self._moments()[1]
+
+    @property
+    def covariance_matrix(self) -> torch.Tensor:
+        """A reshaped Gaussian's covariance over its flattened values (row-major, as
+        ``mean.reshape(-1)``); other transforms have none in closed form."""
+        base = self.base_dist
+        if not all(_is_reshape(t) for t in self.transforms) or not isinstance(
+            base, (MultivariateNormal, LowRankMultivariateNormal)
+        ):
+            raise AttributeError(
+                "covariance_matrix: this q is a Gaussian pushed through a nonlinear transform "
+                "(use mean and variance, or sample)"
+            )
+        return base.covariance_matrix
 
 
 def standard_posterior(d: Distribution) -> Distribution:

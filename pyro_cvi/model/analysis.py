@@ -64,6 +64,7 @@ from .tracing import (
     describe_link,
     discrete_dependencies,
     is_random,
+    latent_weight,
     linear_candidates,
     linear_param,
     linked_reader,
@@ -83,6 +84,29 @@ __all__ = [
     "LEAF_FORM",
     "REMAINDER",
 ]  # (the records: pyro_cvi.model.records)
+
+
+def _weighted_leaf(name: str, site) -> bool:
+    """Whether latent ``name``, which nothing depends on, has a prior weight other than a
+    mask: a leaf's ``q`` is its conditional prior, masked as the prior is (so a masked element
+    adds nothing to the ELBO, as under Trace_ELBO with that guide), which is the optimum only
+    for weights 0 and 1. A scaled leaf gets a ``q`` of its own instead (``q ~ p^c``); scaled and
+    partly masked, its masked elements would be free in a ``q`` that is not masked: an error."""
+    weight = latent_weight(site)
+    if weight is None or bool(((weight == 0) | (weight == 1)).all()):
+        return False
+    if bool((weight == 0).any()):
+        raise UnboundedELBOError(
+            f"latent site {name!r} is both scaled and partly masked, and no other site "
+            "depends on it: a q fitted to its tempered prior would leave the masked elements' "
+            "ELBO term H(q) without a maximum. Scale it without the mask, or drop the masked "
+            "elements from the site."
+        )
+    return True
+
+
+class UnboundedELBOError(ValueError):
+    """A construct for which Trace_ELBO's objective has no maximum (raised at set-up)."""
 
 
 class Analysis:
@@ -141,7 +165,13 @@ class Analysis:
             self.deps = {n: d | extra.get(n, set()) for n, d in self.deps.items()}
             self._leaf_trace = (tr, leaves)
         referenced = set().union(*self.deps.values()) if self.deps else set()
-        self.leaves = {n for n in self.values if n not in referenced}
+        # a leaf's q is its conditional prior, the optimum only for an unweighted prior: a
+        # tempered leaf (poutine.scale / mask) gets a q of its own, q ~ p^c
+        self.leaves = {
+            n
+            for n in self.values
+            if n not in referenced and not _weighted_leaf(n, self.structure.nodes[n])
+        }
         for name, e in unsupported.items():
             fn = proto.nodes[name]["fn"]
             if name in self.leaves:
@@ -171,6 +201,9 @@ class Analysis:
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = markov.find_chains(self)
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
+        # the Kalman smoother reads the transition densities unweighted: a chain with a scaled or
+        # masked latent (poutine.scale / mask) goes to the blocks that weigh its prior
+        self.chains = [c for c in self.chains if not self._weighted_chain(c)]
         self._probe_cache: Dict[object, list] = {}
         #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
@@ -180,6 +213,10 @@ class Analysis:
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
             apply_remainder(self, *remainder_sets(self, chosen, remainder))
+
+    def _weighted_chain(self, chain) -> bool:
+        nodes = self.structure.nodes
+        return any(latent_weight(nodes[n]) is not None for n in chain.names)
 
     def regroup(self) -> None:
         """Group the Gaussian blocks and classify every factor (again, after latents moved)."""

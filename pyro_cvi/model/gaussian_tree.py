@@ -23,7 +23,7 @@ import torch
 
 from ..linear_gaussian import GaussianPrior
 from . import probes
-from .tracing import unwrap
+from .tracing import latent_weight, unwrap
 
 __all__ = [
     "MAX_JOINT_DIM",
@@ -84,18 +84,24 @@ def prunable(an, cand: Set[str]) -> Set[str]:
 
 
 def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
-    """``(P, h, plugin)`` of a block's joint prior (module docstring). ``roots``:
+    """``(P, h, plugin, (log_norm, weighted))`` of a block's joint prior (module docstring).
+    ``roots``:
     ``name -> (P_r, m_r)`` of the members with a latent-free prior; ``spec.prior_rows``:
     ``name -> A_y`` (R x D). Members whose scale depends on mean-field latents use the scale at
-    the trace's values of those (their means): ``plugin`` holds their ``(B, c, w)``, for the
+    the trace's values of those (their means): ``plugin`` holds their ``(B, c, w, n)``, for the
     block to swap this plug-in conditional's expectation for the factor's own (which the mean
-    field estimates, and whose Monte Carlo messages the scale's latents get)."""
+    field estimates, and whose Monte Carlo messages the scale's latents get). A member with a
+    weight ``k`` (``poutine.scale`` / ``mask``: :func:`~pyro_cvi.model.tracing.latent_weight`)
+    contributes ``k`` times its conditional: ``w -> k w`` and ``n = k log(w / 2 pi) / 2``;
+    the last item is ``(sum n, whether any member is weighted)``."""
     like = next(iter(roots.values()))[0] if roots else next(iter(spec.prior_rows.values()))
     D = spec.dim
     P = like.new_zeros(D, D)
     h = like.new_zeros(D)
     z = torch.cat([trace.nodes[n]["value"].detach().reshape(-1).to(like) for n in spec.names])
     plugin = []
+    log_norm = like.new_zeros(())
+    weighted = False
     offset = 0
     for n, k in zip(spec.names, spec.sizes):
         sl = slice(offset, offset + k)
@@ -110,43 +116,60 @@ def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
         base = unwrap(fn)[0]
         loc = base.loc.detach().expand(fn.shape()).reshape(-1).to(like)
         w = (base.scale.detach() ** -2).expand(fn.shape()).reshape(-1).to(like)
+        weight = latent_weight(trace.nodes[n])
+        kw = like.new_ones(()) if weight is None else weight.to(like).reshape(-1)
+        weighted = weighted or weight is not None
+        norm = 0.5 * kw * torch.log(w / (2 * math.pi))
+        log_norm = log_norm + norm.sum()
+        w = kw * w
         c = loc - A @ z
         B = -A.clone()
         B[:, sl] += torch.eye(k, dtype=like.dtype, device=like.device)
         P += B.T @ (w[:, None] * B)
         h += B.T @ (w * c)
         if n in spec.scale_latent:
-            plugin.append((B, c, w))
-    return P, h, plugin
+            plugin.append((B, c, w, norm.expand(w.shape)))
+    return P, h, plugin, (log_norm, weighted)
 
 
 def tree_prior(spec, trace, root_prior: Callable):
     """The block's joint prior (a ``GaussianPrior`` in precision form) from
-    :func:`joint_prior_information`; ``root_prior(fn, k)`` reads a latent-free member's prior.
-    Its plug-in conditionals ride along as ``prior.plugin``."""
-    roots = {}
+    :func:`joint_prior_information`; ``root_prior(fn, k, weight)`` reads a latent-free member's
+    prior. Its plug-in conditionals ride along as ``prior.plugin``."""
+    roots, parts = {}, []
     for n, k in zip(spec.names, spec.sizes):
         if n not in spec.prior_rows:
-            p = root_prior(trace.nodes[n]["fn"], k)
+            node = trace.nodes[n]
+            p = root_prior(node["fn"], k, latent_weight(node))
             roots[n] = (p.precision_matrix(), p.loc)
-    P, h, plugin = joint_prior_information(spec, trace, roots)
-    prior = GaussianPrior(torch.linalg.solve(P, h), precision=P)
+            parts.append(p)
+    P, h, plugin, (rows, weighted) = joint_prior_information(spec, trace, roots)
+    log_norm = None
+    if weighted or any(p.log_norm is not None for p in parts):
+        log_norm = rows + sum(p.normaliser() for p in parts)
+    if log_norm is None:
+        loc = torch.linalg.solve(P, h)
+    else:  # a masked conditional can leave the prior flat along some direction: P singular,
+        # but h = B^T W c lies in its range (the rows B are independent), so any solution fits
+        loc = torch.linalg.lstsq(P, h.unsqueeze(-1)).solution.squeeze(-1)
+    prior = GaussianPrior(loc, precision=P, log_norm=log_norm)
     prior.plugin = plugin  # (plug-in conditionals: the mean field owns their factors)
     return prior
 
 
 def plugin_expected_log_prob(prior, post) -> torch.Tensor:
-    """``sum E_q[log N(B z - c | 0, 1/w)]`` of ``prior.plugin`` under ``q = post`` (a Gaussian
-    with ``loc`` and ``scale_tril()``; closed form); zero without plug-in conditionals."""
+    """``sum E_q[n - w (B z - c)^2 / 2]`` of ``prior.plugin`` under ``q = post`` (a Gaussian
+    with ``loc`` and ``scale_tril()``; closed form): the plug-in conditionals' part of the prior's
+    log-density; zero without plug-in conditionals."""
     plugin = getattr(prior, "plugin", None)
     if not plugin:
         return torch.zeros((), dtype=post.loc.dtype, device=post.loc.device)
     loc, scale_tril = post.loc, post.scale_tril()
     total = loc.new_zeros(())
-    for B, c, w in plugin:
+    for B, c, w, norm in plugin:
         r = B @ loc - c
         var = (B @ scale_tril).square().sum(-1)
-        total = total + (0.5 * torch.log(w / (2 * math.pi)) - 0.5 * w * (r.square() + var)).sum()
+        total = total + (norm - 0.5 * w * (r.square() + var)).sum()
     return total
 
 

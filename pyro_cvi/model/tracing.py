@@ -23,6 +23,7 @@ __all__ = [
     "continuous_dependencies",
     "is_random",
     "unwrap",
+    "latent_weight",
     "LINEAR_PARAMS",
     "LINKS",
     "linear_param",
@@ -196,6 +197,64 @@ def unwrap(fn) -> Tuple[torch.distributions.Distribution, Optional[torch.Tensor]
             fn = fn.base_dist
         else:
             return fn, mask, ndims
+
+
+def subsample_scale(site) -> float:
+    """The product of ``full_size / size`` over the subsampled plates around ``site``: the
+    scale Pyro's plates give both the model's and the guide's log-densities there."""
+    ratio = 1.0
+    for frame in site["cond_indep_stack"]:
+        if frame.full_size is not None and frame.size and frame.full_size != frame.size:
+            ratio *= frame.full_size / frame.size
+    return ratio
+
+
+def latent_weight(site) -> Optional[torch.Tensor]:
+    """The weight ``Trace_ELBO`` gives a latent's prior log-density beyond its plates'
+    subsampling: ``scale * mask`` of the site (``poutine.scale`` / ``poutine.mask`` around it,
+    ``MaskedDistribution`` at any depth), per element of its unwrapped base distribution's batch
+    shape (:func:`unwrap`; the event dims of ``Independent`` included), or ``None`` when it is
+    one everywhere. The guide's ``log q`` carries no such weight, so a weight ``c`` tempers the
+    prior: ``E_q[c log p(z)] - E_q[log q(z)]``."""
+    fn = site["fn"]
+    scale = site["scale"]
+    ratio = subsample_scale(site)
+    weight = None
+    if torch.is_tensor(scale):
+        weight = scale.detach() / ratio
+    elif scale / ratio != 1.0:
+        weight = torch.tensor(scale / ratio)
+    m = site["mask"]
+    if m is False:
+        weight = torch.tensor(0.0) if weight is None else weight * 0
+    elif m is not None and m is not True:
+        weight = m.double() if weight is None else weight * m
+    weight = (
+        None
+        if weight is None
+        else weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
+    )
+    # down the wrappers: Independent moves event dims into the batch, a mask multiplies
+    while True:
+        if isinstance(fn, dist.MaskedDistribution):
+            k = fn._mask
+            if k is not None and k is not True:
+                k = torch.as_tensor(k).to(torch.float64)
+                weight = k if weight is None else weight * k
+                weight = weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
+            fn = fn.base_dist
+        elif isinstance(fn, torch.distributions.Independent):
+            if weight is not None:
+                weight = weight.reshape(weight.shape + (1,) * fn.reinterpreted_batch_ndims)
+                weight = weight.expand(fn.base_dist.batch_shape)
+            fn = fn.base_dist
+        elif isinstance(fn, dist.ExpandedDistribution):
+            fn = fn.base_dist
+        else:
+            break
+    if weight is None or bool((weight == 1).all()):
+        return None
+    return weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
 
 
 def _identity(x):
