@@ -22,6 +22,7 @@ from .divergence import DivergenceError
 from .elbo import CVI_ELBO
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
+from .model.weights import UnboundedELBOError
 from .optim import CVI
 from .scale.checkpoint import CheckpointError
 from .strategies import Remainder
@@ -36,6 +37,7 @@ __all__ = [
     "DivergenceError",
     "Remainder",
     "StructuredSVI",
+    "UnboundedELBOError",
     "step_sizes",
 ]
 

@@ -37,7 +37,7 @@ from ..messages.softmax_sites import SOFTMAX, centred_logits
 from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
 from . import gaussian_tree, probes
-from .block_factors import cross_factor, plate_factor
+from .block_factors import chain_factor, cross_factor, plate_factor
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -64,7 +64,6 @@ from .tracing import (
     describe_link,
     discrete_dependencies,
     is_random,
-    latent_weight,
     linear_candidates,
     linear_param,
     linked_reader,
@@ -76,6 +75,7 @@ from .tracing import (
     trace_model,
     unwrap,
 )
+from .weights import weighted_chain, weighted_leaf
 
 __all__ = [
     "Analysis",
@@ -84,29 +84,6 @@ __all__ = [
     "LEAF_FORM",
     "REMAINDER",
 ]  # (the records: pyro_cvi.model.records)
-
-
-def _weighted_leaf(name: str, site) -> bool:
-    """Whether latent ``name``, which nothing depends on, has a prior weight other than a
-    mask: a leaf's ``q`` is its conditional prior, masked as the prior is (so a masked element
-    adds nothing to the ELBO, as under Trace_ELBO with that guide), which is the optimum only
-    for weights 0 and 1. A scaled leaf gets a ``q`` of its own instead (``q ~ p^c``); scaled and
-    partly masked, its masked elements would be free in a ``q`` that is not masked: an error."""
-    weight = latent_weight(site)
-    if weight is None or bool(((weight == 0) | (weight == 1)).all()):
-        return False
-    if bool((weight == 0).any()):
-        raise UnboundedELBOError(
-            f"latent site {name!r} is both scaled and partly masked, and no other site "
-            "depends on it: a q fitted to its tempered prior would leave the masked elements' "
-            "ELBO term H(q) without a maximum. Scale it without the mask, or drop the masked "
-            "elements from the site."
-        )
-    return True
-
-
-class UnboundedELBOError(ValueError):
-    """A construct for which Trace_ELBO's objective has no maximum (raised at set-up)."""
 
 
 class Analysis:
@@ -170,7 +147,7 @@ class Analysis:
         self.leaves = {
             n
             for n in self.values
-            if n not in referenced and not _weighted_leaf(n, self.structure.nodes[n])
+            if n not in referenced and not weighted_leaf(n, self.structure.nodes[n])
         }
         for name, e in unsupported.items():
             fn = proto.nodes[name]["fn"]
@@ -203,8 +180,8 @@ class Analysis:
         self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
         # the Kalman smoother reads the transition densities unweighted: a chain with a scaled or
         # masked latent (poutine.scale / mask) goes to the blocks that weigh its prior
-        self.chains = [c for c in self.chains if not self._weighted_chain(c)]
-        self._probe_cache: Dict[object, list] = {}
+        self.chains = [c for c in self.chains if not weighted_chain(self.structure, c)]
+        self.probe_cache: Dict[object, list] = {}
         #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
         self.remainder: List[str] = []
@@ -214,19 +191,15 @@ class Analysis:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
             apply_remainder(self, *remainder_sets(self, chosen, remainder))
 
-    def _weighted_chain(self, chain) -> bool:
-        nodes = self.structure.nodes
-        return any(latent_weight(nodes[n]) is not None for n in chain.names)
-
     def regroup(self) -> None:
         """Group the Gaussian blocks and classify every factor (again, after latents moved)."""
         self.specs: Dict[str, FactorSpec] = {}  # (asked while grouping; reset after)
         self.blocks = self._group_blocks()
-        self._probe_cache.clear()  # (block indices may have changed)
+        self.probe_cache.clear()  # (block indices may have changed)
         self.specs = {}
         self.owner: Dict[str, object] = {}
         self._classify()
-        self._probe_cache.clear()
+        self.probe_cache.clear()
 
     # ------------------------------------------------------------------ model runs
     def run(self, **override):
@@ -259,7 +232,7 @@ class Analysis:
     def _group_blocks(self) -> List[BlockSpec]:
         """Connected components of the site-form candidates over shared factors (union-find)."""
         cand = [n for n in self.latents if self._site_form_candidate(n)]
-        reset = self._probe_cache.clear
+        reset = self.probe_cache.clear
         return gaussian_tree.group(self, cand, self._union_blocks, self._probes, reset)
 
     def _union_blocks(self, cand: List[str]) -> List[BlockSpec]:
@@ -361,7 +334,7 @@ class Analysis:
         base = unwrap(tr.nodes[site]["fn"])[0]
         kind_name = type(base).__name__
         if block.chain is not None:
-            return self._chain_factor(site, block, base)
+            return chain_factor(self, site, block, base)
         if site in block.names:
             return Factor(site, label, PRIOR, f"{kind_name} prior of {site} (eq. 2)")
         plate = self.minibatch_plate(site)
@@ -445,44 +418,13 @@ class Analysis:
         """Two model runs at joint random perturbations of the block's sites (scaled by
         ``shrink``), shared by every factor of the block: ``[(perturbations, trace)]``."""
         key = block.index if shrink == 1.0 else (block.index, shrink)
-        if key not in self._probe_cache:
+        if key not in self.probe_cache:
             at = {n: self.ref[n] for n in block.names}
             moves = [{n: shrink * d for n, d in dz.items()} for dz in probes.perturbations(at)]
             with torch.no_grad():
                 runs = [self.run(**{n: at[n] + dz[n] for n in block.names}) for dz in moves]
-            self._probe_cache[key] = list(zip(moves, runs))
-        return self._probe_cache[key]
-
-    def _chain_factor(self, site: str, block: BlockSpec, base) -> Factor:
-        """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
-        affine in one step's state (linear-predictor sites); one shared probe run."""
-        chain, (tr, leaves), label = block.chain, self.leaf_trace(), block.label
-        if block.index not in self._probe_cache and chain.probe is not None:
-            self._probe_cache[block.index] = chain.probe  # the random walk's detection probe
-        if block.index not in self._probe_cache:
-            (dz,) = probes.perturbations({n: self.ref[n] for n in block.names}, num_probes=1)
-            with torch.no_grad():
-                moved = self.run(**{n: self.ref[n] + dz[n] for n in block.names})
-            dx = chain.states(torch.cat([dz[n].reshape(-1) for n in block.names]))
-            self._probe_cache[block.index] = (dx, moved)
-        dx, moved = self._probe_cache[block.index]
-        if site not in block.names:
-            found = chain.observations.get(site)
-            name, rows, why, dyn, link = found or markov.observation_factor(
-                site, chain, base, tr, leaves, moved, dx
-            )
-            return Factor(
-                site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0], link=link
-            )
-        if site != block.names[0]:
-            return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
-        if not chain.ssm and chain.increments is None:
-            with torch.enable_grad():
-                markov.prepare_loop(chain, tr, leaves, moved, label)
-        why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
-        if chain.increments is not None:
-            why += "; " + chain.increments.describe(site)
-        return Factor(site, label, PRIOR, why)
+            self.probe_cache[key] = list(zip(moves, runs))
+        return self.probe_cache[key]
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:
         """A factor shared by a Gaussian block and natural-form latents: exact rows at the

@@ -5,6 +5,8 @@
   ELBO term).
 * :func:`plate_factor`: a linear predictor in a vectorised subsampled plate keeps one site per
   data point of the whole plate (the incremental form, :mod:`pyro_cvi.blocks.plate_sites`).
+* :func:`chain_factor`: a factor of a Markov block (the chain prior, or an observation affine in
+  one step's state).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Optional, Set
 import torch
 
 from ..messages.softmax_sites import centred_logits
-from .records import GENERAL, LINEAR, SITE, Factor
+from ..statespace import detect as markov
+from . import probes
+from .records import GENERAL, LINEAR, PRIOR, SITE, Factor
 from .tracing import (
     describe_link,
     has_learnable_params,
@@ -25,7 +29,7 @@ from .tracing import (
     rebuilds,
 )
 
-__all__ = ["cross_factor", "plate_factor"]
+__all__ = ["chain_factor", "cross_factor", "plate_factor"]
 
 
 def cross_factor(an, site: str, inside: Set[str]) -> None:
@@ -91,3 +95,33 @@ def _has_graph_to(value: torch.Tensor, params) -> bool:
     with torch.enable_grad():
         grads = torch.autograd.grad(value.sum(), params, allow_unused=True, retain_graph=True)
     return any(g is not None for g in grads)
+
+
+def chain_factor(an, site: str, block, base) -> Factor:
+    """A factor of a Markov block: the chain prior (Kalman smoother), or an observation
+    affine in one step's state (linear-predictor sites); one shared probe run."""
+    chain, (tr, leaves), label = block.chain, an.leaf_trace(), block.label
+    if block.index not in an.probe_cache and chain.probe is not None:
+        an.probe_cache[block.index] = chain.probe  # the random walk's detection probe
+    if block.index not in an.probe_cache:
+        (dz,) = probes.perturbations({n: an.ref[n] for n in block.names}, num_probes=1)
+        with torch.no_grad():
+            moved = an.run(**{n: an.ref[n] + dz[n] for n in block.names})
+        dx = chain.states(torch.cat([dz[n].reshape(-1) for n in block.names]))
+        an.probe_cache[block.index] = (dx, moved)
+    dx, moved = an.probe_cache[block.index]
+    if site not in block.names:
+        found = chain.observations.get(site)
+        name, rows, why, dyn, link = found or markov.observation_factor(
+            site, chain, base, tr, leaves, moved, dx
+        )
+        return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0], link=link)
+    if site != block.names[0]:
+        return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
+    if not chain.ssm and chain.increments is None:
+        with torch.enable_grad():
+            markov.prepare_loop(chain, tr, leaves, moved, label)
+    why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
+    if chain.increments is not None:
+        why += "; " + chain.increments.describe(site)
+    return Factor(site, label, PRIOR, why)

@@ -1,0 +1,39 @@
+"""Pyro's weights (``poutine.scale``, ``poutine.mask``, masked distributions) on latent priors,
+where they change the form a latent takes: Trace_ELBO multiplies every model log-density by its
+site's weight and leaves ``log q`` alone, so a weight ``c`` tempers a prior into ``p^c``
+(:func:`~pyro_cvi.model.tracing.latent_weight`)."""
+
+from __future__ import annotations
+
+from .tracing import latent_weight
+
+__all__ = ["UnboundedELBOError", "weighted_chain", "weighted_leaf"]
+
+
+class UnboundedELBOError(ValueError):
+    """A construct for which Trace_ELBO's objective has no maximum (raised at set-up)."""
+
+
+def weighted_leaf(name: str, site) -> bool:
+    """Whether latent ``name``, which nothing depends on, has a prior weight other than a
+    mask: a leaf's ``q`` is its conditional prior, masked as the prior is (so a masked element
+    adds nothing to the ELBO, as under Trace_ELBO with that guide), which is the optimum only
+    for weights 0 and 1. A scaled leaf gets a ``q`` of its own instead (``q ~ p^c``); scaled and
+    partly masked, its masked elements would be free in a ``q`` that is not masked: an error."""
+    weight = latent_weight(site)
+    if weight is None or bool(((weight == 0) | (weight == 1)).all()):
+        return False
+    if bool((weight == 0).any()):
+        raise UnboundedELBOError(
+            f"latent site {name!r} is both scaled and partly masked, and no other site "
+            "depends on it: a q fitted to its tempered prior would leave the masked elements' "
+            "ELBO term H(q) without a maximum. Scale it without the mask, or drop the masked "
+            "elements from the site."
+        )
+    return True
+
+
+def weighted_chain(structure, chain) -> bool:
+    """Whether a Markov chain has a weighted latent: the Kalman smoother reads transition
+    densities unweighted, so such a chain goes to the blocks that weigh its prior."""
+    return any(latent_weight(structure.nodes[n]) is not None for n in chain.names)
