@@ -49,6 +49,7 @@ from pyro_cvi.update import cvi_update
 
 from .lengthscale_search import LengthscaleMove, data_sites, search_lengthscales
 from .posterior import safe_cholesky
+from .step_guard import SecantBacktracking
 
 __all__ = [
     "InducingSites",
@@ -133,11 +134,20 @@ def nsd_projection(lam2: Tensor) -> Tuple[Tensor, int]:
     return torch.where(bad[..., None, None], clipped, lam2), int(bad.sum())
 
 
-def mean_param_targets(m_v: Tensor, gm: Tensor, gS: Tensor) -> Tuple[Tensor, Tensor]:
-    """CVI targets from ``dF/dm_v`` and ``dF/dS_v`` (eqs. 30-31 in M dimensions)."""
-    t2 = 0.5 * (gS + gS.mT)
+def mean_param_targets(m_v: Tensor, gm: Tensor, gS: Tensor) -> Tuple[Tensor, Tensor, int]:
+    """CVI targets from ``dF/dm_v`` and ``dF/dS_v`` (eqs. 30-31 in M dimensions), and how many
+    batch elements had their curvature clipped.
+
+    ``t2 = dF/dS_v`` is projected to the negative semidefinite cone (:func:`nsd_projection`)
+    *before* ``t1 = dF/dm_v - 2 t2 m_v`` is formed, so that the site still matches the gradient in
+    the mean: at a fixed point ``lam = t``, ``m_v = B^-1 t1`` gives ``m_v = dF/dm_v`` (the
+    stationarity condition of ``F - KL``) whatever was clipped. Forming ``t1`` from the unclipped
+    ``t2`` instead multiplies ``m_v`` by ``-2 t2`` in every clipped direction at every step, which
+    diverges where ``t2`` is large (``PredictiveLogLikelihood``, non-log-concave likelihoods).
+    """
+    t2, clipped = nsd_projection(gS)
     t1 = gm - 2.0 * (t2 @ m_v.unsqueeze(-1)).squeeze(-1)
-    return t1, t2
+    return t1, t2, clipped
 
 
 class SiteMultivariateNormal(MultivariateNormal):
@@ -161,13 +171,16 @@ class BackwardStep:
     turns their gradients into one CVI step (module docstring).
 
     :param q: q(v) at the current sites.
-    :param apply: called with ``(t1, t2, c)``, the CVI targets (full-data scale) and the KL's
-        weight in the loss, once per backward.
+    :param apply: called with ``(step, t1, t2, c, clipped)``: this object, the CVI targets
+        (full-data scale), the KL's weight in the loss and the number of clipped curvatures,
+        once per backward.
     """
 
     _warned = False
 
-    def __init__(self, q: WhitenedQ, apply: Callable[[Tensor, Tensor], None]):
+    def __init__(self, q: WhitenedQ, apply: Callable[..., None]):
+        #: the inputs of the forward passes that used these leaves (see :mod:`.step_guard`)
+        self.inputs: list = []
         self.m_v = q.m_v.detach().clone().requires_grad_(True)
         self.S_v = q.S_v.detach().clone().requires_grad_(True)
         self.probe = torch.zeros_like(q.kl).requires_grad_(True)
@@ -199,8 +212,10 @@ class BackwardStep:
         self.active = False  # one step per value of the sites
         gm = torch.zeros_like(self.m_v) if gm is None else gm
         gS = torch.zeros_like(self.S_v) if gS is None else gS
-        t1, t2 = mean_param_targets(self.m_v.detach(), -gm / c[..., None], -gS / c[..., None, None])
-        self.apply(t1, t2, c)
+        t1, t2, clipped = mean_param_targets(
+            self.m_v.detach(), -gm / c[..., None], -gS / c[..., None, None]
+        )
+        self.apply(self, t1, t2, c, clipped)
 
 
 class InducingForm:
@@ -246,6 +261,8 @@ class InducingForm:
         self._searched = False
         self._capture: Optional[dict] = None
         self.backward_step = True
+        #: the policy of the step from the backward pass (:mod:`.step_guard`)
+        self.step_guard = SecantBacktracking(self.step_size)
         self.num_clipped = 0
         self._q_cache = None
         self._step_cache = None
@@ -293,15 +310,45 @@ class InducingForm:
         finally:
             self._tracked = None
 
-    def _backward_update(self, t1: Tensor, t2: Tensor, c: Tensor) -> None:
+    def _backward_update(
+        self, step: BackwardStep, t1: Tensor, t2: Tensor, c: Tensor, clipped: int = 0
+    ) -> None:
+        """The step from the backward pass, through :class:`.step_guard.SecantBacktracking`
+        (undone and shrunk if the objective got worse, retracted to valid sites)."""
         d = self._variational_distribution
+        self.num_clipped += clipped
+        guard = self.step_guard
+        guard.step_size = self.step_size
         cap = self.pop_captured()
         if cap is not None and cap.get("gm") is not None and cap.get("gv") is not None:
             moved = self.search_step(cap["x"], cap["mean"], -cap["gm"] / c, -cap["gv"] / c)
             if moved is not None:  # the new lengthscales once this backward pass has finished
                 torch.autograd.Variable._execution_engine.queue_callback(moved.apply)
                 t1, t2 = moved.targets
-        self.blend_sites((d.lam1, d.lam2), (t1, t2), self.step_size)
+                t2, n = nsd_projection(t2)
+                self.num_clipped += n
+                guard.reset()  # a different objective from here on
+        checked = {}
+
+        def check(lam1: Tensor, lam2: Tensor) -> None:
+            checked["q"] = WhitenedQ(lam1, lam2)
+
+        lam = (d.lam1.detach().clone(), d.lam2.detach().clone())
+        mu_v = (step.m_v.detach(), step.S_v.detach())
+        new = guard.step(lam, mu_v, (t1, t2), step.inputs, c, self._site_version, check)
+        if new is None:
+            warnings.warn(
+                "CVIVariationalStrategy: no step from the backward pass gives valid sites "
+                f"(B = I - 2 lam2 positive definite in {d.lam1.dtype}); q was left as it was. "
+                "Use float64 (model.double(), likelihood.double()) or a smaller step_size.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.set_sites(*new)
+        guard.version = self._site_version
+        if "q" in checked:
+            self._q_cache = (self._q_key(), checked["q"])
 
     # ------------------------------------------------- the lengthscale search
     def search_pending(self) -> bool:
@@ -372,6 +419,9 @@ class InducingForm:
         L_Z = safe_cholesky(self._kzz(cov[..., :M, :M].to_dense()), "K_ZZ")
         Phi = torch.linalg.solve_triangular(L_Z, cov[..., :M, M:].to_dense(), upper=False)
         m_v, S_v, _ = self._q_tensors()
+        step = None if self._tracked is not None else self._step_cache
+        if step is not None and m_v is step[1].m_v:  # the inputs of the backward step's loss
+            step[1].inputs.append(x.detach())
         mean, A, Phi = predictive(Phi, joint.mean[..., M:], m_v, S_v)
         K_xx = cov[..., M:, M:]
         if diag and self.training:
