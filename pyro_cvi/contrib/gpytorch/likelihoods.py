@@ -58,7 +58,10 @@ def binary_labels(y: Tensor, what: str) -> Tensor:
     other = ~(zero_one | plus_minus)
     if bool(other.any()):
         i = [int(j) for j in other.nonzero()[0]]
-        why = f"{y[tuple(i)].item()} at index {i} is not a binary label"
+        value = y[tuple(i)].item()
+        why = f"{value} at index {i} is not " + (
+            "a binary label" if math.isfinite(value) else "finite (remove or impute the point)"
+        )
     else:
         i = [int(j) for j in (y == -1).nonzero()[0]]
         why = f"-1 at index {i} mixed with 0 labels (two conventions in one tensor)"
