@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import gpytorch
 
+ROOT = Path(__file__).resolve().parents[1]
 #: the example files that build a VariationalStrategy or UnwhitenedVariationalStrategy
 FILES = [
     "test_batch_svgp_gp_regression.py",
@@ -40,13 +42,13 @@ FILES = [
 #: data files the tests read
 DATA = ["old_variational_strategy_model.pth", "__init__.py"]
 
-SWAP = '''
+SWAP = """
 import gpytorch.variational as _v
 from pyro_cvi.contrib.gpytorch import CVIVariationalStrategy as _CVI
 
 _v.VariationalStrategy = _CVI
 _v.UnwhitenedVariationalStrategy = _CVI
-'''
+"""
 
 
 def extract(repo: Path, tag: str, dest: Path) -> None:
@@ -65,7 +67,9 @@ def run(dest: Path, swap: bool, keyword: str | None, timeout: int) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
     cmd += ["-n", "0", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
     cmd += ["--rootdir", str(dest)] + (["-k", keyword] if keyword else []) + FILES
-    subprocess.run(cmd, cwd=dest, timeout=timeout, capture_output=True)
+    env = dict(os.environ)  # this checkout's pyro_cvi, not an installed one
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    subprocess.run(cmd, cwd=dest, timeout=timeout, capture_output=True, env=env)
     out = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('file') or case.get('classname')}::{case.get('name')}"

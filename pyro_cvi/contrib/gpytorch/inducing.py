@@ -40,6 +40,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.distributions.multivariate_normal import kl_mvn_mvn
 from gpytorch.variational import _VariationalDistribution
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
@@ -156,14 +157,26 @@ class SiteMultivariateNormal(MultivariateNormal):
     (``IndependentMultitaskVariationalStrategy``, ``LMCVariationalStrategy``), which compute the
     KL from ``variational_distribution`` and ``prior_distribution``, get the same value."""
 
-    def __init__(self, mean: Tensor, covariance_matrix, kl: Tensor):
-        super().__init__(mean, covariance_matrix)
+    def __init__(self, mean: Tensor, covariance_matrix, kl: Optional[Tensor] = None, **kwargs):
+        super().__init__(mean, covariance_matrix, **kwargs)
         self.site_kl = kl
+
+    def expand(self, batch_size) -> SiteMultivariateNormal:
+        """GPyTorch's ``expand`` (Pyro calls it for vectorised particles and plates; it may skip
+        ``__init__``), with the sites' KL expanded alongside."""
+        batch_size = torch.Size(batch_size)
+        new = super().expand(batch_size)
+        kl = getattr(self, "site_kl", None)
+        new.site_kl = None if kl is None else kl.expand(batch_size)
+        return new
 
 
 @register_kl(SiteMultivariateNormal, MultivariateNormal)
 def _kl_site_mvn(q: SiteMultivariateNormal, p: MultivariateNormal) -> Tensor:
-    return q.site_kl
+    kl = getattr(q, "site_kl", None)
+    if kl is None:  # built without the sites' KL: the closed form of two Gaussians
+        return kl_mvn_mvn(q, p)
+    return kl
 
 
 class BackwardStep:
@@ -261,6 +274,7 @@ class InducingForm:
         self._searched = False
         self._capture: Optional[dict] = None
         self.backward_step = True
+        self._pending_unwhitened = None
         #: the policy of the step from the backward pass (:mod:`.step_guard`)
         self.step_guard = SecantBacktracking(self.step_size)
         self.num_clipped = 0
@@ -275,6 +289,10 @@ class InducingForm:
 
     def whitened_q(self) -> WhitenedQ:
         """q(v) at the current sites (cached while they do not change)."""
+        if self._pending_unwhitened is not None:  # a loaded GPyTorch q(u)
+            from .state_convert import convert_pending  # (state_convert imports this module)
+
+            convert_pending(self)
         key = self._q_key()
         if self._q_cache is None or self._q_cache[0] != key:
             d = self._variational_distribution

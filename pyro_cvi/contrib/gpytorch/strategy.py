@@ -30,9 +30,11 @@ from torch import Tensor
 from pyro_cvi.scale.distributed import Reducer, as_reducer
 
 from . import site_store as store
+from .fantasy import FantasyForm
 from .inducing import InducingForm
 from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
 from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
+from .state_convert import gpytorch_state_to_sites
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
@@ -46,7 +48,7 @@ class _Cache:
         self.key, self.post, self.has_graph, self.extras = key, post, has_graph, extras
 
 
-class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
+class CVIVariationalStrategy(FantasyForm, InducingForm, _VariationalStrategy):
     r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
     **Built the GPyTorch way** (``CVIVariationalStrategy(model, inducing_points,
@@ -260,6 +262,7 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a model built without train_inputs has no site_inputs buffer yet: make room for it
+        gpytorch_state_to_sites(self, state_dict, prefix)  # saved by GPyTorch's strategies
         key = prefix + "site_inputs"
         if key in state_dict and self.site_inputs is None and not self.inducing_form:
             self.site_inputs = torch.empty_like(state_dict[key])
@@ -369,8 +372,17 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
     # ------------------------------------------------------------- q and p
     @property
     def prior_distribution(self) -> MultivariateNormal:
-        """p(u) = N(m0(Z), k(Z, Z)) (unwhitened)."""
-        return self.model.forward(self.inducing_points)
+        """p(u) = N(m0(Z), k(Z, Z)) (unwhitened), with q(u)'s batch shape (as GPyTorch's
+        strategies give it: Pyro's ``pyro_model`` samples it at the site of q's ``pyro_guide``)."""
+        prior = self.model.forward(self.inducing_points)
+        if self.inducing_form:
+            batch = self._variational_distribution.batch_shape
+            shape = torch.broadcast_shapes(prior.batch_shape, batch)
+            if shape != prior.batch_shape:  # (dense: M x M)
+                M = prior.mean.shape[-1]
+                cov = prior.lazy_covariance_matrix.to_dense().expand(*shape, M, M)
+                prior = MultivariateNormal(prior.mean.expand(*shape, M), cov)
+        return prior
 
     @property
     def variational_distribution(self) -> MultivariateNormal:
