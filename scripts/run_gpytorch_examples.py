@@ -62,24 +62,31 @@ def extract(repo: Path, tag: str, dest: Path) -> None:
 
 
 def run(dest: Path, swap: bool, keyword: str | None, timeout: int) -> dict:
+    """Each file in its own pytest process (a file past ``timeout`` seconds is reported as such)."""
     (dest / "conftest.py").write_text(SWAP if swap else "")
-    xml = dest / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
-    cmd += ["-n", "0", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
-    cmd += ["--rootdir", str(dest)] + (["-k", keyword] if keyword else []) + FILES
     env = dict(os.environ)  # this checkout's pyro_cvi, not an installed one
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    subprocess.run(cmd, cwd=dest, timeout=timeout, capture_output=True, env=env)
     out = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        name = f"{case.get('file') or case.get('classname')}::{case.get('name')}"
-        status, why = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                status = "skipped" if tag == "skipped" else "failed"
-                why = (el.get("message") or "").splitlines()[0][:200] if el.get("message") else ""
-        out[name] = {"status": status, "why": why}
+    for name in FILES:
+        xml = dest / f"{name}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+        cmd += ["-n", "0", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+        cmd += ["--rootdir", str(dest)] + (["-k", keyword] if keyword else []) + [name]
+        try:
+            subprocess.run(cmd, cwd=dest, timeout=timeout, capture_output=True, env=env)
+        except subprocess.TimeoutExpired:
+            out[f"{name}::*"] = {"status": "timeout", "why": f"over {timeout} s"}
+            continue
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            test = f"{case.get('file') or case.get('classname')}::{case.get('name')}"
+            status, why = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    status = "skipped" if tag == "skipped" else "failed"
+                    why = ((el.get("message") or "").splitlines() or [""])[0][:200]
+            out[test] = {"status": status, "why": why}
+        print(f"[{'cvi' if swap else 'gpytorch'}] {name} done", flush=True)
     return out
 
 
@@ -89,7 +96,7 @@ def main() -> None:
     ap.add_argument("--tag", default=f"v{gpytorch.__version__}")
     ap.add_argument("--only", choices=["gpytorch", "cvi"], default=None)
     ap.add_argument("-k", dest="keyword", default=None)
-    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per file")
     ap.add_argument("--out", type=Path, default=Path("results/gpytorch_examples.json"))
     args = ap.parse_args()
     repo = args.repo / ".git" if (args.repo / ".git").exists() else args.repo

@@ -274,7 +274,6 @@ class InducingForm:
         self._searched = False
         self._capture: Optional[dict] = None
         self.backward_step = True
-        self._pending_unwhitened = None
         #: the policy of the step from the backward pass (:mod:`.step_guard`)
         self.step_guard = SecantBacktracking(self.step_size)
         self.num_clipped = 0
@@ -289,10 +288,8 @@ class InducingForm:
 
     def whitened_q(self) -> WhitenedQ:
         """q(v) at the current sites (cached while they do not change)."""
-        if self._pending_unwhitened is not None:  # a loaded GPyTorch q(u)
-            from .state_convert import convert_pending  # (state_convert imports this module)
-
-            convert_pending(self)
+        if getattr(self, "_pending_unwhitened", None) is not None:  # a loaded GPyTorch q(u)
+            self._convert_pending()
         key = self._q_key()
         if self._q_cache is None or self._q_cache[0] != key:
             d = self._variational_distribution
@@ -421,6 +418,24 @@ class InducingForm:
         cov = L_Z @ S_v @ L_Z.mT
         eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
         return SiteMultivariateNormal(mean, 0.5 * (cov + cov.mT) + self.jitter * eye, kl)
+
+    @property
+    def prior_distribution(self) -> MultivariateNormal:
+        """p(u) = N(m0(Z), k(Z, Z)) (unwhitened); in the inducing form with q(u)'s batch shape
+        (as GPyTorch's strategies give it)."""
+        prior = self.model.forward(self.inducing_points)
+        return self.with_q_batch(prior) if self.inducing_form else prior
+
+    def with_q_batch(self, prior: MultivariateNormal) -> MultivariateNormal:
+        """``prior`` broadcast to q(u)'s batch shape (dense, ``M x M``): Pyro's ``pyro_model``
+        samples p(u) at the site of q(u) in ``pyro_guide``, so their shapes must agree."""
+        batch = self._variational_distribution.batch_shape
+        shape = torch.broadcast_shapes(prior.batch_shape, batch)
+        if shape == prior.batch_shape:
+            return prior
+        M = prior.mean.shape[-1]
+        cov = prior.lazy_covariance_matrix.to_dense().expand(*shape, M, M)
+        return MultivariateNormal(prior.mean.expand(*shape, M), cov)
 
     def _kzz(self, K_ZZ: Tensor) -> Tensor:
         eye = torch.eye(K_ZZ.shape[-1], dtype=K_ZZ.dtype, device=K_ZZ.device)

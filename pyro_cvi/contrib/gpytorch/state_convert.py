@@ -29,7 +29,12 @@ from torch import Tensor
 from .inducing import nsd_projection
 from .posterior import safe_cholesky
 
-__all__ = ["gpytorch_state_to_sites", "sites_from_whitened"]
+__all__ = [
+    "SavedStateForm",
+    "gpytorch_state_to_sites",
+    "sites_from_unwhitened",
+    "sites_from_whitened",
+]
 
 _MEAN = "_variational_distribution.variational_mean"
 _CHOL = "_variational_distribution.chol_variational_covar"
@@ -67,12 +72,16 @@ def _saved_q(state_dict: dict, prefix: str) -> Optional[Tuple[Tensor, Tensor]]:
     )
 
 
-def gpytorch_state_to_sites(strategy, state_dict: dict, prefix: str) -> None:
+def gpytorch_state_to_sites(strategy, state_dict: dict, prefix: str):
     """Rewrite a GPyTorch strategy's entries of ``state_dict`` (in place) as the sites of
-    ``strategy`` (module docstring); a no-op for a state dict saved by the CVI strategy."""
+    ``strategy`` (module docstring); a no-op for a state dict saved by the CVI strategy.
+
+    :return: for an unwhitened q(u), ``(mean, covariance)`` to whiten once the hyperparameters
+        are loaded (:func:`sites_from_unwhitened`); otherwise ``None``.
+    """
     saved = _saved_q(state_dict, prefix)
     if saved is None:
-        return
+        return None
     if not strategy.inducing_form:
         raise ValueError(
             "this state dict was saved with a GPyTorch strategy (variational_mean, "
@@ -80,21 +89,21 @@ def gpytorch_state_to_sites(strategy, state_dict: dict, prefix: str) -> None:
             "variational_distribution) (sites on the inducing values), not the data-site form."
         )
     flag = state_dict.pop(prefix + _FLAG, None)
-    d = strategy._variational_distribution
-    mean, cov = (t.to(d.lam1) for t in saved)
-    if mean.shape != d.lam1.shape or cov.shape != d.lam2.shape:
+    lam1_key = prefix + "_variational_distribution.lam1"
+    lam2_key = prefix + "_variational_distribution.lam2"
+    like1, like2 = strategy.site_lam1, strategy.site_lam2
+    mean, cov = (t.to(like1) for t in saved)
+    if mean.shape != like1.shape or cov.shape != like2.shape:
         raise ValueError(
             f"the saved q(u) has mean shape {tuple(mean.shape)} but this strategy's sites have "
-            f"{tuple(d.lam1.shape)} (inducing points and batch shape must match)."
+            f"{tuple(like1.shape)} (inducing points and batch shape must match)."
         )
-    state_dict.setdefault(prefix + "_variational_distribution.lam1", torch.zeros_like(d.lam1))
-    state_dict.setdefault(prefix + "_variational_distribution.lam2", torch.zeros_like(d.lam2))
     if flag is not None and bool(flag):  # whitened already
         lam1, lam2, clipped = sites_from_whitened(mean, cov)
-        state_dict[prefix + "_variational_distribution.lam1"] = lam1
-        state_dict[prefix + "_variational_distribution.lam2"] = lam2
+        state_dict[lam1_key], state_dict[lam2_key] = lam1, lam2
         _warn_clipped(clipped)
-        return
+        return None
+    state_dict[lam1_key], state_dict[lam2_key] = torch.zeros_like(like1), torch.zeros_like(like2)
     warnings.warn(
         "CVIVariationalStrategy: loaded an unwhitened q(u) (saved by UnwhitenedVariationalStrategy "
         "or by a VariationalStrategy of an old GPyTorch version); it is converted to CVI sites at "
@@ -102,25 +111,22 @@ def gpytorch_state_to_sites(strategy, state_dict: dict, prefix: str) -> None:
         OldVersionWarning,
         stacklevel=4,
     )
-    strategy._pending_unwhitened = (mean.clone(), cov.clone())
+    return mean.clone(), cov.clone()
 
 
-def convert_pending(strategy) -> None:
-    """Whiten a loaded unwhitened q(u) with the current prior and write its sites."""
-    pending = getattr(strategy, "_pending_unwhitened", None)
-    if pending is None:
-        return
-    strategy._pending_unwhitened = None
-    mean_u, cov_u = pending
+def sites_from_unwhitened(strategy, mean_u: Tensor, cov_u: Tensor) -> Tuple[Tensor, Tensor]:
+    """The sites of q(u) = N(mean_u, cov_u), whitened with ``strategy``'s current prior."""
     with torch.no_grad():
         prior = strategy.model.forward(strategy.inducing_points)
-        L_Z = safe_cholesky(strategy._kzz(prior.lazy_covariance_matrix.to_dense()), "K_ZZ")
+        K = prior.lazy_covariance_matrix.to_dense()
+        eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+        L_Z = safe_cholesky(K + strategy.jitter * eye, "K_ZZ")
         m = torch.linalg.solve_triangular(L_Z, (mean_u - prior.mean).unsqueeze(-1), upper=False)
         half = torch.linalg.solve_triangular(L_Z, cov_u, upper=False)
         S = torch.linalg.solve_triangular(L_Z, half.mT, upper=False)
         lam1, lam2, clipped = sites_from_whitened(m.squeeze(-1), S)
     _warn_clipped(clipped)
-    strategy.set_sites(lam1, lam2)
+    return lam1, lam2
 
 
 def _warn_clipped(clipped: int) -> None:
@@ -132,3 +138,20 @@ def _warn_clipped(clipped: int) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+class SavedStateForm:
+    """Loading GPyTorch's state dicts into :class:`CVIVariationalStrategy` (mixed into it)."""
+
+    _pending_unwhitened: Optional[Tuple[Tensor, Tensor]] = None
+
+    def load_gpytorch_q(self, state_dict: dict, prefix: str) -> None:
+        """Convert GPyTorch's q(u) entries of ``state_dict`` (in place) to sites; an unwhitened
+        q(u) is kept until the first use of q, when the hyperparameters are loaded."""
+        pending = gpytorch_state_to_sites(self, state_dict, prefix)
+        if pending is not None:
+            self._pending_unwhitened = pending
+
+    def _convert_pending(self) -> None:
+        q_u, self._pending_unwhitened = self._pending_unwhitened, None
+        self.set_sites(*sites_from_unwhitened(self, *q_u))

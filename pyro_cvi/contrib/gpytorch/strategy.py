@@ -34,7 +34,7 @@ from .fantasy import FantasyForm
 from .inducing import InducingForm
 from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
 from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
-from .state_convert import gpytorch_state_to_sites
+from .state_convert import SavedStateForm
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
@@ -48,7 +48,7 @@ class _Cache:
         self.key, self.post, self.has_graph, self.extras = key, post, has_graph, extras
 
 
-class CVIVariationalStrategy(FantasyForm, InducingForm, _VariationalStrategy):
+class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _VariationalStrategy):
     r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
     **Built the GPyTorch way** (``CVIVariationalStrategy(model, inducing_points,
@@ -262,7 +262,7 @@ class CVIVariationalStrategy(FantasyForm, InducingForm, _VariationalStrategy):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a model built without train_inputs has no site_inputs buffer yet: make room for it
-        gpytorch_state_to_sites(self, state_dict, prefix)  # saved by GPyTorch's strategies
+        self.load_gpytorch_q(state_dict, prefix)  # a state dict saved by GPyTorch's strategies
         key = prefix + "site_inputs"
         if key in state_dict and self.site_inputs is None and not self.inducing_form:
             self.site_inputs = torch.empty_like(state_dict[key])
@@ -370,20 +370,6 @@ class CVIVariationalStrategy(FantasyForm, InducingForm, _VariationalStrategy):
         return post, extras
 
     # ------------------------------------------------------------- q and p
-    @property
-    def prior_distribution(self) -> MultivariateNormal:
-        """p(u) = N(m0(Z), k(Z, Z)) (unwhitened), with q(u)'s batch shape (as GPyTorch's
-        strategies give it: Pyro's ``pyro_model`` samples it at the site of q's ``pyro_guide``)."""
-        prior = self.model.forward(self.inducing_points)
-        if self.inducing_form:
-            batch = self._variational_distribution.batch_shape
-            shape = torch.broadcast_shapes(prior.batch_shape, batch)
-            if shape != prior.batch_shape:  # (dense: M x M)
-                M = prior.mean.shape[-1]
-                cov = prior.lazy_covariance_matrix.to_dense().expand(*shape, M, M)
-                prior = MultivariateNormal(prior.mean.expand(*shape, M), cov)
-        return prior
-
     @property
     def variational_distribution(self) -> MultivariateNormal:
         """q(u), dense (``M x M``, or ``N x N`` for the full form); built from the sites."""
