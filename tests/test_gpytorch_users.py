@@ -129,8 +129,10 @@ def test_other_objectives_2000_iterations_match_gpytorch(mll_cls, classify):
     _, _, theirs = _fit(
         gpytorch.variational.VariationalStrategy, mll_cls, torch.float32, 2000, classify
     )
+    ours_end, theirs_end = sum(ours[-20:]) / 20, sum(theirs[-20:]) / 20
+    print(f"{mll_cls.__name__} classify={classify}: -bound {ours_end:.4f} vs {theirs_end:.4f}")
     assert all(math.isfinite(v) for v in ours)
-    assert sum(ours[-20:]) / 20 <= sum(theirs[-20:]) / 20 + 0.01
+    assert ours_end <= theirs_end + 0.01
 
 
 def test_an_overshooting_step_is_undone():
