@@ -42,7 +42,11 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.distributions.multivariate_normal import kl_mvn_mvn
 from gpytorch.variational import _VariationalDistribution
-from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
+from linear_operator.operators import (
+    DenseLinearOperator,
+    DiagLinearOperator,
+    MatmulLinearOperator,
+)
 from torch import Tensor
 from torch.distributions import register_kl
 
@@ -427,15 +431,16 @@ class InducingForm:
         return self.with_q_batch(prior) if self.inducing_form else prior
 
     def with_q_batch(self, prior: MultivariateNormal) -> MultivariateNormal:
-        """``prior`` broadcast to q(u)'s batch shape (dense, ``M x M``): Pyro's ``pyro_model``
+        """``prior`` broadcast to q(u)'s batch shape (dense ``M x M``, with the jitter that q's
+        ``K_ZZ`` has, as a linear operator so that GPyTorch factorises it): Pyro's ``pyro_model``
         samples p(u) at the site of q(u) in ``pyro_guide``, so their shapes must agree."""
         batch = self._variational_distribution.batch_shape
         shape = torch.broadcast_shapes(prior.batch_shape, batch)
         if shape == prior.batch_shape:
             return prior
         M = prior.mean.shape[-1]
-        cov = prior.lazy_covariance_matrix.to_dense().expand(*shape, M, M)
-        return MultivariateNormal(prior.mean.expand(*shape, M), cov)
+        cov = self._kzz(prior.lazy_covariance_matrix.to_dense()).expand(*shape, M, M)
+        return MultivariateNormal(prior.mean.expand(*shape, M), DenseLinearOperator(cov))
 
     def _kzz(self, K_ZZ: Tensor) -> Tensor:
         eye = torch.eye(K_ZZ.shape[-1], dtype=K_ZZ.dtype, device=K_ZZ.device)
