@@ -531,7 +531,7 @@ def case_gpytorch_labels():
             return gpytorch.distributions.MultivariateNormal(self.mean(x), self.kernel(x))
 
     lik = gpytorch.likelihoods.BernoulliLikelihood().double()
-    CVIOptimizer(GP().double(), lik, 1.0).step(X, 2 * y - 1)  # labels in {-1, 1}
+    CVIOptimizer(GP().double(), lik, 1.0).step(X, 2 * y)  # labels in {0, 2}
 
 
 def case_pyro_gp_labels():

@@ -40,8 +40,13 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.distributions.multivariate_normal import kl_mvn_mvn
 from gpytorch.variational import _VariationalDistribution
-from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
+from linear_operator.operators import (
+    DenseLinearOperator,
+    DiagLinearOperator,
+    MatmulLinearOperator,
+)
 from torch import Tensor
 from torch.distributions import register_kl
 
@@ -49,6 +54,7 @@ from pyro_cvi.update import cvi_update
 
 from .lengthscale_search import LengthscaleMove, data_sites, search_lengthscales
 from .posterior import safe_cholesky
+from .step_guard import SecantBacktracking
 
 __all__ = [
     "InducingSites",
@@ -133,11 +139,20 @@ def nsd_projection(lam2: Tensor) -> Tuple[Tensor, int]:
     return torch.where(bad[..., None, None], clipped, lam2), int(bad.sum())
 
 
-def mean_param_targets(m_v: Tensor, gm: Tensor, gS: Tensor) -> Tuple[Tensor, Tensor]:
-    """CVI targets from ``dF/dm_v`` and ``dF/dS_v`` (eqs. 30-31 in M dimensions)."""
-    t2 = 0.5 * (gS + gS.mT)
+def mean_param_targets(m_v: Tensor, gm: Tensor, gS: Tensor) -> Tuple[Tensor, Tensor, int]:
+    """CVI targets from ``dF/dm_v`` and ``dF/dS_v`` (eqs. 30-31 in M dimensions), and how many
+    batch elements had their curvature clipped.
+
+    ``t2 = dF/dS_v`` is projected to the negative semidefinite cone (:func:`nsd_projection`)
+    *before* ``t1 = dF/dm_v - 2 t2 m_v`` is formed, so that the site still matches the gradient in
+    the mean: at a fixed point ``lam = t``, ``m_v = B^-1 t1`` gives ``m_v = dF/dm_v`` (the
+    stationarity condition of ``F - KL``) whatever was clipped. Forming ``t1`` from the unclipped
+    ``t2`` instead multiplies ``m_v`` by ``-2 t2`` in every clipped direction at every step, which
+    diverges where ``t2`` is large (``PredictiveLogLikelihood``, non-log-concave likelihoods).
+    """
+    t2, clipped = nsd_projection(gS)
     t1 = gm - 2.0 * (t2 @ m_v.unsqueeze(-1)).squeeze(-1)
-    return t1, t2
+    return t1, t2, clipped
 
 
 class SiteMultivariateNormal(MultivariateNormal):
@@ -146,14 +161,26 @@ class SiteMultivariateNormal(MultivariateNormal):
     (``IndependentMultitaskVariationalStrategy``, ``LMCVariationalStrategy``), which compute the
     KL from ``variational_distribution`` and ``prior_distribution``, get the same value."""
 
-    def __init__(self, mean: Tensor, covariance_matrix, kl: Tensor):
-        super().__init__(mean, covariance_matrix)
+    def __init__(self, mean: Tensor, covariance_matrix, kl: Optional[Tensor] = None, **kwargs):
+        super().__init__(mean, covariance_matrix, **kwargs)
         self.site_kl = kl
+
+    def expand(self, batch_size) -> SiteMultivariateNormal:
+        """GPyTorch's ``expand`` (Pyro calls it for vectorised particles and plates; it may skip
+        ``__init__``), with the sites' KL expanded alongside."""
+        batch_size = torch.Size(batch_size)
+        new = super().expand(batch_size)
+        kl = getattr(self, "site_kl", None)
+        new.site_kl = None if kl is None else kl.expand(batch_size)
+        return new
 
 
 @register_kl(SiteMultivariateNormal, MultivariateNormal)
 def _kl_site_mvn(q: SiteMultivariateNormal, p: MultivariateNormal) -> Tensor:
-    return q.site_kl
+    kl = getattr(q, "site_kl", None)
+    if kl is None:  # built without the sites' KL: the closed form of two Gaussians
+        return kl_mvn_mvn(q, p)
+    return kl
 
 
 class BackwardStep:
@@ -161,13 +188,16 @@ class BackwardStep:
     turns their gradients into one CVI step (module docstring).
 
     :param q: q(v) at the current sites.
-    :param apply: called with ``(t1, t2, c)``, the CVI targets (full-data scale) and the KL's
-        weight in the loss, once per backward.
+    :param apply: called with ``(step, t1, t2, c, clipped)``: this object, the CVI targets
+        (full-data scale), the KL's weight in the loss and the number of clipped curvatures,
+        once per backward.
     """
 
     _warned = False
 
-    def __init__(self, q: WhitenedQ, apply: Callable[[Tensor, Tensor], None]):
+    def __init__(self, q: WhitenedQ, apply: Callable[..., None]):
+        #: the inputs of the forward passes that used these leaves (see :mod:`.step_guard`)
+        self.inputs: list = []
         self.m_v = q.m_v.detach().clone().requires_grad_(True)
         self.S_v = q.S_v.detach().clone().requires_grad_(True)
         self.probe = torch.zeros_like(q.kl).requires_grad_(True)
@@ -199,8 +229,10 @@ class BackwardStep:
         self.active = False  # one step per value of the sites
         gm = torch.zeros_like(self.m_v) if gm is None else gm
         gS = torch.zeros_like(self.S_v) if gS is None else gS
-        t1, t2 = mean_param_targets(self.m_v.detach(), -gm / c[..., None], -gS / c[..., None, None])
-        self.apply(t1, t2, c)
+        t1, t2, clipped = mean_param_targets(
+            self.m_v.detach(), -gm / c[..., None], -gS / c[..., None, None]
+        )
+        self.apply(self, t1, t2, c, clipped)
 
 
 class InducingForm:
@@ -246,6 +278,8 @@ class InducingForm:
         self._searched = False
         self._capture: Optional[dict] = None
         self.backward_step = True
+        #: the policy of the step from the backward pass (:mod:`.step_guard`)
+        self.step_guard = SecantBacktracking(self.step_size)
         self.num_clipped = 0
         self._q_cache = None
         self._step_cache = None
@@ -258,6 +292,8 @@ class InducingForm:
 
     def whitened_q(self) -> WhitenedQ:
         """q(v) at the current sites (cached while they do not change)."""
+        if getattr(self, "_pending_unwhitened", None) is not None:  # a loaded GPyTorch q(u)
+            self._convert_pending()
         key = self._q_key()
         if self._q_cache is None or self._q_cache[0] != key:
             d = self._variational_distribution
@@ -293,15 +329,45 @@ class InducingForm:
         finally:
             self._tracked = None
 
-    def _backward_update(self, t1: Tensor, t2: Tensor, c: Tensor) -> None:
+    def _backward_update(
+        self, step: BackwardStep, t1: Tensor, t2: Tensor, c: Tensor, clipped: int = 0
+    ) -> None:
+        """The step from the backward pass, through :class:`.step_guard.SecantBacktracking`
+        (undone and shrunk if the objective got worse, retracted to valid sites)."""
         d = self._variational_distribution
+        self.num_clipped += clipped
+        guard = self.step_guard
+        guard.step_size = self.step_size
         cap = self.pop_captured()
         if cap is not None and cap.get("gm") is not None and cap.get("gv") is not None:
             moved = self.search_step(cap["x"], cap["mean"], -cap["gm"] / c, -cap["gv"] / c)
             if moved is not None:  # the new lengthscales once this backward pass has finished
                 torch.autograd.Variable._execution_engine.queue_callback(moved.apply)
                 t1, t2 = moved.targets
-        self.blend_sites((d.lam1, d.lam2), (t1, t2), self.step_size)
+                t2, n = nsd_projection(t2)
+                self.num_clipped += n
+                guard.reset()  # a different objective from here on
+        checked = {}
+
+        def check(lam1: Tensor, lam2: Tensor) -> None:
+            checked["q"] = WhitenedQ(lam1, lam2)
+
+        lam = (d.lam1.detach().clone(), d.lam2.detach().clone())
+        mu_v = (step.m_v.detach(), step.S_v.detach())
+        new = guard.step(lam, mu_v, (t1, t2), step.inputs, c, self._site_version, check)
+        if new is None:
+            warnings.warn(
+                "CVIVariationalStrategy: no step from the backward pass gives valid sites "
+                f"(B = I - 2 lam2 positive definite in {d.lam1.dtype}); q was left as it was. "
+                "Use float64 (model.double(), likelihood.double()) or a smaller step_size.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.set_sites(*new)
+        guard.version = self._site_version
+        if "q" in checked:
+            self._q_cache = (self._q_key(), checked["q"])
 
     # ------------------------------------------------- the lengthscale search
     def search_pending(self) -> bool:
@@ -357,6 +423,25 @@ class InducingForm:
         eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
         return SiteMultivariateNormal(mean, 0.5 * (cov + cov.mT) + self.jitter * eye, kl)
 
+    @property
+    def prior_distribution(self) -> MultivariateNormal:
+        """p(u) = N(m0(Z), k(Z, Z)) (unwhitened); in the inducing form with q(u)'s batch shape
+        (as GPyTorch's strategies give it)."""
+        prior = self.model.forward(self.inducing_points)
+        return self.with_q_batch(prior) if self.inducing_form else prior
+
+    def with_q_batch(self, prior: MultivariateNormal) -> MultivariateNormal:
+        """``prior`` broadcast to q(u)'s batch shape (dense ``M x M``, with the jitter that q's
+        ``K_ZZ`` has, as a linear operator so that GPyTorch factorises it): Pyro's ``pyro_model``
+        samples p(u) at the site of q(u) in ``pyro_guide``, so their shapes must agree."""
+        batch = self._variational_distribution.batch_shape
+        shape = torch.broadcast_shapes(prior.batch_shape, batch)
+        if shape == prior.batch_shape:
+            return prior
+        M = prior.mean.shape[-1]
+        cov = self._kzz(prior.lazy_covariance_matrix.to_dense()).expand(*shape, M, M)
+        return MultivariateNormal(prior.mean.expand(*shape, M), DenseLinearOperator(cov))
+
     def _kzz(self, K_ZZ: Tensor) -> Tensor:
         eye = torch.eye(K_ZZ.shape[-1], dtype=K_ZZ.dtype, device=K_ZZ.device)
         return K_ZZ + self.jitter * eye
@@ -372,6 +457,9 @@ class InducingForm:
         L_Z = safe_cholesky(self._kzz(cov[..., :M, :M].to_dense()), "K_ZZ")
         Phi = torch.linalg.solve_triangular(L_Z, cov[..., :M, M:].to_dense(), upper=False)
         m_v, S_v, _ = self._q_tensors()
+        step = None if self._tracked is not None else self._step_cache
+        if step is not None and m_v is step[1].m_v:  # the inputs of the backward step's loss
+            step[1].inputs.append(x.detach())
         mean, A, Phi = predictive(Phi, joint.mean[..., M:], m_v, S_v)
         K_xx = cov[..., M:, M:]
         if diag and self.training:

@@ -34,7 +34,42 @@ from torch import Tensor
 
 from pyro_cvi.messages.quadrature import expected_log_prob as gh_expectation
 
-__all__ = ["LogisticBernoulliLikelihood", "logistic_expected_log_prob", "logistic_expected_prob"]
+__all__ = [
+    "LogisticBernoulliLikelihood",
+    "binary_labels",
+    "logistic_expected_log_prob",
+    "logistic_expected_prob",
+]
+
+
+def binary_labels(y: Tensor, what: str) -> Tensor:
+    """Labels of a Bernoulli likelihood, one rule everywhere in the adapter: ``{0, 1}`` as given,
+    ``{-1, 1}`` read as ``{0, 1}`` (``(y + 1) / 2``, as GPyTorch's ``BernoulliLikelihood`` reads
+    them); anything else (another value, or -1 and 0 in the same tensor) is a ``ValueError``
+    naming ``what``, the first bad value and its index."""
+    if y.dtype == torch.bool:
+        return y.to(torch.get_default_dtype())
+    zero_one = (y == 0) | (y == 1)
+    if bool(zero_one.all()):
+        return y
+    plus_minus = (y == -1) | (y == 1)
+    if bool(plus_minus.all()):
+        return (y + 1) / 2
+    other = ~(zero_one | plus_minus)
+    if bool(other.any()):
+        i = [int(j) for j in other.nonzero()[0]]
+        value = y[tuple(i)].item()
+        why = f"{value} at index {i} is not " + (
+            "a binary label" if math.isfinite(value) else "finite (remove or impute the point)"
+        )
+    else:
+        i = [int(j) for j in (y == -1).nonzero()[0]]
+        why = f"-1 at index {i} mixed with 0 labels (two conventions in one tensor)"
+    raise ValueError(
+        f"{what}: {why}. Use labels in {{0, 1}} (labels in {{-1, 1}} are read as {{0, 1}}); for "
+        "more than two classes use MultiClassCVIStrategy with CategoricalLogitsLikelihood."
+    )
+
 
 _SPLIT_SD = 1.5
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -107,7 +142,8 @@ def logistic_expected_prob(mean: Tensor, var: Tensor, num_points: int = 20) -> T
 
 
 class LogisticBernoulliLikelihood(_OneDimensionalLikelihood):
-    r"""Bernoulli likelihood with a logistic link, ``p(y=1 | f) = sigmoid(f)``, labels in {0, 1}.
+    r"""Bernoulli likelihood with a logistic link, ``p(y=1 | f) = sigmoid(f)``, labels in {0, 1}
+    (or {-1, 1}, read as {0, 1}; anything else raises, see :func:`binary_labels`).
 
     :param num_points: Gauss-Hermite nodes for narrow marginals (sd <= 1.5).
     :param method: ``"auto"`` (Gauss-Hermite for narrow marginals, the exact split for wide
@@ -135,7 +171,8 @@ class LogisticBernoulliLikelihood(_OneDimensionalLikelihood):
     def expected_log_prob(
         self, observations: Tensor, function_dist: MultivariateNormal, *args: Any, **kwargs: Any
     ) -> Tensor:
-        sign = 2.0 * observations.to(function_dist.mean) - 1.0
+        y = binary_labels(observations, "LogisticBernoulliLikelihood: observations")
+        sign = 2.0 * y.to(function_dist.mean) - 1.0
         return logistic_expected_log_prob(
             sign * function_dist.mean, function_dist.variance, self.num_points, self.method
         )
@@ -149,4 +186,5 @@ class LogisticBernoulliLikelihood(_OneDimensionalLikelihood):
     def log_marginal(
         self, observations: Tensor, function_dist: MultivariateNormal, *args: Any, **kwargs: Any
     ) -> Tensor:
-        return self.marginal(function_dist).log_prob(observations.to(function_dist.mean))
+        y = binary_labels(observations, "LogisticBernoulliLikelihood: observations")
+        return self.marginal(function_dist).log_prob(y.to(function_dist.mean))

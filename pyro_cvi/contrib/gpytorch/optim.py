@@ -39,7 +39,7 @@ from typing import Any, List, Optional
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.likelihoods import Likelihood
+from gpytorch.likelihoods import BernoulliLikelihood, Likelihood
 from gpytorch.models import ApproximateGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
@@ -50,6 +50,7 @@ from pyro_cvi.step_control import Snapshot, StepControl
 from pyro_cvi.update import cvi_update
 
 from .inducing import mean_param_targets
+from .likelihoods import LogisticBernoulliLikelihood, binary_labels
 from .strategy import CVIVariationalStrategy
 
 __all__ = ["CVIOptimizer"]
@@ -202,7 +203,8 @@ class CVIOptimizer:
         """One CVI update of the sites of the points ``x`` (all training points, or ``indices``).
 
         :param x: the training inputs (full batch), or the minibatch ``X_train[indices]``.
-        :param y: the matching targets.
+        :param y: the matching targets (Bernoulli likelihoods: labels in {0, 1}, or in {-1, 1},
+            read as {0, 1}; anything else raises ``ValueError``).
         :param indices: rows of the training set in the minibatch (``None``: full batch).
         :param kwargs: passed to ``likelihood.expected_log_prob``.
         :return: -ELBO of q before the update (detached 0-dim tensor). A backtracked step
@@ -211,6 +213,8 @@ class CVIOptimizer:
             not change.
         """
         s = self.strategy
+        if isinstance(self.likelihood, (BernoulliLikelihood, LogisticBernoulliLikelihood)):
+            y = binary_labels(y, "CVIOptimizer.step: targets y")
         f = torch.zeros(y.shape, dtype=y.dtype if y.is_floating_point() else torch.float64)
         check_targets(self.likelihood, y, f.to(y.device))  # y against the likelihood's support
         if s.inducing_form:
@@ -333,7 +337,8 @@ class CVIOptimizer:
                 "non-finite expected log-likelihood or gradient in the CVI step. Use float64 "
                 "(model.double(), likelihood.double()), a smaller step_size, or check the targets."
             )
-        t1, t2 = mean_param_targets(m_v.detach(), gm * scale, gS * scale)
+        t1, t2, clipped = mean_param_targets(m_v.detach(), gm * scale, gS * scale)
+        s.num_clipped += clipped
         with torch.no_grad():
             loss = (s.kl_divergence().sum() - ell.detach() * scale).detach()
         key = s.state_key()[1:] if (self.backtrack and self.num_data in (None, n)) else None

@@ -30,9 +30,11 @@ from torch import Tensor
 from pyro_cvi.scale.distributed import Reducer, as_reducer
 
 from . import site_store as store
+from .fantasy import FantasyForm
 from .inducing import InducingForm
 from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
 from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
+from .state_convert import SavedStateForm
 
 __all__ = ["CVISites", "CVIVariationalStrategy"]
 
@@ -46,7 +48,7 @@ class _Cache:
         self.key, self.post, self.has_graph, self.extras = key, post, has_graph, extras
 
 
-class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
+class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _VariationalStrategy):
     r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
     **Built the GPyTorch way** (``CVIVariationalStrategy(model, inducing_points,
@@ -260,6 +262,7 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a model built without train_inputs has no site_inputs buffer yet: make room for it
+        self.load_gpytorch_q(state_dict, prefix)  # a state dict saved by GPyTorch's strategies
         key = prefix + "site_inputs"
         if key in state_dict and self.site_inputs is None and not self.inducing_form:
             self.site_inputs = torch.empty_like(state_dict[key])
@@ -367,11 +370,6 @@ class CVIVariationalStrategy(InducingForm, _VariationalStrategy):
         return post, extras
 
     # ------------------------------------------------------------- q and p
-    @property
-    def prior_distribution(self) -> MultivariateNormal:
-        """p(u) = N(m0(Z), k(Z, Z)) (unwhitened)."""
-        return self.model.forward(self.inducing_points)
-
     @property
     def variational_distribution(self) -> MultivariateNormal:
         """q(u), dense (``M x M``, or ``N x N`` for the full form); built from the sites."""
