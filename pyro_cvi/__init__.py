@@ -23,7 +23,7 @@ from .elbo import CVI_ELBO
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
-from .strategies import Remainder
+from .strategies import Horizon, Remainder, SignalToNoise
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,7 +32,9 @@ __all__ = [
     "CVI",
     "CVI_ELBO",
     "DivergenceError",
+    "Horizon",
     "Remainder",
+    "SignalToNoise",
     "StructuredSVI",
     "step_sizes",
 ]

@@ -39,16 +39,28 @@ from ..gaussian import (
     price_precision_gradient,
     tril_step,
 )
+from ..gaussian.onedraw import (
+    known_prior_expectation,
+    onedraw_diag,
+    onedraw_diag_step,
+    onedraw_tril,
+    onedraw_tril_step,
+)
 from ..messages.collapsed import collapsed_log_prob
 from ..model.tracing import run_model
 from ..natgrad.control import NoiseControl
+from ..natgrad.horizon import Horizon
 from ..natgrad.params import write
-from ..strategies import HESSIAN_MAX_DIM, Remainder
+from ..natgrad.prior import known_normal_prior
+from ..strategies import Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
 
 __all__ = ["Remainder", "RemainderBlock"]
+
+#: the low-rank form's trust region under the one-draw step (largest move of a log s or W entry)
+LOWRANK_ONEDRAW_MOVE = 0.2
 
 
 @dataclass
@@ -93,7 +105,15 @@ class RemainderBlock(Block):
             self.sites.append(site)
             start += size
         self.dim = start
-        self.form = strategy.form(self.dim)
+        #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
+        like = next(iter(analysis.values.values()))
+        spans = [(s.name, s.start, s.size) for s in self.sites if s.real]
+        self.prior_loc, self.prior_prec = known_normal_prior(
+            analysis.structure.nodes, spans, self.dim, like
+        )
+        known = float((self.prior_prec > 0).sum()) / max(1, self.dim)
+        self.rule = strategy.choose_step(known)
+        self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
         self.rank = min(self.rank, self.dim)
         self.loc_name = f"{prefix}.remainder.loc"
@@ -106,14 +126,19 @@ class RemainderBlock(Block):
         # guide binds the store's tensors as its own): the steps keep L's diagonal and the
         # scales positive (the retraction, and s' = s exp(...))
         self.constraints = {n: constraints.real for n in self.param_names()}
-        #: Price's theorem (dense Hessians) for the precision, up to HESSIAN_MAX_DIM coordinates
-        self.hessian = self.form == "full" and (
-            strategy.curvature == "hessian"
-            or (strategy.curvature == "auto" and self.dim <= HESSIAN_MAX_DIM)
-        )
+        #: Price's theorem (dense Hessians) for the precision (see Remainder.hessian)
+        self.hessian = self.form == "full" and strategy.hessian(self.dim, self.rule)
+        #: the one-draw step of :mod:`pyro_cvi.natgrad.horizon` (else the reparameterised
+        #: gradients in the parameters, or Price's Hessians, under the noise control)
+        self.onedraw = isinstance(self.rule, Horizon) and not self.hessian
         # the warm-up guards against a reparameterised gradient of S far from the optimum;
         # Price's Hessian target has no such term: full steps from the start
-        self.control = NoiseControl(start=1.0) if self.hessian else NoiseControl()
+        if self.hessian:
+            self.control = NoiseControl(start=1.0)
+        else:
+            self.control = self.rule.control()
+        if not self.onedraw:
+            self.prior_prec = torch.zeros_like(self.prior_prec)
         self._grads: Optional[Dict[str, torch.Tensor]] = None
         #: whether the particles run as one batched model run (``None``: not yet checked)
         self._vectorise: Optional[bool] = None
@@ -123,7 +148,9 @@ class RemainderBlock(Block):
         return "remainder(" + ", ".join(self.names) + ")"
 
     def state_objects(self) -> List:
-        return [self.control, self.control.prec, self.control.mean]
+        if isinstance(self.control, NoiseControl):
+            return [self.control, self.control.prec, self.control.mean]
+        return [self.control]
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
@@ -226,16 +253,20 @@ class RemainderBlock(Block):
             and n not in self.names
             and n not in self.analysis.remainder_discrete
         }
-        K = self.strategy.particles
+        K = self.strategy.draws(self.rule)
         with torch.enable_grad():
             if self.hessian:
                 return self._price_messages(ctx, others, K)
+            if self.onedraw and self.form != "lowrank":
+                return self._onedraw_messages(ctx, others, K)
             leaves = {n: v.clone().requires_grad_(True) for n, v in self._values().items()}
             draws = self._draw(leaves, K)
             # log p - log q at each draw, q's parameters held fixed in log q ("sticking the
             # landing", Roeder et al. 2017): unbiased for the ELBO and its gradient, and
-            # without variance where q is the posterior
+            # without variance where q is the posterior. The known Gaussian priors are taken
+            # out of the draws and added by their expectation, exactly
             per_t = self._log_joint(ctx, draws, others) - self._log_q(draws)
+            per_t = per_t + self._prior_split(leaves, draws)
             elbo = per_t.mean()
             ctx.add_mc_samples(per_t)
             if ctx.grads:
@@ -247,6 +278,57 @@ class RemainderBlock(Block):
                     n: (torch.zeros_like(leaves[n]) if g is None else g.detach())
                     for n, g in zip(names, gs)
                 }
+        return elbo
+
+    def _prior_split(self, params: Dict[str, torch.Tensor], draws: torch.Tensor) -> torch.Tensor:
+        """``E_q[log prior] - log prior(u_k)`` of the known Gaussian priors (zero mean over q;
+        differentiable in ``params`` and the draws), up to constants that cancel."""
+        p0 = self.prior_prec
+        if not bool((p0 > 0).any()):
+            return draws.new_zeros(draws.shape[0])
+        m = params[self.loc_name]
+        at_draws = -0.5 * (p0 * (draws - self.prior_loc).pow(2)).sum(-1)
+        return known_prior_expectation(m, self._marginal_var(params), self.prior_loc, p0) - at_draws
+
+    def _marginal_var(self, params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.form == "full":
+            return params[self.role_names[0]].tril().pow(2).sum(-1)
+        s = params[self.role_names[0]]
+        if self.form == "diag":
+            return s * s
+        W = params[self.role_names[1]]
+        return s * s * (1.0 + (W * W).sum(-1))
+
+    def _onedraw_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
+        """The one-draw step's directions (:mod:`pyro_cvi.gaussian.onedraw`): the gradient of
+        the log joint at ``K`` draws, the known Gaussian priors exact; the loss is
+        ``mean_k [f(u_k) - log q(u_k)] + E_q[log prior]``, unbiased for the bound."""
+        p = self._values()
+        m, sc = p[self.loc_name], p[self.role_names[0]]
+        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
+        dz = eps @ sc.mT if self.form == "full" else sc * eps
+        u = (m + dz).requires_grad_(True)
+        f = self._log_joint(ctx, u, others)
+        prior = self._prior_split(p, u)
+        # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
+        logdet = (sc.diagonal() if self.form == "full" else sc).abs().log().sum()
+        log_q = -0.5 * eps.pow(2).sum(-1) - logdet - 0.5 * self.dim * math.log(2 * math.pi)
+        per_t = f + prior - log_q
+        elbo = per_t.mean()
+        ctx.add_mc_samples(per_t)
+        if ctx.grads:
+            (g,) = torch.autograd.grad((f + prior).sum(), u, allow_unused=True)
+            g = torch.zeros_like(u) if g is None else g.detach()
+            p0, c = self.prior_prec, self.control.center()
+            if c is not None and c.shape != m.shape:
+                c = None
+            if self.form == "full":
+                c = None if c is None else c.double()
+                gm, G = onedraw_tril(sc.double(), eps.double(), g.double(), p0.double(), c)
+                gm, G = gm.to(m), G.to(m)
+            else:
+                gm, G = onedraw_diag(sc, eps, g, p0, c)
+            self._grads = {self.loc_name: gm, "G": G}
         return elbo
 
     def _price_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
@@ -344,7 +426,23 @@ class RemainderBlock(Block):
         b_prec, b_mean = self.control.step_sizes()
         p = self._values()
         m = p[self.loc_name]
-        if self.form == "full":
+        if self.onedraw:  # momentum on the sampled part of dl/dm, the known prior's exact
+            gm = grads[self.loc_name]
+            gm = self.control.direction(gm, self._metric(p))
+            if self.form != "lowrank":  # (the low-rank form's gradient holds it already)
+                gm = gm + self.prior_prec * (m - self.prior_loc)
+            grads[self.loc_name] = gm
+        if self.onedraw and self.form == "diag":
+            (sn,) = self.role_names
+            gm, G, p0 = grads[self.loc_name], grads["G"], self.prior_prec
+            m2, s2, d = onedraw_diag_step(m, p[sn], gm, G, p0, b_prec, b_mean)
+            new = {self.loc_name: m2, sn: s2}
+        elif self.onedraw and self.form == "full":
+            (Ln,) = self.role_names
+            gm, G, p0 = grads[self.loc_name], grads["G"], self.prior_prec
+            m2, L2, d = onedraw_tril_step(m, p[Ln], gm, G, p0, b_prec, b_mean)
+            new = {self.loc_name: m2, Ln: L2}
+        elif self.form == "full":
             (Ln,) = self.role_names
             L, G = p[Ln], grads.get("G")
             gL = grads[Ln].tril() if G is None else None
@@ -366,7 +464,8 @@ class RemainderBlock(Block):
                 grads[sn],
                 grads[Wn],
                 b_prec,
-                max_rel=1.0,
+                # one draw: a tighter trust region (log s and W move by at most 0.2)
+                max_rel=LOWRANK_ONEDRAW_MOVE if self.onedraw else 1.0,
                 beta_mean=b_mean,
             )
             new = {self.loc_name: m2, sn: s2, Wn: W2}
@@ -378,6 +477,16 @@ class RemainderBlock(Block):
         else:
             counts.rejected += 1
         return [StepReport(self.label, "remainder", b_prec, counts)]
+
+    def _metric(self, p: Dict[str, torch.Tensor]):
+        """``x -> S x`` of the current ``q``."""
+        sc = p[self.role_names[0]]
+        if self.form == "full":
+            return lambda x: sc @ (sc.mT @ x)
+        if self.form == "diag":
+            return lambda x: sc * sc * x
+        W = p[self.role_names[1]]
+        return lambda x: sc * ((sc * x) + W @ (W.mT @ (sc * x)))
 
     # ------------------------------------------------------------------ the current q
     def _at(self, u: torch.Tensor, exclude: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
