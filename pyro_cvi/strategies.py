@@ -24,9 +24,6 @@ __all__ = [
 MAX_FULL_DIM = 256
 #: ``Remainder(curvature="auto")`` uses dense Hessians (Price's theorem) up to this many
 HESSIAN_MAX_DIM = 32
-#: ``Remainder(step=None)`` takes the :class:`Horizon` step when at least this share of the
-#: coordinates have a known Gaussian prior
-KNOWN_PRIOR_SHARE = 0.5
 COVARIANCES = ("auto", "full", "lowrank", "diag")
 CURVATURES = ("auto", "hessian", "gradient")
 
@@ -99,18 +96,17 @@ class Remainder:
             f"AutoCVI(remainder={value!r}): a Remainder(...), one of {COVARIANCES} or 'off'"
         )
 
-    def choose_step(self, known: float) -> Union[Horizon, SignalToNoise]:
-        """The step: the user's, else (``step=None``) :class:`Horizon` where at least
-        :data:`KNOWN_PRIOR_SHARE` of the coordinates have a known Gaussian prior (added exactly,
-        it bounds the precision from below: Bayesian neural networks, regressions), else
-        :class:`SignalToNoise` (funnels and hierarchies, where one-draw curvature estimates of
-        a latent-scaled prior were measured to diverge: stochastic volatility).
+    def choose_step(self, hierarchical: bool) -> Union[Horizon, SignalToNoise]:
+        """The step: the user's, else (``step=None``) :class:`Horizon`, unless a latent's
+        prior depends on another latent of the remainder (a hierarchy: the funnel of a latent
+        scale, where the one-draw curvature of the latent-scaled prior was measured to diverge
+        on stochastic volatility), then :class:`SignalToNoise`.
 
-        :param known: the share of the remainder's coordinates with a known Gaussian prior.
+        :param hierarchical: whether a remainder latent's prior depends on another's.
         """
         if self.step is not None:
             return self.step
-        return Horizon() if known >= KNOWN_PRIOR_SHARE else SignalToNoise()
+        return SignalToNoise() if hierarchical else Horizon()
 
     def draws(self, step: Union[Horizon, SignalToNoise]) -> int:
         """Reparameterised draws per step."""

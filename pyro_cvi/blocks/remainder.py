@@ -7,15 +7,16 @@ Its part of the ELBO is::
 
     L_R = E_q[ sum_{f in R} log p_f(T(u)) + log |T'(u)| ] + H[N(m, S)]
 
-(the factors it owns: every factor that holds one of its latents; finite discrete latents of
-those factors summed out by Pyro's TraceEnum contraction). The loss estimates it with
-``particles`` reparameterised draws ``u = m + L eps`` and differentiates the estimate in
-``(m, L)``; the step is CVI's mirror-descent step for a Gaussian from those gradients (Khan &
-Lin 2017, eqs. 10-13) in the positive-definite form of Lin, Schmidt & Khan (2020), the one
-:mod:`pyro_cvi.gaussian` gives Pyro's own Gaussian guides too (``CVI()`` on
-``AutoMultivariateNormal``): full covariance up to :data:`MAX_FULL_DIM` coordinates, low rank
-plus diagonal beyond (``AutoLowRankMultivariateNormal``'s form), or diagonal. Its step size is
-the signal-to-noise control of :mod:`pyro_cvi.natgrad.control`, capped by the engine's ``beta``.
+(the factors it owns; finite discrete latents summed out by Pyro's TraceEnum contraction),
+estimated at reparameterised draws ``u = m + L eps``. The step is CVI's mirror descent for a
+Gaussian (Khan & Lin 2017, eqs. 10-13) in the positive-definite form of Lin, Schmidt & Khan
+(2020), shared with ``CVI()`` on Pyro's Gaussian guides (:mod:`pyro_cvi.gaussian`), by one of
+two rules (:meth:`Remainder.choose_step`): the one-draw :class:`~pyro_cvi.Horizon` step
+(:mod:`pyro_cvi.natgrad.horizon`, :mod:`pyro_cvi.natgrad.joint`: curvature by Stein's lemma
+from the gradient at one draw, known Gaussian priors exact, a decay over a horizon), or the
+:class:`~pyro_cvi.SignalToNoise` one (gradients in the parameters from several draws, or
+Price's dense Hessians, under :mod:`pyro_cvi.natgrad.control`). The form (full, low rank plus
+diagonal, diagonal) is :meth:`Remainder.form`'s.
 """
 
 from __future__ import annotations
@@ -33,25 +34,24 @@ from torch.distributions.transforms import ReshapeTransform
 
 from ..context import StepContext
 from ..gaussian import (
-    bonnet_mean_gradient,
     diag_step,
     lowrank_step,
-    price_precision_gradient,
     tril_step,
-)
-from ..gaussian.onedraw import (
-    known_prior_expectation,
-    onedraw_diag,
-    onedraw_diag_step,
-    onedraw_tril,
-    onedraw_tril_step,
 )
 from ..messages.collapsed import collapsed_log_prob
 from ..model.tracing import run_model
 from ..natgrad.control import NoiseControl
 from ..natgrad.horizon import Horizon
+from ..natgrad.joint import (
+    hierarchical,
+    known_priors,
+    onedraw_direction,
+    onedraw_messages,
+    onedraw_step,
+    price_messages,
+    prior_split,
+)
 from ..natgrad.params import write
-from ..natgrad.prior import known_normal_prior
 from ..strategies import Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
@@ -106,13 +106,8 @@ class RemainderBlock(Block):
             start += size
         self.dim = start
         #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
-        like = next(iter(analysis.values.values()))
-        spans = [(s.name, s.start, s.size) for s in self.sites if s.real]
-        self.prior_loc, self.prior_prec = known_normal_prior(
-            analysis.structure.nodes, spans, self.dim, like
-        )
-        known = float((self.prior_prec > 0).sum()) / max(1, self.dim)
-        self.rule = strategy.choose_step(known)
+        self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
+        self.rule = strategy.choose_step(hierarchical(analysis, self.names))
         self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
         self.rank = min(self.rank, self.dim)
@@ -255,10 +250,14 @@ class RemainderBlock(Block):
         }
         K = self.strategy.draws(self.rule)
         with torch.enable_grad():
-            if self.hessian:
-                return self._price_messages(ctx, others, K)
-            if self.onedraw and self.form != "lowrank":
-                return self._onedraw_messages(ctx, others, K)
+            p, log_joint = self._values(), lambda u: self._log_joint(ctx, u, others)
+            if self.hessian or (self.onedraw and self.form != "lowrank"):
+                if self.hessian:
+                    elbo, grads = price_messages(self, ctx, p, log_joint, self._log_q, K)
+                else:
+                    elbo, grads = onedraw_messages(self, ctx, p, log_joint, K)
+                self._grads = grads if grads is not None else self._grads
+                return elbo
             leaves = {n: v.clone().requires_grad_(True) for n, v in self._values().items()}
             draws = self._draw(leaves, K)
             # log p - log q at each draw, q's parameters held fixed in log q ("sticking the
@@ -266,7 +265,7 @@ class RemainderBlock(Block):
             # without variance where q is the posterior. The known Gaussian priors are taken
             # out of the draws and added by their expectation, exactly
             per_t = self._log_joint(ctx, draws, others) - self._log_q(draws)
-            per_t = per_t + self._prior_split(leaves, draws)
+            per_t = per_t + prior_split(self, leaves, draws)
             elbo = per_t.mean()
             ctx.add_mc_samples(per_t)
             if ctx.grads:
@@ -278,89 +277,6 @@ class RemainderBlock(Block):
                     n: (torch.zeros_like(leaves[n]) if g is None else g.detach())
                     for n, g in zip(names, gs)
                 }
-        return elbo
-
-    def _prior_split(self, params: Dict[str, torch.Tensor], draws: torch.Tensor) -> torch.Tensor:
-        """``E_q[log prior] - log prior(u_k)`` of the known Gaussian priors (zero mean over q;
-        differentiable in ``params`` and the draws), up to constants that cancel."""
-        p0 = self.prior_prec
-        if not bool((p0 > 0).any()):
-            return draws.new_zeros(draws.shape[0])
-        m = params[self.loc_name]
-        at_draws = -0.5 * (p0 * (draws - self.prior_loc).pow(2)).sum(-1)
-        return known_prior_expectation(m, self._marginal_var(params), self.prior_loc, p0) - at_draws
-
-    def _marginal_var(self, params: Dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.form == "full":
-            return params[self.role_names[0]].tril().pow(2).sum(-1)
-        s = params[self.role_names[0]]
-        if self.form == "diag":
-            return s * s
-        W = params[self.role_names[1]]
-        return s * s * (1.0 + (W * W).sum(-1))
-
-    def _onedraw_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
-        """The one-draw step's directions (:mod:`pyro_cvi.gaussian.onedraw`): the gradient of
-        the log joint at ``K`` draws, the known Gaussian priors exact; the loss is
-        ``mean_k [f(u_k) - log q(u_k)] + E_q[log prior]``, unbiased for the bound."""
-        p = self._values()
-        m, sc = p[self.loc_name], p[self.role_names[0]]
-        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
-        dz = eps @ sc.mT if self.form == "full" else sc * eps
-        u = (m + dz).requires_grad_(True)
-        f = self._log_joint(ctx, u, others)
-        prior = self._prior_split(p, u)
-        # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
-        logdet = (sc.diagonal() if self.form == "full" else sc).abs().log().sum()
-        log_q = -0.5 * eps.pow(2).sum(-1) - logdet - 0.5 * self.dim * math.log(2 * math.pi)
-        per_t = f + prior - log_q
-        elbo = per_t.mean()
-        ctx.add_mc_samples(per_t)
-        if ctx.grads:
-            (g,) = torch.autograd.grad((f + prior).sum(), u, allow_unused=True)
-            g = torch.zeros_like(u) if g is None else g.detach()
-            p0, c = self.prior_prec, self.control.center()
-            if c is not None and c.shape != m.shape:
-                c = None
-            if self.form == "full":
-                c = None if c is None else c.double()
-                gm, G = onedraw_tril(sc.double(), eps.double(), g.double(), p0.double(), c)
-                gm, G = gm.to(m), G.to(m)
-            else:
-                gm, G = onedraw_diag(sc, eps, g, p0, c)
-            self._grads = {self.loc_name: gm, "G": G}
-        return elbo
-
-    def _price_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
-        """Bonnet's and Price's theorems (eqs. 30-31): ``dL/dm = E[g]``, ``dL/dS = E[H] / 2 +
-        S^-1 / 2`` from the gradient ``g`` and Hessian ``H`` of ``log p(T(u)) + log|T'(u)|`` at
-        the draws (the mean's with the control variate ``S^-1 (u - m)``, zero in expectation).
-        The precision's target ``-E[H]`` is exact at once where the posterior is Gaussian in
-        ``u``, whatever ``q``: a Newton step (variational online Newton)."""
-        p = self._values()
-        m, L = p[self.loc_name], p[self.role_names[0]]
-        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
-        u = (m + eps @ L.mT).requires_grad_(True)
-        f = self._log_joint(ctx, u, others)
-        per_t = f - self._log_q(u)
-        elbo = per_t.mean()
-        ctx.add_mc_samples(per_t)
-        if ctx.grads:
-            (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
-            g = torch.zeros_like(u) if g is None else g
-            rows = []
-            for i in range(self.dim):
-                h = None
-                if g.requires_grad:
-                    (h,) = torch.autograd.grad(
-                        g[:, i].sum(), u, retain_graph=True, allow_unused=True
-                    )
-                rows.append(torch.zeros_like(u) if h is None else h)
-            H = torch.stack(rows, 1).mean(0).detach()
-            P = torch.cholesky_inverse(L)
-            gm = -bonnet_mean_gradient(g.detach(), u.detach(), m, P)
-            G = price_precision_gradient(H, P)
-            self._grads = {self.loc_name: gm, "G": G}
         return elbo
 
     def _log_joint(self, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
@@ -426,22 +342,10 @@ class RemainderBlock(Block):
         b_prec, b_mean = self.control.step_sizes()
         p = self._values()
         m = p[self.loc_name]
-        if self.onedraw:  # momentum on the sampled part of dl/dm, the known prior's exact
-            gm = grads[self.loc_name]
-            gm = self.control.direction(gm, self._metric(p))
-            if self.form != "lowrank":  # (the low-rank form's gradient holds it already)
-                gm = gm + self.prior_prec * (m - self.prior_loc)
-            grads[self.loc_name] = gm
-        if self.onedraw and self.form == "diag":
-            (sn,) = self.role_names
-            gm, G, p0 = grads[self.loc_name], grads["G"], self.prior_prec
-            m2, s2, d = onedraw_diag_step(m, p[sn], gm, G, p0, b_prec, b_mean)
-            new = {self.loc_name: m2, sn: s2}
-        elif self.onedraw and self.form == "full":
-            (Ln,) = self.role_names
-            gm, G, p0 = grads[self.loc_name], grads["G"], self.prior_prec
-            m2, L2, d = onedraw_tril_step(m, p[Ln], gm, G, p0, b_prec, b_mean)
-            new = {self.loc_name: m2, Ln: L2}
+        if self.onedraw:
+            grads[self.loc_name] = onedraw_direction(self, p, grads[self.loc_name])
+        if self.onedraw and self.form != "lowrank":
+            new, d = onedraw_step(self, p, grads, b_prec, b_mean)
         elif self.form == "full":
             (Ln,) = self.role_names
             L, G = p[Ln], grads.get("G")
@@ -456,13 +360,12 @@ class RemainderBlock(Block):
             new = {self.loc_name: m2, sn: s2}
         else:
             sn, Wn = self.role_names
+            gs = (grads[self.loc_name], grads[sn], grads[Wn])
             m2, s2, W2, d = lowrank_step(
                 m,
                 p[sn],
                 p[Wn],
-                grads[self.loc_name],
-                grads[sn],
-                grads[Wn],
+                *gs,
                 b_prec,
                 # one draw: a tighter trust region (log s and W move by at most 0.2)
                 max_rel=LOWRANK_ONEDRAW_MOVE if self.onedraw else 1.0,
@@ -477,16 +380,6 @@ class RemainderBlock(Block):
         else:
             counts.rejected += 1
         return [StepReport(self.label, "remainder", b_prec, counts)]
-
-    def _metric(self, p: Dict[str, torch.Tensor]):
-        """``x -> S x`` of the current ``q``."""
-        sc = p[self.role_names[0]]
-        if self.form == "full":
-            return lambda x: sc @ (sc.mT @ x)
-        if self.form == "diag":
-            return lambda x: sc * sc * x
-        W = p[self.role_names[1]]
-        return lambda x: sc * ((sc * x) + W @ (W.mT @ (sc * x)))
 
     # ------------------------------------------------------------------ the current q
     def _at(self, u: torch.Tensor, exclude: Sequence[str] = ()) -> Dict[str, torch.Tensor]:

@@ -26,6 +26,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .retraction import retract, retract_diagonal
+from .steps import MEAN_MAX_MOVE
+
 __all__ = [
     "known_prior_expectation",
     "onedraw_diag",
@@ -93,9 +96,6 @@ def onedraw_diag_step(
     (2 h)`` (``b = rho``, at most ``MAX_REL h / |G|`` per element), so that ``p = p0 + h > p0`` at
     every step; then ``m' = m - alpha gm / p'``, at most ``MEAN_MAX_MOVE`` sd of ``q'``.
     Returns ``(m', s', d)`` with the whitened directions ``d``."""
-    from .retraction import retract_diagonal
-    from .steps import MEAN_MAX_MOVE
-
     p = s.pow(-2)
     tiny = torch.finfo(p.dtype).eps
     h = (p - p0).clamp_min(1e-3 * p)
@@ -117,9 +117,6 @@ def onedraw_tril_step(
     diag(p0)``, then ``m' = m - alpha S' gm``, at most ``MEAN_MAX_MOVE`` sd of ``q'``.
     Returns ``(m', L', d)``; a step that cannot be factorised returns a non-finite ``m'``
     (the caller keeps ``q``)."""
-    from .retraction import retract
-    from .steps import MEAN_MAX_MOVE
-
     dtype = m.dtype
     m, L, gm, G, p0 = (t.double() for t in (m, L, gm, G, p0))
     P = torch.cholesky_inverse(L)

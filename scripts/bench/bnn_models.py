@@ -149,8 +149,8 @@ def lotka_volterra(obs):
 
     sub = 4  # RK4 sub-steps per unit of time
     path = _rk4(f, z0, 1.0 / sub, (T - 1) * sub)[..., ::sub, :]
-    with pyro.plate("time", T, dim=-2):
-        pyro.sample("obs", dist.LogNormal(path.clamp_min(1e-6).log(), sigma).to_event(0), obs=obs)
+    with pyro.plate("time", T):
+        pyro.sample("obs", dist.LogNormal(path.clamp_min(1e-6).log(), sigma).to_event(1), obs=obs)
 
 
 def lotka_volterra_data(dtype=torch.float64) -> Tuple[torch.Tensor, ...]:
