@@ -8,8 +8,9 @@
   exact natural gradient of a quadratic log joint), and exact at the optimum;
 * the loss is the bound: the reported loss agrees with an independent Trace_ELBO estimate of
   the same guide within 3 standard errors on a non-conjugate model, in both dtypes;
-* the rule: BNN-like remainders take the Horizon step and a diagonal or full form by
-  ``D <= 2 / rho``; a remainder whose latent scales another's prior keeps SignalToNoise;
+* the rule: a cheap small model keeps Price's Hessians, the Horizon step takes a diagonal or
+  full form by ``D <= 2 / rho``; a remainder whose latent scales another's prior keeps
+  SignalToNoise;
 * the schedule, its validation, and a checkpoint round trip of its state.
 """
 
@@ -146,7 +147,7 @@ def test_reported_loss_is_the_bound(dtype):
     y = 2.0 * torch.tanh(X @ torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64))
     y = y + 0.5 * torch.randn(40, generator=g, dtype=torch.float64)
     args = (X.to(dtype), y.to(dtype))
-    guide, svi, _ = _fit(tanh_regression, args, 300)
+    guide, svi, _ = _fit(tanh_regression, args, 300, remainder=Remainder(step=Horizon()))
     assert isinstance(guide.engine.remainder.rule, Horizon)
     reported = torch.tensor([svi.evaluate_loss(*args) for _ in range(300)], dtype=torch.float64)
     with torch.no_grad():
@@ -160,8 +161,12 @@ def test_reported_loss_is_the_bound(dtype):
 
 def test_the_rule_picks_the_step_and_the_form():
     X, y = _data(torch.float64)
-    # BNN-like: Horizon; 3 coordinates <= 2 / rho: full
+    # a cheap small model (3 coordinates, backward passes far cheaper than a model run): the
+    # default keeps Price's dense Hessians; Horizon asked for: 3 coordinates <= 2 / rho, full
     guide, _, _ = _fit(lognormal_regression, (X, y), 1)
+    rem = guide.engine.remainder
+    assert isinstance(rem.rule, SignalToNoise) and rem.form == "full" and rem.hessian
+    guide, _, _ = _fit(lognormal_regression, (X, y), 1, remainder=Remainder(step=Horizon()))
     rem = guide.engine.remainder
     assert isinstance(rem.rule, Horizon) and rem.form == "full" and not rem.hessian
     assert Remainder().form(41, Horizon()) == "diag" and Remainder().form(40, Horizon()) == "full"
@@ -214,7 +219,7 @@ def test_momentum_restarts_against_a_reversed_gradient():
 def test_horizon_state_survives_a_checkpoint():
     """The step's clock and momentum go into the guide's extra state and come back."""
     X, y = _data(torch.float64)
-    guide, svi, _ = _fit(lognormal_regression, (X, y), 30)
+    guide, svi, _ = _fit(lognormal_regression, (X, y), 30, remainder=Remainder(step=Horizon()))
     rem = guide.engine.remainder
     state = rem.extra_state()
     t, gbar = rem.control.t, rem.control.gbar.clone()

@@ -59,7 +59,7 @@ class Horizon:
     momentum: float = 0.9
     horizon: int = 2000
     final: float = 0.1
-    warmup: int = 20
+    warmup: int = 0
     particles: int = 1
 
     def __post_init__(self) -> None:

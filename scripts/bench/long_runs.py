@@ -29,7 +29,7 @@ from pyro.infer.autoguide import (
     AutoNormal,
 )
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
 
 __all__ = ["PATHS", "MODELS", "Stepper", "run", "verdict"]
 
@@ -261,7 +261,8 @@ def _nonlinear_model(kind: str) -> Callable:
 def _autocvi_remainder(kind, dtype):
     X, y = _data(kind, dtype)
     model = _nonlinear_model(kind)
-    svi = SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO())
+    guide = AutoCVI(model, remainder=Remainder(step=Horizon()))
+    svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
     return Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi))
 
 
