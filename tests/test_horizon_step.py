@@ -159,14 +159,24 @@ def test_reported_loss_is_the_bound(dtype):
     assert abs(float(reported.mean() - ref.mean())) < 3 * se + 1e-3, (reported.mean(), ref.mean())
 
 
-def test_the_rule_picks_the_step_and_the_form():
+def test_the_rule_picks_the_step_and_the_form(monkeypatch):
+    import pyro_cvi.blocks.remainder as rem_module
+
     X, y = _data(torch.float64)
-    # a cheap small model (3 coordinates, backward passes far cheaper than a model run): the
-    # default keeps Price's dense Hessians; Horizon asked for: 3 coordinates <= 2 / rho, full
-    guide, _, _ = _fit(lognormal_regression, (X, y), 1)
+    # a small full form whose D backward passes cost at most one model run (timed at the first
+    # step; replaced here by both verdicts): the default keeps Price's dense Hessians
+    monkeypatch.setattr(rem_module, "cheap_model", lambda *a: True)
+    guide, _, _ = _fit(lognormal_regression, (X, y), 2)
     rem = guide.engine.remainder
     assert isinstance(rem.rule, SignalToNoise) and rem.form == "full" and rem.hessian
-    guide, _, _ = _fit(lognormal_regression, (X, y), 1, remainder=Remainder(step=Horizon()))
+    assert not bool(rem.prior_prec.any())
+    monkeypatch.setattr(rem_module, "cheap_model", lambda *a: False)
+    guide, _, _ = _fit(lognormal_regression, (X, y), 2)
+    rem = guide.engine.remainder
+    assert isinstance(rem.rule, Horizon) and rem.form == "full" and not rem.hessian
+    # asked for: never timed; 3 coordinates <= 2 / rho: full
+    monkeypatch.setattr(rem_module, "cheap_model", lambda *a: True)
+    guide, _, _ = _fit(lognormal_regression, (X, y), 2, remainder=Remainder(step=Horizon()))
     rem = guide.engine.remainder
     assert isinstance(rem.rule, Horizon) and rem.form == "full" and not rem.hessian
     assert Remainder().form(41, Horizon()) == "diag" and Remainder().form(40, Horizon()) == "full"

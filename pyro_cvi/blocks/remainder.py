@@ -40,20 +40,22 @@ from ..gaussian import (
 )
 from ..messages.collapsed import collapsed_log_prob
 from ..model.tracing import run_model
-from ..natgrad.control import NoiseControl, SignalToNoise
+from ..natgrad.control import NoiseControl
 from ..natgrad.horizon import Horizon
 from ..natgrad.joint import (
     cheap_model,
     hierarchical,
     known_priors,
+    may_use_price,
     onedraw_direction,
     onedraw_messages,
     onedraw_step,
     price_messages,
     prior_split,
+    use_price,
 )
 from ..natgrad.params import write
-from ..strategies import HESSIAN_MAX_DIM, Remainder
+from ..strategies import Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
@@ -135,15 +137,8 @@ class RemainderBlock(Block):
             self.control = self.rule.control()
         if not self.onedraw:
             self.prior_prec = torch.zeros_like(self.prior_prec)
-        #: the default rule on a small full form: Price's dense Hessians if they are cheap,
-        #: measured at the first step (:func:`pyro_cvi.natgrad.joint.cheap_model`)
-        self._timed = (
-            self.onedraw
-            and strategy.step is None
-            and strategy.curvature == "auto"
-            and self.form == "full"
-            and self.dim <= HESSIAN_MAX_DIM
-        )
+        #: the default on a small full form: Price's Hessians if cheap (timed at the first step)
+        self._timed = may_use_price(self, strategy)
         self._grads: Optional[Dict[str, torch.Tensor]] = None
         #: whether the particles run as one batched model run (``None``: not yet checked)
         self._vectorise: Optional[bool] = None
@@ -262,10 +257,7 @@ class RemainderBlock(Block):
         with torch.enable_grad():
             p, log_joint = self._values(), lambda u: self._log_joint(ctx, u, others)
             if self._timed and ctx.grads and cheap_model(self, ctx, p, log_joint):
-                self.rule, self.hessian, self.onedraw = SignalToNoise(), True, False
-                self.control = NoiseControl(start=1.0)
-                self.prior_prec = torch.zeros_like(self.prior_prec)
-                K = self.strategy.draws(self.rule)
+                K = use_price(self)
             self._timed = False
             if self.hessian or (self.onedraw and self.form != "lowrank"):
                 if self.hessian:

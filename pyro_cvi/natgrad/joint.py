@@ -22,12 +22,15 @@ from ..gaussian.onedraw import (
     onedraw_tril_step,
 )
 from ..gaussian.price import bonnet_mean_gradient, price_precision_gradient
+from .control import NoiseControl, SignalToNoise
 from .prior import known_normal_prior
 
 __all__ = [
     "cheap_model",
     "hierarchical",
     "known_priors",
+    "may_use_price",
+    "use_price",
     "marginal_var",
     "metric",
     "onedraw_direction",
@@ -190,3 +193,26 @@ def cheap_model(block, ctx, p, log_joint) -> bool:
     torch.autograd.grad(f, u, allow_unused=True)
     t2 = time.perf_counter()
     return block.dim * (t2 - t1) <= t1 - t0
+
+
+def may_use_price(block, strategy) -> bool:
+    """Whether the default rule may still take Price's Hessians (timed at the first step by
+    :func:`cheap_model`): the one-draw step by default, on a full form of at most
+    ``HESSIAN_MAX_DIM`` coordinates, with ``curvature="auto"``."""
+    from ..strategies import HESSIAN_MAX_DIM
+
+    return bool(
+        block.onedraw
+        and strategy.step is None
+        and strategy.curvature == "auto"
+        and block.form == "full"
+        and block.dim <= HESSIAN_MAX_DIM
+    )
+
+
+def use_price(block) -> int:
+    """Switch the block to Price's Hessians under the noise control; the draws per step."""
+    block.rule, block.hessian, block.onedraw = SignalToNoise(), True, False
+    block.control = NoiseControl(start=1.0)
+    block.prior_prec = torch.zeros_like(block.prior_prec)
+    return block.strategy.draws(block.rule)
