@@ -260,6 +260,23 @@ def _print_row(r):
     )
 
 
+def verdict(rows, odes) -> list:
+    """One line per model: in how many seeds AutoCVI reached Adam's best bound in at most half
+    of the time Adam took; for the ODEs, whether AutoCVI's CPU per step is within 1.5x."""
+    lines = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == name]
+        wins = 0
+        for r in rs:
+            a, b = r["autocvi_time_to_adam_best"], r["adam_time_to_adam_best"]
+            wins += a is not None and (b is None or a <= 0.5 * b)
+        lines.append(f"verdict {name}: AutoCVI in at most half of Adam's time in {wins}/{len(rs)}")
+    for o in odes:
+        ok = "within" if o["ratio"] <= 1.5 else "NOT within"
+        lines.append(f"verdict {o['model']}: CPU per step {ok} 1.5x of AutoMVN+Adam")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
@@ -291,6 +308,8 @@ def main(argv=None):
         "tolerance_nats": TOL,
         "window": WINDOW,
     }
+    for line in verdict(rows, odes):
+        print(line)
     out.write_text(json.dumps({"meta": meta, "rows": rows, "ode": odes}, indent=1))
     print(f"wrote {out}")
 
