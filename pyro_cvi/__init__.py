@@ -25,7 +25,7 @@ from .methods.structured_guide import AutoStructuredCVI
 from .model.weights import UnboundedELBOError
 from .optim import CVI
 from .scale.checkpoint import CheckpointError
-from .strategies import Remainder
+from .strategies import Horizon, Remainder, SignalToNoise
 
 __version__ = "0.1.0"
 __all__ = [
@@ -35,7 +35,9 @@ __all__ = [
     "CVI_ELBO",
     "CheckpointError",
     "DivergenceError",
+    "Horizon",
     "Remainder",
+    "SignalToNoise",
     "StructuredSVI",
     "UnboundedELBOError",
     "step_sizes",

@@ -7,15 +7,16 @@ Its part of the ELBO is::
 
     L_R = E_q[ sum_{f in R} log p_f(T(u)) + log |T'(u)| ] + H[N(m, S)]
 
-(the factors it owns: every factor that holds one of its latents; finite discrete latents of
-those factors summed out by Pyro's TraceEnum contraction). The loss estimates it with
-``particles`` reparameterised draws ``u = m + L eps`` and differentiates the estimate in
-``(m, L)``; the step is CVI's mirror-descent step for a Gaussian from those gradients (Khan &
-Lin 2017, eqs. 10-13) in the positive-definite form of Lin, Schmidt & Khan (2020), the one
-:mod:`pyro_cvi.gaussian` gives Pyro's own Gaussian guides too (``CVI()`` on
-``AutoMultivariateNormal``): full covariance up to :data:`MAX_FULL_DIM` coordinates, low rank
-plus diagonal beyond (``AutoLowRankMultivariateNormal``'s form), or diagonal. Its step size is
-the signal-to-noise control of :mod:`pyro_cvi.natgrad.control`, capped by the engine's ``beta``.
+(the factors it owns; finite discrete latents summed out by Pyro's TraceEnum contraction),
+estimated at reparameterised draws ``u = m + L eps``. The step is CVI's mirror descent for a
+Gaussian (Khan & Lin 2017, eqs. 10-13) in the positive-definite form of Lin, Schmidt & Khan
+(2020), shared with ``CVI()`` on Pyro's Gaussian guides (:mod:`pyro_cvi.gaussian`), by one of
+two rules (:meth:`Remainder.choose_step`): the one-draw :class:`~pyro_cvi.Horizon` step
+(:mod:`pyro_cvi.natgrad.horizon`, :mod:`pyro_cvi.natgrad.joint`: curvature by Stein's lemma
+from the gradient at one draw, known Gaussian priors exact, a decay over a horizon), or the
+:class:`~pyro_cvi.SignalToNoise` one (gradients in the parameters from several draws, or
+Price's dense Hessians, under :mod:`pyro_cvi.natgrad.control`). The form (full, low rank plus
+diagonal, diagonal) is :meth:`Remainder.form`'s.
 """
 
 from __future__ import annotations
@@ -33,22 +34,35 @@ from torch.distributions.transforms import ReshapeTransform
 
 from ..context import StepContext
 from ..gaussian import (
-    bonnet_mean_gradient,
     diag_step,
     lowrank_step,
-    price_precision_gradient,
     tril_step,
 )
-from ..messages.collapsed import collapsed_log_prob
-from ..model.tracing import run_model
 from ..natgrad.control import NoiseControl
+from ..natgrad.horizon import Horizon
+from ..natgrad.joint import (
+    hierarchical,
+    known_priors,
+    may_use_price,
+    onedraw_direction,
+    onedraw_messages,
+    onedraw_step,
+    price_by_default,
+    price_messages,
+    prior_split,
+    use_price,
+)
 from ..natgrad.params import write
-from ..strategies import HESSIAN_MAX_DIM, Remainder
+from ..strategies import Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
+from .remainder_joint import remainder_log_joint
 
 __all__ = ["Remainder", "RemainderBlock"]
+
+#: the low-rank form's trust region under the one-draw step (largest move of a log s or W entry)
+LOWRANK_ONEDRAW_MOVE = 0.2
 
 
 @dataclass
@@ -93,7 +107,10 @@ class RemainderBlock(Block):
             self.sites.append(site)
             start += size
         self.dim = start
-        self.form = strategy.form(self.dim)
+        #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
+        self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
+        self.rule = strategy.choose_step(hierarchical(analysis, self.names))
+        self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
         self.rank = min(self.rank, self.dim)
         self.loc_name = f"{prefix}.remainder.loc"
@@ -106,14 +123,21 @@ class RemainderBlock(Block):
         # guide binds the store's tensors as its own): the steps keep L's diagonal and the
         # scales positive (the retraction, and s' = s exp(...))
         self.constraints = {n: constraints.real for n in self.param_names()}
-        #: Price's theorem (dense Hessians) for the precision, up to HESSIAN_MAX_DIM coordinates
-        self.hessian = self.form == "full" and (
-            strategy.curvature == "hessian"
-            or (strategy.curvature == "auto" and self.dim <= HESSIAN_MAX_DIM)
-        )
+        #: Price's theorem (dense Hessians) for the precision (see Remainder.hessian)
+        self.hessian = self.form == "full" and strategy.hessian(self.dim, self.rule)
+        #: the one-draw step of :mod:`pyro_cvi.natgrad.horizon` (else the reparameterised
+        #: gradients in the parameters, or Price's Hessians, under the noise control)
+        self.onedraw = isinstance(self.rule, Horizon) and not self.hessian
         # the warm-up guards against a reparameterised gradient of S far from the optimum;
         # Price's Hessian target has no such term: full steps from the start
-        self.control = NoiseControl(start=1.0) if self.hessian else NoiseControl()
+        if self.hessian:
+            self.control = NoiseControl(start=1.0)
+        else:
+            self.control = self.rule.control()
+        if not self.onedraw:
+            self.prior_prec = torch.zeros_like(self.prior_prec)
+        #: the default on a small full form: Price's Hessians (natgrad/joint.price_by_default)
+        self._timed = may_use_price(self, strategy)
         self._grads: Optional[Dict[str, torch.Tensor]] = None
         #: latents of other blocks that its factors hold (Algorithm 2 between blocks): drawn
         #: from their ``q`` for its messages, so its value and gradient are expectations under
@@ -130,7 +154,9 @@ class RemainderBlock(Block):
         return "remainder(" + ", ".join(self.names) + ")"
 
     def state_objects(self) -> List:
-        return [self.control, self.control.prec, self.control.mean]
+        if isinstance(self.control, NoiseControl):
+            return [self.control, self.control.prec, self.control.mean]
+        return [self.control]
 
     # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
@@ -236,16 +262,27 @@ class RemainderBlock(Block):
         if self.cross:
             drawn = ctx.sample_q(exclude=set(self.names))
             others.update({n: drawn[n] for n in self.cross if n in drawn})
-        K = self.strategy.particles
+        K = self.strategy.draws(self.rule)
         with torch.enable_grad():
-            if self.hessian:
-                return self._price_messages(ctx, others, K)
+            p, log_joint = self._values(), lambda u: self._log_joint(ctx, u, others)
+            if self._timed and ctx.grads and price_by_default(self):
+                K = use_price(self)
+            self._timed = False
+            if self.hessian or (self.onedraw and self.form != "lowrank"):
+                if self.hessian:
+                    elbo, grads = price_messages(self, ctx, p, log_joint, self._log_q, K)
+                else:
+                    elbo, grads = onedraw_messages(self, ctx, p, log_joint, K)
+                self._grads = grads if grads is not None else self._grads
+                return elbo
             leaves = {n: v.clone().requires_grad_(True) for n, v in self._values().items()}
             draws = self._draw(leaves, K)
             # log p - log q at each draw, q's parameters held fixed in log q ("sticking the
             # landing", Roeder et al. 2017): unbiased for the ELBO and its gradient, and
-            # without variance where q is the posterior
+            # without variance where q is the posterior. The known Gaussian priors are taken
+            # out of the draws and added by their expectation, exactly
             per_t = self._log_joint(ctx, draws, others) - self._log_q(draws)
+            per_t = per_t + prior_split(self, leaves, draws)
             elbo = per_t.mean()
             ctx.add_mc_samples(per_t)
             if ctx.grads:
@@ -259,91 +296,9 @@ class RemainderBlock(Block):
                 }
         return elbo
 
-    def _price_messages(self, ctx: StepContext, others, K: int) -> torch.Tensor:
-        """Bonnet's and Price's theorems (eqs. 30-31): ``dL/dm = E[g]``, ``dL/dS = E[H] / 2 +
-        S^-1 / 2`` from the gradient ``g`` and Hessian ``H`` of ``log p(T(u)) + log|T'(u)|`` at
-        the draws (the mean's with the control variate ``S^-1 (u - m)``, zero in expectation).
-        The precision's target ``-E[H]`` is exact at once where the posterior is Gaussian in
-        ``u``, whatever ``q``: a Newton step (variational online Newton)."""
-        p = self._values()
-        m, L = p[self.loc_name], p[self.role_names[0]]
-        eps = torch.randn(K, self.dim, dtype=m.dtype, device=m.device)
-        u = (m + eps @ L.mT).requires_grad_(True)
-        f = self._log_joint(ctx, u, others)
-        per_t = f - self._log_q(u)
-        elbo = per_t.mean()
-        ctx.add_mc_samples(per_t)
-        if ctx.grads:
-            (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
-            g = torch.zeros_like(u) if g is None else g
-            rows = []
-            for i in range(self.dim):
-                h = None
-                if g.requires_grad:
-                    (h,) = torch.autograd.grad(
-                        g[:, i].sum(), u, retain_graph=True, allow_unused=True
-                    )
-                rows.append(torch.zeros_like(u) if h is None else h)
-            H = torch.stack(rows, 1).mean(0).detach()
-            P = torch.cholesky_inverse(L)
-            gm = -bonnet_mean_gradient(g.detach(), u.detach(), m, P)
-            G = price_precision_gradient(H, P)
-            self._grads = {self.loc_name: gm, "G": G}
-        return elbo
-
     def _log_joint(self, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
-        """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (the owned factors, the discrete
-        latents summed out): one model run with a particle plate left of the model's plates
-        when the model broadcasts over it (checked once against one run per draw), else one
-        run per draw."""
-        if self._vectorise is not False:
-            try:
-                batched = self._log_joint_vectorised(ctx, draws, others)
-            except (RuntimeError, ValueError, IndexError, TypeError):
-                batched = None
-            if batched is None:
-                self._vectorise = False
-            elif self._vectorise:
-                return batched
-        per = []
-        enum = self.analysis.enum_dims if self.analysis.remainder_discrete else None
-        for k in range(draws.shape[0]):
-            values, logdet = self._unpack(draws[k])
-            tr = run_model(
-                ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum
-            )
-            sites = [s for s in self.owned if s in tr.nodes]
-            per.append(collapsed_log_prob(tr, sites) + logdet)
-        looped = torch.stack(per)
-        if self._vectorise is None:  # the first step: do both agree?
-            tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
-            same = bool(torch.allclose(batched.detach(), looped.detach(), rtol=tol, atol=tol))
-            self._vectorise = same
-        return looped
-
-    def _log_joint_vectorised(self, ctx: StepContext, draws: torch.Tensor, others):
-        K, P = draws.shape[0], self.analysis.plate_dims
-        values, logdet = {}, draws.new_zeros(K)
-        for s in self.sites:
-            x = draws[:, s.start : s.start + s.size].reshape((K,) + s.ushape)
-            z = s.transform(x)
-            ld = s.transform.log_abs_det_jacobian(x, z).reshape(K, -1).sum(-1)
-            logdet = logdet + ld
-            batch = len(s.shape) - s.event_dim
-            values[s.name] = z.reshape((K,) + (1,) * (P - batch) + s.shape)
-
-        def particles(*a, **k):
-            with pyro.plate("_cvi_particles", K, dim=-1 - P):
-                return ctx.model(*a, **k)
-
-        enum = P + 1 if self.analysis.remainder_discrete else None
-        tr = run_model(particles, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
-        sites = [s for s in self.owned if s in tr.nodes]
-        for name in sites:
-            shape = tr.nodes[name]["fn"].batch_shape
-            if len(shape) < P + 1 or shape[len(shape) - 1 - P] != K:
-                return None
-        return collapsed_log_prob(tr, sites, "_cvi_particles") + logdet
+        """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (:mod:`.remainder_joint`)."""
+        return remainder_log_joint(self, ctx, draws, others)
 
     def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
         grads, self._grads = self._grads, None
@@ -354,7 +309,11 @@ class RemainderBlock(Block):
         b_prec, b_mean = self.control.step_sizes()
         p = self._values()
         m = p[self.loc_name]
-        if self.form == "full":
+        if self.onedraw:
+            grads[self.loc_name] = onedraw_direction(self, p, grads[self.loc_name])
+        if self.onedraw and self.form != "lowrank":
+            new, d = onedraw_step(self, p, grads, b_prec, b_mean)
+        elif self.form == "full":
             (Ln,) = self.role_names
             L, G = p[Ln], grads.get("G")
             gL = grads[Ln].tril() if G is None else None
@@ -368,15 +327,15 @@ class RemainderBlock(Block):
             new = {self.loc_name: m2, sn: s2}
         else:
             sn, Wn = self.role_names
+            gs = (grads[self.loc_name], grads[sn], grads[Wn])
             m2, s2, W2, d = lowrank_step(
                 m,
                 p[sn],
                 p[Wn],
-                grads[self.loc_name],
-                grads[sn],
-                grads[Wn],
+                *gs,
                 b_prec,
-                max_rel=1.0,
+                # one draw: a tighter trust region (log s and W move by at most 0.2)
+                max_rel=LOWRANK_ONEDRAW_MOVE if self.onedraw else 1.0,
                 beta_mean=b_mean,
             )
             new = {self.loc_name: m2, sn: s2, Wn: W2}

@@ -39,7 +39,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["NoiseControl"]
+__all__ = ["NoiseControl", "SignalToNoise"]
 
 # ``grow ** t`` is only needed until the warm-up reaches the ceiling (a few steps): bounded
 # here, it never overflows however long the run (``1.5 ** 1751`` is past float range).
@@ -140,3 +140,14 @@ class NoiseControl:
         self.decayed, self._flat = float(state["decayed"]), int(state["flat"])
         self.prec.mean, self.prec.sq, self.prec.t = state["prec"]
         self.mean.mean, self.mean.sq, self.mean.t = state["mean"]
+
+
+@dataclass(frozen=True)
+class SignalToNoise:
+    """The step of ``Remainder(step=...)`` controlled by :class:`NoiseControl` (the
+    signal-to-noise ratio of the whitened direction), ``particles`` draws per step."""
+
+    particles: int = 4
+
+    def control(self) -> NoiseControl:
+        return NoiseControl()

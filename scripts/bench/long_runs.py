@@ -29,7 +29,7 @@ from pyro.infer.autoguide import (
     AutoNormal,
 )
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
 
 __all__ = ["PATHS", "MODELS", "Stepper", "run", "verdict"]
 
@@ -87,6 +87,14 @@ def _svi_counters(svi: SVI) -> list:
     for engine in optim._live():
         if engine.control is not None:
             out.append((engine.control, "t"))
+        rem = getattr(engine, "remainder", None)
+        if rem is not None:  # its own clock (the horizon) or noise control
+            c = rem.control
+            out += [(c, "t")] + [
+                (r, "t")
+                for r in (getattr(c, "prec", None), getattr(c, "mean", None))
+                if r is not None
+            ]
         out.append((pyro.param(engine.steps_name).unconstrained(), "data"))
     for control in optim.gaussians.controls.values():
         out += [(control, "t"), (control.prec, "t"), (control.mean, "t")]
@@ -235,6 +243,29 @@ def _autocvi(kind, dtype):
     return Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi))
 
 
+def _nonlinear_model(kind: str) -> Callable:
+    """The regression / classification with a saturating link: no exact message, so the
+    weights go to the remainder's joint Gaussian (the one-draw Horizon step)."""
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(X.new_zeros(D), 1.0).to_event(1))
+        gain = pyro.sample("gain", dist.LogNormal(X.new_tensor(0.5), 0.5))
+        with pyro.plate("data", X.shape[0]):
+            f = gain * torch.tanh(X @ w)
+            like = dist.Normal(f, 0.5) if kind == "regression" else dist.Bernoulli(logits=f)
+            pyro.sample("y", like, obs=y)
+
+    return model
+
+
+def _autocvi_remainder(kind, dtype):
+    X, y = _data(kind, dtype)
+    model = _nonlinear_model(kind)
+    guide = AutoCVI(model, remainder=Remainder(step=Horizon()))
+    svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+    return Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi))
+
+
 #: path name -> make(kind, dtype) -> Stepper
 PATHS: Dict[str, Callable] = {
     "AutoCVI": _autocvi,
@@ -246,6 +277,7 @@ PATHS: Dict[str, Callable] = {
     "GPyTorch loop": _gpytorch_loop,
     "streaming": _streaming,
     "structured SVI": _structured,
+    "AutoCVI remainder (Horizon)": _autocvi_remainder,
 }
 
 

@@ -1,0 +1,164 @@
+"""A Gaussian natural-gradient step at one gradient's cost, with a step control that survives
+Monte Carlo noise (the variational online Newton step of IVON, Shen et al. 2024, in CVI's form).
+
+From one reparameterised draw ``u = m + L eps`` of ``q = N(m, S)``, ``P = S^-1``, and the
+gradient ``g = grad f(u)`` of the non-Gaussian part ``f`` of the log joint (a known Gaussian
+prior ``N(a, P0^-1)`` is split off and enters exactly), with the residual
+``r = g + (P - P0)(u - m)`` (its control variate ``(P - P0)(u - m)`` has mean zero and cancels
+``g``'s fluctuation where ``f`` is quadratic with Hessian ``-(P - P0)``, i.e. at the optimum of
+a Gaussian posterior)::
+
+    dl/dm = -r + P0 (m - a)                           (Bonnet, eq. 30)
+    G     = -sym(S^-1 (u - m) r^T) = -sym(L^-T eps r^T) (Stein / reparameterisation Hessian,
+                                                          eq. 31: G = P0 - E[hess f] - P)
+
+(diagonal: ``G = -r eps / s``, IVON's ``h = g (z - m) / s^2``; no second derivative). The step
+is the positive-definite one of Lin, Schmidt & Khan (2020)::
+
+    P' = P + rho G + (rho^2 / 2) G S G,    m' = m - alpha S' gbar
+
+with ``gbar`` the bias-corrected exponential average (``momentum``) of ``dl/dm``'s sampled part
+(the prior's part is added exactly, not averaged). ``rho`` is small: ``P`` is the running
+average of about ``1 / rho`` one-draw curvature estimates. ``alpha`` is a fraction of a Newton
+step. Both decay by a cosine over ``horizon`` steps to ``final`` of their start
+(:class:`Horizon`): the noise of one draw is averaged out by the decay, never read as
+convergence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["Horizon", "HorizonControl", "RESTART_COS"]
+
+#: the momentum restarts when the new gradient's cosine with it is below minus this
+RESTART_COS = 0.5
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """The one-draw natural-gradient step and its schedule (see the module docstring).
+
+    :param lr: ``alpha``, the mean's step as a fraction of a Newton step, at the start.
+    :param rho: the precision's averaging rate at the start.
+    :param momentum: the mean gradient's averaging rate ``beta1`` (0: none).
+    :param horizon: steps over which both decay by a cosine to ``final`` of their start (they
+        stay there after).
+    :param final: the fraction of ``lr`` and ``rho`` left at the horizon.
+    :param warmup: steps over which the mean's step grows linearly to ``lr`` (the first
+        steps' curvature is the initial guess's, and momentum would carry their error on).
+    :param particles: reparameterised draws per step.
+    """
+
+    lr: float = 0.1
+    rho: float = 0.05
+    momentum: float = 0.9
+    horizon: int = 2000
+    final: float = 0.1
+    warmup: int = 0
+    particles: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "rho"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValueError(f"Horizon({name}={v!r}): a number in (0, 1]")
+        if not (0 <= self.momentum < 1):
+            raise ValueError(f"Horizon(momentum={self.momentum!r}): a number in [0, 1)")
+        if not (isinstance(self.horizon, int) and self.horizon >= 1):
+            raise ValueError(f"Horizon(horizon={self.horizon!r}): a positive integer (steps)")
+        if not (isinstance(self.warmup, int) and self.warmup >= 0):
+            raise ValueError(f"Horizon(warmup={self.warmup!r}): a non-negative integer (steps)")
+        if not (0 < self.final <= 1):
+            raise ValueError(f"Horizon(final={self.final!r}): a number in (0, 1]")
+        if not (isinstance(self.particles, int) and self.particles >= 1):
+            raise ValueError(f"Horizon(particles={self.particles!r}): a positive integer")
+
+    def control(self) -> HorizonControl:
+        return HorizonControl(self)
+
+
+class HorizonControl:
+    """The state of one Gaussian's :class:`Horizon` step: the step number and the mean
+    gradient's moving average. ``ceiling`` (the user's step size, if smaller) caps both
+    sizes."""
+
+    def __init__(self, rule: Horizon):
+        self.rule = rule
+        self.ceiling = 1.0
+        self.t = 0
+        self.gbar: Optional[torch.Tensor] = None
+
+    def decay(self) -> float:
+        r = self.rule
+        x = min(self.t, r.horizon) / r.horizon
+        return r.final + (1.0 - r.final) * 0.5 * (1.0 + math.cos(math.pi * x))
+
+    def step_sizes(self) -> Tuple[float, float]:
+        """``(rho, alpha)``: the precision's and the mean's step of the next step."""
+        d = self.decay()
+        warm = min(1.0, (self.t + 1) / self.rule.warmup) if self.rule.warmup > 0 else 1.0
+        return min(self.ceiling, self.rule.rho * d), min(self.ceiling, self.rule.lr * d * warm)
+
+    def step_size(self) -> float:
+        return self.step_sizes()[0]
+
+    def direction(
+        self, gm: torch.Tensor, metric: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    ) -> torch.Tensor:
+        """The bias-corrected moving average of the mean's sampled gradient, with ``gm``
+        (not stored until :meth:`observe`: a rejected step leaves the average as it was).
+        The average restarts from ``gm`` when it points clearly against it in ``q``'s metric
+        (``cos(gbar, gm) < -RESTART_COS`` in the inner product of ``metric(x) = S x``): the
+        adaptive restart of O'Donoghue & Candes (2015), which keeps the memory of large early
+        gradients from carrying the mean past the optimum, while the sign flips of a noisy
+        one-draw gradient (``|cos|`` small) do not reset it."""
+        b = self.rule.momentum
+        if b == 0:
+            self._next, self._next_n = None, 0
+            return gm
+        restart = self.gbar is None or self.gbar.shape != gm.shape
+        if not restart and metric is not None:
+            Sg = metric(gm)
+            dot = float((self.gbar * Sg).sum())
+            if dot < 0:
+                nn = float((self.gbar * metric(self.gbar)).sum()) * float((gm * Sg).sum())
+                restart = dot * dot > RESTART_COS**2 * nn
+        if restart:  # the average starts at zero
+            self._next, n = (1.0 - b) * gm.detach(), 1
+        else:
+            self._next = b * self.gbar + (1.0 - b) * gm.detach()
+            n = self._n + 1
+        self._next_n = n
+        return self._next / (1.0 - b**n)
+
+    def center(self) -> Optional[torch.Tensor]:
+        """The current moving average of ``-dl/dm``'s sampled part (``E[r]``), or ``None``."""
+        b = self.rule.momentum
+        if self.gbar is None or b == 0:
+            return None
+        return -self.gbar / (1.0 - b ** getattr(self, "_n", 1))
+
+    def observe(self, d=None) -> None:
+        """The step was taken: keep the average and move the clock."""
+        self.t += 1
+        nxt = getattr(self, "_next", None)
+        if nxt is not None:
+            self.gbar, self._n = nxt, self._next_n
+            self._next = None
+
+    def state(self) -> Dict:
+        return {
+            "t": self.t,
+            "ceiling": self.ceiling,
+            "gbar": self.gbar,
+            "n": getattr(self, "_n", 0),
+        }
+
+    def load(self, state: Dict) -> None:
+        self.t, self.ceiling = int(state["t"]), float(state["ceiling"])
+        self.gbar, self._n = state.get("gbar"), int(state.get("n", 0))

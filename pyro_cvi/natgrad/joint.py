@@ -1,0 +1,208 @@
+"""The one-draw step's messages for a joint Gaussian over packed unconstrained coordinates
+(the remainder's ``q(u) = N(m, S)``; :mod:`pyro_cvi.natgrad.horizon` for the step and its
+control, :mod:`pyro_cvi.gaussian.onedraw` for the maths).
+
+The block handed in provides ``_values()``, ``_log_joint(ctx, u, others)``, ``loc_name``,
+``role_names``, ``form``, ``dim``, ``prior_loc``, ``prior_prec`` and ``control``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Sequence
+
+import torch
+
+from ..gaussian.onedraw import (
+    known_prior_expectation,
+    onedraw_diag,
+    onedraw_diag_step,
+    onedraw_tril,
+    onedraw_tril_step,
+)
+from ..gaussian.price import bonnet_mean_gradient, price_precision_gradient
+from .control import NoiseControl, SignalToNoise
+from .prior import known_normal_prior
+
+__all__ = [
+    "price_by_default",
+    "hierarchical",
+    "known_priors",
+    "may_use_price",
+    "use_price",
+    "marginal_var",
+    "metric",
+    "onedraw_direction",
+    "onedraw_messages",
+    "onedraw_step",
+    "price_messages",
+    "prior_split",
+]
+
+
+def marginal_var(form: str, params: Dict[str, torch.Tensor], roles: Sequence[str]) -> torch.Tensor:
+    """The marginal variances ``diag(S)`` (differentiable in ``params``)."""
+    sc = params[roles[0]]
+    if form == "full":
+        return sc.tril().pow(2).sum(-1)
+    if form == "diag":
+        return sc * sc
+    W = params[roles[1]]
+    return sc * sc * (1.0 + (W * W).sum(-1))
+
+
+def metric(
+    form: str, p: Dict[str, torch.Tensor], roles: Sequence[str]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> S x`` of the current ``q``."""
+    sc = p[roles[0]]
+    if form == "full":
+        return lambda x: sc @ (sc.mT @ x)
+    if form == "diag":
+        return lambda x: sc * sc * x
+    W = p[roles[1]]
+    return lambda x: sc * ((sc * x) + W @ (W.mT @ (sc * x)))
+
+
+def prior_split(block, params: Dict[str, torch.Tensor], draws: torch.Tensor) -> torch.Tensor:
+    """``E_q[log prior] - log prior(u_k)`` of the known Gaussian priors (zero mean over ``q``;
+    differentiable in ``params`` and the draws), up to constants that cancel."""
+    p0 = block.prior_prec
+    if not bool((p0 > 0).any()):
+        return draws.new_zeros(draws.shape[0])
+    m = params[block.loc_name]
+    at_draws = -0.5 * (p0 * (draws - block.prior_loc).pow(2)).sum(-1)
+    var = marginal_var(block.form, params, block.role_names)
+    return known_prior_expectation(m, var, block.prior_loc, p0) - at_draws
+
+
+def onedraw_messages(block, ctx, p, log_joint, K: int):
+    """The one-draw step's directions: the gradient of the log joint at ``K`` draws, the
+    known Gaussian priors exact; the loss is ``mean_k [f(u_k) - log q(u_k)] + E_q[log
+    prior]``, unbiased for the bound. ``p``: the block's parameter values; ``log_joint(u)``:
+    the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
+    m, sc = p[block.loc_name], p[block.role_names[0]]
+    full = block.form == "full"
+    eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
+    dz = eps @ sc.mT if full else sc * eps
+    u = (m + dz).requires_grad_(True)
+    f = log_joint(u)
+    prior = prior_split(block, p, u)
+    # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
+    logdet = (sc.diagonal() if full else sc).abs().log().sum()
+    log_q = -0.5 * eps.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
+    per_t = f + prior - log_q
+    elbo = per_t.mean()
+    ctx.add_mc_samples(per_t)
+    if ctx.grads:
+        (g,) = torch.autograd.grad((f + prior).sum(), u, allow_unused=True)
+        g = torch.zeros_like(u) if g is None else g.detach()
+        p0, c = block.prior_prec, block.control.center()
+        if c is not None and c.shape != m.shape:
+            c = None
+        if full:
+            c = None if c is None else c.double()
+            gm, G = onedraw_tril(sc.double(), eps.double(), g.double(), p0.double(), c)
+            gm, G = gm.to(m), G.to(m)
+        else:
+            gm, G = onedraw_diag(sc, eps, g, p0, c)
+        return elbo, {block.loc_name: gm, "G": G}
+    return elbo, None
+
+
+def known_priors(analysis, sites, dim: int):
+    """``(a, p0)`` of the packed coordinates: :func:`~pyro_cvi.natgrad.prior.known_normal_prior`
+    over the real sites (``name``, ``start``, ``size``, ``real`` attributes)."""
+    like = next(iter(analysis.values.values()))
+    spans = [(s.name, s.start, s.size) for s in sites if s.real]
+    return known_normal_prior(analysis.structure.nodes, spans, dim, like)
+
+
+def hierarchical(analysis, names: Sequence[str]) -> bool:
+    """Whether a latent's prior depends on another of ``names`` (the analysis' dependencies)."""
+    deps = getattr(analysis, "deps", {})
+    group = set(names)
+    return any(deps.get(n, set()) & (group - {n}) for n in names)
+
+
+def onedraw_direction(block, p: Dict[str, torch.Tensor], gm: torch.Tensor) -> torch.Tensor:
+    """The mean's direction: momentum on the sampled part of ``dl/dm`` (restarted in ``q``'s
+    metric), plus the known prior's part ``P0 (m - a)``, exact (the low-rank form's gradient
+    holds it already)."""
+    gm = block.control.direction(gm, metric(block.form, p, block.role_names))
+    if block.form != "lowrank":
+        gm = gm + block.prior_prec * (p[block.loc_name] - block.prior_loc)
+    return gm
+
+
+def onedraw_step(block, p: Dict[str, torch.Tensor], grads, b_prec: float, b_mean: float):
+    """The diagonal or full step (:mod:`pyro_cvi.gaussian.onedraw`): ``(new params, d)``."""
+    m, (name,) = p[block.loc_name], block.role_names
+    gm, G, p0 = grads[block.loc_name], grads["G"], block.prior_prec
+    step = onedraw_tril_step if block.form == "full" else onedraw_diag_step
+    m2, sc2, d = step(m, p[name], gm, G, p0, b_prec, b_mean)
+    return {block.loc_name: m2, name: sc2}, d
+
+
+def price_messages(block, ctx, p, log_joint, log_q, K: int):
+    """Bonnet's and Price's theorems (eqs. 30-31): ``dL/dm = E[g]``, ``dL/dS = E[H] / 2 +
+    S^-1 / 2`` from the gradient ``g`` and Hessian ``H`` of ``log p(T(u)) + log|T'(u)|`` at
+    the draws (the mean's with the control variate ``S^-1 (u - m)``, zero in expectation).
+    The precision's target ``-E[H]`` is exact at once where the posterior is Gaussian in
+    ``u``, whatever ``q``: a Newton step (variational online Newton). Returns ``(elbo,
+    grads or None)`` (see :func:`onedraw_messages`)."""
+    m, L = p[block.loc_name], p[block.role_names[0]]
+    eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
+    u = (m + eps @ L.mT).requires_grad_(True)
+    f = log_joint(u)
+    per_t = f - log_q(u)
+    elbo = per_t.mean()
+    ctx.add_mc_samples(per_t)
+    if ctx.grads:
+        (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
+        g = torch.zeros_like(u) if g is None else g
+        rows = []
+        for i in range(block.dim):
+            h = None
+            if g.requires_grad:
+                (h,) = torch.autograd.grad(g[:, i].sum(), u, retain_graph=True, allow_unused=True)
+            rows.append(torch.zeros_like(u) if h is None else h)
+        H = torch.stack(rows, 1).mean(0).detach()
+        P = torch.cholesky_inverse(L)
+        gm = -bonnet_mean_gradient(g.detach(), u.detach(), m, P)
+        G = price_precision_gradient(H, P)
+        return elbo, {block.loc_name: gm, "G": G}
+    return elbo, None
+
+
+def price_by_default(block) -> bool:
+    """Whether the default rule takes Price's dense Hessians on a small full form
+    (:func:`may_use_price`): yes, always. Exact Hessians converge in a few Newton steps where
+    the model is cheap (eight schools: 10 coordinates); the one-draw step, which pays where a
+    model run is expensive (ODEs, recursions: one gradient a step), is asked for with
+    ``Remainder(step=Horizon())``. A rule by the model's measured cost would make the fit,
+    and a resumed run, depend on the machine's load."""
+    return block.dim >= 0
+
+
+def may_use_price(block, strategy) -> bool:
+    """Whether the default rule may still take Price's Hessians (:func:`price_by_default`):
+    the one-draw step by default, on a full form of at most
+    ``HESSIAN_MAX_DIM`` coordinates, with ``curvature="auto"``."""
+    from ..strategies import HESSIAN_MAX_DIM
+
+    return bool(
+        block.onedraw
+        and strategy.step is None
+        and strategy.curvature == "auto"
+        and block.form == "full"
+        and block.dim <= HESSIAN_MAX_DIM
+    )
+
+
+def use_price(block) -> int:
+    """Switch the block to Price's Hessians under the noise control; the draws per step."""
+    block.rule, block.hessian, block.onedraw = SignalToNoise(), True, False
+    block.control = NoiseControl(start=1.0)
+    block.prior_prec = torch.zeros_like(block.prior_prec)
+    return block.strategy.draws(block.rule)

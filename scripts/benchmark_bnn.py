@@ -1,0 +1,318 @@
+"""AutoCVI's defaults against AutoNormal + Adam (and IVON) per CPU second on models with no
+exact structure: numpyro's one-hidden-layer BNN regression, a PyroModule 13-8-3 classifier on
+sklearn's wine data, the horseshoe logistic regression, stochastic volatility with a latent
+step scale (``scripts/bench/bnn_models.py``); and the CPU per step of the ODE / recursion
+models (Lotka-Volterra RK4, one-compartment PK, GARCH(1,1)) against AutoMultivariateNormal +
+Adam.
+
+For each model and seed, float32, one torch thread, back to back in one process:
+
+* ``autocvi``: ``SVI(model, AutoCVI(model), CVI(), CVI_ELBO())`` for ``budget`` CPU seconds;
+* ``adam``: ``AutoNormal`` + Adam at each learning rate of {0.01, 0.03, 0.1}, each given 3x
+  that budget; Adam's best bound is the lowest final estimate over the three;
+* ``ivon`` (wine only, where every latent has a ``Normal(0, 1)`` prior, if ``ivon-opt`` is
+  installed): ``ivon.IVON`` on the same network as an ``nn.Module`` (``ess = N``, weight decay
+  ``1 / N``: the Bayesian posterior), for AutoCVI's budget; its Gaussian is written into an
+  ``AutoNormal`` and scored as the others.
+
+Every final guide is scored by one estimator: ``-ELBO`` from 400 draws of ``Trace_ELBO``
+(its standard error from the spread of 40 means of 10). *Time to reach* a bound: the CPU time
+at which the running mean of the last 50 step losses first falls to it (plus 1 nat), from the
+per-step losses (each an unbiased one-step estimate). The row reports AutoCVI's time to reach
+Adam's best bound against the time Adam's best run took to reach it.
+
+    python scripts/benchmark_bnn.py [--seeds 3] [--models a,b] [--quick] [--out FILE]
+
+``--quick``: one seed, a third of the budgets, output under ``results/quick/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import pyro
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench.bnn_models import MODELS, ODE_MODELS  # noqa: E402
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
+
+#: AutoCVI's CPU budget per model (seconds); Adam gets 3x per learning rate
+BUDGET = {
+    "bnn_regression": 4.0,
+    "bnn_wine": 6.0,
+    "horseshoe_logistic": 4.0,
+    "stochastic_volatility": 5.0,
+}
+LRS = (0.01, 0.03, 0.1)
+WINDOW = 50
+TOL = 1.0
+
+
+def _estimate(model, guide, args, n: int = 40, p: int = 10):
+    elbo = Trace_ELBO(num_particles=p)
+    with torch.no_grad():
+        v = torch.tensor([elbo.loss(model, guide, *args) for _ in range(n)], dtype=torch.float64)
+    return float(v.mean()), float(v.std() / math.sqrt(n))
+
+
+def _run(svi, args, budget: float):
+    """Steps for ``budget`` CPU seconds: ``(cpu times, losses)``."""
+    times, losses = [], []
+    t0 = time.process_time()
+    while True:
+        loss = svi.step(*args)
+        t = time.process_time() - t0
+        times.append(t)
+        losses.append(float(loss))
+        if t >= budget:
+            return times, losses
+
+
+def time_to_reach(times, losses, target: float):
+    """CPU time at which the running mean of the last WINDOW losses first reaches target."""
+    acc = 0.0
+    for i, v in enumerate(losses):
+        acc += v
+        if i >= WINDOW:
+            acc -= losses[i - WINDOW]
+        if i + 1 >= WINDOW and acc / WINDOW <= target + TOL:
+            return times[i]
+    return None
+
+
+def _fresh(seed: int):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+
+
+def run_autocvi(model, args, budget, seed):
+    _fresh(seed)
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    times, losses = _run(svi, args, budget)
+    est = _estimate(model, guide, args)
+    rem = guide.engine.remainder
+    info = {}
+    if rem is not None:
+        info = {"form": rem.form, "step": type(rem.rule).__name__, "dim": rem.dim}
+    return {"times": times, "losses": losses, "estimate": est, **info}
+
+
+def run_adam(model, args, budget, seed, lr, guide_cls=AutoNormal):
+    _fresh(seed)
+    guide = guide_cls(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
+    times, losses = _run(svi, args, budget)
+    return {"times": times, "losses": losses, "estimate": _estimate(model, guide, args), "lr": lr}
+
+
+def run_ivon(model, args, budget, seed):
+    """IVON (``ivon-opt``) on the wine network as an ``nn.Module`` (the Bayesian posterior:
+    loss = mean negative log likelihood, ``ess = N``, weight decay = prior precision / N)."""
+    import ivon
+
+    X, y = args
+    N = X.shape[0]
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(13, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = ivon.IVON(net.parameters(), lr=0.1, ess=N, weight_decay=1.0 / N, hess_init=1.0)
+    times, losses = [], []
+    t0 = time.process_time()
+    while True:
+        with opt.sampled_params(train=True):
+            loss = torch.nn.functional.cross_entropy(net(X), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = time.process_time() - t0
+        times.append(t)
+        losses.append(float(loss) * N)  # the sampled NLL, not a bound: for the curve only
+        if t >= budget:
+            break
+    # the Gaussian of IVON: mean = params, sd = 1 / sqrt(ess (hess + weight decay))
+    _fresh(seed)
+    guide = AutoNormal(model)
+    guide(X, y)
+    group = opt.param_groups[0]
+    hess = group["hess"]
+    sd = (1.0 / (N * (hess + 1.0 / N))).sqrt()
+    offsets, k = {}, 0
+    for name, p in net.named_parameters():
+        offsets[name] = (k, p.numel(), p.shape)
+        k += p.numel()
+    mapping = {"0.weight": "l1.weight", "0.bias": "l1.bias", "2.weight": "l2.weight"}
+    mapping["2.bias"] = "l2.bias"
+    store = pyro.get_param_store()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            site = mapping[name]
+            a, n, shape = offsets[name]
+            store[f"AutoNormal.locs.{site}"].copy_(p.detach())
+            scale = store.get_param(f"AutoNormal.scales.{site}")
+            u = store[f"AutoNormal.scales.{site}"]
+            c = store._constraints[f"AutoNormal.scales.{site}"]
+            target = sd[a : a + n].reshape(shape).to(scale)
+            u.copy_(torch.distributions.transform_to(c).inv(target))
+    return {"times": times, "losses": losses, "estimate": _estimate(model, guide, args)}
+
+
+def bench_model(name, seeds, scale, with_ivon):
+    make, data = MODELS[name]
+    args = data(torch.float32)
+    budget = BUDGET[name] * scale
+    rows = []
+    for seed in range(seeds):
+        model = make()
+        cvi = run_autocvi(model, args, budget, seed)
+        adams = [run_adam(model, args, 3 * budget, seed, lr) for lr in LRS]
+        best = min(adams, key=lambda r: r["estimate"][0])
+        target = best["estimate"][0]
+        row = {
+            "model": name,
+            "seed": seed,
+            "budget_s": budget,
+            "autocvi": {k: v for k, v in cvi.items() if k not in ("times", "losses")},
+            "autocvi_steps": len(cvi["losses"]),
+            "autocvi_ms_per_step": 1000 * cvi["times"][-1] / len(cvi["times"]),
+            "adam": {
+                str(r["lr"]): {"estimate": r["estimate"], "steps": len(r["losses"])} for r in adams
+            },
+            "adam_best_lr": best["lr"],
+            "adam_best": target,
+            "adam_ms_per_step": 1000 * best["times"][-1] / len(best["times"]),
+            "autocvi_time_to_adam_best": time_to_reach(cvi["times"], cvi["losses"], target),
+            "adam_time_to_adam_best": time_to_reach(best["times"], best["losses"], target),
+        }
+        if with_ivon and name == "bnn_wine":
+            try:
+                iv = run_ivon(model, args, budget, seed)
+                row["ivon"] = {"estimate": iv["estimate"], "steps": len(iv["losses"])}
+            except ImportError:
+                row["ivon"] = "ivon-opt not installed"
+        rows.append(row)
+        _print_row(row)
+    return rows
+
+
+def bench_ode(name, steps: int = 30):
+    """CPU per step: AutoCVI's defaults vs AutoMultivariateNormal + Adam (median of 3 runs
+    of ``steps`` steps after 5 warm-up steps), and both bounds after equal step counts."""
+    make, data = ODE_MODELS[name]
+    args = data(torch.float32)
+    model = make()
+    out = {"model": name}
+    for label, build in (
+        ("autocvi", lambda: SVI(model, AutoCVI(model), CVI(), CVI_ELBO())),
+        (
+            "adam_mvn",
+            lambda: SVI(
+                model, AutoMultivariateNormal(model), pyro.optim.Adam({"lr": 0.03}), Trace_ELBO()
+            ),
+        ),
+    ):
+        per = []
+        for rep in range(3):
+            _fresh(rep)
+            svi = build()
+            for _ in range(5):
+                svi.step(*args)
+            t0 = time.process_time()
+            for _ in range(steps):
+                svi.step(*args)
+            per.append((time.process_time() - t0) / steps)
+        out[f"{label}_ms_per_step"] = 1000 * sorted(per)[1]
+    out["ratio"] = out["autocvi_ms_per_step"] / out["adam_mvn_ms_per_step"]
+    print(
+        f"{name:22s} AutoCVI {out['autocvi_ms_per_step']:8.2f} ms/step   AutoMVN+Adam "
+        f"{out['adam_mvn_ms_per_step']:8.2f} ms/step   ratio {out['ratio']:.2f}",
+        flush=True,
+    )
+    return out
+
+
+def _fmt(x):
+    return "   never" if x is None else f"{x:8.2f}"
+
+
+def _print_row(r):
+    print(
+        f"{r['model']:22s} seed {r['seed']}  AutoCVI {r['autocvi']['estimate'][0]:8.2f} "
+        f"({r['autocvi'].get('step', '-')}, {r['autocvi'].get('form', '-')}, "
+        f"{r['autocvi_ms_per_step']:.1f} ms/step)  Adam best {r['adam_best']:8.2f} "
+        f"(lr {r['adam_best_lr']}, {r['adam_ms_per_step']:.1f} ms/step)  time to Adam's best: "
+        f"AutoCVI {_fmt(r['autocvi_time_to_adam_best'])} s, Adam "
+        f"{_fmt(r['adam_time_to_adam_best'])} s"
+        + (f"  IVON {r['ivon']['estimate'][0]:8.2f}" if isinstance(r.get("ivon"), dict) else ""),
+        flush=True,
+    )
+
+
+def verdict(rows, odes) -> list:
+    """One line per model: in how many seeds AutoCVI reached Adam's best bound in at most half
+    of the time Adam took; for the ODEs, whether AutoCVI's CPU per step is within 1.5x."""
+    lines = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == name]
+        wins = 0
+        for r in rs:
+            a, b = r["autocvi_time_to_adam_best"], r["adam_time_to_adam_best"]
+            wins += a is not None and (b is None or a <= 0.5 * b)
+        lines.append(f"verdict {name}: AutoCVI in at most half of Adam's time in {wins}/{len(rs)}")
+    for o in odes:
+        ok = "within" if o["ratio"] <= 1.5 else "NOT within"
+        lines.append(f"verdict {o['model']}: CPU per step {ok} 1.5x of AutoMVN+Adam")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--ode", default=",".join(ODE_MODELS))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-ivon", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    scale = 1.0 / 3 if a.quick else 1.0
+    seeds = 1 if a.quick else a.seeds
+    rows = []
+    for name in [m for m in a.models.split(",") if m]:
+        rows += bench_model(name, seeds, scale, not a.no_ivon)
+    odes = [bench_ode(n, 10 if a.quick else 30) for n in a.ode.split(",") if n]
+    out = (
+        Path(a.out)
+        if a.out
+        else ROOT / "results" / ("quick" if a.quick else "") / "benchmark_bnn.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "torch": torch.__version__,
+        "pyro": pyro.__version__,
+        "python": platform.python_version(),
+        "threads": 1,
+        "dtype": "float32",
+        "tolerance_nats": TOL,
+        "window": WINDOW,
+    }
+    for line in verdict(rows, odes):
+        print(line)
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "ode": odes}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
