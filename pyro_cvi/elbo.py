@@ -14,7 +14,9 @@ differences. The value it returns is the -ELBO of the current ``q``: exact where
 
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn, Union
+import inspect
+from types import FrameType
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import torch
 from pyro.infer import ELBO
@@ -22,6 +24,7 @@ from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
 from .methods.structured_guide import AutoStructuredCVI
+from .optim import CVI
 from .scale.distributed import tell_ranks
 from .transaction import abort
 
@@ -60,12 +63,18 @@ class CVI_ELBO(ELBO):
             engine = cvi_guide.engine
             abort([engine])  # the unapplied step is dropped: a CVI() step can follow
             engine.pending = None
-            raise ValueError(
-                "AutoCVI + CVI_ELBO with an optimizer that is not CVI (e.g. pyro.optim.Adam): "
-                "the natural gradients of the last step were never applied, so q cannot "
-                "change. Use SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO()); CVI(optim=...) "
-                "hands the model's other parameters to a torch optimizer of your choice"
-            )
+            frame = inspect.currentframe()
+            stepper = _optimizer_of_caller(frame.f_back if frame is not None else None)
+            del frame
+            # with CVI() the last step was interrupted before its update (now undone)
+            if not isinstance(stepper, CVI):
+                raise ValueError(
+                    "AutoCVI + CVI_ELBO with an optimizer that is not CVI (e.g. "
+                    "pyro.optim.Adam): the natural gradients of the last step were never "
+                    "applied, so q cannot change. Use SVI(model, AutoCVI(model), CVI(), "
+                    "loss=CVI_ELBO()); CVI(optim=...) hands the model's other parameters to a "
+                    "torch optimizer of your choice"
+                )
         try:
             loss = -cvi_guide.elbo(args, kwargs, grads=True)
         except BaseException as e:  # data-parallel: the other ranks raise too, not wait
@@ -106,3 +115,11 @@ def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI]:
             "AutoCVI(model) for the model you pass to SVI"
         )
     return guide
+
+
+def _optimizer_of_caller(frame: Optional[FrameType]) -> Any:
+    """The optimizer of the ``pyro.infer.SVI.step`` call that ``frame`` is, if it is one."""
+    if frame is None or frame.f_code.co_name != "step":
+        return None
+    svi = frame.f_locals.get("self")
+    return getattr(svi, "optim", None)

@@ -120,9 +120,9 @@ class CVI(PyroOptim):
         params = list(params)
         t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
         frame = inspect.currentframe()
-        loss = loss_of_caller(frame.f_back if frame is not None else None)
-        del frame
         try:
+            loss = loss_of_caller(frame.f_back if frame is not None else None)
+            del frame
             engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
             self.t, self.saved_controls = t, saved

@@ -17,6 +17,7 @@ NOT_BENCHMARKS = {
     "demo.py",
     "strip_tqdm_warning.py",
     "make_nuts_references.py",  # writes the reference posteriors of tests/zoo
+    "run_gpytorch_examples.py",  # runs GPyTorch's example tests with the strategy swapped
 }
 BENCHMARKS = sorted(p for p in SCRIPTS.glob("*.py") if p.name not in NOT_BENCHMARKS)
 

@@ -34,7 +34,9 @@ BOUND_SLOW = ("gaussian_mixture", "hmm")
 STEPS = {"coin": 2, "hmm": 2, "sparse_gamma_def": 60, "lkj_mvn": 40}
 BOUNDS = list(BOUND) + [pytest.param(n, marks=pytest.mark.slow) for n in BOUND_SLOW]
 # every other model runs a few steps; those whose steps cost seconds under slow
-SLOW_RUN = ("bnn", "lkj_mvn", "sparse_gamma_def", "subsampled_logistic_sequential")
+# (the BNN's remainder takes the one-draw step, 5 ms a step: ten steps, whose first ones are
+# noisy)
+SLOW_RUN = ("lkj_mvn", "sparse_gamma_def", "subsampled_logistic_sequential")
 # the client models (tests/zoo/clients.py) are measured by scripts/benchmark_remainder.py;
 # their AutoCVI assertions live in test_zoo_clients.py
 RUNS = [

@@ -136,8 +136,10 @@ class RemainderBlock(Block):
             self.control = self.rule.control()
         if not self.onedraw:
             self.prior_prec = torch.zeros_like(self.prior_prec)
-        #: the default on a small full form: Price's Hessians (natgrad/joint.price_by_default)
-        self._timed = may_use_price(self, strategy)
+        # the default on a small full form: Price's Hessians (natgrad/joint.price_by_default),
+        # decided here, so that a resumed run keeps the restored step control
+        if may_use_price(self, strategy) and price_by_default(self):
+            use_price(self)
         self._grads: Optional[Dict[str, torch.Tensor]] = None
         #: latents of other blocks that its factors hold (Algorithm 2 between blocks): drawn
         #: from their ``q`` for its messages, so its value and gradient are expectations under
@@ -147,7 +149,7 @@ class RemainderBlock(Block):
             {n for s in self.owned for n in analysis.latents_of(s)} - inside - analysis.collapsed
         )
         #: whether the particles run as one batched model run (``None``: not yet checked)
-        self._vectorise: Optional[bool] = None
+        self.vectorise: Optional[bool] = None
 
     @property
     def label(self) -> str:
@@ -238,7 +240,7 @@ class RemainderBlock(Block):
             cov = cov + W @ W.mT
         return s[:, None] * cov * s[None, :]
 
-    def _unpack(self, u: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    def unpack(self, u: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """Constrained site values of one packed ``u`` and ``sum log |T'(u)|``."""
         values, logdet = {}, u.new_zeros(())
         for s in self.sites:
@@ -265,9 +267,6 @@ class RemainderBlock(Block):
         K = self.strategy.draws(self.rule)
         with torch.enable_grad():
             p, log_joint = self._values(), lambda u: self._log_joint(ctx, u, others)
-            if self._timed and ctx.grads and price_by_default(self):
-                K = use_price(self)
-            self._timed = False
             if self.hessian or (self.onedraw and self.form != "lowrank"):
                 if self.hessian:
                     elbo, grads = price_messages(self, ctx, p, log_joint, self._log_q, K)
@@ -350,7 +349,7 @@ class RemainderBlock(Block):
 
     # ------------------------------------------------------------------ the current q
     def _at(self, u: torch.Tensor, exclude: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
-        values, _ = self._unpack(u)
+        values, _ = self.unpack(u)
         return {n: v for n, v in values.items() if n not in exclude}
 
     def trace_values(self, subsample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

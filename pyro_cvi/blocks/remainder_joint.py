@@ -22,27 +22,27 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     latents summed out): one model run with a particle plate left of the model's plates
     when the model broadcasts over it (checked once against one run per draw), else one
     run per draw."""
-    if block._vectorise is not False:
+    if block.vectorise is not False:
         try:
             batched = _vectorised(block, ctx, draws, others)
         except (RuntimeError, ValueError, IndexError, TypeError):
             batched = None
         if batched is None:
-            block._vectorise = False
-        elif block._vectorise:
+            block.vectorise = False
+        elif block.vectorise:
             return batched
     per = []
     enum = block.analysis.enum_dims if block.analysis.remainder_discrete else None
     for k in range(draws.shape[0]):
-        values, logdet = block._unpack(draws[k])
+        values, logdet = block.unpack(draws[k])
         tr = run_model(ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
         sites = [s for s in block.owned if s in tr.nodes]
         per.append(collapsed_log_prob(tr, sites) + logdet)
     looped = torch.stack(per)
-    if block._vectorise is None:  # the first step: do both agree?
+    if block.vectorise is None:  # the first step: do both agree?
         tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
         same = bool(torch.allclose(batched.detach(), looped.detach(), rtol=tol, atol=tol))
-        block._vectorise = same
+        block.vectorise = same
     return looped
 
 

@@ -182,6 +182,8 @@ class Analysis:
         # masked latent (poutine.scale / mask) goes to the blocks that weigh its prior
         self.chains = [c for c in self.chains if not weighted_chain(self.structure, c)]
         self.probe_cache: Dict[object, list] = {}
+        #: per subsampled plate: whether its minibatch is the same in every run (block_factors)
+        self.fixed_subsamples: Dict[str, bool] = {}
         #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
         self.remainder: List[str] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Set
 
+import pyro.poutine
 import torch
 
 from ..messages.softmax_sites import centred_logits
@@ -27,6 +28,7 @@ from .tracing import (
     linear_param,
     linked_reader,
     rebuilds,
+    subsample_values,
 )
 
 __all__ = ["chain_factor", "cross_factor", "plate_factor"]
@@ -55,7 +57,7 @@ def plate_factor(an, site: str, block, base, plate: str) -> Optional[Factor]:
     tr, leaves = an.leaf_trace()
     node = tr.nodes[site]
     frame = next(f for f in node["cond_indep_stack"] if f.name == plate)
-    if not frame.vectorized or centred_logits(base) is not None:
+    if not frame.vectorized or centred_logits(base) is not None or fixed_subsample(an, plate):
         return None
     if torch.is_tensor(node["value"]) and node["value"].requires_grad:
         return None
@@ -125,3 +127,21 @@ def chain_factor(an, site: str, block, base) -> Factor:
     if chain.increments is not None:
         why += "; " + chain.increments.describe(site)
     return Factor(site, label, PRIOR, why)
+
+
+def fixed_subsample(an, plate: str, runs: int = 3) -> bool:
+    """Whether the plate's minibatch is the same in every run (``pyro.plate(..., subsample=idx)``
+    with fixed indices): Trace_ELBO's objective is then that subset's likelihood scaled by
+    ``N / B``, not the whole plate's, and per-point sites of the whole plate would be the wrong
+    answer. Decided by a few more model runs (cached per plate): random minibatches differ."""
+    cache = an.fixed_subsamples
+    if plate not in cache:
+        first = an.subsample[plate]
+        same = True
+        with torch.no_grad():
+            for _ in range(runs):
+                tr = pyro.poutine.trace(an.model).get_trace(*an.args, **an.kwargs)
+                other = subsample_values(tr).get(plate)
+                same = same and other is not None and bool(torch.equal(other, first))
+        cache[plate] = same
+    return cache[plate]
