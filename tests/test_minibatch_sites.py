@@ -58,6 +58,26 @@ def sites_and_sum(guide):
     return sites, total
 
 
+def assert_sum_of_sites(guide, X, rtol, atol):
+    """The running sum equals ``(A^T W A, A^T b)`` of every stored site, recomputed from the
+    data (``A = X``, no offset); ``atol(expected)`` gives the absolute tolerance."""
+    sites, total = sites_and_sum(guide)
+    X64 = X.double()
+    zero = torch.zeros(X.shape[0], dtype=torch.float64)
+    w, b = site_to_row(sites[:, 0].double(), sites[:, 1].double(), zero)
+    P, h = X64.T @ (w[:, None] * X64), X64.T @ b
+    torch.testing.assert_close(total[:, :-1].double(), P, rtol=rtol, atol=atol(P))
+    torch.testing.assert_close(total[:, -1].double(), h, rtol=rtol, atol=atol(h))
+
+
+def start(model, seed, **optim):
+    """A fresh param store, the seed, and ``(guide, svi)`` with ``CVI(**optim)``."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoCVI(model)
+    return guide, SVI(model, guide, CVI(**optim), CVI_ELBO())
+
+
 def test_explain_names_the_per_point_sites():
     X, y = data(100, 3, torch.float64)
     model = make_model(100, 10, "bernoulli")
@@ -74,10 +94,7 @@ def test_a_normal_likelihood_is_exact_once_every_point_is_visited(dtype):
     N, B, D = 60, 7, 3
     X, y = data(N, D, dtype, kind="normal")
     model = make_model(N, B, "normal")
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    guide = AutoCVI(model)
-    svi = SVI(model, guide, CVI(step_size=1.0), CVI_ELBO())
+    guide, svi = start(model, 0, step_size=1.0)
     for _ in range(2000):
         svi.step(X, y)
         sites, _ = sites_and_sum(guide)
@@ -94,14 +111,7 @@ def test_a_normal_likelihood_is_exact_once_every_point_is_visited(dtype):
         q.precision_matrix.double(), P, atol=tol * float(P.abs().max()), rtol=tol
     )
     # the running sum is the sum of every stored site's rows
-    sites, total = sites_and_sum(guide)
-    w, b = site_to_row(
-        sites[:, 0].double(), sites[:, 1].double(), torch.zeros(N, dtype=torch.float64)
-    )
-    torch.testing.assert_close(
-        total[:, :-1].double(), X64.T @ (w[:, None] * X64), atol=tol * 1e3, rtol=tol * 10
-    )
-    torch.testing.assert_close(total[:, -1].double(), X64.T @ b, atol=tol * 1e3, rtol=tol * 10)
+    assert_sum_of_sites(guide, X, rtol=tol * 10, atol=lambda t: tol * 1e3)
 
 
 _x, _w = numpy.polynomial.hermite_e.hermegauss(40)
@@ -145,10 +155,7 @@ def test_bernoulli_minibatches_reach_the_full_batch_fixed_point(dtype):
     X, y = data(N, D, dtype)
     best = full_batch_optimum(X, y)
     model = make_model(N, B, "bernoulli")
-    pyro.clear_param_store()
-    pyro.set_rng_seed(1)
-    guide = AutoCVI(model)
-    svi = SVI(model, guide, CVI(), CVI_ELBO())  # the defaults
+    guide, svi = start(model, 1)  # the defaults
     gaps = []
     for _ in range(3):  # three passes over the data
         for _ in range(N // B):
@@ -169,10 +176,7 @@ def test_the_minibatch_loss_estimates_the_full_bound(dtype):
     N, B, D = 1000, 50, 3
     X, y = data(N, D, dtype, seed=3)
     model = make_model(N, B, "bernoulli")
-    pyro.clear_param_store()
-    pyro.set_rng_seed(2)
-    guide = AutoCVI(model)
-    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    guide, svi = start(model, 2)
     for _ in range(60):
         svi.step(X, y)
     losses = torch.tensor([svi.evaluate_loss(X, y) for _ in range(400)], dtype=torch.float64)
@@ -187,26 +191,11 @@ def test_20000_minibatch_steps_keep_the_running_sum(dtype):
     N, B, D = 1000, 25, 3
     X, y = data(N, D, dtype, seed=4)
     model = make_model(N, B, "bernoulli")
-    pyro.clear_param_store()
-    pyro.set_rng_seed(3)
-    guide = AutoCVI(model)
-    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    guide, svi = start(model, 3)
     losses = [svi.step(X, y) for _ in range(20000)]
     assert all(math.isfinite(v) for v in losses)
-    sites, total = sites_and_sum(guide)
-    w, b = site_to_row(
-        sites[:, 0].double(), sites[:, 1].double(), torch.zeros(N, dtype=torch.float64)
-    )
-    X64 = X.double()
     rtol = 1e-9 if dtype == torch.float64 else 1e-3
-    P = X64.T @ (w[:, None] * X64)
-    torch.testing.assert_close(
-        total[:, :-1].double(), P, rtol=rtol, atol=rtol * float(P.abs().max())
-    )
-    h = X64.T @ b
-    torch.testing.assert_close(
-        total[:, -1].double(), h, rtol=rtol, atol=rtol * float(h.abs().max())
-    )
+    assert_sum_of_sites(guide, X, rtol=rtol, atol=lambda t: rtol * float(t.abs().max()))
     best = full_batch_optimum(X, y)
     gap = full_neg_elbo(guide.posterior("w"), X, y) - full_neg_elbo(best, X, y)
     assert abs(gap) < (1e-4 if dtype == torch.float64 else 1e-2), gap
