@@ -165,7 +165,7 @@ def _sequential(chain, eta, J):
     return log_z, stack(ms), stack(Ps), stack(cross) if cross else eta.new_zeros(0, d, d)
 
 
-METHODS = [kalman.TREE, kalman.SCAN]
+METHODS = [kalman.TREE, kalman.SCAN, kalman.SEQUENTIAL]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
@@ -247,11 +247,54 @@ def test_the_scan_raises_on_an_indefinite_q():
 def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
     assert kalman.choose_smoother(10**6, 2) is kalman.TREE
     assert kalman.choose_smoother(64, 8) is kalman.TREE
-    assert kalman.choose_smoother(1, 1) is kalman.TREE
+    assert kalman.tensor_smoother(1, 1) is kalman.TREE
     for d, T in kalman.SCAN_MAX_T.items():
-        assert kalman.choose_smoother(T, d) is kalman.SCAN
-        assert kalman.choose_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
-        assert kalman.choose_smoother(T + 1, d) is kalman.TREE
+        assert kalman.tensor_smoother(T, d) is kalman.SCAN
+        assert kalman.tensor_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
+        assert kalman.tensor_smoother(T + 1, d) is kalman.TREE
+        if d not in kalman.SEQUENTIAL_MAX_T:
+            assert kalman.choose_smoother(T, d) is kalman.SCAN
+    for d, T in kalman.SEQUENTIAL_MAX_T.items():
+        assert kalman.choose_smoother(1, d) is kalman.SEQUENTIAL
+        assert kalman.choose_smoother(T, d) is kalman.SEQUENTIAL
+        assert kalman.choose_smoother(T + 1, d) is kalman.tensor_smoother(T + 1, d)
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_sequential_pass_hands_batched_and_differentiable_problems_on(d, monkeypatch):
+    """Batched chains and ``keep_graph`` go to the tensor strategy: the same numbers as the
+    tree, and gradients where asked; the scalar pass itself is never entered for them."""
+    from pyro_cvi.statespace import sequential
+
+    entered = []
+    solve = sequential.SequentialSmoother._solve
+    monkeypatch.setattr(
+        sequential.SequentialSmoother,
+        "_solve",
+        staticmethod(lambda *a: entered.append(1) or solve(*a)),
+    )
+    chain, eta, J = _chain(9, d, seed=5, batch=(3,))
+    a = smooth(chain, eta, J, lag_one=True, method=kalman.SEQUENTIAL)
+    b = smooth(chain, eta, J, lag_one=True, method=kalman.TREE)
+    for x, y in [(a.log_z, b.log_z), (a.mean, b.mean), (a.cov, b.cov), (a.cross, b.cross)]:
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert not entered
+    chain, eta, J = _chain(9, d, seed=6)
+    eta = eta.clone().requires_grad_(True)
+    post = smooth(chain, eta, J, keep_graph=True, method=kalman.SEQUENTIAL)
+    (g,) = torch.autograd.grad(post.log_z, eta)
+    torch.testing.assert_close(g, post.mean.detach(), rtol=1e-10, atol=1e-10)  # dlogZ/deta = E x
+    assert not entered
+    smooth(chain, eta.detach(), J, method=kalman.SEQUENTIAL)
+    assert entered
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_sequential_pass_raises_on_an_indefinite_q(d):
+    chain, eta, J = _chain(9, d)
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, eta, -50.0 * J, method=kalman.SEQUENTIAL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])

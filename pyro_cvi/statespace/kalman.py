@@ -40,6 +40,7 @@ import torch
 
 from ..linalg import NotPositiveDefinite, cholesky
 from . import scan as _scan
+from . import sequential as _sequential
 from . import soa
 from .elements import LinearGaussianChain, _half, _log_det_g, _plus_eye, check_log_z, time_major
 from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
@@ -242,18 +243,32 @@ class ScanSmoother:
         return _scan.smooth_scan(chain, eta, J, lag_one)
 
 
-TREE, SCAN = TreeSmoother(), ScanSmoother()
 #: The longest chain, per state dimension, for which the scan is the faster (CPU, one thread,
 #: float64, measured by ``scripts/benchmark_kalman.py``: its fewer ops win while the time is
 #: per-op overhead, its ``log T`` factor of work loses beyond); longer chains, larger states
 #: and chains shorter than ``SCAN_MIN_T`` take the tree.
 SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
 SCAN_MIN_T = 4
+#: The longest chain, per state dimension, for which the scalar sequential pass
+#: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
+#: operation's fixed cost is paid per step.
+SEQUENTIAL_MAX_T = {1: 3000, 2: 1200}
+
+
+def tensor_smoother(T: int, d: int):
+    """The faster of the two tensor smoothers (the tree, the scan) for ``T`` steps of ``d``."""
+    return SCAN if SCAN_MIN_T <= T <= SCAN_MAX_T.get(d, 0) else TREE
+
+
+TREE, SCAN = TreeSmoother(), ScanSmoother()
+SEQUENTIAL = _sequential.SequentialSmoother(tensor_smoother)
 
 
 def choose_smoother(T: int, d: int):
-    """The faster of the two exact smoothers for a chain of ``T`` steps of dimension ``d``."""
-    return SCAN if SCAN_MIN_T <= T <= SCAN_MAX_T.get(d, 0) else TREE
+    """The fastest exact smoother for a chain of ``T`` steps of dimension ``d``: the scalar
+    pass for short chains of ``d <= 2`` (which hands batched, differentiable or GPU problems to
+    :func:`tensor_smoother`), else the tree or the scan."""
+    return SEQUENTIAL if T <= SEQUENTIAL_MAX_T.get(d, 0) else tensor_smoother(T, d)
 
 
 def smooth(
@@ -270,7 +285,8 @@ def smooth(
     With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
     and to ``eta`` and ``J``: ``q`` is then differentiable in the model's parameters at fixed
     sites. Without, nothing records a graph. Leading batch dims: independent chains.
-    ``method``: :data:`TREE` or :data:`SCAN` (same numbers); default by :func:`choose_smoother`.
+    ``method``: :data:`TREE`, :data:`SCAN` or :data:`SEQUENTIAL` (same numbers); default by
+    :func:`choose_smoother`.
     """
     if not keep_graph:
         chain, eta, J = chain.detach(), eta.detach(), J.detach()
