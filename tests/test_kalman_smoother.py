@@ -312,3 +312,39 @@ def test_small_inverses_and_determinants_equal_lapack_in_both_forms(d, dtype):
     inv_a, det_a = soa.inv_det(soa.to_arrays_mat(M.to(dtype)))
     torch.testing.assert_close(soa.pack(inv_a).double(), inv_ref, **tol)
     torch.testing.assert_close(det_a.double(), det_ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("start", ["zero", "shifted", "not stationary"])
+@pytest.mark.parametrize("T", [1, 2, 9, 300])
+def test_without_sites_q_is_the_prior_by_every_path(T, start, dtype, monkeypatch):
+    """Zero sites: ``log Z = 0`` and the prior's marginals and lag-one covariances, by the
+    default path (the stationary shortcut where it applies) and by the tree, equal to the
+    dense computation; the shortcut is taken exactly for a stationary chain in float64."""
+    from pyro_cvi.statespace import Matern32
+    from pyro_cvi.statespace.distribution import MarkovGP
+
+    chain = MarkovGP(torch.arange(T, dtype=D64) * 0.7, Matern32(3.0, 1.3)).chain
+    if start == "shifted":  # the covariances stay stationary, the means move
+        chain = LinearGaussianChain(chain.m0 + 0.5, chain.P0, chain.A, chain.b + 0.1, chain.Q)
+    if start == "not stationary":
+        chain = LinearGaussianChain(chain.m0, 2.0 * chain.P0, chain.A, chain.b, chain.Q)
+    eta, J = torch.zeros(T, 2, dtype=D64), torch.zeros(T, 2, 2, dtype=D64)
+    _, mean, cov = _dense(chain, eta, J)
+    taken = []
+    shortcut = kalman._stationary_prior
+    monkeypatch.setattr(kalman, "_stationary_prior", lambda *a: taken.append(1) or shortcut(*a))
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=2e-4, atol=2e-4)
+    for method in (None, kalman.TREE):
+        post = smooth(cast, eta.to(dtype), J.to(dtype), lag_one=True, method=method)
+        assert post.cov.dtype == dtype
+        torch.testing.assert_close(post.log_z.double(), torch.zeros((), dtype=D64), **tol)
+        torch.testing.assert_close(post.mean.double(), mean, **tol)
+        torch.testing.assert_close(post.cov.double(), _blocks(cov, T, 2, 0), **tol)
+        torch.testing.assert_close(
+            post.cross.double(), _blocks(cov, T, 2, 1).reshape(T - 1, 2, 2), **tol
+        )
+    assert len(taken) == 1  # looked at by the default path only
+    if dtype == D64:
+        assert (shortcut(cast, eta, J) is not None) == (start != "not stationary" or T == 1)

@@ -291,8 +291,9 @@ def smooth(
     if not keep_graph:
         chain, eta, J = chain.detach(), eta.detach(), J.detach()
     strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
+    out = None if keep_graph or method is not None else _stationary_prior(chain, eta, J)
     with torch.set_grad_enabled(keep_graph):
-        log_z, m, S, X = strategy(chain, eta, J, lag_one)
+        log_z, m, S, X = out if out is not None else strategy(chain, eta, J, lag_one)
     mean = m.squeeze(-1).movedim(0, -2)
     cov = S.movedim(0, -3)
     cov = 0.5 * (cov + cov.transpose(-1, -2))
@@ -303,6 +304,31 @@ def smooth(
     if cross is not None and not keep_graph:
         cross = cross.detach()
     return Marginals(mean, cov, log_z, cross)
+
+
+def _stationary_prior(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor):
+    """Without sites (``eta = 0``, ``J = 0``) on a chain that keeps its start covariance
+    (``A_t P_0 A_t' + Q_t = P_0`` for every ``t``, as a stationary SDE prior does), ``q`` is
+    the prior: ``log Z = 0``, every covariance ``P_0``, ``Cov(x_t, x_{t-1}) = A_t P_0`` and
+    the means ``m_t = A_t m_{t-1} + b_t`` (zero for a zero-mean chain), in a few ops instead
+    of a smoother; ``None`` where that does not hold (one chain, no batch dims)."""
+    if chain.A.dim() != 3 or eta.dim() != 2 or bool(eta.any()) or bool(J.any()):
+        return None
+    A, P0, Q = chain.A, chain.P0, chain.Q
+    AP = A @ P0
+    kept = AP @ A.transpose(-1, -2) + Q
+    scale = float(P0.abs().max())
+    if not (scale > 0.0 and bool(((kept - P0).abs() <= 1e-12 * scale).all())):
+        return None
+    T, d = eta.shape
+    S = P0.expand(T, d, d)
+    X = torch.cat([P0.new_zeros(1, d, d), AP], 0)
+    if bool(chain.m0.any()) or bool(chain.b.any()):
+        A_all, b_all, _ = chain.all_steps()
+        m = prefix_affine(A_all, b_all).unsqueeze(-1)
+    else:
+        m = eta.new_zeros(T, d, 1)
+    return eta.new_zeros(()), m, S, X
 
 
 def _tmv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
