@@ -126,7 +126,7 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
             p00 = c00 * a00 + c01 * a01 + q00
             p01 = c00 * a10 + c01 * a11 + q01
             p11 = c10 * a10 + c11 * a11 + q11
-            pred.append((m0_, m1_, p00, p01, p11))
+            pred.append((m0_, m1_, p00, p01, p11, a00, a01, a10, a11))
         s00, s01 = 1.0 + p00 * j00 + p01 * j10, p00 * j01 + p01 * j11  # S = I + P J
         s10, s11 = p01 * j00 + p11 * j10, 1.0 + p01 * j01 + p11 * j11
         det = s00 * s11 - s01 * s10
@@ -153,8 +153,7 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
     s0, s1, s00, s01, s11 = filt[-1]
     for t in range(T - 2, -1, -1):
         f0, f1, f00, f01, f11 = filt[t]
-        a00, a01, a10, a11 = trans[t][:4]
-        q0, q1, q00, q01, q11 = pred[t + 1]
+        q0, q1, q00, q01, q11, a00, a01, a10, a11 = pred[t + 1]  # and A_{t+1}
         det = q00 * q11 - q01 * q01
         if not det > 0.0:
             raise _Fail
