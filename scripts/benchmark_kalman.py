@@ -1,10 +1,11 @@
-"""The two exact Kalman smoothers side by side: the reduction tree with its explicit descent
-(``kalman.TREE``) and the associative scans (``kalman.SCAN``, Sarkka & Garcia-Fernandez 2021).
+"""The exact Kalman smoothers side by side: the reduction tree with its explicit descent
+(``kalman.TREE``), the associative scans (``kalman.SCAN``, Sarkka & Garcia-Fernandez 2021) and,
+for ``d <= 2``, the scalar sequential pass (``kalman.SEQUENTIAL``).
 
 Per state dimension ``d`` and chain length ``T``: the median process CPU time of one
 ``smooth(..., lag_one=True)`` (one thread, float64, random stable chain and sites), each method,
-their ratio, and which one :func:`~pyro_cvi.statespace.kalman.choose_smoother` picks. The rule
-``kalman.SCAN_MAX_T`` is set from this table.
+their ratio, and which one :func:`~pyro_cvi.statespace.kalman.choose_smoother` picks. The rules
+``kalman.SCAN_MAX_T`` and ``kalman.SEQUENTIAL_MAX_T`` are set from this table.
 
     PYTHONPATH=. python scripts/benchmark_kalman.py
     PYTHONPATH=. python scripts/benchmark_kalman.py --quick      # d = 1, 2; T <= 1000
@@ -61,18 +62,19 @@ def main(argv: Optional[List[str]] = None) -> dict:
     torch.set_num_threads(1)
     dims = [1, 2] if args.quick else [1, 2, 3, 4, 6]
     Ts = (
-        [2, 7, 64, 200, 1000]
+        [2, 7, 64, 200, 1000, 2000, 4000]
         if args.quick
-        else [2, 7, 64, 200, 400, 700, 1000, 4000, 10_000, 100_000]
+        else [2, 7, 64, 200, 400, 700, 1000, 1500, 2000, 3000, 4000, 10_000, 100_000]
     )
     table = Table(
-        "Kalman smoother: reduction tree vs associative scan (CPU ms per call, one thread)",
+        "Kalman smoothers: tree, scan, sequential (CPU ms per call, one thread)",
         [
             ("d", "state dimension"),
             ("T", "chain length"),
             ("tree ms", "kalman.TREE"),
             ("scan ms", "kalman.SCAN"),
             ("scan/tree", "below 1: the scan is faster"),
+            ("seq ms", "kalman.SEQUENTIAL (d <= 2)"),
             ("chosen", "kalman.choose_smoother(T, d)"),
         ],
     )
@@ -83,21 +85,33 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 continue
             chain, eta, J = problem(T, d)
             ms = {}
-            for m in (kalman.TREE, kalman.SCAN):
+            for m in (kalman.TREE, kalman.SCAN) + ((kalman.SEQUENTIAL,) if d <= 2 else ()):
                 ms[m.name] = 1e3 * cpu_per_call(
                     lambda c=chain, e=eta, j=J, m=m: kalman.smooth(c, e, j, lag_one=True, method=m),
                     args.budget,
                 )
             chosen = kalman.choose_smoother(T, d).name
             ratio = ms["scan"] / ms["tree"]
-            rows.append(dict(d=d, T=T, tree_ms=ms["tree"], scan_ms=ms["scan"], chosen=chosen))
-            table.add(d, T, f"{ms['tree']:.3f}", f"{ms['scan']:.3f}", f"{ratio:.2f}", chosen)
-            print(f"d={d} T={T}: tree {ms['tree']:.3f} ms, scan {ms['scan']:.3f} ms", flush=True)
+            seq = ms.get("sequential")
+            rows.append(
+                dict(d=d, T=T, tree_ms=ms["tree"], scan_ms=ms["scan"], sequential_ms=seq,
+                     chosen=chosen)
+            )  # fmt: skip
+            table.add(
+                d, T, f"{ms['tree']:.3f}", f"{ms['scan']:.3f}", f"{ratio:.2f}",
+                "-" if seq is None else f"{seq:.3f}", chosen,
+            )  # fmt: skip
+            said = ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+            print(f"d={d} T={T}: {said}", flush=True)
     table.print()
     wins = [
         f"d={r['d']} T={r['T']}"
         for r in rows
-        if r["chosen"] != min(("tree", "scan"), key=lambda k: r[k + "_ms"])
+        if r["chosen"]
+        != min(
+            (k for k in ("tree", "scan", "sequential") if r[k + "_ms"] is not None),
+            key=lambda k: r[k + "_ms"],
+        )
     ]
     verdict = "Verdict: the rule picks the faster smoother " + (
         "everywhere." if not wins else "except at " + ", ".join(wins) + "."
@@ -107,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     write_results(
         out,
         {"config": dict(threads=1, dtype="float64", device="cpu"), "rows": rows},
-        title="Kalman smoother: reduction tree vs associative scan",
+        title="Kalman smoothers: reduction tree, associative scan, sequential pass",
         verdict=verdict,
         tables=[table],
         command="PYTHONPATH=. python scripts/benchmark_kalman.py"

@@ -165,7 +165,7 @@ def _sequential(chain, eta, J):
     return log_z, stack(ms), stack(Ps), stack(cross) if cross else eta.new_zeros(0, d, d)
 
 
-METHODS = [kalman.TREE, kalman.SCAN]
+METHODS = [kalman.TREE, kalman.SCAN, kalman.SEQUENTIAL]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
@@ -247,11 +247,54 @@ def test_the_scan_raises_on_an_indefinite_q():
 def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
     assert kalman.choose_smoother(10**6, 2) is kalman.TREE
     assert kalman.choose_smoother(64, 8) is kalman.TREE
-    assert kalman.choose_smoother(1, 1) is kalman.TREE
+    assert kalman.tensor_smoother(1, 1) is kalman.TREE
     for d, T in kalman.SCAN_MAX_T.items():
-        assert kalman.choose_smoother(T, d) is kalman.SCAN
-        assert kalman.choose_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
-        assert kalman.choose_smoother(T + 1, d) is kalman.TREE
+        assert kalman.tensor_smoother(T, d) is kalman.SCAN
+        assert kalman.tensor_smoother(kalman.SCAN_MIN_T, d) is kalman.SCAN
+        assert kalman.tensor_smoother(T + 1, d) is kalman.TREE
+        if d not in kalman.SEQUENTIAL_MAX_T:
+            assert kalman.choose_smoother(T, d) is kalman.SCAN
+    for d, T in kalman.SEQUENTIAL_MAX_T.items():
+        assert kalman.choose_smoother(1, d) is kalman.SEQUENTIAL
+        assert kalman.choose_smoother(T, d) is kalman.SEQUENTIAL
+        assert kalman.choose_smoother(T + 1, d) is kalman.tensor_smoother(T + 1, d)
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_sequential_pass_hands_batched_and_differentiable_problems_on(d, monkeypatch):
+    """Batched chains and ``keep_graph`` go to the tensor strategy: the same numbers as the
+    tree, and gradients where asked; the scalar pass itself is never entered for them."""
+    from pyro_cvi.statespace import sequential
+
+    entered = []
+    solve = sequential.SequentialSmoother._solve
+    monkeypatch.setattr(
+        sequential.SequentialSmoother,
+        "_solve",
+        staticmethod(lambda *a: entered.append(1) or solve(*a)),
+    )
+    chain, eta, J = _chain(9, d, seed=5, batch=(3,))
+    a = smooth(chain, eta, J, lag_one=True, method=kalman.SEQUENTIAL)
+    b = smooth(chain, eta, J, lag_one=True, method=kalman.TREE)
+    for x, y in [(a.log_z, b.log_z), (a.mean, b.mean), (a.cov, b.cov), (a.cross, b.cross)]:
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert not entered
+    chain, eta, J = _chain(9, d, seed=6)
+    eta = eta.clone().requires_grad_(True)
+    post = smooth(chain, eta, J, keep_graph=True, method=kalman.SEQUENTIAL)
+    (g,) = torch.autograd.grad(post.log_z, eta)
+    torch.testing.assert_close(g, post.mean.detach(), rtol=1e-10, atol=1e-10)  # dlogZ/deta = E x
+    assert not entered
+    smooth(chain, eta.detach(), J, method=kalman.SEQUENTIAL)
+    assert entered
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_sequential_pass_raises_on_an_indefinite_q(d):
+    chain, eta, J = _chain(9, d)
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, eta, -50.0 * J, method=kalman.SEQUENTIAL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
@@ -269,3 +312,39 @@ def test_small_inverses_and_determinants_equal_lapack_in_both_forms(d, dtype):
     inv_a, det_a = soa.inv_det(soa.to_arrays_mat(M.to(dtype)))
     torch.testing.assert_close(soa.pack(inv_a).double(), inv_ref, **tol)
     torch.testing.assert_close(det_a.double(), det_ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("start", ["zero", "shifted", "not stationary"])
+@pytest.mark.parametrize("T", [1, 2, 9, 300])
+def test_without_sites_q_is_the_prior_by_every_path(T, start, dtype, monkeypatch):
+    """Zero sites: ``log Z = 0`` and the prior's marginals and lag-one covariances, by the
+    default path (the stationary shortcut where it applies) and by the tree, equal to the
+    dense computation; the shortcut is taken exactly for a stationary chain in float64."""
+    from pyro_cvi.statespace import Matern32
+    from pyro_cvi.statespace.distribution import MarkovGP
+
+    chain = MarkovGP(torch.arange(T, dtype=D64) * 0.7, Matern32(3.0, 1.3)).chain
+    if start == "shifted":  # the covariances stay stationary, the means move
+        chain = LinearGaussianChain(chain.m0 + 0.5, chain.P0, chain.A, chain.b + 0.1, chain.Q)
+    if start == "not stationary":
+        chain = LinearGaussianChain(chain.m0, 2.0 * chain.P0, chain.A, chain.b, chain.Q)
+    eta, J = torch.zeros(T, 2, dtype=D64), torch.zeros(T, 2, 2, dtype=D64)
+    _, mean, cov = _dense(chain, eta, J)
+    taken = []
+    shortcut = kalman._stationary_prior
+    monkeypatch.setattr(kalman, "_stationary_prior", lambda *a: taken.append(1) or shortcut(*a))
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=2e-4, atol=2e-4)
+    for method in (None, kalman.TREE):
+        post = smooth(cast, eta.to(dtype), J.to(dtype), lag_one=True, method=method)
+        assert post.cov.dtype == dtype
+        torch.testing.assert_close(post.log_z.double(), torch.zeros((), dtype=D64), **tol)
+        torch.testing.assert_close(post.mean.double(), mean, **tol)
+        torch.testing.assert_close(post.cov.double(), _blocks(cov, T, 2, 0), **tol)
+        torch.testing.assert_close(
+            post.cross.double(), _blocks(cov, T, 2, 1).reshape(T - 1, 2, 2), **tol
+        )
+    assert len(taken) == 1  # looked at by the default path only
+    if dtype == D64:
+        assert (shortcut(cast, eta, J) is not None) == (start != "not stationary" or T == 1)

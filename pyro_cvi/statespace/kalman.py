@@ -40,6 +40,7 @@ import torch
 
 from ..linalg import NotPositiveDefinite, cholesky
 from . import scan as _scan
+from . import sequential as _sequential
 from . import soa
 from .elements import LinearGaussianChain, _half, _log_det_g, _plus_eye, check_log_z, time_major
 from .soa import add, cols, dot, hcat, inv, inv_det, mm, mv, sub, tr, vcat
@@ -242,18 +243,32 @@ class ScanSmoother:
         return _scan.smooth_scan(chain, eta, J, lag_one)
 
 
-TREE, SCAN = TreeSmoother(), ScanSmoother()
 #: The longest chain, per state dimension, for which the scan is the faster (CPU, one thread,
 #: float64, measured by ``scripts/benchmark_kalman.py``: its fewer ops win while the time is
 #: per-op overhead, its ``log T`` factor of work loses beyond); longer chains, larger states
 #: and chains shorter than ``SCAN_MIN_T`` take the tree.
 SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
 SCAN_MIN_T = 4
+#: The longest chain, per state dimension, for which the scalar sequential pass
+#: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
+#: operation's fixed cost is paid per step.
+SEQUENTIAL_MAX_T = {1: 3000, 2: 1200}
+
+
+def tensor_smoother(T: int, d: int):
+    """The faster of the two tensor smoothers (the tree, the scan) for ``T`` steps of ``d``."""
+    return SCAN if SCAN_MIN_T <= T <= SCAN_MAX_T.get(d, 0) else TREE
+
+
+TREE, SCAN = TreeSmoother(), ScanSmoother()
+SEQUENTIAL = _sequential.SequentialSmoother(tensor_smoother)
 
 
 def choose_smoother(T: int, d: int):
-    """The faster of the two exact smoothers for a chain of ``T`` steps of dimension ``d``."""
-    return SCAN if SCAN_MIN_T <= T <= SCAN_MAX_T.get(d, 0) else TREE
+    """The fastest exact smoother for a chain of ``T`` steps of dimension ``d``: the scalar
+    pass for short chains of ``d <= 2`` (which hands batched, differentiable or GPU problems to
+    :func:`tensor_smoother`), else the tree or the scan."""
+    return SEQUENTIAL if T <= SEQUENTIAL_MAX_T.get(d, 0) else tensor_smoother(T, d)
 
 
 def smooth(
@@ -270,13 +285,15 @@ def smooth(
     With ``keep_graph``, ``log_z`` and the marginals keep their graph to the chain's tensors
     and to ``eta`` and ``J``: ``q`` is then differentiable in the model's parameters at fixed
     sites. Without, nothing records a graph. Leading batch dims: independent chains.
-    ``method``: :data:`TREE` or :data:`SCAN` (same numbers); default by :func:`choose_smoother`.
+    ``method``: :data:`TREE`, :data:`SCAN` or :data:`SEQUENTIAL` (same numbers); default by
+    :func:`choose_smoother`.
     """
     if not keep_graph:
         chain, eta, J = chain.detach(), eta.detach(), J.detach()
     strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
+    out = None if keep_graph or method is not None else _stationary_prior(chain, eta, J)
     with torch.set_grad_enabled(keep_graph):
-        log_z, m, S, X = strategy(chain, eta, J, lag_one)
+        log_z, m, S, X = out if out is not None else strategy(chain, eta, J, lag_one)
     mean = m.squeeze(-1).movedim(0, -2)
     cov = S.movedim(0, -3)
     cov = 0.5 * (cov + cov.transpose(-1, -2))
@@ -287,6 +304,31 @@ def smooth(
     if cross is not None and not keep_graph:
         cross = cross.detach()
     return Marginals(mean, cov, log_z, cross)
+
+
+def _stationary_prior(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor):
+    """Without sites (``eta = 0``, ``J = 0``) on a chain that keeps its start covariance
+    (``A_t P_0 A_t' + Q_t = P_0`` for every ``t``, as a stationary SDE prior does), ``q`` is
+    the prior: ``log Z = 0``, every covariance ``P_0``, ``Cov(x_t, x_{t-1}) = A_t P_0`` and
+    the means ``m_t = A_t m_{t-1} + b_t`` (zero for a zero-mean chain), in a few ops instead
+    of a smoother; ``None`` where that does not hold (one chain, no batch dims)."""
+    if chain.A.dim() != 3 or eta.dim() != 2 or bool(eta.any()) or bool(J.any()):
+        return None
+    A, P0, Q = chain.A, chain.P0, chain.Q
+    AP = A @ P0
+    kept = AP @ A.transpose(-1, -2) + Q
+    scale = float(P0.abs().max())
+    if not (scale > 0.0 and bool(((kept - P0).abs() <= 1e-12 * scale).all())):
+        return None
+    T, d = eta.shape
+    S = P0.expand(T, d, d)
+    X = torch.cat([P0.new_zeros(1, d, d), AP], 0)
+    if bool(chain.m0.any()) or bool(chain.b.any()):
+        A_all, b_all, _ = chain.all_steps()
+        m = prefix_affine(A_all, b_all).unsqueeze(-1)
+    else:
+        m = eta.new_zeros(T, d, 1)
+    return eta.new_zeros(()), m, S, X
 
 
 def _tmv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

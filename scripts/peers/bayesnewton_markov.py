@@ -11,7 +11,8 @@ compiled once with ``objax.Jit``. Float64, one thread (XLA's CPU threading off).
 
     python bayesnewton_markov.py counts.npy --steps 20 --num-points 10
 
-Prints one JSON object: compile and per-step process CPU seconds, and the -ELBO per step.
+Prints one JSON object: compile and per-step process CPU seconds (their median and each one),
+and the -ELBO per step.
 """
 
 import argparse
@@ -74,6 +75,7 @@ def main() -> None:
                 import_cpu=c0 - c_import,
                 cpu=statistics.median(cpus),
                 cpu_min=min(cpus),
+                cpus=cpus,
                 neg_elbo=energy,
                 jax=jax.__version__,
                 bayesnewton=getattr(bayesnewton, "__version__", "1.3.4"),
