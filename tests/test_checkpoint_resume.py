@@ -119,3 +119,25 @@ def test_resume_is_bit_identical_with_or_without_the_guide(
         k for k in final if not torch.equal(final[k], now[k])
     ]
     assert len(set(uninterrupted)) > 1  # the run moved on: the comparison is not vacuous
+
+
+def test_an_unfinished_load_does_not_touch_a_later_run(tmp_path):
+    """A checkpoint loaded without ``guide=`` whose guide never ran: once the param store has
+    moved on (cleared), a new guide sets itself up as in a run that never loaded anything."""
+    data = _data(torch.float64)
+
+    def first_loss():
+        pyro.set_rng_seed(7)
+        guide, optim = ag.AutoNormal(regression), _optim("Adam")
+        return SVI(regression, guide, optim, loss=Trace_ELBO()).step(*data)
+
+    pyro.clear_param_store()
+    clean = first_loss()
+    pyro.clear_param_store()
+    guide, optim = ag.AutoNormal(regression), _optim("Adam")
+    SVI(regression, guide, optim, loss=Trace_ELBO()).step(*data)
+    save_checkpoint(tmp_path / "run.pt", optim)
+    pyro.clear_param_store()
+    load_checkpoint(tmp_path / "run.pt", _optim("Adam"))  # no guide ever runs on it
+    pyro.clear_param_store()
+    assert first_loss() == clean
