@@ -344,6 +344,26 @@ def refuse_inside_svi_step(guide) -> None:
 
 #: prefix -> the guides that claimed it (weakly: a dropped guide holds no claim)
 _CLAIMS: Dict[str, List[weakref.ref]] = {}
+#: called with each guide at the start of its set-up, once its prefix is claimed
+_SETUP_LISTENERS: List[Callable[[Any], None]] = []
+
+
+def listen_to_setups(listener: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``listener(guide)`` at the start of every guide's set-up (a checkpoint loaded
+    without its guide finishes there); returns the function that stops it."""
+    _SETUP_LISTENERS.append(listener)
+
+    def stop() -> None:
+        if listener in _SETUP_LISTENERS:
+            _SETUP_LISTENERS.remove(listener)
+
+    return stop
+
+
+def claimed(prefix: str) -> List[Any]:
+    """The live guides set up under ``prefix`` that are bound to the store's tensors."""
+    guides = [r() for r in _CLAIMS.get(prefix, [])]
+    return [g for g in guides if g is not None and _holds_store_tensors(g)]
 
 
 def check_prefix(prefix: Any, owner: str = "AutoCVI") -> str:
@@ -388,3 +408,5 @@ def claim_prefix(guide: Any) -> None:
         )
     _CLAIMS[prefix] = [r for r in _CLAIMS.get(prefix, []) if r() is not None and r() is not guide]
     _CLAIMS[prefix].append(weakref.ref(guide))
+    for listener in list(_SETUP_LISTENERS):
+        listener(guide)

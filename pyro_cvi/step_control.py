@@ -34,12 +34,13 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
   only non-finite losses and errors backtrack, and the ceiling follows the Robbins-Monro
   schedule ``beta0 (1 + t / 10) ** -0.6`` (Hoffman et al. 2013).
 
-**Reporting.** Shrunk and undone steps are the step policy doing its job: they are counted
-on the guide (``guide.num_shrunk``, ``guide.num_backtracks``, ``guide.warning_counts``) and
-logged once per site and kind (:class:`WarningLog`) to the ``"pyro_cvi"`` logger at INFO,
-not warned, so that suites which turn warnings into errors (Pyro's own) run quietly. A
-*rejected* step (no step size keeps ``q`` valid) is a ``RuntimeWarning``, once per site and
-kind.
+**Reporting.** Shrunk, undone and rejected steps are the step policy doing its job: they are
+counted on the guide (``guide.num_shrunk``, ``guide.num_rejected``, ``guide.num_backtracks``,
+``guide.warning_counts``) and logged once per site and kind (:class:`WarningLog`) to the
+``"pyro_cvi"`` logger at INFO, not warned, so that suites which turn warnings into errors
+(Pyro's own) run quietly. A site whose step keeps being *rejected* (no step size keeps ``q``
+valid, in ``PERSISTENT`` steps of a run: its ``q`` cannot follow the model there) is a
+``RuntimeWarning``, once per site.
 
 :func:`controlled_evaluation` is the one backtracking loop (the engine and every other caller
 hand it the evaluation, a copy of the parameters and a restore function); :class:`StepControl`
@@ -290,7 +291,9 @@ def initial_failures():
 #: the ``"pyro_cvi"`` logger: routine step-policy events (shrunk and undone steps)
 LOGGER = logging.getLogger("pyro_cvi")
 #: the kinds of :class:`WarningLog` that are routine (logged at INFO, not warned)
-ROUTINE = frozenset({"step shrunk", "step undone", "step undone (numerical)"})
+ROUTINE = frozenset({"step shrunk", "step undone", "step undone (numerical)", "step rejected"})
+#: steps of a run in which a site's step was rejected before that is warned about
+PERSISTENT = 100
 
 
 class WarningLog:
@@ -339,17 +342,27 @@ def warn_step_counts(
             stacklevel=stacklevel,
         )
     if counts.rejected:
+        why = (
+            f"no step size keeps the {what} natural parameters valid (counted in "
+            "guide.num_rejected), so the step's target itself is invalid and a smaller step "
+            "size does not help. Causes: Monte Carlo noise (raise num_samples or "
+            "num_general_samples), or a likelihood that overflows at q (a prior far wider than "
+            "the data's scale: start q at the data, init_sites='laplace', or narrow the prior)."
+        )
         log.warn(
             label,
             "step rejected",
-            f"AutoCVI: step on site {label!r} rejected for some elements: no step size keeps "
-            f"the {what} natural parameters valid (counted in guide.num_rejected), so the "
-            "step's target itself is invalid and a smaller step size does not help. Causes: "
-            "Monte Carlo noise (raise num_samples or num_general_samples), or a likelihood "
-            "that overflows at q (a prior far wider than the data's scale: start q at the "
-            "data, init_sites='laplace', or narrow the prior).",
+            f"AutoCVI: step on site {label!r} rejected for some elements: {why}",
             stacklevel=stacklevel,
         )
+        if log.counts[(str(label), "step rejected")] == PERSISTENT:
+            log.warn(
+                label,
+                "step rejected repeatedly",
+                f"AutoCVI: step on site {label!r} rejected for some elements in {PERSISTENT} "
+                f"steps of this run: q cannot follow the model there; {why}",
+                stacklevel=stacklevel,
+            )
 
 
 def exploded(elbo: float, best: float) -> bool:

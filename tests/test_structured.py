@@ -9,6 +9,7 @@ import torch
 
 from pyro_cvi import step_sizes
 from pyro_cvi.families import family_for_support
+from pyro_cvi.methods import structured
 from pyro_cvi.methods.structured import StructuredSVI, ssvi_target
 
 D = torch.float64
@@ -102,8 +103,10 @@ def _hoffman_blei_update(lam, eps, prior, Y, rho):
     return (1 - rho) * torch.stack([l1, l2]) + rho * target, beta
 
 
-def test_global_step_equals_hoffman_blei_eq_7():
-    """Three SSVI steps of the library against eq. 7-8 evaluated by hand, to 1e-10."""
+def test_global_step_equals_hoffman_blei_eq_7(monkeypatch):
+    """Three SSVI steps of the library against eq. 7-8 evaluated by hand, to 1e-10 (the
+    reparameterised estimator, which a small Gaussian global leaves for Price's)."""
+    monkeypatch.setattr(structured, "PRICE_MAX_ELEMENTS", 0)
     Y = _groups(N=8, J=3, seed=1)
     schedule = step_sizes.robbins_monro(0.8, 1.0, 0.75)
     ssvi = StructuredSVI(hierarchical, step_size=schedule)
@@ -167,3 +170,79 @@ def test_ssvi_run_finds_the_exact_posterior_mean():
         var.sqrt()
     )  # a noisy 60-step run; the sharp check is above
     assert abs(float(q.variance / var) - 1) < 0.3
+
+
+def _hierarchical_of(dtype):
+    one = torch.ones((), dtype=dtype)
+
+    def model(Y):
+        mu = pyro.sample("mu", dist.Normal(0.0 * one, S0 * one))
+        with pyro.plate("groups", Y.shape[0], dim=-2):
+            theta = pyro.sample("theta", dist.Normal(mu, one))
+            with pyro.plate("obs", Y.shape[1], dim=-1):
+                pyro.sample("y", dist.Normal(theta, one), obs=Y)
+
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("as_guide", [False, True], ids=["StructuredSVI", "AutoStructuredCVI"])
+def test_a_robbins_monro_run_of_a_gaussian_global_converges(as_guide, dtype):
+    """A run whose reparameterised precision target went negative at step 2 (damped into a
+    near-zero precision, the mean then at -279,031): with Price's target the precision is
+    exact at every draw and q(mu) reaches p(mu | y)."""
+    from pyro.infer import SVI
+
+    from pyro_cvi import CVI, CVI_ELBO, AutoStructuredCVI
+
+    g = torch.Generator().manual_seed(0)
+    Y = 2.0 + torch.randn(50, 1, generator=g, dtype=D) + torch.randn(50, 10, generator=g, dtype=D)
+    Y = Y.to(dtype)
+    mean, var = _exact_posterior(Y.double())
+    schedule = step_sizes.robbins_monro(0.5, 10.0, 0.7)
+    model = _hierarchical_of(dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    if as_guide:
+        guide = AutoStructuredCVI(model, step_size=schedule)
+        svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+        for _ in range(200):
+            svi.step(Y)
+        q = guide.posterior("mu")
+    else:
+        ssvi = StructuredSVI(model, step_size=schedule)
+        for _ in range(200):
+            ssvi.step(Y)
+        q = ssvi.posterior("mu")
+    sd = float(var.sqrt())
+    assert q.mean.dtype == dtype
+    assert abs(float(q.mean) - float(mean)) < 0.5 * sd, (float(q.mean), float(mean))
+    # the precision converges deterministically to (1 - prod (1 - rho_t)) of the exact one
+    assert float(q.stddev) == pytest.approx(sd, rel=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_price_target_of_a_quadratic_likelihood_is_exact_at_every_draw(dtype):
+    """l(mu) = sum_n log N(y_n; mu 1, I + 1 1'): its curvature -N J / (1 + J) is the
+    likelihood's precision, whatever the draw; the mean part is unbiased (its average over
+    draws is the exact target)."""
+    Y = _groups(N=10, J=4, seed=2).to(dtype)
+    N, J = Y.shape
+    fam = family_for_support(dist.constraints.real, torch.Size())
+    prior = fam.dist_to_natural(dist.Normal(torch.tensor(0.0, dtype=dtype), S0))
+    lam = fam.dist_to_natural(dist.Normal(torch.tensor(-1.0, dtype=dtype), 2.0))
+    cov = (torch.eye(J) + torch.ones(J, J)).to(dtype)
+
+    def log_lik(mu):
+        return dist.MultivariateNormal(mu.expand(J), cov).log_prob(Y).sum()
+
+    pyro.set_rng_seed(0)
+    firsts = []
+    for _ in range(400):
+        target, _, _ = ssvi_target(fam, lam, prior, log_lik)
+        assert float(target[1]) == pytest.approx(float(prior[1]) - N * J / (1 + J) / 2, rel=1e-5)
+        firsts.append(float(target[0]))
+    exact_first = float(prior[0]) + float(Y.sum()) / (1 + J)
+    t = torch.tensor(firsts, dtype=torch.float64)
+    assert abs(float(t.mean()) - exact_first) < 4 * float(t.std()) / 20
+    assert float(t.std()) > 0  # one draw is noisy in the mean part: the test has power

@@ -6,12 +6,23 @@ state (its step counter ``t``, the adaptive step control with its last accepted 
 inner torch optimizer's state per parameter), the guide's counters and the fixed points its
 Gaussian blocks are traced at, and the random number generators (torch, numpy, Python, CUDA).
 Restoring it in a fresh process continues on exactly the trajectory of an uninterrupted run,
-bit for bit, whether or not the guide was called before loading::
+bit for bit, whether or not the guide was called before loading, and whether or not the guide
+is passed::
 
     save_checkpoint("run.pt", optim, guide)
     ...                                    # new process: build model, guide, optim, svi as before
     load_checkpoint("run.pt", optim, guide)
     svi.step(X, y)                         # identical to the uninterrupted run's next step
+
+Parameters are restored into the tensors the param store already holds where their names,
+shapes and dtypes agree (so a module that holds its parameters itself, a guide's ``loc`` or a
+network under ``pyro.module``, sees the restored values), and the optimizer's per-parameter
+state is attached afresh at the next step. Loaded without ``guide=``, the restore of the
+guide's own state finishes at the first call of the guide whose parameters the checkpoint
+holds (found by its name in the param store): a guide that has not run yet sets itself up
+without drawing from the restored generators, an ``AutoCVI`` gets its counters, traced points
+and step control as with ``guide=``. Saved without ``guide=``, an ``AutoCVI``'s state is found
+through its parameters.
 
 Safety. The file holds only tensors and plain Python values (RNG states are tensors,
 constraints are stored by name) and is read with ``torch.load(weights_only=True)``: a crafted
@@ -33,18 +44,18 @@ same on all ranks): call both functions on every rank with the same ``path`` and
 from __future__ import annotations
 
 import os
-import random
 import tempfile
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
-import numpy as np
 import pyro
 import torch
 from pyro.optim import PyroOptim
 
 from ..autoguide import AutoCVI
-from ..guide_state import rng_preserved
+from ..engine import Engine
+from ..guide_state import claimed
 from ..optim import CVI
+from ..update import owner_of
 from .checkpoint_file import (
     FORMAT,
     VERSION,
@@ -55,6 +66,15 @@ from .checkpoint_file import (
     rng_state,
 )
 from .distributed import rank_path
+from .restore import (
+    FinishAtFirstCall,
+    apply_checkpoint,
+    check_model,
+    deferred_restore,
+    finish_pyro_guide,
+    key_of,
+    signature,
+)
 
 __all__ = [
     "CheckpointError",
@@ -75,7 +95,10 @@ def save_checkpoint(
     """Write the param store, the optimizer, the guide's state and the RNG states to ``path``
     (atomically: a reader never sees a half-written file). ``guide`` is an ``AutoCVI`` or any
     Pyro guide (``AutoNormal``, ...): its kind and parameter shapes are kept, so that a load
-    into another guide is refused."""
+    into another guide is refused. Without it (or with a guide written as a function), an
+    ``AutoCVI`` whose parameters the store holds is found through them."""
+    if not isinstance(guide, torch.nn.Module):
+        guide = None
     if not isinstance(optim, PyroOptim):
         raise TypeError(
             f"save_checkpoint: optim is a {type(optim).__name__}; pass the Pyro optimizer "
@@ -94,9 +117,13 @@ def save_checkpoint(
         "rng": rng_state(),
     }
     if isinstance(guide, AutoCVI):
-        state["guide"] = _guide_state(guide)
+        state["guide"] = _guide_state(guide.param_prefix, guide.counts, guide.engine)
     elif guide is not None:
         state["guide"] = _pyro_guide_state(guide)
+    else:
+        engine = _sole_engine()
+        if engine is not None:  # an AutoCVI's state, found through its parameters
+            state["guide"] = _guide_state(engine.prefix, engine.counts, engine)
     check_plain(state, "checkpoint")
     path = rank_path(path, getattr(guide, "reducer", None))
     folder = os.path.dirname(os.path.abspath(path))
@@ -119,19 +146,33 @@ def save_checkpoint(
         raise
 
 
-def _guide_state(guide: AutoCVI) -> Dict[str, Any]:
+def _sole_engine() -> Optional[Engine]:
+    """The engine of the one ``AutoCVI`` whose parameters are in the param store (``None`` if
+    there is none); several: a :class:`ValueError` asking for ``guide=``."""
+    store = pyro.get_param_store()
+    owners = {id(o): o for o in map(owner_of, dict(store.named_parameters()).values())}
+    engines = [o for o in owners.values() if isinstance(o, Engine)]
+    if len(engines) > 1:
+        names = sorted(e.prefix for e in engines)
+        raise ValueError(
+            f"save_checkpoint(path, optim): the param store holds {len(engines)} AutoCVI guides "
+            f"{names}; pass the one to save as guide= (one checkpoint file per guide)"
+        )
+    return engines[0] if engines else None
+
+
+def _guide_state(name: str, counts: Any, engine: Optional[Engine]) -> Dict[str, Any]:
     out: Dict[str, Any] = {
-        "name": guide.param_prefix,
-        "num_shrunk": guide.num_shrunk,
-        "num_rejected": guide.num_rejected,
+        "name": name,
+        "num_shrunk": int(counts.shrunk),
+        "num_rejected": int(counts.rejected),
     }
-    engine = guide.engine
-    if guide.prototype_trace is not None and engine is not None:
-        out["sites"] = _signature(guide)
+    if engine is not None:
+        out["sites"] = signature(engine)
         store = pyro.get_param_store()
         names = engine.param_names() + [engine.steps_name]
         out["params"] = {n: list(store[n].shape) for n in names if n in store}
-        out["blocks"] = {_key(b): b.extra_state() for b in engine.blocks if b.extra_state()}
+        out["blocks"] = {key_of(b): b.extra_state() for b in engine.blocks if b.extra_state()}
     return out
 
 
@@ -141,21 +182,6 @@ def _optim_kind(optim: Any) -> str:
         return "CVI"
     inner = getattr(optim, "pt_optim_constructor", None)
     return getattr(inner, "__name__", type(optim).__name__)
-
-
-def _module_params(guide: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, str]]:
-    """``{param store name: (module, attribute)}`` of the guide's ``nn.Parameter`` attributes
-    that are in the store (its ``PyroParam`` attributes Pyro reads back from the store)."""
-    store = pyro.get_param_store()
-    out: Dict[str, Tuple[torch.nn.Module, str]] = {}
-    for module in guide.modules():
-        for attr, p in module.named_parameters(recurse=False):
-            if attr.endswith("_unconstrained"):
-                continue  # a PyroParam: Pyro reads it back from the store itself
-            name = store.param_name(p)
-            if name is not None:
-                out[name] = (module, attr)
-    return out
 
 
 def _guide_param_names(guide: torch.nn.Module) -> List[str]:
@@ -175,27 +201,6 @@ def _pyro_guide_state(guide: torch.nn.Module) -> Dict[str, Any]:
     }
 
 
-def _signature(guide: AutoCVI) -> Dict[str, List[Any]]:
-    """``{site: [shape, observed]}`` of the model's sample sites as the guide saw them."""
-    engine = _engine(guide)
-    nodes = engine.analysis.structure.nodes  # (the prototype trace hides observations)
-    return {
-        n: [list(torch.as_tensor(nodes[n]["value"]).shape), bool(obs)]
-        for n, obs in engine.structure.items()
-        if n in nodes
-    }
-
-
-def _engine(guide: AutoCVI) -> Any:
-    if guide.engine is None:
-        raise RuntimeError("the guide has not seen the model yet")
-    return guide.engine
-
-
-def _key(block: Any) -> str:
-    return "+".join(block.names)
-
-
 # ------------------------------------------------------------------------------------ loading
 def load_checkpoint(
     path: Union[str, os.PathLike[str]],
@@ -211,21 +216,31 @@ def load_checkpoint(
     the checkpoint at its set-up, after the same check; a refused one is dropped. Pass Pyro's
     own guides (``AutoNormal``, ...) too, whether or not they ran: one that has not sets itself
     up at its first call without drawing from the restored generators, one that has gets the
-    restored parameters, so the resumed run draws what the uninterrupted one draws.
+    restored parameters, so the resumed run draws what the uninterrupted one draws. Without
+    ``guide=``, the param store, the optimizer and the generators are restored now and the
+    guide's part at the first call of the guide whose parameters the checkpoint holds (the
+    same result, bit for bit; the check against the model then happens at that call).
     Raises :class:`CheckpointError` naming the file and the problem.
     """
+    if not isinstance(guide, torch.nn.Module):
+        guide = None  # a guide written as a function keeps all its state in the param store
     path = rank_path(path, getattr(guide, "reducer", None))
     state = read_checkpoint(path)
     _check_optim(path, state, optim)
     saved = state.get("guide", {})
+    FinishAtFirstCall.cancel()  # a later load replaces an earlier one's unfinished part
+    if guide is None:
+        live = claimed(saved["name"]) if "name" in saved else []
+        if len(live) == 1:  # the AutoCVI it was saved from, set up: as with guide=
+            guide = live[0]
+        else:
+            apply_checkpoint(state, optim, None)
+            FinishAtFirstCall(path, state, optim)
+            return
     if not isinstance(guide, AutoCVI):
-        if guide is not None:
-            _check_pyro_guide(path, saved, guide)
-        bound = _module_params(guide) if guide is not None else {}
-        _apply(state, optim, None)
-        if guide is not None:
-            _rebind(bound)
-            _keep_rng_through_late_setup(guide)
+        _check_pyro_guide(path, saved, guide)
+        apply_checkpoint(state, optim, None)
+        finish_pyro_guide(guide)
         return
     if "class" in saved or saved.get("name", guide.param_prefix) != guide.param_prefix:
         held = saved.get("name") or saved.get("class")
@@ -234,27 +249,10 @@ def load_checkpoint(
             f"{guide.param_prefix!r}; build the guide the same way as in the saved run"
         )
     if guide.prototype_trace is not None and guide.engine is not None:
-        _check_model(path, saved, guide)
-        _apply(state, optim, guide)
+        check_model(path, saved, guide)
+        apply_checkpoint(state, optim, guide)
         return
-
-    def restore(g: AutoCVI) -> None:  # at the guide's set-up (see AutoCVI.pending_restore)
-        try:
-            _check_model(path, saved, g)
-        except CheckpointError as e:
-            refused = CheckpointError(
-                f"{e} The checkpoint was not applied and is dropped: the next step trains the "
-                "guide from its own initialisation; call load_checkpoint again before a step "
-                "with the saved run's model and data to resume it."
-            )
-            # the set-up's rollback puts the guide's attributes back: drop the restore after it
-            refused.after_rollback = lambda: setattr(  # type: ignore[attr-defined]
-                g, "pending_restore", None
-            )
-            raise refused from None
-        _apply(state, optim, g)
-
-    guide.pending_restore = restore
+    guide.pending_restore = deferred_restore(path, state, optim)
 
 
 def _check_optim(path: Any, state: Dict[str, Any], optim: Any) -> None:
@@ -315,112 +313,3 @@ def _check_pyro_guide(path: Any, saved: Dict[str, Any], guide: torch.nn.Module) 
             + "; ".join(problems[:5])
             + ". Build the model, the guide and the data as in the saved run."
         )
-
-
-def _rebind(bound: Dict[str, Tuple[torch.nn.Module, str]]) -> None:
-    """A guide that ran holds its ``nn.Parameter`` attributes itself (Pyro reads only
-    ``PyroParam`` attributes back from the store): point them at the restored tensors."""
-    store = pyro.get_param_store()
-    for name, (module, attr) in bound.items():
-        if name not in store:
-            continue
-        value = store[name].unconstrained()  # type: ignore[attr-defined]
-        if not isinstance(value, torch.nn.Parameter):
-            # (an nn.Parameter attribute has the real constraint: the store keeps it as is)
-            store[name] = torch.nn.Parameter(value.detach())
-            value = store[name].unconstrained()  # type: ignore[attr-defined]
-        if isinstance(value, torch.nn.Parameter):
-            module._parameters[attr] = value
-
-
-def _keep_rng_through_late_setup(guide: torch.nn.Module) -> None:
-    """An autoguide that has not run yet draws random numbers at its set-up (its first call),
-    which the uninterrupted run drew before the checkpoint: its first call runs once more,
-    hidden and with the generators put back, before the real one."""
-    if getattr(guide, "prototype_trace", True) is not None:
-        return
-
-    def once(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        handle.remove()
-        with rng_preserved(), pyro.poutine.block():
-            module(*args, **kwargs)
-
-    handle = guide.register_forward_pre_hook(once, with_kwargs=True)
-
-
-def _check_model(path: Any, saved: Dict[str, Any], guide: AutoCVI) -> None:
-    """Raise :class:`CheckpointError` if the checkpoint was written for other sites, shapes
-    or data."""
-    problems = []
-    if "sites" in saved:
-        then, now = saved["sites"], _signature(guide)
-        only_then = sorted(set(then) - set(now))
-        only_now = sorted(set(now) - set(then))
-        if only_then:
-            problems.append(f"sites only in the checkpoint: {only_then}")
-        if only_now:
-            problems.append(f"sites only in this model: {only_now}")
-        for n in sorted(set(then) & set(now)):
-            if list(then[n][0]) != list(now[n][0]):
-                problems.append(
-                    f"site {n!r} has shape {tuple(then[n][0])} in the checkpoint and "
-                    f"{tuple(now[n][0])} here"
-                )
-            elif bool(then[n][1]) != bool(now[n][1]):
-                which = ("latent", "observed")
-                problems.append(
-                    f"site {n!r} is {which[bool(then[n][1])]} in the checkpoint and "
-                    f"{which[bool(now[n][1])]} here"
-                )
-    if "params" in saved and not problems:
-        store = pyro.get_param_store()
-        engine = _engine(guide)
-        names = engine.param_names() + [engine.steps_name]
-        shapes = {n: list(store[n].shape) for n in names if n in store}
-        if set(shapes) != set(saved["params"]):
-            diff = sorted(set(shapes) ^ set(saved["params"]))
-            problems.append(f"the guide's parameters differ: {diff}")
-        else:
-            problems += [
-                f"parameter {n!r} has shape {tuple(saved['params'][n])} in the checkpoint and "
-                f"{tuple(shapes[n])} here"
-                for n in sorted(shapes)
-                if list(saved["params"][n]) != shapes[n]
-            ]
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {os.fspath(path)!r} was written for another model or other data: "
-            + "; ".join(problems[:5])
-            + ". Build the model, the guide and the data as in the saved run."
-        )
-
-
-def _apply(state: Dict[str, Any], optim: PyroOptim, guide: Optional[AutoCVI]) -> None:
-    """Replace the live state with a checked checkpoint."""
-    store = pyro.get_param_store()
-    store.clear()
-    store.set_state(state["param_store"])
-    for p in state["param_store"]["params"].values():
-        p.requires_grad_(p.is_floating_point() or p.is_complex())
-    optim.set_state(state["optim"])
-    if guide is not None:
-        saved = state.get("guide", {})
-        guide.num_shrunk = saved.get("num_shrunk", 0)
-        guide.num_rejected = saved.get("num_rejected", 0)
-        engine = guide.engine
-        if engine is not None:
-            extra = dict(saved.get("blocks", {}))
-            for key, z in saved.get("z_at", {}).items():  # (written by an earlier version)
-                extra.setdefault(key, {"z_at": z})
-            for block in engine.blocks:
-                if _key(block) in extra:
-                    block.load_extra_state(extra[_key(block)])
-            engine.invalidate()
-            if isinstance(optim, CVI):
-                optim.resume_control(engine)
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])

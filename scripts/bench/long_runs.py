@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pyro
 import pyro.distributions as dist
@@ -62,10 +62,17 @@ def _model(kind: str) -> Callable:
 class Stepper:
     """One run of a path: ``step()`` takes a step and returns its loss; ``advance(k)`` moves
     every counter the path keeps (step numbers, warm-ups, moving averages) ``k`` steps on, so
-    that a short run exercises the step-count-dependent state of a very long one."""
+    that a short run exercises the step-count-dependent state of a very long one; ``bound()``
+    (where the path has one) is a fresh estimate of the -ELBO of the current q, independent
+    of the losses the steps reported: ``(estimate, standard error)``."""
 
-    def __init__(self, step: Callable[[], float], counters: Callable[[], list]):
-        self.step, self._counters = step, counters
+    def __init__(
+        self,
+        step: Callable[[], float],
+        counters: Callable[[], list],
+        bound: Optional[Callable[[], Tuple[float, float]]] = None,
+    ):
+        self.step, self._counters, self.bound = step, counters, bound
 
     def advance(self, k: int) -> None:
         for obj, attr in self._counters():
@@ -101,12 +108,30 @@ def _svi_counters(svi: SVI) -> list:
     return out
 
 
+def mc_bound(model: Callable, guide: Callable, *args, draws: int = 2000) -> Tuple[float, float]:
+    """``-E_q[log p(y, z) - log q(z)]`` from ``draws`` independent draws of the guide (each a
+    Trace_ELBO term of one particle), and its standard error."""
+    from pyro import poutine
+
+    terms = []
+    with torch.no_grad():
+        for _ in range(draws):
+            g = poutine.trace(guide).get_trace(*args)
+            m = poutine.trace(poutine.replay(model, trace=g)).get_trace(*args)
+            terms.append(float(g.log_prob_sum() - m.log_prob_sum()))
+    t = torch.tensor(terms, dtype=torch.float64)
+    return float(t.mean()), float(t.std() / math.sqrt(draws))
+
+
 def _svi(guide_cls, loss) -> Callable:
     def make(kind, dtype):
         X, y = _data(kind, dtype)
         model = _model(kind)
-        svi = SVI(model, guide_cls(model), CVI(), loss=loss())
-        return Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi))
+        guide = guide_cls(model)
+        svi = SVI(model, guide, CVI(), loss=loss())
+        return Stepper(
+            lambda: svi.step(X, y), lambda: _svi_counters(svi), lambda: mc_bound(model, guide, X, y)
+        )
 
     return make
 
@@ -149,7 +174,21 @@ def _gpytorch_optimizer(kind, dtype):
 
     gp, lik, x, y = _gp(kind, dtype, inducing=False)
     opt = CVIOptimizer(gp, lik)
-    return Stepper(lambda: float(opt.step(x, y)), lambda: [(opt, "num_steps"), (opt.control, "t")])
+    return Stepper(
+        lambda: float(opt.step(x, y)),
+        lambda: [(opt, "num_steps"), (opt.control, "t")],
+        lambda: _gp_bound(gp, lik, x, y),
+    )
+
+
+def _gp_bound(gp, lik, x, y) -> Tuple[float, float]:
+    """GPyTorch's ``-VariationalELBO * N`` of the current q, evaluated afresh (exact for the
+    Gaussian likelihood, Gauss-Hermite quadrature for the Bernoulli one: no sampling error)."""
+    import gpytorch
+
+    mll = gpytorch.mlls.VariationalELBO(lik, gp, num_data=N)
+    with torch.no_grad():
+        return float(-mll(gp(x), y) * N), 0.0
 
 
 def _gpytorch_loop(kind, dtype):
@@ -179,7 +218,7 @@ def _gpytorch_loop(kind, dtype):
                 out.append((strategy, attr))
         return out
 
-    return Stepper(step, counters)
+    return Stepper(step, counters, lambda: _gp_bound(gp, lik, x, y))
 
 
 def _streaming(kind, dtype):
@@ -239,8 +278,11 @@ def _structured(kind, dtype):
 def _autocvi(kind, dtype):
     X, y = _data(kind, dtype)
     model = _model(kind)
-    svi = SVI(model, AutoCVI(model), CVI(), loss=CVI_ELBO())
-    return Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi))
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+    return Stepper(
+        lambda: svi.step(X, y), lambda: _svi_counters(svi), lambda: mc_bound(model, guide, X, y)
+    )
 
 
 def _nonlinear_model(kind: str) -> Callable:
@@ -263,7 +305,9 @@ def _autocvi_remainder(kind, dtype):
     model = _nonlinear_model(kind)
     guide = AutoCVI(model, remainder=Remainder(step=Horizon()))
     svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
-    return Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi))
+    return Stepper(
+        lambda: svi.step(X, y), lambda: _svi_counters(svi), lambda: mc_bound(model, guide, X, y)
+    )
 
 
 #: path name -> make(kind, dtype) -> Stepper
@@ -310,14 +354,16 @@ def run(
     advance_by: int = 0,
     window: int = 1000,
 ) -> Dict:
-    """One long run: ``{"losses", "seconds", "error", **verdict}`` (an exception is recorded).
-    With ``advance_by``, every step counter is moved on by that many steps after step
-    ``advance_at`` (:class:`Stepper`)."""
+    """One long run: ``{"losses", "seconds", "error", "bound", "bound_se", **verdict}`` (an
+    exception is recorded). With ``advance_by``, every step counter is moved on by that many
+    steps after step ``advance_at`` (:class:`Stepper`). ``bound``: a fresh estimate of the final
+    q's -ELBO where the path has one (:meth:`Stepper.bound`), else ``None``."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     seen: List[float] = []
     t0 = time.perf_counter()
     error = None
+    bound: Tuple[Optional[float], Optional[float]] = (None, None)
     try:
         stepper = PATHS[path](kind, dtype)
         for t in range(steps):
@@ -326,7 +372,19 @@ def run(
             seen.append(float(stepper.step()))
     except Exception as e:  # noqa: BLE001 (a long run's failure is a result to report)
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]} (at step {len(seen) + 1})"
-    out = {"losses": seen, "seconds": time.perf_counter() - t0, "error": error}
+    seconds = time.perf_counter() - t0
+    if error is None and stepper.bound is not None:
+        bound = stepper.bound()
+    w = min(window, len(seen))
+    tail = torch.tensor(seen[len(seen) - w :], dtype=torch.float64)
+    out = {
+        "last_se": float(tail.std() / math.sqrt(w)) if w > 1 else math.nan,
+        "losses": seen,
+        "seconds": seconds,
+        "error": error,
+        "bound": bound[0],
+        "bound_se": bound[1],
+    }
     out.update(verdict(seen, window))
     out["ok"] = out["ok"] and error is None and len(seen) == steps
     return out
