@@ -19,7 +19,6 @@ Each parameter SVI hands it is stepped by its own rule:
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
@@ -29,22 +28,14 @@ from pyro.optim import PyroOptim
 
 from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
-from .natgrad.guard import LossGuard, loss_of_caller
+from .natgrad.guard import LossGuard
+from .natgrad.observe import current, observer
 from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
 from .update import NaturalGradientOwner, owner_of
 
 __all__ = ["CVI"]
-
-_AUTOGUIDE_PREFIXES = (
-    "AutoNormal.",
-    "AutoMultivariateNormal.",
-    "AutoDiagonalNormal.",
-    "AutoLowRankMultivariateNormal.",
-    "AutoDelta.",
-    "AutoLaplaceApproximation.",
-)
 
 
 class CVI(PyroOptim):
@@ -98,6 +89,9 @@ class CVI(PyroOptim):
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
         #: divergence of the Gaussians of Pyro's guides, from the loss svi.step got
         self.guard = LossGuard()
+        observer(self)  # sees the guide's sites while the loss runs (natgrad.observe)
+        #: what the last step did with each parameter (:meth:`explain`)
+        self.last_rules: List[Tuple[str, str, str]] = []
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -119,10 +113,11 @@ class CVI(PyroOptim):
         # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
         params = list(params)
         t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
-        frame = inspect.currentframe()
         try:
-            loss = loss_of_caller(frame.f_back if frame is not None else None)
-            del frame
+            obs = current()
+            sites = obs.take() if obs is not None else {}
+            self.gaussians.observe(sites)
+            loss = obs.take_loss() if obs is not None else None
             engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
             self.t, self.saved_controls = t, saved
@@ -148,8 +143,7 @@ class CVI(PyroOptim):
             else:
                 engines[id(engine)] = engine
         groups, others = self.gaussians.split(others)
-        if not engines and not groups:
-            _refuse(others)
+        self.last_rules = _rules(engines.values(), groups, others)
         if any(not e.has_pending_step() for e in engines.values()):
             raise ValueError(
                 "AutoCVI + CVI(): the AutoCVI parameters got no natural gradients, so the loss "
@@ -200,6 +194,22 @@ class CVI(PyroOptim):
             p.grad = None
         return list(engines.values())
 
+    def explain(self, print_table: bool = True) -> List[Dict[str, str]]:
+        """Which parameters the last step moved by natural gradients (and as which family,
+        found at which guide site) and which by the inner optimizer; the guide sites left to
+        the inner optimizer and why. Returns the rows; prints them as a table unless
+        ``print_table=False``."""
+        rows = [{"param": n, "rule": r, "where": w} for n, r, w in self.last_rules]
+        for site, why in self.gaussians.site_skipped.items():
+            rows.append({"param": "", "rule": "inner (site)", "where": f"site {site!r}: {why}"})
+        if print_table:
+            width = max([len(r["param"]) for r in rows] + [5])
+            rule_w = max([len(r["rule"]) for r in rows] + [4])
+            print(f"{'param':<{width}}  {'rule':<{rule_w}}  where")
+            for r in rows:
+                print(f"{r['param']:<{width}}  {r['rule']:<{rule_w}}  {r['where']}")
+        return rows
+
     def _load_gaussian_controls(self) -> None:
         saved = self.saved_controls.pop("__gaussians__", None)
         if saved is not None:
@@ -246,21 +256,18 @@ def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:
     return beta_of
 
 
-def _refuse(params: List[torch.Tensor]) -> None:
+def _rules(
+    engines: Iterable[Any], groups: List[Any], others: List[torch.Tensor]
+) -> List[Tuple[str, str, str]]:
     store = pyro.get_param_store()
-    # param_name is None for a tensor outside the param store
-    names = [n for n in (store.param_name(p) for p in params) if n is not None]
-    auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
-    what = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
-    if not params:
-        what = " (SVI handed it no parameters at all)"
-    elif not auto and names:
-        what = f" (got {names[:4]})"
-    raise ValueError(
-        "CVI found nothing to step by natural gradients" + what + ". CVI() steps AutoCVI "
-        "guides (loss CVI_ELBO) and Gaussian guides (AutoNormal, AutoDiagonalNormal, "
-        "AutoMultivariateNormal, AutoLowRankMultivariateNormal, hand-written Normal / "
-        "MultivariateNormal of pyro.param loc and scale or scale_tril, see CVI(gaussians=...)) "
-        "with any Pyro ELBO. For a guide without a Gaussian (AutoDelta, flows) use a torch "
-        "optimizer such as pyro.optim.Adam."
-    )
+    rows = []
+    for engine in engines:
+        rows.append((str(getattr(engine, "prefix", "AutoCVI")), "AutoCVI", "CVI_ELBO"))
+    for g in groups:
+        where = f"site {g.site!r}" if g.site else "by name"
+        for role, name in g.names:
+            rows.append((name, f"natural gradient ({g.family} {role})", where))
+    for p in others:
+        name = store.param_name(p)
+        rows.append((name if name is not None else f"<tensor {tuple(p.shape)}>", "inner", ""))
+    return rows
