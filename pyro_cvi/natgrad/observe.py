@@ -86,7 +86,9 @@ class SiteObserver(Messenger):
                 particles = int(frame.size)
         scale = msg["scale"]
         guide = not done and not observed
-        if guide and torch.is_grad_enabled():
+        if guide and torch.is_grad_enabled() and _has_params(fn):
+            # (a model run on its own inside a custom loss samples its latent sites too:
+            # their priors, without parameters, do not replace the guide's site)
             c = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else math.nan
             self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles)
         if len(self.log) >= MAX_LOG:
@@ -138,6 +140,19 @@ class SiteObserver(Messenger):
                     lp = torch.where(mask, lp, torch.zeros_like(lp))
                 total += sign * float((lp * scale).sum())
         return -total / (runs * particles)
+
+
+def _has_params(fn: Any, depth: int = 0) -> bool:
+    """Whether a tensor of the distribution (or of one it wraps) requires grad."""
+    if depth > 8:
+        return False
+    for v in vars(fn).values():
+        if torch.is_tensor(v):
+            if v.requires_grad:
+                return True
+        elif isinstance(v, torch.distributions.Distribution) and _has_params(v, depth + 1):
+            return True
+    return False
 
 
 _STATE: Dict[str, Any] = {"observer": None, "users": 0}

@@ -120,6 +120,13 @@ def _match(theta: torch.Tensor, u: torch.Tensor, constraint: Any) -> Optional[Tr
     return None
 
 
+def _leaf_reproduces(
+    theta: torch.Tensor, u: torch.Tensor, names: Mapping[int, str], constraints: Mapping[str, Any]
+) -> bool:
+    name = names.get(id(u))
+    return name is not None and _match(theta, u, constraints.get(name)) is not None
+
+
 def reproduces(t: Transform, theta: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether ``theta = broadcast(t(u))`` at the current values (the loss's backward has
     freed the graph: values are compared, every element; a map that agrees with one of the
@@ -169,6 +176,10 @@ def site_group(
         if not theta.requires_grad:
             return None, f"its {role} has no parameter"
         leaves = _leaves(theta)
+        if leaves is not None and len(leaves) == len(roles) and family == "beta":
+            # torch's Beta stacks (c1, c0) into a Dirichlet: each is a slice of both; the
+            # one leaf that reproduces it is its parameter, and the other role has the other
+            leaves = [u for u in leaves if _leaf_reproduces(theta, u, names, constraints)]
         if leaves is None or len(leaves) != 1:
             return (
                 None,

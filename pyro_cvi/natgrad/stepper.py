@@ -21,6 +21,8 @@ from .sites import site_group
 __all__ = ["GaussianStepper", "FORMS"]
 
 FORMS = ("retraction", "natural")
+#: the lowest ceiling of a concentration family's adaptive step
+CONCENTRATION_MIN_CEILING = 0.01
 
 
 class GaussianStepper:
@@ -141,7 +143,9 @@ class GaussianStepper:
             return
         cons = pyro.get_param_store().get_state()["constraints"]
         for g in groups:
-            control = self.controls.setdefault(g.label, NoiseControl())
+            control = self.controls.get(g.label)
+            if control is None:
+                control = self.controls[g.label] = _control(g.family)
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
             new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
@@ -218,6 +222,15 @@ def _concentration(g, cons, beta, retraction, max_rel):
     return concentration_step(
         g.family, theta, grads, beta[0], MAX_FACTOR if max_rel is not None else None
     )
+
+
+def _control(family: str) -> NoiseControl:
+    """The step control of a new group: a concentration family's natural-gradient noise is
+    large relative to its parameters (one Gamma draw says little about its shape), so its
+    ceiling may decay further under noise (:mod:`.control`)."""
+    if family in CONCENTRATION_FAMILIES:
+        return NoiseControl(min_ceiling=CONCENTRATION_MIN_CEILING)
+    return NoiseControl()
 
 
 _STEPS = {"diag": _diag, "tril": _tril, "scaled_tril": _scaled_tril, "lowrank": _lowrank}
