@@ -11,6 +11,8 @@ distribution           parameters ``theta``                         group
 =====================  ===========================================  ==========
 Normal                 loc, scale                                   ``diag``
 MultivariateNormal     loc, scale_tril                              ``tril``
+LowRankMultivariate-   loc, cov_factor ``W``, cov_diag ``d``        ``lowrank_cov``
+Normal                 (``S = W W^T + diag(d)``)
 Gamma                  concentration, rate                          ``gamma``
 Beta                   concentration1, concentration0               ``beta``
 Dirichlet              concentration                                ``dirichlet``
@@ -49,6 +51,10 @@ MAX_NODES = 64
 _ROLES = {
     "Normal": ("diag", (("loc", "loc"), ("scale", "scale"))),
     "MultivariateNormal": ("tril", (("loc", "loc"), ("scale_tril", "_unbroadcasted_scale_tril"))),
+    "LowRankMultivariateNormal": (
+        "lowrank_cov",
+        (("loc", "loc"), ("cov_factor", "cov_factor"), ("cov_diag", "cov_diag")),
+    ),
     "Gamma": ("gamma", (("concentration", "concentration"), ("rate", "rate"))),
     "Beta": ("beta", (("concentration1", "concentration1"), ("concentration0", "concentration0"))),
     "Dirichlet": ("dirichlet", (("concentration", "concentration"),)),
@@ -202,6 +208,13 @@ def site_group(
     raw = {r: _raw_shape(n, names) for r, n in found}
     if family in ("diag", "gamma", "beta", "dirichlet") and len(set(raw.values())) != 1:
         return None, f"its parameters have different shapes {dict(raw)} (shared by broadcasting)"
+    if family == "lowrank_cov" and not (
+        len(raw["loc"]) == 1
+        and raw["cov_diag"] == raw["loc"]
+        and raw["cov_factor"][:1] == raw["loc"]
+        and len(raw["cov_factor"]) == 2
+    ):
+        return None, f"its loc, cov_factor, cov_diag shapes {dict(raw)} are not [D], [D, r], [D]"
     if family == "tril" and raw["loc"] != raw["scale_tril"][:-1]:
         return None, f"its loc {raw['loc']} and scale_tril {raw['scale_tril']} do not match"
     weight = mult / max(site.particles, 1)

@@ -214,6 +214,21 @@ def _lowrank(g, cons, beta, retraction, max_rel):
     return {"loc": m2, "scale": s2, "cov_factor": W2}, d
 
 
+def _lowrank_cov(g, cons, beta, retraction, max_rel):
+    """``LowRankMultivariateNormal(loc, W, d)``, ``S = W W^T + diag(d)``, stepped in Pyro's
+    low-rank form ``S = diag(s) (I + V V^T) diag(s)`` with ``s = sqrt(d)``, ``V = W / s``:
+    ``dl/dV = s dl/dW`` (rows), ``dl/ds_i = 2 s_i dl/dd_i + sum_j V_ij dl/dW_ij``."""
+    m, gm = _rd(g, "loc", cons)
+    W, gW = _rd(g, "cov_factor", cons)
+    d, gd = _rd(g, "cov_diag", cons)
+    sd = d.sqrt()
+    V = W / sd.unsqueeze(-1)
+    gV = gW * sd.unsqueeze(-1)
+    gs = 2.0 * sd * gd + (gW * V).sum(-1)
+    m2, s2, V2, dirs = lowrank_step(m, sd, V, gm, gs, gV, beta[0], max_rel, beta_mean=beta[1])
+    return {"loc": m2, "cov_factor": V2 * s2.unsqueeze(-1), "cov_diag": s2.pow(2)}, dirs
+
+
 def _concentration(g, cons, beta, retraction, max_rel):
     form = CONCENTRATION_FAMILIES[g.family]
     theta, grads = {}, {}
@@ -233,7 +248,13 @@ def _control(family: str) -> NoiseControl:
     return NoiseControl()
 
 
-_STEPS = {"diag": _diag, "tril": _tril, "scaled_tril": _scaled_tril, "lowrank": _lowrank}
+_STEPS = {
+    "diag": _diag,
+    "tril": _tril,
+    "scaled_tril": _scaled_tril,
+    "lowrank": _lowrank,
+    "lowrank_cov": _lowrank_cov,
+}
 _STEPS.update({k: _concentration for k in CONCENTRATION_FAMILIES})
 
 
