@@ -8,13 +8,22 @@ Each parameter SVI hands it is stepped by its own rule:
       lambda_tilde <- lambda_tilde + beta_t * grad = (1 - beta_t) lambda_tilde + beta_t * target
 
   shrinking ``beta_t`` where the result would be an invalid natural parameter;
-* the ``loc`` and ``scale`` / ``scale_tril`` / ``cov_factor`` of Pyro's Gaussian guides
-  (``AutoNormal``, ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
-  ``AutoLowRankMultivariateNormal``, hand-written Normal / MultivariateNormal guides), with any
-  Pyro ELBO: the same mirror-descent step for a Gaussian, from the gradients the ELBO wrote
-  (:mod:`pyro_cvi.natgrad`, docs/pairings.md);
-* every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows):
-  a torch optimizer of the user's choice, so hybrid learning is one ``svi.step``.
+* the parameters of every exponential-family sample site of the guide (Normal,
+  MultivariateNormal, LowRankMultivariateNormal, Gamma, Beta, Dirichlet, LogNormal and other
+  ``TransformedDistribution`` s of those, under ``.to_event``, plates and particles), whatever
+  their names, whenever each distribution parameter is an element-wise map (a constraint,
+  ``exp``, ``softplus``) of one raw parameter, with any Pyro ELBO: the same mirror-descent step
+  in the site's own family, from the gradients the ELBO wrote, mapped through that map's
+  Jacobian (:mod:`pyro_cvi.natgrad`; the sites are seen while the loss runs by
+  :mod:`pyro_cvi.natgrad.observe`, found by :mod:`pyro_cvi.natgrad.sites`); Pyro's Gaussian
+  autoguides by their parameters' roles (:mod:`pyro_cvi.natgrad.roles`);
+* every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows,
+  parameters of other families): a torch optimizer of the user's choice (Adam by default), so
+  hybrid learning is one ``svi.step``. Nothing is refused; :meth:`CVI.explain` says which rule
+  each parameter got.
+
+It works the same under ``SVI.step`` and a hand-written loop (``loss.loss_and_grads(...)`` then
+``optim(params)``); see docs/pairings.md.
 """
 
 from __future__ import annotations
@@ -46,8 +55,8 @@ class CVI(PyroOptim):
         noise; ``beta`` starts at 1 for exact losses, 0.5 with Monte Carlo terms). Or a fixed
         ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
         :mod:`pyro_cvi.step_sizes`), applied as given (only shrunk to keep ``q`` valid).
-        For Pyro's Gaussian guides ``"auto"`` is the signal-to-noise control of
-        :mod:`pyro_cvi.natgrad.control` (the optimizer never sees the loss value).
+        For the guide's exponential-family sites ``"auto"`` is the signal-to-noise control of
+        :mod:`pyro_cvi.natgrad.control` (the loss value only feeds the divergence guard).
     :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
     :param optim: torch optimizer class for every other parameter (default ``torch.optim.Adam``).
     :param optim_args: its arguments (default ``{"lr": 0.01}``).
@@ -55,9 +64,9 @@ class CVI(PyroOptim):
         Schmidt & Khan 2020: no step size makes a covariance invalid) or ``"natural"`` (the
         plain natural-gradient step, halved until valid; exact in one step at
         ``step_size=1`` on a conjugate Gaussian model with exact gradients).
-    :param gaussians: Gaussians of a hand-written guide whose param names do not follow the
-        conventions of :mod:`pyro_cvi.natgrad.roles`: ``{label: (loc name, scale name)}`` or
-        ``{label: (loc name, scale_tril name)}``.
+    :param gaussians: Gaussians declared by param-store names, ``{label: (loc name, scale
+        name)}`` or ``{label: (loc name, scale_tril name)}``: taken as given, before what the
+        guide's trace shows (rarely needed: the trace finds a guide's sites by itself).
 
     Example::
 
