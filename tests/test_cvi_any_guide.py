@@ -221,3 +221,89 @@ def test_a_hand_written_low_rank_guide_reaches_the_posterior(dtype):
         "W": "natural gradient (lowrank_cov cov_factor)",
         "d": "natural gradient (lowrank_cov cov_diag)",
     }
+
+
+def _local_model(x):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+        pyro.sample("x", dist.Normal(z, SIGMA), obs=x)
+
+
+def _local_exact_loss(model, guide, x):
+    q = pyro.poutine.trace(guide).get_trace(x).nodes["z"]["fn"]
+    m, v = q.loc.expand(x.shape), q.scale.pow(2).expand(x.shape)
+    loglik = -0.5 * ((x - m).pow(2) + v).sum() / SIGMA**2
+    kl = 0.5 * (v + m.pow(2) - 1.0 - v.log()).sum()
+    return -(loglik - kl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("tied", [False, True], ids=["per-point", "tied"])
+def test_plate_sites_per_point_and_tied(tied, dtype):
+    """A plate of local latents: one q per point (its own loc and scale), or one q shared by
+    all points (scalar params broadcast by the plate). One exact step gives each point's
+    posterior, or, tied, the best shared q: the average of the points' natural parameters
+    (the gradient sums over the N copies; the step divides by N)."""
+    x = torch.tensor([1.0, -0.5, 2.0, 0.3], dtype=dtype)
+    shape = () if tied else x.shape
+
+    def guide(x):
+        m = pyro.param("m", x.new_zeros(shape))
+        s = pyro.param("s", x.new_ones(shape), constraint=constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(m, s))
+
+    pyro.clear_param_store()
+    cvi = CVI(step_size=1.0, gaussian_step="natural")
+    SVI(_local_model, guide, cvi, loss=_local_exact_loss).step(x)
+    prec = 1.0 + 1.0 / SIGMA**2
+    mean = x / SIGMA**2 / prec
+    if tied:
+        mean = mean.mean()
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert torch.allclose(pyro.param("m").detach(), mean, atol=tol, rtol=tol)
+    expect = torch.full(shape, prec**-0.5, dtype=dtype)
+    assert torch.allclose(pyro.param("s").detach(), expect, atol=tol, rtol=tol)
+
+
+def test_a_mixed_guide_is_never_refused():
+    """A Normal site (natural gradients), a StudentT site, an amortised Normal whose loc is
+    a network's output, a Delta: CVI() trains all of it, and explain() says which rule each
+    parameter got and why the other sites went to the inner optimizer."""
+    X, y = _design(torch.float64)
+
+    def model2(X, y):
+        model(X, y)
+        pyro.sample("t", dist.StudentT(3.0, 0.0, 1.0))
+        pyro.sample("h", dist.Normal(0.0, 1.0))
+        pyro.sample("d", dist.Normal(0.0, 1.0))
+
+    net = torch.nn.Linear(2, 1).double()
+
+    def guide2(X, y):
+        _positive(X, y)
+        pyro.sample("t", dist.StudentT(3.0, pyro.param("t_loc", X.new_zeros(())), 1.0))
+        pyro.module("net", net)
+        loc = net(X.new_ones(2)).squeeze()
+        pyro.sample("h", dist.Normal(loc, 0.5))
+        pyro.sample("d", dist.Delta(pyro.param("d_value", X.new_tensor(0.5))))
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    cvi = CVI()
+    svi = SVI(model2, guide2, cvi, loss=Trace_ELBO())
+    svi.step(X, y)
+    before = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    assert len(before) == 6
+    for _ in range(3):
+        svi.step(X, y)
+    rows = cvi.explain(print_table=False)
+    rules = {r["param"]: r["rule"] for r in rows if r["param"]}
+    assert rules["m"] == "natural gradient (diag loc)"
+    assert rules["s"] == "natural gradient (diag scale)"
+    for name in ("t_loc", "net$$$weight", "net$$$bias", "d_value"):
+        assert rules[name] == "inner", name
+    skipped = {r["where"].split(":")[0] for r in rows if not r["param"]}
+    assert skipped == {"site 't'", "site 'h'", "site 'd'"}
+    after = dict(pyro.get_param_store().items())
+    assert all(not torch.equal(before[n], after[n].detach()) for n in before)

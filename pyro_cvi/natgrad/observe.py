@@ -44,7 +44,7 @@ __all__ = ["GuideSite", "SiteObserver", "current", "observer"]
 
 PARTICLE_PLATE = "num_particles_vectorized"
 #: at most this many sites are kept for the loss estimate between two steps
-MAX_LOG = 100_000
+MAX_LOG = 20_000
 
 
 @dataclass
@@ -91,8 +91,8 @@ class SiteObserver(Messenger):
             # their priors, without parameters, do not replace the guide's site)
             c = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else math.nan
             self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles)
-        if len(self.log) >= MAX_LOG:
-            self.broken = True
+        if len(self.log) >= MAX_LOG:  # no CVI() step for long (another optimizer runs):
+            self.broken, self.log = True, []  # the loss estimate is off until the next step
         if self.broken:
             return
         enumerated = (
