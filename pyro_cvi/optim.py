@@ -38,7 +38,7 @@ from pyro.optim import PyroOptim
 from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
 from .natgrad.guard import LossGuard
-from .natgrad.observe import current, observer
+from .natgrad.observe import current, forget, observer
 from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
@@ -126,7 +126,7 @@ class CVI(PyroOptim):
             obs = current()
             sites = obs.take() if obs is not None else {}
             self.gaussians.observe(sites)
-            loss = obs.take_loss() if obs is not None else None
+            loss = obs.take_loss if obs is not None else None  # (formed only if needed)
             engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
             self.t, self.saved_controls = t, saved
@@ -141,7 +141,11 @@ class CVI(PyroOptim):
         commit(engines)
 
     def _update(
-        self, params: List[torch.Tensor], args: Any, kwargs: Any, loss: Optional[float] = None
+        self,
+        params: List[torch.Tensor],
+        args: Any,
+        kwargs: Any,
+        loss: Optional[Callable[[], Optional[float]]] = None,
     ) -> List[Any]:
         engines: Dict[int, NaturalGradientOwner] = {}
         others: List[torch.Tensor] = []
@@ -163,9 +167,12 @@ class CVI(PyroOptim):
                 "by natural gradients"
             )
         self.t += 1
-        if groups and loss is not None:
+        value = loss() if loss is not None and groups else None
+        if loss is not None and not groups:
+            forget()
+        if groups and value is not None:
             try:
-                self.guard.check(loss, groups)
+                self.guard.check(value, groups)
             except DivergenceError:
                 for g in groups:  # the step control of each Gaussian starts afresh
                     self.gaussians.controls.pop(g.label, None)

@@ -40,7 +40,7 @@ import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
-__all__ = ["GuideSite", "SiteObserver", "current", "observer"]
+__all__ = ["GuideSite", "SiteObserver", "current", "forget", "observer"]
 
 PARTICLE_PLATE = "num_particles_vectorized"
 #: at most this many sites are kept for the loss estimate between two steps
@@ -184,3 +184,10 @@ def current() -> Optional[SiteObserver]:
     """The shared observer, if one was made."""
     obs = _STATE["observer"]
     return obs if isinstance(obs, SiteObserver) else None
+
+
+def forget() -> None:
+    """Drop the log of the loss's sites (no loss estimate is needed this step)."""
+    obs = current()
+    if obs is not None:
+        obs.log, obs.broken = [], False

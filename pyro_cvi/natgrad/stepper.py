@@ -59,8 +59,9 @@ class GaussianStepper:
         names = {id(u): n for n, u in store.named_parameters()}
         cons = store.get_state()["constraints"]
         found: Dict[str, Tuple[Optional[GaussianGroup], str]] = {}
+        params_key = tuple(sorted(names.items()))
         for name, site in sites.items():
-            key = _site_key(site, names)
+            key = _site_key(site, params_key)
             cached = self._site_cache.get(name)
             if cached is not None and cached[0] == key:
                 found[name] = cached[1]
@@ -258,7 +259,7 @@ _STEPS = {
 _STEPS.update({k: _concentration for k in CONCENTRATION_FAMILIES})
 
 
-def _site_key(site: GuideSite, names: Mapping[int, str]) -> object:
+def _site_key(site: GuideSite, params_key: object) -> object:
     """What the analysis of a site depends on: its distribution's wrappers, their tensors'
     shapes, its plate context and the raw parameters that exist (ids)."""
     chain = []
@@ -271,4 +272,4 @@ def _site_key(site: GuideSite, names: Mapping[int, str]) -> object:
         fn = getattr(fn, "base_dist", None)
         if fn is None:
             break
-    return (tuple(chain), site.scale, site.particles, tuple(sorted(names.items())))
+    return (tuple(chain), site.scale, site.particles, params_key)
