@@ -8,18 +8,26 @@ Each parameter SVI hands it is stepped by its own rule:
       lambda_tilde <- lambda_tilde + beta_t * grad = (1 - beta_t) lambda_tilde + beta_t * target
 
   shrinking ``beta_t`` where the result would be an invalid natural parameter;
-* the ``loc`` and ``scale`` / ``scale_tril`` / ``cov_factor`` of Pyro's Gaussian guides
-  (``AutoNormal``, ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
-  ``AutoLowRankMultivariateNormal``, hand-written Normal / MultivariateNormal guides), with any
-  Pyro ELBO: the same mirror-descent step for a Gaussian, from the gradients the ELBO wrote
-  (:mod:`pyro_cvi.natgrad`, docs/pairings.md);
-* every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows):
-  a torch optimizer of the user's choice, so hybrid learning is one ``svi.step``.
+* the parameters of every exponential-family sample site of the guide (Normal,
+  MultivariateNormal, LowRankMultivariateNormal, Gamma, Beta, Dirichlet, LogNormal and other
+  ``TransformedDistribution`` s of those, under ``.to_event``, plates and particles), whatever
+  their names, whenever each distribution parameter is an element-wise map (a constraint,
+  ``exp``, ``softplus``) of one raw parameter, with any Pyro ELBO: the same mirror-descent step
+  in the site's own family, from the gradients the ELBO wrote, mapped through that map's
+  Jacobian (:mod:`pyro_cvi.natgrad`; the sites are seen while the loss runs by
+  :mod:`pyro_cvi.natgrad.observe`, found by :mod:`pyro_cvi.natgrad.sites`); Pyro's Gaussian
+  autoguides by their parameters' roles (:mod:`pyro_cvi.natgrad.roles`);
+* every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows,
+  parameters of other families): a torch optimizer of the user's choice (Adam by default), so
+  hybrid learning is one ``svi.step``. Nothing is refused; :meth:`CVI.explain` says which rule
+  each parameter got.
+
+It works the same under ``SVI.step`` and a hand-written loop (``loss.loss_and_grads(...)`` then
+``optim(params)``); see docs/pairings.md.
 """
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
@@ -29,22 +37,14 @@ from pyro.optim import PyroOptim
 
 from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
-from .natgrad.guard import LossGuard, loss_of_caller
+from .natgrad.guard import LossGuard
+from .natgrad.observe import current, forget, observer
 from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
 from .transaction import abort, commit
 from .update import NaturalGradientOwner, owner_of
 
 __all__ = ["CVI"]
-
-_AUTOGUIDE_PREFIXES = (
-    "AutoNormal.",
-    "AutoMultivariateNormal.",
-    "AutoDiagonalNormal.",
-    "AutoLowRankMultivariateNormal.",
-    "AutoDelta.",
-    "AutoLaplaceApproximation.",
-)
 
 
 class CVI(PyroOptim):
@@ -55,8 +55,8 @@ class CVI(PyroOptim):
         noise; ``beta`` starts at 1 for exact losses, 0.5 with Monte Carlo terms). Or a fixed
         ``beta_t`` in (0, 1]: a float, or a callable ``t -> beta_t`` (see
         :mod:`pyro_cvi.step_sizes`), applied as given (only shrunk to keep ``q`` valid).
-        For Pyro's Gaussian guides ``"auto"`` is the signal-to-noise control of
-        :mod:`pyro_cvi.natgrad.control` (the optimizer never sees the loss value).
+        For the guide's exponential-family sites ``"auto"`` is the signal-to-noise control of
+        :mod:`pyro_cvi.natgrad.control` (the loss value only feeds the divergence guard).
     :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
     :param optim: torch optimizer class for every other parameter (default ``torch.optim.Adam``).
     :param optim_args: its arguments (default ``{"lr": 0.01}``).
@@ -64,9 +64,9 @@ class CVI(PyroOptim):
         Schmidt & Khan 2020: no step size makes a covariance invalid) or ``"natural"`` (the
         plain natural-gradient step, halved until valid; exact in one step at
         ``step_size=1`` on a conjugate Gaussian model with exact gradients).
-    :param gaussians: Gaussians of a hand-written guide whose param names do not follow the
-        conventions of :mod:`pyro_cvi.natgrad.roles`: ``{label: (loc name, scale name)}`` or
-        ``{label: (loc name, scale_tril name)}``.
+    :param gaussians: Gaussians declared by param-store names, ``{label: (loc name, scale
+        name)}`` or ``{label: (loc name, scale_tril name)}``: taken as given, before what the
+        guide's trace shows (rarely needed: the trace finds a guide's sites by itself).
 
     Example::
 
@@ -98,6 +98,9 @@ class CVI(PyroOptim):
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
         #: divergence of the Gaussians of Pyro's guides, from the loss svi.step got
         self.guard = LossGuard()
+        observer(self)  # sees the guide's sites while the loss runs (natgrad.observe)
+        #: what the last step did with each parameter (:meth:`explain`)
+        self.last_rules: List[Tuple[str, str, str]] = []
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -119,10 +122,11 @@ class CVI(PyroOptim):
         # anywhere in it rolls the guides back (:mod:`pyro_cvi.transaction`)
         params = list(params)
         t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
-        frame = inspect.currentframe()
         try:
-            loss = loss_of_caller(frame.f_back if frame is not None else None)
-            del frame
+            obs = current()
+            sites = obs.take() if obs is not None else {}
+            self.gaussians.observe(sites)
+            loss = obs.take_loss if obs is not None else None  # (formed only if needed)
             engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
             self.t, self.saved_controls = t, saved
@@ -137,7 +141,11 @@ class CVI(PyroOptim):
         commit(engines)
 
     def _update(
-        self, params: List[torch.Tensor], args: Any, kwargs: Any, loss: Optional[float] = None
+        self,
+        params: List[torch.Tensor],
+        args: Any,
+        kwargs: Any,
+        loss: Optional[Callable[[], Optional[float]]] = None,
     ) -> List[Any]:
         engines: Dict[int, NaturalGradientOwner] = {}
         others: List[torch.Tensor] = []
@@ -148,8 +156,7 @@ class CVI(PyroOptim):
             else:
                 engines[id(engine)] = engine
         groups, others = self.gaussians.split(others)
-        if not engines and not groups:
-            _refuse(others)
+        self.last_rules = _rules(engines.values(), groups, others)
         if any(not e.has_pending_step() for e in engines.values()):
             raise ValueError(
                 "AutoCVI + CVI(): the AutoCVI parameters got no natural gradients, so the loss "
@@ -160,9 +167,12 @@ class CVI(PyroOptim):
                 "by natural gradients"
             )
         self.t += 1
-        if groups and loss is not None:
+        value = loss() if loss is not None and groups else None
+        if loss is not None and not groups:
+            forget()
+        if groups and value is not None:
             try:
-                self.guard.check(loss, groups)
+                self.guard.check(value, groups)
             except DivergenceError:
                 for g in groups:  # the step control of each Gaussian starts afresh
                     self.gaussians.controls.pop(g.label, None)
@@ -199,6 +209,22 @@ class CVI(PyroOptim):
         for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
             p.grad = None
         return list(engines.values())
+
+    def explain(self, print_table: bool = True) -> List[Dict[str, str]]:
+        """Which parameters the last step moved by natural gradients (and as which family,
+        found at which guide site) and which by the inner optimizer; the guide sites left to
+        the inner optimizer and why. Returns the rows; prints them as a table unless
+        ``print_table=False``."""
+        rows = [{"param": n, "rule": r, "where": w} for n, r, w in self.last_rules]
+        for site, why in self.gaussians.site_skipped.items():
+            rows.append({"param": "", "rule": "inner (site)", "where": f"site {site!r}: {why}"})
+        if print_table:
+            width = max([len(r["param"]) for r in rows] + [5])
+            rule_w = max([len(r["rule"]) for r in rows] + [4])
+            print(f"{'param':<{width}}  {'rule':<{rule_w}}  where")
+            for r in rows:
+                print(f"{r['param']:<{width}}  {r['rule']:<{rule_w}}  {r['where']}")
+        return rows
 
     def _load_gaussian_controls(self) -> None:
         saved = self.saved_controls.pop("__gaussians__", None)
@@ -246,21 +272,18 @@ def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:
     return beta_of
 
 
-def _refuse(params: List[torch.Tensor]) -> None:
+def _rules(
+    engines: Iterable[Any], groups: List[Any], others: List[torch.Tensor]
+) -> List[Tuple[str, str, str]]:
     store = pyro.get_param_store()
-    # param_name is None for a tensor outside the param store
-    names = [n for n in (store.param_name(p) for p in params) if n is not None]
-    auto = [n for n in names if n.startswith(_AUTOGUIDE_PREFIXES)]
-    what = f" (got parameters of {auto[0].split('.')[0]})" if auto else ""
-    if not params:
-        what = " (SVI handed it no parameters at all)"
-    elif not auto and names:
-        what = f" (got {names[:4]})"
-    raise ValueError(
-        "CVI found nothing to step by natural gradients" + what + ". CVI() steps AutoCVI "
-        "guides (loss CVI_ELBO) and Gaussian guides (AutoNormal, AutoDiagonalNormal, "
-        "AutoMultivariateNormal, AutoLowRankMultivariateNormal, hand-written Normal / "
-        "MultivariateNormal of pyro.param loc and scale or scale_tril, see CVI(gaussians=...)) "
-        "with any Pyro ELBO. For a guide without a Gaussian (AutoDelta, flows) use a torch "
-        "optimizer such as pyro.optim.Adam."
-    )
+    rows = []
+    for engine in engines:
+        rows.append((str(getattr(engine, "prefix", "AutoCVI")), "AutoCVI", "CVI_ELBO"))
+    for g in groups:
+        where = f"site {g.site!r}" if g.site else "by name"
+        for role, name in g.names:
+            rows.append((name, f"natural gradient ({g.family} {role})", where))
+    for p in others:
+        name = store.param_name(p)
+        rows.append((name if name is not None else f"<tensor {tuple(p.shape)}>", "inner", ""))
+    return rows

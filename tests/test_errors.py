@@ -12,7 +12,7 @@ import pyro.poutine as poutine
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
+from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from reliability_cases import CASES as MORE_CASES
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, CheckpointError, DivergenceError
@@ -155,11 +155,6 @@ def case_plain_guide_with_cvi_elbo():
 def case_cvi_with_other_loss():
     X, y = _data()
     _svi(loss=Trace_ELBO()).step(X, y)
-
-
-def case_cvi_without_gaussian():
-    X, y = _data()
-    _svi(guide=AutoDelta(logreg), loss=Trace_ELBO()).step(X, y)
 
 
 def case_torch_optimizer_with_cvi_elbo():

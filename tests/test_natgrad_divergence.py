@@ -55,7 +55,8 @@ def test_a_diverging_fit_is_stopped_and_q_put_back_to_its_best(guide_name, dtype
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
         guide = getattr(ag, guide_name)(model)
-        svi = SVI(model, guide, CVI(optim_args={"lr": 50.0}), loss=Trace_ELBO())
+        optim = CVI(optim_args={"lr": 50.0})
+        svi = SVI(model, guide, optim, loss=Trace_ELBO())
         guide(X, y)  # set up: the Gaussians exist from here
         losses, states = [], []
         try:
@@ -68,7 +69,12 @@ def test_a_diverging_fit_is_stopped_and_q_put_back_to_its_best(guide_name, dtype
     else:
         pytest.fail("no seed diverged")
     best, at = min((v, i) for i, v in enumerate(losses))
-    assert "the fit diverged for the Gaussians" in str(error) and f"{best:.6g}" in str(error)
+    # the guard's loss is the -ELBO of the sites the loss ran (natgrad.observe), the same
+    # estimate as Trace_ELBO's up to the order of the sums
+    assert optim.guard.best == pytest.approx(best, rel=1e-4 if dtype == torch.float32 else 1e-9)
+    assert optim.guard.step == at + 1
+    assert "the fit diverged for the Gaussians" in str(error)
+    assert f"{optim.guard.best:.6g}" in str(error)
     now = _gaussians(guide)
     assert now.keys() == states[at].keys()
     assert all(torch.equal(now[k], states[at][k]) for k in now)  # exactly the best q
@@ -96,15 +102,36 @@ def test_a_non_finite_first_loss_says_the_initial_q_is_invalid():
     assert math.isfinite(svi.step(X, y))  # the run goes on with good data
 
 
-def test_the_optimizer_outside_svi_step_sees_no_loss():
-    """Called directly (not by svi.step) CVI has no loss to check: it steps as before."""
+def test_the_optimizer_in_a_hand_written_loop_sees_the_loss():
+    """Called directly (not by svi.step), CVI sees the same loss: the guard checks it."""
     X, y = _data(torch.float64)
     pyro.clear_param_store()
     guide = ag.AutoNormal(model)
     optim = CVI(step_size=0.5)
     loss = Trace_ELBO()
     with pyro.poutine.trace(param_only=True) as tr:
-        loss.loss_and_grads(model, guide, X, y)
+        value = loss.loss_and_grads(model, guide, X, y)
     params = {site["value"].unconstrained() for site in tr.trace.nodes.values()}
     optim(params)
+    assert optim.guard.seen == 1 and optim.t == 1
+    assert optim.guard.best == pytest.approx(value, rel=1e-9)
+
+
+def test_a_loss_that_runs_no_model_gives_the_guard_nothing():
+    """A custom loss that runs only the guide (here its entropy): no -ELBO estimate can be
+    formed, nothing is checked, the step is taken."""
+    X, y = _data(torch.float64)
+    pyro.clear_param_store()
+
+    def guide(X, y):
+        m = pyro.param("w_m", X.new_zeros(3))
+        s = pyro.param("w_s", X.new_ones(3), constraint=dist.constraints.positive)
+        pyro.sample("w", dist.Normal(m, s).to_event(1))
+
+    def negative_entropy(model, guide, X, y):
+        q = pyro.poutine.trace(guide).get_trace(X, y).nodes["w"]["fn"]
+        return -q.base_dist.entropy().sum()
+
+    optim = CVI(step_size=0.5)
+    SVI(model, guide, optim, loss=negative_entropy).step(X, y)
     assert optim.guard.seen == 0 and optim.t == 1

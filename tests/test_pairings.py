@@ -28,10 +28,9 @@ TABLE = Path(__file__).resolve().parent.parent / "docs" / "pairings.md"
 ERRORS = {
     "E-elbo": (ValueError, "AutoCVI ran inside SVI.step under a Pyro ELBO"),
     "E-cvi-elbo": (TypeError, "CVI_ELBO needs an AutoCVI guide"),
-    "E-no-gaussian": (ValueError, "CVI found nothing to step by natural gradients"),
     "E-torch": (ValueError, "AutoCVI + CVI_ELBO with an optimizer that is not CVI"),
 }
-WORKS = ("natural", "conjugate", "torch")
+WORKS = ("natural", "conjugate", "torch", "inner")
 
 
 def _table():
@@ -156,3 +155,8 @@ def test_pairing(cell):
         assert not torch.equal(before[site], after[site]), f"q of {site!r} did not change"
     if expected == "natural":  # stepped by natural gradients, not handed to the inner optimizer
         assert optim.gaussians.controls, "no Gaussian was stepped by natural gradients"
+        assert any(r["rule"].startswith("natural") for r in optim.explain(print_table=False))
+    if expected == "inner":  # no exponential-family site: CVI() is its inner optimizer
+        rows = optim.explain(print_table=False)
+        assert rows and all(r["rule"].startswith("inner") for r in rows)
+        assert not optim.gaussians.controls

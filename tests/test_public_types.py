@@ -16,12 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cvi_refuses_a_tensor_outside_the_param_store_with_a_value_error(dtype):
+def test_cvi_steps_a_tensor_outside_the_param_store_by_its_inner_optimizer(dtype):
+    """No refusal: a tensor CVI() cannot step by natural gradients gets Adam's first step
+    (``-lr * sign(grad)``)."""
     p = torch.zeros(3, dtype=dtype, requires_grad=True)
     p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match="CVI found nothing to step by natural gradients"):
-        CVI()([p])
-    assert torch.equal(p, torch.zeros_like(p))  # nothing was stepped
+    cvi = CVI()
+    cvi([p])
+    assert torch.allclose(p.detach(), torch.full_like(p, -0.01), rtol=1e-4)
+    assert [r["rule"] for r in cvi.explain(print_table=False)] == ["inner"]
 
 
 def test_every_module_the_type_check_covers_exists():

@@ -1,9 +1,9 @@
-"""Divergence of Pyro's Gaussian guides under ``CVI()``, seen from the loss ``svi.step`` got.
+"""Divergence of the guide sites ``CVI()`` steps by natural gradients, seen from the loss.
 
-``CVI()`` steps the ``loc`` and scale parameters of ``AutoNormal``, ``AutoMultivariateNormal``
-and the like from the gradients a Pyro ELBO wrote; the optimizer is called by ``svi.step``
-right after the loss, whose value (the -ELBO estimate ``F_t`` of the current ``q_t``) is a local
-of that call: :func:`loss_of_caller` reads it. :class:`LossGuard` applies the rule of
+``CVI()`` steps the parameters of the guide's exponential-family sites from the gradients a
+Pyro ELBO wrote; the loss's value (the -ELBO estimate ``F_t`` of the current ``q_t``) is formed
+from the sites the loss ran (:meth:`pyro_cvi.natgrad.observe.SiteObserver.take_loss`; ``None``,
+and nothing checked, where it cannot be). :class:`LossGuard` applies the rule of
 :func:`pyro_cvi.divergence.check_loss` to it: the lowest loss so far, ``F_best``, is kept with
 a clone of its ``q``'s Gaussian parameters, and a loss is divergent when::
 
@@ -19,34 +19,15 @@ invalid.
 from __future__ import annotations
 
 import math
-from types import FrameType
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pyro
 import torch
-from pyro.infer import SVI
 
 from ..divergence import FLOOR, GROWTH, DivergenceError
 from .roles import GaussianGroup
 
-__all__ = ["LossGuard", "loss_of_caller"]
-
-
-def loss_of_caller(frame: Optional[FrameType]) -> Optional[float]:
-    """The loss ``pyro.infer.SVI.step`` computed, if ``frame`` is that call (else ``None``)."""
-    if frame is None or frame.f_code.co_name != "step":
-        return None
-    local = frame.f_locals
-    if not isinstance(local.get("self"), SVI):
-        return None
-    loss = local.get("loss")
-    if isinstance(loss, tuple):  # (a loss with extra outputs: its first entry)
-        loss = loss[0] if loss else None
-    if torch.is_tensor(loss) and loss.numel() == 1:
-        return float(loss.detach())
-    if isinstance(loss, (int, float)):
-        return float(loss)
-    return None
+__all__ = ["LossGuard"]
 
 
 class LossGuard:

@@ -9,7 +9,7 @@ unit_lower_cholesky) has an element-wise ``T``, so the chain rule inverts elemen
 
 from __future__ import annotations
 
-from typing import Mapping, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import pyro
 import torch
@@ -18,11 +18,16 @@ from torch.distributions import transform_to
 __all__ = ["read", "write"]
 
 
-def read(name: str, cons: Mapping[str, object]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(c, dloss/dc)`` of the param ``name`` (zeros where it has no gradient)."""
+def read(
+    name: str, cons: Mapping[str, object], transform: Optional[Any] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(c, dloss/dc)`` of the param ``name`` (zeros where it has no gradient); ``c =
+    transform(u)``, by default the param's own constraint transform (any element-wise
+    bijection: :mod:`.sites`)."""
     store = pyro.get_param_store()
     u = store[name].unconstrained()
-    transform = transform_to(cons[name])
+    if transform is None:
+        transform = transform_to(cons[name])
     with torch.enable_grad():
         leaf = u.detach().requires_grad_(True)
         c = transform(leaf)
@@ -36,9 +41,13 @@ def read(name: str, cons: Mapping[str, object]) -> Tuple[torch.Tensor, torch.Ten
     return c, torch.where(deriv != 0, u.grad / safe, torch.zeros_like(c))
 
 
-def write(name: str, value: torch.Tensor, cons: Mapping[str, object]) -> None:
-    """Set the param ``name`` to the constrained ``value`` in place (its tensor, and so any
+def write(
+    name: str, value: torch.Tensor, cons: Mapping[str, object], transform: Optional[Any] = None
+) -> None:
+    """Set the param ``name`` to ``value = transform(u)`` in place (its tensor, and so any
     optimizer state keyed on it, is kept)."""
     u = pyro.get_param_store()[name].unconstrained()
+    if transform is None:
+        transform = transform_to(cons[name])
     with torch.no_grad():
-        u.copy_(transform_to(cons[name]).inv(value.to(u)))
+        u.copy_(transform.inv(value.to(u)))

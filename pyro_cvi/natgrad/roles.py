@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.distributions import constraints
@@ -61,16 +61,29 @@ _SPLIT = re.compile(r"(scale_tril|cov_factor|[^._]+)")
 class GaussianGroup:
     """One Gaussian of the guide: its family and the param-store name of each role."""
 
-    family: str  # "diag" | "tril" | "scaled_tril" | "lowrank"
+    family: str  # "diag" | "tril" | "scaled_tril" | "lowrank" | "gamma" | "beta" | "dirichlet"
     names: Tuple[Tuple[str, str], ...]  # (role, param name)
+    #: the guide site it was found at (:mod:`.sites`; "" when found by names)
+    site: str = ""
+    #: element-wise map of each role's raw parameter to the distribution parameter
+    #: (empty: the param's own constraint transform)
+    maps: Tuple[Tuple[str, Any], ...] = ()
+    #: the loss gradients are divided by it: broadcast copies of the parameters (plates)
+    #: over vectorised particles, times the site's ``poutine.scale``
+    weight: float = 1.0
 
     @property
     def roles(self) -> Dict[str, str]:
         return dict(self.names)
 
     @property
+    def transforms(self) -> Dict[str, Any]:
+        return dict(self.maps)
+
+    @property
     def label(self) -> str:
-        return self.roles["loc"]
+        roles = self.roles
+        return roles["loc"] if "loc" in roles else self.names[0][1]
 
 
 def _base(c):

@@ -12,12 +12,17 @@ import torch
 
 from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
+from .expfam import CONCENTRATION_FAMILIES, MAX_FACTOR, concentration_step
+from .observe import GuideSite
 from .params import read, write
 from .roles import GaussianGroup, find_gaussians
+from .sites import site_group
 
 __all__ = ["GaussianStepper", "FORMS"]
 
 FORMS = ("retraction", "natural")
+#: the lowest ceiling of a concentration family's adaptive step
+CONCENTRATION_MIN_CEILING = 0.01
 
 
 class GaussianStepper:
@@ -39,11 +44,56 @@ class GaussianStepper:
         self.controls: Dict[str, NoiseControl] = {}
         self.skipped: set = set()  # Gaussians warned about (once each)
         self._cache: Tuple[object, List[GaussianGroup]] = (None, [])
+        #: the groups found at the guide's sites (:meth:`observe`), by site
+        self.site_groups: Dict[str, GaussianGroup] = {}
+        #: the guide sites that are not stepped by natural gradients, and why
+        self.site_skipped: Dict[str, str] = {}
+        self._site_cache: Dict[str, Tuple[object, Tuple[Optional[GaussianGroup], str]]] = {}
+
+    def observe(self, sites: Mapping[str, GuideSite]) -> None:
+        """Analyse the guide sites the loss just ran (:mod:`.sites`); an empty ``sites`` (a
+        compiled loss, or a loss that ran no guide) keeps what was found before."""
+        if not sites:
+            return
+        store = pyro.get_param_store()
+        names = {id(u): n for n, u in store.named_parameters()}
+        cons = store.get_state()["constraints"]
+        found: Dict[str, Tuple[Optional[GaussianGroup], str]] = {}
+        params_key = tuple(sorted(names.items()))
+        for name, site in sites.items():
+            key = _site_key(site, params_key)
+            cached = self._site_cache.get(name)
+            if cached is not None and cached[0] == key:
+                found[name] = cached[1]
+                continue
+            result = site_group(site, names, cons)
+            self._site_cache[name] = (key, result)
+            found[name] = result
+        for name in list(self._site_cache):
+            if name not in sites:
+                del self._site_cache[name]
+        # a parameter that feeds two sites is not any one site's: the inner optimizer's
+        owners: Dict[str, List[str]] = {}
+        for name, (g, _) in found.items():
+            for _, n in g.names if g is not None else ():
+                owners.setdefault(n, []).append(name)
+        self.site_groups = {}
+        self.site_skipped = {}
+        for name, (g, why) in found.items():
+            if g is None:
+                self.site_skipped[name] = why
+            elif any(len(owners[n]) > 1 for _, n in g.names):
+                shared = [n for _, n in g.names if len(owners[n]) > 1]
+                self.site_skipped[name] = f"{shared[0]!r} also feeds another site"
+            else:
+                self.site_groups[name] = g
 
     def split(
         self, params: Iterable[torch.Tensor]
     ) -> Tuple[List[GaussianGroup], List[torch.Tensor]]:
-        """``(Gaussians with a member among params, the other params)``."""
+        """``(groups with a member among params, the other params)``: first the guide sites
+        found in the trace (:meth:`observe`), except Pyro's autoguides, whose parameters keep
+        their name-based roles (:mod:`.roles`); then the name-based groups of what is left."""
         store = pyro.get_param_store()
         named = {}
         rest = []
@@ -55,8 +105,21 @@ class GaussianStepper:
                 named[name] = p
         if not named:
             return [], rest
-        groups = [g for g in self._groups() if any(n in named for _, n in g.names)]
-        used = {n for g in groups for _, n in g.names}
+        groups = []
+        used: set = set()
+        declared = {n for pair in self.declared.values() for n in pair}
+        for g in self.site_groups.values():
+            members = [n for _, n in g.names]
+            if any(n.startswith("Auto") or n in declared for n in members):
+                continue
+            if any(n in named for n in members) and all(n in store for n in members):
+                groups.append(g)
+                used.update(members)
+        for g in self._groups():
+            members = [n for _, n in g.names]
+            if any(n in named for n in members) and not used & set(members):
+                groups.append(g)
+                used.update(members)
         return groups, rest + [p for n, p in named.items() if n not in used]
 
     def _groups(self) -> List[GaussianGroup]:
@@ -81,13 +144,16 @@ class GaussianStepper:
             return
         cons = pyro.get_param_store().get_state()["constraints"]
         for g in groups:
-            control = self.controls.setdefault(g.label, NoiseControl())
+            control = self.controls.get(g.label)
+            if control is None:
+                control = self.controls[g.label] = _control(g.family)
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
-            new, d = _STEPS[g.family](g.roles, cons, (beta, beta_mean), self.retraction, max_rel)
+            new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
-                for name, value in new.items():
-                    write(name, value, cons)
+                roles, maps = g.roles, g.transforms
+                for role, value in new.items():
+                    write(roles[role], value, cons, maps.get(role))
                 control.observe(d)
             elif g.label not in self.skipped:
                 self.skipped.add(g.label)
@@ -106,41 +172,104 @@ class GaussianStepper:
             self.controls.setdefault(k, NoiseControl()).load(v)
 
 
-def _diag(roles, cons, beta, retraction, max_rel):
-    m, gm = read(roles["loc"], cons)
-    s, gs = read(roles["scale"], cons)
+def _rd(g: GaussianGroup, role: str, cons) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(theta, dl/dtheta)`` of one role, the gradient per copy of a broadcast site."""
+    c, grad = read(g.roles[role], cons, g.transforms.get(role))
+    return c, grad if g.weight == 1.0 else grad / g.weight
+
+
+def _diag(g, cons, beta, retraction, max_rel):
+    m, gm = _rd(g, "loc", cons)
+    s, gs = _rd(g, "scale", cons)
     m2, s2, d = diag_step(m, s, gm, gs, beta[0], retraction, max_rel, beta[1])
-    return {roles["loc"]: m2, roles["scale"]: s2}, d
+    return {"loc": m2, "scale": s2}, d
 
 
-def _tril(roles, cons, beta, retraction, max_rel):
-    m, gm = read(roles["loc"], cons)
-    L, gL = read(roles["scale_tril"], cons)
+def _tril(g, cons, beta, retraction, max_rel):
+    m, gm = _rd(g, "loc", cons)
+    L, gL = _rd(g, "scale_tril", cons)
     m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1])
-    return {roles["loc"]: m2, roles["scale_tril"]: L2}, d
+    return {"loc": m2, "scale_tril": L2}, d
 
 
-def _scaled_tril(roles, cons, beta, retraction, max_rel):
+def _scaled_tril(g, cons, beta, retraction, max_rel):
     """``L = diag(s) T`` (``AutoMultivariateNormal``): ``dl/dL`` below the diagonal is
     ``(dl/dT) / s_i``; on it, ``dl/ds_i - sum_{j<i} T_ij dl/dL_ij``."""
-    m, gm = read(roles["loc"], cons)
-    s, gs = read(roles["scale"], cons)
-    T, gT = read(roles["scale_tril"], cons)
+    m, gm = _rd(g, "loc", cons)
+    s, gs = _rd(g, "scale", cons)
+    T, gT = _rd(g, "scale_tril", cons)
     off = gT.tril(-1) / s.unsqueeze(-1)
     diag = gs - (T.tril(-1) * off).sum(-1)
     L = s.unsqueeze(-1) * T
     gL = off + torch.diag_embed(diag)
     m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1])
     s2 = L2.diagonal(dim1=-2, dim2=-1)
-    return {roles["loc"]: m2, roles["scale"]: s2, roles["scale_tril"]: L2 / s2.unsqueeze(-1)}, d
+    return {"loc": m2, "scale": s2, "scale_tril": L2 / s2.unsqueeze(-1)}, d
 
 
-def _lowrank(roles, cons, beta, retraction, max_rel):
-    m, gm = read(roles["loc"], cons)
-    s, gs = read(roles["scale"], cons)
-    W, gW = read(roles["cov_factor"], cons)
+def _lowrank(g, cons, beta, retraction, max_rel):
+    m, gm = _rd(g, "loc", cons)
+    s, gs = _rd(g, "scale", cons)
+    W, gW = _rd(g, "cov_factor", cons)
     m2, s2, W2, d = lowrank_step(m, s, W, gm, gs, gW, beta[0], max_rel, beta_mean=beta[1])
-    return {roles["loc"]: m2, roles["scale"]: s2, roles["cov_factor"]: W2}, d
+    return {"loc": m2, "scale": s2, "cov_factor": W2}, d
 
 
-_STEPS = {"diag": _diag, "tril": _tril, "scaled_tril": _scaled_tril, "lowrank": _lowrank}
+def _lowrank_cov(g, cons, beta, retraction, max_rel):
+    """``LowRankMultivariateNormal(loc, W, d)``, ``S = W W^T + diag(d)``, stepped in Pyro's
+    low-rank form ``S = diag(s) (I + V V^T) diag(s)`` with ``s = sqrt(d)``, ``V = W / s``:
+    ``dl/dV = s dl/dW`` (rows), ``dl/ds_i = 2 s_i dl/dd_i + sum_j V_ij dl/dW_ij``."""
+    m, gm = _rd(g, "loc", cons)
+    W, gW = _rd(g, "cov_factor", cons)
+    d, gd = _rd(g, "cov_diag", cons)
+    sd = d.sqrt()
+    V = W / sd.unsqueeze(-1)
+    gV = gW * sd.unsqueeze(-1)
+    gs = 2.0 * sd * gd + (gW * V).sum(-1)
+    m2, s2, V2, dirs = lowrank_step(m, sd, V, gm, gs, gV, beta[0], max_rel, beta_mean=beta[1])
+    return {"loc": m2, "cov_factor": V2 * s2.unsqueeze(-1), "cov_diag": s2.pow(2)}, dirs
+
+
+def _concentration(g, cons, beta, retraction, max_rel):
+    form = CONCENTRATION_FAMILIES[g.family]
+    theta, grads = {}, {}
+    for role in form.roles:
+        theta[role], grads[role] = _rd(g, role, cons)
+    return concentration_step(
+        g.family, theta, grads, beta[0], MAX_FACTOR if max_rel is not None else None
+    )
+
+
+def _control(family: str) -> NoiseControl:
+    """The step control of a new group: a concentration family's natural-gradient noise is
+    large relative to its parameters (one Gamma draw says little about its shape), so its
+    ceiling may decay further under noise (:mod:`.control`)."""
+    if family in CONCENTRATION_FAMILIES:
+        return NoiseControl(min_ceiling=CONCENTRATION_MIN_CEILING)
+    return NoiseControl()
+
+
+_STEPS = {
+    "diag": _diag,
+    "tril": _tril,
+    "scaled_tril": _scaled_tril,
+    "lowrank": _lowrank,
+    "lowrank_cov": _lowrank_cov,
+}
+_STEPS.update({k: _concentration for k in CONCENTRATION_FAMILIES})
+
+
+def _site_key(site: GuideSite, params_key: object) -> object:
+    """What the analysis of a site depends on: its distribution's wrappers, their tensors'
+    shapes, its plate context and the raw parameters that exist (ids)."""
+    chain = []
+    fn = site.fn
+    for _ in range(16):
+        chain.append(
+            (type(fn).__name__,)
+            + tuple((k, tuple(v.shape)) for k, v in sorted(vars(fn).items()) if torch.is_tensor(v))
+        )
+        fn = getattr(fn, "base_dist", None)
+        if fn is None:
+            break
+    return (tuple(chain), site.scale, site.particles, params_key)

@@ -1,0 +1,193 @@
+"""How ``CVI()`` sees the guide: a passive observer at the bottom of Pyro's effect stack.
+
+Pyro's ``SVI`` hands an optimizer only the parameters; the distributions they feed are known
+only while the loss runs. While a ``CVI()`` exists, one :class:`SiteObserver` sits at the
+*bottom* of ``pyro.poutine.runtime._PYRO_STACK``: every ELBO's ``poutine.trace`` of the guide
+and the replayed model, every ``plate``, ``block``, ``scale``, ``mask`` or enumeration handler
+is above it, so a sample site reaches it after all of them (``apply_stack`` processes top to
+bottom) and it sees the site exactly as the loss's own trace does (a site hidden by
+``poutine.block`` is hidden from it too). It changes nothing in the message. It records:
+
+* **guide sites**: sample sites that are neither observed nor given a value by a handler above
+  (``msg["done"]``: the model's sites replayed from the guide's trace, enumerated sites) -
+  the distribution object, hence the autograd graph from the raw parameters to the
+  distribution's parameters (:mod:`.sites` reads it);
+* for the divergence guard, ``(sign, fn, value, scale, mask)`` of every sample site, from
+  which :meth:`SiteObserver.take_loss` forms the ``-ELBO`` estimate of the particles seen
+  since the last step, ``-(sum log p - sum log q) / particles`` (Trace_ELBO's own estimate,
+  computed lazily, without gradients); it is ``None`` where it cannot be formed (no model site
+  was seen, enumerated sites, sites seen unequally often: a guide or model run outside the
+  loss).
+
+Alternatives weighed: reading the frame of ``SVI.step`` (breaks with a hand-written loop, any
+wrapper, or another Python); re-tracing the guide (``CVI()`` does not know the guide nor its
+arguments); parameter names (say nothing about which distribution a parameter feeds). The
+observer works with ``SVI``, a hand-written ``loss.loss_and_grads`` loop, and any Pyro ELBO.
+What it changes: while a ``CVI()`` is alive ``pyro.poutine.runtime.am_i_wrapped()`` is true
+(a bare ``pyro.sample`` goes through the effect stack; it returns the same value). It removes
+itself when the last ``CVI()`` is garbage-collected. Under ``JitTrace_ELBO`` the guide runs in
+Python only while being compiled: what was seen then is kept (:mod:`.sites` caches it).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import _PYRO_STACK
+
+__all__ = ["GuideSite", "SiteObserver", "current", "forget", "observer"]
+
+PARTICLE_PLATE = "num_particles_vectorized"
+#: at most this many sites are kept for the loss estimate between two steps
+MAX_LOG = 20_000
+
+
+@dataclass
+class GuideSite:
+    """A guide sample site as the loss saw it: its distribution and plate context."""
+
+    name: str
+    fn: Any
+    scale: float
+    particles: int  # size of the vectorised-particle plate around it (1: none)
+
+
+class SiteObserver(Messenger):
+    """Records the guide's sample sites (and every site's log density terms) seen since the
+    last :meth:`take`; never changes a message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: Dict[str, GuideSite] = {}
+        self.log: List[Tuple[int, Any, Any, Any, Any, str, int]] = []
+        self.broken = False
+
+    # Messenger protocol: only sample sites are looked at
+    def _process_message(self, msg: Any) -> None:
+        if msg["type"] == "sample":
+            msg.setdefault("infer", {})
+            msg["_cvi_done_above"] = bool(msg["done"])
+
+    def _postprocess_message(self, msg: Any) -> None:
+        if msg["type"] != "sample" or type(msg["fn"]).__name__ == "_Subsample":
+            msg.pop("_cvi_done_above", None)
+            return
+        done = bool(msg.pop("_cvi_done_above", True))
+        observed = bool(msg["is_observed"])
+        fn = msg["fn"]
+        particles = 1
+        for frame in msg["cond_indep_stack"]:
+            if frame.name == PARTICLE_PLATE and frame.size is not None:
+                particles = int(frame.size)
+        scale = msg["scale"]
+        guide = not done and not observed
+        if guide and torch.is_grad_enabled() and _has_params(fn):
+            # (a model run on its own inside a custom loss samples its latent sites too:
+            # their priors, without parameters, do not replace the guide's site)
+            c = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else math.nan
+            self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles)
+        if len(self.log) >= MAX_LOG:  # no CVI() step for long (another optimizer runs):
+            self.broken, self.log = True, []  # the loss estimate is off until the next step
+        if self.broken:
+            return
+        enumerated = (
+            msg["infer"].get("enumerate") == "parallel"
+            or msg["infer"].get("_enumerate_dim") is not None
+        )
+        if enumerated:
+            self.broken = True
+            return
+        sign = -1 if guide else 1
+        self.log.append((sign, fn, msg["value"], scale, msg["mask"], msg["name"], particles))
+
+    def take(self) -> Dict[str, GuideSite]:
+        """The guide sites seen since the last call (and forget them)."""
+        sites, self.sites = self.sites, {}
+        return sites
+
+    def take_loss(self) -> Optional[float]:
+        """The ``-ELBO`` estimate of what was seen since the last call, or ``None``."""
+        log, broken = self.log, self.broken
+        self.log, self.broken = [], False
+        if broken or not log or not any(sign > 0 for sign, *_ in log):
+            return None
+        # the loss ran every site equally often (its particles); sites run outside it (a
+        # guide called on its own to set it up) are the earlier extra occurrences
+        by_name: Dict[str, List[int]] = {}
+        for i, entry in enumerate(log):
+            by_name.setdefault(entry[5], []).append(i)
+        runs = min(len(v) for v in by_name.values())
+        kept = sorted(i for v in by_name.values() for i in v[len(v) - runs :])
+        if not any(log[i][0] > 0 for i in kept):
+            return None
+        total = 0.0
+        particles = 1
+        with torch.no_grad():
+            for i in kept:
+                sign, fn, value, scale, mask, name, particles = log[i]
+                try:
+                    lp = fn.log_prob(value)
+                except (ValueError, RuntimeError):
+                    return None
+                if mask is not None and mask is not True:
+                    if mask is False:
+                        continue
+                    lp = torch.where(mask, lp, torch.zeros_like(lp))
+                total += sign * float((lp * scale).sum())
+        return -total / (runs * particles)
+
+
+def _has_params(fn: Any, depth: int = 0) -> bool:
+    """Whether a tensor of the distribution (or of one it wraps) requires grad."""
+    if depth > 8:
+        return False
+    for v in vars(fn).values():
+        if torch.is_tensor(v):
+            if v.requires_grad:
+                return True
+        elif isinstance(v, torch.distributions.Distribution) and _has_params(v, depth + 1):
+            return True
+    return False
+
+
+_STATE: Dict[str, Any] = {"observer": None, "users": 0}
+
+
+def observer(owner: object) -> SiteObserver:
+    """The shared observer, put at the bottom of Pyro's stack while ``owner`` lives."""
+    obs = _STATE["observer"]
+    if obs is None:
+        obs = SiteObserver()
+        _STATE["observer"] = obs
+    if obs not in _PYRO_STACK:
+        _PYRO_STACK.insert(0, obs)
+    _STATE["users"] += 1
+    weakref.finalize(owner, _release)
+    return obs
+
+
+def _release() -> None:
+    _STATE["users"] -= 1
+    obs = _STATE["observer"]
+    if _STATE["users"] <= 0 and obs is not None:
+        _STATE["users"] = 0
+        while obs in _PYRO_STACK:
+            _PYRO_STACK.remove(obs)
+
+
+def current() -> Optional[SiteObserver]:
+    """The shared observer, if one was made."""
+    obs = _STATE["observer"]
+    return obs if isinstance(obs, SiteObserver) else None
+
+
+def forget() -> None:
+    """Drop the log of the loss's sites (no loss estimate is needed this step)."""
+    obs = current()
+    if obs is not None:
+        obs.log, obs.broken = [], False
