@@ -193,7 +193,12 @@ def case_shrunk_step():
     svi = _svi(model)
     with _logged() as records:
         for _ in range(30):
-            svi.step(x, y)
+            try:
+                svi.step(x, y)
+            except DivergenceError:  # outliers this large may also diverge: rolled back
+                pass
+            if svi.guide.num_shrunk > 0:
+                break
     assert svi.guide.num_shrunk > 0
     raise Logged([r.getMessage() for r in records if "shrunk" in r.getMessage()][0])
 
