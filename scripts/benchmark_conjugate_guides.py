@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import conjugate_guide_cases as cases  # noqa: E402
+from bench.reporting import quick_path  # noqa: E402
 
 from pyro_cvi import CVI  # noqa: E402
 
@@ -47,7 +48,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="*", default=list(cases.DTYPES))
     ap.add_argument("--max-steps", type=int, default=12000)
     ap.add_argument("--out", default=str(ROOT / "results" / "benchmark_conjugate_guides.json"))
+    ap.add_argument("--quick", action="store_true", help="Normal-Normal pairs, lr 0.05 (< 2 min)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.k, a.lrs, a.max_steps = ["normal-normal"], [0.05], 2000
     torch.set_num_threads(1)
     pyro.enable_validation(False)
     rows = []
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
         "cpu_seconds": time.process_time() - t0,
         "command": "python scripts/benchmark_conjugate_guides.py" + (f" -k {a.k}" if a.k else ""),
     }
-    out = Path(a.out)
+    out = quick_path(a.out, a.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "verdict": verdict, "rows": rows}, indent=1))
     return 0

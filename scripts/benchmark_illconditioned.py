@@ -43,6 +43,8 @@ from pyro.infer.autoguide import AutoNormal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.reporting import quick_path  # noqa: E402
+
 from pyro_cvi import CVI  # noqa: E402
 
 PRIOR_SD = 10.0
@@ -153,7 +155,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--models", nargs="*", default=["correlated6", "wide26"])
     ap.add_argument("--out", default=str(ROOT / "results" / "benchmark_illconditioned.json"))
+    ap.add_argument("--quick", action="store_true", help="200 Adam steps, one seed (< 2 min)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.adam_steps, a.seeds = 200, [0]
     torch.set_num_threads(1)
     pyro.enable_validation(False)
     rows = []
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
         "command": "python scripts/benchmark_illconditioned.py",
         "note": "CPU seconds, one torch thread, shared 2-core machine; ratios within one run count",
     }
-    out = Path(a.out)
+    out = quick_path(a.out, a.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "verdict": verdict, "rows": rows}, indent=1))
     return 0

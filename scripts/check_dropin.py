@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import dropin_cases as table  # noqa: E402
+from bench.reporting import quick_path  # noqa: E402
 
 from pyro_cvi import CVI  # noqa: E402
 
@@ -37,9 +38,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "check_dropin.json"))
     ap.add_argument("--no-adam", action="store_true", help="skip the Adam ground truth")
     ap.add_argument("--xfail", action="store_true", help="print the set CVI() fails as a literal")
+    ap.add_argument("--quick", action="store_true", help="the fast share, CVI() only (< 2 min)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.no_adam = True
     torch.set_num_threads(1)
-    cases = [c for c in table.CASES if a.k is None or a.k in c.name]
+    cases = [c for c in table.CASES if (a.k is None or a.k in c.name) and (c.fast or not a.quick)]
     rows = []
     t0 = time.process_time()
     print(f"{'case':45s} {'adam':>6s} {'cvi runs':>8s} {'cvi trains':>10s}  error")
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     failing = sorted(r["case"] for r in rows if not r["cvi"]["trains"])
     if a.xfail:
         print("FAILING = frozenset(" + json.dumps(failing, indent=4) + ")")
-    out = Path(a.out)
+    out = quick_path(a.out, a.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "torch": torch.__version__,
