@@ -1,0 +1,191 @@
+"""Hand-written guides on textbook conjugate pairs (``tests/conjugate_guide_cases.py``):
+``CVI()`` reaches the analytic posterior, within Pyro's own test tolerances, in at most a tenth
+of the steps Pyro's Adam needs (best of lr 0.01-0.05, measured by
+``scripts/benchmark_conjugate_guides.py``), in float32 and float64.
+
+The closed forms themselves are checked first: ``log p(theta, y) - log q*(theta)`` is the same
+number (``log p(y)``) at every ``theta``, and each guide put at ``q*`` in its own
+parameterisation has zero error. Pairs that ``CVI()`` does not reach today (it refuses most
+of these guides) are marked ``xfail(strict=False)``.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.poutine as poutine
+import pytest
+import torch
+from conjugate_guide_cases import BY_NAME, DTYPES, PAIRS, fit, train
+
+from pyro_cvi import CVI
+
+#: steps Pyro's Adam needs to reach the posterior and stay within tolerance for 100 more steps
+#: (best lr of the grid, seed 0; ``python scripts/benchmark_conjugate_guides.py``)
+ADAM_STEPS = {
+    "normal-normal-positive/float32": 208,
+    "normal-normal-positive/float64": 208,
+    "normal-normal-logscale/float32": 208,
+    "normal-normal-logscale/float64": 208,
+    "normal-normal-softplus/float32": 219,
+    "normal-normal-softplus/float64": 219,
+    "mvn-normal-scale_tril/float32": 154,
+    "mvn-normal-scale_tril/float64": 154,
+    "gamma-poisson-positive/float32": 5939,
+    "gamma-poisson-positive/float64": 5939,
+    "gamma-poisson-exp/float32": 5939,
+    "gamma-exponential-positive/float32": 3181,
+    "gamma-exponential-exp/float32": 3181,
+    "gamma-exponential-softplus/float32": 6553,
+    "gamma-poisson-exp/float64": 5939,
+    "gamma-exponential-positive/float64": 3181,
+    "gamma-exponential-exp/float64": 3181,
+}
+
+#: lr at which Adam needed ADAM_STEPS
+ADAM_LR = {
+    "normal-normal-positive/float32": 0.05,
+    "normal-normal-positive/float64": 0.05,
+    "normal-normal-logscale/float32": 0.05,
+    "normal-normal-logscale/float64": 0.05,
+    "normal-normal-softplus/float32": 0.05,
+    "normal-normal-softplus/float64": 0.05,
+    "mvn-normal-scale_tril/float32": 0.05,
+    "mvn-normal-scale_tril/float64": 0.05,
+    "gamma-poisson-positive/float32": 0.02,
+    "gamma-poisson-positive/float64": 0.02,
+    "gamma-poisson-exp/float32": 0.02,
+    "gamma-exponential-positive/float32": 0.02,
+    "gamma-exponential-exp/float32": 0.02,
+    "gamma-exponential-softplus/float32": 0.05,
+    "gamma-poisson-exp/float64": 0.02,
+    "gamma-exponential-positive/float64": 0.02,
+    "gamma-exponential-exp/float64": 0.02,
+}
+
+#: Adam (lr 0.02 and 0.05) was not within tolerance for 100 steps running in this many steps:
+#: CVI() gets a tenth of it (``--lrs 0.02 0.05 --max-steps 8000``)
+ADAM_NOT_WITHIN = {
+    "gamma-poisson-softplus/float32": 8000,
+    "gamma-poisson-softplus/float64": 8000,
+    "dirichlet-categorical-positive/float32": 8000,
+    "dirichlet-categorical-exp/float32": 8000,
+    "dirichlet-categorical-softplus/float32": 8000,
+    "dirichlet-categorical-positive/float64": 8000,
+    "dirichlet-categorical-exp/float64": 8000,
+}
+
+#: pairs (name/dtype) where CVI() failed this test when measured (it refuses the guide, or is
+#: not within tolerance after a tenth of Adam's steps)
+FAILING = frozenset(
+    {
+        "normal-normal-logscale/float32",
+        "normal-normal-logscale/float64",
+        "normal-normal-softplus/float32",
+        "normal-normal-softplus/float64",
+        "mvn-normal-scale_tril/float32",
+        "mvn-normal-scale_tril/float64",
+        "gamma-poisson-positive/float32",
+        "gamma-poisson-positive/float64",
+        "gamma-poisson-exp/float32",
+        "gamma-exponential-positive/float32",
+        "gamma-exponential-exp/float32",
+        "gamma-exponential-softplus/float32",
+        "dirichlet-categorical-softplus/float32",
+        "dirichlet-categorical-exp/float32",
+        "gamma-poisson-exp/float64",
+        "gamma-exponential-positive/float64",
+        "gamma-exponential-exp/float64",
+        "dirichlet-categorical-exp/float64",
+        "gamma-poisson-softplus/float32",
+        "gamma-poisson-softplus/float64",
+        "dirichlet-categorical-positive/float32",
+        "dirichlet-categorical-positive/float64",
+    }
+)
+
+REASON = "CVI() does not (yet) reach this guide's posterior in a tenth of Adam's steps"
+
+KEYS = [(p.name, d) for p in PAIRS for d in DTYPES]
+
+
+@pytest.mark.parametrize("name", [p.name for p in PAIRS])
+def test_the_closed_form_is_the_posterior(name):
+    """``log p(theta, y) - log q*(theta)`` is constant (float64) over draws of ``theta``."""
+    pair = BY_NAME[name]
+    data = pair.data(torch.float64)
+    pyro.set_rng_seed(3)
+    with torch.no_grad():
+        prior = poutine.trace(pair.model).get_trace(*data).nodes[pair.site]["fn"]
+        diffs = []
+        for _ in range(20):
+            theta = prior.sample()
+            conditioned = poutine.condition(pair.model, data={pair.site: theta})
+            joint = poutine.trace(conditioned).get_trace(*data).log_prob_sum()
+            diffs.append(float(joint - pair.posterior_log_prob(theta, *data)))
+    diffs = torch.tensor(diffs, dtype=torch.float64)
+    assert diffs.std() < 1e-8 * max(1.0, float(diffs.abs().max())), diffs
+
+
+@pytest.mark.parametrize("name,dtype", KEYS)
+def test_a_guide_at_the_posterior_has_no_error(name, dtype):
+    """Each parameterisation maps back to the analytic ``q*`` (errors at rounding level)."""
+    pair = BY_NAME[name]
+    data = pair.data(DTYPES[dtype])
+    pair.set_to_posterior(data)
+    tiny = 1e-5 if dtype == "float32" else 1e-9  # softplus is the identity above 20
+    assert all(e <= tiny for e in pair.errors(data)), pair.errors(data)
+
+
+def _budget(key):
+    return ADAM_STEPS.get(key, ADAM_NOT_WITHIN.get(key))
+
+
+def test_the_recorded_counts_name_pairs_of_the_table():
+    keys = {f"{n}/{d}" for n, d in KEYS}
+    assert set(ADAM_STEPS) <= keys and set(ADAM_NOT_WITHIN) <= keys
+    assert not set(ADAM_STEPS) & set(ADAM_NOT_WITHIN)
+    assert all(s >= 10 for s in ADAM_STEPS.values())
+    assert FAILING <= set(ADAM_STEPS) | set(ADAM_NOT_WITHIN)
+    assert set(ADAM_LR) == set(ADAM_STEPS)
+
+
+def _params():
+    out = []
+    for name, d in KEYS:
+        key = f"{name}/{d}"
+        marks = [pytest.mark.xfail(strict=False, reason=REASON)] if key in FAILING else []
+        if _budget(key) is None:
+            marks = [
+                pytest.mark.skip(
+                    reason="Adam's count not measured yet: "
+                    f"scripts/benchmark_conjugate_guides.py -k {name}"
+                )
+            ]
+        elif _budget(key) // 10 > 300:
+            marks.append(pytest.mark.slow)
+        out.append(pytest.param(name, d, marks=marks, id=key))
+    return out
+
+
+@pytest.mark.parametrize("name,dtype", _params())
+def test_cvi_reaches_the_posterior_in_a_tenth_of_adams_steps(name, dtype):
+    pair = BY_NAME[name]
+    steps = _budget(f"{name}/{dtype}") // 10
+    errors = train(pair, DTYPES[dtype], CVI(), steps)
+    assert all(e <= pair.tol for e in errors), (
+        f"{name} ({dtype}) after {steps} CVI() steps: errors {errors}, tolerance {pair.tol}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", [(n, d) for n, d in KEYS if f"{n}/{d}" in ADAM_STEPS])
+def test_adam_needs_the_recorded_steps(name, dtype):
+    """The baseline: Adam at its recorded lr reaches the posterior, and not in a tenth of the
+    recorded steps (so the bar for CVI() is not trivially low)."""
+    pair = BY_NAME[name]
+    key = f"{name}/{dtype}"
+    steps = ADAM_STEPS[key]
+    first, _ = fit(pair, DTYPES[dtype], pyro.optim.Adam({"lr": ADAM_LR[key]}), steps + 150)
+    assert first is not None and first <= steps + 50, first
+    errors = train(pair, DTYPES[dtype], pyro.optim.Adam({"lr": ADAM_LR[key]}), steps // 10)
+    assert not all(e <= pair.tol for e in errors), errors
