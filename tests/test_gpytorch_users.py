@@ -420,3 +420,54 @@ def test_loading_a_point_estimate_refuses_clearly():
     ours = svgp(CVIVariationalStrategy, Z.clone())
     with pytest.raises(ValueError, match="a point estimate has no CVI sites"):
         ours.load_state_dict(ref.state_dict())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elbo_cls", [pyro.infer.Trace_ELBO, pyro.infer.TraceMeanField_ELBO])
+def test_pyro_elbos_step_q_to_the_exact_sparse_posterior(elbo_cls, dtype):
+    """GPyTorch's PyroGP under Pyro's SVI, hyperparameters fixed, Gaussian likelihood: q(u)
+    goes to the optimal sparse q(u) (closed form) with Trace_ELBO's Monte Carlo KL as with
+    TraceMeanField_ELBO's closed form (the probe is in ``log q(u)`` too, and q(u)'s mean and
+    covariance carry no gradient of their own), within the Monte Carlo noise of the data term."""
+    from gpytorch_user_changes import optimal_q
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    x = torch.linspace(0, 1, 50, dtype=dtype)
+    y = torch.sin(2 * math.pi * x) + 0.1 * torch.randn(50, dtype=dtype)
+
+    class Model(gpytorch.models.pyro.PyroGP):
+        def __init__(self):
+            Z = torch.linspace(0, 1, 12, dtype=dtype).unsqueeze(-1)
+            dist = gpytorch.variational.CholeskyVariationalDistribution(12)
+            lik = gpytorch.likelihoods.GaussianLikelihood()
+            super().__init__(
+                CVIVariationalStrategy(self, Z, dist, lengthscale_search=False),
+                lik,
+                num_data=50,
+                name_prefix="t",
+            )
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+            self.covar_module.base_kernel.lengthscale = 0.2
+            lik.noise = 0.05
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    model = Model().to(dtype)
+    model.train()
+    exact_mean, _ = optimal_q(model, x.unsqueeze(-1), y, 0.05)
+    elbo = elbo_cls(num_particles=16, vectorize_particles=True, retain_graph=True)
+    # lr 0: the hyperparameters stay where they are (they are Pyro params all the same)
+    svi = pyro.infer.SVI(model.model, model.guide, pyro.optim.Adam({"lr": 0.0}), elbo)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "no KL term": q not stepped
+        for _ in range(40):
+            svi.step(x.unsqueeze(-1), y)
+    with torch.no_grad():
+        mean = model.variational_strategy.variational_distribution.mean.double()
+    assert float((mean - exact_mean).abs().max()) < 0.1
+    assert float(exact_mean.abs().max()) > 0.8  # q(u) moved from its start at the prior

@@ -161,17 +161,35 @@ class SiteMultivariateNormal(MultivariateNormal):
     (``IndependentMultitaskVariationalStrategy``, ``LMCVariationalStrategy``), which compute the
     KL from ``variational_distribution`` and ``prior_distribution``, get the same value."""
 
-    def __init__(self, mean: Tensor, covariance_matrix, kl: Optional[Tensor] = None, **kwargs):
+    def __init__(
+        self,
+        mean: Tensor,
+        covariance_matrix,
+        kl: Optional[Tensor] = None,
+        probe: Optional[Tensor] = None,
+        **kwargs,
+    ):
         super().__init__(mean, covariance_matrix, **kwargs)
         self.site_kl = kl
+        self.site_probe = probe
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        """``log q(u)``, plus the backward step's zero-valued probe (:class:`BackwardStep`): a
+        Monte Carlo KL (Pyro's ``Trace_ELBO`` scores ``log q(u) - log p(u)`` at a draw) then
+        tells the step its weight, as the closed-form KL does."""
+        res = super().log_prob(value)
+        probe = getattr(self, "site_probe", None)
+        return res if probe is None else res + probe
 
     def expand(self, batch_size) -> SiteMultivariateNormal:
         """GPyTorch's ``expand`` (Pyro calls it for vectorised particles and plates; it may skip
-        ``__init__``), with the sites' KL expanded alongside."""
+        ``__init__``), with the sites' KL and probe expanded alongside."""
         batch_size = torch.Size(batch_size)
         new = super().expand(batch_size)
         kl = getattr(self, "site_kl", None)
         new.site_kl = None if kl is None else kl.expand(batch_size)
+        probe = getattr(self, "site_probe", None)
+        new.site_probe = None if probe is None else probe.expand(batch_size)
         return new
 
 
@@ -415,13 +433,20 @@ class InducingForm:
 
     # ------------------------------------------------------------ q(u), q(f)
     def _inducing_variational_distribution(self) -> MultivariateNormal:
+        """q(u) (``u = m0(Z) + L_Z v``) with the sites' KL. Its mean and covariance carry no
+        gradient to q(v): the step's gradients must come from the data term alone, and a
+        Monte Carlo KL (``log q(u) - log p(u)`` at a draw, Pyro's ``Trace_ELBO``) would add its
+        own; the KL's part of the step is the sites themselves (eq. 13). Its weight in the loss
+        reaches the step through the probe in the KL and in ``log_prob``."""
         m_v, S_v, kl = self._q_tensors()
+        probe = kl - kl.detach()  # zero; its gradient is the KL's weight in the loss
+        m_v, S_v = m_v.detach(), S_v.detach()
         prior = self.model.forward(self.inducing_points)
         L_Z = safe_cholesky(self._kzz(prior.lazy_covariance_matrix.to_dense()), "K_ZZ")
         mean = prior.mean + (L_Z @ m_v.unsqueeze(-1)).squeeze(-1)
         cov = L_Z @ S_v @ L_Z.mT
         eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
-        return SiteMultivariateNormal(mean, 0.5 * (cov + cov.mT) + self.jitter * eye, kl)
+        return SiteMultivariateNormal(mean, 0.5 * (cov + cov.mT) + self.jitter * eye, kl, probe)
 
     @property
     def prior_distribution(self) -> MultivariateNormal:

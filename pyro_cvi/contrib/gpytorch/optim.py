@@ -56,6 +56,15 @@ from .strategy import CVIVariationalStrategy
 __all__ = ["CVIOptimizer"]
 
 
+def module_tensors(module: torch.nn.Module) -> List[Tensor]:
+    """Every tensor a module holds: parameters, buffers, and plain tensor attributes of it and
+    its submodules (``FixedNoiseGaussianLikelihood`` keeps its noise as one)."""
+    out = list(module.parameters()) + list(module.buffers())
+    for sub in module.modules():
+        out += [v for v in vars(sub).values() if torch.is_tensor(v)]
+    return out
+
+
 class CVIOptimizer:
     r"""Conjugate-computation VI steps on the sites of a :class:`CVIVariationalStrategy`.
 
@@ -244,7 +253,7 @@ class CVIOptimizer:
         n = mean.shape[-1]
         with torch.no_grad():
             kl = s.kl_divergence()
-        key = s.state_key()[1:] if (self.backtrack and indices is None) else None
+        key = self.objective_key(x, y) if (self.backtrack and indices is None) else None
         same = self._same_point(key)
         # data-parallel: every rank's terms and flags in one all-reduce, so all decide alike
         kl, ell_sum, num_clipped, finite, same = self._agree(
@@ -270,6 +279,21 @@ class CVIOptimizer:
         old1 = s.site_lam1 if indices is None else s.site_lam1[indices]
         old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
         return self._take_step(key, same, loss, (old1, old2), (g1, g2), indices)
+
+    def objective_key(self, x: Tensor, y: Tensor) -> List[Tensor]:
+        """What the -ELBO of a step depends on besides the sites: the model's parameters and
+        inducing points, the likelihood (which object, its parameters and buffers: a noise set
+        by hand, a new ``likelihood`` assigned), the data ``x``, ``y`` and the inputs that carry
+        data sites. Two steps are compared (and the later one backtracked) only if their keys
+        are equal; any change made between steps starts a new comparison instead of undoing the
+        first step taken under it."""
+        s = self.strategy
+        lik = self.likelihood
+        key = s.state_key()[1:]
+        key.append(torch.tensor([id(lik), s._site_inputs_version, self.num_data or 0]))
+        key += [t.detach().clone() for t in module_tensors(lik)]
+        key += [x.detach().clone(), y.detach().clone()]
+        return key
 
     def _same_point(self, key) -> bool:
         """Whether the last accepted step was taken at these hyperparameters (comparable)."""
@@ -341,7 +365,7 @@ class CVIOptimizer:
         s.num_clipped += clipped
         with torch.no_grad():
             loss = (s.kl_divergence().sum() - ell.detach() * scale).detach()
-        key = s.state_key()[1:] if (self.backtrack and self.num_data in (None, n)) else None
+        key = self.objective_key(x, y) if (self.backtrack and self.num_data in (None, n)) else None
         same = self._same_point(key)
         if cap is not None and len(g_point) == 2 and None not in g_point:
             move = s.search_step(cap["x"], cap["mean"], g_point[0] * scale, g_point[1] * scale)

@@ -14,13 +14,17 @@ step (exact when ``G`` is quadratic in ``mu``, as it is for a Gaussian likelihoo
     Delta G ~= 1/2 <mu_{k+1} - mu_k, (t_k - lam_k) + (t_{k+1} - lam_{k+1})>.
 
 A step with ``Delta G < -tol`` made the objective worse (it overshot by more than twice the
-optimum along its line): it is undone, and redone from ``lam_k`` towards ``t_k`` with
-``beta <- shrink * beta``, as :class:`~pyro_cvi.step_control.StepControl` does with the value.
-Each batch element (each GP of a batched or multitask model) has its own ``beta``; an accepted
-step lets it grow back by ``grow`` up to the strategy's ``step_size``. The test is only made
-between two steps on the same inputs with the same weight of the KL (full-batch training: a
-minibatch's gradient is a different objective's), as ``CVIOptimizer`` only backtracks full-batch
-steps; the hyperparameters' own step between the two is small at GPyTorch's learning rates.
+optimum along its line): it is undone (the sites go back to ``lam_k``) and ``beta <- shrink *
+beta``; the next backward pass takes the step from ``lam_k`` with that ``beta`` towards the target
+it computes there. The step is not redone towards the stored ``t_k``: ``t_k`` belongs to the
+objective of step ``k``, and between two backward passes the user may have changed it (a noise,
+a lengthscale or the targets set by hand, another likelihood) in ways the strategy cannot see;
+the fresh target is always the current objective's. Each batch element (each GP of a batched or
+multitask model) has its own ``beta``; an accepted step lets it grow back by ``grow`` up to the
+strategy's ``step_size``. The test is only made between two steps on the same inputs with the
+same weight of the KL (full-batch training: a minibatch's gradient is a different objective's),
+as ``CVIOptimizer`` only backtracks full-batch steps; the hyperparameters' own step between the
+two is small at GPyTorch's learning rates.
 
 Every new value of the sites is also retracted into the valid set: ``B = I - 2 lam2`` must have a
 Cholesky factor in the working precision and the sites must be finite. If not, ``beta`` is
@@ -150,7 +154,7 @@ class SecantBacktracking:
             if bool(undo.any()):
                 self.num_backtracks += int(undo.sum())
                 beta = torch.where(undo, beta * self.shrink, beta)
-                base = _Point(
+                base = _Point(  # undone elements: back to the last sites, no step (see above)
                     tuple(torch.where(self._expand(undo, o), o, h) for o, h in zip(last.lam, lam)),
                     tuple(torch.where(self._expand(undo, o), o, h) for o, h in zip(last.mu, mu)),
                     tuple(
@@ -161,11 +165,11 @@ class SecantBacktracking:
                     weight,
                 )
             beta = torch.where(undo, beta, (beta * self.grow).clamp_max(self.step_size))
-        new = self._retract(base, beta, check)
+        new = self._retract(base, torch.where(undo, torch.zeros_like(beta), beta), check)
         if new is None:
             self.reset()
             return None
-        self.last, self.beta = base, self.beta_used
+        self.last, self.beta = base, torch.where(undo, beta, self.beta_used)
         return new
 
     @staticmethod
@@ -174,8 +178,9 @@ class SecantBacktracking:
         return mask.to(like.device).reshape(mask.shape + (1,) * extra)
 
     def _retract(self, base: _Point, beta: Tensor, check) -> Optional[Pair]:
-        """Blend ``base.lam`` towards ``base.target`` with ``beta``, shrinking ``beta`` (all
-        elements) until ``check`` passes; ``None`` if it never does above ``min_step_size``."""
+        """Blend ``base.lam`` towards ``base.target`` with ``beta`` (0: stay), shrinking ``beta``
+        (every moving element) until ``check`` passes; ``None`` if it never does above
+        ``min_step_size``."""
         while True:
             b = beta.to(base.lam[0])
             lam1, lam2 = cvi_update(base.lam, base.target, b)
@@ -188,7 +193,8 @@ class SecantBacktracking:
                 if float(beta.max()) <= self.min_step_size:
                     return None
                 self.num_retractions += 1
-                beta = (beta * self.shrink).clamp_min(self.min_step_size * self.shrink)
+                shrunk = (beta * self.shrink).clamp_min(self.min_step_size * self.shrink)
+                beta = torch.where(beta > 0, shrunk, beta)  # undone elements stay put
                 continue
             self.beta_used = beta
             return lam1, lam2
