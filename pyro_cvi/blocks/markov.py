@@ -37,6 +37,7 @@ from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
@@ -312,3 +313,6 @@ class MarkovBlock(SiteFormBlock):
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         return self.spec.split(self.post.loc)
+
+
+register_block_kind(lambda spec: spec.chain is not None, MarkovBlock, fallback=True)

@@ -38,6 +38,7 @@ from ..gaussian import (
     lowrank_step,
     tril_step,
 )
+from ..model.records import REMAINDER_OWNER
 from ..natgrad.control import NoiseControl
 from ..natgrad.horizon import Horizon
 from ..natgrad.joint import (
@@ -57,6 +58,7 @@ from ..strategies import Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
+from .registry import Found, register_kind
 from .remainder_joint import remainder_log_joint
 
 __all__ = ["Remainder", "RemainderBlock"]
@@ -88,6 +90,9 @@ class RemainderBlock(Block):
     """
 
     kind = "remainder"
+    moves_trace = True
+    sweeps = True
+    setup_traces = ("median",)  # it starts, as Pyro's Gaussian autoguides, at medians
 
     def __init__(self, analysis, prefix: str, strategy: Remainder, owned: Sequence[str]):
         self.analysis, self.strategy = analysis, strategy
@@ -456,3 +461,16 @@ def _is_real(c) -> bool:
     while isinstance(c, constraints.independent):
         c = c.base_constraint
     return c is constraints.real
+
+
+def build_remainder(found: Found) -> List[Block]:
+    """The remainder's joint Gaussian, when the analysis left latents without exact messages
+    (and the guide's strategy allows one)."""
+    an = found.analysis
+    if not an.remainder:
+        return []
+    owned = found.owned_by(REMAINDER_OWNER)
+    return [RemainderBlock(an, found.prefix, found.options.remainder, owned)]
+
+
+register_kind("remainder", 30, build_remainder)

@@ -32,12 +32,11 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 
 from ..families import choose_families
-from ..messages.collapsed import collapsed_sites, collapsed_spec, infinite_support_error
-from ..messages.softmax_sites import SOFTMAX, centred_logits
 from ..statespace import detect as markov
 from ..statespace.random_walk import find_random_walks
 from . import gaussian_tree, probes
 from .block_factors import chain_factor, cross_factor, plate_factor
+from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -54,9 +53,11 @@ from .records import (
     REMAINDER,
     REMAINDER_OWNER,
     SITE,
+    SOFTMAX,
     BlockSpec,
     Factor,
     LatentInfo,
+    centred_logits,
 )
 from .remainder import apply_remainder, remainder_factor, remainder_sets
 from .tracing import (

@@ -17,10 +17,9 @@ from typing import Optional, Set
 import pyro.poutine
 import torch
 
-from ..messages.softmax_sites import centred_logits
 from ..statespace import detect as markov
 from . import probes
-from .records import GENERAL, LINEAR, PRIOR, SITE, Factor
+from .records import GENERAL, LINEAR, PRIOR, SITE, Factor, centred_logits
 from .tracing import (
     describe_link,
     has_learnable_params,

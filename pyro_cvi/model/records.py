@@ -21,6 +21,9 @@ GENERAL = "general"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
+#: a Categorical / OneHotCategorical / Multinomial factor with logits affine in a Gaussian
+#: block: K-dimensional sites (:mod:`pyro_cvi.messages.softmax_sites`)
+SOFTMAX = "softmax-predictor"
 
 # forms of a latent's q
 SITE = "site"
@@ -115,3 +118,18 @@ class BlockSpec:
 
     def join(self, values: Dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([values[n].reshape(-1) for n in self.names])
+
+
+_SOFTMAX_CLASSES = (
+    torch.distributions.Categorical,
+    torch.distributions.OneHotCategorical,
+    torch.distributions.Multinomial,
+)
+
+
+def centred_logits(base) -> Optional[torch.Tensor]:
+    """``logits - mean(logits, -1)`` of a softmax likelihood, else ``None``."""
+    if not isinstance(base, _SOFTMAX_CLASSES):
+        return None
+    logits = base.logits
+    return logits - logits.mean(-1, keepdim=True)
