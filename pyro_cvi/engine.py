@@ -36,7 +36,6 @@ from .model.factor_roles import minibatch_renames
 from .model.signature import check_signature, closure_key, data_key, signature
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, check_structure, per_index
-from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
@@ -82,7 +81,8 @@ class Engine:
         fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
-        start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
+        if self.options.reducer is not None:  # data-parallel: rank 0's parameters everywhere
+            self.options.reducer.setup(an, store.named_parameters(), self.prefix)
         init_trace = start_trace = None
         wanted = {t for b in self.blocks for t in b.setup_traces}
         if init_loc_fn is not None and "init" in wanted:
@@ -373,7 +373,9 @@ class Engine:
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
-        return combine(self.options.reducer, torch.zeros_like(total), total)  # rank's data
+        shared, reducer = torch.zeros_like(total), self.options.reducer
+        # (the rank's data in a data-parallel run)
+        return shared + total if reducer is None else reducer.combine(shared, total)
 
     # ------------------------------------------------------------------ the step
     def step(self, beta: Optional[float]) -> None:

@@ -26,8 +26,8 @@ from ..context import Options, StepContext
 from ..model import conjugate_pairs as cp
 from ..model.analysis import MEANFIELD
 from ..model.factor_roles import minibatch_renames, minibatch_spec
+from ..model.replication import replicated_sites
 from ..model.tracing import run_model
-from ..scale.distributed import replicated_sites
 from .expectations import QState, expected_log_prob
 from .montecarlo import monte_carlo
 

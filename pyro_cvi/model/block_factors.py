@@ -17,9 +17,9 @@ from typing import Optional, Set
 import pyro.poutine
 import torch
 
-from ..statespace import detect as markov
 from . import probes
 from .records import GENERAL, LINEAR, PRIOR, SITE, Factor, centred_logits
+from .structures import chain_rules
 from .tracing import (
     describe_link,
     has_learnable_params,
@@ -113,7 +113,7 @@ def chain_factor(an, site: str, block, base) -> Factor:
     dx, moved = an.probe_cache[block.index]
     if site not in block.names:
         found = chain.observations.get(site)
-        name, rows, why, dyn, link = found or markov.observation_factor(
+        name, rows, why, dyn, link = found or chain_rules().observation_factor(
             site, chain, base, tr, leaves, moved, dx
         )
         return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0], link=link)
@@ -121,7 +121,7 @@ def chain_factor(an, site: str, block, base) -> Factor:
         return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
     if not chain.ssm and chain.increments is None:
         with torch.enable_grad():
-            markov.prepare_loop(chain, tr, leaves, moved, label)
+            chain_rules().prepare_loop(chain, tr, leaves, moved, label)
     why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
     if chain.increments is not None:
         why += "; " + chain.increments.describe(site)

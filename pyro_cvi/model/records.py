@@ -6,12 +6,11 @@ per joint Gaussian block, and the names of the kinds, forms and owners they use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..families import ExponentialFamily
-from ..statespace.detect import ChainSpec
 
 # kinds of (factor, latent) pairs
 PRIOR = "conjugate prior"
@@ -88,7 +87,9 @@ class BlockSpec:
     names: Tuple[str, ...]
     shapes: Tuple[torch.Size, ...]
     factors: List[Factor] = field(default_factory=list)
-    chain: Optional[ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
+    #: a Markov chain prior (a Kalman-smoother block): a registered finder's chain
+    #: (:mod:`~pyro_cvi.model.structures`; :class:`pyro_cvi.statespace.detect.ChainSpec`)
+    chain: Optional[Any] = None
     #: members whose Normal prior has a loc affine in the others: ``name -> A`` (R x D), the
     #: Jacobian of the loc in the joint z (a linear-Gaussian tree, model/gaussian_tree.py)
     prior_rows: Dict[str, torch.Tensor] = field(default_factory=dict)
