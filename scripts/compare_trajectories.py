@@ -111,7 +111,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     sys.path.insert(0, args.zoo)
+    sys.path.insert(0, str(ROOT))  # this checkout's pyro_cvi, not an installed one
     from zoo import ZOO
+
+    import pyro_cvi
+
+    print(f"pyro_cvi from {Path(pyro_cvi.__file__).parent}")
 
     old = json.loads(Path(args.compare).read_text())["runs"] if args.compare else None
     names = args.models or MODELS
@@ -142,6 +147,7 @@ def main(argv=None) -> int:
         record = {
             "steps": args.steps,
             "command": "python scripts/compare_trajectories.py " + " ".join(argv or sys.argv[1:]),
+            "package": str(Path(pyro_cvi.__file__).parent),
             "runs": runs,
         }
         out.write_text(json.dumps(record, indent=1))
