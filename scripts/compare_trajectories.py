@@ -27,6 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+QUICK = ["coin", "bayesian_regression", "lda"]
+
 #: one or more models per kind of block: site-form Gaussian, Markov chain, mean field
 #: (conjugate pairs, discrete labels, Gamma rates), the remainder, minibatches, collapsed sums
 MODELS = [
@@ -85,12 +87,15 @@ def run(entry, dtype, steps: int) -> Dict:
 
 
 def differs(new: Dict, old: Dict) -> Optional[str]:
-    """``None`` when bit-identical, else where the two runs part."""
+    """``None`` when bit-identical, else where the two runs part (a shorter new run: its
+    losses against the record's first ones, the parameters not compared)."""
     if new.get("error") != old.get("error"):
         return f"error {old.get('error')!r} -> {new.get('error')!r}"
     for i, (a, b) in enumerate(zip(new["losses"], old["losses"])):
         if a != b:
             return f"loss of step {i + 1}: {float.fromhex(b)!r} -> {float.fromhex(a)!r}"
+    if len(new["losses"]) < len(old["losses"]) and "error" not in new:
+        return None  # a shorter run (--quick): its losses are the record's first ones
     if len(new["losses"]) != len(old["losses"]):
         return f"{len(old['losses'])} -> {len(new['losses'])} steps"
     newp, oldp = new.get("params", {}), old.get("params", {})
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="*", default=None, help="zoo keys (default: the list)")
     p.add_argument("--dtypes", nargs="*", default=["float64", "float32"])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="three models, float64, 5 steps")
     p.add_argument("--zoo", default=str(ROOT / "tests"), help="folder holding the zoo package")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -118,6 +124,9 @@ def main(argv=None) -> int:
 
     print(f"pyro_cvi from {Path(pyro_cvi.__file__).parent}")
 
+    if args.quick:
+        args.models = args.models or QUICK
+        args.dtypes, args.steps = ["float64"], 5
     old = json.loads(Path(args.compare).read_text())["runs"] if args.compare else None
     names = args.models or MODELS
     runs: Dict[str, Dict] = {}
@@ -137,14 +146,26 @@ def main(argv=None) -> int:
                     (same if why is None else parted).append(key)
                     line += "  bit-identical" if why is None else f"  DIFFERS: {why}"
             print(line, flush=True)
-    if old is not None:
-        print(f"bit-identical: {len(same)} of {len(same) + len(parted)} runs")
-        if parted:
-            print("differ: " + ", ".join(parted))
+    if old is None:
+        verdict = f"Verdict: recorded {len(runs)} runs of {args.steps} steps."
+    elif parted:
+        verdict = f"Verdict: {len(parted)} of {len(runs)} runs differ: {', '.join(parted)}."
+    else:
+        verdict = f"Verdict: all {len(same)} runs are bit-identical to the earlier record."
+    print(verdict)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         record = {
+            "report": {
+                "title": "Trajectories, bit for bit",
+                "verdict": verdict,
+                "command": "python scripts/compare_trajectories.py "
+                + " ".join(argv or sys.argv[1:]),
+                "quick": args.quick,
+                "text": "Every step's loss (float.hex) and a SHA-256 of every final parameter "
+                "of AutoCVI + CVI() + CVI_ELBO, seed 0, per zoo model and dtype.",
+            },
             "steps": args.steps,
             "command": "python scripts/compare_trajectories.py " + " ".join(argv or sys.argv[1:]),
             "package": str(Path(pyro_cvi.__file__).parent),
