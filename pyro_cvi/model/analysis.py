@@ -187,6 +187,8 @@ class Analysis:
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
         self.remainder: List[str] = []
         self.remainder_discrete: Set[str] = set()
+        #: Gamma precisions kept beside the remainder: ``{latent: its Normal factors}``
+        self.precisions: Dict[str, List[str]] = {}
         self.regroup()
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}

@@ -18,7 +18,7 @@ import pyro.poutine
 import torch
 
 from . import probes
-from .records import GENERAL, LINEAR, PRIOR, SITE, Factor, centred_logits
+from .records import CONJUGATE_MC, GENERAL, LINEAR, PRIOR, SITE, Factor, centred_logits
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -36,7 +36,9 @@ __all__ = ["chain_factor", "cross_factor", "plate_factor"]
 def cross_factor(an, site: str, inside: Set[str]) -> None:
     """A remainder factor that also holds latents of Gaussian site blocks: each such block
     gets a Bonnet/Price message under the remainder's ``q`` (Algorithm 2 between blocks;
-    the remainder owns the factor's ELBO term)."""
+    the remainder owns the factor's ELBO term); a Gamma noise precision kept beside it
+    (``an.precisions``) gets the expected natural parameter, averaged over the remainder's
+    draws."""
     lat = an.latents_of(site) - inside - an.collapsed
     blocks = {an.latents[n].block for n in lat if an.latents[n].form == SITE}
     given = ", ".join(sorted(an.latents_of(site) & inside))
@@ -45,6 +47,13 @@ def cross_factor(an, site: str, inside: Set[str]) -> None:
         why = f"shared with the remainder; given {given} drawn from its q: Bonnet/Price"
         plate = an.minibatch_plate(site)
         block.factors.append(Factor(site, block.label, GENERAL, why, plate=plate))
+    for z in sorted(lat, key=list(an.latents).index):
+        if site in an.precisions.get(z, ()):
+            why = (
+                f"Normal precision of {z} given {given}: expected Gamma natural parameter, "
+                "E_q[(y - loc)^2] by Monte Carlo over the remainder's q (eq. 20)"
+            )
+            an.latents[z].factors.append(Factor(site, z, CONJUGATE_MC, why))
 
 
 def plate_factor(an, site: str, block, base, plate: str) -> Optional[Factor]:

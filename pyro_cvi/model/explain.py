@@ -17,6 +17,7 @@ from typing import Dict, List
 from .records import (
     COLLAPSED,
     CONJUGATE,
+    CONJUGATE_MC,
     GENERAL,
     LINEAR,
     NATGRAD,
@@ -34,6 +35,7 @@ EXACT, MONTE_CARLO, SITES = "exact expected", "Monte Carlo expected", "sites"
 MESSAGE_RULES: Dict[str, str] = {
     PRIOR: EXACT,
     CONJUGATE: EXACT,
+    CONJUGATE_MC: MONTE_CARLO,
     LINEAR: SITES,
     SOFTMAX: SITES,
     GENERAL: SITES,

@@ -17,6 +17,9 @@ PRIOR = "conjugate prior"
 CONJUGATE = "conjugate"
 LINEAR = "linear-predictor"
 GENERAL = "general"
+#: conjugate to the latent given the others, the expectation over them by Monte Carlo (a Normal
+#: likelihood's Gamma precision beside the remainder: ``E_q[(y - loc)^2]`` over its draws)
+CONJUGATE_MC = "conjugate (MC)"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
