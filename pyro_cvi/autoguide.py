@@ -51,7 +51,6 @@ from .guide_state import (
 )
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
-from .model.analysis import LEAF_FORM, SITE
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
@@ -380,8 +379,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         )
         result: Dict[str, torch.Tensor] = {}
         leaves = []
-        for name, info in latents.items():  # model order (the guide's RNG stream)
-            if info.form == LEAF_FORM:
+        for name in latents:  # model order (the guide's RNG stream)
+            if name in engine.analysis.leaves:
                 leaves.append(name)
             elif name not in result:
                 result.update(engine.block_for(name).guide_sample(name, draw))
@@ -426,8 +425,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``variance`` (and ``covariance_matrix`` for a Gaussian over more than one value): a
         marginal, for a site in a joint block; for a *leaf* (a site nothing depends on, whose
         ``q`` is its conditional prior), that prior with its parents at their ``q`` means."""
-        info = self._info(name)
-        if info.form == LEAF_FORM:
+        self._info(name)
+        if name in self.engine.analysis.leaves:
             q = self._leaf_priors()[name]
         else:
             q = self.engine.block_for(name).marginal(name)
@@ -453,14 +452,18 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
     def joint_posterior(self, *names: str) -> dist.MultivariateNormal:
         """The joint Gaussian ``q`` of sites of one block, over the concatenation of their
         flattened values in the given order (e.g. ``joint_posterior("a", "b")``)."""
-        infos = [self._info(n) for n in names]
-        holders = {id(self.engine.block_for(n)) for n, i in zip(names, infos) if i.form == SITE}
-        if len(holders) != 1 or any(i.form != SITE for i in infos):
+        for n in names:
+            self._info(n)
+        engine = self.engine
+        joints = [b for b in engine.blocks if b.gaussian_joint]
+        holders = {id(engine.block_for(n)) if n in engine.stepper else None for n in names}
+        block = engine.block_for(names[0]) if names[0] in engine.stepper else None
+        if len(holders) != 1 or block is None or not block.gaussian_joint:
             raise ValueError(
                 f"sites {list(names)} do not lie in one Gaussian block; blocks: "
-                f"{[b.names for b in self.engine.gaussian]}"
+                f"{[b.names for b in joints]}"
             )
-        return self.engine.block_for(names[0]).joint(list(names))
+        return block.joint(list(names))
 
     @torch.no_grad()
     def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:

@@ -21,35 +21,21 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import pyro
 import torch
 from pyro.infer.autoguide.initialization import init_to_median
 
-from .blocks import (
-    Block,
-    BlockInit,
-    GaussianBlock,
-    MarkovBlock,
-    MeanFieldBlock,
-    NaturalBlock,
-    RemainderBlock,
-    StepReport,
-    init_messenger,
-    registered_block_kinds,
-)
+from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger
 from .context import Options, StepContext
 from .messages.expectations import site_weight
 from .messages.gaussian import gradient_only
-from .model.analysis import CONSTANT, LEAF_FORM, NATURAL, Analysis
+from .model.analysis import CONSTANT, Analysis
 from .model.factor_roles import minibatch_renames
-from .model.records import REMAINDER_OWNER
 from .model.signature import check_signature, closure_key, data_key, signature
 from .model.tracing import is_random, trace_model
 from .model.validation import check_analysis, check_observations, check_structure, per_index
-from .scale.distributed import combine, start_ranks
 from .step_control import (
     Snapshot,
     StepControl,
@@ -72,14 +58,11 @@ class Engine:
     def __init__(self, model, prefix: str, options: Options):
         self.model, self.prefix, self.options = model, prefix, options
         self.analysis: Optional[Analysis] = None
-        #: every block, in the order of the ELBO and the step (site blocks, then mean field)
+        #: every block, in the order of the ELBO and the step (the kinds' ranks:
+        #: :mod:`~pyro_cvi.blocks.registry`)
         self.blocks: List[Block] = []
-        #: the Gaussian site-form blocks (Algorithm 1; their moments enter other messages)
-        self.gaussian: List[GaussianBlock] = []
-        self.natural: OrderedDict[str, NaturalBlock] = OrderedDict()
-        self.mean_field: Optional[MeanFieldBlock] = None
-        #: the joint Gaussian of the latents without exact messages (or ``None``)
-        self.remainder: Optional[RemainderBlock] = None
+        #: the same blocks by the name of the kind that built them
+        self.kinds: Dict[str, List[Block]] = {}
         #: latent name -> the block that steps it in the sequential schedule
         self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
@@ -98,12 +81,14 @@ class Engine:
         fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
-        start_ranks(self.options.reducer, an, store.named_parameters(), self.prefix)
+        if self.options.reducer is not None:  # data-parallel: rank 0's parameters everywhere
+            self.options.reducer.setup(an, store.named_parameters(), self.prefix)
         init_trace = start_trace = None
-        if init_loc_fn is not None and self.natural:
+        wanted = {t for b in self.blocks for t in b.setup_traces}
+        if init_loc_fn is not None and "init" in wanted:
             model = init_messenger(init_loc_fn)(self.model)
             init_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-        if self.remainder is not None:  # it starts, as Pyro's Gaussian autoguides, at medians
+        if "median" in wanted:
             model = init_messenger(init_loc_fn or init_to_median)(self.model)
             with initial_failures():
                 start_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
@@ -150,34 +135,10 @@ class Engine:
             if is_random(s) and not per_index(s)
         }
         check_analysis(an, self.structure, args, kwargs)
-        self.gaussian = [
-            self._site_block(spec, [s for s, o in an.owner.items() if o == spec.index])
-            for spec in an.blocks
-        ]
-        self.natural = OrderedDict(
-            (n, NaturalBlock(i, self.prefix)) for n, i in an.latents.items() if i.form == NATURAL
-        )
-        self.leaf_values = {n: an.values[n] for n in an.leaves}
-        self.mean_field = None
-        if self.natural or an.collapsed_sites:
-            self.mean_field = MeanFieldBlock(
-                self.natural,
-                an,
-                self.gaussian,
-                self.options,
-                self.leaf_values,
-                self.sequential_order,
-            )
-        self.remainder = None
-        if an.remainder:
-            owned = [s for s, o in an.owner.items() if o == REMAINDER_OWNER]
-            self.remainder = RemainderBlock(an, self.prefix, o.remainder, owned)
-        self.blocks = list(self.gaussian) + ([self.mean_field] if self.mean_field else [])
-        self.blocks += [self.remainder] if self.remainder is not None else []
-        self.stepper = {n: b for b in self.gaussian for n in b.names}
-        self.stepper.update(self.natural)
-        if self.remainder is not None:
-            self.stepper.update({n: self.remainder for n in self.remainder.names})
+        found = Found(an, self.prefix, self.options, self.sequential_order)
+        self.kinds = build_blocks(found)
+        self.blocks = list(found.built)
+        self.stepper = {n: s for b in self.blocks for n, s in b.steppers().items()}
         # A model with no learnable parameter, no natural-form latent and no subsampling has
         # the same trace at the blocks' fixed point every step: it is traced once per data.
         self._has_params = any(s["type"] == "param" for s in an.structure.nodes.values())
@@ -188,21 +149,11 @@ class Engine:
             for s in an.structure.nodes.values()
         )
         self._static = (
-            not self.natural
-            and not self.minibatch
+            not self.minibatch
             and not self._has_params
-            and self.remainder is None
+            and not any(b.moves_trace for b in self.blocks)
         )
         self._static_trace = None
-
-    def _site_block(self, spec, owned) -> Block:
-        """The block of a Gaussian block spec: a registered kind that accepts it
-        (:func:`~pyro_cvi.blocks.base.register_block_kind`), else Markov or Gaussian."""
-        for accepts, factory in registered_block_kinds():
-            if accepts(spec):
-                return factory(spec, self.prefix, owned, self.options)
-        kind = MarkovBlock if spec.chain is not None else GaussianBlock
-        return kind(spec, self.prefix, owned, self.options)
 
     def block_for(self, name: str) -> Block:
         """The block that holds the ``q`` of latent site ``name`` (``KeyError``: none, a leaf
@@ -212,17 +163,16 @@ class Engine:
                 return block
         raise KeyError(f"{name!r} is held by no block (a leaf, or summed out)")
 
-    def block_of(self, name: str) -> GaussianBlock:
-        """The Gaussian block that holds latent site ``name``."""
-        for block in self.gaussian:
-            if name in block.names:
-                return block
-        raise KeyError(f"{name!r} is not in a Gaussian block")
+    block_of = block_for
 
     def natural_targets(self, args, kwargs, subsample=None) -> Dict:
-        """The Algorithm 2 targets of every natural block at the current q (no step)."""
+        """The Algorithm 2 targets of every natural-parameter latent at the current q (no
+        step)."""
         ctx = self.context(args, kwargs, subsample or {}, grads=False)
-        return self.mean_field.targets(ctx) if self.mean_field is not None else {}
+        out: Dict = {}
+        for block in self.blocks:
+            out.update(block.natural_targets(ctx))
+        return out
 
     def param_names(self) -> List[str]:
         return [n for b in self.blocks for n in b.param_names()]
@@ -284,9 +234,10 @@ class Engine:
         return values
 
     def _sampling_order(self) -> List[Block]:
-        # the mean field first: the order in which q is drawn (the RNG stream) is part of a run
-        rest = [b for b in self.blocks if b is not self.mean_field]
-        return ([self.mean_field] if self.mean_field is not None else []) + rest
+        # the order in which q is drawn (the random stream) is part of a run
+        return [b for b in self.blocks if b.draws_first] + [
+            b for b in self.blocks if not b.draws_first
+        ]
 
     def sample_q(self, subsample, exclude=(), at_means: bool = False) -> Dict[str, torch.Tensor]:
         """One joint draw (or the means) of every non-leaf latent outside ``exclude``."""
@@ -422,7 +373,9 @@ class Engine:
                 node = trace.nodes[site]
                 lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
                 total = total.to(lp) + lp
-        return combine(self.options.reducer, torch.zeros_like(total), total)  # rank's data
+        shared, reducer = torch.zeros_like(total), self.options.reducer
+        # (the rank's data in a data-parallel run)
+        return shared + total if reducer is None else reducer.combine(shared, total)
 
     # ------------------------------------------------------------------ the step
     def step(self, beta: Optional[float]) -> None:
@@ -459,7 +412,7 @@ class Engine:
             ) from e
 
     def _step(self, ctx: StepContext, beta: float) -> None:
-        if self.options.schedule != "parallel" and (self.natural or self.remainder):
+        if self.options.schedule != "parallel" and any(b.sweeps for b in self.blocks):
             self._sweep(ctx, beta)
         else:
             for block in self.blocks:
@@ -470,7 +423,7 @@ class Engine:
 
     def sequential_order(self) -> List[str]:
         """Order of the sequential schedule: the user's list, or reverse model order."""
-        active = [n for n, i in self.analysis.latents.items() if i.form != LEAF_FORM]
+        active = [n for n in self.analysis.latents if n not in self.analysis.leaves]
         schedule = self.options.schedule
         if isinstance(schedule, (list, tuple)):
             unknown = [n for n in schedule if n not in active]

@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from .natgrad.control import SignalToNoise
 from .natgrad.horizon import Horizon
+from .natgrad.joint import HESSIAN_MAX_DIM
 
 __all__ = [
     "Remainder",
@@ -22,8 +23,6 @@ __all__ = [
 #: ``Remainder(covariance="auto")`` is full up to this many unconstrained coordinates (a
 #: 151-dimensional stochastic volatility diverged with the low-rank form and fits with the full one)
 MAX_FULL_DIM = 256
-#: ``Remainder(curvature="auto")`` uses dense Hessians (Price's theorem) up to this many
-HESSIAN_MAX_DIM = 32
 COVARIANCES = ("auto", "full", "lowrank", "diag")
 CURVATURES = ("auto", "hessian", "gradient")
 

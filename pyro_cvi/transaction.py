@@ -58,7 +58,7 @@ class Transaction:
         self.params: Dict[str, torch.Tensor] = {}
         engine = guide.engine
         if engine is not None:
-            objs += [engine, engine.counts] + list(engine.blocks) + list(engine.natural.values())
+            objs += [engine, engine.counts] + list(engine.blocks)
             objs += [o for b in engine.blocks for o in b.state_objects()]
             if engine.control is not None:
                 objs.append(engine.control)

@@ -104,7 +104,7 @@ def run_autocvi(model, args, budget, seed):
     svi = SVI(model, guide, CVI(), CVI_ELBO())
     times, losses = _run(svi, args, budget)
     est = _estimate(model, guide, args)
-    rem = guide.engine.remainder
+    rem = guide.engine.kinds["remainder"][0]
     info = {}
     if rem is not None:
         info = {"form": rem.form, "step": type(rem.rule).__name__, "dim": rem.dim}

@@ -49,3 +49,43 @@ def test_explain_names_every_factor_latent_pair():
         lines = [ln for ln in text.splitlines() if pair[0] in ln and pair[1] in ln]
         assert lines, (pair, text)
     assert "conjugate" in text
+
+
+def _three_rules(y, counts, X, labels):
+    x = pyro.sample("x", dist.Normal(y.new_tensor(1.0), 2.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(3.0 * x - 1.0, 0.5), obs=y)
+    rate = pyro.sample("rate", dist.Gamma(y.new_tensor(2.0), 1.0))
+    with pyro.plate("counts", len(counts)):
+        pyro.sample("c", dist.Poisson(rate), obs=counts)
+    w = pyro.sample("w", dist.Normal(y.new_zeros(2), 1.0).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(y.new_tensor(0.0), 1.0))
+    with pyro.plate("labels", len(labels)):
+        pyro.sample("b", dist.Bernoulli(logits=X @ w), obs=labels)
+        pyro.sample("t", dist.StudentT(3.0, X[:, 0], s), obs=labels)
+
+
+def test_explain_prints_each_blocks_message_rules():
+    """Per block, the factors by the rule of their message: exact expected (conjugate, closed
+    form), Monte Carlo expected, sites (not conjugate)."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(12, 2, generator=g, dtype=torch.float64)
+    data = (
+        torch.tensor([2.0, 1.5, 2.7], dtype=torch.float64),
+        torch.tensor([3.0, 1.0, 4.0], dtype=torch.float64),
+        X,
+        (X[:, 0] > 0).double(),
+    )
+    guide = AutoCVI(_three_rules)
+    guide(*data)
+    lines = guide.explain().splitlines()
+
+    def rules_of(header):
+        (i,) = [k for k, ln in enumerate(lines) if ln.startswith(f"# {header}")]
+        return lines[i + 1]
+
+    rules = "#   messages: exact expected from {}; Monte Carlo expected from -; sites from {}"
+    assert rules_of("x:") == rules.format("x, y", "-")
+    assert rules_of("rate:") == rules.format("rate, c", "-")
+    assert rules_of("w:") == rules.format("w", "b")
+    assert rules_of("remainder:") == rules.format("-", "s, t")

@@ -59,7 +59,7 @@ def test_local_blocks_step_only_their_minibatch_rows():
     guide = AutoCVI(gamma_poisson)
     svi = SVI(gamma_poisson, guide, CVI(step_size=0.5), loss=CVI_ELBO())
     guide(counts)
-    nb = guide.engine.natural["rate"]
+    nb = guide.engine.stepper["rate"]
     before = [p.detach().clone() for p in nb.params()]
     pyro.set_rng_seed(1)
     svi.step(counts)

@@ -114,7 +114,7 @@ def closed_form_elbo(guide, X, y):
     X, y = X.double(), y.double()
     qb = guide.posterior("b")
     m, S = qb.mean.detach().double(), qb.covariance_matrix.detach().double()
-    qu = guide.engine.remainder.joint_unconstrained()
+    qu = guide.engine.kinds["remainder"][0].joint_unconstrained()
     mu, s = float(qu.loc[0]), float(qu.covariance_matrix[0, 0].sqrt())
     n, D = X.shape
     e_log_sigma, e_prec = mu, math.exp(-2 * mu + 2 * s * s)

@@ -75,7 +75,7 @@ def test_horizon_step_reaches_the_exact_gaussian_posterior(dtype, form):
     # the step decays over the 400 steps run (the horizon), as a user who plans them would
     rule = Remainder(covariance=form, step=Horizon(horizon=400))
     guide, _, losses = _fit(lognormal_regression, (X, y), 400, remainder=rule)
-    rem = guide.engine.remainder
+    rem = guide.engine.kinds["remainder"][0]
     assert rem is not None and set(rem.names) == {"z", "s"} and isinstance(rem.rule, Horizon)
     # the Normal(0, 2) prior is known: precision 1/4 on z's coordinates, added exactly
     order = [n for n in rem.names for _ in range(2 if n == "z" else 1)]
@@ -148,7 +148,7 @@ def test_reported_loss_is_the_bound(dtype):
     y = y + 0.5 * torch.randn(40, generator=g, dtype=torch.float64)
     args = (X.to(dtype), y.to(dtype))
     guide, svi, _ = _fit(tanh_regression, args, 300, remainder=Remainder(step=Horizon()))
-    assert isinstance(guide.engine.remainder.rule, Horizon)
+    assert isinstance(guide.engine.kinds["remainder"][0].rule, Horizon)
     reported = torch.tensor([svi.evaluate_loss(*args) for _ in range(300)], dtype=torch.float64)
     with torch.no_grad():
         ref = torch.tensor(
@@ -166,17 +166,17 @@ def test_the_rule_picks_the_step_and_the_form(monkeypatch):
     # a small full form: the default keeps Price's dense Hessians (and, with the rule's verdict
     # replaced, the one-draw step)
     guide, _, _ = _fit(lognormal_regression, (X, y), 2)
-    rem = guide.engine.remainder
+    rem = guide.engine.kinds["remainder"][0]
     assert isinstance(rem.rule, SignalToNoise) and rem.form == "full" and rem.hessian
     assert not bool(rem.prior_prec.any())
     monkeypatch.setattr(rem_module, "price_by_default", lambda *a: False)
     guide, _, _ = _fit(lognormal_regression, (X, y), 2)
-    rem = guide.engine.remainder
+    rem = guide.engine.kinds["remainder"][0]
     assert isinstance(rem.rule, Horizon) and rem.form == "full" and not rem.hessian
     # asked for: the rule is not consulted; 3 coordinates <= 2 / rho: full
     monkeypatch.setattr(rem_module, "price_by_default", lambda *a: True)
     guide, _, _ = _fit(lognormal_regression, (X, y), 2, remainder=Remainder(step=Horizon()))
-    rem = guide.engine.remainder
+    rem = guide.engine.kinds["remainder"][0]
     assert isinstance(rem.rule, Horizon) and rem.form == "full" and not rem.hessian
     assert Remainder().form(41, Horizon()) == "diag" and Remainder().form(40, Horizon()) == "full"
     assert Remainder().form(300, SignalToNoise()) == "lowrank"
@@ -189,9 +189,9 @@ def test_the_rule_picks_the_step_and_the_form(monkeypatch):
 
     y = torch.tensor([0.0, 2.0, 5.0, 1.0], dtype=torch.float64)
     guide, _, _ = _fit(funnel, (y,), 1)
-    assert isinstance(guide.engine.remainder.rule, SignalToNoise)
+    assert isinstance(guide.engine.kinds["remainder"][0].rule, SignalToNoise)
     guide, _, _ = _fit(funnel, (y,), 1, remainder=Remainder(step=Horizon(lr=0.05)))
-    assert guide.engine.remainder.rule == Horizon(lr=0.05)
+    assert guide.engine.kinds["remainder"][0].rule == Horizon(lr=0.05)
 
 
 def test_schedule_and_validation():
@@ -229,7 +229,7 @@ def test_horizon_state_survives_a_checkpoint():
     """The step's clock and momentum go into the guide's extra state and come back."""
     X, y = _data(torch.float64)
     guide, svi, _ = _fit(lognormal_regression, (X, y), 30, remainder=Remainder(step=Horizon()))
-    rem = guide.engine.remainder
+    rem = guide.engine.kinds["remainder"][0]
     state = rem.extra_state()
     t, gbar = rem.control.t, rem.control.gbar.clone()
     svi.step(X, y)

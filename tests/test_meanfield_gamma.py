@@ -102,7 +102,7 @@ def _averaged_q(svi, guide, args, shapes, steps, last):
         svi.step(*args)
         if t >= steps - last:
             nat = {
-                n: [p.detach().clone() for p in guide.engine.natural[n].params()] for n in shapes
+                n: [p.detach().clone() for p in guide.engine.stepper[n].params()] for n in shapes
             }
             acc = (
                 nat if acc is None else {n: [a + b for a, b in zip(acc[n], nat[n])] for n in shapes}

@@ -58,13 +58,13 @@ def test_minibatch_step_is_the_svi_update():
     guide.draw_subsample = lambda args, kwargs: {"data": idx}
     svi = SVI(model, guide, CVI(step_size=rho), loss=CVI_ELBO())
     guide(x)
-    lam1, lam2 = (p.detach().clone() for p in guide.engine.natural["mu"].params())
+    lam1, lam2 = (p.detach().clone() for p in guide.engine.stepper["mu"].params())
     svi.step(x)
     m, s2 = -0.5 * lam1 / lam2, -0.5 / lam2
     phi = torch.softmax(x[idx, None] * m - 0.5 * (m**2 + s2), -1)
     hat1 = (N / B) * (phi * x[idx, None]).sum(0)
     hat2 = -0.5 / SIGMA**2 - 0.5 * (N / B) * phi.sum(0)
-    new1, new2 = guide.engine.natural["mu"].params()
+    new1, new2 = guide.engine.stepper["mu"].params()
     assert torch.allclose(new1, (1 - rho) * lam1 + rho * hat1, rtol=1e-10)
     assert torch.allclose(new2, (1 - rho) * lam2 + rho * hat2, rtol=1e-10)
     # the batch's locals got their full (beta = 1) update; the rest are untouched

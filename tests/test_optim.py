@@ -20,7 +20,7 @@ Y = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
 
 
 def _naturals(guide):
-    return [p.detach().clone() for p in guide.engine.natural["f"].params()]
+    return [p.detach().clone() for p in guide.engine.stepper["f"].params()]
 
 
 @pytest.mark.parametrize("bad", ["fast", 0.0, 1.5, -0.1])

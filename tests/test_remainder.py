@@ -66,7 +66,7 @@ def test_remainder_reaches_a_gaussian_posterior_in_log_space(dtype):
     guide, svi, losses = fit(lognormal_model, (y,), 300)
     assert "remainder" in guide.explain()
     mean, var, lml = lognormal_posterior(y)
-    q = guide.engine.remainder.joint_unconstrained()
+    q = guide.engine.kinds["remainder"][0].joint_unconstrained()
     assert abs(float(q.mean[0]) - float(mean)) < 0.1 * math.sqrt(var)
     assert abs(float(q.covariance_matrix[0, 0]) / var - 1.0) < 0.15
     # the bound of the exact posterior is log p(y): the last losses average to -log p(y)
@@ -91,7 +91,7 @@ def test_remainder_holds_the_correlation_of_a_joint_posterior(dtype):
     P = torch.tensor([[1.0 + n, n], [n, 1.0 + n]], dtype=torch.float64)
     S = torch.linalg.inv(P)
     m = S @ torch.full((2,), float(y.double().log().sum()), dtype=torch.float64)
-    q = guide.engine.remainder.joint_unconstrained()
+    q = guide.engine.kinds["remainder"][0].joint_unconstrained()
     C = q.covariance_matrix.double()
     assert torch.allclose(q.mean.double(), m, atol=0.1 * float(S[0, 0].sqrt()))
     corr = C[0, 1] / (C[0, 0] * C[1, 1]).sqrt()
@@ -129,7 +129,7 @@ def test_exact_blocks_stay_exact_beside_the_remainder(dtype):
     guide, _, _ = fit(split_model, args, 60)
     text = guide.explain()
     assert "# w: q = gaussian (site form)" in text
-    assert guide.engine.remainder.names == ("rate",)
+    assert guide.engine.kinds["remainder"][0].names == ("rate",)
     # w's q is the exact conjugate posterior (the regression does not touch the remainder)
     X, _, y, _ = (a.double() for a in args)
     P = torch.eye(3, dtype=torch.float64) + X.T @ X / 0.25
@@ -141,7 +141,7 @@ def test_exact_blocks_stay_exact_beside_the_remainder(dtype):
 def test_remainder_off_keeps_the_mean_field():
     args = _split_data(torch.float64)
     guide, _, _ = fit(split_model, args, 3, remainder="off")
-    assert guide.engine.remainder is None
+    assert "remainder" not in guide.engine.kinds
     assert "# rate: q = gamma (natural form)" in guide.explain()
 
 
@@ -158,7 +158,7 @@ def test_remainder_strategy_is_validated():
 def test_every_covariance_form_fits(covariance):
     y = torch.exp(0.7 + 0.5 * torch.randn(30, generator=_gen(0), dtype=torch.float64))
     guide, _, losses = fit(lognormal_model, (y,), 200, remainder=covariance)
-    assert guide.engine.remainder.form == covariance
+    assert guide.engine.kinds["remainder"][0].form == covariance
     mean, var, lml = lognormal_posterior(y)
     assert abs(float(guide.median()["s"].log()) - float(mean)) < 0.2 * math.sqrt(var)
     assert abs(sum(losses[-50:]) / 50 + lml) < 0.1

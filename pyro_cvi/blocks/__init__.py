@@ -12,27 +12,34 @@ A block holds its parameters in Pyro's param store and answers to the engine
 :class:`GaussianBlock` is the site form (a joint Gaussian over a group of sites, Algorithm 1);
 :class:`MarkovBlock` is the site form on a linear-Gaussian chain prior (Kalman smoother,
 App. E.2); :class:`NaturalBlock` is a mean-field exponential-family factor (Algorithm 2). A new
-kind of site (e.g. K-dimensional softmax sites) is a new block.
+kind of block is one class and one registration (:mod:`~pyro_cvi.blocks.registry`).
 """
 
-from .base import (
-    Block,
-    BlockInit,
-    StepReport,
-    register_block_kind,
-    registered_block_kinds,
-    unregister_block_kind,
-)
+from .base import Block, BlockInit, StepReport
 from .gaussian import GaussianBlock
 from .markov import MarkovBlock
 from .mean_field import MeanFieldBlock
 from .natural import NaturalBlock, init_messenger, initial_natural
+from .registry import (
+    BlockKind,
+    Found,
+    build_blocks,
+    register_block_kind,
+    register_kind,
+    registered_block_kinds,
+    registered_kinds,
+    unregister_block_kind,
+    unregister_kind,
+)
 from .remainder import RemainderBlock
 from .site_form import SiteFormBlock
 
 __all__ = [
     "Block",
     "BlockInit",
+    "BlockKind",
+    "Found",
+    "build_blocks",
     "GaussianBlock",
     "MarkovBlock",
     "MeanFieldBlock",
@@ -43,6 +50,9 @@ __all__ = [
     "init_messenger",
     "initial_natural",
     "register_block_kind",
+    "register_kind",
     "registered_block_kinds",
+    "registered_kinds",
     "unregister_block_kind",
+    "unregister_kind",
 ]

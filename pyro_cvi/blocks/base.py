@@ -18,7 +18,7 @@ Every kind of ``q`` is a :class:`Block` (docs/architecture.md). The engine
   ``marginal(name)``, ``joint(names)``: the current ``q``.
 
 A new kind of block is one class deriving from :class:`Block` plus one registration
-(:func:`register_block_kind`, consulted by the engine before the built-in kinds).
+(:mod:`~pyro_cvi.blocks.registry`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ __all__ = [
     "BlockInit",
     "GuideDraw",
     "StepReport",
-    "register_block_kind",
-    "registered_block_kinds",
-    "unregister_block_kind",
 ]
 
 
@@ -91,6 +88,18 @@ class Block(abc.ABC):
 
     #: the latent sites whose ``q`` this block holds
     names: Tuple[str, ...] = ()
+    #: whether the point at which the step's trace is taken moves with ``q`` (else the model
+    #: is traced once per data when nothing else changes between steps)
+    moves_trace: bool = False
+    #: whether a non-parallel schedule steps the block's latents one by one (coordinate ascent)
+    sweeps: bool = False
+    #: whether its ``q`` is drawn before the other blocks' (the order of the random stream)
+    draws_first: bool = False
+    #: the set-up traces it reads from :class:`BlockInit`: ``"init"`` (at ``init_loc_fn``'s
+    #: values, when one is given), ``"median"`` (at ``init_loc_fn``'s values, else the medians)
+    setup_traces: Tuple[str, ...] = ()
+    #: whether :meth:`joint` of several of its sites is a Gaussian (``guide.joint_posterior``)
+    gaussian_joint: bool = False
 
     @property
     def label(self) -> str:
@@ -140,6 +149,16 @@ class Block(abc.ABC):
         ctx.grads = True
         self.messages(ctx)
         return self.step(beta, ctx)
+
+    def steppers(self) -> Dict[str, Block]:
+        """``latent name -> the block that steps it`` in the sequential schedule (default:
+        this block for each of its sites; a group of blocks returns its members)."""
+        return {n: self for n in self.names}
+
+    def natural_targets(self, ctx: StepContext) -> Dict[str, Any]:
+        """The Algorithm 2 targets of its natural-parameter latents at the current ``q``
+        (no step; default: none)."""
+        return {}
 
     def state_objects(self) -> List[Any]:
         """Objects besides the block whose attributes a step rebinds (e.g. a step-size
@@ -223,23 +242,3 @@ class Block(abc.ABC):
     def load_extra_state(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`extra_state` (from a checkpoint)."""
         return None
-
-
-#: ``[(accepts(spec) -> bool, factory(spec, prefix, owned, options) -> Block)]``
-_KINDS: List[Tuple[Callable, Callable]] = []
-
-
-def register_block_kind(accepts: Callable, factory: Callable) -> None:
-    """Register a new kind of block: ``accepts(spec)`` says whether it takes a Gaussian
-    :class:`~pyro_cvi.model.records.BlockSpec`, ``factory(spec, prefix, owned, options)``
-    builds it. Later registrations are consulted first."""
-    _KINDS.insert(0, (accepts, factory))
-
-
-def unregister_block_kind(factory: Callable) -> None:
-    """Remove a registration (tests)."""
-    _KINDS[:] = [k for k in _KINDS if k[1] is not factory]
-
-
-def registered_block_kinds() -> List[Tuple[Callable, Callable]]:
-    return list(_KINDS)

@@ -62,6 +62,7 @@ from ..update import (
 from .block_prior import block_prior
 from .laplace import LaplaceStart
 from .plate_sites import PlateSites
+from .registry import register_block_kind
 from .rows import factor_rows, has_graph, site_value
 from .site_form import SiteFormBlock
 
@@ -477,3 +478,6 @@ def _same(old_prior, old_rows, prior, rows) -> bool:
         if not (torch.equal(r1.w, r2.w) and torch.equal(r1.b, r2.b)):
             return False
     return True
+
+
+register_block_kind(lambda spec: spec.chain is None, GaussianBlock, fallback=True)

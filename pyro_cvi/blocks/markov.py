@@ -32,11 +32,14 @@ from ..messages.gaussian import (
     warm_start_target,
 )
 from ..model.analysis import LINEAR, BlockSpec
+from ..model.structures import ChainRules, register_chain_finder
 from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
+from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
@@ -312,3 +315,13 @@ class MarkovBlock(SiteFormBlock):
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         return self.spec.split(self.post.loc)
+
+
+register_block_kind(lambda spec: spec.chain is not None, MarkovBlock, fallback=True)
+# the chains this kind fits, found by the analysis: pyro.markov loops and state-space sites,
+# then vectorised random walks over the latents left
+register_chain_finder(
+    lambda an, used: detect.find_chains(an),
+    ChainRules(detect.observation_factor, detect.prepare_loop),
+)
+register_chain_finder(find_random_walks)

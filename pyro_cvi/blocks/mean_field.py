@@ -13,16 +13,18 @@ expectations and the entropies). Inside a subsampled plate the local latents fir
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import pyro
 import torch
 
 from ..context import Options, StepContext
 from ..messages.mean_field import compute
+from ..model.records import NATURAL
 from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import marginal_median
 from .natural import NaturalBlock
+from .registry import Found, register_kind
 
 __all__ = ["MeanFieldBlock"]
 
@@ -39,6 +41,7 @@ class MeanFieldBlock(Block):
     """
 
     kind = "mean field"
+    draws_first = True
 
     def __init__(
         self,
@@ -64,6 +67,27 @@ class MeanFieldBlock(Block):
     @property
     def labels(self) -> List[str]:
         return list(self.names)
+
+    @property
+    def moves_trace(self) -> bool:  # type: ignore[override]
+        return bool(self.natural)
+
+    @property
+    def sweeps(self) -> bool:  # type: ignore[override]
+        return bool(self.natural)
+
+    @property
+    def setup_traces(self) -> Tuple[str, ...]:  # type: ignore[override]
+        return ("init",) if self.natural else ()
+
+    def steppers(self) -> Dict[str, Block]:
+        return dict(self.natural)
+
+    def natural_targets(self, ctx: StepContext) -> Dict:
+        return self.targets(ctx)
+
+    def state_objects(self) -> List:
+        return list(self.natural.values())
 
     @property
     def sequential(self) -> bool:
@@ -172,3 +196,19 @@ class MeanFieldBlock(Block):
             if not q.support.is_discrete:
                 out.append(((n,), (q.batch_shape + q.event_shape,), q, False))
         return out
+
+
+def build_mean_field(found: Found) -> List[Block]:
+    """The mean-field block of the natural-form latents (one natural block each) and the
+    collapsed sums, reading the moments of the blocks built before it."""
+    an = found.analysis
+    natural = OrderedDict(
+        (n, NaturalBlock(i, found.prefix)) for n, i in an.latents.items() if i.form == NATURAL
+    )
+    if not natural and not an.collapsed_sites:
+        return []
+    leaves = {n: an.values[n] for n in an.leaves}
+    return [MeanFieldBlock(natural, an, found.built, found.options, leaves, found.order)]
+
+
+register_kind("mean field", 20, build_mean_field)

@@ -38,6 +38,7 @@ from ..gaussian import (
     lowrank_step,
     tril_step,
 )
+from ..model.records import REMAINDER_OWNER
 from ..natgrad.control import NoiseControl
 from ..natgrad.horizon import Horizon
 from ..natgrad.joint import (
@@ -57,9 +58,20 @@ from ..strategies import Remainder
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
+from .registry import Found, register_kind
 from .remainder_joint import remainder_log_joint
 
 __all__ = ["Remainder", "RemainderBlock"]
+
+#: Price's dense Hessians up to this many coordinates when a Gamma precision is kept beside
+#: the remainder: its likelihood's curvature scales with the precision, which moves between
+#: steps, so a running one-draw curvature lags it while the Hessian at the step is exact
+SCALED_HESSIAN_MAX_DIM = 64
+
+
+def _price_beside(strategy: Remainder, dim: int) -> bool:
+    return strategy.curvature == "auto" and strategy.step is None and dim <= SCALED_HESSIAN_MAX_DIM
+
 
 #: the low-rank form's trust region under the one-draw step (largest move of a log s or W entry)
 LOWRANK_ONEDRAW_MOVE = 0.2
@@ -88,6 +100,9 @@ class RemainderBlock(Block):
     """
 
     kind = "remainder"
+    moves_trace = True
+    sweeps = True
+    setup_traces = ("median",)  # it starts, as Pyro's Gaussian autoguides, at medians
 
     def __init__(self, analysis, prefix: str, strategy: Remainder, owned: Sequence[str]):
         self.analysis, self.strategy = analysis, strategy
@@ -109,7 +124,9 @@ class RemainderBlock(Block):
         self.dim = start
         #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
         self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
-        self.rule = strategy.choose_step(hierarchical(analysis, self.names))
+        # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too
+        scaled = bool(getattr(analysis, "precisions", {}))
+        self.rule = strategy.choose_step(hierarchical(analysis, self.names) or scaled)
         self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
         self.rank = min(self.rank, self.dim)
@@ -124,7 +141,9 @@ class RemainderBlock(Block):
         # scales positive (the retraction, and s' = s exp(...))
         self.constraints = {n: constraints.real for n in self.param_names()}
         #: Price's theorem (dense Hessians) for the precision (see Remainder.hessian)
-        self.hessian = self.form == "full" and strategy.hessian(self.dim, self.rule)
+        self.hessian = self.form == "full" and (
+            strategy.hessian(self.dim, self.rule) or (scaled and _price_beside(strategy, self.dim))
+        )
         #: the one-draw step of :mod:`pyro_cvi.natgrad.horizon` (else the reparameterised
         #: gradients in the parameters, or Price's Hessians, under the noise control)
         self.onedraw = isinstance(self.rule, Horizon) and not self.hessian
@@ -456,3 +475,16 @@ def _is_real(c) -> bool:
     while isinstance(c, constraints.independent):
         c = c.base_constraint
     return c is constraints.real
+
+
+def build_remainder(found: Found) -> List[Block]:
+    """The remainder's joint Gaussian, when the analysis left latents without exact messages
+    (and the guide's strategy allows one)."""
+    an = found.analysis
+    if not an.remainder:
+        return []
+    owned = found.owned_by(REMAINDER_OWNER)
+    return [RemainderBlock(an, found.prefix, found.options.remainder, owned)]
+
+
+register_kind("remainder", 30, build_remainder)

@@ -31,6 +31,7 @@ class SiteFormBlock(Block):
     ``joint()``."""
 
     kind = "precision"
+    gaussian_joint = True
 
     @property
     def label(self) -> str:

@@ -8,7 +8,9 @@ For a mean-field ``q(z) = prod_i q_i(z_i | lambda_i)`` one step of Algorithm 2 i
 Both kinds of message are ``grad_{mu_i} E_q[log p_a]`` (eq. 89): exact factors through the
 closed form of :mod:`~pyro_cvi.messages.expectations` (so with ``beta = 1`` a sequential sweep is
 CAVI),
-general factors by Monte Carlo (:mod:`~pyro_cvi.messages.montecarlo`). :func:`compute` also returns
+general factors by Monte Carlo (:mod:`~pyro_cvi.messages.montecarlo`); a Gamma precision beside
+the remainder gets the expected natural parameter of the factors the remainder owns, averaged
+over joint draws (:mod:`~pyro_cvi.messages.precision`). :func:`compute` also returns
 the
 mean-field part of the ELBO: every factor touching a natural-form latent, and their entropies.
 Inside ``pyro.plate(..., subsample_size=B)`` a local latent's terms all carry the scale ``N/B``;
@@ -26,10 +28,14 @@ from ..context import Options, StepContext
 from ..model import conjugate_pairs as cp
 from ..model.analysis import MEANFIELD
 from ..model.factor_roles import minibatch_renames, minibatch_spec
+from ..model.replication import replicated_sites
 from ..model.tracing import run_model
-from ..scale.distributed import replicated_sites
 from .expectations import QState, expected_log_prob
 from .montecarlo import monte_carlo
+from .precision import precision_messages, precision_sites
+
+#: joint draws of ``q`` per Monte Carlo expected message (at least; ``num_general_samples``)
+EXPECTED_MESSAGE_SAMPLES = 16
 
 __all__ = ["MeanFieldResult", "compute"]
 
@@ -126,6 +132,12 @@ def compute(
             gs = torch.autograd.grad(grad_total, leaves, allow_unused=True, retain_graph=value)
         else:
             gs = [None] * len(leaves)
+        expected = {}
+        for n in names:  # factors the remainder owns: expected natural parameters by MC
+            sites = precision_sites(analysis, n)
+            if sites:
+                S = max(EXPECTED_MESSAGE_SAMPLES, int(options.num_general_samples))
+                expected[n] = precision_messages(ctx, analysis, n, sites, S)
         k = 0
         for n in names:
             parts = []
@@ -135,6 +147,8 @@ def compute(
                 k += 1
             if n in mc_grads:
                 parts = [a + b for a, b in zip(parts, mc_grads[n])]
+            if n in expected:
+                parts = [a + b.reshape(a.shape) for a, b in zip(parts, expected[n])]
             s = natural[n].local_scale(sub)
             if s != 1.0:
                 parts = [t / s for t in parts]

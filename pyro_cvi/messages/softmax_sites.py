@@ -28,26 +28,11 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..gaussian.sites import site_to_row_multivariate
 from ..model import probes
+from ..model.records import SOFTMAX, centred_logits
 from ..model.tracing import unwrap
 from .softmax import lse_expectations, site_targets
 
 __all__ = ["SOFTMAX", "SoftmaxRows", "centred_logits", "softmax_rows", "softmax_message"]
-
-SOFTMAX = "softmax-predictor"
-
-_CLASSES = (
-    torch.distributions.Categorical,
-    torch.distributions.OneHotCategorical,
-    torch.distributions.Multinomial,
-)
-
-
-def centred_logits(base) -> Optional[torch.Tensor]:
-    """``logits - mean(logits, -1)`` of a softmax likelihood, else ``None``."""
-    if not isinstance(base, _CLASSES):
-        return None
-    logits = base.logits
-    return logits - logits.mean(-1, keepdim=True)
 
 
 def _counts(site, base, K: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

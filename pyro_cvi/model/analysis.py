@@ -32,12 +32,9 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 
 from ..families import choose_families
-from ..messages.collapsed import collapsed_sites, collapsed_spec, infinite_support_error
-from ..messages.softmax_sites import SOFTMAX, centred_logits
-from ..statespace import detect as markov
-from ..statespace.random_walk import find_random_walks
 from . import gaussian_tree, probes
 from .block_factors import chain_factor, cross_factor, plate_factor
+from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -54,11 +51,14 @@ from .records import (
     REMAINDER,
     REMAINDER_OWNER,
     SITE,
+    SOFTMAX,
     BlockSpec,
     Factor,
     LatentInfo,
+    centred_logits,
 )
 from .remainder import apply_remainder, remainder_factor, remainder_sets
+from .structures import find_chains
 from .tracing import (
     continuous_dependencies,
     describe_link,
@@ -176,8 +176,7 @@ class Analysis:
             fam = None if name in self.leaves else self.families[name]
             fn = site["fn"]
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
-        self.chains = markov.find_chains(self)
-        self.chains += find_random_walks(self, {n for c in self.chains for n in c.names})
+        self.chains = find_chains(self)  # (the registered finders: model/structures.py)
         # the Kalman smoother reads the transition densities unweighted: a chain with a scaled or
         # masked latent (poutine.scale / mask) goes to the blocks that weigh its prior
         self.chains = [c for c in self.chains if not weighted_chain(self.structure, c)]
@@ -188,6 +187,8 @@ class Analysis:
         #: sums out (:mod:`~pyro_cvi.model.remainder`)
         self.remainder: List[str] = []
         self.remainder_discrete: Set[str] = set()
+        #: Gamma precisions kept beside the remainder: ``{latent: its Normal factors}``
+        self.precisions: Dict[str, List[str]] = {}
         self.regroup()
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}

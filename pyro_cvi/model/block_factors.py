@@ -17,10 +17,9 @@ from typing import Optional, Set
 import pyro.poutine
 import torch
 
-from ..messages.softmax_sites import centred_logits
-from ..statespace import detect as markov
 from . import probes
-from .records import GENERAL, LINEAR, PRIOR, SITE, Factor
+from .records import CONJUGATE_MC, GENERAL, LINEAR, PRIOR, SITE, Factor, centred_logits
+from .structures import chain_rules
 from .tracing import (
     describe_link,
     has_learnable_params,
@@ -37,7 +36,9 @@ __all__ = ["chain_factor", "cross_factor", "plate_factor"]
 def cross_factor(an, site: str, inside: Set[str]) -> None:
     """A remainder factor that also holds latents of Gaussian site blocks: each such block
     gets a Bonnet/Price message under the remainder's ``q`` (Algorithm 2 between blocks;
-    the remainder owns the factor's ELBO term)."""
+    the remainder owns the factor's ELBO term); a Gamma noise precision kept beside it
+    (``an.precisions``) gets the expected natural parameter, averaged over the remainder's
+    draws."""
     lat = an.latents_of(site) - inside - an.collapsed
     blocks = {an.latents[n].block for n in lat if an.latents[n].form == SITE}
     given = ", ".join(sorted(an.latents_of(site) & inside))
@@ -46,6 +47,13 @@ def cross_factor(an, site: str, inside: Set[str]) -> None:
         why = f"shared with the remainder; given {given} drawn from its q: Bonnet/Price"
         plate = an.minibatch_plate(site)
         block.factors.append(Factor(site, block.label, GENERAL, why, plate=plate))
+    for z in sorted(lat, key=list(an.latents).index):
+        if site in an.precisions.get(z, ()):
+            why = (
+                f"Normal precision of {z} given {given}: expected Gamma natural parameter, "
+                "E_q[(y - loc)^2] by Monte Carlo over the remainder's q (eq. 20)"
+            )
+            an.latents[z].factors.append(Factor(site, z, CONJUGATE_MC, why))
 
 
 def plate_factor(an, site: str, block, base, plate: str) -> Optional[Factor]:
@@ -114,7 +122,7 @@ def chain_factor(an, site: str, block, base) -> Factor:
     dx, moved = an.probe_cache[block.index]
     if site not in block.names:
         found = chain.observations.get(site)
-        name, rows, why, dyn, link = found or markov.observation_factor(
+        name, rows, why, dyn, link = found or chain_rules().observation_factor(
             site, chain, base, tr, leaves, moved, dx
         )
         return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0], link=link)
@@ -122,7 +130,7 @@ def chain_factor(an, site: str, block, base) -> Factor:
         return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
     if not chain.ssm and chain.increments is None:
         with torch.enable_grad():
-            markov.prepare_loop(chain, tr, leaves, moved, label)
+            chain_rules().prepare_loop(chain, tr, leaves, moved, label)
     why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
     if chain.increments is not None:
         why += "; " + chain.increments.describe(site)

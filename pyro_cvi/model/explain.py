@@ -1,11 +1,58 @@
 """``guide.explain()``: one line per (factor, latent or block) pair of an
-:class:`~pyro_cvi.model.analysis.Analysis`, with the kind CVI gives it and why."""
+:class:`~pyro_cvi.model.analysis.Analysis`, with the kind CVI gives it and why, and for each
+block the message rule of Algorithm 2 (eq. 20, with Algorithm 1's sites) its factors follow:
+
+* *exact expected*: conjugate to the block given its other arguments, the expectations it needs
+  in closed form under the neighbours' ``q`` (the expected natural parameter, VMP);
+* *Monte Carlo expected*: conjugate, the same expected natural parameter averaged over draws of
+  the neighbours;
+* *sites*: not conjugate: CVI sites (quadrature for linear predictors, Bonnet/Price or the
+  one-draw step, Monte Carlo gradients of the expected log-density).
+"""
 
 from __future__ import annotations
 
-from .records import REMAINDER, SITE
+from typing import Dict, List
 
-__all__ = ["explain"]
+from .records import (
+    COLLAPSED,
+    CONJUGATE,
+    CONJUGATE_MC,
+    GENERAL,
+    LINEAR,
+    NATGRAD,
+    PRIOR,
+    REMAINDER,
+    SITE,
+    SOFTMAX,
+)
+
+__all__ = ["MESSAGE_RULES", "explain", "message_rules"]
+
+EXACT, MONTE_CARLO, SITES = "exact expected", "Monte Carlo expected", "sites"
+
+#: the message rule of each factor kind (kinds not listed send no message: leaves, constants)
+MESSAGE_RULES: Dict[str, str] = {
+    PRIOR: EXACT,
+    CONJUGATE: EXACT,
+    CONJUGATE_MC: MONTE_CARLO,
+    LINEAR: SITES,
+    SOFTMAX: SITES,
+    GENERAL: SITES,
+    NATGRAD: SITES,
+    COLLAPSED: SITES,
+}
+
+
+def message_rules(factors) -> str:
+    """``#   messages: exact expected from a, b; Monte Carlo expected from -; sites from y``."""
+    by: Dict[str, List[str]] = {EXACT: [], MONTE_CARLO: [], SITES: []}
+    for f in factors:
+        rule = MESSAGE_RULES.get(f.kind)
+        if rule is not None and f.site not in by[rule]:
+            by[rule].append(f.site)
+    parts = [f"{rule} from {', '.join(sites) or '-'}" for rule, sites in by.items()]
+    return "#   messages: " + "; ".join(parts)
 
 
 def explain(an) -> str:
@@ -23,11 +70,14 @@ def explain(an) -> str:
             if block.chain is not None:
                 what = f"Markov gaussian chain, {block.chain.size_text}"
             lines.append(f"# {block.label}: q = {what} (site form)")
+            lines.append(message_rules(block.factors))
             lines.extend(f.describe() for f in block.factors)
             continue
         fam = info.family.name if info.family is not None else "conditional prior"
         why = f"; {an.fallback[name]}" if name in an.fallback else ""
         lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
+        if info.factors:
+            lines.append(message_rules(info.factors))
         lines.extend(f.describe() for f in info.factors)
     for name in sorted(an.collapsed - an.remainder_discrete, key=list(an.values).index):
         lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
@@ -40,5 +90,6 @@ def explain(an) -> str:
             f"# remainder: q = one joint Gaussian on the unconstrained values of "
             f"{', '.join(an.remainder)} (natural-gradient steps{also})"
         )
+        lines.append(message_rules(an.remainder_factors))
         lines.extend(f.describe() for f in an.remainder_factors)
     return "\n".join(lines)

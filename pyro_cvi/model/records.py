@@ -6,21 +6,26 @@ per joint Gaussian block, and the names of the kinds, forms and owners they use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..families import ExponentialFamily
-from ..statespace.detect import ChainSpec
 
 # kinds of (factor, latent) pairs
 PRIOR = "conjugate prior"
 CONJUGATE = "conjugate"
 LINEAR = "linear-predictor"
 GENERAL = "general"
+#: conjugate to the latent given the others, the expectation over them by Monte Carlo (a Normal
+#: likelihood's Gamma precision beside the remainder: ``E_q[(y - loc)^2]`` over its draws)
+CONJUGATE_MC = "conjugate (MC)"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
+#: a Categorical / OneHotCategorical / Multinomial factor with logits affine in a Gaussian
+#: block: K-dimensional sites (:mod:`pyro_cvi.messages.softmax_sites`)
+SOFTMAX = "softmax-predictor"
 
 # forms of a latent's q
 SITE = "site"
@@ -85,7 +90,9 @@ class BlockSpec:
     names: Tuple[str, ...]
     shapes: Tuple[torch.Size, ...]
     factors: List[Factor] = field(default_factory=list)
-    chain: Optional[ChainSpec] = None  # a Markov chain prior: a Kalman-smoother block
+    #: a Markov chain prior (a Kalman-smoother block): a registered finder's chain
+    #: (:mod:`~pyro_cvi.model.structures`; :class:`pyro_cvi.statespace.detect.ChainSpec`)
+    chain: Optional[Any] = None
     #: members whose Normal prior has a loc affine in the others: ``name -> A`` (R x D), the
     #: Jacobian of the loc in the joint z (a linear-Gaussian tree, model/gaussian_tree.py)
     prior_rows: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -115,3 +122,18 @@ class BlockSpec:
 
     def join(self, values: Dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([values[n].reshape(-1) for n in self.names])
+
+
+_SOFTMAX_CLASSES = (
+    torch.distributions.Categorical,
+    torch.distributions.OneHotCategorical,
+    torch.distributions.Multinomial,
+)
+
+
+def centred_logits(base) -> Optional[torch.Tensor]:
+    """``logits - mean(logits, -1)`` of a softmax likelihood, else ``None``."""
+    if not isinstance(base, _SOFTMAX_CLASSES):
+        return None
+    logits = base.logits
+    return logits - logits.mean(-1, keepdim=True)

@@ -22,7 +22,13 @@ latents drawn from the remainder's ``q`` (eqs. 30-31 under ``q(remainder)``). Fi
 latents inside a remainder component are summed out in its log joint (Pyro's TraceEnum
 contraction), as ``TraceEnum_ELBO`` does for AutoNormal; a component with discrete latents
 takes in its Gaussian blocks too (their exact rows would need expectations over the summed-out
-labels). A component stays as it was (mean field) where the remainder cannot hold it: a
+labels). A Gamma latent ``tau`` whose only general factors are Normal likelihoods with precision
+``c * tau`` (``scale = (c tau)^(-1/2)``, probed) and a loc free of ``tau`` (anything in the
+remainder's latents) stays out too and keeps its Gamma ``q``: such a factor is conjugate to
+``tau`` given the others, ``log p = 1/2 log tau - tau c (y - loc)^2 / 2 + const``, so its
+message is the expected natural parameter ``(1/2, -c E_q[(y - loc)^2] / 2)`` (eq. 20), the
+expectation over draws of the remainder (:mod:`pyro_cvi.messages.precision`).
+A component stays as it was (mean field) where the remainder cannot hold it: a
 latent inside a subsampled plate (its sites change per minibatch), a latent whose ``q`` family
 the user chose (``AutoCVI(families=...)``, other than ``"gaussian"``), or a data-parallel run.
 """
@@ -33,6 +39,9 @@ from typing import Dict, List, Set, Tuple
 
 import torch
 
+from ..families.gamma import Gamma
+from . import conjugate_pairs as cp
+from . import probes
 from .records import COLLAPSED, GENERAL, NATGRAD, NATURAL, REMAINDER, SITE, Factor
 from .tracing import is_random, unwrap
 
@@ -85,16 +94,19 @@ def _blocked(an, name: str, chosen: Set[str]) -> bool:
     return any(f.name in an.minibatch_plates for f in frames)
 
 
-def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str]]:
-    """``(continuous latents of the remainder in model order, discrete latents it sums out)``.
+def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Dict[str, List[str]]]:
+    """``(continuous latents of the remainder in model order, discrete latents it sums out,
+    {Gamma precision kept beside it: its factors with Monte Carlo expected messages})``.
 
     ``chosen``: latents whose family the user fixed (they and their components stay out);
     ``moves(D)``: whether a Gaussian block of ``D`` coordinates with a general factor joins."""
     seeds = _seeds(an, moves)
+    precisions = _precision_candidates(an, seeds)
+    seeds -= set(precisions)
     if not seeds:
-        return [], set()
+        return [], set(), {}
     nodes = {n for n in an.values if n not in an.leaves}
-    comp = _components(an, nodes - _kept_blocks(an, seeds, moves))
+    comp = _components(an, nodes - _kept_blocks(an, seeds, moves) - set(precisions))
     roots = {comp[s] for s in seeds}
     if any(comp.get(n) in roots for n in an.discrete):  # such a component takes its Gaussian
         comp = _components(an, nodes)  # blocks in (the module docstring)
@@ -108,7 +120,68 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str]]:
     members = {n for n in comp if comp[n] in roots}
     continuous = [n for n in an.values if n in members and n not in an.discrete]
     discrete = {n for n in members if n in an.discrete}
-    return continuous, discrete
+    kept = {
+        z: sites
+        for z, sites in precisions.items()
+        if all(an.latents_of(s) - {z} <= members for s in sites)
+    }
+    return continuous, discrete, kept
+
+
+def _precision_candidates(an, seeds: Set[str]) -> Dict[str, List[str]]:
+    """Natural-form Gamma latents whose general factors are all Normal likelihoods conjugate
+    to them given other seeds (:func:`precision_given_others`): ``{latent: those factors}``."""
+    out: Dict[str, List[str]] = {}
+    for z in sorted(seeds, key=list(an.values).index):
+        info = an.latents.get(z)
+        if info is None or info.form != NATURAL or not isinstance(info.family, Gamma):
+            continue
+        general = [f.site for f in info.factors if f.kind in (GENERAL, COLLAPSED)]
+        if general and all(
+            an.latents_of(s) - {z}
+            and an.latents_of(s) - {z} <= seeds - {z}
+            and precision_given_others(an, s, z)
+            for s in general
+        ):
+            out[z] = general
+    return out
+
+
+def precision_given_others(an, site: str, z: str) -> bool:
+    """Whether factor ``site`` is an observed Normal whose precision ``scale^-2`` is ``c * z``
+    (``c`` free of every latent; probed) and whose loc is free of ``z``: then ``log p`` is
+    linear in ``(log z, z)`` given the other latents, the Gamma's sufficient statistics."""
+    if site == z or site in an.collapsed_sites or an.minibatch_plate(site) is not None:
+        return False
+    tr, leaves = an.leaf_trace()
+    node = tr.nodes[site]
+    base = unwrap(node["fn"])[0]
+    if not isinstance(base, torch.distributions.Normal) or not node["is_observed"]:
+        return False
+    if torch.is_tensor(node["value"]) and node["value"].requires_grad:
+        return False
+    if z not in leaves or an.deps.get(site, set()) & an.discrete:
+        return False
+    loc, scale = base.loc, base.scale
+    if not (torch.is_tensor(scale) and scale.requires_grad):
+        return False
+    names = list(leaves)
+    with torch.enable_grad():
+        gs = torch.autograd.grad(
+            scale.sum(), [leaves[n] for n in names], allow_unused=True, retain_graph=True
+        )
+        if torch.is_tensor(loc) and loc.requires_grad:
+            gl = torch.autograd.grad(loc.sum(), [leaves[z]], allow_unused=True, retain_graph=True)
+            if gl[0] is not None and bool(gl[0].ne(0).any()):
+                return False
+    for n, g in zip(names, gs):
+        if n != z and g is not None and bool(g.ne(0).any()):
+            return False
+
+    def precision(value):
+        return unwrap(an.run(**{z: value}).nodes[site]["fn"])[0].scale ** -2
+
+    return cp.check_monomial(precision, an.ref[z], probes.rtol(an.ref[z].dtype)) is None
 
 
 def _kept_blocks(an, seeds: Set[str], moves) -> Set[str]:
@@ -174,11 +247,15 @@ def conjugate_given_others(an, site: str, names) -> bool:
         return all(g is None or not bool(g.ne(0).any()) for g in second)
 
 
-def apply_remainder(an, names: List[str], discrete: Set[str]) -> None:
-    """Move ``names`` into the remainder (summing out ``discrete``) and classify again."""
+def apply_remainder(
+    an, names: List[str], discrete: Set[str], precisions: Dict[str, List[str]]
+) -> None:
+    """Move ``names`` into the remainder (summing out ``discrete``; ``precisions`` stay out
+    with Monte Carlo expected messages) and classify again."""
     if not names:
         return
     an.remainder, an.remainder_discrete = names, set(discrete)
+    an.precisions = dict(precisions)
     for n in names:
         info = an.latents[n]
         info.form, info.block, info.factors = REMAINDER, None, []

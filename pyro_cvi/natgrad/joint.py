@@ -24,6 +24,10 @@ from ..gaussian.price import bonnet_mean_gradient, price_precision_gradient
 from .control import NoiseControl, SignalToNoise
 from .prior import known_normal_prior
 
+#: ``Remainder(curvature="auto")`` uses dense Hessians (Price's theorem) up to this many
+#: coordinates (re-exported by :mod:`pyro_cvi.strategies`)
+HESSIAN_MAX_DIM = 32
+
 __all__ = [
     "price_by_default",
     "hierarchical",
@@ -189,8 +193,6 @@ def may_use_price(block, strategy) -> bool:
     """Whether the default rule may still take Price's Hessians (:func:`price_by_default`):
     the one-draw step by default, on a full form of at most
     ``HESSIAN_MAX_DIM`` coordinates, with ``curvature="auto"``."""
-    from ..strategies import HESSIAN_MAX_DIM
-
     return bool(
         block.onedraw
         and strategy.step is None

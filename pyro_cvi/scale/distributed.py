@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import pyro
 import torch
@@ -45,6 +45,7 @@ import torch.distributed as tdist
 import torch.distributed.nn.functional as tdist_nn
 
 from ..model.analysis import MEANFIELD, SITE, Analysis
+from ..model.replication import replicated_sites
 
 __all__ = [
     "RankFailure",
@@ -226,20 +227,6 @@ def start_ranks(reducer: Optional[Reducer], analysis: Analysis, named_params, pr
 def combine(reducer: Optional[Reducer], shared: torch.Tensor, local: torch.Tensor):
     """:meth:`Reducer.combine` in a data-parallel run; ``shared + local`` for one process."""
     return shared + local if reducer is None else reducer.combine(shared, local)
-
-
-def replicated_sites(analysis: Analysis) -> Set[str]:
-    """The latent sites every rank holds in full (the same factor on every rank): those in no
-    plate that also holds an observed site. The others (observations, per-row latents) are
-    the rank's shard. Shard the data along the observations' plate."""
-    nodes = {n: v for n, v in analysis.structure.nodes.items() if v["type"] == "sample"}
-    latent = set(analysis.values)
-    data = {f.name for n, v in nodes.items() if n not in latent for f in v["cond_indep_stack"]}
-    return {
-        n
-        for n in latent
-        if n in nodes and not any(f.name in data for f in nodes[n]["cond_indep_stack"])
-    }
 
 
 def as_reducer(process_group) -> Optional[Reducer]:

@@ -282,7 +282,7 @@ def run_cvi(
     svi = SVI(model, guide, CVI(step_size=step_size), loss=CVI_ELBO())
 
     guide(*args)  # set-up (tracing and probing the model) is not timed
-    infos = {n: guide.engine.natural[n] for n in init}
+    infos = {n: guide.engine.stepper[n] for n in init}
     avg = {}
 
     def step():
