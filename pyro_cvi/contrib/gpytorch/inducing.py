@@ -40,7 +40,6 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.distributions.multivariate_normal import kl_mvn_mvn
 from gpytorch.variational import _VariationalDistribution
 from linear_operator.operators import (
     DenseLinearOperator,
@@ -48,12 +47,12 @@ from linear_operator.operators import (
     MatmulLinearOperator,
 )
 from torch import Tensor
-from torch.distributions import register_kl
 
 from pyro_cvi.update import cvi_update
 
 from .lengthscale_search import LengthscaleMove, data_sites, search_lengthscales
 from .posterior import safe_cholesky
+from .site_distribution import SiteMultivariateNormal
 from .step_guard import SecantBacktracking
 
 __all__ = [
@@ -155,52 +154,6 @@ def mean_param_targets(m_v: Tensor, gm: Tensor, gS: Tensor) -> Tuple[Tensor, Ten
     return t1, t2, clipped
 
 
-class SiteMultivariateNormal(MultivariateNormal):
-    """q(u) built from CVI sites. ``torch.distributions.kl_divergence(q, prior)`` returns the
-    sites' closed-form KL (which may carry the probe of the backward step), so GPyTorch's wrappers
-    (``IndependentMultitaskVariationalStrategy``, ``LMCVariationalStrategy``), which compute the
-    KL from ``variational_distribution`` and ``prior_distribution``, get the same value."""
-
-    def __init__(
-        self,
-        mean: Tensor,
-        covariance_matrix,
-        kl: Optional[Tensor] = None,
-        probe: Optional[Tensor] = None,
-        **kwargs,
-    ):
-        super().__init__(mean, covariance_matrix, **kwargs)
-        self.site_kl = kl
-        self.site_probe = probe
-
-    def log_prob(self, value: Tensor) -> Tensor:
-        """``log q(u)``, plus the backward step's zero-valued probe (:class:`BackwardStep`): a
-        Monte Carlo KL (Pyro's ``Trace_ELBO`` scores ``log q(u) - log p(u)`` at a draw) then
-        tells the step its weight, as the closed-form KL does."""
-        res = super().log_prob(value)
-        probe = getattr(self, "site_probe", None)
-        return res if probe is None else res + probe
-
-    def expand(self, batch_size) -> SiteMultivariateNormal:
-        """GPyTorch's ``expand`` (Pyro calls it for vectorised particles and plates; it may skip
-        ``__init__``), with the sites' KL and probe expanded alongside."""
-        batch_size = torch.Size(batch_size)
-        new = super().expand(batch_size)
-        kl = getattr(self, "site_kl", None)
-        new.site_kl = None if kl is None else kl.expand(batch_size)
-        probe = getattr(self, "site_probe", None)
-        new.site_probe = None if probe is None else probe.expand(batch_size)
-        return new
-
-
-@register_kl(SiteMultivariateNormal, MultivariateNormal)
-def _kl_site_mvn(q: SiteMultivariateNormal, p: MultivariateNormal) -> Tensor:
-    kl = getattr(q, "site_kl", None)
-    if kl is None:  # built without the sites' KL: the closed form of two Gaussians
-        return kl_mvn_mvn(q, p)
-    return kl
-
-
 class BackwardStep:
     """Leaves ``m_v``, ``S_v`` and the KL probe of one value of the sites, and the hook that
     turns their gradients into one CVI step (module docstring).
@@ -282,7 +235,7 @@ class InducingForm:
         self.num_data, self.is_full = None, False
         self.register_buffer("site_inputs", None)
         self._site_version = 0
-        self._site_inputs_version = 0
+        self.site_inputs_version = 0
         self._cache = self._prior_cache = None
         self.reducer = None
 

@@ -290,7 +290,7 @@ class CVIOptimizer:
         s = self.strategy
         lik = self.likelihood
         key = s.state_key()[1:]
-        key.append(torch.tensor([id(lik), s._site_inputs_version, self.num_data or 0]))
+        key.append(torch.tensor([id(lik), s.site_inputs_version, self.num_data or 0]))
         key += [t.detach().clone() for t in module_tensors(lik)]
         key += [x.detach().clone(), y.detach().clone()]
         return key

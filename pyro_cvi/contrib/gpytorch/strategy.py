@@ -30,6 +30,7 @@ from torch import Tensor
 from pyro_cvi.scale.distributed import Reducer, as_reducer
 
 from . import site_store as store
+from .batch_inputs import BatchInputForm
 from .fantasy import FantasyForm
 from .inducing import InducingForm
 from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
@@ -48,7 +49,9 @@ class _Cache:
         self.key, self.post, self.has_graph, self.extras = key, post, has_graph, extras
 
 
-class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _VariationalStrategy):
+class CVIVariationalStrategy(
+    BatchInputForm, FantasyForm, SavedStateForm, InducingForm, _VariationalStrategy
+):
     r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
     **Built the GPyTorch way** (``CVIVariationalStrategy(model, inducing_points,
@@ -151,7 +154,7 @@ class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _Variati
         site_inputs = None if train_inputs is None else train_inputs.detach().clone()
         self.register_buffer("site_inputs", site_inputs)
         self._site_version = 0
-        self._site_inputs_version = 0
+        self.site_inputs_version = 0  # bumped by set_site_inputs (read by the optimizer)
         self._cache: Optional[_Cache] = None
         self._prior_cache = None
         self.reducer: Optional[Reducer] = None
@@ -238,7 +241,7 @@ class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _Variati
             )
         self.site_inputs = train_inputs.detach().clone().to(self.inducing_points)
         self._site_version += 1
-        self._site_inputs_version += 1
+        self.site_inputs_version += 1
         self._clear_cache()
 
     def pseudo_observations(self) -> Tuple[Tensor, Tensor]:
@@ -268,7 +271,7 @@ class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _Variati
             self.site_inputs = torch.empty_like(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._site_version += 1
-        self._site_inputs_version += 1
+        self.site_inputs_version += 1
         self._clear_cache()
 
     def _clear_cache(self) -> None:
@@ -323,7 +326,7 @@ class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _Variati
         if torch.is_grad_enabled():
             self._prior_cache = None
             return self._blocks()
-        key = [self._site_inputs_version] + self.state_key()[1:]
+        key = [self.site_inputs_version] + self.state_key()[1:]
         c = self._prior_cache
         if c is not None and self.keys_equal(c[0], key):
             return c[1]
@@ -493,43 +496,3 @@ class CVIVariationalStrategy(FantasyForm, SavedStateForm, InducingForm, _Variati
         if self.inducing_form or x.dim() == 2:
             return self.forward(x, diag=diag, **kwargs)
         return self._batched_forward(x, diag, **kwargs)
-
-    def _check_input_shape(self, x: Tensor) -> None:
-        """GPyTorch's convention for inputs: ``[*batch, n, D]``, with ``D`` the inducing points'
-        last dimension and ``batch`` broadcasting with the model's batch shape."""
-        Z = self.inducing_points
-        if x.shape[-1] != Z.shape[-1]:
-            raise ValueError(
-                f"CVIVariationalStrategy: inputs x of shape {tuple(x.shape)} have "
-                f"{x.shape[-1]} features (the last dimension) but the inducing points have "
-                f"{Z.shape[-1]}. GPyTorch's inputs are [*batch, n, D]: a batch of "
-                "one-dimensional test points needs a trailing dimension, x.unsqueeze(-1)."
-            )
-        model_batch = torch.broadcast_shapes(
-            Z.shape[:-2], self._variational_distribution.batch_shape
-        )
-        try:
-            torch.broadcast_shapes(x.shape[:-2], model_batch)
-        except RuntimeError:
-            raise ValueError(
-                f"CVIVariationalStrategy: inputs x of shape {tuple(x.shape)} have the batch "
-                f"shape {tuple(x.shape[:-2])}, which does not broadcast with the model's batch "
-                f"shape {tuple(model_batch)}. For the same test points under every GP of the "
-                f"batch pass x of shape (n, D) or (*extra, 1, n, D), e.g. x.unsqueeze(-3)."
-            ) from None
-
-    def _batched_forward(self, x: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
-        """Data-site forms (one GP): a batch ``[*batch, n, D]`` of input sets, predicted as one
-        set of ``prod(batch) * n`` points whose covariance is cut into the per-set blocks (the
-        sets are independent given the data: each block is what that set alone gives)."""
-        batch, n = x.shape[:-2], x.shape[-2]
-        out = self.forward(x.reshape(-1, x.shape[-1]), diag=diag, **kwargs)
-        mean = out.mean.reshape(*batch, n)
-        cov = out.lazy_covariance_matrix
-        if isinstance(cov, DiagLinearOperator):
-            return MultivariateNormal(mean, DiagLinearOperator(cov.diagonal().reshape(*batch, n)))
-        b = mean.numel() // n
-        dense = cov.to_dense().reshape(b, n, b, n)
-        idx = torch.arange(b, device=x.device)
-        blocks = dense[idx, :, idx, :]
-        return MultivariateNormal(mean, blocks.reshape(*batch, n, n))
