@@ -146,7 +146,7 @@ def test_a_loss_that_runs_no_model_gives_the_guard_nothing():
     assert optim.guard.seen == 0 and optim.t == 1
 
 
-def _outlier_run(dtype, outliers):
+def _outlier_run(dtype, outliers, scale=1e4):
     """Five ordinary steps, then ``outliers`` steps on data scaled by 1e4 (each loss far above
     the limit), then one ordinary step. Returns the optimizer, the guide's parameters and the
     inner parameter ``s`` before the outliers, and the error (if any)."""
@@ -165,7 +165,7 @@ def _outlier_run(dtype, outliers):
     error = None
     try:
         for _ in range(outliers):
-            loss = svi.step(X, 1e4 * y)
+            loss = svi.step(X, scale * y)
             assert loss > optim.guard.limit()
     except DivergenceError as e:
         error = e
@@ -177,10 +177,13 @@ def _adam_state(optim):
     return {k: v for k, v in adam.state_dict()["state"][0].items() if torch.is_tensor(v)}
 
 
+@pytest.mark.parametrize("scale", [1e4, math.inf], ids=["large", "inf"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-def test_a_single_outlier_loss_skips_exactly_one_step(dtype):
+def test_a_single_outlier_loss_skips_exactly_one_step(dtype, scale):
+    """One loss far above the limit (or not finite, its gradients then too): that step is
+    skipped and everything is left bit for bit; the next ordinary loss steps again."""
     optim, svi, guide, (before, s_before, adam_before, t_before), error, (X, y) = _outlier_run(
-        dtype, 1
+        dtype, 1, scale
     )
     assert error is None
     assert optim.guard.suspects == 1 and optim.guard.skipped == 1 and optim.t == t_before
