@@ -172,11 +172,18 @@ class CVI(PyroOptim):
             forget()
         if groups and value is not None:
             try:
-                self.guard.check(value, groups)
+                take = self.guard.check(value, groups)
             except DivergenceError:
                 for g in groups:  # the step control of each Gaussian starts afresh
                     self.gaussians.controls.pop(g.label, None)
                 raise
+            if not take:  # a suspect loss (natgrad.guard): the whole step is skipped
+                self.t -= 1
+                for p in params:
+                    p.grad = None
+                abort(engines.values())  # AutoCVI guides back to where their loss began
+                self.last_rules = [(n, "skipped (suspect loss)", w) for n, _, w in self.last_rules]
+                return []
         if self.auto:
             for key, engine in engines.items():
                 self.engines[key] = weakref.ref(engine)
