@@ -5,8 +5,9 @@ of the steps Pyro's Adam needs (best of lr 0.01-0.05, measured by
 
 The closed forms themselves are checked first: ``log p(theta, y) - log q*(theta)`` is the same
 number (``log p(y)``) at every ``theta``, and each guide put at ``q*`` in its own
-parameterisation has zero error. Pairs that ``CVI()`` does not reach today (it refuses most
-of these guides) are marked ``xfail(strict=False)``.
+parameterisation has zero error. Pairs that ``CVI()`` does not reach in that budget when last
+measured (the Gamma guides under one-draw ``Trace_ELBO``: the adaptive step does not average the
+noise out; the MVN guide needs about 100 steps) are marked ``xfail(strict=True)``.
 """
 
 from __future__ import annotations
@@ -74,32 +75,23 @@ ADAM_NOT_WITHIN = {
     "dirichlet-categorical-exp/float64": 8000,
 }
 
-#: pairs (name/dtype) where CVI() failed this test when measured (it refuses the guide, or is
-#: not within tolerance after a tenth of Adam's steps)
+#: pairs (name/dtype) where CVI() failed this test when measured (not within tolerance after a
+#: tenth of Adam's steps)
 FAILING = frozenset(
     {
-        "normal-normal-logscale/float32",
-        "normal-normal-logscale/float64",
-        "normal-normal-softplus/float32",
-        "normal-normal-softplus/float64",
         "mvn-normal-scale_tril/float32",
         "mvn-normal-scale_tril/float64",
         "gamma-poisson-positive/float32",
         "gamma-poisson-positive/float64",
         "gamma-poisson-exp/float32",
-        "gamma-exponential-positive/float32",
-        "gamma-exponential-exp/float32",
-        "gamma-exponential-softplus/float32",
-        "dirichlet-categorical-softplus/float32",
-        "dirichlet-categorical-exp/float32",
         "gamma-poisson-exp/float64",
-        "gamma-exponential-positive/float64",
-        "gamma-exponential-exp/float64",
-        "dirichlet-categorical-exp/float64",
         "gamma-poisson-softplus/float32",
         "gamma-poisson-softplus/float64",
-        "dirichlet-categorical-positive/float32",
-        "dirichlet-categorical-positive/float64",
+        "gamma-exponential-positive/float32",
+        "gamma-exponential-positive/float64",
+        "gamma-exponential-exp/float32",
+        "gamma-exponential-exp/float64",
+        "gamma-exponential-softplus/float32",
     }
 )
 
@@ -153,7 +145,7 @@ def _params():
     out = []
     for name, d in KEYS:
         key = f"{name}/{d}"
-        marks = [pytest.mark.xfail(strict=False, reason=REASON)] if key in FAILING else []
+        marks = [pytest.mark.xfail(strict=True, reason=REASON)] if key in FAILING else []
         if _budget(key) is None:
             marks = [
                 pytest.mark.skip(
