@@ -1,3 +1,5 @@
+import os
+
 import pyro
 import pytest
 import torch
@@ -15,12 +17,25 @@ def _one_thread():
 
 
 @pytest.fixture(autouse=True)
-def _clean_param_store():
-    """Every test starts from an empty param store and a fixed seed."""
+def _clean_param_store(request):
+    """Every test starts from an empty param store, a fixed seed and Pyro's effect stack as it
+    was (a handler a test left entered would run in every later model); a leak is reported in
+    ``$PYRO_CVI_STACK_LEAKS`` when that names a file."""
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    before = list(_PYRO_STACK)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     yield
     pyro.clear_param_store()
+    leaked = [m for m in _PYRO_STACK if m not in before and type(m).__name__ != "SiteObserver"]
+    if leaked:
+        path = os.environ.get("PYRO_CVI_STACK_LEAKS")
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{request.node.nodeid}: {[type(m).__name__ for m in leaked]}\n")
+        for m in leaked:
+            _PYRO_STACK.remove(m)
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,9 @@ class GaussianStepper:
     ) -> Tuple[List[GaussianGroup], List[torch.Tensor]]:
         """``(groups with a member among params, the other params)``: first the guide sites
         found in the trace (:meth:`observe`), except Pyro's autoguides, whose parameters keep
-        their name-based roles (:mod:`.roles`); then the name-based groups of what is left."""
+        their name-based roles (:mod:`.roles`); then the name-based groups of what is left: only
+        the autoguides' and the declared ones once guide sites were seen (a model's ``loc`` and
+        ``scale`` hyperparameters are no Gaussian q), any (the old convention) before."""
         store = pyro.get_param_store()
         named = {}
         rest = []
@@ -115,8 +117,11 @@ class GaussianStepper:
             if any(n in named for n in members) and all(n in store for n in members):
                 groups.append(g)
                 used.update(members)
+        seen_sites = bool(self.site_groups or self.site_skipped)
         for g in self._groups():
             members = [n for _, n in g.names]
+            if seen_sites and not all(n.startswith("Auto") or n in declared for n in members):
+                continue  # named like a Gaussian but feeds no guide site: a model parameter
             if any(n in named for n in members) and not used & set(members):
                 groups.append(g)
                 used.update(members)
