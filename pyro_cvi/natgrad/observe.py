@@ -11,7 +11,7 @@ bottom) and it sees the site exactly as the loss's own trace does (a site hidden
 * **guide sites**: sample sites that are neither observed nor given a value by a handler above
   (``msg["done"]``: the model's sites replayed from the guide's trace, enumerated sites) -
   the distribution object, hence the autograd graph from the raw parameters to the
-  distribution's parameters (:mod:`.sites` reads it);
+  distribution's parameters (:mod:`pyro_cvi.natgrad.sites` reads it);
 * for the divergence guard, ``(sign, fn, value, scale, mask)`` of every sample site, from
   which :meth:`SiteObserver.take_loss` forms the ``-ELBO`` estimate of the particles seen
   since the last step, ``-(sum log p - sum log q) / particles`` (Trace_ELBO's own estimate,
@@ -26,7 +26,8 @@ observer works with ``SVI``, a hand-written ``loss.loss_and_grads`` loop, and an
 What it changes: while a ``CVI()`` is alive ``pyro.poutine.runtime.am_i_wrapped()`` is true
 (a bare ``pyro.sample`` goes through the effect stack; it returns the same value). It removes
 itself when the last ``CVI()`` is garbage-collected. Under ``JitTrace_ELBO`` the guide runs in
-Python only while being compiled: what was seen then is kept (:mod:`.sites` caches it).
+Python only while being compiled: what was seen then is kept
+(:mod:`pyro_cvi.natgrad.sites` caches it).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def read(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(c, dloss/dc)`` of the param ``name`` (zeros where it has no gradient); ``c =
     transform(u)``, by default the param's own constraint transform (any element-wise
-    bijection: :mod:`.sites`)."""
+    bijection: :mod:`pyro_cvi.natgrad.sites`)."""
     store = pyro.get_param_store()
     u = store[name].unconstrained()
     if transform is None:

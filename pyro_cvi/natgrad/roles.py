@@ -63,7 +63,7 @@ class GaussianGroup:
 
     family: str  # "diag" | "tril" | "scaled_tril" | "lowrank" | "gamma" | "beta" | "dirichlet"
     names: Tuple[Tuple[str, str], ...]  # (role, param name)
-    #: the guide site it was found at (:mod:`.sites`; "" when found by names)
+    #: the guide site it was found at (:mod:`pyro_cvi.natgrad.sites`; "" when found by names)
     site: str = ""
     #: element-wise map of each role's raw parameter to the distribution parameter
     #: (empty: the param's own constraint transform)

@@ -51,8 +51,8 @@ class GaussianStepper:
         self._site_cache: Dict[str, Tuple[object, Tuple[Optional[GaussianGroup], str]]] = {}
 
     def observe(self, sites: Mapping[str, GuideSite]) -> None:
-        """Analyse the guide sites the loss just ran (:mod:`.sites`); an empty ``sites`` (a
-        compiled loss, or a loss that ran no guide) keeps what was found before."""
+        """Analyse the guide sites the loss just ran (:mod:`pyro_cvi.natgrad.sites`); an empty
+        ``sites`` (a compiled loss, or a loss that ran no guide) keeps what was found before."""
         if not sites:
             return
         store = pyro.get_param_store()
