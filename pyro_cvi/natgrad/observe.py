@@ -167,6 +167,9 @@ def observer(owner: object) -> SiteObserver:
         _STATE["observer"] = obs
     if obs not in _PYRO_STACK:
         _PYRO_STACK.insert(0, obs)
+    # what was seen before this owner existed belongs to no step of it
+    obs.take()
+    obs.log, obs.broken = [], False
     _STATE["users"] += 1
     weakref.finalize(owner, _release)
     return obs
