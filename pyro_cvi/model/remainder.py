@@ -153,14 +153,8 @@ def precision_given_others(an, site: str, z: str) -> bool:
     linear in ``(log z, z)`` given the other latents, the Gamma's sufficient statistics."""
     if site == z or site in an.collapsed_sites or an.minibatch_plate(site) is not None:
         return False
-    tr, leaves = an.leaf_trace()
-    node = tr.nodes[site]
-    base = unwrap(node["fn"])[0]
-    if not isinstance(base, torch.distributions.Normal) or not node["is_observed"]:
-        return False
-    if torch.is_tensor(node["value"]) and node["value"].requires_grad:
-        return False
-    if z not in leaves or an.deps.get(site, set()) & an.discrete:
+    base, leaves = _observed_normal(an, site)
+    if base is None or z not in leaves or an.deps.get(site, set()) & an.discrete:
         return False
     loc, scale = base.loc, base.scale
     if not (torch.is_tensor(scale) and scale.requires_grad):
@@ -216,12 +210,8 @@ def conjugate_given_others(an, site: str, names) -> bool:
     with a coefficient free of every other latent, and whose scale is free of ``names``: then
     ``E_q[log p]`` is the block's Bayesian linear regression given ``E_q[1 / scale^2]`` of the
     others (eq. 20), and Price's Hessian at a draw of the others is that regression's."""
-    tr, leaves = an.leaf_trace()
-    node = tr.nodes[site]
-    base = unwrap(node["fn"])[0]
-    if not isinstance(base, torch.distributions.Normal) or not node["is_observed"]:
-        return False
-    if torch.is_tensor(node["value"]) and node["value"].requires_grad:
+    base, leaves = _observed_normal(an, site)
+    if base is None:
         return False
     own = [leaves[n] for n in names if n in leaves]
     others = [v for n, v in leaves.items() if n not in names]
@@ -245,6 +235,19 @@ def conjugate_given_others(an, site: str, names) -> bool:
             return True
         second = torch.autograd.grad(probe, own + others, allow_unused=True, retain_graph=True)
         return all(g is None or not bool(g.ne(0).any()) for g in second)
+
+
+def _observed_normal(an, site: str):
+    """``(the Normal of factor site, the leaf trace's latents)`` when ``site`` is an observed
+    Normal whose value carries no gradient (data), else ``(None, latents)``."""
+    tr, leaves = an.leaf_trace()
+    node = tr.nodes[site]
+    base = unwrap(node["fn"])[0]
+    if not isinstance(base, torch.distributions.Normal) or not node["is_observed"]:
+        return None, leaves
+    if torch.is_tensor(node["value"]) and node["value"].requires_grad:
+        return None, leaves
+    return base, leaves
 
 
 def apply_remainder(
