@@ -3,6 +3,7 @@
 a method's object) that changes between steps is re-analysed as new arguments would be; a
 latent whose shape comes from broadcasting has a posterior of the shape of ``median()``."""
 
+import inspect
 import types
 
 import pyro
@@ -142,6 +143,34 @@ def test_a_property_of_a_captured_object_is_not_run():
 
     closure_key(model)
     assert not calls
+
+
+def test_a_captured_module_is_read_as_getattr_static_reads_it():
+    """A module's attributes (and a module-level ``__getattr__``, which is not run) give the
+    key that ``inspect.getattr_static`` gives, also for a module subclass."""
+    calls = []
+
+    class Sub(types.ModuleType):
+        pass
+
+    plain, sub = types.ModuleType("plain_data"), Sub("sub_data")
+    for i, mod in enumerate((plain, sub)):
+        mod.X = torch.full((2,), float(i))
+        mod.__getattr__ = lambda name: calls.append(name)
+
+    def model():
+        return plain.X, plain.Y, sub.X, sub.Y
+
+    key = closure_key(model)
+    assert not calls
+    want = [
+        (f"{n}.X", id(inspect.getattr_static(m, "X")), 0, (2,))
+        for n, m in (("plain", plain), ("sub", sub))
+    ]
+    assert [k for k in key if k[0].endswith(".X")] == want
+    assert not any(k[0].endswith(".Y") for k in key)
+    plain.X = torch.zeros(3)
+    assert closure_key(model) != key
 
 
 # ------------------------------------------------------------------ broadcast latent shapes

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -105,23 +106,38 @@ def closure_key(model: Callable) -> Tuple:
         code = getattr(fn, "__code__", None)
     if code is None:
         return ()
+    freevars, names, attrs = _code_names(code)
     items = []
     cells = getattr(fn, "__closure__", None) or ()
-    for name, cell in zip(code.co_freevars, cells):
+    for name, cell in zip(freevars, cells):
         try:
             items.append((name, cell.cell_contents))
         except ValueError:  # an empty cell
             continue
     env = getattr(fn, "__globals__", {})
-    items += [(n, env[n]) for n in code.co_names if n in env]
+    items += [(n, env[n]) for n in names if n in env]
     if owner is not None:  # the object a method reads its data from (self.X)
         items.append(("self", owner))
-    attrs = set(code.co_names)  # the attribute names the model's code reads
     found: list = []
     budget = [MAX_ITEMS]
     for name, value in items:
         _collect(name, value, attrs, MAX_DEPTH, found, budget, set())
     return tuple(found)
+
+
+_CODE_NAMES: weakref.WeakKeyDictionary[types.CodeType, Tuple[tuple, tuple, tuple]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _code_names(code: types.CodeType) -> Tuple[tuple, tuple, tuple]:
+    """``(free variables, global names, sorted attribute names)`` a code object reads (a code
+    object is immutable: computed once per code object)."""
+    out = _CODE_NAMES.get(code)
+    if out is None:
+        out = (tuple(code.co_freevars), tuple(code.co_names), tuple(sorted(set(code.co_names))))
+        _CODE_NAMES[code] = out
+    return out
 
 
 def _bound(model: Callable) -> Callable:
@@ -132,7 +148,7 @@ def _bound(model: Callable) -> Callable:
     return fn
 
 
-def _collect(path: str, value, attrs: set, depth: int, found: list, budget: list, seen: set):
+def _collect(path: str, value, attrs: tuple, depth: int, found: list, budget: list, seen: set):
     """Append ``(path, id, version, shape)`` of every tensor in ``value``: the value itself,
     the items of a list, tuple or dict, and the attributes named in ``attrs`` of an object, a
     module or an ``nn.Module`` (its buffers; a parameter is learned, not data: skipped). Read
@@ -155,7 +171,7 @@ def _collect(path: str, value, attrs: set, depth: int, found: list, budget: list
         for k in list(value)[:MAX_ITEMS]:
             _collect(f"{path}[{k!r}]", value[k], attrs, depth - 1, found, budget, seen)
     elif _holds_attributes(value):
-        for a in sorted(attrs):
+        for a in attrs:
             v = _attribute(value, a)
             if v is not _MISSING:
                 _collect(f"{path}.{a}", v, attrs, depth - 1, found, budget, seen)
@@ -175,7 +191,12 @@ def _holds_attributes(value) -> bool:
 
 
 def _attribute(obj, name: str):
-    """``obj.name`` without running code (``_MISSING`` if absent or computed)."""
+    """``obj.name`` without running code (``_MISSING`` if absent or computed). A plain module's
+    attribute is its ``__dict__`` entry (what ``inspect.getattr_static`` finds for any name
+    but a dunder, which ``ModuleType`` itself defines), read directly."""
+    if type(obj) is types.ModuleType and not name.startswith("__"):
+        v = obj.__dict__.get(name, _MISSING)
+        return _MISSING if isinstance(v, (property, staticmethod, classmethod)) else v
     if isinstance(obj, torch.nn.Module):
         for get in (obj.get_buffer, obj.get_submodule):
             try:
