@@ -348,3 +348,33 @@ def test_without_sites_q_is_the_prior_by_every_path(T, start, dtype, monkeypatch
     assert len(taken) == 1  # looked at by the default path only
     if dtype == D64:
         assert (shortcut(cast, eta, J) is not None) == (start != "not stationary" or T == 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [1, 2])
+@pytest.mark.parametrize("T", [3, 64])
+def test_the_sequential_pass_with_one_transition_for_every_step(T, d, dtype):
+    """A chain with the same ``(A, b, Q)`` at every step (a stationary kernel on a regular
+    grid) takes one transition row; ``q`` equals the dense one, and bit for bit the pass over
+    the list of ``T - 1`` equal rows."""
+    from pyro_cvi.statespace import sequential
+
+    base, eta, J = _chain(T, d, seed=3 * T + d)
+    A, b, Q = base.A[:1].expand(T - 1, d, d), base.b[:1].expand(T - 1, d), base.Q[:1]
+    chain = LinearGaussianChain(base.m0, base.P0, A, b, Q.expand(T - 1, d, d).clone())
+    log_z, mean, cov = _dense(chain, eta, J)
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    post = smooth(cast, eta.to(dtype), J.to(dtype), lag_one=True, method=kalman.SEQUENTIAL)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(post.log_z.double(), log_z, **tol)
+    torch.testing.assert_close(post.mean.double(), mean, **tol)
+    torch.testing.assert_close(post.cov.double(), _blocks(cov, T, d, 0), **tol)
+    rows = sequential._rows(cast, eta.to(dtype), J.to(dtype), d)
+    assert isinstance(rows[2], sequential._Repeated)
+    listed = (*rows[:2], [rows[2][t] for t in range(len(rows[2]))], rows[3])
+    one_row = (sequential._pass_1 if d == 1 else sequential._pass_2)(*rows, True)
+    assert one_row == (sequential._pass_1 if d == 1 else sequential._pass_2)(*listed, True)
+    changed = chain.A.clone()
+    changed[-1, 0, 0] = -0.0 if float(changed[-1, 0, 0]) == 0.0 else -changed[-1, 0, 0]
+    varying = LinearGaussianChain(chain.m0, chain.P0, changed, chain.b, chain.Q)
+    assert isinstance(sequential._rows(varying, eta, J, d)[2], list)

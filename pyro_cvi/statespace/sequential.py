@@ -25,7 +25,7 @@ which decides (and raises) as before.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -64,9 +64,32 @@ def _rows(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, d: int
     A = chain.A.to(f64).expand(n, d, d).reshape(n, d * d)
     b = chain.b.to(f64).expand(n, d)
     Q = chain.Q.to(f64).expand(n, d, d).reshape(n, d * d)
-    trans = torch.cat([A, b, Q], 1).tolist() if n > 0 else []
+    rows = torch.cat([A, b, Q], 1)
+    bits = rows.view(torch.int64)  # (bit for bit: -0.0 and NaN rows count as different)
+    if n > 1 and bool((bits == bits[:1]).all()):  # one transition for every step: one row
+        trans: Transitions = _Repeated(rows[0].tolist(), n)
+    else:
+        trans = rows.tolist() if n > 0 else []
     sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
     return chain.m0.to(f64).tolist(), chain.P0.to(f64).reshape(-1).tolist(), trans, sites
+
+
+class _Repeated:
+    """``n`` copies of one transition row, indexed as the list of them."""
+
+    __slots__ = ("row", "n")
+
+    def __init__(self, row: List[float], n: int):
+        self.row, self.n = row, n
+
+    def __getitem__(self, t: int) -> List[float]:
+        return self.row
+
+    def __len__(self) -> int:
+        return self.n
+
+
+Transitions = Union[List[List[float]], _Repeated]
 
 
 def _pass_1(m0, P0, trans, sites, lag_one: bool):
