@@ -177,8 +177,9 @@ class MarkovBlock(SiteFormBlock):
         obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
         self.rows = [self._rows(*o) for o in obs]
         moving = self.prior.requires_grad() or bool(H)
-        graph_rows = [self._rows(*o, H.get(o[1].site, o[1].jacobian)) for o in obs]
-        graph_rows = graph_rows if ctx.graph else []
+        graph_rows = (
+            [self._rows(*o, H.get(o[1].site, o[1].jacobian)) for o in obs] if ctx.graph else []
+        )
         self._graph = None
         if ctx.graph and (moving or any(r.c.requires_grad for r in graph_rows)):  # (H: in c)
             g = self._solve(graph_rows, keep_graph=True)
