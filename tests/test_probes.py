@@ -50,3 +50,27 @@ def test_other_graphs_take_the_backward_passes(case):
     out = make()
     assert probes._matvec_jacobian(out, w) is None
     torch.testing.assert_close(probes.jacobian(out, w), _loop(out, w), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tall", [True, False], ids=["tall", "wide"])
+def test_every_strategy_gives_the_jacobian_of_the_backward_passes(tall, dtype):
+    """Plain backward passes (rows, or columns of ``v -> A^T v`` for a tall Jacobian) and the
+    batched passes give the row-by-row Jacobian, also with ``create_graph``."""
+    g = torch.Generator().manual_seed(2)
+    R, D = (300, 12) if tall else (12, 300)
+    X = torch.randn(R, D, generator=g, dtype=dtype)
+    w = torch.randn(D, generator=g, dtype=dtype, requires_grad=True)
+    out = torch.tanh(X @ w) * X.sum(-1)
+    ref = _loop(out, w)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for loop_below, loop_columns in ((10**6, 0), (0, 10**6), (0, 0)):  # loops, columns, batched
+        J = probes.jacobian(out, w, loop_below=loop_below, loop_columns=loop_columns)
+        torch.testing.assert_close(J, ref, **tol)
+    s = torch.ones((), dtype=dtype, requires_grad=True)
+    out = torch.tanh(X @ w) * s  # J(s) = s diag(1 - tanh^2) X: dJ.sum()/ds = J(1).sum()
+    want = float(((1 - torch.tanh(X @ w.detach()) ** 2)[:, None] * X).sum())
+    for loop_below, loop_columns in ((10**6, 0), (0, 10**6), (0, 0)):
+        J = probes.jacobian(out, w, loop_below, loop_columns=loop_columns, create_graph=True)
+        (ds,) = torch.autograd.grad(J.sum(), s)
+        assert float(ds) == pytest.approx(want, rel=tol["rtol"] * 10)

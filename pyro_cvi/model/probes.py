@@ -44,13 +44,18 @@ def jacobian(
     chunk: int = 512,
     loop_below: int = 200,
     create_graph: bool = False,
+    loop_columns: int = 1024,
 ) -> torch.Tensor:
     """Dense Jacobian ``d out / d z`` of shape ``(out.numel(), z.numel())``.
 
     Reverse mode with batched vector-Jacobian products when ``out`` is the smaller side,
     otherwise reverse-of-reverse (a batched Jacobian of the linear map ``v -> A^T v``). With
     ``create_graph`` the Jacobian keeps its graph to the other leaves of ``out`` (an affine
-    coefficient ``A(theta)`` differentiable in learnable parameters ``theta``).
+    coefficient ``A(theta)`` differentiable in learnable parameters ``theta``). Below
+    ``loop_below`` rows or columns, and for a tall Jacobian of up to ``loop_columns`` columns
+    (one backward pass of ``v -> A^T v`` per column: as fast as the batched passes, measured),
+    plain backward passes: no vmap, and no explicit ``grad_outputs`` (with which torch
+    imports sympy, 0.5-2 CPU s the first time in a process).
     """
     cg = create_graph
     R, D = out.numel(), z.numel()
@@ -59,7 +64,7 @@ def jacobian(
         return direct
     flat = out.reshape(-1)
     rows = []
-    if min(R, D) <= loop_below:  # plain backward passes: no vmap (and no torch.fx import)
+    if min(R, D) <= loop_below or D < R and D <= loop_columns:  # plain backward passes
         if R <= D:
             for i in range(R):
                 (g,) = torch.autograd.grad(
