@@ -182,3 +182,20 @@ def test_the_bound_is_the_cavi_optimum(dtype):
         m = _cavi_sweep(X64, 2.0, m, prior)
     assert 0 <= _elbo(X64, 2.0, m, prior) - value < 0.1  # (CAVI creeps along rotations)
     assert all(b2 <= b1 + 1e-3 * abs(b1) for b1, b2 in zip(losses[5:], losses[6:]))
+
+
+def test_the_guide_methods_read_the_block():
+    X = data(torch.float32, True)
+    model = lambda X: ppca(X, per_column=True)  # noqa: E731
+    guide, _, _ = fit(model, X, 5)
+    b = _block(guide)
+    med, qs = guide.median(X), guide.quantiles([0.1, 0.9], X)
+    mz, Sz, mw, Sw, a, bb = b._moments()
+    assert torch.allclose(med["W"], mw.T) and torch.allclose(med["z"], mz)
+    sd_w = Sw.diagonal(dim1=-2, dim2=-1).sqrt().T
+    lo = med["W"] + torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.1)) * sd_w
+    assert torch.allclose(qs["W"][0], lo, atol=0.05 * float(sd_w.max()))  # (by sampling)
+    sd_z = Sz.diagonal(dim1=-2, dim2=-1).sqrt()
+    assert torch.allclose(qs["z"][1], mz + 1.2815516 * sd_z, rtol=1e-5, atol=1e-5)
+    draws = pyro.infer.Predictive(model, guide=guide, num_samples=4)(X)
+    assert draws["W"].shape[-2:] == (K, D) and draws["z"].shape == (4, N, K)

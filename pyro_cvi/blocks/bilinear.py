@@ -64,6 +64,22 @@ class _Transpose(Transform):
         return self.forward_shape(shape)
 
 
+class _Columns(dist.TransformedDistribution):
+    """``q(W)`` from its independent Gaussian columns, transposed to ``W``'s shape."""
+
+    def __init__(self, columns: dist.MultivariateNormal, validate_args=None):
+        super().__init__(columns.to_event(1), [_Transpose()], validate_args=validate_args)
+        self.columns = columns
+
+    @property
+    def mean(self):
+        return self.columns.mean.transpose(-1, -2)
+
+    @property
+    def variance(self):
+        return self.columns.variance.transpose(-1, -2)
+
+
 def _gauss(eta: torch.Tensor, prec: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(mean, covariance)`` from natural parameters ``(Lambda m, Lambda)`` (batched)."""
     cov, info = torch.linalg.inv_ex(prec)
@@ -282,7 +298,7 @@ class BilinearBlock(Block):
         mvn = dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
         if key == "z" or s.transposed:
             return mvn if key == "z" else mvn.to_event(1)
-        return dist.TransformedDistribution(mvn.to_event(1), [_Transpose()])
+        return _Columns(mvn)
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         s = self.spec
