@@ -199,3 +199,12 @@ def test_the_guide_methods_read_the_block():
     assert torch.allclose(qs["z"][1], mz + 1.2815516 * sd_z, rtol=1e-5, atol=1e-5)
     draws = pyro.infer.Predictive(model, guide=guide, num_samples=4)(X)
     assert draws["W"].shape[-2:] == (K, D) and draws["z"].shape == (4, N, K)
+
+
+def test_naming_a_family_keeps_the_joint_gaussian():
+    X = data(torch.float64)
+    pyro.clear_param_store()
+    guide = AutoCVI(ppca, families={"W": "gaussian"})
+    SVI(ppca, guide, CVI(), CVI_ELBO()).step(X)
+    assert not [b for b in guide.engine.blocks if isinstance(b, BilinearBlock)]
+    assert {"W", "z"} <= set(guide.engine.analysis.remainder)

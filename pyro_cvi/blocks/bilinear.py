@@ -173,7 +173,12 @@ class BilinearBlock(Block):
 
     @staticmethod
     def _param(name: str, value: torch.Tensor) -> None:
+        """Register ``name`` at ``value``; one already stored is kept unless new data changed
+        its shape (another number of points)."""
         v = value.detach().clone()
+        store = pyro.get_param_store()
+        if name in store and store[name].shape != v.shape:
+            del store[name]
         pyro.param(name, lambda v=v: v)
 
     # ------------------------------------------------------------------ the current q
