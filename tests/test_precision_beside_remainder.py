@@ -96,3 +96,18 @@ def test_the_loss_agrees_with_trace_elbo(dtype):
         trace.mean(),
         se,
     )
+
+
+@DTYPES
+def test_the_jensen_gap_is_the_gamma_closed_form(dtype):
+    from pyro_cvi.messages.precision import jensen_gap
+
+    conc = torch.tensor([2.5, 40.0], dtype=dtype)
+    rate = torch.tensor([1.5, 3.0], dtype=dtype)
+    a = torch.tensor([20.0, 0.5], dtype=dtype)
+    geo = torch.exp(torch.digamma(conc) - rate.log())
+    got = jensen_gap(a, conc / rate, geo)
+    # E[log tau] - log E[tau] = digamma(alpha) - log(alpha), independent of the rate
+    want = (a.double() * (torch.digamma(conc.double()) - conc.double().log())).sum()
+    assert float(got) == pytest.approx(float(want), rel=1e-5 if dtype == torch.float32 else 1e-12)
+    assert float(got) < 0  # (Jensen: E[log tau] < log E[tau])

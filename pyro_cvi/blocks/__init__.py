@@ -16,6 +16,7 @@ kind of block is one class and one registration (:mod:`~pyro_cvi.blocks.registry
 """
 
 from .base import Block, BlockInit, StepReport
+from .bilinear import BilinearBlock
 from .gaussian import GaussianBlock
 from .markov import MarkovBlock
 from .mean_field import MeanFieldBlock
@@ -35,6 +36,7 @@ from .remainder import RemainderBlock
 from .site_form import SiteFormBlock
 
 __all__ = [
+    "BilinearBlock",
     "Block",
     "BlockInit",
     "BlockKind",

@@ -306,5 +306,5 @@ def marginal_std(q: Distribution) -> torch.Tensor:
     if isinstance(q, TransformedDistribution):
         q = q.base_dist
     if isinstance(q, MultivariateNormal):
-        return q.covariance_matrix.diagonal().sqrt()
+        return q.covariance_matrix.diagonal(dim1=-2, dim2=-1).sqrt()
     return q.stddev

@@ -15,6 +15,8 @@ rank      kind                        what it takes
 20        ``mean field``              the natural-form latents and collapsed sums
                                       (Algorithm 2)
 30        ``remainder``               latents without exact messages: one joint Gaussian
+40        ``bilinear``                a bilinear Normal factor's ``z``, ``W``, ``tau``
+                                      (PPCA, factor analysis: VMP, :mod:`.bilinear`)
 ========  ==========================  ==================================================
 
 Factors are owned once (``analysis.owner``), so a kind's blocks compute the ELBO terms of the

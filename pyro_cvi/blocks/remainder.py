@@ -283,6 +283,10 @@ class RemainderBlock(Block):
         if self.cross:
             drawn = ctx.sample_q(exclude=set(self.names))
             others.update({n: drawn[n] for n in self.cross if n in drawn})
+        kept = [n for n in self.cross if n in self.analysis.precisions]
+        if kept:  # a kept precision enters at E_q[tau] (messages/precision.py)
+            means = ctx.sample_q(exclude=set(self.names), at_means=True)
+            others.update({n: means[n] for n in kept})
         K = self.strategy.draws(self.rule)
         with torch.enable_grad():
             p, log_joint = self._values(), lambda u: self._log_joint(ctx, u, others)

@@ -32,7 +32,7 @@ from ..model.replication import replicated_sites
 from ..model.tracing import run_model
 from .expectations import QState, expected_log_prob
 from .montecarlo import monte_carlo
-from .precision import precision_messages, precision_sites
+from .precision import jensen_gap, precision_messages, precision_sites
 
 #: joint draws of ``q`` per Monte Carlo expected message (at least; ``num_general_samples``)
 EXPECTED_MESSAGE_SAMPLES = 16
@@ -138,6 +138,9 @@ def compute(
             if sites:
                 S = max(EXPECTED_MESSAGE_SAMPLES, int(options.num_general_samples))
                 expected[n] = precision_messages(ctx, analysis, n, sites, S)
+                if value:  # the remainder read its factors at E[tau]: the Jensen gap
+                    gap = jensen_gap(expected[n][0], q.values("mean")[n], q.geo[n])
+                    elbo = elbo + gap * share
         k = 0
         for n in names:
             parts = []

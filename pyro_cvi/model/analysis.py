@@ -33,6 +33,7 @@ import torch
 
 from ..families import choose_families
 from . import gaussian_tree, probes
+from .bilinear import BILINEAR_FORM, bilinear_factor, find_bilinear
 from .block_factors import chain_factor, cross_factor, plate_factor
 from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
 from .explain import explain
@@ -189,6 +190,12 @@ class Analysis:
         self.remainder_discrete: Set[str] = set()
         #: Gamma precisions kept beside the remainder: ``{latent: its Normal factors}``
         self.precisions: Dict[str, List[str]] = {}
+        chosen = {n for n in (families or {})}
+        #: bilinear Normal factors with their own block (:mod:`~pyro_cvi.model.bilinear`)
+        self.bilinear = find_bilinear(self, chosen) if remainder else []
+        for b in self.bilinear:
+            for n in b.names:
+                self.latents[n].form = BILINEAR_FORM
         self.regroup()
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
@@ -218,7 +225,7 @@ class Analysis:
     def _site_form_candidate(self, name: str) -> bool:
         info = self.latents[name]
         fam, chained = info.family, any(name in c.names for c in self.chains)
-        if info.form in (LEAF_FORM, REMAINDER) or not fam.is_gaussian:
+        if info.form in (LEAF_FORM, REMAINDER, BILINEAR_FORM) or not fam.is_gaussian:
             return False
         if not fam.full_covariance or chained:
             return False
@@ -295,6 +302,8 @@ class Analysis:
         inside = set(self.remainder) | self.remainder_discrete
         for site, node in self.structure.nodes.items():
             if not is_random(node) or site in self.leaves:
+                continue
+            if bilinear_factor(self, site):  # (model/bilinear.py)
                 continue
             if site in inside or self.latents_of(site) & inside:  # (model/remainder.py)
                 self.owner[site] = REMAINDER_OWNER

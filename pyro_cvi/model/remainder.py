@@ -27,7 +27,8 @@ labels). A Gamma latent ``tau`` whose only general factors are Normal likelihood
 remainder's latents) stays out too and keeps its Gamma ``q``: such a factor is conjugate to
 ``tau`` given the others, ``log p = 1/2 log tau - tau c (y - loc)^2 / 2 + const``, so its
 message is the expected natural parameter ``(1/2, -c E_q[(y - loc)^2] / 2)`` (eq. 20), the
-expectation over draws of the remainder (:mod:`pyro_cvi.messages.precision`).
+expectation over draws of the remainder (:mod:`pyro_cvi.messages.precision`); the remainder
+reads the factor at ``tau = E_q[tau]`` (exact in ``tau`` up to a constant of its latents).
 A component stays as it was (mean field) where the remainder cannot hold it: a
 latent inside a subsampled plate (its sites change per minibatch), a latent whose ``q`` family
 the user chose (``AutoCVI(families=...)``, other than ``"gaussian"``), or a data-parallel run.

@@ -1,0 +1,210 @@
+"""The bilinear block (PPCA / factor analysis with Gamma noise precisions): detection, the
+closed-form bound against Trace_ELBO, one step against an independent CAVI sweep, and the
+fixed point against a plain CAVI loop."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.blocks import BilinearBlock
+
+N, D, K = 40, 6, 2
+
+
+def ppca(X, per_column=False, transposed=False, extra=False, offset=0.0):
+    n, d = X.shape
+    shape = (d, K) if transposed else (K, d)
+    W = pyro.sample("W", dist.Normal(X.new_zeros(shape), 0.8).to_event(2))
+    s = (d,) if per_column else ()
+    tau = pyro.sample("tau", dist.Gamma(2.0 * X.new_ones(s), X.new_ones(s)).to_event(len(s)))
+    if extra:  # a second factor on W: no longer a bilinear block
+        pyro.sample("w_obs", dist.Normal(W.sum(), 1.0), obs=X.new_tensor(0.3))
+    with pyro.plate("data", n):
+        z = pyro.sample("z", dist.Normal(X.new_zeros(K) + 0.1, 1.5).to_event(1))
+        loc = z @ (W.T if transposed else W) + offset
+        pyro.sample("obs", dist.Normal(loc, (2.0 * tau) ** -0.5).to_event(1), obs=X)
+
+
+def data(dtype, per_column=False):
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(K, D, generator=g, dtype=torch.float64)
+    z = torch.randn(N, K, generator=g, dtype=torch.float64)
+    sd = 0.3 + 0.5 * torch.rand(D, generator=g, dtype=torch.float64) if per_column else 0.4
+    return (z @ W + sd * torch.randn(N, D, generator=g, dtype=torch.float64)).to(dtype)
+
+
+def fit(model, X, steps, optim=None):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, optim or CVI(), CVI_ELBO())
+    losses = [svi.step(X) for _ in range(steps)]
+    return guide, svi, losses
+
+
+def _block(guide):
+    (b,) = [b for b in guide.engine.blocks if isinstance(b, BilinearBlock)]
+    return b
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"per_column": True}, {"transposed": True}, {"offset": 0.5}], ids=str
+)
+def test_bilinear_factor_is_one_block(kw):
+    X = data(torch.float64, kw.get("per_column", False))
+    guide, _, _ = fit(lambda X: ppca(X, **kw), X, 1)
+    b = _block(guide)
+    assert set(b.names) == {"W", "tau", "z"}
+    text = guide.explain()
+    assert "bilinear Normal given" in text and "remainder" not in text
+
+
+def test_a_latent_with_another_factor_is_not_taken():
+    X = data(torch.float64)
+    guide, _, _ = fit(lambda X: ppca(X, extra=True), X, 1)
+    assert not [b for b in guide.engine.blocks if isinstance(b, BilinearBlock)]
+
+
+def _cavi_sweep(X, c, m, prior):
+    """One independent CAVI sweep z -> W -> tau (Bishop 2006, 10.1 / 12.2.4), columns of W."""
+    mz, Sz, mw, Sw, a, b = m
+    mz0, pz0, mw0, pw0, a0, b0 = prior
+    n, d = X.shape
+    outer = lambda m, S: S + torch.einsum("...k,...l->...kl", m, m)  # noqa: E731
+    et = (a / b).expand(d)
+    r = c * et
+    Pz = torch.diag(pz0) + torch.einsum("d,dkl->kl", r, outer(mw, Sw))
+    Sz = torch.linalg.inv(Pz).expand(n, K, K)
+    mz = torch.linalg.solve(Pz, (pz0 * mz0 + (r * X) @ mw).T).T
+    Pw = torch.diag(pw0) + torch.einsum("d,kl->dkl", r, outer(mz, Sz).sum(0))
+    Sw = torch.linalg.inv(Pw)
+    mw = torch.einsum("dkl,dl->dk", Sw, pw0 * mw0 + (r * X).T @ mz)
+    sq = X**2 - 2 * X * (mz @ mw.T) + torch.einsum("nkl,dkl->nd", outer(mz, Sz), outer(mw, Sw))
+    if a0.dim():
+        a, b = a0 + 0.5 * n, b0 + 0.5 * (c * sq).sum(0)
+    else:
+        a, b = a0 + 0.5 * n * d, b0 + 0.5 * (c * sq).sum()
+    return mz, Sz, mw, Sw, a, b
+
+
+def _moments(b):
+    return [t.detach().double() for t in b._moments()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_column", [False, True])
+def test_one_step_of_size_one_is_a_cavi_sweep(dtype, per_column):
+    X = data(dtype, per_column)
+    model = lambda X: ppca(X, per_column=per_column)  # noqa: E731
+    guide, svi, _ = fit(model, X, 3, CVI(step_size=1.0))
+    b = _block(guide)
+    b.sweeps_per_step = 1
+    before = _moments(b)
+    svi.step(X)
+    after = _moments(b)
+    s = (D,) if per_column else ()
+    prior = (
+        torch.full((K,), 0.1, dtype=torch.float64),
+        torch.full((K,), 1.5**-2, dtype=torch.float64),
+        torch.zeros(K, dtype=torch.float64),
+        torch.full((K,), 0.8**-2, dtype=torch.float64),
+        torch.full(s, 2.0, dtype=torch.float64),
+        torch.full(s, 1.0, dtype=torch.float64),
+    )
+    expect = _cavi_sweep(X.double(), 2.0, before, prior)
+    rtol = 1e-4 if dtype == torch.float32 else 1e-10
+    for got, want in zip(after, expect):
+        assert torch.allclose(got, want.expand_as(got), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_column", [False, True])
+def test_the_reported_loss_is_the_bound_of_the_guide(dtype, per_column):
+    X = data(dtype, per_column)
+    model = lambda X: ppca(X, per_column=per_column)  # noqa: E731
+    guide, svi, _ = fit(model, X, 15)
+    loss = svi.evaluate_loss(X)
+    pyro.set_rng_seed(1)
+    with torch.no_grad():
+        draws = torch.tensor(
+            [Trace_ELBO(num_particles=50).loss(model, guide, X) for _ in range(8)],
+            dtype=torch.float64,
+        )
+    se = float(draws.std() / math.sqrt(len(draws)))
+    assert abs(float(draws.mean()) - loss) < 4 * se + 1e-3 * abs(loss)
+    assert se < 2.0  # (the check has teeth: a wrong entropy or KL moves the bound by more)
+
+
+def _elbo(X, c, m, prior):
+    """The closed-form ELBO of ``q(z) q(W) q(tau)`` (independent of the block's code)."""
+    mz, Sz, mw, Sw, a, b = m
+    mz0, pz0, mw0, pw0, a0, b0 = prior
+    n, d = X.shape
+    outer = lambda m, S: S + torch.einsum("...k,...l->...kl", m, m)  # noqa: E731
+    sq = X**2 - 2 * X * (mz @ mw.T) + torch.einsum("nkl,dkl->nd", outer(mz, Sz), outer(mw, Sw))
+    et, elt = (a / b).expand(d), (torch.digamma(a) - b.log()).expand(d)
+    ll = 0.5 * (n * d * math.log(c / (2 * math.pi)) + n * elt.sum() - c * (et * sq).sum())
+
+    def kl(m, S, m0, p0):
+        q = torch.distributions.MultivariateNormal(m, S)
+        p = torch.distributions.MultivariateNormal(m0.expand_as(m), torch.diag(1 / p0))
+        return torch.distributions.kl_divergence(q, p).sum()
+
+    G = torch.distributions.Gamma
+    kl_t = torch.distributions.kl_divergence(G(a, b), G(a0.expand_as(a), b0.expand_as(b))).sum()
+    return float(ll - kl(mz, Sz, mz0, pz0) - kl(mw, Sw, mw0, pw0) - kl_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_bound_is_the_cavi_optimum(dtype):
+    X = data(dtype)
+    guide, svi, losses = fit(ppca, X, 150)
+    b = _block(guide)
+    m = _moments(b)
+    prior = (
+        torch.full((K,), 0.1, dtype=torch.float64),
+        torch.full((K,), 1.5**-2, dtype=torch.float64),
+        torch.zeros(K, dtype=torch.float64),
+        torch.full((K,), 0.8**-2, dtype=torch.float64),
+        torch.tensor(2.0, dtype=torch.float64),
+        torch.tensor(1.0, dtype=torch.float64),
+    )
+    X64 = X.double()
+    value = _elbo(X64, 2.0, m, prior)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert svi.evaluate_loss(X) == pytest.approx(-value, rel=rtol)
+    for _ in range(3000):  # an independent CAVI loop from there gains (almost) nothing
+        m = _cavi_sweep(X64, 2.0, m, prior)
+    assert 0 <= _elbo(X64, 2.0, m, prior) - value < 0.1  # (CAVI creeps along rotations)
+    assert all(b2 <= b1 + 1e-3 * abs(b1) for b1, b2 in zip(losses[5:], losses[6:]))
+
+
+def test_the_guide_methods_read_the_block():
+    X = data(torch.float32, True)
+    model = lambda X: ppca(X, per_column=True)  # noqa: E731
+    guide, _, _ = fit(model, X, 5)
+    b = _block(guide)
+    med, qs = guide.median(X), guide.quantiles([0.1, 0.9], X)
+    mz, Sz, mw, Sw, a, bb = b._moments()
+    assert torch.allclose(med["W"], mw.T) and torch.allclose(med["z"], mz)
+    sd_w = Sw.diagonal(dim1=-2, dim2=-1).sqrt().T
+    lo = med["W"] + torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.1)) * sd_w
+    assert torch.allclose(qs["W"][0], lo, atol=0.05 * float(sd_w.max()))  # (by sampling)
+    sd_z = Sz.diagonal(dim1=-2, dim2=-1).sqrt()
+    assert torch.allclose(qs["z"][1], mz + 1.2815516 * sd_z, rtol=1e-5, atol=1e-5)
+    draws = pyro.infer.Predictive(model, guide=guide, num_samples=4)(X)
+    assert draws["W"].shape[-2:] == (K, D) and draws["z"].shape == (4, N, K)
+
+
+def test_naming_a_family_keeps_the_joint_gaussian():
+    X = data(torch.float64)
+    pyro.clear_param_store()
+    guide = AutoCVI(ppca, families={"W": "gaussian"})
+    SVI(ppca, guide, CVI(), CVI_ELBO()).step(X)
+    assert not [b for b in guide.engine.blocks if isinstance(b, BilinearBlock)]
+    assert {"W", "z"} <= set(guide.engine.analysis.remainder)
