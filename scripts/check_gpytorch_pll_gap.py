@@ -221,7 +221,11 @@ def case(classify: bool, iters: int) -> dict:
                 held = float(mll(model(x), y))
         else:
             host = model
+            model.train()
+            lik.train()
             with torch.no_grad():
+                mll = gpytorch.mlls.PredictiveLogLikelihood(lik, model, num_data=y.numel())
+                out["gpytorch_mll_at_its_q"] = float(mll(model(x), y))
                 Lq = vd.chol_variational_covar.tril()
                 held = float(
                     Closed(host, lik, x, y, classify).value(vd.variational_mean, Lq @ Lq.mT)
