@@ -8,22 +8,23 @@ never wider than the prior in any direction. For the ELBO the optimum has that f
 ``dF/dS`` is the expected Hessian of a log-concave likelihood: ``lam2 = dF/dS <= 0``); for the
 predictive log-likelihood ``dF/dS`` can be indefinite (``log E_q[p(y|f)]`` grows with the
 variance at points the mean misses), its optimum can have ``S_v > I`` in some directions, and the
-step projects ``lam2`` onto the NSD cone. This script measures that, at fixed hyperparameters:
+step projects ``lam2`` onto the NSD cone. This script splits the gap:
 
-1. GPyTorch's loop with ``VariationalStrategy`` and ``PredictiveLogLikelihood`` (Adam, lr 0.01,
-   float64) fits the hyperparameters; they are then frozen.
-2. The objective in closed form (Gaussian likelihood: ``log N(y; mu, v + sigma^2)``; GPyTorch's
-   probit ``BernoulliLikelihood``: ``log Phi((2y - 1) mu / sqrt(1 + v))``), checked against
-   GPyTorch's ``PredictiveLogLikelihood`` at GPyTorch's fitted q, is maximised by L-BFGS over
-   every Gaussian q(v) (``S_v = L L^T``) and over those with ``S_v <= I``
-   (``S_v = (I + A A^T)^-1``, the family the sites span).
-3. CVI: the same model and frozen hyperparameters with ``CVIVariationalStrategy``, GPyTorch's
-   loop (the step in ``backward``).
+1. GPyTorch's loop (Adam, lr 0.01, on everything; float64; 80 points, 16 learned inducing
+   points) with ``VariationalStrategy`` and with ``CVIVariationalStrategy``: each run's bound
+   (the mean of the last 20 losses, as the slow test compares them).
+2. At each run's final hyperparameters (frozen), the objective in closed form (Gaussian
+   likelihood: ``log N(y; mu, v + sigma^2)``; GPyTorch's probit ``BernoulliLikelihood``:
+   ``log Phi((2y - 1) mu / sqrt(1 + v))``; checked against GPyTorch's objective at GPyTorch's q)
+   at the q the run holds, and maximised by L-BFGS over every Gaussian q(v)
+   (``S_v = L L^T``) and over those with ``S_v <= I`` (``S_v = (I + A A^T)^-1``, the family the
+   sites span), with the eigenvalues of the unconstrained optimum's ``S_v``.
+3. From each end, L-BFGS on GPyTorch's ``PredictiveLogLikelihood`` over q and every
+   hyperparameter: does either run sit in a better basin?
 
-Reported per data point (nats): each optimum, CVI's value, the largest eigenvalue of ``S_v`` at
-the unconstrained optimum and how many exceed 1. Writes ``results/check_gpytorch_pll_gap.json``.
+Prints a table and a verdict; writes ``results/check_gpytorch_pll_gap.json``.
 
-    OMP_NUM_THREADS=1 python scripts/check_gpytorch_pll_gap.py            # about two minutes
+    OMP_NUM_THREADS=1 python scripts/check_gpytorch_pll_gap.py            # about 8 minutes here
     OMP_NUM_THREADS=1 python scripts/check_gpytorch_pll_gap.py --quick
 """
 
