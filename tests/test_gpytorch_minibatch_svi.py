@@ -128,6 +128,20 @@ def test_converges_to_the_full_batch_optimum():
     assert best - 1e-6 <= end < best + 0.01, (best, end)
 
 
+def test_a_resumed_optimizer_goes_on_with_beta_t():
+    """``state_dict`` carries t: a new optimizer that loads it takes beta_t, not beta_0 = 1
+    (which would drop every site's history)."""
+    X, y, _ = data()
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    opt = CVIOptimizer(sparse(X), lik, minibatch=SVIScaling(c=2.0))
+    idx = torch.arange(20)
+    for _ in range(3):
+        opt.step(X[idx], y[idx], indices=idx)
+    again = CVIOptimizer(opt.model, lik, minibatch=SVIScaling(c=2.0))
+    again.load_state_dict(opt.state_dict())
+    assert again.minibatch.next_beta() == opt.minibatch.next_beta() == 2.0 / 5.0
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="SVIScaling: c must be > 0"):
         SVIScaling(c=0.0)
