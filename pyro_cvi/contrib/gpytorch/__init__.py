@@ -133,6 +133,7 @@ from .likelihoods import (
     logistic_expected_log_prob,
     logistic_expected_prob,
 )
+from .minibatch import SVIScaling
 from .multiclass import CategoricalLogitsLikelihood, MultiClassCVIStrategy
 from .multiclass_optim import MultiClassCVIOptimizer
 from .optim import CVIOptimizer
@@ -149,6 +150,7 @@ __all__ = [
     "FullSitePosterior",
     "LogisticBernoulliLikelihood",
     "SparseSitePosterior",
+    "SVIScaling",
     "logistic_expected_log_prob",
     "logistic_expected_prob",
 ]

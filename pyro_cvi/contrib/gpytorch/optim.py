@@ -51,6 +51,7 @@ from pyro_cvi.update import cvi_update
 
 from .inducing import mean_param_targets
 from .likelihoods import LogisticBernoulliLikelihood, binary_labels
+from .minibatch import SVIScaling
 from .strategy import CVIVariationalStrategy
 
 __all__ = ["CVIOptimizer"]
@@ -89,6 +90,10 @@ class CVIOptimizer:
         -ELBO never increases. Rejections are counted in ``num_backtracks``. With hyperparameters
         changing between steps (hybrid training) or with minibatches there is no backtracking.
 
+    :param minibatch: :class:`~pyro_cvi.contrib.gpytorch.minibatch.SVIScaling` for minibatch
+        steps on the data sites by eq. 14 of Khan & Lin 2017 (every site decayed, the batch's
+        targets scaled by ``N / B``); ``None`` (default): the batch's sites move towards their
+        targets and the others are kept. Full-batch steps are the same either way.
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
         :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
@@ -114,6 +119,7 @@ class CVIOptimizer:
         min_step_size: float = 1e-2,
         process_group=None,
         num_data: Optional[int] = None,
+        minibatch: Optional[SVIScaling] = None,
     ):
         strategy = getattr(model, "variational_strategy", None)
         while not isinstance(strategy, CVIVariationalStrategy) and hasattr(
@@ -147,6 +153,12 @@ class CVIOptimizer:
         self.num_clipped = 0
         self.last_num_clipped = 0
         self.num_steps = 0
+        self.minibatch = minibatch
+        if minibatch is not None and (strategy.inducing_form or process_group is not None):
+            raise ValueError(
+                "CVIOptimizer(minibatch=SVIScaling()) needs the data-site form in one process "
+                "(num_data= or train_inputs=, no process_group)."
+            )
         if process_group is not None:
             strategy.set_process_group(process_group)
         self.reducer = strategy.reducer
@@ -432,7 +444,14 @@ class CVIOptimizer:
         if s.inducing_form:
             s.blend_sites(old, target, self.step_size)
             return
-        new1, new2 = cvi_update(old, target, self.step_size)
+        if indices is not None and self.minibatch is not None:  # eq. 14
+            beta, scale = self.minibatch.next_beta(), self.num_data / target[0].shape[-1]
+            s.scale_sites(1.0 - beta)
+            old = (s.site_lam1[indices], s.site_lam2[indices])
+            target = (scale * target[0], scale * target[1])
+            new1, new2 = old[0] + beta * target[0], old[1] + beta * target[1]
+        else:
+            new1, new2 = cvi_update(old, target, self.step_size)
         s.set_sites(new1, new2.clamp_max(0.0), indices)
 
     @property
@@ -451,6 +470,7 @@ class CVIOptimizer:
             "num_clipped": self.num_clipped,
             "num_backtracks": self.num_backtracks,
             "num_steps": self.num_steps,
+            "minibatch_steps": None if self.minibatch is None else self.minibatch.num_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -458,4 +478,6 @@ class CVIOptimizer:
         self.num_clipped = int(state["num_clipped"])
         self.control.num_backtracks = int(state.get("num_backtracks", 0))
         self.num_steps = int(state["num_steps"])
+        if self.minibatch is not None and state.get("minibatch_steps") is not None:
+            self.minibatch.num_steps = int(state["minibatch_steps"])  # beta_t goes on from t
         self.control.snapshot = None

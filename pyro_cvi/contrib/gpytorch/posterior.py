@@ -213,6 +213,10 @@ class SiteSums:
             return None
         return sums if torch.unique(indices).numel() == indices.numel() else None
 
+    def scale(self, factor: float) -> None:
+        """Every site multiplied by ``factor``: both sums are linear in the sites."""
+        self.S, self.s = self.S * factor, self.s * factor
+
     def update(self, indices: Tensor, old: Tuple[Tensor, Tensor], new: Tuple[Tensor, Tensor]):
         """Account for the sites at ``indices`` (distinct) going from ``old`` to ``new``."""
         P, m0 = self.Phi[..., indices], self.prior_mean_X[..., indices]

@@ -33,6 +33,7 @@ from . import site_store as store
 from .batch_inputs import BatchInputForm
 from .fantasy import FantasyForm
 from .inducing import InducingForm
+from .minibatch import SiteScalingForm
 from .posterior import FullSitePosterior, SiteSums, SparseSitePosterior
 from .site_store import CVISites, check_data_site_args, keys_equal, write_sites
 from .state_convert import SavedStateForm
@@ -50,7 +51,7 @@ class _Cache:
 
 
 class CVIVariationalStrategy(
-    BatchInputForm, FantasyForm, SavedStateForm, InducingForm, _VariationalStrategy
+    BatchInputForm, FantasyForm, SavedStateForm, SiteScalingForm, InducingForm, _VariationalStrategy
 ):
     r"""Variational strategy whose q(u) is built in closed form from CVI sites.
 
