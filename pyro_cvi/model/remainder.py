@@ -117,6 +117,10 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Di
     for n, info in an.latents.items():  # a Markov chain keeps its Kalman block (and component)
         if info.form == SITE and an.blocks[info.block].chain is not None and n in comp:
             roots.discard(comp[n])
+    for root in list(roots):  # exponential-family blocks, each conjugate to its own prior
+        inside = [n for n in comp if comp[n] == root and n not in an.discrete]
+        if all(prior_in_family(an, n) for n in inside):
+            roots.discard(root)
     members = {n for n in comp if comp[n] in roots}
     continuous = [n for n in an.values if n in members and n not in an.discrete]
     discrete = {n for n in members if n in an.discrete}
@@ -126,6 +130,24 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Di
         if all(an.latents_of(s) - {z} <= members for s in sites)
     }
     return continuous, discrete, kept
+
+
+def prior_in_family(an, name: str) -> bool:
+    """Whether latent ``name`` has a non-Gaussian exponential-family ``q`` (natural form) and its
+    own prior is of that family whatever its parents' values (a Gamma with a latent rate, a
+    Dirichlet with latent concentrations): the prior is then conjugate to ``q`` given the
+    others, ``log p(z | pa) = <eta(pa), T(z)> - A(eta(pa))``, and its message is the expected
+    natural parameter ``E_q[eta(pa)]`` (eq. 20). A component of such latents keeps one
+    exponential-family block per latent: a joint Gaussian on their logarithms fits sparse
+    posteriors (a Gamma or Dirichlet shape below one) worse than the family itself."""
+    info = an.latents.get(name)
+    if info is None or info.form != NATURAL or info.family is None or info.family.is_gaussian:
+        return False
+    try:
+        info.family.dist_to_natural(an.structure.nodes[name]["fn"])
+    except (TypeError, NotImplementedError, ValueError):
+        return False
+    return True
 
 
 def _precision_candidates(an, seeds: Set[str]) -> Dict[str, List[str]]:
