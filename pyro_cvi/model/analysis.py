@@ -189,6 +189,8 @@ class Analysis:
         self.remainder_discrete: Set[str] = set()
         #: Gamma precisions kept beside the remainder: ``{latent: its Normal factors}``
         self.precisions: Dict[str, List[str]] = {}
+        #: remainder latents Gaussian given the others with a scale inside it (model/remainder)
+        self.scaled_gaussians: List[str] = []
         self.regroup()
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
