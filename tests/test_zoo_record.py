@@ -40,9 +40,7 @@ def test_the_records_exist_and_cover_the_fast_models():
 
 #: rows that fit worse than at 85a0a12 since 9c97649 put their latents in the remainder, not yet
 #: given back (strict: the test fails once they fit again, so the entry must go)
-KNOWN_REGRESSIONS = {
-    "lda": "LDA's Dirichlet latents in the remainder since 9c97649: 1683 vs 1495 at 85a0a12",
-}
+KNOWN_REGRESSIONS: dict = {}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

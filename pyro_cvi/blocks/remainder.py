@@ -64,8 +64,9 @@ from .remainder_joint import remainder_log_joint
 __all__ = ["Remainder", "RemainderBlock"]
 
 #: Price's dense Hessians up to this many coordinates when a Gamma precision is kept beside
-#: the remainder: its likelihood's curvature scales with the precision, which moves between
-#: steps, so a running one-draw curvature lags it while the Hessian at the step is exact
+#: the remainder, or a remainder latent scales members Gaussian given the others: their
+#: curvature scales with the precision, which moves between steps, so a running one-draw
+#: curvature lags it while the Hessian at the step is exact
 SCALED_HESSIAN_MAX_DIM = 64
 
 
@@ -124,8 +125,11 @@ class RemainderBlock(Block):
         self.dim = start
         #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
         self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
-        # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too
-        scaled = bool(getattr(analysis, "precisions", {}))
+        # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too;
+        # so does a latent scale of members Gaussian given the others (a random walk's step)
+        scaled = bool(getattr(analysis, "precisions", {})) or bool(
+            getattr(analysis, "scaled_gaussians", ())
+        )
         self.rule = strategy.choose_step(hierarchical(analysis, self.names) or scaled)
         self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))

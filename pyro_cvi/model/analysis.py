@@ -196,6 +196,8 @@ class Analysis:
         for b in self.bilinear:
             for n in b.names:
                 self.latents[n].form = BILINEAR_FORM
+        #: remainder latents Gaussian given the others with a scale inside it (model/remainder)
+        self.scaled_gaussians: List[str] = []
         self.regroup()
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}

@@ -29,6 +29,12 @@ remainder's latents) stays out too and keeps its Gamma ``q``: such a factor is c
 message is the expected natural parameter ``(1/2, -c E_q[(y - loc)^2] / 2)`` (eq. 20), the
 expectation over draws of the remainder (:mod:`pyro_cvi.messages.precision`); the remainder
 reads the factor at ``tau = E_q[tau]`` (exact in ``tau`` up to a constant of its latents).
+A component of latents whose own priors are all of their ``q``'s (non-Gaussian) family given
+their parents (Gamma layers with latent rates, a Dirichlet with latent concentrations) keeps
+one exponential-family block per latent (:func:`prior_in_family`). Members Gaussian given the
+others whose prior scale is a remainder latent (a random walk's increments under a latent step
+scale, :func:`scaled_gaussians`) make the remainder take Price's dense Hessians, as a kept
+precision does.
 A component stays as it was (mean field) where the remainder cannot hold it: a
 latent inside a subsampled plate (its sites change per minibatch), a latent whose ``q`` family
 the user chose (``AutoCVI(families=...)``, other than ``"gaussian"``), or a data-parallel run.
@@ -118,6 +124,10 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Di
     for n, info in an.latents.items():  # a Markov chain keeps its Kalman block (and component)
         if info.form == SITE and an.blocks[info.block].chain is not None and n in comp:
             roots.discard(comp[n])
+    for root in list(roots):  # exponential-family blocks, each conjugate to its own prior
+        inside = [n for n in comp if comp[n] == root and n not in an.discrete]
+        if all(prior_in_family(an, n) for n in inside):
+            roots.discard(root)
     members = {n for n in comp if comp[n] in roots}
     continuous = [n for n in an.values if n in members and n not in an.discrete]
     discrete = {n for n in members if n in an.discrete}
@@ -127,6 +137,24 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Di
         if all(an.latents_of(s) - {z} <= members for s in sites)
     }
     return continuous, discrete, kept
+
+
+def prior_in_family(an, name: str) -> bool:
+    """Whether latent ``name`` has a non-Gaussian exponential-family ``q`` (natural form) and its
+    own prior is of that family whatever its parents' values (a Gamma with a latent rate, a
+    Dirichlet with latent concentrations): the prior is then conjugate to ``q`` given the
+    others, ``log p(z | pa) = <eta(pa), T(z)> - A(eta(pa))``, and its message is the expected
+    natural parameter ``E_q[eta(pa)]`` (eq. 20). A component of such latents keeps one
+    exponential-family block per latent: a joint Gaussian on their logarithms fits sparse
+    posteriors (a Gamma or Dirichlet shape below one) worse than the family itself."""
+    info = an.latents.get(name)
+    if info is None or info.form != NATURAL or info.family is None or info.family.is_gaussian:
+        return False
+    try:
+        info.family.dist_to_natural(an.structure.nodes[name]["fn"])
+    except (TypeError, NotImplementedError, ValueError):
+        return False
+    return True
 
 
 def _precision_candidates(an, seeds: Set[str]) -> Dict[str, List[str]]:
@@ -206,6 +234,47 @@ def _kept_blocks(an, seeds: Set[str], moves) -> Set[str]:
     return kept
 
 
+def scaled_gaussians(an, names: List[str]) -> List[str]:
+    """The remainder's latents ``names`` whose factors are all Gaussian in them given the others
+    while a scale among ``names`` sets their curvature: a Normal prior whose scale is another
+    remainder latent (:func:`prior_given_others`; a random walk's increments under a latent step
+    scale) and every other factor :func:`conjugate_given_others`. Their curvature moves with the
+    scale between steps, as beside a kept Gamma precision, so the remainder takes Price's dense
+    Hessians at each step (:mod:`pyro_cvi.blocks.remainder`)."""
+    out = []
+    for n in names:
+        if not (an.deps.get(n, set()) & set(names)) or not prior_given_others(an, n):
+            continue
+        factors = [
+            s
+            for s, node in an.structure.nodes.items()
+            if is_random(node) and s != n and s not in an.leaves and n in an.latents_of(s)
+        ]
+        if factors and all(conjugate_given_others(an, s, [n]) for s in factors):
+            out.append(n)
+    return out
+
+
+def prior_given_others(an, name: str) -> bool:
+    """Whether latent ``name``'s prior is a Normal whose loc is free of every latent and whose
+    scale is free of ``name``: given the other latents its log density is Gaussian in ``name``
+    with precision ``scale^-2``."""
+    tr, leaves = an.leaf_trace()
+    base = unwrap(tr.nodes[name]["fn"])[0]
+    if not isinstance(base, torch.distributions.Normal) or name not in leaves:
+        return False
+    loc, scale = base.loc, base.scale
+    if torch.is_tensor(loc) and loc.requires_grad:
+        return False
+    if not (torch.is_tensor(scale) and scale.requires_grad):
+        return True
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(
+            scale.sum(), [leaves[name]], allow_unused=True, retain_graph=True
+        )
+    return g is None or not bool(g.ne(0).any())
+
+
 def conjugate_given_others(an, site: str, names) -> bool:
     """Whether factor ``site`` is a Normal whose loc is affine in the block's latents ``names``
     with a coefficient free of every other latent, and whose scale is free of ``names``: then
@@ -260,6 +329,7 @@ def apply_remainder(
         return
     an.remainder, an.remainder_discrete = names, set(discrete)
     an.precisions = dict(precisions)
+    an.scaled_gaussians = scaled_gaussians(an, names)
     for n in names:
         info = an.latents[n]
         info.form, info.block, info.factors = REMAINDER, None, []
