@@ -75,7 +75,7 @@ class GaussianStepper:
         # a parameter that feeds two sites is not any one site's: the inner optimizer's
         owners: Dict[str, List[str]] = {}
         for name, (g, _) in found.items():
-            for _, n in g.names if g is not None else ():
+            for n in {n for _, n in g.names} if g is not None else ():
                 owners.setdefault(n, []).append(name)
         self.site_groups = {}
         self.site_skipped = {}
