@@ -91,27 +91,34 @@ class ScoreCoefficient:
     the optimum of a loss with the score term (there the pathwise term vanishes on a conjugate
     model and the variance with it), 0 for one without (an analytic entropy or KL). ``c`` is
     estimated by averages over past steps (weights ``max(1/t, rho)``), clipped to ``[0, 1]``,
-    and only used after ``warm`` steps."""
+    and used after ``warm`` steps where the squared correlation of ``x`` and ``x_s`` is at
+    least ``min_r2`` (a variance reduction of that fraction; a loss without the score term
+    has a correlation near 0, and a ``c`` learnt from noise would only add variance)."""
 
     rho: float = 0.05
     warm: int = 3
+    min_r2: float = 0.25
     xy: float = 0.0
     yy: float = 0.0
+    xx: float = 0.0
     t: int = 0
 
     def value(self) -> float:
-        if self.t < self.warm or not self.yy > 0:
+        if self.t < self.warm or not (self.yy > 0 and self.xx > 0):
             return 0.0
-        return min(1.0, max(0.0, self.xy / self.yy))
+        if self.xy <= 0 or self.xy * self.xy < self.min_r2 * self.xx * self.yy:
+            return 0.0
+        return min(1.0, self.xy / self.yy)
 
     def observe(self, x: torch.Tensor, x_s: torch.Tensor) -> None:
-        xy, yy = float((x * x_s).sum()), float(x_s.pow(2).sum())
-        if not (math.isfinite(xy) and math.isfinite(yy) and yy > 0):
+        xy, yy, xx = float((x * x_s).sum()), float(x_s.pow(2).sum()), float(x.pow(2).sum())
+        if not (math.isfinite(xy) and math.isfinite(yy) and math.isfinite(xx) and yy > 0):
             return
         self.t += 1
         w = max(1.0 / self.t, self.rho)
         self.xy = (1.0 - w) * self.xy + w * xy
         self.yy = (1.0 - w) * self.yy + w * yy
+        self.xx = (1.0 - w) * self.xx + w * xx
 
 
 @dataclass
@@ -169,7 +176,7 @@ class NoiseControl:
             "flat": self._flat,
             "prec": (self.prec.mean, self.prec.sq, self.prec.t),
             "mean": (self.mean.mean, self.mean.sq, self.mean.t),
-            "score": (self.score.xy, self.score.yy, self.score.t),
+            "score": (self.score.xy, self.score.yy, self.score.xx, self.score.t),
         }
 
     def load(self, state: Dict) -> None:
@@ -178,7 +185,7 @@ class NoiseControl:
         self.prec.mean, self.prec.sq, self.prec.t = state["prec"]
         self.mean.mean, self.mean.sq, self.mean.t = state["mean"]
         if "score" in state:
-            self.score.xy, self.score.yy, self.score.t = state["score"]
+            self.score.xy, self.score.yy, self.score.xx, self.score.t = state["score"]
 
 
 @dataclass(frozen=True)
