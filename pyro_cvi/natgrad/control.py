@@ -90,12 +90,13 @@ class ScoreCoefficient:
     fixed before the draw. Its variance is least at ``c* = E<x, x_s> / E|x_s|^2``: about 1 near
     the optimum of a loss with the score term (there the pathwise term vanishes on a conjugate
     model and the variance with it), 0 for one without (an analytic entropy or KL). ``c`` is
-    estimated by averages over past steps (weights ``max(1/t, rho)``), clipped to ``[0, 1]``,
+    estimated by averages over the last few steps (weights ``max(1/t, rho)``: the steps far
+    from the optimum, where ``x`` is large, are soon forgotten), clipped to ``[0, 1]``,
     and used after ``warm`` steps where the squared correlation of ``x`` and ``x_s`` is at
     least ``min_r2`` (a variance reduction of that fraction; a loss without the score term
     has a correlation near 0, and a ``c`` learnt from noise would only add variance)."""
 
-    rho: float = 0.05
+    rho: float = 0.2
     warm: int = 3
     min_r2: float = 0.25
     xy: float = 0.0

@@ -20,7 +20,7 @@ import pyro
 import torch
 from torch.distributions import transform_to
 
-__all__ = ["Selected", "read", "write"]
+__all__ = ["Selected", "read", "write", "write_grad"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,3 +74,28 @@ def write(
         transform = transform_to(cons[name])
     with torch.no_grad():
         u.copy_(transform.inv(value.to(u)))
+
+
+def write_grad(
+    name: str, grad: torch.Tensor, cons: Mapping[str, object], transform: Optional[Any] = None
+) -> None:
+    """Replace ``dloss/dc`` of the param ``name`` by ``grad`` (the inverse of :func:`read`'s
+    chain rule: ``dloss/du = grad * T'(u)``), on the elements ``c`` covers only."""
+    u = pyro.get_param_store()[name].unconstrained()
+    if u.grad is None:
+        return
+    inner = transform.transform if isinstance(transform, Selected) else transform
+    if inner is None:
+        inner = transform_to(cons[name])
+    with torch.enable_grad():
+        leaf = u.detach().requires_grad_(True)
+        (deriv,) = torch.autograd.grad(inner(leaf).sum(), leaf, allow_unused=True)
+    if deriv is None:
+        return
+    with torch.no_grad():
+        if isinstance(transform, Selected):
+            idx = transform.idx.to(u.device).reshape(-1)
+            new = grad.to(u).reshape(-1) * deriv.reshape(-1)[idx]
+            u.grad.view(-1)[idx] = new
+        else:
+            u.grad.copy_(grad.to(u) * deriv)

@@ -12,7 +12,12 @@ import torch
 
 from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
-from .expfam import CONCENTRATION_FAMILIES, MAX_FACTOR, concentration_group_step
+from .expfam import (
+    CONCENTRATION_FAMILIES,
+    MAX_FACTOR,
+    concentration_group_step,
+    gaussian_score_control,
+)
 from .observe import GuideSite
 from .params import read, write
 from .roles import GaussianGroup, find_gaussians
@@ -157,6 +162,8 @@ class GaussianStepper:
                 control = self.controls[g.label] = _control(g.family)
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
+            if g.site:  # the score control variate of the site's draw (natgrad.expfam)
+                gaussian_score_control(g, self.draws.get(g.site), control, cons)
             if g.family in CONCENTRATION_FAMILIES:
                 factor = MAX_FACTOR if max_rel is not None else None
                 new, d = concentration_group_step(
