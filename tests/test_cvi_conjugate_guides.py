@@ -201,3 +201,65 @@ def test_gamma_poisson_reaches_pyros_tolerance_with_trace_elbo(form, dtype, monk
     q = _q(gamma_guide, x)
     assert abs(float(q.concentration) - 7.0) < 0.2
     assert abs(float(q.rate) - 4.0) < 0.15
+
+
+def _stacked(name, init, x):
+    """One parameter holding several distribution parameters, in the current form."""
+    form = FORMS[_positive.form]
+    init = torch.as_tensor(init, dtype=x.dtype)
+    if form == "positive":
+        return pyro.param(name, init, constraint=constraints.positive)
+    if form == "exp":
+        return pyro.param(name, init.log()).exp()
+    return F.softplus(pyro.param(name, init.expm1().log()))
+
+
+def gamma_stacked_guide(x):
+    ab = _stacked("qab", [1.5, 2.0], x)
+    pyro.sample("z", dist.Gamma(ab[0], ab[1]))
+
+
+def beta_stacked_guide(x):
+    pyro.sample("z", dist.Beta(*_stacked("qab", [1.5, 2.0], x).unbind(-1)))
+
+
+def dirichlet_sliced_guide(x):
+    pyro.sample("z", dist.Dirichlet(_stacked("qc", [[7.0, 1.0], [2.0, 0.5]], x).reshape(-1)[1:]))
+
+
+STACKED = {
+    "gamma_poisson": (gamma_poisson, gamma_stacked_guide, "qab"),
+    "gamma_exponential": (gamma_exponential, gamma_stacked_guide, "qab"),
+    "beta_bernoulli": (beta_bernoulli, beta_stacked_guide, "qab"),
+    "dirichlet_categorical": (dirichlet_categorical, dirichlet_sliced_guide, "qc"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("form", range(len(FORMS)), ids=FORMS)
+@pytest.mark.parametrize("name", sorted(STACKED))
+def test_one_step_is_exact_when_one_parameter_feeds_several(name, form, dtype, monkeypatch):
+    """``Gamma(ab[0], ab[1])``, ``Beta(*ab.unbind(-1))``, ``Dirichlet(c.reshape(-1)[1:])``:
+    each distribution parameter is a selection of one raw parameter; the step sets exactly
+    those elements (an element no distribution parameter uses keeps its value)."""
+    monkeypatch.setattr(_positive, "form", form)
+    model, guide, pname = STACKED[name]
+    x = _data(name, dtype)
+    pyro.clear_param_store()
+    cvi = CVI(step_size=1.0, gaussian_step="natural")
+    svi = SVI(model, guide, cvi, loss=_exact_loss(name))
+    svi.step(x)
+    q = _q(guide, x)
+    rtol = 1e-4 if dtype == torch.float32 else 1e-9
+    for attr, value in _posterior(name, x).items():
+        assert torch.allclose(getattr(q, attr), value, rtol=rtol, atol=rtol), attr
+    rows = [r for r in cvi.explain(print_table=False) if r["param"]]
+    assert {r["param"] for r in rows} == {pname}
+    assert all(r["rule"].startswith("natural") and r["where"] == "site 'z'" for r in rows)
+    if name == "dirichlet_categorical":
+        with torch.no_grad():
+            first = _stacked("qc", [[7.0, 1.0], [2.0, 0.5]], x).reshape(-1)[0]
+        assert torch.allclose(first, x.new_tensor(7.0), rtol=rtol)
+    svi.step(x)  # at the posterior, the next exact step stays there
+    for attr, value in _posterior(name, x).items():
+        assert torch.allclose(getattr(_q(guide, x), attr), value, rtol=rtol, atol=rtol), attr

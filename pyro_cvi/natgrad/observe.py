@@ -56,6 +56,7 @@ class GuideSite:
     fn: Any
     scale: float
     particles: int  # size of the vectorised-particle plate around it (1: none)
+    value: Any = None  # the draw the loss used
 
 
 class SiteObserver(Messenger):
@@ -91,7 +92,7 @@ class SiteObserver(Messenger):
             # (a model run on its own inside a custom loss samples its latent sites too:
             # their priors, without parameters, do not replace the guide's site)
             c = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else math.nan
-            self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles)
+            self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles, msg["value"])
         if len(self.log) >= MAX_LOG:  # no CVI() step for long (another optimizer runs):
             self.broken, self.log = True, []  # the loss estimate is off until the next step
         if self.broken:

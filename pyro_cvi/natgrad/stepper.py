@@ -12,7 +12,12 @@ import torch
 
 from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
-from .expfam import CONCENTRATION_FAMILIES, MAX_FACTOR, concentration_step
+from .expfam import (
+    CONCENTRATION_FAMILIES,
+    MAX_FACTOR,
+    concentration_group_step,
+    gaussian_score_control,
+)
 from .observe import GuideSite
 from .params import read, write
 from .roles import GaussianGroup, find_gaussians
@@ -49,10 +54,13 @@ class GaussianStepper:
         #: the guide sites that are not stepped by natural gradients, and why
         self.site_skipped: Dict[str, str] = {}
         self._site_cache: Dict[str, Tuple[object, Tuple[Optional[GaussianGroup], str]]] = {}
+        #: the guide sites of the last loss (their draws: expfam.site_score)
+        self.draws: Dict[str, GuideSite] = {}
 
     def observe(self, sites: Mapping[str, GuideSite]) -> None:
         """Analyse the guide sites the loss just ran (:mod:`pyro_cvi.natgrad.sites`); an empty
         ``sites`` (a compiled loss, or a loss that ran no guide) keeps what was found before."""
+        self.draws = dict(sites)
         if not sites:
             return
         store = pyro.get_param_store()
@@ -75,7 +83,7 @@ class GaussianStepper:
         # a parameter that feeds two sites is not any one site's: the inner optimizer's
         owners: Dict[str, List[str]] = {}
         for name, (g, _) in found.items():
-            for _, n in g.names if g is not None else ():
+            for n in {n for _, n in g.names} if g is not None else ():
                 owners.setdefault(n, []).append(name)
         self.site_groups = {}
         self.site_skipped = {}
@@ -154,7 +162,15 @@ class GaussianStepper:
                 control = self.controls[g.label] = _control(g.family)
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
-            new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
+            if g.site:  # the score control variate of the site's draw (natgrad.expfam)
+                gaussian_score_control(g, self.draws.get(g.site), control, cons)
+            if g.family in CONCENTRATION_FAMILIES:
+                factor = MAX_FACTOR if max_rel is not None else None
+                new, d = concentration_group_step(
+                    g, cons, beta, factor, self.draws.get(g.site), control
+                )
+            else:
+                new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
                 roles, maps = g.roles, g.transforms
                 for role, value in new.items():
@@ -235,16 +251,6 @@ def _lowrank_cov(g, cons, beta, retraction, max_rel):
     return {"loc": m2, "cov_factor": V2 * s2.unsqueeze(-1), "cov_diag": s2.pow(2)}, dirs
 
 
-def _concentration(g, cons, beta, retraction, max_rel):
-    form = CONCENTRATION_FAMILIES[g.family]
-    theta, grads = {}, {}
-    for role in form.roles:
-        theta[role], grads[role] = _rd(g, role, cons)
-    return concentration_step(
-        g.family, theta, grads, beta[0], MAX_FACTOR if max_rel is not None else None
-    )
-
-
 def _control(family: str) -> NoiseControl:
     """The step control of a new group: a concentration family's natural-gradient noise is
     large relative to its parameters (one Gamma draw says little about its shape), so its
@@ -261,7 +267,6 @@ _STEPS = {
     "lowrank": _lowrank,
     "lowrank_cov": _lowrank_cov,
 }
-_STEPS.update({k: _concentration for k in CONCENTRATION_FAMILIES})
 
 
 def _site_key(site: GuideSite, params_key: object) -> object:
