@@ -70,7 +70,7 @@ def test_agrees_on_a_conjugate_model_whose_loss_is_exact(dtype):
     y = torch.tensor([0.3, -0.2, 1.1, 0.7, 0.4], dtype=dtype)
     guide = AutoCVI(normal_model)
     _fit(normal_model, guide, (y,), steps=2)
-    result = guide.check_bound(y, num_particles=2000)
+    result = guide.check_bound(y, num_particles=600)
     assert isinstance(result, BoundCheck)
     assert result.reported_se == 0.0  # exact: two evaluations are equal
     # q is the exact posterior: the loss is -log p(y), an independent closed form
@@ -78,7 +78,7 @@ def test_agrees_on_a_conjugate_model_whose_loss_is_exact(dtype):
     assert result.reported == pytest.approx(-log_evidence(y.double()), abs=tol)
     assert result.agrees, result
     assert abs(result.z) <= 3.0 or result.se < 1e-6  # (an exact bound: Trace_ELBO is flat too)
-    assert result.num_particles == 2000
+    assert result.num_particles == 600
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,12 +192,12 @@ def test_a_collapsed_guide_is_checked_against_trace_enum_elbo(dtype):
     x = torch.tensor([0.1, 3.9, 4.2, -0.3, 4.4, 0.2], dtype=dtype)
     guide = AutoCVI(mixture, discrete="collapse")
     _fit(mixture, guide, (x,), steps=10)
-    result = guide.check_bound(x, num_particles=400)
+    result = guide.check_bound(x, num_particles=200)
     assert result.agrees, result
     bad = _as(guide, Misreporting)
     bad.offset = 20 * result.se + 0.5  # (the loss here is itself an estimate: a wider miss)
     with pytest.warns(BoundMismatchWarning):
-        assert not bad.check_bound(x, num_particles=400).agrees
+        assert not bad.check_bound(x, num_particles=200).agrees
 
 
 def _as(guide, cls):
@@ -217,7 +217,7 @@ def test_the_structured_guide_has_it_too():
     y = torch.randn(6, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     guide = AutoStructuredCVI(hierarchical)
     _fit(hierarchical, guide, (y,), steps=5)
-    result = guide.check_bound(y, num_particles=2000)
+    result = guide.check_bound(y, num_particles=400)
     assert result.agrees, result
 
 
