@@ -30,9 +30,15 @@ from pyro.infer import Trace_ELBO, TraceEnum_ELBO, config_enumerate
 
 _Fn = Callable[..., Any]  # a Pyro model or guide
 
-__all__ = ["BoundCheck", "BoundMismatchWarning", "check_bound", "DEFAULT_PARTICLES"]
+__all__ = [
+    "BoundCheck",
+    "BoundChecked",
+    "BoundMismatchWarning",
+    "check_bound",
+    "DEFAULT_PARTICLES",
+]
 
-#: Trace_ELBO draws of :meth:`AutoCVI.check_bound` by default
+#: Trace_ELBO draws of ``check_bound`` by default
 DEFAULT_PARTICLES = 2000
 #: draws per batch (the standard error comes from the spread of the batch means)
 BATCH = 50
@@ -123,7 +129,7 @@ def _trace_elbo_batches(
     enum_plates: Optional[int] = None,
     vectorize: bool = False,
 ) -> torch.Tensor:
-    """Trace_ELBO's -ELBO estimates, one per batch of :func:`_batch` draws (one draw at a
+    """Trace_ELBO's -ELBO estimates, one per batch of ``_batch`` draws (one draw at a
     time, or with ``vectorize`` under a particle plate, falling back to one at a time where the
     model cannot run so). With ``enum_plates`` (the model's plate nesting), ``TraceEnum_ELBO``
     with every discrete site the guide does not sample summed out in parallel."""
@@ -232,7 +238,7 @@ def check_bound(
 
 class BoundChecked:
     """Mixin of the CVI guides (with ``model`` and ``elbo(args, kwargs)``): their
-    :meth:`check_bound`."""
+    ``check_bound`` method."""
 
     model: _Fn
     elbo: Callable[..., torch.Tensor]
