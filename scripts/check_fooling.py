@@ -39,7 +39,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 #: kinds that claim an exact (affine) dependence on the latent
 EXACT_KINDS = ("conjugate prior", "conjugate", "conjugate (MC)", "linear-predictor")
-_LINE = re.compile(r"^\s*(\S+) -> (\(.*?\)|\S+)\s+(.+?)\s{2,}(.*)$")
+_KINDS = (
+    "conjugate prior|conjugate \\(MC\\)|conjugate|linear-predictor|softmax-predictor|general|"
+    "natural-gradient|collapsed|leaf|constant"
+)
+_LINE = re.compile(rf"^\s*(\S+) -> (.+?)\s+({_KINDS})\s+(.*)$")
 
 
 def kinds_of(explained: str, site: Optional[str]) -> List[str]:
