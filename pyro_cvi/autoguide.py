@@ -32,6 +32,7 @@ from .blocks.base import GuideDraw
 from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
 from .blocks.summaries import Summaries
+from .bound_check import BoundChecked
 from .context import Options
 from .divergence import check_loss
 from .engine import Engine
@@ -62,7 +63,7 @@ from .update import StepCounts
 __all__ = ["AutoCVI"]
 
 
-class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
+class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, AutoGuide):
     """Conjugate-computation variational inference guide (Khan & Lin, 2017).
 
     Example::
@@ -129,6 +130,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         ``Remainder(...)``, or ``"off"`` (mean field with Monte Carlo messages).
     :param prefix: of the guide's names in Pyro's param store (``"<prefix>.<kind>.<site>"``):
         two guides in one process need two (:func:`pyro_cvi.guide_state.claim_prefix`).
+    :param check_at_setup: ``0`` (default) or a number of ``Trace_ELBO`` draws: at set-up, the
+        loss of the initial ``q`` is compared with that many draws of ``Trace_ELBO`` over the
+        guide (:meth:`check_bound`), and a disagreement warns ``BoundMismatchWarning``.
     """
 
     def __init__(
@@ -152,8 +156,16 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         general_curvature: str = "auto",
         remainder="auto",
         prefix: str = "AutoCVI",
+        check_at_setup: int = 0,
     ):
         check_prefix(prefix)
+        if isinstance(check_at_setup, bool) or not (
+            check_at_setup == 0 or (isinstance(check_at_setup, int) and check_at_setup >= 2)
+        ):
+            raise ValueError(
+                "check_at_setup is the number of Trace_ELBO draws of the bound check at set-up "
+                f"(0: none, else at least 2), got {check_at_setup!r}"
+            )
         if general_curvature not in ("auto", "hessian", "gradient"):
             raise ValueError(
                 "general_curvature must be 'auto', 'hessian' or 'gradient', "
@@ -205,6 +217,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
         #: applied, after its check against the model, at the end of the set-up
         self.pending_restore: Optional[Callable] = None
         self.data_shapes: Dict[str, tuple] = {}  # of the data the guide was built with
+        self.check_at_setup = check_at_setup
 
     # ------------------------------------------------------------------ counters
     @property
@@ -263,6 +276,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, AutoGuide):
                 # set-up is rolled back and the next step starts from the guide's own init)
                 self.pending_restore(self)
                 self.pending_restore = None
+        if self.check_at_setup:
+            self.check_bound(*args, num_particles=self.check_at_setup, **kwargs)
 
     def _build_engine(self, args, kwargs) -> None:
         """Analyse the model and set up the blocks; parameters this guide already holds (a

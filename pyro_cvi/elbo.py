@@ -23,6 +23,7 @@ from pyro.infer import ELBO
 from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
+from .guide_list import PartsLoss, parts_loss
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
 from .scale.distributed import tell_ranks
@@ -92,29 +93,34 @@ class CVI_ELBO(ELBO):
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
 
 
-def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI]:
+def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI, PartsLoss]:
+    if isinstance(guide, AutoGuideList):
+        loss = parts_loss(guide, (AutoCVI,))
+        if loss is not None:
+            _same_model(model, guide)
+            return loss
     if not isinstance(guide, (AutoCVI, AutoStructuredCVI)):
         name = type(guide).__name__
         parts = ""
         if isinstance(guide, AutoGuideList):
-            parts = (
-                " (an AutoGuideList: CVI_ELBO needs the whole model's q from one AutoCVI, "
-                "which cannot see the values the other parts sample; give AutoCVI every site, "
-                "or use Gaussian parts such as AutoMultivariateNormal with Trace_ELBO)"
-            )
+            parts = " (an AutoGuideList without an AutoCVI part)"
         raise TypeError(
             f"CVI_ELBO needs an AutoCVI guide, got {name}{parts}. CVI_ELBO computes "
             "AutoCVI's conjugate messages: use guide = AutoCVI(model). "
             f"To keep {name}, use pyro.infer.Trace_ELBO (or another Pyro ELBO) with CVI(), "
             "which steps Gaussian guides by natural gradients, or with pyro.optim.Adam."
         )
+    _same_model(model, guide)
+    return guide
+
+
+def _same_model(model: _Fn, guide: Any) -> None:
     if guide.model is not model and getattr(guide.model, "__wrapped__", None) is not model:
         raise ValueError(
-            "CVI_ELBO: this AutoCVI guide was built for a different model "
+            f"CVI_ELBO: this {type(guide).__name__} guide was built for a different model "
             f"({getattr(guide.model, '__name__', guide.model)!r}); build the guide with "
-            "AutoCVI(model) for the model you pass to SVI"
+            f"{type(guide).__name__}(model) for the model you pass to SVI"
         )
-    return guide
 
 
 def _optimizer_of_caller(frame: Optional[FrameType]) -> Any:

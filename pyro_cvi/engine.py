@@ -358,7 +358,7 @@ class Engine:
         self.pending = ctx if grads else None
         ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
-        return elbo if self._has_params else elbo.detach()
+        return elbo if self._has_params or getattr(self, "given_values", False) else elbo.detach()
 
     def _constant_terms(self, trace) -> torch.Tensor:
         """Factors that depend on no latent (e.g. observations with learnable parameters only):

@@ -168,6 +168,7 @@ def case_guide_list_with_cvi_elbo():
     X, y = _data()
     guide = AutoGuideList(logreg)
     guide.append(AutoCVI(logreg))
+    guide.append(AutoCVI(logreg, prefix="AutoCVI_2"))
     _svi(guide=guide).step(X, y)
 
 

@@ -32,6 +32,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from ..bound_check import BoundChecked
 from ..guide_state import bind_parameters, rng_preserved, sync_parameters
 from ..step_sizes import Schedule, as_schedule
 from ..update import StepCounts, damped_step, register_owner
@@ -40,7 +41,7 @@ from .structured import PAPER_SCHEDULE, StructuredSVI, ssvi_target
 __all__ = ["AutoStructuredCVI"]
 
 
-class AutoStructuredCVI(AutoGuide):
+class AutoStructuredCVI(BoundChecked, AutoGuide):
     """Structured SVI (Hoffman & Blei 2015) as a guide for ``pyro.infer.SVI``.
 
     Example::

@@ -1,0 +1,169 @@
+"""An ``AutoGuideList`` holding an ``AutoCVI`` part (Pyro's recipe: each part built on a blocked
+model) trains under ``CVI_ELBO``.
+
+The model: ``s ~ LogNormal(0, 1)``, ``w ~ N(0, I)``, ``y ~ N(X w, s^2 I)``; the guide: AutoCVI on
+``w``, AutoDelta on ``s``. For a point mass at ``s`` and the exact ``q(w) = p(w | y, s)`` the
+bound is ``log p(y | s) + log p(s)`` with ``p(y | s) = N(y; 0, s^2 I + X X^T)``: the fitted ``s``
+must be its maximiser (a grid search) and the reported loss that closed form, and
+``Trace_ELBO`` over the same guide list must agree with it.
+"""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.bound_check import check_bound
+
+DTYPES = [torch.float64, torch.float32]
+
+
+def model(X, y):
+    s = pyro.sample("s", dist.LogNormal(X.new_tensor(0.0), 1.0))
+    w = pyro.sample("w", dist.Normal(X.new_zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(X)):
+        pyro.sample("y", dist.Normal(X @ w, s), obs=y)
+
+
+def data(dtype):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, generator=g, dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -2.0], dtype=torch.float64) + 0.5 * torch.randn(
+        30, generator=g, dtype=torch.float64
+    )
+    return X.to(dtype), y.to(dtype)
+
+
+def log_joint_s(X, y, s):
+    """``log p(y | s) + log p(s)`` (float64)."""
+    X, y = X.double(), y.double()
+    cov = s**2 * torch.eye(len(y), dtype=torch.float64) + X @ X.T
+    lp = dist.MultivariateNormal(torch.zeros(len(y), dtype=torch.float64), cov).log_prob(y)
+    return float(lp + dist.LogNormal(0.0, 1.0).log_prob(torch.tensor(s, dtype=torch.float64)))
+
+
+def best_s(X, y):
+    grid = torch.linspace(0.2, 1.5, 2601, dtype=torch.float64)
+    values = torch.tensor([log_joint_s(X, y, float(s)) for s in grid])
+    return float(grid[values.argmax()]), float(values.max())
+
+
+def guide_list(parts="delta"):
+    guide = AutoGuideList(model)
+    guide.append(AutoCVI(poutine.block(model, hide=["s"])))
+    other = AutoDelta if parts == "delta" else AutoNormal
+    guide.append(other(poutine.block(model, expose=["s"])))
+    return guide
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cvi_part_with_a_delta_part_reaches_the_exact_optimum(dtype):
+    X, y = data(dtype)
+    guide = guide_list()
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(400):
+        loss = svi.step(X, y)
+    s_star, best = best_s(X, y)
+    s = float(guide.median(X, y)["s"])
+    assert s == pytest.approx(s_star, abs=2e-3)
+    # the reported loss is the closed-form bound at the fitted s (q(w) exact given s)
+    tol = 1e-8 if dtype == torch.float64 else 2e-3
+    now = CVI_ELBO().loss(model, guide, X, y)
+    assert now == pytest.approx(-log_joint_s(X, y, s), abs=tol * max(1, abs(now)))
+    assert loss == pytest.approx(now, abs=1e-3)  # (the last step: s moved by < 1e-3)
+    # q(w) is the exact posterior given s
+    Xd, yd = X.double(), y.double()
+    prec = torch.eye(2, dtype=torch.float64) + Xd.T @ Xd / s**2
+    mean = torch.linalg.solve(prec, Xd.T @ yd / s**2)
+    q = guide[0].posterior("w")
+    assert torch.allclose(q.mean.double(), mean, atol=1e-9 if dtype == torch.float64 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", ["delta", "normal"])
+def test_reported_loss_is_trace_elbo_of_the_same_guide_list(dtype, parts):
+    X, y = data(dtype)
+    guide = guide_list(parts)
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(30):
+        svi.step(X, y)
+
+    def reported():
+        return CVI_ELBO().loss(model, guide, X, y)
+
+    result = check_bound(model, guide, reported, (X, y), num_particles=400, warn=False)
+    assert result.agrees, result
+    if parts == "delta":
+        assert result.reported_se == 0.0  # a point mass and an exact q(w): no noise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_guide_list_draws_and_predicts(dtype):
+    X, y = data(dtype)
+    guide = guide_list()
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(20):
+        svi.step(X, y)
+    tr = poutine.trace(guide).get_trace(X, y)
+    assert set(tr.stochastic_nodes) == {"s", "w"}
+    assert tr.nodes["w"]["value"].dtype == dtype
+    pred = Predictive(model, guide=guide, num_samples=7, return_sites=["y"])(X, None)
+    assert pred["y"].shape == (7, 30)
+
+
+def test_guide_list_called_before_training_then_trained():
+    """Pyro's habit: ``guide(*args)`` once before the first step."""
+    X, y = data(torch.float64)
+    guide = guide_list()
+    guide(X, y)
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(5):
+        assert torch.isfinite(torch.tensor(svi.step(X, y)))
+
+
+def test_two_cvi_parts_are_refused_by_name():
+    guide = AutoGuideList(model)
+    guide.append(AutoCVI(poutine.block(model, expose=["w"])))
+    guide.append(AutoCVI(poutine.block(model, expose=["s"]), prefix="AutoCVI_s"))
+    X, y = data(torch.float64)
+    with pytest.raises(TypeError, match="2 AutoCVI parts"):
+        SVI(model, guide, CVI(), CVI_ELBO()).step(X, y)
+
+
+def test_trace_elbo_gives_the_same_bound_estimate():
+    """Not a training path: Pyro's Trace_ELBO evaluates the trained guide list."""
+    X, y = data(torch.float64)
+    guide = guide_list()
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(20):
+        svi.step(X, y)
+    reported = CVI_ELBO().loss(model, guide, X, y)
+    estimates = torch.tensor(
+        [Trace_ELBO(num_particles=100).loss(model, guide, X, y) for _ in range(10)],
+        dtype=torch.float64,
+    )
+    se = float(estimates.std() / 10**0.5)
+    assert abs(float(estimates.mean()) - reported) <= 3 * se + 1e-9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_delta_part_gets_the_gradient_of_the_bound(dtype):
+    """``d(-ELBO)/d log s`` from CVI_ELBO against central differences of the closed form."""
+    X, y = data(dtype)
+    guide = guide_list()
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(3):
+        svi.step(X, y)
+    loss = CVI_ELBO().differentiable_loss(model, guide, X, y)
+    (raw,) = [v for k, v in pyro.get_param_store().named_parameters() if k.endswith(".s")]
+    (grad,) = torch.autograd.grad(loss, raw)
+    s, h = float(guide.median(X, y)["s"]), 1e-5
+    fd = (log_joint_s(X, y, s * math.exp(-h)) - log_joint_s(X, y, s * math.exp(h))) / (2 * h)
+    assert float(grad) == pytest.approx(fd, rel=1e-2)
