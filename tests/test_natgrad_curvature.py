@@ -13,11 +13,16 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_cvi import CVI
-from pyro_cvi.natgrad.curvature import DrawCurvature, correlation_metric, diag_with_draw
+from pyro_cvi.natgrad.curvature import (
+    DrawCurvature,
+    correlation_metric,
+    diag_with_draw,
+    reparameterised,
+)
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -130,3 +135,39 @@ def test_several_particles_keep_the_diagonal_step():
     for _ in range(3):
         svi.step(X, y)
     assert not cvi.gaussians.curvatures
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_only_the_draws_reparameterised_gradients_are_fitted(dtype):
+    """``dl/ds = h eps - 1/s`` with ``h = dl/dm`` (Trace_ELBO's gradients at the draw) is
+    recognised; the same with an analytic KL term in ``dl/ds`` (TraceMeanField_ELBO) is not."""
+    g = torch.Generator().manual_seed(2)
+    m, s = torch.randn(4, generator=g).to(dtype), (torch.rand(4, generator=g) + 0.5).to(dtype)
+    u = m + s * torch.randn(4, generator=g).to(dtype)
+    h = (3.0 * u - 1.0).to(dtype)
+    gs = h * (u - m) / s - 1 / s
+    args = [t.double() for t in (m, s, h, gs, u)]
+    assert reparameterised(*args, dtype)
+    args[3] = (h * (u - m) / s + s - 1 / s).double()  # + d KL(N(m, s) || N(0, 1)) / ds
+    assert not reparameterised(*args, dtype)
+
+
+def test_an_analytic_kl_keeps_the_diagonal_step():
+    """A hand-written Normal guide under TraceMeanField_ELBO: the KL to the Normal prior is
+    analytic, ``dl/dm`` is no gradient at the draw: nothing is fitted."""
+    model, X, y, _, _ = _regression(torch.float64)
+    d = X.shape[1]
+
+    def guide(X, y):
+        loc = pyro.param("w_loc", X.new_zeros(d))
+        scale = pyro.param("w_scale", X.new_ones(d), constraint=dist.constraints.positive)
+        pyro.sample("w", dist.Normal(loc, scale).to_event(1))
+
+    for loss, fitted in ((TraceMeanField_ELBO(), False), (Trace_ELBO(), True)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        cvi = CVI()
+        svi = SVI(model, guide, cvi, loss)
+        for _ in range(5):
+            svi.step(X, y)
+        assert any(c.n > 0 for c in cvi.gaussians.curvatures.values()) == fitted

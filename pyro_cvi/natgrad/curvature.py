@@ -31,10 +31,12 @@ expected step, hence the fixed point ``E[dl/dm] = 0, E[dl/dS] = 0`` of the natur
 
 Both are used only while the fit earns them: the (exponentially averaged) whitened squared
 error of its prediction of ``h`` at each new draw, before the draw enters it, is compared with
-the whitened variance of ``h`` over the window: the control variate is used while the fit
+the whitened variance of ``h`` over the window (after ``CHECKS`` predictions): the control
+variate is used while the fit
 explains part of that variance, the metric while it explains at least half; otherwise the
 step is the plain diagonal one.
-Only single-draw steps of Normal sites of at most ``MAX_DIM`` coordinates are fitted.
+Only single-draw steps of Normal sites of at most ``MAX_DIM`` coordinates are fitted, and only
+while the gradients are the reparameterised ones of the draw (:func:`reparameterised`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ R_FLOOR = 1e-3
 METRIC_GAIN = 0.5
 #: rate of the average of the fit's whitened squared prediction error
 NORM_RATE = 0.1
+#: predictions of new draws the fit is judged on before it is used
+CHECKS = 5
 
 
 class DrawCurvature:
@@ -67,7 +71,9 @@ class DrawCurvature:
         zz = torch.zeros(dim, dim, dtype=torch.float64)
         self.w, self.u, self.h, self.uu, self.hu = 0.0, z, z.clone(), zz, zz.clone()
         self.hh = z.clone()
-        self.error = 0.0
+        self.error, self.checked = 0.0, 0
+        #: whether the last step used the fit; whether the fit was ever used
+        self.active, self.started = False, False
 
     def fit(self, s: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(A, c)`` (``A`` symmetric, ``d x d``) from the moments so far, whitened by the
@@ -106,13 +112,17 @@ class DrawCurvature:
         norm's average against ``h``'s whitened variance over the window."""
         r = NORM_RATE
         white = float((s * error).pow(2).sum())
-        self.error = white if self.error == 0.0 else (1 - r) * self.error + r * white
+        self.checked += 1
+        self.error = white if self.checked == 1 else (1 - r) * self.error + r * white
         var = (self.hh / self.w - (self.h / self.w).pow(2)).clamp_min(0.0)
         total = float((s * s * var).sum())
+        if self.checked < CHECKS:  # the fit is judged on that many predictions first
+            return False, False
         return self.error < total, self.error < METRIC_GAIN * total
 
     def state(self) -> Dict:
-        return {k: getattr(self, k) for k in ("n", "w", "u", "h", "uu", "hu", "hh", "error")}
+        keys = ("n", "w", "u", "h", "uu", "hu", "hh", "error", "checked", "started")
+        return {k: getattr(self, k) for k in keys}
 
     def load(self, state: Dict) -> None:
         for k, v in state.items():
@@ -135,6 +145,24 @@ def correlation_metric(
     return v, lam.clamp_min(R_FLOOR)
 
 
+def reparameterised(
+    m: torch.Tensor,
+    s: torch.Tensor,
+    gm: torch.Tensor,
+    gs: torch.Tensor,
+    u: torch.Tensor,
+    dtype: torch.dtype,
+) -> bool:
+    """Whether the gradients are the reparameterised ones of this draw: ``dl/ds_i = h_i eps_i
+    - 1 / s_i`` with ``h = dl/dm`` (Trace_ELBO's; not where a KL term is analytic, as in
+    TraceMeanField_ELBO, or a score-function term enters), up to ``dtype``'s round-off."""
+    eps = (u - m) / s
+    lhs, rhs = gs + 1.0 / s, gm * eps
+    size = gs.abs() + 1.0 / s + rhs.abs()
+    tol = 1e3 * torch.finfo(dtype).eps
+    return bool(torch.isfinite(eps).all() and ((lhs - rhs).abs() <= tol * size).all())
+
+
 def diag_with_draw(
     m: torch.Tensor,
     s: torch.Tensor,
@@ -148,6 +176,9 @@ def diag_with_draw(
     plain diagonal step), from the fit before this draw; the draw is then added to it."""
     dtype, shape = m.dtype, m.shape
     m64, s64, gm64, gs64, u64 = (t.detach().double().reshape(-1) for t in (m, s, gm, gs, u))
+    curv.active = False
+    if not reparameterised(m64, s64, gm64, gs64, u64, m.dtype):
+        return gm, gs, None
     fitted = curv.fit(s64)
     if fitted is None:
         curv.add(u64, gm64)
@@ -161,6 +192,7 @@ def diag_with_draw(
     gs_cv = gs64 - eps * (a @ u64 + c - a.diagonal() * du) - s64 * a.diagonal() * (eps * eps - 1)
     if not use_cv:
         return gm, gs, None
+    curv.active = True
     gm_out = gm_cv.to(dtype).reshape(shape)
     gs_out = gs_cv.to(dtype).reshape(shape)
     eig = correlation_metric(a) if use_metric else None

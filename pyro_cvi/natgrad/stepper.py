@@ -164,7 +164,12 @@ class GaussianStepper:
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
             if g.family == "diag":
-                new, d = _diag(g, cons, (beta, beta_mean), self.retraction, max_rel, self._fit(g))
+                fit = self._fit(g)
+                new, d = _diag(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
+                if fit is not None and fit[1].active and not fit[1].started:
+                    # the gradients' noise changed: the step control starts afresh
+                    fit[1].started = True
+                    control = self.controls[g.label] = _control(g.family)
             else:
                 new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
