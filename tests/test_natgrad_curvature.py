@@ -38,8 +38,8 @@ def test_the_fit_is_exact_on_linear_gradients():
     A, c = _spd(d, g), torch.randn(d, generator=g, dtype=torch.float64)
     curv = DrawCurvature(d)
     s = torch.rand(d, generator=g, dtype=torch.float64) + 0.1
-    assert curv.fit(s) is None  # fewer than d + 2 draws
-    for _ in range(d + 2):
+    assert curv.fit(s) is None  # fewer draws than its window
+    for _ in range(curv.window):
         u = torch.randn(d, generator=g, dtype=torch.float64) * 3.0 + 1.0
         curv.add(u, A @ u + c)
     a, c_fit = curv.fit(s)
@@ -60,7 +60,7 @@ def test_the_control_variates_have_mean_zero_under_q():
     x, w = np.polynomial.hermite_e.hermegauss(3)
     x, w = torch.tensor(x), torch.tensor(w / math.sqrt(2 * math.pi))
     fit = DrawCurvature(d)
-    for _ in range(d + 2):  # a fit from unrelated points: a wrong one
+    for _ in range(fit.window):  # a fit from unrelated points: a wrong one
         u = torch.randn(d, generator=g, dtype=torch.float64)
         fit.add(u, torch.randn(d, generator=g, dtype=torch.float64))
     dm, ds = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)

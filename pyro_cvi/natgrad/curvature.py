@@ -10,10 +10,10 @@ gradient's noise ``Lambda s eps`` is as large as its correlations make it.
 With one reparameterised draw ``u_t = m_t + s_t eps_t`` per step, Trace_ELBO's ``dl/dm`` is
 ``h(u_t) = -grad log p(u_t)``: the gradient *at the draw*. A least-squares fit
 ``h(u) ~ A u + c`` over the recent steps (exponential forgetting over ``2 d + 10`` steps: a
-secant estimate, as in quasi-Newton methods; exact after ``d + 1`` steps where the posterior is
-Gaussian) gives the full curvature ``A ~ Lambda``. It is used twice, each time so that the
-expected step, hence the fixed point ``E[dl/dm] = 0, E[dl/dS] = 0`` of the natural gradient in
-``q``'s family, is unchanged:
+secant estimate, as in quasi-Newton methods; exact from ``d + 1`` draws where the posterior is
+Gaussian; none is fitted before ``2 d + 10`` draws) gives the full curvature ``A ~ Lambda``.
+It is used twice, each time so that the expected step, hence the fixed point
+``E[dl/dm] = 0, E[dl/dS] = 0`` of the natural gradient in ``q``'s family, is unchanged:
 
 1. control variates (zero mean: ``E[u - m] = 0``, ``E[eps_i eps_j] = 0`` for ``i != j``)::
 
@@ -65,7 +65,9 @@ class DrawCurvature:
 
     def __init__(self, dim: int) -> None:
         self.dim = dim
-        self.forget = 1.0 - 1.0 / (2 * dim + 10)
+        #: draws in the fit's memory (``1 / (1 - forget)``); none is used before that many
+        self.window = 2 * dim + 10
+        self.forget = 1.0 - 1.0 / self.window
         self.n = 0
         z = torch.zeros(dim, dtype=torch.float64)
         zz = torch.zeros(dim, dim, dtype=torch.float64)
@@ -77,9 +79,9 @@ class DrawCurvature:
 
     def fit(self, s: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(A, c)`` (``A`` symmetric, ``d x d``) from the moments so far, whitened by the
-        current scales ``s`` for the solve; ``None`` before ``d + 2`` draws or when
+        current scales ``s`` for the solve; ``None`` before ``window`` draws or when
         singular."""
-        if self.n < self.dim + 2:
+        if self.n < self.window:
             return None
         ubar, hbar = self.u / self.w, self.h / self.w
         suu = self.uu / self.w - torch.outer(ubar, ubar)
