@@ -32,7 +32,7 @@ natural gradient of that family (:mod:`pyro_cvi.gaussian.lowrank`).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -41,6 +41,9 @@ from .halving import MAX_HALVINGS, halve_until_valid
 from .retraction import retract, retract_diagonal
 
 __all__ = ["MEAN_MAX_MOVE", "chol_grad_to_cov_grad", "diag_step", "tril_step"]
+
+#: ``(P', dl/dm) -> (M^-1 dl/dm, sqrt(diag M^-1))``: a full metric for a diagonal mean's step
+Precondition = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 #: the adaptive step moves the mean by at most this many marginal standard deviations of q'
 MEAN_MAX_MOVE = 3.0
@@ -55,12 +58,15 @@ def diag_step(
     retraction: bool = True,
     max_rel: Optional[float] = None,
     beta_mean: Optional[float] = None,
+    precondition: Optional[Precondition] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One step of independent Normals ``N(m_i, s_i^2)`` (any shape, element-wise): ``G =
     2 dl/dv = (dl/ds) / s``. Returns ``(m', s', d)``; ``d`` is the whitened direction
     ``(s dl/dm, G s^2)``, dimensionless, for the noise control. ``max_rel`` caps the
     relative precision change ``b |G| / P`` per element (a trust region; see
-    :func:`tril_step`)."""
+    :func:`tril_step`). ``precondition(P', dl/dm) -> (M^-1 dl/dm, sqrt(diag M^-1))``
+    replaces the mean's metric ``P'`` by a full one ``M`` (its trust region then scales the
+    whole step, in ``M``'s marginal deviations; :mod:`pyro_cvi.natgrad.curvature`)."""
     p = s.pow(-2)
     g = gs / s
     b = torch.full_like(p, beta)
@@ -74,8 +80,15 @@ def diag_step(
         )
         p_new = torch.where(ok, p_new, p)
     bm = b if beta_mean is None else torch.full_like(p, beta_mean)
-    step = bm * gm / p_new
-    if max_rel is not None:  # at most MEAN_MAX_MOVE standard deviations of q' per step
+    if precondition is not None:
+        direction, sd = precondition(p_new, gm)
+        step = bm * direction
+        if max_rel is not None:  # the whole step: at most MEAN_MAX_MOVE deviations of M
+            z = (step.abs() / sd).amax()
+            step = step * (MEAN_MAX_MOVE / z.clamp_min(MEAN_MAX_MOVE))
+    else:
+        step = bm * gm / p_new
+    if precondition is None and max_rel is not None:  # at most MEAN_MAX_MOVE sd of q'
         z = step.abs() * p_new.sqrt()
         step = step * (MEAN_MAX_MOVE / z.clamp_min(MEAN_MAX_MOVE))
     m_new = m - step

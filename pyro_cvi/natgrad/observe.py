@@ -56,7 +56,9 @@ class GuideSite:
     fn: Any
     scale: float
     particles: int  # size of the vectorised-particle plate around it (1: none)
-    value: Any = None  # the draw the loss used
+    #: the value drawn (detached) and how often the site ran since the last step
+    value: Optional[torch.Tensor] = None
+    runs: int = 1
 
 
 class SiteObserver(Messenger):
@@ -92,7 +94,10 @@ class SiteObserver(Messenger):
             # (a model run on its own inside a custom loss samples its latent sites too:
             # their priors, without parameters, do not replace the guide's site)
             c = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else math.nan
-            self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles, msg["value"])
+            seen = self.sites.get(msg["name"])
+            value = msg["value"].detach() if torch.is_tensor(msg["value"]) else None
+            runs = 1 if seen is None else seen.runs + 1
+            self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles, value, runs)
         if len(self.log) >= MAX_LOG:  # no CVI() step for long (another optimizer runs):
             self.broken, self.log = True, []  # the loss estimate is off until the next step
         if self.broken:

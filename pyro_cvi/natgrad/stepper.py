@@ -12,6 +12,7 @@ import torch
 
 from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
+from .curvature import MAX_DIM, DrawCurvature, diag_with_draw
 from .expfam import (
     CONCENTRATION_FAMILIES,
     MAX_FACTOR,
@@ -56,11 +57,16 @@ class GaussianStepper:
         self._site_cache: Dict[str, Tuple[object, Tuple[Optional[GaussianGroup], str]]] = {}
         #: the guide sites of the last loss (their draws: expfam.site_score)
         self.draws: Dict[str, GuideSite] = {}
+        #: the single draw of each Normal site the last loss ran, by its loc's param name
+        self.normal_draws: Dict[str, torch.Tensor] = {}
+        #: the curvature fitted from the draws of each diagonal Gaussian (by label)
+        self.curvatures: Dict[str, DrawCurvature] = {}
 
     def observe(self, sites: Mapping[str, GuideSite]) -> None:
         """Analyse the guide sites the loss just ran (:mod:`pyro_cvi.natgrad.sites`); an empty
         ``sites`` (a compiled loss, or a loss that ran no guide) keeps what was found before."""
         self.draws = dict(sites)
+        self.normal_draws = {}  # (this loss's draws only: a stale draw would mislead the fit)
         if not sites:
             return
         store = pyro.get_param_store()
@@ -95,6 +101,10 @@ class GaussianStepper:
                 self.site_skipped[name] = f"{shared[0]!r} also feeds another site"
             else:
                 self.site_groups[name] = g
+        for name, (g, _) in found.items():
+            draw = _single_draw(sites[name], g)
+            if draw is not None and g is not None:
+                self.normal_draws[g.roles["loc"]] = draw
 
     def split(
         self, params: Iterable[torch.Tensor]
@@ -162,13 +172,21 @@ class GaussianStepper:
                 control = self.controls[g.label] = _control(g.family)
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
-            if g.site:  # the score control variate of the site's draw (natgrad.expfam)
+            fit = self._fit(g) if g.family == "diag" else None
+            if g.site and fit is None:  # the score control variate of the site's draw
+                # (natgrad.expfam; a curvature fit carries its own control variates)
                 gaussian_score_control(g, self.draws.get(g.site), control, cons)
             if g.family in CONCENTRATION_FAMILIES:
                 factor = MAX_FACTOR if max_rel is not None else None
                 new, d = concentration_group_step(
                     g, cons, beta, factor, self.draws.get(g.site), control
                 )
+            elif g.family == "diag":
+                new, d = _diag(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
+                if fit is not None and fit[1].active and not fit[1].started:
+                    # the gradients' noise changed: the step control starts afresh
+                    fit[1].started = True
+                    control = self.controls[g.label] = _control(g.family)
             else:
                 new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
@@ -185,12 +203,31 @@ class GaussianStepper:
                     stacklevel=4,
                 )
 
+    def _fit(self, g: GaussianGroup) -> Optional[Tuple[torch.Tensor, DrawCurvature]]:
+        """``(draw, curvature fit)`` of a diagonal Gaussian with one draw this step
+        (:mod:`.curvature`), else ``None``."""
+        draw = self.normal_draws.get(g.roles["loc"])
+        if draw is None or not 2 <= draw.numel() <= MAX_DIM:
+            return None
+        curv = self.curvatures.get(g.label)
+        if curv is None or curv.dim != draw.numel():
+            curv = self.curvatures[g.label] = DrawCurvature(draw.numel())
+        return draw, curv
+
     def state(self) -> Dict:
-        return {k: c.state() for k, c in self.controls.items()}
+        state: Dict = {k: c.state() for k, c in self.controls.items()}
+        if self.curvatures:
+            state[_CURVATURES] = {k: c.state() for k, c in self.curvatures.items()}
+        return state
 
     def load(self, state: Mapping) -> None:
         for k, v in state.items():
-            self.controls.setdefault(k, NoiseControl()).load(v)
+            if k == _CURVATURES:
+                for label, cs in v.items():
+                    curv = self.curvatures[label] = DrawCurvature(int(cs["u"].numel()))
+                    curv.load(cs)
+            else:
+                self.controls.setdefault(k, NoiseControl()).load(v)
 
 
 def _rd(g: GaussianGroup, role: str, cons) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -199,10 +236,13 @@ def _rd(g: GaussianGroup, role: str, cons) -> Tuple[torch.Tensor, torch.Tensor]:
     return c, grad if g.weight == 1.0 else grad / g.weight
 
 
-def _diag(g, cons, beta, retraction, max_rel):
+def _diag(g, cons, beta, retraction, max_rel, fit=None):
     m, gm = _rd(g, "loc", cons)
     s, gs = _rd(g, "scale", cons)
-    m2, s2, d = diag_step(m, s, gm, gs, beta[0], retraction, max_rel, beta[1])
+    precondition = None
+    if fit is not None and fit[0].shape == m.shape:
+        gm, gs, precondition = diag_with_draw(m, s, gm, gs, fit[0], fit[1])
+    m2, s2, d = diag_step(m, s, gm, gs, beta[0], retraction, max_rel, beta[1], precondition)
     return {"loc": m2, "scale": s2}, d
 
 
@@ -267,6 +307,24 @@ _STEPS = {
     "lowrank": _lowrank,
     "lowrank_cov": _lowrank_cov,
 }
+
+
+#: the key of the curvature fits in :meth:`GaussianStepper.state`
+_CURVATURES = "__curvatures__"
+
+
+def _single_draw(site: GuideSite, g: Optional[GaussianGroup]) -> Optional[torch.Tensor]:
+    """The value of a ``Normal`` site (under ``.to_event`` only) run once since the last step
+    with one particle, of its loc's shape: the draw whose gradient the loss wrote."""
+    if g is None or g.family != "diag" or site.runs != 1 or site.particles != 1:
+        return None
+    fn = site.fn
+    while type(fn).__name__ == "Independent":
+        fn = fn.base_dist
+    value = site.value
+    if type(fn).__name__ != "Normal" or value is None or value.shape != fn.loc.shape:
+        return None
+    return value
 
 
 def _site_key(site: GuideSite, params_key: object) -> object:
