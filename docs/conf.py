@@ -115,7 +115,7 @@ PUBLIC_PACKAGES = [
     "pyro_cvi.contrib.gpytorch",
 ]
 PUBLIC_MODULES = [
-    "pyro_cvi.bound_check",
+    "pyro_cvi.methods.bound_check",
     "pyro_cvi.contrib.pyro_gp",
     "pyro_cvi.scale.checkpoint",
     "pyro_cvi.scale.distributed",

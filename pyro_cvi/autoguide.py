@@ -32,7 +32,6 @@ from .blocks.base import GuideDraw
 from .blocks.marginals import standard_posterior
 from .blocks.packed import PackedLatent
 from .blocks.summaries import Summaries
-from .bound_check import BoundChecked
 from .context import Options
 from .divergence import check_loss
 from .engine import Engine
@@ -52,18 +51,19 @@ from .guide_state import (
 )
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
+from .methods.bound_check import BoundChecked, check_setup_draws
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
 from .step_control import WarningLog, initial_failures
 from .strategies import Remainder
 from .transaction import rolled_back
-from .update import StepCounts
+from .update import CountedSteps, StepCounts
 
 __all__ = ["AutoCVI"]
 
 
-class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, AutoGuide):
+class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, AutoGuide):
     """Conjugate-computation variational inference guide (Khan & Lin, 2017).
 
     Example::
@@ -159,13 +159,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, AutoGuide):
         check_at_setup: int = 0,
     ):
         check_prefix(prefix)
-        if isinstance(check_at_setup, bool) or not (
-            check_at_setup == 0 or (isinstance(check_at_setup, int) and check_at_setup >= 2)
-        ):
-            raise ValueError(
-                "check_at_setup is the number of Trace_ELBO draws of the bound check at set-up "
-                f"(0: none, else at least 2), got {check_at_setup!r}"
-            )
+        check_setup_draws(check_at_setup)
         if general_curvature not in ("auto", "hessian", "gradient"):
             raise ValueError(
                 "general_curvature must be 'auto', 'hessian' or 'gradient', "
@@ -220,24 +214,6 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, AutoGuide):
         self.check_at_setup = check_at_setup
 
     # ------------------------------------------------------------------ counters
-    @property
-    def num_shrunk(self) -> int:
-        """Batch elements whose step was shrunk to keep q valid (all steps so far)."""
-        return self.counts.shrunk
-
-    @num_shrunk.setter
-    def num_shrunk(self, value: int) -> None:
-        self.counts.shrunk = int(value)
-
-    @property
-    def num_rejected(self) -> int:
-        """Batch elements whose step was rejected (no step size kept q valid)."""
-        return self.counts.rejected
-
-    @num_rejected.setter
-    def num_rejected(self, value: int) -> None:
-        self.counts.rejected = int(value)
-
     @property
     def warning_counts(self) -> dict:
         """``{(site, kind): count}`` of the step warnings so far (each is shown only once)."""

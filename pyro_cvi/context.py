@@ -13,6 +13,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+#: the model keyword under which an ``AutoGuideList`` passes its other parts' values to the
+#: AutoCVI part (:mod:`pyro_cvi.methods.guide_list`): its ELBO keeps its graph to them
+GIVEN = "_cvi_other_parts"
+
 __all__ = ["StepContext", "Options"]
 
 

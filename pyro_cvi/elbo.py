@@ -23,7 +23,7 @@ from pyro.infer import ELBO
 from pyro.infer.autoguide import AutoGuideList
 
 from .autoguide import AutoCVI
-from .guide_list import PartsLoss, parts_loss
+from .methods.guide_list import PartsLoss, parts_loss
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
 from .scale.distributed import tell_ranks

@@ -28,7 +28,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_median
 
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger
-from .context import Options, StepContext
+from .context import GIVEN, Options, StepContext
 from .messages.expectations import site_weight
 from .messages.gaussian import gradient_only
 from .model.analysis import CONSTANT, Analysis
@@ -358,7 +358,7 @@ class Engine:
         self.pending = ctx if grads else None
         ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
-        return elbo if self._has_params or getattr(self, "given_values", False) else elbo.detach()
+        return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
 
     def _constant_terms(self, trace) -> torch.Tensor:
         """Factors that depend on no latent (e.g. observations with learnable parameters only):

@@ -326,7 +326,7 @@ def refuse_inside_svi_step(guide) -> None:
     from pyro.poutine.runtime import _PYRO_STACK
     from pyro.poutine.trace_messenger import TraceMessenger
 
-    if getattr(guide, "bound_check_running", False):  # its own check (bound_check.py)
+    if getattr(guide, "bound_check_running", False):  # its own check (methods/bound_check.py)
         return
     engine = guide.engine
     store = pyro.get_param_store()

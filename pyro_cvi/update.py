@@ -31,6 +31,7 @@ import torch
 from .gaussian.halving import MAX_HALVINGS, MAX_HALVINGS_SOLVE, halve_until_valid
 
 __all__ = [
+    "CountedSteps",
     "NaturalGradientOwner",
     "MAX_HALVINGS",
     "MAX_HALVINGS_SOLVE",
@@ -60,6 +61,30 @@ class StepCounts:
         self.shrunk += other.shrunk
         self.rejected += other.rejected
         return self
+
+
+class CountedSteps:
+    """Mixin for a guide whose ``counts`` (:class:`StepCounts`) total all its steps so far."""
+
+    counts: StepCounts
+
+    @property
+    def num_shrunk(self) -> int:
+        """Batch elements whose step was shrunk to keep q valid (all steps so far)."""
+        return self.counts.shrunk
+
+    @num_shrunk.setter
+    def num_shrunk(self, value: int) -> None:
+        self.counts.shrunk = int(value)
+
+    @property
+    def num_rejected(self) -> int:
+        """Batch elements whose step was rejected (no step size kept q valid)."""
+        return self.counts.rejected
+
+    @num_rejected.setter
+    def num_rejected(self, value: int) -> None:
+        self.counts.rejected = int(value)
 
 
 def _expand(b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench.reporting import quick_path  # noqa: E402
 
 
 def ppca_model(X, K: int = 3, per_column: bool = False):
@@ -198,7 +200,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=3.0, help="AutoCVI's CPU seconds, set-up in")
     p.add_argument("--models", nargs="*", default=["ppca", "factor_analysis"])
     p.add_argument("--out", default=str(ROOT / "results" / "benchmark_ppca_cavi.json"))
+    p.add_argument("--quick", action="store_true", help="PPCA only, N=200, 1 CPU s")
     a = p.parse_args(argv)
+    if a.quick:
+        a.models, a.N, a.budget = ["ppca"], 200, 1.0
+    a.out = str(quick_path(a.out, a.quick))
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
     rows, out = [], {"args": vars(a), "models": {}}

@@ -36,6 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench.reporting import quick_path  # noqa: E402
 
 #: kinds that claim an exact (affine) dependence on the latent
 EXACT_KINDS = ("conjugate prior", "conjugate", "conjugate (MC)", "linear-predictor")
@@ -136,7 +138,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30, help="CVI() steps per fit")
     p.add_argument("--draws", type=int, default=2000, help="Trace_ELBO draws of the check")
     p.add_argument("--out", default=str(ROOT / "results" / "check_fooling.json"))
+    p.add_argument("--quick", action="store_true", help="4 cases, float64, 10 steps, 400 draws")
     args = p.parse_args(argv)
+    if args.quick:
+        args.dtypes, args.steps, args.draws = ["float64"], 10, 400
+        args.cases = args.cases or ["control_affine", "clamp_100z", "relu", "factor_in_plate"]
+    args.out = str(quick_path(args.out, args.quick))
     torch.set_num_threads(1)
     from fooling_cases import CASES
 

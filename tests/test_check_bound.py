@@ -18,7 +18,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, AutoStructuredCVI
-from pyro_cvi.bound_check import BoundCheck, BoundMismatchWarning
+from pyro_cvi.methods.bound_check import BoundCheck, BoundMismatchWarning
 
 DTYPES = [torch.float64, torch.float32]
 

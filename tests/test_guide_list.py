@@ -19,7 +19,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.bound_check import check_bound
+from pyro_cvi.methods.bound_check import check_bound
 
 DTYPES = [torch.float64, torch.float32]
 

@@ -246,23 +246,19 @@ def _regression(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 def test_heavy_tailed_losses_of_a_fine_guide_are_no_divergence(dtype):
     """MVN for w, Normal for b, Gamma for a half-Normal sigma: one-draw losses are heavy-tailed
-    (sigma drawn near 0; E_q[1/sigma^2] is infinite for a Gamma shape <= 2) and one lands above
-    the limit now and then; the fit is fine, those steps are skipped and it runs on. (Seed 3
-    is left out: its Gamma shape is driven to 0.09 within 3 steps, where the median loss of
-    fresh draws is 1.5e6 against a best of 88 and 55% of draws are above the limit: a real
-    divergence, which the guard reports.)"""
+    (sigma drawn near 0; E_q[1/sigma^2] is infinite for a Gamma shape <= 2); a loss above the
+    limit is skipped and the fit runs on, never reported as a divergence. (With the score control
+    variate and the concentration's factor-2 cap such losses have become rare: the skip itself
+    is tested above. Seed 3, once a real divergence, is tested in test_conjugate_guides.)"""
     reg_model, reg_guide, X, y = _regression(dtype)
-    skipped = 0
     for seed in (0, 1, 2, 4):
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
         optim = CVI()
         svi = SVI(reg_model, reg_guide, optim, loss=Trace_ELBO())
         losses = [svi.step(X, y) for _ in range(300)]  # no DivergenceError
-        skipped += optim.guard.skipped
         assert optim.guard.seen == 300
         assert "natural gradient" in " ".join(r for _, r, _ in optim.last_rules)
         first, last = sorted(losses[:30])[15], sorted(losses[-50:])[25]  # medians
         assert last < first - 10.0, (seed, first, last)
         assert pyro.param("s_a").item() / pyro.param("s_b").item() == pytest.approx(0.5, rel=0.5)
-    assert skipped > 0  # the old rule (a divergence at the first such loss) stopped these fits

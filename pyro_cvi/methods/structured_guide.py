@@ -32,10 +32,10 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
-from ..bound_check import BoundChecked
 from ..guide_state import bind_parameters, rng_preserved, sync_parameters
 from ..step_sizes import Schedule, as_schedule
 from ..update import StepCounts, damped_step, register_owner
+from .bound_check import BoundChecked
 from .structured import PAPER_SCHEDULE, StructuredSVI, ssvi_target
 
 __all__ = ["AutoStructuredCVI"]

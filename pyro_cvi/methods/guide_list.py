@@ -28,12 +28,10 @@ import pyro
 import pyro.poutine as poutine
 import torch
 
-from .guide_state import unbind_parameters
+from ..context import GIVEN
+from ..guide_state import unbind_parameters
 
 __all__ = ["GIVEN", "OthersGiven", "PartsLoss", "adopt_guide_list", "parts_loss"]
-
-#: the model keyword that carries the other parts' values into the CVI part's model runs
-GIVEN = "_cvi_other_parts"
 
 
 class OthersGiven:
@@ -101,7 +99,7 @@ def adopt_guide_list(part: Any) -> None:
                 del store[name]
         part.prototype_trace = None
         part.engine = None
-    part._model = (OthersGiven(master.model, part),)
+    part.model = OthersGiven(master.model, part)
 
 
 class PartsLoss:
@@ -134,10 +132,8 @@ class PartsLoss:
         adopt_guide_list(self.cvi)
         model = self.cvi.model
         values, log_q = model.draw(args, kwargs)
-        self.cvi._ready(args, {**kwargs, GIVEN: values})
-        # the engine's hook: its ELBO keeps its graph to the given values (the other parts'
-        # parameters) although the model has no pyro.param of its own
-        self.cvi.engine.given_values = True
+        # the engine keeps the ELBO's graph to the given values (the other parts' parameters)
+        # although the model has no pyro.param of its own (pyro_cvi.context.GIVEN)
         elbo = self.cvi.elbo(args, {**kwargs, GIVEN: values}, grads, graph)
         return elbo - log_q.to(elbo)
 

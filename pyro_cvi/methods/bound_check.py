@@ -286,3 +286,12 @@ def collapsed_plates(guide: Any) -> Optional[int]:
     if not getattr(analysis, "collapsed", None):
         return None
     return int(getattr(analysis, "plate_dims", 0) or 0)
+
+
+def check_setup_draws(n: Any) -> None:
+    """A guide's ``check_at_setup``: ``0`` (no check) or a number of draws (at least 2)."""
+    if isinstance(n, bool) or not (n == 0 or (isinstance(n, int) and n >= 2)):
+        raise ValueError(
+            "check_at_setup is the number of Trace_ELBO draws of the bound check at set-up "
+            f"(0: none, else at least 2), got {n!r}"
+        )
