@@ -50,7 +50,7 @@ __all__ = ["MAX_DIM", "R_FLOOR", "DrawCurvature"]
 #: sites with more coordinates keep the diagonal step (the fit is ``O(d^3)`` a step)
 MAX_DIM = 64
 #: the smallest eigenvalue kept in the correlation matrix ``R`` of the mean's metric
-R_FLOOR = 1e-3
+R_FLOOR = 0.05
 #: the metric is used while the fit's prediction error is at most this share of h's variance
 METRIC_GAIN = 0.5
 #: rate of the average of the fit's whitened squared prediction error
