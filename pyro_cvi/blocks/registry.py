@@ -16,7 +16,7 @@ rank      kind                        what it takes
                                       (Algorithm 2)
 30        ``remainder``               latents without exact messages: one joint Gaussian
 40        ``bilinear``                a bilinear Normal factor's ``z``, ``W``, ``tau``
-                                      (PPCA, factor analysis: VMP, :mod:`.bilinear`)
+                                      (PPCA, factor analysis: VMP, :mod:`pyro_cvi.blocks.bilinear`)
 ========  ==========================  ==================================================
 
 Factors are owned once (``analysis.owner``), so a kind's blocks compute the ELBO terms of the
