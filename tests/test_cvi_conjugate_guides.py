@@ -203,15 +203,8 @@ def test_gamma_poisson_reaches_pyros_tolerance_with_trace_elbo(form, dtype, monk
     assert abs(float(q.rate) - 4.0) < 0.15
 
 
-def _stacked(name, init, x):
-    """One parameter holding several distribution parameters, in the current form."""
-    form = FORMS[_positive.form]
-    init = torch.as_tensor(init, dtype=x.dtype)
-    if form == "positive":
-        return pyro.param(name, init, constraint=constraints.positive)
-    if form == "exp":
-        return pyro.param(name, init.log()).exp()
-    return F.softplus(pyro.param(name, init.expm1().log()))
+#: one parameter holding several distribution parameters, in the current form
+_stacked = _positive
 
 
 def gamma_stacked_guide(x):
