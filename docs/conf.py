@@ -109,6 +109,7 @@ mathjax_path = "mathjax/tex-chtml.js"  # relative to _static: no CDN, the site w
 PUBLIC_PACKAGES = [
     "pyro_cvi",
     "pyro_cvi.scale",
+    "pyro_cvi.checkpoints",
     "pyro_cvi.methods",
     "pyro_cvi.statespace",
     "pyro_cvi.contrib",
@@ -117,7 +118,7 @@ PUBLIC_PACKAGES = [
 PUBLIC_MODULES = [
     "pyro_cvi.methods.bound_check",
     "pyro_cvi.contrib.pyro_gp",
-    "pyro_cvi.scale.checkpoint",
+    "pyro_cvi.checkpoints.checkpoint",
     "pyro_cvi.scale.distributed",
     "pyro_cvi.scale.streaming",
 ]

@@ -5,7 +5,8 @@ svi = pyro.infer.SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
 
 The package is laid out by pipeline stage (docs/architecture.md): ``model/`` (tracing,
 probing, analysis), ``messages/``, ``blocks/``, ``families/``, ``statespace/``, ``scale/``
-(distributed, streaming, checkpoints), ``methods/`` (structured SVI) and ``contrib/``.
+(distributed, streaming), ``checkpoints/`` (save and exact resume), ``methods/``
+(structured SVI) and ``contrib/``.
 """
 
 import importlib
@@ -18,13 +19,13 @@ from typing import Any, Optional
 
 from . import step_sizes
 from .autoguide import AutoCVI
+from .checkpoints.checkpoint import CheckpointError
 from .divergence import DivergenceError
 from .elbo import CVI_ELBO
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
 from .model.weights import UnboundedELBOError
 from .optim import CVI
-from .scale.checkpoint import CheckpointError
 from .strategies import Horizon, Remainder, SignalToNoise
 
 __version__ = "0.1.0"
@@ -44,9 +45,10 @@ __all__ = [
 ]
 
 #: public modules that moved into sub-packages: the old import paths keep working
-#: (``import pyro_cvi.checkpoint`` is the module ``pyro_cvi.scale.checkpoint``).
+#: (``import pyro_cvi.checkpoint`` is the module ``pyro_cvi.checkpoints.checkpoint``).
 MOVED_MODULES = {
-    "pyro_cvi.checkpoint": "pyro_cvi.scale.checkpoint",
+    "pyro_cvi.checkpoint": "pyro_cvi.checkpoints.checkpoint",
+    "pyro_cvi.scale.checkpoint": "pyro_cvi.checkpoints.checkpoint",
     "pyro_cvi.distributed": "pyro_cvi.scale.distributed",
     "pyro_cvi.streaming": "pyro_cvi.scale.streaming",
     "pyro_cvi.structured": "pyro_cvi.methods.structured",

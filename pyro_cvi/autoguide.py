@@ -207,7 +207,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         self.warning_log = WarningLog()
         self.engine: Optional[Engine] = None
         self._minibatch_plates: set = set()
-        #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.scale.checkpoint`):
+        #: a checkpoint loaded before the guide saw the model (:mod:`pyro_cvi.checkpoints`):
         #: applied, after its check against the model, at the end of the set-up
         self.pending_restore: Optional[Callable] = None
         self.data_shapes: Dict[str, tuple] = {}  # of the data the guide was built with

@@ -184,7 +184,7 @@ class StepControl:
             self.snapshot = Snapshot(snap.values, elbo, var)
 
     def state(self) -> Dict:
-        """Everything an exact resume needs (for :mod:`pyro_cvi.scale.checkpoint`)."""
+        """Everything an exact resume needs (for :mod:`pyro_cvi.checkpoints.checkpoint`)."""
         keys = ("beta", "ceiling", "t", "num_backtracks", "_flat", "_in_row")
         out = {k: getattr(self, k) for k in keys}
         snap = self.snapshot

@@ -21,7 +21,7 @@ from pyro.infer import SVI
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 from pyro_cvi.scale.distributed import WORLD, shard
 from pyro_cvi.scale.streaming import StreamingCVI
 

@@ -9,7 +9,7 @@ from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_value
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import save_checkpoint
+from pyro_cvi.checkpoints.checkpoint import save_checkpoint
 
 
 def data(N=60, dtype=torch.float64):

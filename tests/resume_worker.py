@@ -22,7 +22,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 
 STEPS = 20 if len(sys.argv) > 1 and sys.argv[1] == "australian" else 12
 

@@ -245,7 +245,7 @@ def private_names():
 ALLOWED = {
     # Pyro's AutoGuide._setup_prototype of a guide that has not run: its first call's set-up is
     # run hidden, with the restored random generators put back (a checkpoint's resume)
-    ("pyro_cvi/scale/restore.py", "_setup_prototype", "guide"),
+    ("pyro_cvi/checkpoints/restore.py", "_setup_prototype", "guide"),
     # Pyro's AutoGuideList._setup_prototype: the guide list's own set-up before its CVI part's
     ("pyro_cvi/methods/guide_list.py", "_setup_prototype", "gl"),
 }

@@ -203,7 +203,7 @@ def test_the_toy_block_answers_every_guide_method_beside_the_other_kinds(toy_kin
     trip) work for it through the protocol's defaults, beside Gamma, Gaussian and Markov blocks."""
     from pyro.infer import Predictive
 
-    from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 
     args = _mixed_data(dtype)
     pyro.clear_param_store()

@@ -14,7 +14,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import (
+from pyro_cvi.checkpoints.checkpoint import (
     CheckpointError,
     load_checkpoint,
     read_checkpoint,

@@ -13,7 +13,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer import autoguide as ag
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
 STEPS = 10

@@ -171,7 +171,7 @@ def test_the_api_reference_splits_public_modules_from_internals():
     assert set(public) | set(internal) == set(modules) and not set(public) & set(internal)
     for name in ("pyro_cvi.autoguide", "pyro_cvi.optim", "pyro_cvi.elbo", "pyro_cvi.step_sizes"):
         assert name in public
-    for name in ("pyro_cvi.scale.checkpoint", "pyro_cvi.contrib.gpytorch.strategy"):
+    for name in ("pyro_cvi.checkpoints.checkpoint", "pyro_cvi.contrib.gpytorch.strategy"):
         assert name in public
     assert conf._home(pyro_cvi.StructuredSVI) in public
     assert "pyro_cvi.statespace.kalman" in public  # it defines smooth(), exported by statespace

@@ -358,7 +358,7 @@ def case_fixed_step_oscillates():
 
 
 def _saved(tmp, model=logreg, data=None):
-    from pyro_cvi.scale.checkpoint import save_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import save_checkpoint
 
     data = _data() if data is None else data
     optim = CVI(step_size=0.5)
@@ -370,7 +370,7 @@ def _saved(tmp, model=logreg, data=None):
 
 
 def _load_into_live(path, model=logreg, data=None):
-    from pyro_cvi.scale.checkpoint import load_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import load_checkpoint
 
     pyro.clear_param_store()
     data = _data() if data is None else data
@@ -478,7 +478,7 @@ def case_checkpoint_empty(tmp_path):
 def _pyro_guide_checkpoint(tmp_path, guide_cls, optim):
     from pyro.infer import Trace_ELBO
 
-    from pyro_cvi.scale.checkpoint import save_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import save_checkpoint
 
     guide = guide_cls(logreg)
     SVI(logreg, guide, optim, loss=Trace_ELBO()).step(*_data())
@@ -490,7 +490,7 @@ def _pyro_guide_checkpoint(tmp_path, guide_cls, optim):
 def case_checkpoint_other_optimizer(tmp_path):
     from pyro.infer.autoguide import AutoNormal
 
-    from pyro_cvi.scale.checkpoint import load_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import load_checkpoint
 
     path = _pyro_guide_checkpoint(tmp_path, AutoNormal, CVI())
     load_checkpoint(path, pyro.optim.Adam({"lr": 0.01}), AutoNormal(logreg))
@@ -499,14 +499,14 @@ def case_checkpoint_other_optimizer(tmp_path):
 def case_checkpoint_other_guide(tmp_path):
     from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
-    from pyro_cvi.scale.checkpoint import load_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import load_checkpoint
 
     path = _pyro_guide_checkpoint(tmp_path, AutoNormal, CVI())
     load_checkpoint(path, CVI(), AutoMultivariateNormal(logreg))
 
 
 def case_checkpoint_unsafe_state(tmp_path):
-    from pyro_cvi.scale.checkpoint import save_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import save_checkpoint
 
     X, y = _data()
     optim, guide = CVI(step_size=0.5), AutoCVI(logreg)

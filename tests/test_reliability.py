@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, pyro, pyro.distributions as dist
     from pyro.infer import SVI
     from pyro_cvi import AutoCVI, CVI, CVI_ELBO
-    from pyro_cvi.scale.checkpoint import save_checkpoint, load_checkpoint
+    from pyro_cvi.checkpoints.checkpoint import save_checkpoint, load_checkpoint
 
     mode, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ from pyro.infer import SVI
 from reliability_cases import BETA_DATA, beta_model, data, gp_problem, logreg
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.scale.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 
 X, Y = data()
 BAD = {

@@ -1,2 +1,1 @@
-"""Scale-out: data-parallel steps (``distributed``), streaming CVI (``streaming``) and
-checkpoints with exact resume (``checkpoint``)."""
+"""Scale-out: data-parallel steps (``distributed``) and streaming CVI (``streaming``)."""

@@ -55,6 +55,7 @@ from ..autoguide import AutoCVI
 from ..engine import Engine
 from ..guide_state import claimed
 from ..optim import CVI
+from ..scale.distributed import rank_path
 from ..update import owner_of
 from .checkpoint_file import (
     FORMAT,
@@ -65,7 +66,6 @@ from .checkpoint_file import (
     read_checkpoint,
     rng_state,
 )
-from .distributed import rank_path
 from .restore import (
     FinishAtFirstCall,
     apply_checkpoint,

@@ -1,4 +1,4 @@
-"""Putting a checked checkpoint into the live run (see :mod:`pyro_cvi.scale.checkpoint`).
+"""Putting a checked checkpoint into the live run (see :mod:`pyro_cvi.checkpoints.checkpoint`).
 
 The param store is restored into the tensors it holds where names, shapes, dtypes and
 constraints agree (whoever holds such a tensor, a guide's ``nn.Parameter`` attribute or a

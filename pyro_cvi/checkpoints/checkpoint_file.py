@@ -6,7 +6,7 @@ holds only tensors and plain Python values, so that ``torch.load(weights_only=Tr
 and a crafted file cannot run code. :func:`read_checkpoint` checks, in order: the path exists
 and is a file, it is not empty, it starts as a torch zip archive does and ends with the
 archive's end record (a truncated copy does not), the safe loader reads it, and every entry has
-the form :func:`~pyro_cvi.scale.checkpoint.save_checkpoint` writes. Any failure raises
+the form :func:`~pyro_cvi.checkpoints.checkpoint.save_checkpoint` writes. Any failure raises
 :class:`CheckpointError` naming the file and the problem.
 """
 
