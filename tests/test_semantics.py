@@ -413,6 +413,80 @@ def test_tempered_transition_of_a_chain(dtype):
     assert_loss(svi, (y,), -log_z, tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("form", ["scalar", "diagonal", "mvn"])
+def test_tempered_transitions_stay_in_the_kalman_block(dtype, form):
+    """Positive weights on a ``pyro.markov`` chain's start and transitions (``poutine.scale``,
+    one per site; per element for a diagonal Normal): the chain keeps its Kalman block, which
+    tempers each density (``N^c = N(S / c)`` times a constant); q is the tempered joint
+    posterior and the loss ``-log Z`` (a brute-force joint Gaussian over every density)."""
+    from pyro_cvi.blocks.markov import MarkovBlock
+
+    T, Q, R, a = 7, 0.5, 0.3, 0.9
+    d = 1 if form == "scalar" else 2
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(T, d, generator=g, dtype=F64).to(dtype)
+    w = {0: 1.7, 2: 0.4, 3: 2.5, 5: 0.6}
+    # a tensor weight with more elements than the site's batch (Trace_ELBO sums log p * weight:
+    # a weight of 2.6 on the whole density)
+    wide = torch.tensor([0.5, 2.1], dtype=F64)
+
+    def model(y):
+        x = None
+        for t in pyro.markov(range(T)):
+            loc = y.new_zeros(d) if x is None else a * x
+            scale = 1.0 if x is None else Q**0.5
+            if form == "mvn":
+                cov = scale**2 * torch.tensor([[1.0, 0.3], [0.3, 1.0]], dtype=y.dtype)
+                fn = dist.MultivariateNormal(loc, covariance_matrix=cov)
+            else:
+                fn = dist.Normal(loc, scale).to_event(1)
+            c = w.get(t, 1.0)
+            if form != "scalar" and t == 4:
+                with poutine.scale(scale=wide.to(y.dtype)):
+                    x = pyro.sample(f"x_{t}", fn)
+            else:
+                with poutine.scale(scale=c) if c != 1.0 else nullcontext():
+                    x = pyro.sample(f"x_{t}", fn)
+            pyro.sample(f"y_{t}", dist.Normal(x, R**0.5).to_event(1), obs=y[t])
+
+    guide, svi = _fit(model, (y,))
+    assert [type(b) for b in guide.engine.blocks] == [MarkovBlock]
+    # the same posterior from every density as a row: z = (x_0, ..., x_{T-1}) flattened
+    n = T * d
+    base = torch.tensor([[1.0, 0.3], [0.3, 1.0]], dtype=F64) if form == "mvn" else torch.eye(d)
+    rows, ts, covs, cs = [], [], [], []
+    eye = torch.eye(n, dtype=F64)
+    for t in range(T):
+        sel = eye[t * d : (t + 1) * d]
+        A = sel if t == 0 else sel - a * eye[(t - 1) * d : t * d]
+        S = base * (1.0 if t == 0 else Q)
+        c = torch.full((d,), w.get(t, 1.0), dtype=F64)
+        if form != "scalar" and t == 4:
+            c = torch.full((d,), float(wide.sum()), dtype=F64)
+        rows.append(A), ts.append(torch.zeros(d, dtype=F64)), covs.append(S), cs.append(c)
+    for t in range(T):
+        rows.append(eye[t * d : (t + 1) * d]), ts.append(y[t].double())
+        covs.append(R * torch.eye(d, dtype=F64)), cs.append(torch.ones(d, dtype=F64))
+    # whiten each block of rows by its covariance, so that every row is an independent N(0, 1)
+    A_w, t_w, c_w = [], [], []
+    for A, t_, S, c in zip(rows, ts, covs, cs):
+        L = torch.linalg.cholesky(S)
+        A_w.append(torch.linalg.solve_triangular(L, A, upper=False))
+        t_w.append(torch.linalg.solve_triangular(L, t_[:, None], upper=False)[:, 0])
+        c_w.append(c)
+    A_all, t_all, c_all = torch.cat(A_w), torch.cat(t_w), torch.cat(c_w)
+    m, V, log_z = tempered_gaussian(A_all, t_all, torch.ones(len(t_all), dtype=F64), c_all)
+    # the whitening's Jacobian: c log|L^-1| per block of rows (the row form has unit variances)
+    log_z -= sum(float((c * torch.log(torch.diagonal(torch.linalg.cholesky(S)))).sum())
+                 for S, c in zip(covs, cs))  # fmt: skip
+    q = guide.joint_posterior(*[f"x_{t}" for t in range(T)])
+    tol = _tol(dtype)
+    assert torch.allclose(q.mean.double(), m, atol=tol, rtol=tol)
+    assert torch.allclose(q.covariance_matrix.double(), V, atol=tol, rtol=tol)
+    assert_loss(svi, (y,), -log_z, tol)
+
+
 # ------------------------------------------------------------------------------------------------
 # natural-parameter blocks: Beta, Gamma and the mean-field Gaussian
 # ------------------------------------------------------------------------------------------------

@@ -203,6 +203,9 @@ class MarkovBlock(SiteFormBlock):
             sr = self._site_rows(graph_rows)
             g_mean, g_var = sr.moments(valued.mean, valued.cov)
         elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
+        if self.chain.weighted:  # a tempered prior: the constant of N^c = N(S / c) (detect)
+            shift = detect.tempered_constant(self.chain, tr)
+            elbo = elbo + (shift if ctx.graph else shift.detach())
         sites, i = self._sites(), 0
         for f, r, rg in zip(self.linear, self.rows, graph_rows):
             R = r.c.shape[0]

@@ -178,8 +178,8 @@ class Analysis:
             fn = site["fn"]
             self.latents[name] = LatentInfo(name, fam, form, fn.event_shape, fn.batch_shape, frames)
         self.chains = find_chains(self)  # (the registered finders: model/structures.py)
-        # the Kalman smoother reads the transition densities unweighted: a chain with a scaled or
-        # masked latent (poutine.scale / mask) goes to the blocks that weigh its prior
+        # a chain with a weight its Kalman block cannot temper (a masked-out transition, a
+        # weighted random walk) goes to the blocks that weigh its prior element by element
         self.chains = [c for c in self.chains if not weighted_chain(self.structure, c)]
         self.probe_cache: Dict[object, list] = {}
         #: per subsampled plate: whether its minibatch is the same in every run (block_factors)

@@ -229,11 +229,11 @@ def latent_weight(site) -> Optional[torch.Tensor]:
         weight = torch.tensor(0.0) if weight is None else weight * 0
     elif m is not None and m is not True:
         weight = m.double() if weight is None else weight * m
-    weight = (
-        None
-        if weight is None
-        else weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
-    )
+    if weight is not None:
+        weight = weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
+        extra = weight.dim() - len(fn.batch_shape)
+        if extra > 0:  # a weight with more dims than the site's batch: Trace_ELBO sums them
+            weight = weight.sum(tuple(range(extra)))
     # down the wrappers: Independent moves event dims into the batch, a mask multiplies
     while True:
         if isinstance(fn, dist.MaskedDistribution):

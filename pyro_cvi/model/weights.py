@@ -34,6 +34,9 @@ def weighted_leaf(name: str, site) -> bool:
 
 
 def weighted_chain(structure, chain) -> bool:
-    """Whether a Markov chain has a weighted latent: the Kalman smoother reads transition
-    densities unweighted, so such a chain goes to the blocks that weigh its prior."""
-    return any(latent_weight(structure.nodes[n]) is not None for n in chain.names)
+    """Whether a Markov chain has a weight its Kalman block cannot take (the chain's
+    ``takes_weights(trace)``: a loop with positive weights is tempered in the block, ``N^c =
+    N(S / c)`` times a constant); such a chain goes to the blocks that weigh its prior element
+    by element."""
+    weighted = any(latent_weight(structure.nodes[n]) is not None for n in chain.names)
+    return weighted and not chain.takes_weights(structure)

@@ -18,13 +18,14 @@ on the analysis' leaf trace (O(T), no dense Jacobian) and are confirmed by the s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..model import probes
-from ..model.tracing import describe_link, linear_candidates, linear_param, unwrap
+from ..model.tracing import describe_link, latent_weight, linear_candidates, linear_param, unwrap
 from .distribution import LinearGaussianSSM
 from .hmm import HiddenStates, hmm_chain, is_gaussian_hmm
 from .increments import Increments
@@ -40,6 +41,8 @@ __all__ = [
     "confirm_affine",
     "depends",
     "observation_factor",
+    "loop_weights",
+    "tempered_constant",
 ]
 
 MIN_LOOP_LENGTH = 3
@@ -60,6 +63,8 @@ class ChainSpec:
     increments: Optional[Union[Increments, HiddenStates]] = None
     probe: Optional[tuple] = None  # (dx, moved trace) of the detection, reused by the analysis
     observations: Dict[str, tuple] = field(default_factory=dict)  # confirmed at detection
+    #: a loop with a weighted prior (``poutine.scale``) that the Kalman block tempers
+    weighted: bool = False
 
     @property
     def size_text(self) -> str:
@@ -70,6 +75,12 @@ class ChainSpec:
         if self.increments is not None:
             return self.increments.states(z)
         return z.reshape(self.length, self.state_dim)
+
+    def takes_weights(self, trace) -> bool:
+        """Whether the Kalman block can temper this chain's weighted prior
+        (:func:`tempered_weights_supported`); marks the chain weighted if so."""
+        self.weighted = tempered_weights_supported(self, trace)
+        return self.weighted
 
     def lift(self, dx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """A direction on the states ``(T, d)`` as a direction on the one site ``like``."""
@@ -201,6 +212,12 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     if spec.increments is not None:
         return walk_prior(spec.increments, unwrap(trace.nodes[spec.names[0]]["fn"])[0])
     parts = [_normal_parts(trace.nodes[n]["fn"]) for n in spec.names]
+    weights = loop_weights(spec, trace)
+    if weights is not None:  # p^c: the same Normal with its covariance divided by c
+        parts = [
+            (loc, cov if w is None else cov * torch.outer(w, w).rsqrt().to(cov))
+            for (loc, cov), w in zip(parts, weights)
+        ]
     m0, P0 = parts[0]
     A = spec.A if A is None else A
     x = torch.stack([trace.nodes[n]["value"].reshape(spec.state_dim) for n in spec.names])
@@ -208,6 +225,70 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     b = locs - (A @ x[:-1].unsqueeze(-1)).squeeze(-1)
     Q = torch.stack([p[1] for p in parts[1:]])
     return LinearGaussianChain(m0, P0, A.to(locs), b, Q)
+
+
+def loop_weights(spec: ChainSpec, trace) -> Optional[List[Optional[torch.Tensor]]]:
+    """The positive weight per state element (``(d,)``, float64) that Trace_ELBO gives each
+    site of a loop's prior (``poutine.scale``; :func:`~pyro_cvi.model.tracing.latent_weight`),
+    ``None`` for an unweighted site; ``None`` when no site is weighted. A tempered Normal
+    ``N(x | mu, S)^c`` is ``N(x | mu, S / c)`` times a constant (:func:`tempered_constant`)
+    where ``c`` is one weight for the whole event (an MVN) or one per independent element."""
+    if not spec.weighted:
+        return None
+    out: List[Optional[torch.Tensor]] = []
+    for n in spec.names:
+        site = trace.nodes[n]
+        w = latent_weight(site)
+        if w is not None:
+            full = isinstance(unwrap(site["fn"])[0], torch.distributions.MultivariateNormal)
+            w = w.to(torch.float64)
+            w = w.expand(spec.state_dim) if full or w.numel() == 1 else w.reshape(spec.state_dim)
+        out.append(w)
+    return out if any(w is not None for w in out) else None
+
+
+def tempered_weights_supported(spec: ChainSpec, trace) -> bool:
+    """Whether the Kalman block can weigh this chain's prior: a loop whose weights are positive,
+    one per element of a diagonal Normal or one for an MVN's whole event (not a masked-out
+    transition: its state would have no prior factor)."""
+    if spec.ssm or spec.increments is not None:
+        return False
+    for n in spec.names:
+        site = trace.nodes[n]
+        w = latent_weight(site)
+        if w is None:
+            continue
+        full = isinstance(unwrap(site["fn"])[0], torch.distributions.MultivariateNormal)
+        if not bool((w > 0).all()) or (full and bool((w != w.flatten()[0]).any())):
+            return False
+        if not full and w.numel() not in (1, spec.state_dim):
+            return False
+    return True
+
+
+def tempered_constant(spec: ChainSpec, trace) -> Optional[torch.Tensor]:
+    """``sum_t [c_t log N(x_t | mu_t, S_t) - log N(x_t | mu_t, S_t / c_t)]``, free of ``x``: per
+    element ``-(c - 1) log(2 pi s) / 2 - log(c) / 2`` for a diagonal Normal, and
+    ``-(c - 1) (d log 2 pi + log det S) / 2 - d log(c) / 2`` for an MVN; ``None`` when no site is
+    weighted. The ELBO of the tempered chain is the Kalman block's bound plus this."""
+    weights = loop_weights(spec, trace)
+    if weights is None:
+        return None
+    total = None
+    for n, w in zip(spec.names, weights):
+        if w is None:
+            continue
+        loc, cov = _normal_parts(trace.nodes[n]["fn"])
+        w = w.to(cov)
+        if isinstance(unwrap(trace.nodes[n]["fn"])[0], torch.distributions.MultivariateNormal):
+            c, d = w[0], cov.shape[-1]
+            log_norm = d * math.log(2 * math.pi) + torch.logdet(cov)
+            term = -0.5 * (c - 1) * log_norm - 0.5 * d * torch.log(c)
+        else:
+            var = torch.diagonal(cov)
+            term = (-0.5 * (w - 1) * torch.log(2 * math.pi * var) - 0.5 * torch.log(w)).sum()
+        total = term if total is None else total + term
+    return total
 
 
 def walk_prior(inc: Increments, base) -> LinearGaussianChain:
