@@ -102,7 +102,8 @@ class Engine:
         )
         for block in self.blocks:
             block.setup(init)
-        like = next(iter(an.values.values()), torch.zeros(()))
+        floats = (v for v in an.values.values() if v.is_floating_point())
+        like = next(floats, torch.zeros(()))  # (a discrete latent's value is an integer)
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         self._tag_params()  # known to CVI() from the start, whatever the loss
         with torch.no_grad():

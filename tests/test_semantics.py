@@ -718,3 +718,25 @@ def test_event_dims_under_a_scale(k, dtype):
         mean, cov = _joint(guide, ["w"])
         assert torch.allclose(cov.double(), V, atol=tol, rtol=tol)
     assert_loss(svi, (X, y), -log_z, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_a_discrete_latent_first_in_the_model(dtype):
+    """The model's first latent is a Categorical (an integer value): the guide's own counters
+    take the data's floating dtype (no raw "only floating point tensors can require gradients"
+    at set-up), and the loss it reports is the bound of its q (Trace_ELBO of the same guide,
+    within 3 standard errors)."""
+    y = torch.tensor([0.9, 1.7, 0.2, 1.1, 1.4], dtype=dtype)
+
+    def model(y):
+        k = pyro.sample("k", dist.Categorical(logits=y.new_zeros(3)))
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu + 0.5 * k.to(y.dtype), 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide, svi = _fit(model, (y,), steps=5)
+    counters = [v for n, v in pyro.get_param_store().items() if n.endswith("num_steps")]
+    assert counters and all(v.dtype == dtype for v in counters)
+    check = guide.check_bound(y, num_particles=600, warn=False)
+    assert check.agrees, check
