@@ -117,7 +117,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
 def known_priors(analysis, sites, dim: int):
     """``(a, p0)`` of the packed coordinates: :func:`~pyro_cvi.natgrad.prior.known_normal_prior`
     over the real sites (``name``, ``start``, ``size``, ``real`` attributes)."""
-    like = next(iter(analysis.values.values()))
+    like = next(v for v in analysis.values.values() if v.is_floating_point())
     spans = [(s.name, s.start, s.size) for s in sites if s.real]
     return known_normal_prior(analysis.structure.nodes, spans, dim, like)
 
