@@ -740,3 +740,43 @@ def test_a_discrete_latent_first_in_the_model(dtype):
     assert counters and all(v.dtype == dtype for v in counters)
     check = guide.check_bound(y, num_particles=600, warn=False)
     assert check.agrees, check
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="each step's message reads one draw of the hidden latent, so q's mean follows the "
+    "last draw (0.2 posterior sd here) instead of the expected objective's optimum",
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_a_latent_hidden_by_poutine_block(dtype):
+    """``poutine.block(hide=[...])`` around a latent: neither the guide nor Trace_ELBO sees it,
+    so each run of the model draws it from its prior. Trace_ELBO's objective is the expectation
+    over that draw; here (a Normal offset ``nu ~ N(0, 0.1^2)`` in the loc) it is Gaussian in
+    ``mu``: q is the posterior with unit noise (the offset only adds a constant), and the mean
+    of the reported losses is that q's exact -ELBO, as is Trace_ELBO's."""
+    g = torch.Generator().manual_seed(0)
+    y = (torch.randn(10, generator=g, dtype=F64) + 1.0).to(dtype)
+    s_nu, s0 = 0.1, 2.0
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), s0))
+        with poutine.block(hide=["nu"]):
+            nu = pyro.sample("nu", dist.Normal(y.new_zeros(()), s_nu))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu + nu, 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide, svi = _fit(model, (y,), steps=40)
+    yd = y.double()
+    prec = 1 / s0**2 + len(y)
+    q = guide.posterior("mu")
+    m, v = float(q.loc), float(q.scale) ** 2
+    assert abs(v - 1 / prec) < 1e-6 * (1 if dtype == F64 else 100) / prec
+    assert abs(m - float(yd.sum()) / prec) < 0.05 * prec**-0.5  # Monte Carlo messages
+    ll = (-0.5 * math.log(2 * math.pi) - 0.5 * ((yd - m) ** 2 + v + s_nu**2)).sum()
+    lp = -0.5 * math.log(2 * math.pi * s0**2) - 0.5 * (m * m + v) / s0**2
+    exact = -float(ll + lp + 0.5 * math.log(2 * math.pi * math.e * v))
+    reported = torch.tensor([svi.evaluate_loss(y) for _ in range(200)], dtype=F64)
+    assert abs(float(reported.mean()) - exact) < 3 * float(reported.std()) / 200**0.5 + 1e-3
+    te = torch.tensor([Trace_ELBO().loss(model, guide, y) for _ in range(600)], dtype=F64)
+    assert abs(float(te.mean()) - exact) < 3 * float(te.std()) / 600**0.5 + 1e-3
