@@ -18,6 +18,9 @@ Usage::
     python scripts/zoo_record.py --out results/zoo_record_main.json \\
         --compare results/zoo_record_85a0a12.json results/zoo_record_9c97649.json
     python scripts/zoo_record.py --quick   # three small models, float64
+
+``--jobs N`` measures the rows in ``N`` worker processes (each row seeds itself and runs on one
+thread, so the record is the same as a serial run's; the costliest rows start first).
 """
 
 from __future__ import annotations
@@ -102,6 +105,52 @@ def _fmt(row: Optional[Dict]) -> str:
     return f"{row['bound']:.3f} +- {row.get('se', 0):.3f}" if "bound" in row else "error"
 
 
+def _worker(task):
+    """One row in a worker process: ``(key, row)``."""
+    zoo_dir, name, dt, particles = task
+    torch.set_num_threads(1)
+    if zoo_dir not in sys.path:
+        sys.path.insert(0, zoo_dir)
+    from zoo import ZOO
+
+    key = name if dt == "float64" else f"{name}-f32"
+    return key, measure(ZOO[name], getattr(torch, dt), particles)
+
+
+def measure_all(names, dtypes, particles: int, zoo_dir: str, jobs: int) -> Dict[str, Dict]:
+    """Every (model, dtype) row, in the order of ``names`` x ``dtypes``; ``jobs`` > 1: in that
+    many spawned processes, the rows of the costliest models (by the last record) first."""
+    tasks = [(zoo_dir, n, dt, particles) for n in names for dt in dtypes]
+    keys = [n if dt == "float64" else f"{n}-f32" for _, n, dt, _ in tasks]
+    if jobs <= 1:
+        record = {}
+        for task in tasks:
+            key, row = _worker(task)
+            record[key] = row
+            print(key, json.dumps(row), flush=True)
+        return record
+    import multiprocessing as mp
+
+    cost = _last_costs()
+    order = sorted(range(len(tasks)), key=lambda i: -cost.get(keys[i], 0.0))
+    found: Dict[str, Dict] = {}
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for key, row in pool.imap_unordered(_worker, [tasks[i] for i in order]):
+            found[key] = row
+            print(key, json.dumps(row), flush=True)
+    return {k: found[k] for k in keys}
+
+
+def _last_costs() -> Dict[str, float]:
+    """CPU seconds per row of the newest record in results/ (for the order of the work)."""
+    records = sorted((ROOT / "results").glob("zoo_record_*.json"), key=lambda f: f.stat().st_mtime)
+    for f in reversed(records):
+        rows = json.loads(f.read_text()).get("records", {})
+        if rows:
+            return {k: float(v.get("cpu", 0.0)) for k, v in rows.items()}
+    return {}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="three small models, float64 only")
@@ -112,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--zoo", default=str(ROOT / "tests"), help="folder holding the zoo package")
     p.add_argument("--compare", nargs="*", default=[], help="earlier records")
     p.add_argument("--label", default=None, help="what was measured (a commit)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (same record)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     sys.path.insert(0, args.zoo)
@@ -120,12 +170,10 @@ def main(argv=None) -> int:
     names = QUICK if args.quick else (args.models or list(ZOO))
     dtypes = ["float64"] if args.quick else args.dtypes
     wall, cpu = time.time(), time.process_time()
-    record: Dict[str, Dict] = {}
-    for name in names:
-        for dt in dtypes:
-            key = name if dt == "float64" else f"{name}-f32"
-            record[key] = measure(ZOO[name], getattr(torch, dt), args.particles)
-            print(key, json.dumps(record[key]), flush=True)
+    unknown = [n for n in names if n not in ZOO]
+    if unknown:
+        p.error(f"unknown zoo models {unknown}; the zoo has {sorted(ZOO)}")
+    record = measure_all(names, dtypes, args.particles, args.zoo, args.jobs)
     olds = [json.loads(Path(f).read_text())["records"] for f in args.compare]
     rows = compare(record, olds)
     bad = [r[0] for r in rows if r[4] in ("REGRESSION", "failed")]
@@ -160,7 +208,8 @@ def main(argv=None) -> int:
             "quick": args.quick,
             "run": {
                 "wall_seconds": time.time() - wall,
-                "cpu_seconds": time.process_time() - cpu,
+                "cpu_seconds": time.process_time() - cpu,  # (this process: jobs=1)
+                "jobs": args.jobs,
                 "cpu_count": os.cpu_count(),
             },
         }
