@@ -7,7 +7,7 @@ latents, the message ``grad_mu E_q[log p_a]`` is estimated from ``S`` joint draw
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import pyro
 import torch
@@ -20,7 +20,7 @@ from .expectations import QState, discrete_weight, site_weight
 __all__ = ["monte_carlo"]
 
 
-def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
+def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own):
     """All ``S`` samples in one model run, in a particle plate left of the model's plates (and
     enumeration left of that), like ``Trace_ELBO(vectorize_particles=True)``."""
     P = an.plate_dims
@@ -65,7 +65,7 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
                 "broadcast over a leading particle dimension (e.g. Z @ W mixes batch and matrix "
                 "dims; write (Z.unsqueeze(-1) * W).sum(-2)), or use vectorize_particles=False."
             )
-        lp = site["fn"].log_prob(site["value"])
+        lp = site["fn"].log_prob(_value(site, spec, own))
         w = discrete_weight(spec, tr, q)
         if w is not None:
             lp = lp * w
@@ -81,16 +81,38 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
     return total
 
 
-def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options: Options):
+def _value(site, spec, own):
+    """The site's value; detached where the factor's message to it is its expected natural
+    parameter (:mod:`~pyro_cvi.messages.expected_natural`), where ``own`` masks it: the
+    Monte Carlo gradient then carries only the factor's messages to its parents."""
+    mask = own.get(spec.site)
+    if mask is None:
+        return site["value"]
+    return torch.where(mask, site["value"].detach(), site["value"])
+
+
+def monte_carlo(
+    ctx: StepContext,
+    general,
+    q: QState,
+    want,
+    an,
+    blocks,
+    options: Options,
+    own: Optional[Dict[str, torch.Tensor]] = None,
+):
     """Monte Carlo ``E_q[log p_a]`` of the general factors and its mean-parameter gradients.
 
     Returns ``(the estimate with its graph to hyperparameters, grads by latent, the first
     sampled trace)``. Gradients with respect to ``lambda`` by implicit reparameterisation
     (``rsample``), mapped to mean parameters by the family's Fisher solve (Appendix F,
     eq. 72); discrete latents are enumerated and weighted by their q probabilities
-    (differentiable in their ``mu``).
+    (differentiable in their ``mu``). The factors in ``own`` (``site -> mask``, broadcasting
+    against the site's value) send no gradient to the latent they draw where the mask holds
+    (it takes their expected natural parameter there instead).
     """
     S = max(1, int(options.num_general_samples))
+    own = {} if own is None else own
     lat = set().union(*[s.latents for s in general])
     cont = [n for n in sorted(lat) if n in q.lam and n not in an.discrete]  # fixed RNG order
     lam_leaves = {n: tuple(t.clone().requires_grad_(n in want) for t in q.lam[n]) for n in cont}
@@ -101,7 +123,7 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     group = [s.site for s in general if s.collapsed]
     general = [s for s in general if not s.collapsed]
     if S > 1 and options.vectorize_particles and not pushed:
-        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group)
+        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own)
     per = []
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
@@ -125,7 +147,7 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
             one = one + collapsed_log_prob(tr, group)
         for spec in general:
             site = tr.nodes[spec.site]
-            lp = site["fn"].log_prob(site["value"])
+            lp = site["fn"].log_prob(_value(site, spec, own))
             w = discrete_weight(spec, tr, q)
             if w is not None:
                 lp = lp * w
