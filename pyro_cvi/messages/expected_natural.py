@@ -35,12 +35,18 @@ import torch
 from torch.distributions import biject_to
 
 from ..model import probes
+from ..model.explain import EXACT, MONTE_CARLO
 from ..model.factor_roles import FactorSpec
 from ..model.tracing import run_model, unwrap
 
-__all__ = ["EXACT", "MONTE_CARLO", "expected_natural", "expected_natural_rule"]
+__all__ = [
+    "EXACT",
+    "MONTE_CARLO",
+    "expected_natural",
+    "expected_natural_rule",
+    "monte_carlo_messages_used",
+]
 
-EXACT, MONTE_CARLO = "exact expected", "Monte Carlo expected"
 
 Params = Tuple[torch.Tensor, ...]
 
@@ -107,6 +113,12 @@ def _probe_rule(an, spec: FactorSpec, fam) -> Optional[str]:
         if e1 is None or mid is None or not probes.close(mid, 0.5 * (e0 + e1), tol):
             return MONTE_CARLO
     return EXACT
+
+
+def monte_carlo_messages_used(an) -> bool:
+    """Whether :data:`MONTE_CARLO` messages are used for this model: it broadcasts over a
+    particle plate (unknown before the first step: assumed)."""
+    return _VECTORISE.get(an) is not False
 
 
 # ---------------------------------------------------------------------- the message

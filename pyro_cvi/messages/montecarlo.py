@@ -13,9 +13,10 @@ import pyro
 import torch
 
 from ..context import Options, StepContext
-from ..model.tracing import run_model
+from ..families.base import sum_rightmost
+from ..model.tracing import run_model, unwrap
 from .collapsed import collapsed_log_prob
-from .expectations import QState, discrete_weight, site_weight
+from .expectations import QState, discrete_weight, reduce_like, site_weight
 
 __all__ = ["monte_carlo"]
 
@@ -65,7 +66,7 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own):
                 "broadcast over a leading particle dimension (e.g. Z @ W mixes batch and matrix "
                 "dims; write (Z.unsqueeze(-1) * W).sum(-2)), or use vectorize_particles=False."
             )
-        lp = site["fn"].log_prob(_value(site, spec, own))
+        lp = _log_prob(site, spec, own, q)
         w = discrete_weight(spec, tr, q)
         if w is not None:
             lp = lp * w
@@ -81,14 +82,33 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own):
     return total
 
 
-def _value(site, spec, own):
-    """The site's value; detached where the factor's message to it is its expected natural
-    parameter (:mod:`~pyro_cvi.messages.expected_natural`), where ``own`` masks it: the
-    Monte Carlo gradient then carries only the factor's messages to its parents."""
+def _log_prob(site, spec, own, q: QState) -> torch.Tensor:
+    """The factor's log-density at the draw; for a factor in ``own`` (``site -> mask`` over
+    the latent's batch, where it sends the latent it draws its expected natural parameter,
+    :mod:`~pyro_cvi.messages.expected_natural`), Rao-Blackwellised there over that latent:
+    ``log p(z | theta) = <eta(theta), phi(z)> - A(eta(theta))`` (``h = 1``) is replaced by its
+    expectation over ``q(z)``, ``<eta(theta), E_q phi(z)> - A(eta(theta))``, exact given the
+    drawn parents. The estimate stays unbiased, loses the noise of ``z``, and sends no
+    gradient to ``z`` (its message is the expected natural parameter); the parents' gradients
+    see ``E_q phi(z)`` instead of one draw of it."""
+    fn, value = site["fn"], site["value"]
     mask = own.get(spec.site)
     if mask is None:
-        return site["value"]
-    return torch.where(mask, site["value"].detach(), site["value"])
+        return fn.log_prob(value)
+    fam = q.fam[spec.site]
+    base = unwrap(fn)[0]
+    v = value.detach()
+    eta = fam.dist_to_natural(base)
+    phi = fam.sufficient_stats(v)
+    mu = q.mu[spec.site]
+    inner = 0.0
+    for e, p, m in zip(eta, phi, mu):
+        term = e * (m.detach().reshape(p.shape[p.dim() - m.dim() :]) - p)
+        inner = inner + sum_rightmost(term, len(base.event_shape))
+    shift = reduce_like(fn, inner)
+    keep = mask.reshape(mask.shape[: mask.dim() - (v.dim() - len(fn.batch_shape))])
+    lp = fn.log_prob(v)
+    return lp + torch.where(keep, shift, torch.zeros_like(shift))
 
 
 def monte_carlo(
@@ -108,8 +128,8 @@ def monte_carlo(
     (``rsample``), mapped to mean parameters by the family's Fisher solve (Appendix F,
     eq. 72); discrete latents are enumerated and weighted by their q probabilities
     (differentiable in their ``mu``). The factors in ``own`` (``site -> mask``, broadcasting
-    against the site's value) send no gradient to the latent they draw where the mask holds
-    (it takes their expected natural parameter there instead).
+    against the site's value) are Rao-Blackwellised over the latent they draw where the mask
+    holds, and send it no gradient there (:func:`_log_prob`).
     """
     S = max(1, int(options.num_general_samples))
     own = {} if own is None else own
@@ -147,7 +167,7 @@ def monte_carlo(
             one = one + collapsed_log_prob(tr, group)
         for spec in general:
             site = tr.nodes[spec.site]
-            lp = site["fn"].log_prob(_value(site, spec, own))
+            lp = _log_prob(site, spec, own, q)
             w = discrete_weight(spec, tr, q)
             if w is not None:
                 lp = lp * w
