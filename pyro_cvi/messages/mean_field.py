@@ -111,26 +111,30 @@ def compute(
         mc_grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
         first = None
         # non-conjugate factors of a natural-form latent in the factor's own family send it
-        # their expected natural parameter (eq. 20) where it is reliable; their gradients go
-        # to the parents only there
+        # their expected natural parameter (eq. 20) where it is reliable; their Monte Carlo
+        # terms are Rao-Blackwellised over that latent (montecarlo._log_prob)
         S = max(EXPECTED_MESSAGE_SAMPLES, int(options.num_general_samples))
         own_msgs, own = {}, {}
         for s in general:
             rule = expected_natural_rule(analysis, s, q.fam.get(s.site))
-            if s.site not in want or rule is None:
+            if rule is None:
                 continue
-            shapes = [t.shape for t in q.lam[s.site]]
-            found = expected_natural(
-                ctx, analysis, s.site, q.fam[s.site], rule, shapes, at_means, S
-            )
-            if found is None or not bool(found[1].any()):
-                continue
-            msg, ok = found
-            k = len(natural[s.site].value_shape(q.lam[s.site])) - ok.dim()
+            lam = q.lam[s.site]
+            batch = lam[0].shape[: lam[0].dim() - len(q.fam[s.site].param_shapes[0])]
+            ok = torch.ones(batch, dtype=torch.bool, device=lam[0].device)
+            if s.site in want:
+                shapes = [t.shape for t in lam]
+                found = expected_natural(
+                    ctx, analysis, s.site, q.fam[s.site], rule, shapes, at_means, S
+                )
+                ok = ok & False if found is None else found[1]
+                if bool(ok.any()):
+                    own_msgs[s.site] = tuple(
+                        torch.where(ok.reshape(ok.shape + (1,) * (t.dim() - ok.dim())), t, 0.0)
+                        for t in found[0]
+                    )
+            k = len(natural[s.site].value_shape(lam)) - ok.dim()
             own[s.site] = ok.reshape(ok.shape + (1,) * k)
-            own_msgs[s.site] = tuple(
-                torch.where(ok.reshape(ok.shape + (1,) * (t.dim() - ok.dim())), t, 0.0) for t in msg
-            )
         if general:
             total, mc_grads, first = monte_carlo(
                 ctx, general, q, want, analysis, gaussian, options, own

@@ -83,32 +83,41 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own):
 
 
 def _log_prob(site, spec, own, q: QState) -> torch.Tensor:
-    """The factor's log-density at the draw; for a factor in ``own`` (``site -> mask`` over
-    the latent's batch, where it sends the latent it draws its expected natural parameter,
-    :mod:`~pyro_cvi.messages.expected_natural`), Rao-Blackwellised there over that latent:
+    """The factor's log-density at the draw; for a factor in ``own`` (``site -> (mask, mean
+    parameters)``: a factor in the family of ``q`` of the latent ``z`` it draws,
+    :mod:`~pyro_cvi.messages.expected_natural`), Rao-Blackwellised over ``z``:
     ``log p(z | theta) = <eta(theta), phi(z)> - A(eta(theta))`` (``h = 1``) is replaced by its
     expectation over ``q(z)``, ``<eta(theta), E_q phi(z)> - A(eta(theta))``, exact given the
-    drawn parents. The estimate stays unbiased, loses the noise of ``z``, and sends no
-    gradient to ``z`` (its message is the expected natural parameter); the parents' gradients
-    see ``E_q phi(z)`` instead of one draw of it."""
+    drawn parents. The estimate stays unbiased and loses the noise of ``z``; its gradient in
+    ``z``'s mean parameters is the drawn ``eta(theta)`` (a Monte Carlo expected natural
+    parameter from the draws already made), none where the mask holds (the latent takes the
+    separately averaged or exact message there); the parents' gradients see ``E_q phi(z)``."""
     fn, value = site["fn"], site["value"]
-    mask = own.get(spec.site)
-    if mask is None:
+    if spec.site not in own:
         return fn.log_prob(value)
+    mu = own[spec.site][1]
     fam = q.fam[spec.site]
     base = unwrap(fn)[0]
     v = value.detach()
     eta = fam.dist_to_natural(base)
     phi = fam.sufficient_stats(v)
-    mu = q.mu[spec.site]
     inner = 0.0
     for e, p, m in zip(eta, phi, mu):
-        term = e * (m.detach().reshape(p.shape[p.dim() - m.dim() :]) - p)
+        term = e * (m.reshape(p.shape[p.dim() - m.dim() :]) - p)
         inner = inner + sum_rightmost(term, len(base.event_shape))
-    shift = reduce_like(fn, inner)
-    keep = mask.reshape(mask.shape[: mask.dim() - (v.dim() - len(fn.batch_shape))])
-    lp = fn.log_prob(v)
-    return lp + torch.where(keep, shift, torch.zeros_like(shift))
+    return fn.log_prob(v) + reduce_like(fn, inner)
+
+
+def _means(q: QState, name: str, lam, mask) -> Tuple[torch.Tensor, ...]:
+    """``E_q phi(z)`` of latent ``name``: differentiable in its natural parameters ``lam``
+    (autograd leaves) where ``mask`` is false, detached where it holds."""
+    if lam is None:
+        return tuple(m.detach() for m in q.mu[name])
+    out = []
+    for m in q.fam[name].natural_to_mean(lam):
+        keep = mask.reshape(mask.shape + (1,) * max(0, m.dim() - mask.dim()))
+        out.append(torch.where(keep, m.detach(), m))
+    return tuple(out)
 
 
 def monte_carlo(
@@ -140,6 +149,7 @@ def monte_carlo(
     total = 0.0
     first = None
     pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
+    own = {n: (mask, _means(q, n, lam_leaves.get(n), mask)) for n, mask in (own or {}).items()}
     group = [s.site for s in general if s.collapsed]
     general = [s for s in general if not s.collapsed]
     if S > 1 and options.vectorize_particles and not pushed:
