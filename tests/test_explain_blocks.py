@@ -110,3 +110,17 @@ def test_monte_carlo_expected(vectorize):
     assert got["z"] == {"exact expected": {"y"}, "Monte Carlo expected": {"z"}, "sites": set()}
     assert got["u1"]["sites"] == {"z"}
     assert got["u2"]["sites"] == {"z"}
+
+
+def test_precision_beside_the_remainder():
+    """The BNN's Gamma noise precision: the Normal likelihood's expected natural parameter
+    averaged over draws of the network (Monte Carlo expected), not a site of the remainder."""
+    got = _zoo("bnn")
+    assert got["prec_obs"] == {
+        "exact expected": {"prec_obs"},
+        "Monte Carlo expected": {"obs"},
+        "sites": set(),
+    }
+    (rem,) = [k for k in got if k.startswith("remainder(")]
+    assert "obs" in got[rem]["sites"]
+    assert not got[rem]["exact expected"] and not got[rem]["Monte Carlo expected"]

@@ -197,6 +197,9 @@ class Block(abc.ABC):
         names = set(self.names)
         records = [f for info in analysis.latents.values() for f in info.factors]
         records += list(getattr(analysis, "remainder_factors", []))
+        # a factor with a record for one of the block's sites speaks for itself; a joint
+        # block's records (latent: the block) only for sites that have none
+        own = {f.site for f in records if f.latent in names}
         out: List[Incoming] = []
         for f in records:
             rule = MESSAGE_RULES.get(f.kind)
@@ -204,7 +207,11 @@ class Block(abc.ABC):
                 continue
             if f.latent in names:
                 latent = f.latent
-            elif f.latent not in analysis.latents and analysis.latents_of(f.site) & names:
+            elif (
+                f.latent not in analysis.latents
+                and f.site not in own
+                and analysis.latents_of(f.site) & names
+            ):
                 latent = self.label
             else:
                 continue
