@@ -470,10 +470,12 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         return values
 
     def explain(self) -> str:
-        """One line per (factor, latent or block): the kind CVI gives it, and why."""
+        """One line per (factor, latent or block): the kind CVI gives it, and why; then, for
+        each block, which factors send it exact expected messages, which Monte Carlo expected
+        messages, and which CVI sites."""
         if self.prototype_trace is None:
             raise RuntimeError("AutoCVI has not seen the model yet: call svi.step(...) first")
-        return self.engine.analysis.explain()
+        return self.engine.analysis.explain(self.engine.blocks)
 
 
 for _name in (

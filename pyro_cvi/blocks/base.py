@@ -15,7 +15,10 @@ Every kind of ``q`` is a :class:`Block` (docs/architecture.md). The engine
 * ``sweep(name, ctx, beta, done)``: the sequential (coordinate-ascent) schedule's step of the
   latent ``name``;
 * ``valid()``, ``trace_values(subsample)``, ``sample(subsample, exclude, at_means)``,
-  ``marginal(name)``, ``joint(names)``: the current ``q``.
+  ``marginal(name)``, ``joint(names)``: the current ``q``;
+* ``incoming(analysis) -> [Incoming]``: the factors that send the block messages, each with
+  its rule of Algorithm 2 (exact expected, Monte Carlo expected, or CVI sites):
+  ``guide.explain()`` prints them per block.
 
 A new kind of block is one class deriving from :class:`Block` plus one registration
 (:mod:`~pyro_cvi.blocks.registry`).
@@ -31,6 +34,7 @@ import pyro
 import torch
 
 from ..context import StepContext
+from ..model.explain import MESSAGE_RULES
 from ..update import StepCounts
 from .marginals import marginal_median
 
@@ -38,8 +42,20 @@ __all__ = [
     "Block",
     "BlockInit",
     "GuideDraw",
+    "Incoming",
     "StepReport",
 ]
+
+
+class Incoming(NamedTuple):
+    """One message a block receives: from factor ``factor`` to its latent ``latent`` (a site,
+    or the block's label for a joint block), by ``rule``: ``"exact expected"`` (the closed-form
+    expected natural parameter, VMP), ``"Monte Carlo expected"`` (the same averaged over draws
+    of the neighbours) or ``"sites"`` (CVI sites or Monte Carlo gradients: not conjugate)."""
+
+    factor: str
+    latent: str
+    rule: str
 
 
 class StepReport(NamedTuple):
@@ -172,6 +188,37 @@ class Block(abc.ABC):
     def valid(self) -> bool:
         """Whether every natural parameter of the block is valid (finite, in its domain)."""
         return all(bool(torch.isfinite(pyro.param(n).detach()).all()) for n in self.param_names())
+
+    def incoming(self, analysis: Any) -> List[Incoming]:
+        """The messages the block receives (see :class:`Incoming`); default: the analysis's
+        record of each factor touching the block's sites, by its kind's rule
+        (:data:`~pyro_cvi.model.explain.MESSAGE_RULES`). A kind whose messages differ from
+        its records' kinds overrides it."""
+        names = set(self.names)
+        records = [f for info in analysis.latents.values() for f in info.factors]
+        records += list(getattr(analysis, "remainder_factors", []))
+        # a factor with a record for one of the block's sites speaks for itself; a joint
+        # block's records (latent: the block) only for sites that have none
+        own = {f.site for f in records if f.latent in names}
+        out: List[Incoming] = []
+        for f in records:
+            rule = MESSAGE_RULES.get(f.kind)
+            if rule is None:
+                continue
+            if f.latent in names:
+                latent = f.latent
+            elif (
+                f.latent not in analysis.latents
+                and f.site not in own
+                and analysis.latents_of(f.site) & names
+            ):
+                latent = self.label
+            else:
+                continue
+            item = Incoming(f.site, latent, rule)
+            if item not in out:
+                out.append(item)
+        return out
 
     # ------------------------------------------------------------------ the current q
     @abc.abstractmethod

@@ -21,7 +21,7 @@ import torch
 from ..context import Options, StepContext
 from ..messages.mean_field import compute
 from ..model.records import NATURAL
-from .base import Block, BlockInit, GuideDraw, StepReport
+from .base import Block, BlockInit, GuideDraw, Incoming, StepReport
 from .marginals import marginal_median
 from .natural import NaturalBlock
 from .registry import Found, register_kind
@@ -155,6 +155,10 @@ class MeanFieldBlock(Block):
 
     def sweep(self, name: str, ctx: StepContext, beta: float, done: set) -> List[StepReport]:
         return self.natural[name].sweep(name, ctx, beta, done)
+
+    def incoming(self, analysis) -> List[Incoming]:
+        """Its natural blocks' messages, latent by latent."""
+        return [i for nb in self.natural.values() for i in nb.incoming(analysis)]
 
     def valid(self) -> bool:
         return all(nb.valid() for nb in self.natural.values())

@@ -20,10 +20,17 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
 from ..context import StepContext
+from ..messages.expected_natural import (
+    EXACT,
+    MONTE_CARLO,
+    expected_natural_rule,
+    monte_carlo_messages_used,
+)
 from ..model.analysis import LatentInfo
+from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, Incoming, StepReport
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
 
@@ -149,6 +156,18 @@ class NaturalBlock(Block):
         target = self.group.targets(ctx, {self.name})[self.name]
         b = 1.0 if self.is_local(ctx.subsample) else beta
         return [StepReport(self.name, self.kind, b, self.step_to(target, b, ctx.subsample))]
+
+    def incoming(self, analysis) -> List[Incoming]:
+        """The records' rules, but a non-conjugate factor that draws this latent sends its
+        expected natural parameter (:mod:`~pyro_cvi.messages.expected_natural`)."""
+        out = []
+        for item in super().incoming(analysis):
+            if item.factor == self.name and item.rule == SITES and self.name in analysis.owner:
+                rule = expected_natural_rule(analysis, analysis.spec(self.name), self.family)
+                if rule == EXACT or (rule == MONTE_CARLO and monte_carlo_messages_used(analysis)):
+                    item = item._replace(rule=rule)
+            out.append(item)
+        return out
 
     def valid(self) -> bool:
         return bool(self.family.is_valid(tuple(p.detach() for p in self.params())).all())

@@ -31,6 +31,7 @@ from ..model.factor_roles import minibatch_renames, minibatch_spec
 from ..model.replication import replicated_sites
 from ..model.tracing import run_model
 from .expectations import QState, expected_log_prob
+from .expected_natural import expected_natural, expected_natural_rule
 from .montecarlo import monte_carlo
 from .precision import jensen_gap, precision_messages, precision_sites
 
@@ -96,11 +97,48 @@ def compute(
     share = 1.0 / reducer.world_size if reducer is not None else 1.0
     key = (ctx.data_key, tuple((k, tuple(v.tolist())) for k, v in sorted(sub.items())))
     grad_total, elbo = zero, zero
+    memo: Dict[str, object] = {}
+
+    def at_means():
+        """The model run once at the mean values (shared by every closed-form read)."""
+        if "mean" not in memo:
+            memo["mean"] = run_model(
+                ctx.model, q.values("mean"), ctx.args, ctx.kwargs, analysis.enum_dims
+            )
+        return memo["mean"]
+
     with torch.enable_grad():
         mc_grads: Dict[str, Tuple[torch.Tensor, ...]] = {}
         first = None
+        # non-conjugate factors of a natural-form latent in the factor's own family send it
+        # their expected natural parameter (eq. 20) where it is reliable; their Monte Carlo
+        # terms are Rao-Blackwellised over that latent (montecarlo._log_prob)
+        S = max(EXPECTED_MESSAGE_SAMPLES, int(options.num_general_samples))
+        own_msgs, own = {}, {}
+        for s in general:
+            rule = expected_natural_rule(analysis, s, q.fam.get(s.site))
+            if rule is None:
+                continue
+            lam = q.lam[s.site]
+            batch = lam[0].shape[: lam[0].dim() - len(q.fam[s.site].param_shapes[0])]
+            ok = torch.ones(batch, dtype=torch.bool, device=lam[0].device)
+            if s.site in want:
+                shapes = [t.shape for t in lam]
+                found = expected_natural(
+                    ctx, analysis, s.site, q.fam[s.site], rule, shapes, at_means, S
+                )
+                ok = ok & False if found is None else found[1]
+                if bool(ok.any()):
+                    own_msgs[s.site] = tuple(
+                        torch.where(ok.reshape(ok.shape + (1,) * (t.dim() - ok.dim())), t, 0.0)
+                        for t in found[0]
+                    )
+            k = len(natural[s.site].value_shape(lam)) - ok.dim()
+            own[s.site] = ok.reshape(ok.shape + (1,) * k)
         if general:
-            total, mc_grads, first = monte_carlo(ctx, general, q, want, analysis, gaussian, options)
+            total, mc_grads, first = monte_carlo(
+                ctx, general, q, want, analysis, gaussian, options, own
+            )
             elbo = elbo + total
         if exact:
             # factors whose parameters are all free of continuous latents (e.g. priors with
@@ -108,13 +146,7 @@ def compute(
             plain = first is not None and all(
                 not s.discrete and all(r.kind == cp.CONST for r in s.roles.values()) for s in exact
             )
-            mean_trace = (
-                first
-                if plain
-                else run_model(
-                    ctx.model, q.values("mean"), ctx.args, ctx.kwargs, analysis.enum_dims
-                )
-            )
+            mean_trace = first if plain else at_means()
             traces = {"mean": mean_trace}
             if q.geo and any(r.kind == cp.MONOMIAL for s in exact for r in s.roles.values()):
                 traces["geo"] = run_model(
@@ -141,6 +173,10 @@ def compute(
                 if value:  # the remainder read its factors at E[tau]: the Jensen gap
                     gap = jensen_gap(expected[n][0], q.values("mean")[n], q.geo[n])
                     elbo = elbo + gap * share
+        for site, msg in own_msgs.items():
+            if site in expected:
+                msg = tuple(a.reshape(b.shape) + b for a, b in zip(expected[site], msg))
+            expected[site] = msg
         k = 0
         for n in names:
             parts = []

@@ -7,20 +7,21 @@ latents, the message ``grad_mu E_q[log p_a]`` is estimated from ``S`` joint draw
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import pyro
 import torch
 
 from ..context import Options, StepContext
-from ..model.tracing import run_model
+from ..families.base import sum_rightmost
+from ..model.tracing import run_model, unwrap
 from .collapsed import collapsed_log_prob
-from .expectations import QState, discrete_weight, site_weight
+from .expectations import QState, discrete_weight, reduce_like, site_weight
 
 __all__ = ["monte_carlo"]
 
 
-def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
+def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own):
     """All ``S`` samples in one model run, in a particle plate left of the model's plates (and
     enumeration left of that), like ``Trace_ELBO(vectorize_particles=True)``."""
     P = an.plate_dims
@@ -65,7 +66,7 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
                 "broadcast over a leading particle dimension (e.g. Z @ W mixes batch and matrix "
                 "dims; write (Z.unsqueeze(-1) * W).sum(-2)), or use vectorize_particles=False."
             )
-        lp = site["fn"].log_prob(site["value"])
+        lp = _log_prob(site, spec, own, q)
         w = discrete_weight(spec, tr, q)
         if w is not None:
             lp = lp * w
@@ -81,16 +82,66 @@ def _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group):
     return total
 
 
-def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options: Options):
+def _log_prob(site, spec, own, q: QState) -> torch.Tensor:
+    """The factor's log-density at the draw; for a factor in ``own`` (``site -> (mask, mean
+    parameters)``: a factor in the family of ``q`` of the latent ``z`` it draws,
+    :mod:`~pyro_cvi.messages.expected_natural`), Rao-Blackwellised over ``z``:
+    ``log p(z | theta) = <eta(theta), phi(z)> - A(eta(theta))`` (``h = 1``) is replaced by its
+    expectation over ``q(z)``, ``<eta(theta), E_q phi(z)> - A(eta(theta))``, exact given the
+    drawn parents. The estimate stays unbiased and loses the noise of ``z``; its gradient in
+    ``z``'s mean parameters is the drawn ``eta(theta)`` (a Monte Carlo expected natural
+    parameter from the draws already made), none where the mask holds (the latent takes the
+    separately averaged or exact message there); the parents' gradients see ``E_q phi(z)``."""
+    fn, value = site["fn"], site["value"]
+    if spec.site not in own:
+        return fn.log_prob(value)
+    mu = own[spec.site][1]
+    fam = q.fam[spec.site]
+    base = unwrap(fn)[0]
+    v = value.detach()
+    eta = fam.dist_to_natural(base)
+    phi = fam.sufficient_stats(v)
+    inner = 0.0
+    for e, p, m in zip(eta, phi, mu):
+        term = e * (m.reshape(p.shape[p.dim() - m.dim() :]) - p)
+        inner = inner + sum_rightmost(term, len(base.event_shape))
+    return fn.log_prob(v) + reduce_like(fn, inner)
+
+
+def _means(q: QState, name: str, lam, mask) -> Tuple[torch.Tensor, ...]:
+    """``E_q phi(z)`` of latent ``name``: differentiable in its natural parameters ``lam``
+    (autograd leaves) where ``mask`` is false, detached where it holds."""
+    if lam is None:
+        return tuple(m.detach() for m in q.mu[name])
+    out = []
+    for m in q.fam[name].natural_to_mean(lam):
+        keep = mask.reshape(mask.shape + (1,) * max(0, m.dim() - mask.dim()))
+        out.append(torch.where(keep, m.detach(), m))
+    return tuple(out)
+
+
+def monte_carlo(
+    ctx: StepContext,
+    general,
+    q: QState,
+    want,
+    an,
+    blocks,
+    options: Options,
+    own: Optional[Dict[str, torch.Tensor]] = None,
+):
     """Monte Carlo ``E_q[log p_a]`` of the general factors and its mean-parameter gradients.
 
     Returns ``(the estimate with its graph to hyperparameters, grads by latent, the first
     sampled trace)``. Gradients with respect to ``lambda`` by implicit reparameterisation
     (``rsample``), mapped to mean parameters by the family's Fisher solve (Appendix F,
     eq. 72); discrete latents are enumerated and weighted by their q probabilities
-    (differentiable in their ``mu``).
+    (differentiable in their ``mu``). The factors in ``own`` (``site -> mask``, broadcasting
+    against the site's value) are Rao-Blackwellised over the latent they draw where the mask
+    holds, and send it no gradient there (:func:`_log_prob`).
     """
     S = max(1, int(options.num_general_samples))
+    own = {} if own is None else own
     lat = set().union(*[s.latents for s in general])
     cont = [n for n in sorted(lat) if n in q.lam and n not in an.discrete]  # fixed RNG order
     lam_leaves = {n: tuple(t.clone().requires_grad_(n in want) for t in q.lam[n]) for n in cont}
@@ -98,10 +149,11 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
     total = 0.0
     first = None
     pushed = {n for n in cont if hasattr(q.fam[n], "sample_with_log_det")}
+    own = {n: (mask, _means(q, n, lam_leaves.get(n), mask)) for n, mask in (own or {}).items()}
     group = [s.site for s in general if s.collapsed]
     general = [s for s in general if not s.collapsed]
     if S > 1 and options.vectorize_particles and not pushed:
-        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group)
+        total = _vectorized(ctx, general, q, an, blocks, S, lat, cont, dists, group, own)
     per = []
     for _ in range(0 if torch.is_tensor(total) else S):
         vals = q.values("mean")
@@ -125,7 +177,7 @@ def monte_carlo(ctx: StepContext, general, q: QState, want, an, blocks, options:
             one = one + collapsed_log_prob(tr, group)
         for spec in general:
             site = tr.nodes[spec.site]
-            lp = site["fn"].log_prob(site["value"])
+            lp = _log_prob(site, spec, own, q)
             w = discrete_weight(spec, tr, q)
             if w is not None:
                 lp = lp * w

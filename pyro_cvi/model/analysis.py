@@ -488,6 +488,7 @@ class Analysis:
         return Factor(spec.site, z, CONJUGATE, f"{spec.reason}: {msg}")
 
     # ------------------------------------------------------------------ text
-    def explain(self) -> str:
-        """One line per (factor, latent or block): the kind CVI gives it, and why."""
-        return explain(self)
+    def explain(self, blocks=None) -> str:
+        """One line per (factor, latent or block): the kind CVI gives it, and why; with the
+        engine's ``blocks``, the messages each block receives (``Block.incoming``)."""
+        return explain(self, blocks)

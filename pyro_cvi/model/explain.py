@@ -12,7 +12,7 @@ block the message rule of Algorithm 2 (eq. 20, with Algorithm 1's sites) its fac
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .records import (
     COLLAPSED,
@@ -27,7 +27,7 @@ from .records import (
     SOFTMAX,
 )
 
-__all__ = ["MESSAGE_RULES", "explain", "message_rules"]
+__all__ = ["EXACT", "MESSAGE_RULES", "MONTE_CARLO", "SITES", "explain", "message_rules"]
 
 EXACT, MONTE_CARLO, SITES = "exact expected", "Monte Carlo expected", "sites"
 
@@ -44,18 +44,49 @@ MESSAGE_RULES: Dict[str, str] = {
 }
 
 
-def message_rules(factors) -> str:
-    """``#   messages: exact expected from a, b; Monte Carlo expected from -; sites from y``."""
+def _rules_line(pairs: Sequence[Tuple[str, str]], lead: str = "#   messages: ") -> str:
     by: Dict[str, List[str]] = {EXACT: [], MONTE_CARLO: [], SITES: []}
-    for f in factors:
-        rule = MESSAGE_RULES.get(f.kind)
-        if rule is not None and f.site not in by[rule]:
-            by[rule].append(f.site)
+    for site, rule in pairs:
+        if site not in by[rule]:
+            by[rule].append(site)
     parts = [f"{rule} from {', '.join(sites) or '-'}" for rule, sites in by.items()]
-    return "#   messages: " + "; ".join(parts)
+    return lead + "; ".join(parts)
 
 
-def explain(an) -> str:
+def message_rules(factors, told: Optional[Dict[Tuple[str, str], str]] = None) -> str:
+    """``#   messages: exact expected from a, b; Monte Carlo expected from -; sites from y``;
+    ``told``: ``{(factor, latent): rule}`` as the blocks report them (over the records' kinds)."""
+    told = told or {}
+    pairs = []
+    for f in factors:
+        rule = told.get((f.site, f.latent), MESSAGE_RULES.get(f.kind))
+        if rule is not None:
+            pairs.append((f.site, rule))
+    return _rules_line(pairs)
+
+
+def blocks_section(an, blocks: Sequence) -> List[str]:
+    """For each block (the engine's, in order), the messages it receives, latent by latent,
+    as the block reports them (``Block.incoming``)."""
+    lines = ["# blocks: incoming messages (Algorithm 2, eq. 20; sites: Algorithm 1)"]
+    for block in blocks:
+        lines.append(f"# block {block.label}:")
+        by: Dict[str, List[Tuple[str, str]]] = {}
+        for item in block.incoming(an):
+            by.setdefault(item.latent, []).append((item.factor, item.rule))
+        for latent, pairs in by.items():
+            lines.append(_rules_line(pairs, f"#   {latent}: "))
+    return lines
+
+
+def explain(an, blocks: Optional[Sequence] = None) -> str:
+    """The analysis's classification, one line per (factor, latent or block) pair; with the
+    engine's ``blocks``, each latent's message rules as its block reports them, and a section
+    of every block's incoming messages."""
+    told = {}
+    for block in blocks or ():
+        for item in block.incoming(an):
+            told[(item.factor, item.latent)] = item.rule
     lines = [f"{'factor':>20s}    {'latent':<12s} {'kind':<17s} why"]
     done = set()
     for name, info in an.latents.items():
@@ -70,14 +101,14 @@ def explain(an) -> str:
             if block.chain is not None:
                 what = f"Markov gaussian chain, {block.chain.size_text}"
             lines.append(f"# {block.label}: q = {what} (site form)")
-            lines.append(message_rules(block.factors))
+            lines.append(message_rules(block.factors, told))
             lines.extend(f.describe() for f in block.factors)
             continue
         fam = info.family.name if info.family is not None else "conditional prior"
         why = f"; {an.fallback[name]}" if name in an.fallback else ""
         lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
         if info.factors:
-            lines.append(message_rules(info.factors))
+            lines.append(message_rules(info.factors, told))
         lines.extend(f.describe() for f in info.factors)
     for name in sorted(an.collapsed - an.remainder_discrete, key=list(an.values).index):
         lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
@@ -90,6 +121,8 @@ def explain(an) -> str:
             f"# remainder: q = one joint Gaussian on the unconstrained values of "
             f"{', '.join(an.remainder)} (natural-gradient steps{also})"
         )
-        lines.append(message_rules(an.remainder_factors))
+        lines.append(message_rules(an.remainder_factors, told))
         lines.extend(f.describe() for f in an.remainder_factors)
+    if blocks:
+        lines.extend(blocks_section(an, blocks))
     return "\n".join(lines)
