@@ -1,20 +1,27 @@
-"""The bilinear block: mean-field VMP for ``x_n ~ Normal(z_n W + c0_n, (c_n tau)^(-1/2))``.
+"""The bilinear block: mean-field VMP for ``x_n ~ Normal(z_n W + mu + c0_n, (c_n tau)^(-1/2))``.
 
-``q = prod_n N(z_n) prod_d N(w_d) Gamma(tau)`` (``w_d``: the ``d``-th column of ``W``), each in
-natural parameters ``(Lambda m, Lambda)`` / ``(a - 1, -b)`` in Pyro's param store
-(:mod:`pyro_cvi.model.bilinear` detects the factor). With ``r_nd = c_nd E[tau_d]`` and
-``y = x - c0``, Algorithm 2's exact expected messages (eq. 20) are
+``q = prod_n N(z_n) prod_d N(w_d, mu_d) Gamma(tau)`` (``w_d``: the ``d``-th column of ``W``;
+``mu_d`` joins it when the factor has a mean latent, ``z_n`` then augmented to ``(z_n, 1)``),
+each in natural parameters ``(Lambda m, Lambda)`` / ``(a - 1, -b)`` in Pyro's param store
+(:mod:`pyro_cvi.model.bilinear` detects the factor). With ``r_nd = c_nd E[tau_d]``,
+``y = x - c0`` and ``u_d = (w_d, mu_d)``, Algorithm 2's exact expected messages (eq. 20) are
 
-    z_n:  Lambda = P0_n + sum_d r_nd E[w_d w_d^T],  Lambda m = P0_n m0_n + sum_d r_nd y_nd E[w_d]
-    w_d:  Lambda = P0_d + sum_n r_nd E[z_n z_n^T],  Lambda m = P0_d m0_d + sum_n r_nd y_nd E[z_n]
-    tau:  a = a0 + 1/2 sum 1,  b = b0 + 1/2 sum c_nd E[(y_nd - z_n^T w_d)^2],
+    z_n:  Lambda = P0_n + sum_d r_nd E[w_d w_d^T],
+          Lambda m = P0_n m0_n + sum_d r_nd (y_nd E[w_d] - E[w_d mu_d])
+    u_d:  Lambda = P0_d + sum_n r_nd E[(z_n, 1)(z_n, 1)^T],
+          Lambda m = P0_d m0_d + sum_n r_nd y_nd E[(z_n, 1)]
+    tau:  a - 1 = a0 - 1 + 1/2 sum 1,  -b = -b0 - 1/2 sum c_nd E[(y_nd - z_n^T w_d - mu_d)^2],
 
-``E[(y - z^T w)^2] = y^2 - 2 y E[z]^T E[w] + tr(E[z z^T] E[w w^T])``, the sums over the
-entries that share a ``tau``. A step (eq. 12, ``lambda <- lambda + beta (target - lambda)``)
-visits ``z``, ``W``, ``tau`` in turn, each target from the others' current ``q``: at
-``beta = 1`` one step is one sweep of coordinate-ascent VI (CAVI). Convex combinations of
-valid natural parameters are valid, so no step shrinks. The ELBO is closed-form:
-``E_q[log p(x | z, W, tau)] - KL(q(z) || p(z)) - KL(q(W) || p(W)) - KL(q(tau) || p(tau))``.
+the sums over the entries that share a ``tau``. When the noise latent ``v`` (``tau = v^k``) has
+a prior that is not a Gamma on a precision, ``(a0 - 1, -b0) = (0, 0)`` and its log-density in
+``tau``, ``f``, adds the CVI message ``grad_m E_q[f]`` (eq. 12, ``m = (E[log tau], E[tau])``):
+``E_q[f]`` by Gauss-Hermite quadrature in ``log tau`` about the mode of ``q(log tau)``,
+self-normalised, its gradient through the chain rule of ``(a, b) -> m``. A step (eq. 12,
+``lambda <- lambda + beta (target - lambda)``) visits ``z``, ``u``, ``tau`` in turn, each
+target from the others' current ``q``: at ``beta = 1`` one step is one sweep of
+coordinate-ascent VI (CAVI). The ELBO is closed-form up to the quadrature of ``E_q[f]``:
+``E_q[log p(x | z, W, mu, tau)] - KL(q(z) || p(z)) - KL(q(u) || p(u))`` minus
+``KL(q(tau) || p(tau))``, or plus ``E_q[f] + H[q(tau)]``.
 """
 
 from __future__ import annotations
@@ -26,16 +33,21 @@ import pyro
 import pyro.distributions as dist
 import torch
 from torch.distributions import constraints
-from torch.distributions.transforms import Transform
+from torch.distributions.transforms import PowerTransform, Transform
 
 from ..context import StepContext
+from ..gaussian.quadrature import gauss_hermite
 from ..model.bilinear import BilinearSpec
 from ..model.tracing import unwrap
 from ..update import StepCounts
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, GuideDraw, StepReport
+from .marginals import marginal_median
 from .registry import Found, register_kind
 
 __all__ = ["BilinearBlock"]
+
+#: Gauss-Hermite nodes of ``E_q[f(tau)]`` (a non-conjugate noise prior)
+QUADRATURE_POINTS = 48
 
 
 class _Transpose(Transform):
@@ -107,8 +119,55 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dims, keepdim=True) if dims else x
 
 
+def _outer(m: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``E[x x^T] = S + m m^T`` (batched)."""
+    return S + m.unsqueeze(-1) * m.unsqueeze(-2)
+
+
+class _NoisePrior:
+    """The non-conjugate factor ``f(tau) = log p_v(tau^(1/k)) + log|1/k| + (1/k - 1) log tau``
+    of a noise latent ``v = tau^(1/k)`` on ``q(tau) = Gamma(a, b)``: ``E_q[f]`` and its CVI
+    message ``grad_m E_q[f]``, ``m = (E[log tau], E[tau])`` (eq. 12)."""
+
+    def __init__(self, prior: torch.distributions.Distribution, power: float):
+        self.prior = prior
+        self.inv = 1.0 / power
+
+    def f(self, log_tau: torch.Tensor) -> torch.Tensor:
+        v = (self.inv * log_tau).exp()
+        jac = math.log(abs(self.inv)) + (self.inv - 1.0) * log_tau
+        return self.prior.log_prob(v) + jac
+
+    def expected(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``E_q[f]`` elementwise: ``u = log tau`` has density ``b^a/Gamma(a) exp(a u - b e^u)``,
+        mode ``log(a/b)`` and curvature ``a`` there; Gauss-Hermite about them, self-normalised
+        (importance weights ``q(u) / N(u)``)."""
+        t, w = gauss_hermite(QUADRATURE_POINTS, a.dtype, a.device)
+        t = t.reshape((-1,) + (1,) * a.dim())
+        s = a.rsqrt()
+        u = (a / b).log() + s * t
+        log_q = a * b.log() - torch.lgamma(a) + a * u - b * u.exp()
+        logw = w.log().reshape(t.shape) + log_q + 0.5 * t * t
+        return (torch.softmax(logw, 0) * self.f(u)).sum(0)
+
+    def message(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``grad_m E_q[f]`` as ``(d/dE[log tau], d/dE[tau])``: ``grad_(a,b) E_q[f]`` through
+        ``J^-T``, ``J = d(E[log tau], E[tau]) / d(a, b) = [[psi'(a), -1/b], [1/b, -a/b^2]]``."""
+        with torch.enable_grad():
+            a_ = a.detach().double().requires_grad_(True)
+            b_ = b.detach().double().requires_grad_(True)
+            ga, gb = torch.autograd.grad(self.expected(a_, b_).sum(), (a_, b_))
+        a64, b64 = a.detach().double(), b.detach().double()
+        j11, j12, j21, j22 = torch.polygamma(1, a64), -1 / b64, 1 / b64, -a64 / b64**2
+        det = j11 * j22 - j12 * j21
+        # solve J^T g_m = g_ab:  J^T = [[j11, j21], [j12, j22]]
+        g_log = (j22 * ga - j21 * gb) / det
+        g_tau = (-j12 * ga + j11 * gb) / det
+        return g_log.to(a), g_tau.to(a)
+
+
 class BilinearBlock(Block):
-    """``q(z) q(W) q(tau)`` of one bilinear Normal factor (see the module docstring)."""
+    """``q(z) q(W, mu) q(tau)`` of one bilinear Normal factor (see the module docstring)."""
 
     sweeps = False
     moves_trace = True
@@ -126,6 +185,7 @@ class BilinearBlock(Block):
             "tau": (f"{base}.tau.shape_m1", f"{base}.tau.neg_rate"),
         }
         self._prior: Optional[Dict[str, torch.Tensor]] = None
+        self._noise: Optional[_NoisePrior] = None
         self.tau_event_dim = 0
 
     @property
@@ -147,10 +207,22 @@ class BilinearBlock(Block):
             if key == "W" and not s.transposed:
                 m0, p0 = m0.transpose(-1, -2), p0.transpose(-1, -2)
             out[key + "_m0"], out[key + "_p0"] = m0, p0  # [rows, K]
+        if s.mu is not None:  # one more column: u_d = (w_d, mu_d)
+            base = unwrap(trace.nodes[s.mu]["fn"])[0]
+            shape = trace.nodes[s.mu]["value"].shape
+            m0 = base.loc.detach().expand(shape).unsqueeze(-1)
+            p0 = base.scale.detach().pow(-2).expand(shape).unsqueeze(-1)
+            out["W_m0"] = torch.cat([out["W_m0"], m0.to(out["W_m0"])], -1)
+            out["W_p0"] = torch.cat([out["W_p0"], p0.to(out["W_p0"])], -1)
         base = unwrap(trace.nodes[s.tau]["fn"])[0]
         shape = trace.nodes[s.tau]["value"].shape
-        out["a0"] = base.concentration.detach().expand(shape)
-        out["b0"] = base.rate.detach().expand(shape)
+        if s.conjugate:
+            out["a0"] = base.concentration.detach().expand(shape)
+            out["b0"] = base.rate.detach().expand(shape)
+        else:  # (a0 - 1, -b0) = 0: the prior is the CVI site's factor f
+            like = trace.nodes[s.tau]["value"].detach()
+            out["a0"], out["b0"] = torch.ones_like(like), torch.zeros_like(like)
+            self._noise = _NoisePrior(base, s.power)
         return out
 
     def setup(self, init: BlockInit) -> None:
@@ -162,14 +234,21 @@ class BilinearBlock(Block):
         if init.init_trace is not None:
             start = {n: init.init_trace.nodes[n]["value"].detach() for n in self.names}
         Wv = start[s.W] if s.transposed else start[s.W].transpose(-1, -2)
+        if s.mu is not None:
+            Wv = torch.cat([Wv, start[s.mu].unsqueeze(-1).to(Wv)], -1)
         for key, mean in (("z", start[s.z]), ("W", Wv)):
             p0 = prior[key + "_p0"]
             prec = torch.diag_embed(p0)
             eta = p0 * mean
             self._param(self.store[key][0], eta)
             self._param(self.store[key][1], prec)
-        self._param(self.store["tau"][0], prior["a0"] - 1)
-        self._param(self.store["tau"][1], -prior["b0"])
+        if s.conjugate:
+            self._param(self.store["tau"][0], prior["a0"] - 1)
+            self._param(self.store["tau"][1], -prior["b0"])
+        else:  # Gamma(2, 2 / tau0) about the start's precision
+            tau0 = start[s.tau].detach().pow(s.power)
+            self._param(self.store["tau"][0], torch.ones_like(tau0))
+            self._param(self.store["tau"][1], -2.0 / tau0)
 
     @staticmethod
     def _param(name: str, value: torch.Tensor) -> None:
@@ -194,55 +273,73 @@ class BilinearBlock(Block):
         a, b = self._q("tau")
         return mz, Sz, mw, Sw, a, b
 
+    def _augment(self, mz: torch.Tensor, Sz: torch.Tensor):
+        """``(E[(z_n, 1)], E[(z_n, 1)(z_n, 1)^T])`` (``z_n`` itself without a mean latent)."""
+        if self.spec.mu is None:
+            return mz, _outer(mz, Sz)
+        za = torch.cat([mz, torch.ones_like(mz[..., :1])], -1)
+        Sa = torch.nn.functional.pad(Sz, (0, 1, 0, 1))
+        return za, _outer(za, Sa)
+
     def _data(self, ctx: StepContext) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(y = x - c0, c)`` of the step's trace."""
         x = ctx.trace.nodes[self.spec.obs]["value"].detach()
         return x - self.spec.offset.to(x), self.spec.weight.to(x)
 
+    def _sq(self, y, mz, Sz, mw, Sw) -> torch.Tensor:
+        """``E[(y_nd - z_n^T w_d - mu_d)^2]``."""
+        za, Ezz = self._augment(mz, Sz)
+        return y * y - 2 * y * (za @ mw.T) + torch.einsum("nkl,dkl->nd", Ezz, _outer(mw, Sw))
+
     def _targets(self, key, y, c, prior, mz, Sz, mw, Sw, a, b):
         N, D = y.shape
         if key == "tau":
-            Ezz = Sz + mz.unsqueeze(-1) * mz.unsqueeze(-2)
-            Eww = Sw + mw.unsqueeze(-1) * mw.unsqueeze(-2)
-            sq = y * y - 2 * y * (mz @ mw.T) + torch.einsum("nkl,dkl->nd", Ezz, Eww)
             shape = prior["a0"].shape
-            return (
-                prior["a0"] - 1 + 0.5 * _sum_to(torch.ones_like(y), shape),
-                -prior["b0"] - 0.5 * _sum_to(c * sq, shape),
-            )
+            a1 = prior["a0"] - 1 + 0.5 * _sum_to(torch.ones_like(y), shape)
+            b1 = -prior["b0"] - 0.5 * _sum_to(c * self._sq(y, mz, Sz, mw, Sw), shape)
+            if self._noise is not None:
+                g_log, g_tau = self._noise.message(a, b)
+                a1, b1 = a1 + g_log, b1 + g_tau
+            return a1, b1
         r = c * (a / b).expand(N, D)
+        K = mz.shape[-1]
         if key == "z":
-            Eww = Sw + mw.unsqueeze(-1) * mw.unsqueeze(-2)
-            prec = torch.diag_embed(prior["z_p0"]) + torch.einsum("nd,dkl->nkl", r, Eww)
-            eta = prior["z_p0"] * prior["z_m0"] + (r * y) @ mw
+            Eww = _outer(mw, Sw)
+            prec = torch.diag_embed(prior["z_p0"]) + torch.einsum("nd,dkl->nkl", r, Eww[:, :K, :K])
+            eta = prior["z_p0"] * prior["z_m0"] + (r * y) @ mw[:, :K]
+            if self.spec.mu is not None:
+                eta = eta - r @ Eww[:, :K, K]
             return eta, prec
-        Ezz = Sz + mz.unsqueeze(-1) * mz.unsqueeze(-2)
+        za, Ezz = self._augment(mz, Sz)
         prec = torch.diag_embed(prior["W_p0"]) + torch.einsum("nd,nkl->dkl", r, Ezz)
-        eta = prior["W_p0"] * prior["W_m0"] + (r * y).T @ mz
+        eta = prior["W_p0"] * prior["W_m0"] + (r * y).T @ za
         return eta, prec
+
+    def _noise_elbo(self, a, b, prior) -> torch.Tensor:
+        """``-KL(q(tau) || p(tau))``, or ``E_q[f] + H[q(tau)]`` for a non-conjugate prior."""
+        q = torch.distributions.Gamma(a, b)
+        if self._noise is None:
+            p = torch.distributions.Gamma(prior["a0"], prior["b0"])
+            return -torch.distributions.kl_divergence(q, p).sum()
+        return (self._noise.expected(a, b) + q.entropy()).sum()
 
     # ------------------------------------------------------------------ messages and steps
     def messages(self, ctx: StepContext) -> torch.Tensor:
-        """The closed-form ELBO of the four factors; with ``ctx.grads`` the targets of the
-        three latents from the current ``q`` (eq. 20) as ``.grad = target - lambda``."""
+        """The closed-form ELBO of the block's factors; with ``ctx.grads`` the targets of its
+        latents from the current ``q`` (eq. 20) as ``.grad = target - lambda``."""
         prior = self._prior = self._read_prior(ctx.trace)
         y, c = self._data(ctx)
         mz, Sz, mw, Sw, a, b = m = self._moments()
         N, D = y.shape
-        Ezz = Sz + mz.unsqueeze(-1) * mz.unsqueeze(-2)
-        Eww = Sw + mw.unsqueeze(-1) * mw.unsqueeze(-2)
-        sq = y * y - 2 * y * (mz @ mw.T) + torch.einsum("nkl,dkl->nd", Ezz, Eww)
+        sq = self._sq(y, mz, Sz, mw, Sw)
         e_tau = (a / b).expand(N, D)
         e_log = (torch.digamma(a) - b.log()).expand(N, D)
         loglik = 0.5 * (c.log() + e_log - math.log(2 * math.pi) - c * e_tau * sq).sum()
-        kl_tau = torch.distributions.kl_divergence(
-            torch.distributions.Gamma(a, b), torch.distributions.Gamma(prior["a0"], prior["b0"])
-        ).sum()
         elbo = (
             loglik
             - _gauss_kl(mz, Sz, prior["z_m0"], prior["z_p0"])
             - _gauss_kl(mw, Sw, prior["W_m0"], prior["W_p0"])
-            - kl_tau
+            + self._noise_elbo(a, b, prior)
         )
         if ctx.grads:
             for key in ("z", "W", "tau"):
@@ -254,9 +351,10 @@ class BilinearBlock(Block):
         return elbo
 
     def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
-        """Eq. 12 for ``z``, ``W``, ``tau`` in turn, each target from the others' current
-        ``q``; at ``beta = 1`` :attr:`sweeps_per_step` such sweeps (coordinate ascent: each
-        sweep raises the ELBO), else one damped sweep."""
+        """Eq. 12 for ``z``, ``(W, mu)``, ``tau`` in turn, each target from the others'
+        current ``q``; at ``beta = 1`` :attr:`sweeps_per_step` such sweeps (coordinate ascent:
+        each sweep raises the ELBO), else one damped sweep. A step that would leave ``q(tau)``
+        invalid (a non-conjugate prior's message) is halved until it does not."""
         if self._prior is None or not hasattr(self, "_y"):
             return []
         y, c = self._y
@@ -268,21 +366,33 @@ class BilinearBlock(Block):
             for _ in range(sweeps):
                 for key in ("z", "W", "tau"):
                     target = self._targets(key, y, c, self._prior, *m)
-                    for name, t in zip(self.store[key], target):
-                        p = pyro.param(name).unconstrained()
-                        p.copy_(p + beta * (t.to(p) - p))
+                    params = [pyro.param(name).unconstrained() for name in self.store[key]]
+                    new = [p + beta * (t.to(p) - p) for p, t in zip(params, target)]
+                    if key == "tau":
+                        new = self._valid_gamma(params, new)
+                    for p, v in zip(params, new):
+                        p.copy_(v)
                         p.grad = None
                     m[at[key]] = self._q(key)
-        for key in ("z", "W", "tau"):
+        for key, name in (("z", self.spec.z), ("W", self.spec.W), ("tau", self.spec.tau)):
             kind = "gamma" if key == "tau" else "gaussian"
-            reports.append(StepReport(getattr(self.spec, key), kind, beta, StepCounts(0, 0)))
+            reports.append(StepReport(name, kind, beta, StepCounts(0, 0)))
         del self._y
         return reports
+
+    @staticmethod
+    def _valid_gamma(old: List[torch.Tensor], new: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``new`` natural parameters of ``q(tau)``, halved towards ``old`` until ``a, b > 0``."""
+        for _ in range(30):
+            if bool((new[0] > -1).all() and (new[1] < 0).all()):
+                return new
+            new = [o + 0.5 * (n - o) for o, n in zip(old, new)]
+        return [o.clone() for o in old]
 
     def valid(self) -> bool:
         try:
             mz, Sz, mw, Sw, a, b = self._moments()
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             return False
         return bool(
             torch.isfinite(mz).all()
@@ -292,23 +402,68 @@ class BilinearBlock(Block):
         )
 
     # ------------------------------------------------------------------ the current q
+    def _columns(self) -> dist.MultivariateNormal:
+        """``q(u_d)``, one ``(K [+ 1])``-dimensional Gaussian per column."""
+        mean, cov = self._q("W")
+        return dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
+
+    def _split(self, u: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``W`` (its stored layout) and ``mu`` from values ``u`` of the columns ``[..., D, P]``."""
+        s = self.spec
+        K = self._prior_K()
+        w = u[..., :K]
+        out = {s.W: w if s.transposed else w.transpose(-1, -2)}
+        if s.mu is not None:
+            out[s.mu] = u[..., K]
+        return out
+
+    def _prior_K(self) -> int:
+        eta = pyro.param(self.store["z"][0])
+        return int(eta.shape[-1])
+
     def marginal(self, name: str) -> torch.distributions.Distribution:
         s = self.spec
         if name == s.tau:
             a, b = self._q("tau")
-            q = dist.Gamma(a, b)
+            q: torch.distributions.Distribution = dist.Gamma(a, b)
+            if s.power != 1.0:
+                q = dist.TransformedDistribution(q, [PowerTransform(a.new_tensor(1 / s.power))])
             return q.to_event(self.tau_event_dim) if self.tau_event_dim else q
-        key = "z" if name == s.z else "W"
-        mean, cov = self._q(key)
-        mvn = dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
-        if key == "z" or s.transposed:
-            return mvn if key == "z" else mvn.to_event(1)
-        return _Columns(mvn)
+        if name == s.z:
+            mean, cov = self._q("z")
+            return dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
+        mean, cov = self._q("W")
+        K = self._prior_K()
+        if name == s.mu:
+            return dist.Normal(mean[:, K], cov[:, K, K].sqrt()).to_event(1)
+        mvn = dist.MultivariateNormal(mean[:, :K], scale_tril=torch.linalg.cholesky(cov[:, :K, :K]))
+        return mvn.to_event(1) if s.transposed else _Columns(mvn)
+
+    def _noise_mean(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``E[v] = E[tau^(1/k)] = Gamma(a + 1/k) / Gamma(a) b^(-1/k)`` (where ``a + 1/k > 0``;
+        else ``(a/b)^(1/k)``)."""
+        p = 1.0 / self.spec.power
+        if p == 1.0:
+            return a / b
+        ok = a + p > 0
+        exact = (torch.lgamma((a + p).clamp_min(1e-6)) - torch.lgamma(a) - p * b.log()).exp()
+        return torch.where(ok, exact, (a / b).pow(p))
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         s = self.spec
         mz, _, mw, _, a, b = self._moments()
-        return {s.z: mz, s.W: mw if s.transposed else mw.T.contiguous(), s.tau: a / b}
+        out = {s.z: mz, s.tau: self._noise_mean(a, b)}
+        out.update(self._split(mw))
+        return {n: v.contiguous() for n, v in out.items()}
+
+    def median_values(self) -> Dict[str, torch.Tensor]:
+        """Gaussians: their means; ``v``: the median of ``q(tau)`` through ``v = tau^(1/k)``
+        (monotone, so it maps medians)."""
+        s = self.spec
+        out = self.mean_values()
+        a, b = self._q("tau")
+        out[s.tau] = marginal_median(dist.Gamma(a, b)).detach().pow(1 / s.power)
+        return out
 
     def trace_values(self, subsample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return self.mean_values()
@@ -321,7 +476,28 @@ class BilinearBlock(Block):
     ) -> Dict[str, torch.Tensor]:
         if at_means:
             return {n: v for n, v in self.mean_values().items() if n not in exclude}
-        return {n: self.marginal(n).sample() for n in self.names if n not in exclude}
+        s = self.spec
+        out = {n: self.marginal(n).sample() for n in (s.z, s.tau) if n not in exclude}
+        if s.W not in exclude:
+            out.update(self._split(self._columns().sample()))
+        return out
+
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        """``W`` alone: its marginal; with a mean latent, one auxiliary draw of the columns
+        ``(w_d, mu_d)`` and ``W``, ``mu`` as ``Delta`` sites."""
+        s = self.spec
+        if s.mu is None or name not in (s.W, s.mu):
+            return super().guide_sample(name, draw)
+        u = pyro.sample(
+            f"_{draw.prefix}_bilinear_{s.obs}_columns",
+            draw.frozen(self._columns().to_event(1)),
+            infer={"is_auxiliary": True},
+        )
+        out = {}
+        for n, v in self._split(u).items():
+            with draw.plates(n):
+                out[n] = pyro.sample(n, dist.Delta(v, event_dim=draw.event_dim(n)))
+        return out
 
 
 def _build(found: Found) -> List[Block]:
