@@ -221,6 +221,8 @@ def ppca_mean(X, noise="scale"):
     mu = pyro.sample("mu", dist.Normal(X.new_zeros(d) + 0.2, 2.0).to_event(1))
     if noise == "scale":
         sd = pyro.sample("sigma", dist.HalfNormal(X.new_tensor(1.0)))
+    elif noise == "column_scales":  # one LogNormal scale per column (factor analysis)
+        sd = pyro.sample("sigma", dist.LogNormal(X.new_zeros(d) - 1.0, 1.0).to_event(1))
     else:
         sd = pyro.sample("v", dist.InverseGamma(X.new_tensor(3.0), X.new_tensor(0.5))).sqrt()
     with pyro.plate("data", n):
@@ -326,14 +328,15 @@ def _mean_cavi_sweep(X, noise, m):
     return mz, Sz, mu_, Su, a1 + g[0], b1 - g[1]
 
 
-@pytest.mark.parametrize("noise", ["scale", "variance"])
+@pytest.mark.parametrize("noise", ["scale", "variance", "column_scales"])
 def test_a_mean_and_a_noise_scale_join_the_block(noise):
     X = data_mean(torch.float64)
     guide, _, _ = fit(lambda X: ppca_mean(X, noise), X, 1)
     b = _block(guide)
-    v = "sigma" if noise == "scale" else "v"
+    v = "v" if noise == "variance" else "sigma"
     assert set(b.names) == {"W", "mu", v, "z"} and not guide.engine.analysis.remainder
-    assert b.spec.power == (-2.0 if noise == "scale" else -1.0) and not b.spec.conjugate
+    assert b.spec.power == (-1.0 if noise == "variance" else -2.0) and not b.spec.conjugate
+    assert b.marginal(v).event_shape == ((D,) if noise == "column_scales" else ())
     assert torch.allclose(b.spec.weight, torch.full((N, D), C, dtype=torch.float64))
     text = guide.explain()
     assert "a CVI site on q(tau)" in text and "remainder" not in text
@@ -362,7 +365,7 @@ def test_the_mean_models_bound_is_the_cavi_optimum(dtype, noise):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("noise", ["scale", "variance"])
+@pytest.mark.parametrize("noise", ["scale", "variance", "column_scales"])
 def test_the_mean_models_loss_is_the_bound_of_the_guide(dtype, noise):
     X = data_mean(dtype)
     model = lambda X: ppca_mean(X, noise)  # noqa: E731
