@@ -422,7 +422,12 @@ def test_the_guide_methods_read_the_mean_and_the_scale():
     q_tau = torch.distributions.Gamma(a.double(), bb.double())
     tau = q_tau.sample((20000,))
     assert float(med["sigma"]) == pytest.approx(float(tau.median() ** -0.5), rel=3e-3)
-    assert float(b.mean_values()["sigma"]) == pytest.approx(float((tau**-0.5).mean()), rel=3e-3)
+    sig = tau**-0.5
+    assert float(b.mean_values()["sigma"]) == pytest.approx(float(sig.mean()), rel=3e-3)
+    assert float(b.marginal("sigma").variance) == pytest.approx(float(sig.var()), rel=0.05)
+    qs = guide.quantiles([0.1, 0.9], X)["sigma"].double()
+    want = torch.quantile(sig, torch.tensor([0.1, 0.9], dtype=torch.float64))
+    assert torch.allclose(qs, want, rtol=3e-3)
     draws = pyro.infer.Predictive(model, guide=guide, num_samples=4)(X)
     assert draws["W"].shape[-2:] == (K, D) and draws["mu"].shape[-1] == D
     assert draws["sigma"].shape[0] == 4 and bool((draws["sigma"] > 0).all())

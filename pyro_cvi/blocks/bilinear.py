@@ -91,6 +91,30 @@ class _Columns(dist.TransformedDistribution):
         return self.columns.variance.transpose(-1, -2)
 
 
+class _PowerOfGamma(dist.TransformedDistribution):
+    """``q(v)`` of ``v = tau^p``, ``tau ~ Gamma(a, b)``, with its moments
+    ``E[v^j] = Gamma(a + j p) / Gamma(a) b^(-j p)`` (infinite where ``a + j p <= 0``)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, p: float, validate_args=None):
+        super().__init__(
+            dist.Gamma(a, b), [PowerTransform(a.new_tensor(p))], validate_args=validate_args
+        )
+        self.a, self.b, self.p = a, b, p
+
+    def _moment(self, j: float) -> torch.Tensor:
+        s = self.a + j * self.p
+        out = torch.lgamma(s.clamp_min(1e-6)) - torch.lgamma(self.a) - j * self.p * self.b.log()
+        return torch.where(s > 0, out.exp(), torch.full_like(out, math.inf))
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._moment(1.0)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self._moment(2.0) - self._moment(1.0) ** 2
+
+
 def _gauss(eta: torch.Tensor, prec: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(mean, covariance)`` from natural parameters ``(Lambda m, Lambda)`` (batched)."""
     cov, info = torch.linalg.inv_ex(prec)
@@ -435,7 +459,7 @@ class BilinearBlock(Block):
             a, b = self._q("tau")
             q: torch.distributions.Distribution = dist.Gamma(a, b)
             if s.power != 1.0:
-                q = dist.TransformedDistribution(q, [PowerTransform(a.new_tensor(1 / s.power))])
+                q = _PowerOfGamma(a, b, 1 / s.power)
             return q.to_event(self.tau_event_dim) if self.tau_event_dim else q
         if name == s.z:
             mean, cov = self._q("z")
@@ -447,20 +471,11 @@ class BilinearBlock(Block):
         mvn = dist.MultivariateNormal(mean[:, :K], scale_tril=torch.linalg.cholesky(cov[:, :K, :K]))
         return mvn.to_event(1) if s.transposed else _Columns(mvn)
 
-    def _noise_mean(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``E[v] = E[tau^(1/k)] = Gamma(a + 1/k) / Gamma(a) b^(-1/k)`` (where ``a + 1/k > 0``;
-        else ``(a/b)^(1/k)``)."""
-        p = 1.0 / self.spec.power
-        if p == 1.0:
-            return a / b
-        ok = a + p > 0
-        exact = (torch.lgamma((a + p).clamp_min(1e-6)) - torch.lgamma(a) - p * b.log()).exp()
-        return torch.where(ok, exact, (a / b).pow(p))
-
     def mean_values(self) -> Dict[str, torch.Tensor]:
         s = self.spec
         mz, _, mw, _, a, b = self._moments()
-        out = {s.z: mz, s.tau: self._noise_mean(a, b)}
+        e_v = a / b if s.power == 1.0 else _PowerOfGamma(a, b, 1 / s.power).mean
+        out = {s.z: mz, s.tau: e_v}
         out.update(self._split(mw))
         return {n: v.contiguous() for n, v in out.items()}
 
