@@ -431,3 +431,21 @@ def test_the_guide_methods_read_the_mean_and_the_scale():
     draws = pyro.infer.Predictive(model, guide=guide, num_samples=4)(X)
     assert draws["W"].shape[-2:] == (K, D) and draws["mu"].shape[-1] == D
     assert draws["sigma"].shape[0] == 4 and bool((draws["sigma"] > 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("noise", ["scale", "variance"])
+def test_one_step_of_the_mean_model_is_a_cavi_sweep(dtype, noise):
+    """One step of size 1 (one sweep) against the plain-torch sweep: the columns ``(w_d, mu_d)``
+    joint, ``q(tau)`` by the quadrature message (exact for the InverseGamma variance)."""
+    X = data_mean(dtype)
+    guide, svi, _ = fit(lambda X: ppca_mean(X, noise), X, 3, CVI(step_size=1.0))
+    b = _block(guide)
+    b.sweeps_per_step = 1
+    before = _moments(b)
+    svi.step(X)
+    after = _moments(b)
+    expect = _mean_cavi_sweep(X.double(), noise, before)
+    rtol = 1e-4 if dtype == torch.float32 else 1e-7
+    for got, want in zip(after, expect):
+        assert torch.allclose(got, want.expand_as(got), rtol=rtol, atol=rtol)
