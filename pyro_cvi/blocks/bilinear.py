@@ -15,8 +15,9 @@ each in natural parameters ``(Lambda m, Lambda)`` / ``(a - 1, -b)`` in Pyro's pa
 the sums over the entries that share a ``tau``. When the noise latent ``v`` (``tau = v^k``) has
 a prior that is not a Gamma on a precision, ``(a0 - 1, -b0) = (0, 0)`` and its log-density in
 ``tau``, ``f``, adds the CVI message ``grad_m E_q[f]`` (eq. 12, ``m = (E[log tau], E[tau])``):
-``E_q[f]`` by the trapezoid rule in ``log tau`` about the mode of ``q(log tau)``, its
-gradient through the chain rule of ``(a, b) -> m``. A step (eq. 12,
+``Cov_q(T)^-1 Cov_q(T, f)`` with ``T = (log tau, tau)``, i.e. the least-squares fit of ``f``
+by ``T`` under ``q``, by the trapezoid rule in ``log tau`` about the mode of ``q(log tau)``
+(exact when ``f`` is linear in ``T``, e.g. an InverseGamma variance). A step (eq. 12,
 ``lambda <- lambda + beta (target - lambda)``) visits ``z``, ``u``, ``tau`` in turn, each
 target from the others' current ``q``: at ``beta = 1`` one step is one sweep of
 coordinate-ascent VI (CAVI). The ELBO is closed-form up to the quadrature of ``E_q[f]``:
@@ -164,38 +165,54 @@ class _NoisePrior:
         jac = math.log(abs(self.inv)) + (self.inv - 1.0) * log_tau
         return self.prior.log_prob(v) + jac
 
-    def expected(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``E_q[f]`` elementwise: ``u = log tau`` has density ``b^a/Gamma(a) exp(a u - b e^u)``
-        with mode ``log(a/b)``; its log falls by ``a (d - e^d + 1)`` at ``d`` from the mode,
-        i.e. by 40 at ``d = log1p(sqrt(80/a) + 40/a)`` right and ``-(sqrt(80/a) + 40/a)`` left.
-        The trapezoid rule on that range (exponentially accurate for a smooth integrand
-        decaying at both ends; cut where ``v`` would overflow), self-normalised."""
+    def _nodes(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(u, w)``: nodes in ``u = log tau`` and weights of ``q(u)`` (elementwise).
+
+        ``u`` has density ``b^a/Gamma(a) exp(a u - b e^u)`` with mode ``log(a/b)``; its log falls
+        by ``a (d - e^d + 1)`` at ``d`` from the mode, i.e. by 40 at ``d = log1p(sqrt(80/a) +
+        40/a)`` right and ``-(sqrt(80/a) + 40/a)`` left. The trapezoid rule on that range
+        (exponentially accurate for a smooth integrand decaying at both ends; cut where ``v``
+        would overflow), self-normalised."""
         n = QUADRATURE_POINTS
         t = torch.linspace(0.0, 1.0, n, dtype=a.dtype, device=a.device)
         t = t.reshape((-1,) + (1,) * a.dim())
         x = (80 / a).sqrt() + 40 / a
-        lo, hi = -x, torch.log1p(x)
         mode = (a / b).log()
-        lo = torch.maximum(mode + lo, -self.limit + 0 * a)
-        hi = torch.minimum(mode + hi, self.limit + 0 * a)
+        lo = torch.maximum(mode - x, -self.limit + 0 * a)
+        hi = torch.minimum(mode + torch.log1p(x), self.limit + 0 * a)
         u = lo + (hi - lo) * t
-        log_q = a * u - b * u.exp()
-        return (torch.softmax(log_q, 0) * self.f(u)).sum(0)
+        return u, torch.softmax(a * u - b * u.exp(), 0)
+
+    def expected(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``E_q[f]`` elementwise (:meth:`_nodes`)."""
+        u, w = self._nodes(a, b)
+        return (w * self.f(u)).sum(0)
 
     def message(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``grad_m E_q[f]`` as ``(d/dE[log tau], d/dE[tau])``: ``grad_(a,b) E_q[f]`` through
-        ``J^-T``, ``J = d(E[log tau], E[tau]) / d(a, b) = [[psi'(a), -1/b], [1/b, -a/b^2]]``."""
-        with torch.enable_grad():
-            a_ = a.detach().double().requires_grad_(True)
-            b_ = b.detach().double().requires_grad_(True)
-            ga, gb = torch.autograd.grad(self.expected(a_, b_).sum(), (a_, b_))
+        """``grad_m E_q[f] = Cov_q(T)^-1 Cov_q(T, f)``, ``T = (log tau, tau)``: the coefficients
+        of the least-squares fit of ``f`` by ``g_log log tau + g_tau tau + const`` under ``q``
+        (float64, on :meth:`_nodes`). Fitted in the basis ``d = log tau - log tau*``,
+        ``e^d - 1 - d`` (``tau* = a/b``; well conditioned at any ``a``), then
+        ``g_log = beta_1 - beta_2``, ``g_tau = beta_2 / tau*``; exact when ``f`` is linear in
+        ``T`` (a conjugate prior in another parameterisation)."""
         a64, b64 = a.detach().double(), b.detach().double()
-        j11, j12, j21, j22 = torch.polygamma(1, a64), -1 / b64, 1 / b64, -a64 / b64**2
-        det = j11 * j22 - j12 * j21
-        # solve J^T g_m = g_ab:  J^T = [[j11, j21], [j12, j22]]
-        g_log = (j22 * ga - j21 * gb) / det
-        g_tau = (-j12 * ga + j11 * gb) / det
-        return g_log.to(a), g_tau.to(a)
+        u, w = self._nodes(a64, b64)
+        d = u - (a64 / b64).log()
+        basis = [d, torch.expm1(d) - d]
+        f = self.f(u).double()
+
+        def centred(x: torch.Tensor) -> torch.Tensor:
+            return x - (w * x).sum(0)
+
+        p1, p2, fc = centred(basis[0]), centred(basis[1]), centred(f)
+        s1, s2 = (w * p1 * p1).sum(0).sqrt(), (w * p2 * p2).sum(0).sqrt()
+        p1, p2 = p1 / s1, p2 / s2
+        c11, c22, c12 = (w * p1 * p1).sum(0), (w * p2 * p2).sum(0), (w * p1 * p2).sum(0)
+        r1, r2 = (w * p1 * fc).sum(0), (w * p2 * fc).sum(0)
+        det = c11 * c22 - c12 * c12
+        beta1 = (c22 * r1 - c12 * r2) / det / s1
+        beta2 = (c11 * r2 - c12 * r1) / det / s2
+        return (beta1 - beta2).to(a), (beta2 * b64 / a64).to(a)
 
 
 class BilinearBlock(Block):
