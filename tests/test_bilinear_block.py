@@ -453,3 +453,26 @@ def test_one_step_of_the_mean_model_is_a_cavi_sweep(dtype, noise):
     rtol = 1e-4 if dtype == torch.float32 else 1e-7
     for got, want in zip(after, expect):
         assert torch.allclose(got, want.expand_as(got), rtol=rtol, atol=rtol)
+
+
+def test_a_noise_prior_with_a_learnable_parameter_is_not_taken():
+    """The block reads the priors as constants: a learnable scale inside the HalfNormal (a
+    parameter of a transformed law) keeps the factor out of it."""
+
+    def model(X):
+        s0 = pyro.param("s0", torch.tensor(1.0, dtype=X.dtype))
+        W = pyro.sample("W", dist.Normal(X.new_zeros(K, X.shape[1]), 1.0).to_event(2))
+        sigma = pyro.sample("sigma", dist.HalfNormal(s0))
+        with pyro.plate("data", X.shape[0]):
+            z = pyro.sample("z", dist.Normal(X.new_zeros(K), 1.0).to_event(1))
+            pyro.sample("obs", dist.Normal(z @ W, sigma).to_event(1), obs=X)
+
+    X = data(torch.float64)
+    pyro.clear_param_store()
+    guide = AutoCVI(model)
+    guide(X)
+    assert not [b for b in guide.engine.blocks if isinstance(b, BilinearBlock)]
+    pyro.clear_param_store()
+    guide = AutoCVI(ppca_mean)  # (the same model with a constant scale is taken)
+    guide(data_mean(torch.float64))
+    assert [b for b in guide.engine.blocks if isinstance(b, BilinearBlock)]

@@ -98,7 +98,11 @@ def _free(an, name: str):
     base = unwrap(node["fn"])[0]
     if an.deps.get(name) or not _plain(node):
         return None
-    params = [v for v in vars(base).values() if torch.is_tensor(v)]
+    params, inner = [], [base]
+    while inner:  # (the parameters of a transformed or reinterpreted law are inside it)
+        d = inner.pop()
+        params += [v for v in vars(d).values() if torch.is_tensor(v)]
+        inner += [v for v in vars(d).values() if isinstance(v, torch.distributions.Distribution)]
     return base if _constant(*params) else None
 
 
