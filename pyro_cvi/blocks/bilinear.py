@@ -1,20 +1,28 @@
-"""The bilinear block: mean-field VMP for ``x_n ~ Normal(z_n W + c0_n, (c_n tau)^(-1/2))``.
+"""The bilinear block: mean-field VMP for ``x_n ~ Normal(z_n W + mu + c0_n, (c_n tau)^(-1/2))``.
 
-``q = prod_n N(z_n) prod_d N(w_d) Gamma(tau)`` (``w_d``: the ``d``-th column of ``W``), each in
-natural parameters ``(Lambda m, Lambda)`` / ``(a - 1, -b)`` in Pyro's param store
-(:mod:`pyro_cvi.model.bilinear` detects the factor). With ``r_nd = c_nd E[tau_d]`` and
-``y = x - c0``, Algorithm 2's exact expected messages (eq. 20) are
+``q = prod_n N(z_n) prod_d N(w_d, mu_d) Gamma(tau)`` (``w_d``: the ``d``-th column of ``W``;
+``mu_d`` joins it when the factor has a mean latent, ``z_n`` then augmented to ``(z_n, 1)``),
+each in natural parameters ``(Lambda m, Lambda)`` / ``(a - 1, -b)`` in Pyro's param store
+(:mod:`pyro_cvi.model.bilinear` detects the factor). With ``r_nd = c_nd E[tau_d]``,
+``y = x - c0`` and ``u_d = (w_d, mu_d)``, Algorithm 2's exact expected messages (eq. 20) are
 
-    z_n:  Lambda = P0_n + sum_d r_nd E[w_d w_d^T],  Lambda m = P0_n m0_n + sum_d r_nd y_nd E[w_d]
-    w_d:  Lambda = P0_d + sum_n r_nd E[z_n z_n^T],  Lambda m = P0_d m0_d + sum_n r_nd y_nd E[z_n]
-    tau:  a = a0 + 1/2 sum 1,  b = b0 + 1/2 sum c_nd E[(y_nd - z_n^T w_d)^2],
+    z_n:  Lambda = P0_n + sum_d r_nd E[w_d w_d^T],
+          Lambda m = P0_n m0_n + sum_d r_nd (y_nd E[w_d] - E[w_d mu_d])
+    u_d:  Lambda = P0_d + sum_n r_nd E[(z_n, 1)(z_n, 1)^T],
+          Lambda m = P0_d m0_d + sum_n r_nd y_nd E[(z_n, 1)]
+    tau:  a - 1 = a0 - 1 + 1/2 sum 1,  -b = -b0 - 1/2 sum c_nd E[(y_nd - z_n^T w_d - mu_d)^2],
 
-``E[(y - z^T w)^2] = y^2 - 2 y E[z]^T E[w] + tr(E[z z^T] E[w w^T])``, the sums over the
-entries that share a ``tau``. A step (eq. 12, ``lambda <- lambda + beta (target - lambda)``)
-visits ``z``, ``W``, ``tau`` in turn, each target from the others' current ``q``: at
-``beta = 1`` one step is one sweep of coordinate-ascent VI (CAVI). Convex combinations of
-valid natural parameters are valid, so no step shrinks. The ELBO is closed-form:
-``E_q[log p(x | z, W, tau)] - KL(q(z) || p(z)) - KL(q(W) || p(W)) - KL(q(tau) || p(tau))``.
+the sums over the entries that share a ``tau``. When the noise latent ``v`` (``tau = v^k``) has
+a prior that is not a Gamma on a precision, ``(a0 - 1, -b0) = (0, 0)`` and its log-density in
+``tau``, ``f``, adds the CVI message ``grad_m E_q[f]`` (eq. 12, ``m = (E[log tau], E[tau])``):
+``Cov_q(T)^-1 Cov_q(T, f)`` with ``T = (log tau, tau)``, i.e. the least-squares fit of ``f``
+by ``T`` under ``q``, by the trapezoid rule in ``log tau`` about the mode of ``q(log tau)``
+(exact when ``f`` is linear in ``T``, e.g. an InverseGamma variance). A step (eq. 12,
+``lambda <- lambda + beta (target - lambda)``) visits ``z``, ``u``, ``tau`` in turn, each
+target from the others' current ``q``: at ``beta = 1`` one step is one sweep of
+coordinate-ascent VI (CAVI). The ELBO is closed-form up to the quadrature of ``E_q[f]``:
+``E_q[log p(x | z, W, mu, tau)] - KL(q(z) || p(z)) - KL(q(u) || p(u))`` minus
+``KL(q(tau) || p(tau))``, or plus ``E_q[f] + H[q(tau)]``.
 """
 
 from __future__ import annotations
@@ -26,16 +34,20 @@ import pyro
 import pyro.distributions as dist
 import torch
 from torch.distributions import constraints
-from torch.distributions.transforms import Transform
+from torch.distributions.transforms import PowerTransform, Transform
 
 from ..context import StepContext
 from ..model.bilinear import BilinearSpec
 from ..model.tracing import unwrap
 from ..update import StepCounts
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, GuideDraw, StepReport
+from .marginals import marginal_median
 from .registry import Found, register_kind
 
 __all__ = ["BilinearBlock"]
+
+#: trapezoid nodes of ``E_q[f(tau)]`` in ``log tau`` (a non-conjugate noise prior)
+QUADRATURE_POINTS = 400
 
 
 class _Transpose(Transform):
@@ -80,6 +92,30 @@ class _Columns(dist.TransformedDistribution):
         return self.columns.variance.transpose(-1, -2)
 
 
+class _PowerOfGamma(dist.TransformedDistribution):
+    """``q(v)`` of ``v = tau^p``, ``tau ~ Gamma(a, b)``, with its moments
+    ``E[v^j] = Gamma(a + j p) / Gamma(a) b^(-j p)`` (infinite where ``a + j p <= 0``)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, p: float, validate_args=None):
+        super().__init__(
+            dist.Gamma(a, b), [PowerTransform(a.new_tensor(p))], validate_args=validate_args
+        )
+        self.a, self.b, self.p = a, b, p
+
+    def _moment(self, j: float) -> torch.Tensor:
+        s = self.a + j * self.p
+        out = torch.lgamma(s.clamp_min(1e-6)) - torch.lgamma(self.a) - j * self.p * self.b.log()
+        return torch.where(s > 0, out.exp(), torch.full_like(out, math.inf))
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._moment(1.0)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self._moment(2.0) - self._moment(1.0) ** 2
+
+
 def _gauss(eta: torch.Tensor, prec: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(mean, covariance)`` from natural parameters ``(Lambda m, Lambda)`` (batched)."""
     cov, info = torch.linalg.inv_ex(prec)
@@ -107,8 +143,80 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dims, keepdim=True) if dims else x
 
 
+def _outer(m: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``E[x x^T] = S + m m^T`` (batched)."""
+    return S + m.unsqueeze(-1) * m.unsqueeze(-2)
+
+
+class _NoisePrior:
+    """The non-conjugate factor ``f(tau) = log p_v(tau^(1/k)) + log|1/k| + (1/k - 1) log tau``
+    of a noise latent ``v = tau^(1/k)`` on ``q(tau) = Gamma(a, b)``: ``E_q[f]`` and its CVI
+    message ``grad_m E_q[f]``, ``m = (E[log tau], E[tau])`` (eq. 12)."""
+
+    def __init__(self, prior: torch.distributions.Distribution, power: float, dtype: torch.dtype):
+        self.prior = prior
+        self.inv = 1.0 / power
+        big = torch.finfo(dtype).max
+        #: ``|log tau|`` beyond which ``v`` would overflow the prior's dtype
+        self.limit = 0.9 * math.log(big) / abs(self.inv)
+
+    def f(self, log_tau: torch.Tensor) -> torch.Tensor:
+        v = (self.inv * log_tau).exp()
+        jac = math.log(abs(self.inv)) + (self.inv - 1.0) * log_tau
+        return self.prior.log_prob(v) + jac
+
+    def _nodes(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(u, w)``: nodes in ``u = log tau`` and weights of ``q(u)`` (elementwise).
+
+        ``u`` has density ``b^a/Gamma(a) exp(a u - b e^u)`` with mode ``log(a/b)``; its log falls
+        by ``a (d - e^d + 1)`` at ``d`` from the mode, i.e. by 40 at ``d = log1p(sqrt(80/a) +
+        40/a)`` right and ``-(sqrt(80/a) + 40/a)`` left. The trapezoid rule on that range
+        (exponentially accurate for a smooth integrand decaying at both ends; cut where ``v``
+        would overflow), self-normalised."""
+        n = QUADRATURE_POINTS
+        t = torch.linspace(0.0, 1.0, n, dtype=a.dtype, device=a.device)
+        t = t.reshape((-1,) + (1,) * a.dim())
+        x = (80 / a).sqrt() + 40 / a
+        mode = (a / b).log()
+        lo = torch.maximum(mode - x, -self.limit + 0 * a)
+        hi = torch.minimum(mode + torch.log1p(x), self.limit + 0 * a)
+        u = lo + (hi - lo) * t
+        return u, torch.softmax(a * u - b * u.exp(), 0)
+
+    def expected(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``E_q[f]`` elementwise (:meth:`_nodes`)."""
+        u, w = self._nodes(a, b)
+        return (w * self.f(u)).sum(0)
+
+    def message(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``grad_m E_q[f] = Cov_q(T)^-1 Cov_q(T, f)``, ``T = (log tau, tau)``: the coefficients
+        of the least-squares fit of ``f`` by ``g_log log tau + g_tau tau + const`` under ``q``
+        (float64, on :meth:`_nodes`). Fitted in the basis ``d = log tau - log tau*``,
+        ``e^d - 1 - d`` (``tau* = a/b``; well conditioned at any ``a``), then
+        ``g_log = beta_1 - beta_2``, ``g_tau = beta_2 / tau*``; exact when ``f`` is linear in
+        ``T`` (a conjugate prior in another parameterisation)."""
+        a64, b64 = a.detach().double(), b.detach().double()
+        u, w = self._nodes(a64, b64)
+        d = u - (a64 / b64).log()
+        basis = [d, torch.expm1(d) - d]
+        f = self.f(u).double()
+
+        def centred(x: torch.Tensor) -> torch.Tensor:
+            return x - (w * x).sum(0)
+
+        p1, p2, fc = centred(basis[0]), centred(basis[1]), centred(f)
+        s1, s2 = (w * p1 * p1).sum(0).sqrt(), (w * p2 * p2).sum(0).sqrt()
+        p1, p2 = p1 / s1, p2 / s2
+        c11, c22, c12 = (w * p1 * p1).sum(0), (w * p2 * p2).sum(0), (w * p1 * p2).sum(0)
+        r1, r2 = (w * p1 * fc).sum(0), (w * p2 * fc).sum(0)
+        det = c11 * c22 - c12 * c12
+        beta1 = (c22 * r1 - c12 * r2) / det / s1
+        beta2 = (c11 * r2 - c12 * r1) / det / s2
+        return (beta1 - beta2).to(a), (beta2 * b64 / a64).to(a)
+
+
 class BilinearBlock(Block):
-    """``q(z) q(W) q(tau)`` of one bilinear Normal factor (see the module docstring)."""
+    """``q(z) q(W, mu) q(tau)`` of one bilinear Normal factor (see the module docstring)."""
 
     sweeps = False
     moves_trace = True
@@ -126,6 +234,7 @@ class BilinearBlock(Block):
             "tau": (f"{base}.tau.shape_m1", f"{base}.tau.neg_rate"),
         }
         self._prior: Optional[Dict[str, torch.Tensor]] = None
+        self._noise: Optional[_NoisePrior] = None
         self.tau_event_dim = 0
 
     @property
@@ -147,10 +256,22 @@ class BilinearBlock(Block):
             if key == "W" and not s.transposed:
                 m0, p0 = m0.transpose(-1, -2), p0.transpose(-1, -2)
             out[key + "_m0"], out[key + "_p0"] = m0, p0  # [rows, K]
+        if s.mu is not None:  # one more column: u_d = (w_d, mu_d)
+            base = unwrap(trace.nodes[s.mu]["fn"])[0]
+            shape = trace.nodes[s.mu]["value"].shape
+            m0 = base.loc.detach().expand(shape).unsqueeze(-1)
+            p0 = base.scale.detach().pow(-2).expand(shape).unsqueeze(-1)
+            out["W_m0"] = torch.cat([out["W_m0"], m0.to(out["W_m0"])], -1)
+            out["W_p0"] = torch.cat([out["W_p0"], p0.to(out["W_p0"])], -1)
         base = unwrap(trace.nodes[s.tau]["fn"])[0]
         shape = trace.nodes[s.tau]["value"].shape
-        out["a0"] = base.concentration.detach().expand(shape)
-        out["b0"] = base.rate.detach().expand(shape)
+        if s.conjugate:
+            out["a0"] = base.concentration.detach().expand(shape)
+            out["b0"] = base.rate.detach().expand(shape)
+        else:  # (a0 - 1, -b0) = 0: the prior is the CVI site's factor f
+            like = trace.nodes[s.tau]["value"].detach()
+            out["a0"], out["b0"] = torch.ones_like(like), torch.zeros_like(like)
+            self._noise = _NoisePrior(base, s.power, like.dtype)
         return out
 
     def setup(self, init: BlockInit) -> None:
@@ -162,14 +283,21 @@ class BilinearBlock(Block):
         if init.init_trace is not None:
             start = {n: init.init_trace.nodes[n]["value"].detach() for n in self.names}
         Wv = start[s.W] if s.transposed else start[s.W].transpose(-1, -2)
+        if s.mu is not None:
+            Wv = torch.cat([Wv, start[s.mu].unsqueeze(-1).to(Wv)], -1)
         for key, mean in (("z", start[s.z]), ("W", Wv)):
             p0 = prior[key + "_p0"]
             prec = torch.diag_embed(p0)
             eta = p0 * mean
             self._param(self.store[key][0], eta)
             self._param(self.store[key][1], prec)
-        self._param(self.store["tau"][0], prior["a0"] - 1)
-        self._param(self.store["tau"][1], -prior["b0"])
+        if s.conjugate:
+            self._param(self.store["tau"][0], prior["a0"] - 1)
+            self._param(self.store["tau"][1], -prior["b0"])
+        else:  # Gamma(2, 2 / tau0) about the start's precision
+            tau0 = start[s.tau].detach().pow(s.power)
+            self._param(self.store["tau"][0], torch.ones_like(tau0))
+            self._param(self.store["tau"][1], -2.0 / tau0)
 
     @staticmethod
     def _param(name: str, value: torch.Tensor) -> None:
@@ -194,55 +322,73 @@ class BilinearBlock(Block):
         a, b = self._q("tau")
         return mz, Sz, mw, Sw, a, b
 
+    def _augment(self, mz: torch.Tensor, Sz: torch.Tensor):
+        """``(E[(z_n, 1)], E[(z_n, 1)(z_n, 1)^T])`` (``z_n`` itself without a mean latent)."""
+        if self.spec.mu is None:
+            return mz, _outer(mz, Sz)
+        za = torch.cat([mz, torch.ones_like(mz[..., :1])], -1)
+        Sa = torch.nn.functional.pad(Sz, (0, 1, 0, 1))
+        return za, _outer(za, Sa)
+
     def _data(self, ctx: StepContext) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(y = x - c0, c)`` of the step's trace."""
         x = ctx.trace.nodes[self.spec.obs]["value"].detach()
         return x - self.spec.offset.to(x), self.spec.weight.to(x)
 
+    def _sq(self, y, mz, Sz, mw, Sw) -> torch.Tensor:
+        """``E[(y_nd - z_n^T w_d - mu_d)^2]``."""
+        za, Ezz = self._augment(mz, Sz)
+        return y * y - 2 * y * (za @ mw.T) + torch.einsum("nkl,dkl->nd", Ezz, _outer(mw, Sw))
+
     def _targets(self, key, y, c, prior, mz, Sz, mw, Sw, a, b):
         N, D = y.shape
         if key == "tau":
-            Ezz = Sz + mz.unsqueeze(-1) * mz.unsqueeze(-2)
-            Eww = Sw + mw.unsqueeze(-1) * mw.unsqueeze(-2)
-            sq = y * y - 2 * y * (mz @ mw.T) + torch.einsum("nkl,dkl->nd", Ezz, Eww)
             shape = prior["a0"].shape
-            return (
-                prior["a0"] - 1 + 0.5 * _sum_to(torch.ones_like(y), shape),
-                -prior["b0"] - 0.5 * _sum_to(c * sq, shape),
-            )
+            a1 = prior["a0"] - 1 + 0.5 * _sum_to(torch.ones_like(y), shape)
+            b1 = -prior["b0"] - 0.5 * _sum_to(c * self._sq(y, mz, Sz, mw, Sw), shape)
+            if self._noise is not None:
+                g_log, g_tau = self._noise.message(a, b)
+                a1, b1 = a1 + g_log, b1 + g_tau
+            return a1, b1
         r = c * (a / b).expand(N, D)
+        K = mz.shape[-1]
         if key == "z":
-            Eww = Sw + mw.unsqueeze(-1) * mw.unsqueeze(-2)
-            prec = torch.diag_embed(prior["z_p0"]) + torch.einsum("nd,dkl->nkl", r, Eww)
-            eta = prior["z_p0"] * prior["z_m0"] + (r * y) @ mw
+            Eww = _outer(mw, Sw)
+            prec = torch.diag_embed(prior["z_p0"]) + torch.einsum("nd,dkl->nkl", r, Eww[:, :K, :K])
+            eta = prior["z_p0"] * prior["z_m0"] + (r * y) @ mw[:, :K]
+            if self.spec.mu is not None:
+                eta = eta - r @ Eww[:, :K, K]
             return eta, prec
-        Ezz = Sz + mz.unsqueeze(-1) * mz.unsqueeze(-2)
+        za, Ezz = self._augment(mz, Sz)
         prec = torch.diag_embed(prior["W_p0"]) + torch.einsum("nd,nkl->dkl", r, Ezz)
-        eta = prior["W_p0"] * prior["W_m0"] + (r * y).T @ mz
+        eta = prior["W_p0"] * prior["W_m0"] + (r * y).T @ za
         return eta, prec
+
+    def _noise_elbo(self, a, b, prior) -> torch.Tensor:
+        """``-KL(q(tau) || p(tau))``, or ``E_q[f] + H[q(tau)]`` for a non-conjugate prior."""
+        q = torch.distributions.Gamma(a, b)
+        if self._noise is None:
+            p = torch.distributions.Gamma(prior["a0"], prior["b0"])
+            return -torch.distributions.kl_divergence(q, p).sum()
+        return (self._noise.expected(a, b) + q.entropy()).sum()
 
     # ------------------------------------------------------------------ messages and steps
     def messages(self, ctx: StepContext) -> torch.Tensor:
-        """The closed-form ELBO of the four factors; with ``ctx.grads`` the targets of the
-        three latents from the current ``q`` (eq. 20) as ``.grad = target - lambda``."""
+        """The closed-form ELBO of the block's factors; with ``ctx.grads`` the targets of its
+        latents from the current ``q`` (eq. 20) as ``.grad = target - lambda``."""
         prior = self._prior = self._read_prior(ctx.trace)
         y, c = self._data(ctx)
         mz, Sz, mw, Sw, a, b = m = self._moments()
         N, D = y.shape
-        Ezz = Sz + mz.unsqueeze(-1) * mz.unsqueeze(-2)
-        Eww = Sw + mw.unsqueeze(-1) * mw.unsqueeze(-2)
-        sq = y * y - 2 * y * (mz @ mw.T) + torch.einsum("nkl,dkl->nd", Ezz, Eww)
+        sq = self._sq(y, mz, Sz, mw, Sw)
         e_tau = (a / b).expand(N, D)
         e_log = (torch.digamma(a) - b.log()).expand(N, D)
         loglik = 0.5 * (c.log() + e_log - math.log(2 * math.pi) - c * e_tau * sq).sum()
-        kl_tau = torch.distributions.kl_divergence(
-            torch.distributions.Gamma(a, b), torch.distributions.Gamma(prior["a0"], prior["b0"])
-        ).sum()
         elbo = (
             loglik
             - _gauss_kl(mz, Sz, prior["z_m0"], prior["z_p0"])
             - _gauss_kl(mw, Sw, prior["W_m0"], prior["W_p0"])
-            - kl_tau
+            + self._noise_elbo(a, b, prior)
         )
         if ctx.grads:
             for key in ("z", "W", "tau"):
@@ -254,9 +400,10 @@ class BilinearBlock(Block):
         return elbo
 
     def step(self, beta: float, ctx: Optional[StepContext] = None) -> List[StepReport]:
-        """Eq. 12 for ``z``, ``W``, ``tau`` in turn, each target from the others' current
-        ``q``; at ``beta = 1`` :attr:`sweeps_per_step` such sweeps (coordinate ascent: each
-        sweep raises the ELBO), else one damped sweep."""
+        """Eq. 12 for ``z``, ``(W, mu)``, ``tau`` in turn, each target from the others'
+        current ``q``; at ``beta = 1`` :attr:`sweeps_per_step` such sweeps (coordinate ascent:
+        each sweep raises the ELBO), else one damped sweep. A step that would leave ``q(tau)``
+        invalid (a non-conjugate prior's message) is halved until it does not."""
         if self._prior is None or not hasattr(self, "_y"):
             return []
         y, c = self._y
@@ -268,21 +415,33 @@ class BilinearBlock(Block):
             for _ in range(sweeps):
                 for key in ("z", "W", "tau"):
                     target = self._targets(key, y, c, self._prior, *m)
-                    for name, t in zip(self.store[key], target):
-                        p = pyro.param(name).unconstrained()
-                        p.copy_(p + beta * (t.to(p) - p))
+                    params = [pyro.param(name).unconstrained() for name in self.store[key]]
+                    new = [p + beta * (t.to(p) - p) for p, t in zip(params, target)]
+                    if key == "tau":
+                        new = self._valid_gamma(params, new)
+                    for p, v in zip(params, new):
+                        p.copy_(v)
                         p.grad = None
                     m[at[key]] = self._q(key)
-        for key in ("z", "W", "tau"):
+        for key, name in (("z", self.spec.z), ("W", self.spec.W), ("tau", self.spec.tau)):
             kind = "gamma" if key == "tau" else "gaussian"
-            reports.append(StepReport(getattr(self.spec, key), kind, beta, StepCounts(0, 0)))
+            reports.append(StepReport(name, kind, beta, StepCounts(0, 0)))
         del self._y
         return reports
+
+    @staticmethod
+    def _valid_gamma(old: List[torch.Tensor], new: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``new`` natural parameters of ``q(tau)``, halved towards ``old`` until ``a, b > 0``."""
+        for _ in range(30):
+            if bool((new[0] > -1).all() and (new[1] < 0).all()):
+                return new
+            new = [o + 0.5 * (n - o) for o, n in zip(old, new)]
+        return [o.clone() for o in old]
 
     def valid(self) -> bool:
         try:
             mz, Sz, mw, Sw, a, b = self._moments()
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             return False
         return bool(
             torch.isfinite(mz).all()
@@ -292,23 +451,59 @@ class BilinearBlock(Block):
         )
 
     # ------------------------------------------------------------------ the current q
+    def _columns(self) -> dist.MultivariateNormal:
+        """``q(u_d)``, one ``(K [+ 1])``-dimensional Gaussian per column."""
+        mean, cov = self._q("W")
+        return dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
+
+    def _split(self, u: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``W`` (its stored layout) and ``mu`` from values ``u`` of the columns ``[..., D, P]``."""
+        s = self.spec
+        K = self._prior_K()
+        w = u[..., :K]
+        out = {s.W: w if s.transposed else w.transpose(-1, -2)}
+        if s.mu is not None:
+            out[s.mu] = u[..., K]
+        return out
+
+    def _prior_K(self) -> int:
+        eta = pyro.param(self.store["z"][0])
+        return int(eta.shape[-1])
+
     def marginal(self, name: str) -> torch.distributions.Distribution:
         s = self.spec
         if name == s.tau:
             a, b = self._q("tau")
-            q = dist.Gamma(a, b)
+            q: torch.distributions.Distribution = dist.Gamma(a, b)
+            if s.power != 1.0:
+                q = _PowerOfGamma(a, b, 1 / s.power)
             return q.to_event(self.tau_event_dim) if self.tau_event_dim else q
-        key = "z" if name == s.z else "W"
-        mean, cov = self._q(key)
-        mvn = dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
-        if key == "z" or s.transposed:
-            return mvn if key == "z" else mvn.to_event(1)
-        return _Columns(mvn)
+        if name == s.z:
+            mean, cov = self._q("z")
+            return dist.MultivariateNormal(mean, scale_tril=torch.linalg.cholesky(cov))
+        mean, cov = self._q("W")
+        K = self._prior_K()
+        if name == s.mu:
+            return dist.Normal(mean[:, K], cov[:, K, K].sqrt()).to_event(1)
+        mvn = dist.MultivariateNormal(mean[:, :K], scale_tril=torch.linalg.cholesky(cov[:, :K, :K]))
+        return mvn.to_event(1) if s.transposed else _Columns(mvn)
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         s = self.spec
         mz, _, mw, _, a, b = self._moments()
-        return {s.z: mz, s.W: mw if s.transposed else mw.T.contiguous(), s.tau: a / b}
+        e_v = a / b if s.power == 1.0 else _PowerOfGamma(a, b, 1 / s.power).mean
+        out = {s.z: mz, s.tau: e_v}
+        out.update(self._split(mw))
+        return {n: v.contiguous() for n, v in out.items()}
+
+    def median_values(self) -> Dict[str, torch.Tensor]:
+        """Gaussians: their means; ``v``: the median of ``q(tau)`` through ``v = tau^(1/k)``
+        (monotone, so it maps medians)."""
+        s = self.spec
+        out = self.mean_values()
+        a, b = self._q("tau")
+        out[s.tau] = marginal_median(dist.Gamma(a, b)).detach().pow(1 / s.power)
+        return out
 
     def trace_values(self, subsample: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return self.mean_values()
@@ -321,7 +516,28 @@ class BilinearBlock(Block):
     ) -> Dict[str, torch.Tensor]:
         if at_means:
             return {n: v for n, v in self.mean_values().items() if n not in exclude}
-        return {n: self.marginal(n).sample() for n in self.names if n not in exclude}
+        s = self.spec
+        out = {n: self.marginal(n).sample() for n in (s.z, s.tau) if n not in exclude}
+        if s.W not in exclude:
+            out.update(self._split(self._columns().sample()))
+        return out
+
+    def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
+        """``W`` alone: its marginal; with a mean latent, one auxiliary draw of the columns
+        ``(w_d, mu_d)`` and ``W``, ``mu`` as ``Delta`` sites."""
+        s = self.spec
+        if s.mu is None or name not in (s.W, s.mu):
+            return super().guide_sample(name, draw)
+        u = pyro.sample(
+            f"_{draw.prefix}_bilinear_{s.obs}_columns",
+            draw.frozen(self._columns().to_event(1)),
+            infer={"is_auxiliary": True},
+        )
+        out = {}
+        for n, v in self._split(u).items():
+            with draw.plates(n):
+                out[n] = pyro.sample(n, dist.Delta(v, event_dim=draw.event_dim(n)))
+        return out
 
 
 def _build(found: Found) -> List[Block]:
