@@ -217,3 +217,48 @@ def test_site_steps_are_unchanged_by_the_differentiable_loss():
         guide = _fit(model, args, seed=0, steps=3)
         sites.append(pyro.param(f"{guide.param_prefix}.sites.y").detach().clone())
     torch.testing.assert_close(sites[0], sites[1], rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_learnable_prior_scale_beside_the_one_draw_remainder(dtype):
+    """A factor model whose noise scale has a learnable HalfNormal prior goes to the remainder
+    (one-draw step): the loss's backward for the model's parameter reaches it (no "backward
+    through the graph a second time"), with the gradient of the reported loss's own estimate
+    (the same draws: autograd of the loss equals its finite difference in ``s0``)."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 4, generator=g, dtype=torch.float64).to(dtype)
+
+    def model(X):
+        n, d = X.shape
+        W = pyro.sample("W", dist.Normal(X.new_zeros(2, d), 1.0).to_event(2))
+        s0 = pyro.param("s0", torch.tensor(1.0, dtype=X.dtype))
+        sigma = pyro.sample("sigma", dist.HalfNormal(s0))
+        with pyro.plate("data", n):
+            z = pyro.sample("z", dist.Normal(X.new_zeros(2), 1.0).to_event(1))
+            pyro.sample("obs", dist.Normal(z @ W, sigma).to_event(1), obs=X)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(X) for _ in range(5)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    s0 = pyro.param("s0").unconstrained()
+    # the same q, the same draws: d loss / d s0 by autograd against a central difference
+    elbo, h = CVI_ELBO(), 1e-3 if dtype == torch.float64 else 3e-2
+
+    def loss_at(value):
+        with torch.no_grad():
+            s0.copy_(value)
+        pyro.set_rng_seed(7)
+        return elbo.loss(model, guide, X)
+
+    base = s0.detach().clone()
+    fd = (loss_at(base + h) - loss_at(base - h)) / (2 * h)
+    loss_at(base)
+    s0.grad = None
+    pyro.set_rng_seed(7)
+    elbo.loss_and_grads(model, guide, X)
+    assert s0.grad is not None and bool(torch.isfinite(s0.grad))
+    auto = float(s0.grad)
+    assert abs(auto - fd) < (1e-4 if dtype == torch.float64 else 5e-2) * max(1.0, abs(fd))

@@ -99,7 +99,10 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     elbo = per_t.mean()
     ctx.add_mc_samples(per_t)
     if ctx.grads:
-        (g,) = torch.autograd.grad((f + prior).sum(), u, allow_unused=True)
+        # (the loss keeps this graph where it is differentiated for the model's parameters)
+        (g,) = torch.autograd.grad(
+            (f + prior).sum(), u, allow_unused=True, retain_graph=bool(ctx.graph)
+        )
         g = torch.zeros_like(u) if g is None else g.detach()
         p0, c = block.prior_prec, block.control.center()
         if c is not None and c.shape != m.shape:
