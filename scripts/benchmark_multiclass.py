@@ -22,7 +22,7 @@ every method, the hybrid loop):
 
 * ``cvi``: :class:`~pyro_cvi.contrib.gpytorch.MultiClassCVIStrategy` (shared inducing points,
   coupled sites) + ``MultiClassCVIOptimizer()`` with its defaults (step 0.8 with the -ELBO
-  guard, Monte Carlo site expectations with 200 common random draws per point), 15 steps;
+  guard, Monte Carlo site expectations with 64 common random draws per point), 15 steps;
 * ``cvi-cubature``: the same with ``method="cubature"`` (the 18-point third-order rule): its
   own -ELBO and its fixed point under the common evaluator show the rule's bias at K = 10;
 * ``ngd``: GPyTorch ``IndependentMultitaskVariationalStrategy`` + ``NaturalVariationalDistribution``

@@ -55,6 +55,10 @@ class MultiClassCVIOptimizer:
         7 at 1.0 (one step undone); ``1.0`` is safe too (the guard), only slower there.
     :param method: ``"cubature"``, ``"mc"`` or ``"bound"``; ``None``: cubature at K = 2, Monte
         Carlo (``num_samples`` draws per point, common random numbers) for K >= 3.
+    :param num_samples: Monte Carlo draws per point (antithetic pairs). Default 64: on digits
+        (N = 898, M = 100, K = 10) six steps end at -ELBO 512.1 with 64 draws, 512.0 with 100
+        and 511.8 with 200 (a 1,000-draw evaluator), the trajectory is the same to 1 nat from
+        the second step on, and the estimator's share of a step's cost falls with the draws.
     :param adaptive: the guard (backtracking on the -ELBO); ``False``: a fixed ``beta``.
     :param seed: seed of the Monte Carlo draws (the same at every step).
     """
@@ -65,7 +69,7 @@ class MultiClassCVIOptimizer:
         likelihood: Likelihood,
         step_size: float = 0.8,
         method: Optional[str] = None,
-        num_samples: int = 200,
+        num_samples: int = 64,
         adaptive: bool = True,
         seed: int = 0,
     ):
