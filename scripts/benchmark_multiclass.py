@@ -949,7 +949,8 @@ def main(argv=None) -> dict:
         write_results(
             args.out, res, title="Multi-class GP classification (digits, K = 10): CVI vs NGD",
             verdict=verdict, tables=[report_b(b, args.M)], quick=args.quick,
-            command="python scripts/benchmark_multiclass.py --parts B --gp-budget 30",
+            command=" ".join(["python scripts/benchmark_multiclass.py"] + list(
+                sys.argv[1:] if argv is None else argv)),
         )  # fmt: skip
     else:
         out = Path(args.out)
