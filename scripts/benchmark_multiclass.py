@@ -22,7 +22,7 @@ every method, the hybrid loop):
 
 * ``cvi``: :class:`~pyro_cvi.contrib.gpytorch.MultiClassCVIStrategy` (shared inducing points,
   coupled sites) + ``MultiClassCVIOptimizer()`` with its defaults (step 0.8 with the -ELBO
-  guard, Monte Carlo site expectations with 200 common random draws per point), 15 steps;
+  guard, Monte Carlo site expectations with 64 common random draws per point), 15 steps;
 * ``cvi-cubature``: the same with ``method="cubature"`` (the 18-point third-order rule): its
   own -ELBO and its fixed point under the common evaluator show the rule's bias at K = 10;
 * ``ngd``: GPyTorch ``IndependentMultitaskVariationalStrategy`` + ``NaturalVariationalDistribution``
@@ -949,7 +949,8 @@ def main(argv=None) -> dict:
         write_results(
             args.out, res, title="Multi-class GP classification (digits, K = 10): CVI vs NGD",
             verdict=verdict, tables=[report_b(b, args.M)], quick=args.quick,
-            command="python scripts/benchmark_multiclass.py --parts B --gp-budget 30",
+            command=" ".join(["python scripts/benchmark_multiclass.py"] + list(
+                sys.argv[1:] if argv is None else argv)),
         )  # fmt: skip
     else:
         out = Path(args.out)

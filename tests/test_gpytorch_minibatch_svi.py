@@ -67,7 +67,7 @@ def test_a_step_is_eq_14_and_keeps_the_running_sums(dtype):
     lik = gpytorch.likelihoods.BernoulliLikelihood()
     model = sparse(X)
     CVIOptimizer(model, lik, step_size=0.8).step(X, y)  # every site non-zero
-    opt = CVIOptimizer(model, lik, minibatch=SVIScaling(c=2.0))
+    opt = CVIOptimizer(model, lik, minibatch=SVIScaling(c=2.0, warmup=1))
     g = torch.Generator().manual_seed(1)
     N, B = X.shape[0], 30
     for t, beta in enumerate([1.0, 2 / 3, 0.5]):
@@ -133,18 +133,67 @@ def test_a_resumed_optimizer_goes_on_with_beta_t():
     (which would drop every site's history)."""
     X, y, _ = data()
     lik = gpytorch.likelihoods.BernoulliLikelihood()
-    opt = CVIOptimizer(sparse(X), lik, minibatch=SVIScaling(c=2.0))
+    opt = CVIOptimizer(sparse(X), lik, minibatch=SVIScaling(c=2.0, warmup=1))
     idx = torch.arange(20)
     for _ in range(3):
         opt.step(X[idx], y[idx], indices=idx)
-    again = CVIOptimizer(opt.model, lik, minibatch=SVIScaling(c=2.0))
+    again = CVIOptimizer(opt.model, lik, minibatch=SVIScaling(c=2.0, warmup=1))
     again.load_state_dict(opt.state_dict())
     assert again.minibatch.next_beta() == opt.minibatch.next_beta() == 2.0 / 5.0
+
+
+def test_the_step_sizes_warm_up_then_average():
+    """beta_t = 1 for t < w, then c / (t - w + 1 + c): the defaults (c = 1.5, w = 4) and
+    ``warmup=0`` / ``warmup=1`` (the latter is the rule c / (t + c))."""
+    d = SVIScaling()
+    assert [d.next_beta() for _ in range(7)] == pytest.approx(
+        [1.0, 1.0, 1.0, 1.0, 1.5 / 2.5, 1.5 / 3.5, 1.5 / 4.5], rel=1e-15
+    )
+    assert d.num_steps == 7
+    one = SVIScaling(c=3.0, warmup=1)
+    assert [one.beta(t) for t in range(4)] == pytest.approx([1.0, 0.75, 0.6, 0.5], rel=1e-15)
+    zero = SVIScaling(c=0.5, warmup=0)
+    assert [zero.beta(t) for t in range(3)] == pytest.approx([1 / 3, 0.2, 0.5 / 3.5], rel=1e-15)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_minibatch_estimate_is_unbiased(dtype):
+    """At a fixed q, a step with beta = 1 sets the sites to (N / B) g on the batch and 0
+    elsewhere. Averaged over the K = N / B blocks of a random partition (a uniformly chosen
+    batch), the sites are the full-batch targets g (a full step with beta = 1 from the same q),
+    and so is q(u) built from them (its natural parameters are linear in the sites)."""
+    X, y, _ = data(dtype=dtype)
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    model = sparse(X)
+    CVIOptimizer(model, lik, step_size=0.8).step(X, y)  # a q other than the prior
+    full = copy.deepcopy(model)
+    CVIOptimizer(full, lik, step_size=1.0).step(X, y)
+    blocks = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(3)).split(30)
+    total1, total2 = torch.zeros_like(sites(model)[0]), torch.zeros_like(sites(model)[1])
+    for idx in blocks:
+        one = copy.deepcopy(model)
+        CVIOptimizer(one, lik, minibatch=SVIScaling()).step(X[idx], y[idx], indices=idx)
+        l1, l2 = sites(one)
+        outside = torch.ones_like(l1, dtype=torch.bool)
+        outside[idx] = False
+        assert (l1[outside] == 0).all() and (l2[outside] == 0).all()
+        total1, total2 = total1 + l1, total2 + l2
+    mean1, mean2 = total1 / len(blocks), total2 / len(blocks)
+    torch.testing.assert_close(mean1, sites(full)[0], **TOL[dtype])
+    torch.testing.assert_close(mean2, sites(full)[1], **TOL[dtype])
+    fresh = sparse(X)
+    fresh.variational_strategy.set_sites(mean1, mean2)
+    for a, b in zip(q_u(fresh), q_u(full)):
+        torch.testing.assert_close(a, b, **TOL[dtype])
 
 
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="SVIScaling: c must be > 0"):
         SVIScaling(c=0.0)
+    with pytest.raises(ValueError, match="SVIScaling: warmup must be an integer >= 0"):
+        SVIScaling(warmup=-1)
+    with pytest.raises(ValueError, match="SVIScaling: warmup must be an integer >= 0"):
+        SVIScaling(warmup=1.5)
     X, y, _ = data()
     model = sparse(X)
     with pytest.raises(ValueError, match=r"scale_sites: factor must be in \[0, 1\]"):

@@ -55,7 +55,18 @@ class MultiClassCVIOptimizer:
         7 at 1.0 (one step undone); ``1.0`` is safe too (the guard), only slower there.
     :param method: ``"cubature"``, ``"mc"`` or ``"bound"``; ``None``: cubature at K = 2, Monte
         Carlo (``num_samples`` draws per point, common random numbers) for K >= 3.
+    :param num_samples: Monte Carlo draws per point (antithetic pairs). Default 64: on digits
+        (N = 898, M = 100, K = 10) six steps end at -ELBO 512.1 with 64 draws, 512.0 with 100
+        and 511.8 with 200 (a 1,000-draw evaluator), the trajectory is the same to 1 nat from
+        the second step on, and the estimator's share of a step's cost falls with the draws.
     :param adaptive: the guard (backtracking on the -ELBO); ``False``: a fixed ``beta``.
+    :param first_step_size: the largest ``beta`` of a full-batch step from empty sites (q = the
+        prior). The targets computed at the prior see its large marginal variances (E[H] of the
+        softmax is small there), so a full step commits to sites far from the fixed point.
+        Default 0.3: on digits (N = 898, M = 100, K = 10, 1,000-draw evaluator) the -ELBO after
+        two steps is 531.8 against 557.8 with 0.8 first (outputscale 10), 584.4 against 590.9
+        (outputscale 3), 986.6 against 983.7 (outputscale 1, lengthscale 4); by the fourth
+        step they agree within 0.3 nat. ``None``: no separate first step.
     :param seed: seed of the Monte Carlo draws (the same at every step).
     """
 
@@ -65,9 +76,10 @@ class MultiClassCVIOptimizer:
         likelihood: Likelihood,
         step_size: float = 0.8,
         method: Optional[str] = None,
-        num_samples: int = 200,
+        num_samples: int = 64,
         adaptive: bool = True,
         seed: int = 0,
+        first_step_size: Optional[float] = 0.3,
     ):
         strategy = getattr(model, "variational_strategy", None)
         if not isinstance(strategy, MultiClassCVIStrategy):
@@ -83,6 +95,9 @@ class MultiClassCVIOptimizer:
             )
         if not 0.0 < float(step_size) <= 1.0:
             raise ValueError(f"step_size must be in (0, 1], got {step_size}")
+        if first_step_size is not None and not 0.0 < float(first_step_size) <= 1.0:
+            raise ValueError(f"first_step_size must be in (0, 1] or None, got {first_step_size}")
+        self.first_step_size = None if first_step_size is None else float(first_step_size)
         if method is None:
             method = "cubature" if strategy.num_classes == 2 else "mc"
         if method not in METHODS:
@@ -141,12 +156,18 @@ class MultiClassCVIOptimizer:
         -ELBO (nats, summed over the data; a minibatch: the unbiased ``N/B`` estimate) of q
         before the update. A step the guard undid returns the -ELBO of the restored q."""
         s, ctrl = self.strategy, self.control
+        from_prior = (
+            indices is None
+            and self.first_step_size is not None
+            and not (bool(s.site_lam1.any()) or bool(s.site_lam2.any()))
+        )
+        cap = self.first_step_size if from_prior else 1.0
         lam1, lam2, loss = self._targets(x, y, indices)
         old1 = s.site_lam1 if indices is None else s.site_lam1[indices]
         old2 = s.site_lam2 if indices is None else s.site_lam2[indices]
         self.num_steps += 1
         if ctrl is None:
-            self._update(old1, old2, lam1, lam2, indices, self.step_size)
+            self._update(old1, old2, lam1, lam2, indices, min(cap, self.step_size))
             return loss
         hyper = s.hyper_key()
         comparable = (
@@ -162,7 +183,7 @@ class MultiClassCVIOptimizer:
         values = {"lam1": old1.clone(), "lam2": old2.clone(), "t1": lam1, "t2": lam2}
         ctrl.accepted(Snapshot(values, -float(loss), None), comparable)
         beta = ctrl.step_size(minibatch=indices is not None)
-        self._update(old1, old2, lam1, lam2, indices, beta)
+        self._update(old1, old2, lam1, lam2, indices, min(cap, beta))
         return loss
 
     def _update(self, old1, old2, lam1, lam2, indices, beta: float) -> None:

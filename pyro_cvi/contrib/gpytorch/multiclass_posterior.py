@@ -22,7 +22,7 @@ with ``Phi_n`` the ``K x KM`` block-diagonal matrix of the ``phi_nk^T``. Storage
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,25 +32,19 @@ from .posterior import safe_cholesky
 __all__ = ["MultiClassSitePosterior"]
 
 
-def _pairs(K: int, device) -> Tuple[Tensor, Tensor]:
-    """The class pairs ``k <= l`` (both blocks are symmetric in the pair: half the work)."""
-    iu = torch.triu_indices(K, K, device=device)
-    return iu[0], iu[1]
-
-
-def _coupled_gram(Phi: Tensor, W: Tensor, chunk: int = 1024) -> Tensor:
-    """``sum_n Phi_n^T W_n Phi_n`` as ``[K, M, K, M]``: for each class pair ``k <= l`` the
-    matrix product ``Phi_k diag(W_:kl) Phi_l^T`` (block ``(l, k)`` is its transpose), batched
-    over the pairs, in chunks of the data."""
+def _coupled_gram(Phi: Tensor, W: Tensor) -> Tensor:
+    """``sum_n Phi_n^T W_n Phi_n`` as ``[K, M, K, M]``: block column ``k`` below the diagonal,
+    ``[(l, i), j] = sum_n W_nlk phi_nli phi_nkj`` for ``l >= k``, is one matrix product
+    ``[(K - k) M, N] @ [N, M]``; the blocks above the diagonal are their transposes (the Gram
+    is symmetric), so K products cover the ``K (K + 1) / 2`` class pairs."""
     K, M, N = Phi.shape
-    a, b = _pairs(K, Phi.device)
-    G = Phi.new_zeros(a.shape[0], M, M)
-    for s in range(0, N, chunk):
-        ph, w = Phi[..., s : s + chunk], W[s : s + chunk, a, b].mT  # w: [pairs, c]
-        G = G + (ph[a] * w.unsqueeze(1)) @ ph[b].mT
-    out = Phi.new_zeros(K, K, M, M)
-    out = out.index_put((a, b), G).index_put((b, a), G.mT)
-    return out.permute(0, 2, 1, 3)
+    out = Phi.new_empty(K, M, K, M)
+    for k in range(K):
+        A = (Phi[k:] * W[:, k:, k].mT.unsqueeze(1)).reshape((K - k) * M, N)
+        blk = (A @ Phi[k].mT).reshape(K - k, M, M)  # blocks (l, k), l >= k
+        out[k:, :, k, :] = blk
+        out[k, :, k + 1 :, :] = blk[1:].transpose(-1, -2).permute(1, 0, 2)
+    return out
 
 
 class MultiClassSitePosterior:
@@ -69,10 +63,16 @@ class MultiClassSitePosterior:
         self.K, self.M = K, M
         self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrices)")
         self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)  # [K, M, N]
+        eye = torch.eye(K * M, dtype=K_ZZ.dtype, device=K_ZZ.device)
+        #: every site empty (the first step): q = prior, ``P = I``, no Gram and no solve
+        self.is_prior = not (bool(lam1.any()) or bool(lam2.any()))
+        if self.is_prior:
+            self.L_P, self.m_v = eye, K_ZZ.new_zeros(K, M)
+            self._S_v: Optional[Tensor] = eye.reshape(K, M, K, M)
+            return
         W = -(lam2 + lam2.mT)
         r = lam1 - (W @ prior_mean_X.mT.unsqueeze(-1)).squeeze(-1)  # [N, K]
-        P = _coupled_gram(self.Phi, W).reshape(K * M, K * M)
-        P = P + torch.eye(K * M, dtype=P.dtype, device=P.device)
+        P = _coupled_gram(self.Phi, W).reshape(K * M, K * M) + eye
         self.L_P = safe_cholesky(0.5 * (P + P.mT), "P = I + sum_n Phi_n^T W_n Phi_n")
         h = torch.einsum("kin,nk->ki", self.Phi, r).reshape(K * M, 1)
         self.m_v = torch.cholesky_solve(h, self.L_P).reshape(K, M)
@@ -90,28 +90,29 @@ class MultiClassSitePosterior:
         return self._S_v
 
     def predict(
-        self, Phi_x: Tensor, prior_mean_x: Tensor, kxx_diag: Tensor, chunk: int = 2048
+        self, Phi_x: Tensor, prior_mean_x: Tensor, kxx_diag: Tensor, chunk: int = 4096
     ) -> Tuple[Tensor, Tensor]:
         """Marginal mean ``[n, K]`` and covariance ``[n, K, K]`` of ``f(x)`` (classes coupled):
         ``Cov_kl = d_kl (k_k(x, x) - |phi_xk|^2) + phi_xk^T S_v[k, l] phi_xl``,
-        ``O(n K^2 M^2)``, in chunks of ``n``."""
+        ``O(n K^2 M^2)``: for each class ``l`` one product ``S_v[k <= l, :, l, :] phi_xl``
+        (``[(l + 1) M, M] @ [M, n]``, in chunks of ``n``), the entries ``k > l`` by symmetry.
+        At the prior (``S_v = I``) the covariance is ``diag(k(x, x))``."""
         mean = prior_mean_x.mT + torch.einsum("kin,ki->nk", Phi_x, self.m_v)
+        K, M, n = self.K, self.M, Phi_x.shape[-1]
+        prior_part = (kxx_diag - Phi_x.pow(2).sum(-2)).clamp_min(0)  # [K, n]
+        if self.is_prior:
+            return mean, torch.diag_embed((prior_part + Phi_x.pow(2).sum(-2)).mT)
         S_v = self.S_v()
-        K = self.K
-        a, b = _pairs(K, Phi_x.device)
-        S_ab = S_v[a, :, b, :]  # [pairs, M, M]
-        E = Phi_x.new_zeros(a.shape[0], K * K)  # pair -> entries (k, l) and (l, k)
-        E[torch.arange(a.shape[0]), a * K + b] = 1.0
-        E[torch.arange(a.shape[0]), b * K + a] = 1.0
-        covs = []
-        for s in range(0, Phi_x.shape[-1], chunk):
-            ph = Phi_x[..., s : s + chunk]  # [K, M, c]
-            v = (ph[a] * (S_ab @ ph[b])).sum(-2).mT  # [c, pairs] (batched matmuls)
-            covs.append((v @ E).reshape(-1, K, K))
-        cov = torch.cat(covs, 0) if covs else mean.new_zeros(0, K, K)
-        prior_part = kxx_diag - Phi_x.pow(2).sum(-2)  # [K, n]
-        cov = cov + torch.diag_embed(prior_part.mT.clamp_min(0))
-        return mean, cov
+        cov = Phi_x.new_empty(n, K, K)
+        for s in range(0, n, chunk):  # bounded temporaries ([K M, chunk]) at any n
+            ph = Phi_x[..., s : s + chunk]
+            c = ph.shape[-1]
+            for l in range(K):
+                T = (S_v[: l + 1, :, l, :].reshape((l + 1) * M, M) @ ph[l]).reshape(l + 1, M, c)
+                v = (ph[: l + 1] * T).sum(1).mT  # [c, l + 1]: the entries (k, l), k <= l
+                cov[s : s + c, : l + 1, l] = v
+                cov[s : s + c, l, :l] = v[:, :l]
+        return mean, cov + torch.diag_embed(prior_part.mT)
 
     def kl(self) -> Tensor:
         """``KL[q(v) || N(0, I)] = KL[q(u) || p(u)]`` in closed form."""
