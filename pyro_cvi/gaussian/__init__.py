@@ -35,6 +35,7 @@ from .halving import MAX_HALVINGS, MAX_HALVINGS_SOLVE, halve_until_valid
 from .lowrank import lowrank_fisher_mv, lowrank_step
 from .price import (
     bonnet_mean_gradient,
+    expected_hessian,
     mean_param_gradients,
     price_precision_gradient,
     price_target,
@@ -53,6 +54,7 @@ __all__ = [
     "MEAN_MAX_MOVE",
     "bonnet_mean_gradient",
     "chol_grad_to_cov_grad",
+    "expected_hessian",
     "diag_step",
     "diagonal_moments_from_natural",
     "diagonal_natural_from_moments",
