@@ -73,10 +73,7 @@ def precision_messages(
     (shaped as its value), the expectation over ``num_samples`` joint draws of ``q``: one model
     run with a particle plate left of the model's plates when the model broadcasts over it
     (checked once against one run per draw), else one run per draw."""
-    # the coefficients are free of tau (linear in its sufficient statistics): the others are
-    # drawn, tau is read at its mean
-    at = ctx.sample_q(at_means=True)[name]
-    draws = [{**ctx.sample_q(exclude={name}), name: at} for _ in range(num_samples)]
+    draws = [ctx.sample_q() for _ in range(num_samples)]
     flag = _VECTORISE.get(analysis)
     batched = None
     if flag is not False:
