@@ -21,7 +21,10 @@ at which the running mean of the last 50 step losses first falls to it (plus 1 n
 per-step losses (each an unbiased one-step estimate). The row reports AutoCVI's time to reach
 Adam's best bound against the time Adam's best run took to reach it.
 
-    python scripts/benchmark_bnn.py [--seeds 3] [--models a,b] [--quick] [--out FILE]
+    python scripts/benchmark_bnn.py [--seeds 3] [--first-seed 0] [--models a,b] [--quick]
+        [--out FILE]
+
+The JSON is rewritten after every row, so that an interrupted run keeps the rows it finished.
 
 ``--quick``: one seed, a third of the budgets, output under ``results/quick/``.
 """
@@ -169,12 +172,12 @@ def run_ivon(model, args, budget, seed):
     return {"times": times, "losses": losses, "estimate": _estimate(model, guide, args)}
 
 
-def bench_model(name, seeds, scale, with_ivon):
+def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
     make, data = MODELS[name]
     args = data(torch.float32)
     budget = BUDGET[name] * scale
     rows = []
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         model = make()
         cvi = run_autocvi(model, args, budget, seed)
         adams = [run_adam(model, args, 3 * budget, seed, lr) for lr in LRS]
@@ -204,6 +207,8 @@ def bench_model(name, seeds, scale, with_ivon):
                 row["ivon"] = "ivon-opt not installed"
         rows.append(row)
         _print_row(row)
+        if done is not None:
+            done(row)
     return rows
 
 
@@ -280,6 +285,7 @@ def verdict(rows, odes) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first .. first + seeds - 1")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ode", default=",".join(ODE_MODELS))
     ap.add_argument("--quick", action="store_true")
@@ -289,16 +295,22 @@ def main(argv=None):
     torch.set_num_threads(1)
     scale = 1.0 / 3 if a.quick else 1.0
     seeds = 1 if a.quick else a.seeds
-    rows = []
-    for name in [m for m in a.models.split(",") if m]:
-        rows += bench_model(name, seeds, scale, not a.no_ivon)
-    odes = [bench_ode(n, 10 if a.quick else 30) for n in a.ode.split(",") if n]
     out = (
         Path(a.out)
         if a.out
         else ROOT / "results" / ("quick" if a.quick else "") / "benchmark_bnn.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list = []
+    odes: list = []
+
+    def save():
+        out.write_text(json.dumps({"meta": meta, "rows": rows, "ode": odes}, indent=1))
+
+    def keep(row):
+        rows.append(row)
+        save()
+
     meta = {
         "torch": torch.__version__,
         "pyro": pyro.__version__,
@@ -308,9 +320,14 @@ def main(argv=None):
         "tolerance_nats": TOL,
         "window": WINDOW,
     }
+    for name in [m for m in a.models.split(",") if m]:
+        bench_model(name, seeds, scale, not a.no_ivon, a.first_seed, keep)
+    for n in [n for n in a.ode.split(",") if n]:
+        odes.append(bench_ode(n, 10 if a.quick else 30))
+        save()
     for line in verdict(rows, odes):
         print(line)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "ode": odes}, indent=1))
+    save()
     print(f"wrote {out}")
 
 

@@ -111,3 +111,19 @@ def test_the_jensen_gap_is_the_gamma_closed_form(dtype):
     want = (a.double() * (torch.digamma(conc.double()) - conc.double().log())).sum()
     assert float(got) == pytest.approx(float(want), rel=1e-5 if dtype == torch.float32 else 1e-12)
     assert float(got) < 0  # (Jensen: E[log tau] < log E[tau])
+
+
+@pytest.mark.parametrize(
+    "a, b", [((), (40,)), ((3, 1), (1, 5)), ((2, 1, 4), (7, 1)), ((40,), (40,)), ((1,), ())]
+)
+def test_shapes_broadcast_as_torch_broadcasts_them(a, b):
+    from pyro_cvi.messages.precision import _broadcast
+
+    assert _broadcast(torch.Size(a), torch.Size(b)) == torch.broadcast_shapes(a, b)
+
+
+def test_shapes_that_do_not_broadcast_are_refused():
+    from pyro_cvi.messages.precision import _broadcast
+
+    with pytest.raises(ValueError, match="do not broadcast"):
+        _broadcast(torch.Size((3,)), torch.Size((4,)))

@@ -286,3 +286,71 @@ def test_stochastic_volatility_with_the_defaults_fits(dtype):
     with torch.no_grad():
         bound = sum(Trace_ELBO(num_particles=50).loss(model, guide, returns) for _ in range(4)) / 4
     assert bound < 200.0, bound
+
+
+# ------------------------------------------------------------------------------------------------
+# Price's Hessians: all rows from one batched backward pass
+# ------------------------------------------------------------------------------------------------
+def _price_test_function(dtype):
+    """``f(u) = sum_k [-u_k' A u_k / 2 + c' sin(u_k) + (b' u_k)^3]``: its Hessian at ``u_k`` is
+    ``-A - diag(c sin(u_k)) + 6 (b' u_k) b b'`` (a closed form)."""
+    g = _gen(3)
+    D = 7
+    M = torch.randn(D, D, generator=g, dtype=torch.float64)
+    A = (M @ M.T + D * torch.eye(D, dtype=torch.float64)).to(dtype)
+    b = torch.randn(D, generator=g, dtype=torch.float64).to(dtype)
+    c = torch.randn(D, generator=g, dtype=torch.float64).to(dtype)
+    u = torch.randn(5, D, generator=g, dtype=torch.float64).to(dtype)
+
+    def f(u):
+        return (-0.5 * ((u @ A) * u).sum(-1) + (c * u.sin()).sum(-1) + (u @ b).pow(3)).sum()
+
+    exact = torch.stack(
+        [-A - torch.diag(c * uk.sin()) + 6 * (b @ uk) * torch.outer(b, b) for uk in u]
+    ).mean(0)
+    return f, u, exact
+
+
+@DTYPES
+def test_expected_hessian_is_the_closed_form(dtype):
+    from pyro_cvi.gaussian import expected_hessian
+
+    f, u, exact = _price_test_function(dtype)
+    u = u.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(f(u), u, create_graph=True)
+    H = expected_hessian(g, u)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert H.dtype == dtype and H.shape == exact.shape
+    assert torch.allclose(H, exact, rtol=tol, atol=tol * exact.abs().max())
+
+
+@DTYPES
+def test_expected_hessian_falls_back_to_one_pass_per_row(dtype, monkeypatch):
+    """Where the batched backward pass is refused, the loop gives the same Hessian."""
+    from pyro_cvi.gaussian import expected_hessian
+
+    f, u, exact = _price_test_function(dtype)
+    u = u.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(f(u), u, create_graph=True)
+    grad, calls = torch.autograd.grad, []
+
+    def refuse_batched(*args, **kwargs):
+        calls.append(bool(kwargs.get("is_grads_batched", False)))
+        if kwargs.get("is_grads_batched", False):
+            raise RuntimeError("no batching rule")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse_batched)
+    H = expected_hessian(g, u)
+    assert calls[0] and calls.count(False) == u.shape[1]
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert torch.allclose(H, exact, rtol=tol, atol=tol * exact.abs().max())
+
+
+def test_expected_hessian_of_a_linear_function_is_zero():
+    from pyro_cvi.gaussian import expected_hessian
+
+    u = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64)
+    (g,) = torch.autograd.grad((u @ w).sum(), u, create_graph=True)
+    assert torch.equal(expected_hessian(g, u), torch.zeros(4, 4, dtype=torch.float64))

@@ -35,6 +35,7 @@ from .halving import MAX_HALVINGS, MAX_HALVINGS_SOLVE, halve_until_valid
 from .lowrank import lowrank_fisher_mv, lowrank_step
 from .price import (
     bonnet_mean_gradient,
+    expected_hessian,
     mean_param_gradients,
     price_precision_gradient,
     price_target,
@@ -56,6 +57,7 @@ __all__ = [
     "diag_step",
     "diagonal_moments_from_natural",
     "diagonal_natural_from_moments",
+    "expected_hessian",
     "expected_log_prob",
     "gauss_hermite",
     "halve_until_valid",

@@ -28,6 +28,7 @@ from .quadrature import expected_log_prob
 
 __all__ = [
     "bonnet_mean_gradient",
+    "expected_hessian",
     "mean_param_gradients",
     "price_precision_gradient",
     "price_target",
@@ -74,6 +75,39 @@ def bonnet_mean_gradient(g: Tensor, u: Tensor, m: Tensor, P: Tensor) -> Tensor:
     ``N(m, P^-1)``, with the control variate ``P (u - m)`` (zero in expectation, and the exact
     negative of ``g``'s fluctuation where ``f`` is the log of a Gaussian with precision ``P``)."""
     return (g + (u - m) @ P).mean(0)
+
+
+def expected_hessian(g: Tensor, u: Tensor) -> Tensor:
+    """``E[hess f]`` over draws ``u [K, D]`` from ``g = grad f(u) [K, D]`` (with its graph to
+    ``u``; ``f`` a sum over the draws of one term per draw): the exact Hessian that Price's
+    theorem averages, ``H_ij = mean_k d g_ki / d u_kj``. All ``D`` rows come from one batched
+    backward pass (the unit vectors ``e_i`` as a batch of cotangents, ``sum_k e_i^T g_k``
+    differentiated in ``u``); where an operation of the graph has no batched backward it
+    falls back to one backward pass per row. The same numbers either way."""
+    K, D = u.shape
+    if not g.requires_grad:
+        return u.new_zeros(D, D)
+    eye = torch.eye(D, dtype=g.dtype, device=g.device)
+    try:
+        (rows,) = torch.autograd.grad(
+            g,
+            u,
+            eye[:, None, :].expand(D, K, D),
+            retain_graph=True,
+            is_grads_batched=True,
+            allow_unused=True,
+        )
+    except (RuntimeError, NotImplementedError):
+        rows = None
+    else:
+        if rows is None:
+            return u.new_zeros(D, D)
+        return rows.mean(1).detach()
+    out = []
+    for i in range(D):
+        (h,) = torch.autograd.grad(g[:, i].sum(), u, retain_graph=True, allow_unused=True)
+        out.append(torch.zeros_like(u) if h is None else h)
+    return torch.stack(out, 1).mean(0).detach()
 
 
 def stein_hessian(eps: Tensor, dz: Tensor, L: Tensor, G: Tensor, H0: Tensor) -> Tensor:

@@ -44,9 +44,21 @@ def precision_sites(analysis, name: str) -> List[str]:
     return [f.site for f in info.factors if f.kind == CONJUGATE_MC]
 
 
+def _broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
+    """NumPy's broadcast of two shapes (``torch.broadcast_shapes`` without its per-call cost)."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for i, j in zip(a, b):
+        if i != j and i != 1 and j != 1:
+            raise ValueError(f"shapes {a} and {b} do not broadcast")
+        out.append(j if i == 1 else i)
+    return torch.Size(out)
+
+
 def _weighted(node, x: torch.Tensor) -> torch.Tensor:
     fn = node["fn"]
-    x = x.expand(torch.broadcast_shapes(x.shape, fn.batch_shape + fn.event_shape))
+    x = x.expand(_broadcast(x.shape, fn.batch_shape + fn.event_shape))
     return site_weight(node, sum_rightmost(x, x.dim() - len(fn.batch_shape))).sum()
 
 

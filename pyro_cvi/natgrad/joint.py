@@ -20,7 +20,7 @@ from ..gaussian.onedraw import (
     onedraw_tril,
     onedraw_tril_step,
 )
-from ..gaussian.price import bonnet_mean_gradient, price_precision_gradient
+from ..gaussian.price import bonnet_mean_gradient, expected_hessian, price_precision_gradient
 from .control import NoiseControl, SignalToNoise
 from .prior import known_normal_prior
 
@@ -168,13 +168,7 @@ def price_messages(block, ctx, p, log_joint, log_q, K: int):
     if ctx.grads:
         (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
         g = torch.zeros_like(u) if g is None else g
-        rows = []
-        for i in range(block.dim):
-            h = None
-            if g.requires_grad:
-                (h,) = torch.autograd.grad(g[:, i].sum(), u, retain_graph=True, allow_unused=True)
-            rows.append(torch.zeros_like(u) if h is None else h)
-        H = torch.stack(rows, 1).mean(0).detach()
+        H = expected_hessian(g, u)
         P = torch.cholesky_inverse(L)
         gm = -bonnet_mean_gradient(g.detach(), u.detach(), m, P)
         G = price_precision_gradient(H, P)
