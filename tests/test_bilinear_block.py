@@ -387,20 +387,20 @@ def test_the_noise_sites_message_is_exact_for_a_conjugate_prior(dtype):
     """An InverseGamma(alpha, beta) variance is a Gamma(alpha, beta) precision: its CVI message
     by quadrature is exactly ``(alpha - 1, -beta)``; a HalfNormal(1) scale's ``E_q[f]`` and
     message against the closed form."""
-    from pyro_cvi.blocks.bilinear import _NoisePrior
+    from pyro_cvi.messages.noise_prior import NoisePrior
 
     # (a float32 prior evaluates f in float32: its rounding limits the fit at larger shapes)
     a = torch.tensor([0.3, 0.7, 3.0, 150.0, 2000.0, 1e5], dtype=dtype)
     b = torch.tensor([0.1, 0.3, 2.0, 11.0, 40.0, 3.0], dtype=dtype)
     if dtype == torch.float32:
         a, b = a[:-1], b[:-1]
-    inv = _NoisePrior(dist.InverseGamma(torch.tensor(3.0, dtype=dtype), 0.5), -1.0, dtype)
+    inv = NoisePrior(dist.InverseGamma(torch.tensor(3.0, dtype=dtype), 0.5), -1.0, dtype)
     g_log, g_tau = inv.message(a, b)
     # (to the precision of the natural parameters it joins: a - 1 and b of that size)
     tol = 1e-7 if dtype == torch.float32 else 1e-12
     assert bool(((g_log - 2.0).abs() <= tol * (1 + a)).all()), g_log
     assert bool(((g_tau + 0.5).abs() <= tol * (1 + b)).all()), g_tau
-    half = _NoisePrior(dist.HalfNormal(torch.tensor(1.0, dtype=dtype)), -2.0, dtype)
+    half = NoisePrior(dist.HalfNormal(torch.tensor(1.0, dtype=dtype)), -2.0, dtype)
     a, b = a[2:].double(), b[2:].double()
     want = _HALF_NORMAL_CONST - 0.5 * b / (a - 1) - 1.5 * (torch.digamma(a) - b.log())
     assert torch.allclose(half.expected(a, b), want, rtol=1e-8, atol=1e-8)

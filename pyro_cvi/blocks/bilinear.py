@@ -33,87 +33,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pyro
 import pyro.distributions as dist
 import torch
-from torch.distributions import constraints
-from torch.distributions.transforms import PowerTransform, Transform
 
 from ..context import StepContext
+from ..messages.noise_prior import NoisePrior
 from ..model.bilinear import BilinearSpec
 from ..model.tracing import unwrap
 from ..update import StepCounts
 from .base import Block, BlockInit, GuideDraw, StepReport
+from .bilinear_laws import Columns, PowerOfGamma
 from .marginals import marginal_median
 from .registry import Found, register_kind
 
 __all__ = ["BilinearBlock"]
-
-#: trapezoid nodes of ``E_q[f(tau)]`` in ``log tau`` (a non-conjugate noise prior)
-QUADRATURE_POINTS = 400
-
-
-class _Transpose(Transform):
-    """``[D, K] -> [K, D]`` (volume-preserving): ``q(W)`` from its independent columns."""
-
-    domain = constraints.independent(constraints.real, 2)
-    codomain = constraints.independent(constraints.real, 2)
-    bijective = True
-
-    def __eq__(self, other):
-        return isinstance(other, _Transpose)
-
-    def _call(self, x):
-        return x.transpose(-1, -2)
-
-    def _inverse(self, y):
-        return y.transpose(-1, -2)
-
-    def log_abs_det_jacobian(self, x, y):
-        return x.new_zeros(x.shape[:-2])
-
-    def forward_shape(self, shape):
-        return torch.Size(shape[:-2]) + torch.Size((shape[-1], shape[-2]))
-
-    def inverse_shape(self, shape):
-        return self.forward_shape(shape)
-
-
-class _Columns(dist.TransformedDistribution):
-    """``q(W)`` from its independent Gaussian columns, transposed to ``W``'s shape."""
-
-    def __init__(self, columns: dist.MultivariateNormal, validate_args=None):
-        super().__init__(columns.to_event(1), [_Transpose()], validate_args=validate_args)
-        self.columns = columns
-
-    @property
-    def mean(self):
-        return self.columns.mean.transpose(-1, -2)
-
-    @property
-    def variance(self):
-        return self.columns.variance.transpose(-1, -2)
-
-
-class _PowerOfGamma(dist.TransformedDistribution):
-    """``q(v)`` of ``v = tau^p``, ``tau ~ Gamma(a, b)``, with its moments
-    ``E[v^j] = Gamma(a + j p) / Gamma(a) b^(-j p)`` (infinite where ``a + j p <= 0``)."""
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, p: float, validate_args=None):
-        super().__init__(
-            dist.Gamma(a, b), [PowerTransform(a.new_tensor(p))], validate_args=validate_args
-        )
-        self.a, self.b, self.p = a, b, p
-
-    def _moment(self, j: float) -> torch.Tensor:
-        s = self.a + j * self.p
-        out = torch.lgamma(s.clamp_min(1e-6)) - torch.lgamma(self.a) - j * self.p * self.b.log()
-        return torch.where(s > 0, out.exp(), torch.full_like(out, math.inf))
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return self._moment(1.0)
-
-    @property
-    def variance(self) -> torch.Tensor:
-        return self._moment(2.0) - self._moment(1.0) ** 2
 
 
 def _gauss(eta: torch.Tensor, prec: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -148,73 +79,6 @@ def _outer(m: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     return S + m.unsqueeze(-1) * m.unsqueeze(-2)
 
 
-class _NoisePrior:
-    """The non-conjugate factor ``f(tau) = log p_v(tau^(1/k)) + log|1/k| + (1/k - 1) log tau``
-    of a noise latent ``v = tau^(1/k)`` on ``q(tau) = Gamma(a, b)``: ``E_q[f]`` and its CVI
-    message ``grad_m E_q[f]``, ``m = (E[log tau], E[tau])`` (eq. 12)."""
-
-    def __init__(self, prior: torch.distributions.Distribution, power: float, dtype: torch.dtype):
-        self.prior = prior
-        self.inv = 1.0 / power
-        big = torch.finfo(dtype).max
-        #: ``|log tau|`` beyond which ``v`` would overflow the prior's dtype
-        self.limit = 0.9 * math.log(big) / abs(self.inv)
-
-    def f(self, log_tau: torch.Tensor) -> torch.Tensor:
-        v = (self.inv * log_tau).exp()
-        jac = math.log(abs(self.inv)) + (self.inv - 1.0) * log_tau
-        return self.prior.log_prob(v) + jac
-
-    def _nodes(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(u, w)``: nodes in ``u = log tau`` and weights of ``q(u)`` (elementwise).
-
-        ``u`` has density ``b^a/Gamma(a) exp(a u - b e^u)`` with mode ``log(a/b)``; its log falls
-        by ``a (d - e^d + 1)`` at ``d`` from the mode, i.e. by 40 at ``d = log1p(sqrt(80/a) +
-        40/a)`` right and ``-(sqrt(80/a) + 40/a)`` left. The trapezoid rule on that range
-        (exponentially accurate for a smooth integrand decaying at both ends; cut where ``v``
-        would overflow), self-normalised."""
-        n = QUADRATURE_POINTS
-        t = torch.linspace(0.0, 1.0, n, dtype=a.dtype, device=a.device)
-        t = t.reshape((-1,) + (1,) * a.dim())
-        x = (80 / a).sqrt() + 40 / a
-        mode = (a / b).log()
-        lo = torch.maximum(mode - x, -self.limit + 0 * a)
-        hi = torch.minimum(mode + torch.log1p(x), self.limit + 0 * a)
-        u = lo + (hi - lo) * t
-        return u, torch.softmax(a * u - b * u.exp(), 0)
-
-    def expected(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``E_q[f]`` elementwise (:meth:`_nodes`)."""
-        u, w = self._nodes(a, b)
-        return (w * self.f(u)).sum(0)
-
-    def message(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``grad_m E_q[f] = Cov_q(T)^-1 Cov_q(T, f)``, ``T = (log tau, tau)``: the coefficients
-        of the least-squares fit of ``f`` by ``g_log log tau + g_tau tau + const`` under ``q``
-        (float64, on :meth:`_nodes`). Fitted in the basis ``d = log tau - log tau*``,
-        ``e^d - 1 - d`` (``tau* = a/b``; well conditioned at any ``a``), then
-        ``g_log = beta_1 - beta_2``, ``g_tau = beta_2 / tau*``; exact when ``f`` is linear in
-        ``T`` (a conjugate prior in another parameterisation)."""
-        a64, b64 = a.detach().double(), b.detach().double()
-        u, w = self._nodes(a64, b64)
-        d = u - (a64 / b64).log()
-        basis = [d, torch.expm1(d) - d]
-        f = self.f(u).double()
-
-        def centred(x: torch.Tensor) -> torch.Tensor:
-            return x - (w * x).sum(0)
-
-        p1, p2, fc = centred(basis[0]), centred(basis[1]), centred(f)
-        s1, s2 = (w * p1 * p1).sum(0).sqrt(), (w * p2 * p2).sum(0).sqrt()
-        p1, p2 = p1 / s1, p2 / s2
-        c11, c22, c12 = (w * p1 * p1).sum(0), (w * p2 * p2).sum(0), (w * p1 * p2).sum(0)
-        r1, r2 = (w * p1 * fc).sum(0), (w * p2 * fc).sum(0)
-        det = c11 * c22 - c12 * c12
-        beta1 = (c22 * r1 - c12 * r2) / det / s1
-        beta2 = (c11 * r2 - c12 * r1) / det / s2
-        return (beta1 - beta2).to(a), (beta2 * b64 / a64).to(a)
-
-
 class BilinearBlock(Block):
     """``q(z) q(W, mu) q(tau)`` of one bilinear Normal factor (see the module docstring)."""
 
@@ -234,7 +98,7 @@ class BilinearBlock(Block):
             "tau": (f"{base}.tau.shape_m1", f"{base}.tau.neg_rate"),
         }
         self._prior: Optional[Dict[str, torch.Tensor]] = None
-        self._noise: Optional[_NoisePrior] = None
+        self._noise: Optional[NoisePrior] = None
         self.tau_event_dim = 0
 
     @property
@@ -271,7 +135,7 @@ class BilinearBlock(Block):
         else:  # (a0 - 1, -b0) = 0: the prior is the CVI site's factor f
             like = trace.nodes[s.tau]["value"].detach()
             out["a0"], out["b0"] = torch.ones_like(like), torch.zeros_like(like)
-            self._noise = _NoisePrior(base, s.power, like.dtype)
+            self._noise = NoisePrior(base, s.power, like.dtype)
         return out
 
     def setup(self, init: BlockInit) -> None:
@@ -476,7 +340,7 @@ class BilinearBlock(Block):
             a, b = self._q("tau")
             q: torch.distributions.Distribution = dist.Gamma(a, b)
             if s.power != 1.0:
-                q = _PowerOfGamma(a, b, 1 / s.power)
+                q = PowerOfGamma(a, b, 1 / s.power)
             return q.to_event(self.tau_event_dim) if self.tau_event_dim else q
         if name == s.z:
             mean, cov = self._q("z")
@@ -486,12 +350,12 @@ class BilinearBlock(Block):
         if name == s.mu:
             return dist.Normal(mean[:, K], cov[:, K, K].sqrt()).to_event(1)
         mvn = dist.MultivariateNormal(mean[:, :K], scale_tril=torch.linalg.cholesky(cov[:, :K, :K]))
-        return mvn.to_event(1) if s.transposed else _Columns(mvn)
+        return mvn.to_event(1) if s.transposed else Columns(mvn)
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         s = self.spec
         mz, _, mw, _, a, b = self._moments()
-        e_v = a / b if s.power == 1.0 else _PowerOfGamma(a, b, 1 / s.power).mean
+        e_v = a / b if s.power == 1.0 else PowerOfGamma(a, b, 1 / s.power).mean
         out = {s.z: mz, s.tau: e_v}
         out.update(self._split(mw))
         return {n: v.contiguous() for n, v in out.items()}

@@ -15,7 +15,7 @@ rank      kind                        what it takes
 20        ``mean field``              the natural-form latents and collapsed sums
                                       (Algorithm 2)
 30        ``remainder``               latents without exact messages: one joint Gaussian
-40        ``bilinear``                a bilinear Normal factor's ``z``, ``W``, ``tau``
+40        ``bilinear``                a bilinear Normal factor's ``z``, ``W``, ``mu``, noise
                                       (PPCA, factor analysis: VMP, :mod:`pyro_cvi.blocks.bilinear`)
 ========  ==========================  ==================================================
 
