@@ -76,7 +76,7 @@ from .tracing import (
     trace_model,
     unwrap,
 )
-from .weights import weighted_chain, weighted_leaf
+from .weights import latent_weight, weighted_chain, weighted_leaf
 
 __all__ = [
     "Analysis",
@@ -93,6 +93,8 @@ class Analysis:
     :param model: the Pyro model. :param args, kwargs: its arguments (the training data).
     :param prototype_trace: a trace of the model (a prior draw of every latent).
     :param covariance: ``"full"`` or ``"diag"`` Gaussians.
+    :param own_leaves: give a leaf with a Normal or MultivariateNormal prior a ``q`` of its
+        own (a start at ``init_loc_fn``'s values; the steps take that ``q`` to its prior).
     :param discrete: ``"collapse"`` sums the finite discrete latents out (:mod:`.collapsed`);
         ``"mean_field"`` gives each its own Categorical/Bernoulli ``q``.
     """
@@ -107,6 +109,7 @@ class Analysis:
         families: Optional[Dict[str, str]] = None,
         discrete: str = "mean_field",
         remainder: Optional[Callable[[int], bool]] = None,
+        own_leaves: bool = False,
     ):
         self.model, self.args, self.kwargs = model, args, kwargs
         proto = prototype_trace
@@ -148,7 +151,9 @@ class Analysis:
         self.leaves = {
             n
             for n in self.values
-            if n not in referenced and not weighted_leaf(n, self.structure.nodes[n])
+            if n not in referenced
+            and not weighted_leaf(n, self.structure.nodes[n])
+            and not (own_leaves and _gaussian_prior(self.structure.nodes[n]))
         }
         for name, e in unsupported.items():
             fn = proto.nodes[name]["fn"]
@@ -491,3 +496,12 @@ class Analysis:
     def explain(self) -> str:
         """One line per (factor, latent or block): the kind CVI gives it, and why."""
         return explain(self)
+
+
+def _gaussian_prior(site) -> bool:
+    """Whether latent ``site``'s prior is an unmasked, unscaled Normal or MultivariateNormal (a
+    Gaussian q holds it exactly; a masked element has no prior to hold)."""
+    base, mask, _ = unwrap(site["fn"])
+    if mask is not None or latent_weight(site) is not None:
+        return False
+    return type(base).__name__ in ("Normal", "MultivariateNormal")
