@@ -64,6 +64,7 @@ from .tracing import (
     continuous_dependencies,
     describe_link,
     discrete_dependencies,
+    hidden_dependencies,
     is_random,
     linear_candidates,
     linear_param,
@@ -135,6 +136,13 @@ class Analysis:
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
         self.deps = continuous_dependencies(self.structure, leaves)
+        at = {n: self.values[n] for n in self.continuous}
+        self.deps = hidden_dependencies(
+            self.structure,
+            self.deps,
+            lambda v: trace_model(model, {**fixed, **at, **self.subsample, **v}, args, kwargs),
+            at,
+        )
         self._leaf_trace = (self.structure, leaves)
         if self.discrete:  # a second, enumerated, trace: discrete dependencies
             cont = {n: v for n, v in self.values.items() if n not in self.discrete}
@@ -414,6 +422,8 @@ class Analysis:
         ``(A, dynamic)``, or ``None`` when it is not affine."""
         tr, leaves = self.leaf_trace()
         zs = [leaves[n] for n in block.names]
+        if not probes.affine_graph(value, zs):  # piecewise ops are affine only a.e.
+            return None
         with torch.enable_grad():
             jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
             params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
