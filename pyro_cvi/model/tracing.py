@@ -158,9 +158,13 @@ def hidden_dependencies(
     g = torch.Generator(device="cpu").manual_seed(13)  # (the user's RNG stream untouched)
     moved_at = {}
     for n, v in at.items():
-        if not v.numel():
+        support = trace.nodes[n]["fn"].support
+        if not v.numel() or support.is_discrete:
             continue
-        t = torch.distributions.biject_to(trace.nodes[n]["fn"].support)
+        try:
+            t = torch.distributions.biject_to(support)
+        except NotImplementedError:  # (a support with no transform: left where it is)
+            continue
         with torch.no_grad():
             u = t.inv(v)
             r = torch.randn(u.shape, generator=g, dtype=torch.float64).to(u)
