@@ -61,6 +61,8 @@ class Engine:
         #: every block, in the order of the ELBO and the step (the kinds' ranks:
         #: :mod:`~pyro_cvi.blocks.registry`)
         self.blocks: List[Block] = []
+        #: whether every continuous latent gets a q of its own (a start at init_loc_fn's values)
+        self.own_leaves = False
         #: the same blocks by the name of the kind that built them
         self.kinds: Dict[str, List[Block]] = {}
         #: latent name -> the block that steps it in the sequential schedule
@@ -79,6 +81,8 @@ class Engine:
         param store (a restored checkpoint) are kept as they are."""
         store = pyro.get_param_store()
         fresh = not any(k.startswith(self.prefix + ".") for k in store.keys())
+        # a start at init_loc_fn's values needs a q of its own at every latent (no leaves)
+        self.own_leaves = init_loc_fn is not None
         self._analyse(args, kwargs, prototype_trace)
         an = self.analysis
         if self.options.reducer is not None:  # data-parallel: rank 0's parameters everywhere
@@ -125,6 +129,7 @@ class Engine:
             remainder=(lambda dim: gradient_only(o, dim))
             if rem is not None and rem.enabled and o.reducer is None
             else None,
+            own_leaves=self.own_leaves,
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs) + closure_key(self.model)

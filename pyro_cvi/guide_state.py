@@ -334,6 +334,11 @@ def refuse_inside_svi_step(guide) -> None:
         if float(store[engine.steps_name].detach()) > 0:
             return
     if any(isinstance(m, TraceMessenger) and m.param_only for m in _PYRO_STACK):
+        master = guide.master() if getattr(guide, "master", None) is not None else None
+        if master is not None:  # a part of an AutoGuideList (methods/guide_list.py)
+            from .methods.guide_list import pyro_elbo_refusal
+
+            raise ValueError(pyro_elbo_refusal(guide, master))
         raise ValueError(
             f"{type(guide).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
             "TraceEnum_ELBO, ...) before any CVI_ELBO step: its q is computed by conjugate "

@@ -167,3 +167,27 @@ def test_the_delta_part_gets_the_gradient_of_the_bound(dtype):
     s, h = float(guide.median(X, y)["s"]), 1e-5
     fd = (log_joint_s(X, y, s * math.exp(-h)) - log_joint_s(X, y, s * math.exp(h))) / (2 * h)
     assert float(grad) == pytest.approx(fd, rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("optim", ["cvi", "adam"])
+def test_a_pyro_elbo_is_refused_by_name_and_changes_nothing(dtype, optim):
+    """Under Trace_ELBO the CVI part's q would never move (no gradient reaches its natural
+    parameters): refused before the step, naming CVI_ELBO; the guide list then trains."""
+    X, y = data(dtype)
+    guide = guide_list()
+    opt = CVI(optim_args={"lr": 0.05}) if optim == "cvi" else pyro.optim.Adam({"lr": 0.05})
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(ValueError, match=r"AutoGuideList with an AutoCVI part.*CVI_ELBO\(\)"):
+        SVI(model, guide, opt, Trace_ELBO()).step(X, y)
+    after = {k: v.detach() for k, v in pyro.get_param_store().items() if k in before}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(30):
+        svi.step(X, y)
+
+    def reported():
+        return CVI_ELBO().loss(model, guide, X, y)
+
+    result = check_bound(model, guide, reported, (X, y), num_particles=400, warn=False)
+    assert result.agrees, result

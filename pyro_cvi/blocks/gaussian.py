@@ -11,7 +11,10 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
 * one ``(lam1_n, lam2_n)`` site, a K-vector and a K x K matrix, per data point of every
   softmax factor (:mod:`~pyro_cvi.messages.softmax_sites`), O(N K^2) parameters;
 * one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo, from gradients only
-  by default, :mod:`~pyro_cvi.messages.gaussian`).
+  by default, :mod:`~pyro_cvi.messages.gaussian`);
+* with ``init_loc_fn``, a start offset ``h0 = Lambda (m_init - m)`` that moves q's mean to the
+  given values (as Pyro's autoguides start). No factor sends it a message: its target is zero,
+  so eq. 12 shrinks it by ``1 - beta`` every step.
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
 dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
@@ -95,6 +98,10 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
         self.general_names = (
             (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
         )
+        #: the start offset's name (only with ``init_loc_fn``), and the values it starts q at
+        self.init_name: Optional[str] = None
+        self._init_at: Optional[torch.Tensor] = None
+        self._init_key = f"{prefix}.init_h.{key}"
         self.z_at: Optional[torch.Tensor] = None
         self.prior: Optional[GaussianPrior] = None
         self.rows: List[Tuple[Optional[str], RowBlock]] = []
@@ -113,8 +120,43 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
         return (
             list(self.site_names.values())
             + list(self.sum_names.values())
+            + ([self.init_name] if self.init_name else [])
             + list(self.general_names)
         )
+
+    setup_traces = ("init",)
+
+    def setup(self, init) -> None:
+        """The site parameters; with ``init_loc_fn``, the start offset (zero until
+        :meth:`initialise` sets it from the block's first ``q``)."""
+        super().setup(init)
+        if init.init_loc_fn is None or init.init_trace is None:
+            return
+        at = {n: init.init_trace.nodes[n]["value"].detach() for n in self.names}
+        self._init_at = self.spec.join(at).to(self.z_at)
+        self.init_name = self._init_key
+        pyro.param(self.init_name, lambda: self.z_at.new_zeros(self.spec.dim))
+
+    def initialise(self, ctx: StepContext, fresh: bool) -> None:
+        super().initialise(ctx, fresh)
+        if self.init_name is None or not fresh or self._init_at is None:
+            return
+        # h0 = Lambda (m_init - m): q's mean moves to the values, its precision stays
+        post = self.post
+        delta = self._init_at - post.loc.detach()
+        h0 = torch.linalg.solve(post.covariance(), delta)
+        with torch.no_grad():
+            pyro.param(self.init_name).copy_(h0.detach())
+        self.post = self._solve()
+        self._sync_rows()
+
+    def continue_from(self, previous, values: Dict[str, torch.Tensor]) -> None:
+        super().continue_from(previous, values)
+        if isinstance(previous, GaussianBlock) and previous.init_name is not None:
+            self.init_name = previous.init_name  # (new data: the offset keeps shrinking)
+
+    def _init_h(self) -> Optional[torch.Tensor]:
+        return pyro.param(self.init_name) if self.init_name else None
 
     def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""
@@ -241,7 +283,9 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
             A = torch.cat(A, 1)
             return A if create_graph else A.detach()
 
-    def _solve(self, site_values=None, general_values=None, graph=False) -> GaussianPosterior:
+    def _solve(
+        self, site_values=None, general_values=None, graph=False, init_value=None
+    ) -> GaussianPosterior:
         """``q`` from the prior and the rows (eq. 2); with ``graph``, from the step's prior and
         rows with their graph (:attr:`_graph`), so ``q`` is differentiable in the model's
         parameters at fixed sites."""
@@ -272,6 +316,9 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
         if general is not None:
             extra.append(tuple(t.detach() for t in general))
         extra += self.plate_extras()
+        h0 = init_value if init_value is not None else self._init_h()
+        if h0 is not None:  # the start offset (init_loc_fn): a mean shift only
+            extra.append((h0.detach(), h0.new_zeros(D, D)))
         if extra:  # natural parameters added outside the rows (general, Kronecker softmax)
             h, P = sum(e[0] for e in extra), sum(e[1] for e in extra)
         post = solve(prior, A, w, b, h, P, reduce=self.options.reducer, keep_graph=graph)
@@ -339,6 +386,9 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
             if ctx.grads:
                 general[0].grad = h - general[0].detach()
                 general[1].grad = P - general[1].detach()
+        h0 = self._init_h()
+        if h0 is not None and ctx.grads:  # no factor's message: the target is zero
+            h0.grad = -h0.detach()
         if self.options.reducer is not None:
             return self.options.reducer.combine(shared, elbo)
         return shared + elbo
@@ -368,19 +418,22 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
     # ------------------------------------------------------------------ the step
     def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
-        sites, general = self._sites(), self._general()
-        params = list(sites.values()) + (list(general) if general is not None else [])
+        sites, general, h0 = self._sites(), self._general(), self._init_h()
+        params = list(sites.values()) + ([h0] if h0 is not None else [])
+        params += list(general) if general is not None else []
         pair = targets_from_grads(params) if params else None
         if pair is None:
             return StepCounts()
         old, target = pair
         keys, solved = list(sites), {}
+        k0 = len(keys) + (h0 is not None)
 
         def valid(new) -> torch.Tensor:
             s = dict(zip(keys, new[: len(keys)]))
-            g = tuple(new[len(keys) :]) or None
+            g = tuple(new[k0:]) or None
+            i = new[len(keys)] if h0 is not None else None
             try:
-                post = self._solve(s, g)
+                post = self._solve(s, g, init_value=i)
                 ok = bool(torch.isfinite(post.loc).all())
             except NotPositiveDefinite:
                 ok = False

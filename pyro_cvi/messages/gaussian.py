@@ -314,7 +314,12 @@ def general_gaussian_message(log_joint, loc, scale_tril, num_samples: int, on_sa
         z = (loc + scale_tril @ e).detach().requires_grad_(True)
         with torch.enable_grad():
             f, v = log_joint(z)
-            (g,) = torch.autograd.grad(f, z, create_graph=True)
+            grads = (
+                torch.autograd.grad(f, z, create_graph=True, allow_unused=True)
+                if f.requires_grad
+                else (None,)
+            )  # (a log density that autograd does not see depend on z: no gradient)
+            g = grads[0] if grads[0] is not None else torch.zeros_like(z)
             H = jacobian(g.reshape(-1), z)
         g_sum += g.detach().reshape(-1)
         H_sum += 0.5 * (H + H.T).detach()

@@ -27,6 +27,7 @@ discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 from typing import Callable, Dict, List, Optional, Set
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from ..families import choose_families
 from . import gaussian_tree, probes
 from .bilinear import BILINEAR_FORM, bilinear_factor, find_bilinear
-from .block_factors import chain_factor, cross_factor, plate_factor
+from .block_factors import chain_factor, cross_factor, plate_factor, softmax_factor
 from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
@@ -52,7 +53,6 @@ from .records import (
     REMAINDER,
     REMAINDER_OWNER,
     SITE,
-    SOFTMAX,
     BlockSpec,
     Factor,
     LatentInfo,
@@ -64,6 +64,7 @@ from .tracing import (
     continuous_dependencies,
     describe_link,
     discrete_dependencies,
+    hidden_dependencies,
     is_random,
     linear_candidates,
     linear_param,
@@ -76,7 +77,7 @@ from .tracing import (
     trace_model,
     unwrap,
 )
-from .weights import weighted_chain, weighted_leaf
+from .weights import leaf_latents, weighted_chain
 
 __all__ = [
     "Analysis",
@@ -93,6 +94,8 @@ class Analysis:
     :param model: the Pyro model. :param args, kwargs: its arguments (the training data).
     :param prototype_trace: a trace of the model (a prior draw of every latent).
     :param covariance: ``"full"`` or ``"diag"`` Gaussians.
+    :param own_leaves: give a leaf with a Normal or MultivariateNormal prior a ``q`` of its
+        own (a start at ``init_loc_fn``'s values; the steps take that ``q`` to its prior).
     :param discrete: ``"collapse"`` sums the finite discrete latents out (:mod:`.collapsed`);
         ``"mean_field"`` gives each its own Categorical/Bernoulli ``q``.
     """
@@ -107,6 +110,7 @@ class Analysis:
         families: Optional[Dict[str, str]] = None,
         discrete: str = "mean_field",
         remainder: Optional[Callable[[int], bool]] = None,
+        own_leaves: bool = False,
     ):
         self.model, self.args, self.kwargs = model, args, kwargs
         proto = prototype_trace
@@ -132,6 +136,9 @@ class Analysis:
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
         self.deps = continuous_dependencies(self.structure, leaves)
+        at = {n: self.values[n] for n in self.continuous}
+        rerun = partial(_rerun, model, args, kwargs, {**fixed, **at, **self.subsample})
+        self.deps = hidden_dependencies(self.structure, self.deps, rerun, at)
         self._leaf_trace = (self.structure, leaves)
         if self.discrete:  # a second, enumerated, trace: discrete dependencies
             cont = {n: v for n, v in self.values.items() if n not in self.discrete}
@@ -145,11 +152,7 @@ class Analysis:
         referenced = set().union(*self.deps.values()) if self.deps else set()
         # a leaf's q is its conditional prior, the optimum only for an unweighted prior: a
         # tempered leaf (poutine.scale / mask) gets a q of its own, q ~ p^c
-        self.leaves = {
-            n
-            for n in self.values
-            if n not in referenced and not weighted_leaf(n, self.structure.nodes[n])
-        }
+        self.leaves = leaf_latents(self.values, referenced, self.structure.nodes, own_leaves)
         for name, e in unsupported.items():
             fn = proto.nodes[name]["fn"]
             if name in self.leaves:
@@ -361,7 +364,7 @@ class Analysis:
             why = f"{kind_name} in subsampled plate {plate!r}: minibatch message (Bonnet/Price)"
             return Factor(site, label, GENERAL, why, plate=plate)
         if centred_logits(base) is not None:
-            return self._softmax_factor(site, block, base)
+            return softmax_factor(self, site, block, base)
         zs = [leaves[n] for n in block.names]
         if torch.is_tensor(obs := tr.nodes[site]["value"]) and obs.requires_grad:  # obs=f(z)
             why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
@@ -383,32 +386,14 @@ class Analysis:
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
         return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
 
-    def _softmax_factor(self, site: str, block: BlockSpec, base) -> Factor:
-        """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
-        logits are affine in the block's z (Jacobian by autograd, confirmed by probing)."""
-        label, kind_name = block.label, type(base).__name__
-        value = centred_logits(base)
-        K = value.shape[-1]
-        if not value.requires_grad:
-            return Factor(site, label, GENERAL, f"{kind_name} logits do not depend on {label}")
-        probed = self.probed_rows(site, block, value, centred_logits)
-        if probed is None:
-            why = f"{kind_name} logits are not affine in {label} (probed)"
-            return Factor(site, label, GENERAL, why)
-        A, dynamic = probed
-        R, D = A.shape
-        why = (
-            f"{kind_name} logits = A z + c (probed, A: {R}x{D}); {R // K} coupled "
-            f"K={K} sites (K x K each)"
-        )
-        return Factor(site, label, SOFTMAX, why, "logits", A, dynamic, num_classes=K)
-
     def probed_rows(self, site: str, block: BlockSpec, value, read: Callable):
         """The Jacobian ``A`` of ``value`` in the block's joint z (autograd), confirmed affine
         at the shared probe runs (``read(fn)`` takes the same quantity from a moved trace):
         ``(A, dynamic)``, or ``None`` when it is not affine."""
         tr, leaves = self.leaf_trace()
         zs = [leaves[n] for n in block.names]
+        if not probes.affine_graph(value, zs):  # piecewise ops are affine only a.e.
+            return None
         with torch.enable_grad():
             jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
             params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
@@ -492,3 +477,8 @@ class Analysis:
         """One line per (factor, latent or block): the kind CVI gives it, and why; with the
         engine's ``blocks``, the messages each block receives (``Block.incoming``)."""
         return explain(self, blocks)
+
+
+def _rerun(model, args, kwargs, base, values):
+    """The model traced at ``base`` with ``values`` replacing some of it."""
+    return trace_model(model, {**base, **values}, args, kwargs)

@@ -18,7 +18,7 @@ import pyro.poutine
 import torch
 
 from . import probes
-from .records import CONJUGATE_MC, GENERAL, LINEAR, PRIOR, SITE, Factor, centred_logits
+from .records import CONJUGATE_MC, GENERAL, LINEAR, PRIOR, SITE, SOFTMAX, Factor, centred_logits
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -30,7 +30,7 @@ from .tracing import (
     subsample_values,
 )
 
-__all__ = ["chain_factor", "cross_factor", "plate_factor"]
+__all__ = ["chain_factor", "cross_factor", "plate_factor", "softmax_factor"]
 
 
 def cross_factor(an, site: str, inside: Set[str]) -> None:
@@ -153,3 +153,24 @@ def fixed_subsample(an, plate: str, runs: int = 3) -> bool:
                 same = same and other is not None and bool(torch.equal(other, first))
         cache[plate] = same
     return cache[plate]
+
+
+def softmax_factor(an, site: str, block, base) -> Factor:
+    """A Categorical / OneHotCategorical / Multinomial factor: softmax sites when its centred
+    logits are affine in the block's z (Jacobian by autograd, confirmed by probing)."""
+    label, kind_name = block.label, type(base).__name__
+    value = centred_logits(base)
+    K = value.shape[-1]
+    if not value.requires_grad:
+        return Factor(site, label, GENERAL, f"{kind_name} logits do not depend on {label}")
+    probed = an.probed_rows(site, block, value, centred_logits)
+    if probed is None:
+        why = f"{kind_name} logits are not affine in {label} (probed)"
+        return Factor(site, label, GENERAL, why)
+    A, dynamic = probed
+    R, D = A.shape
+    why = (
+        f"{kind_name} logits = A z + c (probed, A: {R}x{D}); {R // K} coupled "
+        f"K={K} sites (K x K each)"
+    )
+    return Factor(site, label, SOFTMAX, why, "logits", A, dynamic, num_classes=K)

@@ -140,6 +140,8 @@ def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
         return cp.Role(cp.MONOMIAL, tuple(sorted(pdeps)))
     if cp.AFFINE in kinds and all(isinstance(f, fams) for f in pf.values()):
         _, leaves = an.leaf_trace()
+        if not probes.affine_graph(t, [leaves[p] for p in sorted(pdeps)]):
+            return f"is not affine in {', '.join(sorted(pdeps))} (a non-linear operation)"
         with torch.enable_grad():
             jac = {p: probes.jacobian(t, leaves[p]).detach() for p in sorted(pdeps)}
         if not probes.check_affine(read, {p: an.ref[p] for p in pdeps}, jac, f0=t.detach()):

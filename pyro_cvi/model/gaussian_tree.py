@@ -239,7 +239,8 @@ def _tree_rows(an, blocks, probe_runs) -> Set[str]:
             moved = [
                 (dz, unwrap(t.nodes[n]["fn"])[0].loc.expand(shape)) for dz, t in probe_runs(block)
             ]
-            if dynamic or not probes.affine_at(loc.detach(), moved, jac):
+            structural = probes.affine_graph(loc, [leaves[m] for m in deps])
+            if dynamic or not structural or not probes.affine_at(loc.detach(), moved, jac):
                 bad.add(n)
             else:
                 block.prior_rows[n] = torch.cat([jac[m] for m in block.names], 1)

@@ -55,10 +55,13 @@ def jacobian(
     ``loop_below`` rows or columns, and for a tall Jacobian of up to ``loop_columns`` columns
     (one backward pass of ``v -> A^T v`` per column: as fast as the batched passes, measured),
     plain backward passes: no vmap, and no explicit ``grad_outputs`` (with which torch
-    imports sympy, 0.5-2 CPU s the first time in a process).
+    imports sympy, 0.5-2 CPU s the first time in a process). An ``out`` without autograd
+    record (a zero gradient of ``round``/``floor``, a detached value) has the zero Jacobian.
     """
     cg = create_graph
     R, D = out.numel(), z.numel()
+    if not out.requires_grad:  # no record to z (e.g. round's gradient: zero, without graph)
+        return out.new_zeros(R, D)
     direct = _matvec_jacobian(out, z)
     if direct is not None:
         return direct
@@ -220,3 +223,111 @@ def _probe_weights(value: torch.Tensor) -> torch.Tensor:
     RNG stream is not consumed, and the answer is the same every time)."""
     g = torch.Generator(device="cpu").manual_seed(11)
     return torch.randn(value.shape, generator=g, dtype=torch.float64).to(value)
+
+
+#: autograd ops linear in each input (a sum, a copy, a selection, a reshaping): affine whatever
+#: of their inputs depends on the latent
+_LINEAR_OPS = frozenset(
+    """Add Sub Rsub Neg Sum Mean Expand View UnsafeView Reshape ReshapeAlias Unsqueeze Squeeze
+    Permute Transpose T Select Slice Index IndexSelect Gather Cat Stack Unbind Clone ToCopy
+    Alias AsStrided Split SplitWithSizes Diagonal DiagEmbed Diag Flip Roll Repeat Cumsum Tril
+    Triu IndexPut Narrow Movedim Unfold Sparse Conj Squeeze1 ExpandAs TakeAlongDim Trace
+    UnbindBackward Chunk SumToSize Lift Identity""".split()
+)
+#: ops bilinear in two inputs: affine when at most one of them depends on the latent
+_BILINEAR_OPS = frozenset(
+    "Mul Mm Mv Bmm Dot Matmul Addmm Addmv Addbmm Baddbmm Einsum Linear Outer Kron".split()
+)
+
+
+#: ``(outer, inner)`` ops that cancel: a parameter read through its link's inverse
+_INVERSE_PAIRS = frozenset({("Log", "Exp"), ("Exp", "Log")})
+
+
+#: elementwise-commuting shape ops a link's inverse may be read through (log(expand(exp(x))))
+_SHAPE_OPS = frozenset(
+    "Expand View UnsafeView Reshape ReshapeAlias Unsqueeze Squeeze Permute Transpose T Select "
+    "Slice Index Clone Alias AsStrided ToCopy".split()
+)
+
+
+def _through_inverse(fn, op: str):
+    """The inverse op under ``fn`` (``exp`` under ``log``), through shape-only ops, or ``None``."""
+    node = fn
+    while True:
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return None
+        node = nxt[0]
+        name = _op_name(node)
+        if (op, name) in _INVERSE_PAIRS:
+            return node
+        if name not in _SHAPE_OPS:
+            return None
+
+
+def _op_name(fn) -> str:
+    name = type(fn).__name__
+    for suffix in ("Backward0", "Backward1", "Backward2", "Backward"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def affine_graph(value: torch.Tensor, leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether autograd's record of ``value`` is affine in the ``leaves``: on every path from a
+    leaf to ``value`` each operation is linear (a sum, a copy, a selection, a reshaping, a
+    product with one factor free of the leaves, a quotient by something free of them).
+
+    A numeric probe cannot tell ``clamp``, ``relu``, ``abs``, ``round``, ``where`` or ``max``
+    from an affine map at a few points (each is affine almost everywhere); the record can. The
+    record does not see a dependence that leaves autograd (a cast to an integer, ``detach``,
+    ``.item()``): the numeric probes check that part (the value moves, the record says no)."""
+    if not value.requires_grad or value.grad_fn is None:
+        return True
+    targets = {id(z) for z in leaves}
+    reach: Dict[int, bool] = {}
+
+    def reaches(fn) -> bool:
+        if fn is None:
+            return False
+        key = id(fn)
+        if key not in reach:
+            reach[key] = False  # (a cycle cannot occur; guards the recursion)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                reach[key] = id(var) in targets
+            else:
+                reach[key] = any(reaches(nxt) for nxt, _ in fn.next_functions)
+        return reach[key]
+
+    stack, seen = [value.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen or not reaches(fn):
+            continue
+        seen.add(id(fn))
+        if getattr(fn, "variable", None) is not None:
+            continue
+        op = _op_name(fn)
+        inputs = [nxt for nxt, _ in fn.next_functions]
+        hits = [reaches(nxt) for nxt in inputs]
+        inverse = _through_inverse(fn, op)
+        if inverse is not None:  # a link read back through its inverse: log(exp(.))
+            stack.extend(nxt for nxt, _ in inverse.next_functions)
+            continue
+        if op in _LINEAR_OPS:
+            pass
+        elif op in _BILINEAR_OPS:
+            if op.startswith("Add") and len(hits) == 3:  # bias + a @ b: one of a, b
+                if hits[1] and hits[2]:
+                    return False
+            elif sum(hits) > 1:
+                return False
+        elif op == "Div":
+            if len(hits) > 1 and hits[1]:  # divided by something that moves with z
+                return False
+        else:
+            return False
+        stack.extend(inputs)
+    return True

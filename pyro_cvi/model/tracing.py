@@ -22,6 +22,7 @@ __all__ = [
     "discrete_dependencies",
     "continuous_dependencies",
     "is_random",
+    "hidden_dependencies",
     "unwrap",
     "latent_weight",
     "LINEAR_PARAMS",
@@ -138,6 +139,79 @@ def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Di
             )
             deps[name] = {n for n, g in zip(names, grads) if g is not None and n != name}
     return deps
+
+
+def hidden_dependencies(
+    trace: Trace,
+    deps: Dict[str, Set[str]],
+    rerun: Callable[[Dict[str, torch.Tensor]], Trace],
+    at: Dict[str, torch.Tensor],
+) -> Dict[str, Set[str]]:
+    """``deps`` with the dependencies autograd does not record: a cast to an integer,
+    ``detach``, ``.item()``. One run of the model (``rerun(values)``) with every continuous
+    latent ``at`` moved (on its unconstrained scale, by at least 2 in each element, so that an
+    integer cast moves too); a site with no recorded latent parent whose parameters (or
+    observed value) move with them is run again per latent, to find which it reads. A model
+    that cannot be run at the moved values keeps ``deps``."""
+    if not at:
+        return deps
+    g = torch.Generator(device="cpu").manual_seed(13)  # (the user's RNG stream untouched)
+    moved_at = {}
+    for n, v in at.items():
+        support = trace.nodes[n]["fn"].support
+        if not v.numel() or support.is_discrete:
+            continue
+        try:
+            t = torch.distributions.biject_to(support)
+        except NotImplementedError:  # (a support with no transform: left where it is)
+            continue
+        with torch.no_grad():
+            u = t.inv(v)
+            r = torch.randn(u.shape, generator=g, dtype=torch.float64).to(u)
+            d = r.sign() * (2 * u.abs().mean().clamp_min(1.0) + r.abs())
+            moved_at[n] = t(u + d)
+    try:
+        with torch.no_grad():
+            moved = rerun(moved_at)
+        suspects = [
+            n
+            for n, d in deps.items()
+            if not d and n in moved.nodes and _site_moved(trace.nodes[n], moved.nodes[n], n in at)
+        ]
+        if not suspects:
+            return deps
+        out = {n: set(d) for n, d in deps.items()}
+        for z in moved_at:
+            with torch.no_grad():
+                one = rerun({z: moved_at[z]})
+            for n in suspects:
+                if n != z and n in one.nodes and _site_moved(trace.nodes[n], one.nodes[n], n in at):
+                    out[n].add(z)
+    except Exception:  # (the model refuses the moved values: nothing more to learn here)
+        return deps
+    return out
+
+
+def _site_moved(site, other, latent: bool) -> bool:
+    """Whether a site's distribution parameters (and, observed, its value) differ between two
+    runs (beyond the probes' tolerance)."""
+    a, b = float_params(site["fn"]), float_params(other["fn"])
+    if not latent:
+        a, b = a + [site["value"]], b + [other["value"]]
+    if len(a) != len(b):
+        return True
+    for x, y in zip(a, b):
+        if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.shape != y.shape:
+            if x is not y:
+                return True
+            continue
+        if not x.is_floating_point():
+            if not torch.equal(x, y):
+                return True
+            continue
+        if not probes.close(x.detach(), y.detach(), probes.rtol(x.dtype)):
+            return True
+    return False
 
 
 def _log_prob(site) -> Optional[torch.Tensor]:

@@ -14,6 +14,7 @@ import re
 from contextlib import contextmanager
 from typing import Iterator
 
+import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.poutine.trace_struct import Trace
@@ -36,6 +37,7 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
     and, where a data argument holds inf or NaN, the linear predictors ``eta = A z + c`` of the
     observed sites, which must then be finite (an infinite covariate gives an infinite ``eta``
     that no distribution refuses: the loss would be ``nan``)."""
+    _refuse_latent_units(analysis.structure, analysis.values)
     check_observations(analysis.structure, structure)
     bad_args = [
         (n, a)
@@ -75,6 +77,20 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
                 "non-finite inputs."
             )
     _check_densities(analysis.structure, structure)
+
+
+def _refuse_latent_units(trace: Trace, latents) -> None:
+    """A ``dist.Unit`` site sampled without ``obs`` is a bare log factor that Pyro's ELBOs read
+    only through a guide that samples it: AutoCVI would give it no ``q`` and drop its factor
+    (a wrong posterior that looks right). Refused by name, with the spelling that observes it."""
+    for name in latents:  # (the analysis trace conditions them: ``latents`` says which)
+        if isinstance(unwrap(trace.nodes[name]["fn"])[0], dist.Unit):
+            raise NotImplementedError(
+                f"site {name!r} is a dist.Unit (a bare log factor) sampled without obs: it "
+                "has no latent value for a q to hold, and its log factor would be dropped. "
+                f"Write it as pyro.factor({name!r}, log_factor), which observes it, or pass "
+                "obs= to pyro.sample."
+            )
 
 
 def _scores_per_batch(fn, value) -> bool:

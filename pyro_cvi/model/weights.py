@@ -5,9 +5,9 @@ site's weight and leaves ``log q`` alone, so a weight ``c`` tempers a prior into
 
 from __future__ import annotations
 
-from .tracing import latent_weight
+from .tracing import latent_weight, unwrap
 
-__all__ = ["UnboundedELBOError", "weighted_chain", "weighted_leaf"]
+__all__ = ["UnboundedELBOError", "leaf_latents", "weighted_chain", "weighted_leaf"]
 
 
 class UnboundedELBOError(ValueError):
@@ -40,3 +40,25 @@ def weighted_chain(structure, chain) -> bool:
     by element."""
     weighted = any(latent_weight(structure.nodes[n]) is not None for n in chain.names)
     return weighted and not chain.takes_weights(structure)
+
+
+def leaf_latents(values, referenced, nodes, own_leaves: bool = False) -> set:
+    """The latents no site depends on (``referenced``: the dependencies), whose ``q`` is their
+    conditional prior; not a tempered one (:func:`weighted_leaf`), and with ``own_leaves`` not
+    one whose prior a Gaussian ``q`` holds exactly (it starts at ``init_loc_fn``'s values)."""
+    return {
+        n
+        for n in values
+        if n not in referenced
+        and not weighted_leaf(n, nodes[n])
+        and not (own_leaves and _gaussian_prior(nodes[n]))
+    }
+
+
+def _gaussian_prior(site) -> bool:
+    """Whether latent ``site``'s prior is an unmasked, unscaled Normal or MultivariateNormal (a
+    Gaussian q holds it exactly; a masked element has no prior to hold)."""
+    base, mask, _ = unwrap(site["fn"])
+    if mask is not None or latent_weight(site) is not None:
+        return False
+    return type(base).__name__ in ("Normal", "MultivariateNormal")
