@@ -50,6 +50,7 @@ ADAM_STEPS = {
     "lognormal-normal-logscale/float32": 1776,
     "lognormal-normal-logscale/float64": 1776,
     "lognormal-normal-softplus/float32": 1773,
+    "lognormal-normal-softplus/float64": 1773,
 }
 
 #: lr at which Adam needed ADAM_STEPS
@@ -82,6 +83,7 @@ ADAM_LR = {
     "lognormal-normal-logscale/float32": 0.02,
     "lognormal-normal-logscale/float64": 0.02,
     "lognormal-normal-softplus/float32": 0.02,
+    "lognormal-normal-softplus/float64": 0.02,
 }
 
 #: Adam (lr 0.02 and 0.05) was not within tolerance for 100 steps running in this many steps:
