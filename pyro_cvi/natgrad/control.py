@@ -33,7 +33,8 @@ before it is clipped at 3 running RMS each step, and its ratio then settles near
 hence 0.4. Noise alone stays below 0.4 five steps running about once in 2,500 steps for a
 one-dimensional direction, never in 20,000 for two or more.) Measured: a Normal guide whose
 data move by 18 posterior deviations after 400 steps is back within Pyro's tolerance in 16-33
-steps, 63-85 without the recovery (``tests/test_natgrad.py``). (Measured on the centred eight schools, AutoNormal: a floor of 0.01 left the bound at
+steps, 63-85 without the recovery (``tests/test_natgrad.py``).
+(Measured on the centred eight schools, AutoNormal: a floor of 0.01 left the bound at
 35.3 after 2,000 steps; 0.3 reaches 33.6 in 250, where Adam needs 2,000 steps for 34.1:
 ``scripts/benchmark_natgrad_control.py``.) Each step is also capped by a trust
 region (``max_rel`` in :mod:`pyro_cvi.gaussian.steps`).
