@@ -25,19 +25,20 @@ hyperparameter). The averaging of the noise at the optimum is the ceiling's: onc
 stay below ``noisy_ratio`` for ``patience`` steps in a row, it decays by ``decay`` (to
 ``min_ceiling`` at the least), as the ceiling of :mod:`pyro_cvi.step_control` does under noise: a
 constant step leaves ``q`` jittering around the optimum with an amplitude that grows with the
-step. The decay is undone once a direction persists again (``q`` is off its
+step. (Measured on the centred eight schools, AutoNormal: a floor of 0.01 left the bound at
+35.3 after 2,000 steps; 0.3 reaches 33.6 in 250, where Adam needs 2,000 steps for 34.1:
+``scripts/benchmark_natgrad_control.py``.) Each step is also capped by a trust
+region (``max_rel`` in :mod:`pyro_cvi.gaussian.steps`).
+
+The decay is undone once a direction persists again (``q`` is off its
 optimum: the data or a hyperparameter moved, or the noise fell, e.g. a control variate took it
 out): when the larger ratio is at least ``signal_ratio`` (0.4) for ``patience`` steps in a
 row, the decayed ceiling doubles each step, back to 1. (A direction far larger than the noise
 before it is clipped at 3 running RMS each step, and its ratio then settles near 0.46, not 1:
-hence 0.4. Noise alone stays below 0.4 five steps running about once in 2,500 steps for a
+hence 0.4. Noise alone is at 0.4 or above five steps running about once in 2,500 steps for a
 one-dimensional direction, never in 20,000 for two or more.) Measured: a Normal guide whose
 data move by 18 posterior deviations after 400 steps is back within Pyro's tolerance in 16-33
 steps, 63-85 without the recovery (``tests/test_natgrad.py``).
-(Measured on the centred eight schools, AutoNormal: a floor of 0.01 left the bound at
-35.3 after 2,000 steps; 0.3 reaches 33.6 in 250, where Adam needs 2,000 steps for 34.1:
-``scripts/benchmark_natgrad_control.py``.) Each step is also capped by a trust
-region (``max_rel`` in :mod:`pyro_cvi.gaussian.steps`).
 """
 
 from __future__ import annotations
