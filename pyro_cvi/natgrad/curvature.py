@@ -37,6 +37,11 @@ explains part of that variance, the metric while it explains at least half; othe
 step is the plain diagonal one.
 Only single-draw steps of Normal sites of at most ``MAX_DIM`` coordinates are fitted, and only
 while the gradients are the reparameterised ones of the draw (:func:`reparameterised`).
+
+A full-covariance site (``MultivariateNormal(loc, scale_tril=L)``) uses the same fit for
+Price's precision target with control variates (:func:`tril_with_draw`), from ``d + 2`` draws
+on: its one-draw precision estimate is a Wishart-like draw, and its step already has the full
+metric.
 """
 
 from __future__ import annotations
