@@ -124,9 +124,9 @@ class CVI(PyroOptim):
         t, saved, grad_mode = self.t, dict(self.saved_controls), torch.is_grad_enabled()
         try:
             obs = current()
-            sites = obs.take() if obs is not None else {}
+            sites = obs.take(params) if obs is not None else {}
             self.gaussians.observe(sites)
-            loss = obs.take_loss if obs is not None else None  # (formed only if needed)
+            loss = (lambda: obs.take_loss(params)) if obs is not None else None  # (if needed)
             engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
             self.t, self.saved_controls = t, saved
@@ -169,7 +169,7 @@ class CVI(PyroOptim):
         self.t += 1
         value = loss() if loss is not None and groups else None
         if loss is not None and not groups:
-            forget()
+            forget(params)
         if groups and value is not None:
             try:
                 take = self.guard.check(value, groups)

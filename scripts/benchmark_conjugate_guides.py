@@ -13,6 +13,11 @@ criterion, at most ``--max-steps``. Prints the table and writes
 
     python scripts/benchmark_conjugate_guides.py
     python scripts/benchmark_conjugate_guides.py -k gamma --dtypes float64
+    python scripts/benchmark_conjugate_guides.py --cvi-only --seeds 0 1 2
+
+``--cvi-only`` measures ``CVI()`` alone, for each of ``--seeds``, against the Adam counts
+recorded in ``tests/test_conjugate_guides.py``; its counts are written into the matching rows
+of the results file (``cvi_steps_per_seed``), whose Adam columns it keeps.
 """
 
 from __future__ import annotations
@@ -51,11 +56,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "benchmark_conjugate_guides.json"))
     ap.add_argument("--quick", action="store_true", help="Normal-Normal pairs, lr 0.05 (< 2 min)")
     ap.add_argument("--adam-only", action="store_true", help="measure Adam's counts only")
+    ap.add_argument("--cvi-only", action="store_true", help="measure CVI()'s counts only")
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="seeds of --cvi-only")
     a = ap.parse_args(argv)
     if a.quick:
         a.k, a.lrs, a.max_steps = ["normal-normal"], [0.05], 2000
     torch.set_num_threads(1)
     pyro.enable_validation(False)
+    if a.cvi_only:
+        return cvi_only(a)
     rows = []
     t0 = time.process_time()
     print(f"{'pair':32s} {'dtype':8s} {'adam steps':>10s} {'lr':>5s} {'cvi steps':>10s}  cvi error")
@@ -126,6 +135,58 @@ def main(argv=None) -> int:
     out = quick_path(a.out, a.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "verdict": verdict, "rows": rows}, indent=1))
+    return 0
+
+
+def cvi_only(a) -> int:
+    """``CVI()``'s first step within tolerance (staying for ``STAY`` steps) per seed, against
+    the recorded Adam counts; merged into the rows of ``a.out``."""
+    import test_conjugate_guides as recorded
+
+    t0 = time.process_time()
+    out = Path(a.out)
+    saved = json.loads(out.read_text()) if out.exists() else {"meta": {}, "rows": []}
+    by_key = {(r["pair"], r["dtype"]): r for r in saved["rows"]}
+    print(f"{'pair':32s} {'dtype':8s} {'adam steps':>10s} {'budget':>7s}  cvi steps per seed")
+    reached = total = 0
+    for pair in cases.PAIRS:
+        if a.k and not any(k in pair.name for k in a.k):
+            continue
+        for dname in a.dtypes:
+            key = f"{pair.name}/{dname}"
+            adam = recorded.ADAM_STEPS.get(key)
+            not_within = recorded.ADAM_NOT_WITHIN.get(key)
+            bound = adam if adam is not None else not_within
+            firsts = []
+            for seed in a.seeds:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    first, _ = cases.fit(pair, cases.DTYPES[dname], CVI(), a.max_steps, seed=seed)
+                firsts.append(first)
+                total += 1
+                reached += bound is not None and first is not None and first * 10 <= bound
+            adam_txt = str(adam) if adam is not None else f">{not_within}"
+            budget = str(bound // 10) if bound is not None else "-"
+            print(f"{pair.name:32s} {dname:8s} {adam_txt:>10s} {budget:>7s}  {firsts}", flush=True)
+            row = by_key.get((pair.name, dname))
+            if row is None:
+                row = by_key[(pair.name, dname)] = {"pair": pair.name, "dtype": dname}
+                row.update({"adam_steps": adam, "adam_not_within": not_within})
+                saved["rows"].append(row)
+            row["cvi_steps_per_seed"] = dict(zip(map(str, a.seeds), firsts))
+            row["cvi_steps"] = firsts[0]
+    verdict = f"CVI() within a tenth of Adam's steps in {reached} of {total} runs (seeds {a.seeds})"
+    print(verdict)
+    saved["meta"]["cvi_only"] = {
+        "seeds": a.seeds,
+        "max_steps": a.max_steps,
+        "cpu_seconds": time.process_time() - t0,
+        "verdict": verdict,
+        "command": "python scripts/benchmark_conjugate_guides.py --cvi-only --seeds "
+        + " ".join(map(str, a.seeds))
+        + (f" -k {' '.join(a.k)}" if a.k else ""),
+    }
+    out.write_text(json.dumps(saved, indent=1))
     return 0
 
 

@@ -37,6 +37,11 @@ explains part of that variance, the metric while it explains at least half; othe
 step is the plain diagonal one.
 Only single-draw steps of Normal sites of at most ``MAX_DIM`` coordinates are fitted, and only
 while the gradients are the reparameterised ones of the draw (:func:`reparameterised`).
+
+A full-covariance site (``MultivariateNormal(loc, scale_tril=L)``) uses the same fit for
+Price's precision target with control variates (:func:`tril_with_draw`), from ``d + 2`` draws
+on: its one-draw precision estimate is a Wishart-like draw, and its step already has the full
+metric.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["MAX_DIM", "R_FLOOR", "DrawCurvature"]
+__all__ = ["MAX_DIM", "R_FLOOR", "DrawCurvature", "tril_with_draw"]
 
 #: sites with more coordinates keep the diagonal step (the fit is ``O(d^3)`` a step)
 MAX_DIM = 64
@@ -63,11 +68,14 @@ class DrawCurvature:
     """The exponentially weighted moments of ``(u_t, h_t)`` of one diagonal Gaussian, and
     the averaged squared norms that decide whether the fit is used."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, min_draws: Optional[int] = None, checks: int = CHECKS) -> None:
         self.dim = dim
-        #: draws in the fit's memory (``1 / (1 - forget)``); none is used before that many
+        #: draws in the fit's memory (``1 / (1 - forget)``)
         self.window = 2 * dim + 10
         self.forget = 1.0 - 1.0 / self.window
+        #: no fit is made from fewer draws (default: ``window``); predictions judged first
+        self.min_draws = self.window if min_draws is None else max(dim + 1, min_draws)
+        self.checks = checks
         self.n = 0
         z = torch.zeros(dim, dtype=torch.float64)
         zz = torch.zeros(dim, dim, dtype=torch.float64)
@@ -79,9 +87,9 @@ class DrawCurvature:
 
     def fit(self, s: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(A, c)`` (``A`` symmetric, ``d x d``) from the moments so far, whitened by the
-        current scales ``s`` for the solve; ``None`` before ``window`` draws or when
+        current scales ``s`` for the solve; ``None`` before ``min_draws`` draws or when
         singular."""
-        if self.n < self.window:
+        if self.n < self.min_draws:
             return None
         ubar, hbar = self.u / self.w, self.h / self.w
         suu = self.uu / self.w - torch.outer(ubar, ubar)
@@ -118,12 +126,13 @@ class DrawCurvature:
         self.error = white if self.checked == 1 else (1 - r) * self.error + r * white
         var = (self.hh / self.w - (self.h / self.w).pow(2)).clamp_min(0.0)
         total = float((s * s * var).sum())
-        if self.checked < CHECKS:  # the fit is judged on that many predictions first
+        if self.checked < self.checks:  # the fit is judged on that many predictions first
             return False, False
         return self.error < total, self.error < METRIC_GAIN * total
 
     def state(self) -> Dict:
         keys = ("n", "w", "u", "h", "uu", "hu", "hh", "error", "checked", "started")
+        keys += ("min_draws", "checks")
         return {k: getattr(self, k) for k in keys}
 
     def load(self, state: Dict) -> None:
@@ -210,3 +219,70 @@ def diag_with_draw(
         return (root * x).to(dtype).reshape(shape), sd.to(dtype).reshape(shape)
 
     return gm_out, gs_out, precondition
+
+
+def tril_reparameterised(
+    m: torch.Tensor,
+    L: torch.Tensor,
+    gm: torch.Tensor,
+    gL: torch.Tensor,
+    u: torch.Tensor,
+    dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """``eps = L^-1 (u - m)`` where the gradients are the reparameterised ones of the draw
+    ``u = m + L eps`` of ``N(m, L L^T)``: ``dl/dL = tril(h eps^T) - diag(1 / L_ii)`` with
+    ``h = dl/dm`` (Trace_ELBO's), up to ``dtype``'s round-off; else ``None``."""
+    eps = torch.linalg.solve_triangular(L, (u - m).unsqueeze(-1), upper=False).squeeze(-1)
+    expect = torch.outer(gm, eps).tril() - torch.diag(1.0 / L.diagonal())
+    # (round-off of the triangular solve is relative to the whole matrix, not per element)
+    size = float(gL.abs().amax() + gm.abs().amax() * eps.abs().amax() + expect.abs().amax())
+    tol = 1e3 * torch.finfo(dtype).eps
+    ok = torch.isfinite(eps).all() and ((gL.tril() - expect).abs() <= tol * size).all()
+    return eps if bool(ok) else None
+
+
+def tril_with_draw(
+    m: torch.Tensor,
+    L: torch.Tensor,
+    gm: torch.Tensor,
+    gL: torch.Tensor,
+    u: torch.Tensor,
+    curv: DrawCurvature,
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(dl/dm, G)`` for :func:`pyro_cvi.gaussian.steps.tril_step` of a full-covariance
+    Gaussian ``N(m, L L^T)`` with one draw ``u = m + L eps``, from the fit ``h(u) ~ A u + c``
+    made before this draw (the draw then enters it); ``None``: the plain step.
+
+    Price's theorem gives the precision's target ``E_q[dh/du] = E_q[h eps^T] L^-1``; its
+    one-draw estimate ``h eps^T L^-1`` is a Wishart-like draw around it. With the zero-mean
+    control variates ``A (u - m)`` and ``(A u + c) eps^T - A L``::
+
+        dl/dm = h - A (u - m),    G = 2 dl/dS = sym((h - A u - c) eps^T L^-1) + A - S^-1
+
+    (unbiased for any ``A`` fixed before the draw; where the posterior is Gaussian,
+    ``h = A u + c`` exactly and both are the exact expected gradients)."""
+    dtype, shape = m.dtype, m.shape
+    m64, gm64, u64 = (t.detach().double().reshape(-1) for t in (m, gm, u))
+    L64, gL64 = L.detach().double(), gL.detach().double()
+    curv.active = False
+    eps = tril_reparameterised(m64, L64, gm64, gL64, u64, dtype)
+    if eps is None:
+        return None
+    s = L64.pow(2).sum(-1).sqrt()  # marginal standard deviations: the fit's whitening
+    fitted = curv.fit(s)
+    if fitted is None:
+        curv.add(u64, gm64)
+        return None
+    a, c = fitted
+    r = gm64 - (a @ u64 + c)
+    use_cv, _ = curv.gains(r, s)
+    curv.add(u64, gm64)
+    if not use_cv:
+        return None
+    curv.active = True
+    eye = torch.eye(curv.dim, dtype=torch.float64)
+    lower_inv = torch.linalg.solve_triangular(L64, eye, upper=False)
+    hess = torch.outer(r, eps) @ lower_inv
+    G = 0.5 * (hess + hess.mT) + a - lower_inv.mT @ lower_inv
+    gm_cv = gm64 - a @ (u64 - m64)
+    return gm_cv.to(dtype).reshape(shape), G.to(dtype)

@@ -28,6 +28,15 @@ What it changes: while a ``CVI()`` is alive ``pyro.poutine.runtime.am_i_wrapped(
 itself when the last ``CVI()`` is garbage-collected. Under ``JitTrace_ELBO`` the guide runs in
 Python only while being compiled: what was seen then is kept
 (:mod:`pyro_cvi.natgrad.sites` caches it).
+
+**Several ``CVI()`` optimizers** (two ``SVI`` objects in one process) share the one observer.
+While more than one is alive, every guide site is recorded with the raw parameters its
+distribution depends on (the leaves of its autograd graph), and each optimizer takes only the
+sites whose parameters it was handed, leaving the others for their own optimizer, whatever the
+order of the losses and the steps (``SVI.step`` in turn, or both losses before both steps).
+The log of the loss estimate is cut into the loss runs that made it (each run: its guide's
+sites, then its model's) and each optimizer takes the runs of its own guide; a run whose guide
+sites belong to two optimizers gives no estimate (``None``), never a mixed one.
 """
 
 from __future__ import annotations
@@ -35,13 +44,16 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
 __all__ = ["GuideSite", "SiteObserver", "current", "forget", "observer"]
+
+#: the raw parameters (ids) a guide site depends on; ``None``: not looked up (one optimizer)
+Leaves = Optional[frozenset]
 
 PARTICLE_PLATE = "num_particles_vectorized"
 #: at most this many sites are kept for the loss estimate between two steps
@@ -59,6 +71,9 @@ class GuideSite:
     #: the value drawn (detached) and how often the site ran since the last step
     value: Optional[torch.Tensor] = None
     runs: int = 1
+    #: the raw parameters (ids) its distribution depends on, while several optimizers share
+    #: the observer (else ``None``)
+    leaves: Leaves = None
 
 
 class SiteObserver(Messenger):
@@ -67,8 +82,8 @@ class SiteObserver(Messenger):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sites: Dict[str, GuideSite] = {}
-        self.log: List[Tuple[int, Any, Any, Any, Any, str, int]] = []
+        self.sites: Dict[Tuple[str, Leaves], GuideSite] = {}
+        self.log: List[Tuple[int, Any, Any, Any, Any, str, int, Leaves]] = []
         self.broken = False
 
     # Messenger protocol: only sample sites are looked at
@@ -90,14 +105,18 @@ class SiteObserver(Messenger):
                 particles = int(frame.size)
         scale = msg["scale"]
         guide = not done and not observed
+        leaves: Leaves = None
+        if guide and _STATE["users"] > 1:
+            leaves = _leaves(fn)
         if guide and torch.is_grad_enabled() and _has_params(fn):
             # (a model run on its own inside a custom loss samples its latent sites too:
             # their priors, without parameters, do not replace the guide's site)
             c = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else math.nan
-            seen = self.sites.get(msg["name"])
+            key = (msg["name"], leaves)
+            seen = self.sites.get(key)
             value = msg["value"].detach() if torch.is_tensor(msg["value"]) else None
             runs = 1 if seen is None else seen.runs + 1
-            self.sites[msg["name"]] = GuideSite(msg["name"], fn, c, particles, value, runs)
+            self.sites[key] = GuideSite(msg["name"], fn, c, particles, value, runs, leaves)
         if len(self.log) >= MAX_LOG:  # no CVI() step for long (another optimizer runs):
             self.broken, self.log = True, []  # the loss estimate is off until the next step
         if self.broken:
@@ -110,24 +129,58 @@ class SiteObserver(Messenger):
             self.broken = True
             return
         sign = -1 if guide else 1
-        self.log.append((sign, fn, msg["value"], scale, msg["mask"], msg["name"], particles))
+        entry = (sign, fn, msg["value"], scale, msg["mask"], msg["name"], particles, leaves)
+        self.log.append(entry)
 
-    def take(self) -> Dict[str, GuideSite]:
-        """The guide sites seen since the last call (and forget them)."""
-        sites, self.sites = self.sites, {}
-        return sites
+    def take(self, params: Optional[Sequence[torch.Tensor]] = None) -> Dict[str, GuideSite]:
+        """The guide sites seen since the last call (and forget them); with ``params``, only
+        those whose distribution depends on one of them (the others are kept for the
+        optimizer they belong to)."""
+        mine = _ids(params)
+        taken: Dict[str, GuideSite] = {}
+        for key in list(self.sites):
+            site = self.sites[key]
+            if mine is None or site.leaves is None or site.leaves & mine:
+                del self.sites[key]
+                taken[site.name] = site
+        return taken
 
-    def take_loss(self) -> Optional[float]:
-        """The ``-ELBO`` estimate of what was seen since the last call, or ``None``."""
+    def _take_log(self, params: Optional[Sequence[torch.Tensor]]) -> Optional[List[Tuple]]:
+        """The loss runs of the log that belong to ``params`` (all, without them), taken out
+        of it; ``None`` where a run's guide sites belong to ``params`` and to others."""
+        mine = _ids(params)
         log, broken = self.log, self.broken
-        self.log, self.broken = [], False
-        if broken or not log or not any(sign > 0 for sign, *_ in log):
+        if mine is None or all(e[7] is None for e in log):
+            self.log, self.broken = [], False
+            return None if broken else log
+        runs: List[List[Tuple]] = []
+        for e in log:  # a run: guide sites (sign -1), then the model's (sign +1)
+            if not runs or (e[0] < 0 and runs[-1][-1][0] > 0):
+                runs.append([])
+            runs[-1].append(e)
+        kept: List[Tuple] = []
+        rest: List[Tuple] = []
+        mixed = False
+        for run in runs:
+            owners = [e[7] & mine for e in run if e[0] < 0 and e[7]]
+            if any(owners) and not all(owners):
+                mixed = True
+            (kept if any(owners) else rest).extend(run)
+        self.log, self.broken = rest, broken and bool(rest)
+        return None if broken or mixed else kept
+
+    def take_loss(self, params: Optional[Sequence[torch.Tensor]] = None) -> Optional[float]:
+        """The ``-ELBO`` estimate of what was seen since the last call (of the loss runs whose
+        guide ``params`` feed, with them), or ``None``."""
+        log = self._take_log(params)
+        if not log or not any(e[0] > 0 for e in log):
             return None
         # the loss ran every site equally often (its particles); sites run outside it (a
         # guide called on its own to set it up) are the earlier extra occurrences
-        by_name: Dict[str, List[int]] = {}
+        # (by guide or model and name: a latent site has one entry of each per run)
+        by_name: Dict[Tuple[int, str], List[int]] = {}
         for i, entry in enumerate(log):
-            by_name.setdefault(entry[5], []).append(i)
+            by_name.setdefault((entry[0], entry[5]), []).append(i)
         runs = min(len(v) for v in by_name.values())
         kept = sorted(i for v in by_name.values() for i in v[len(v) - runs :])
         if not any(log[i][0] > 0 for i in kept):
@@ -136,7 +189,7 @@ class SiteObserver(Messenger):
         particles = 1
         with torch.no_grad():
             for i in kept:
-                sign, fn, value, scale, mask, name, particles = log[i]
+                sign, fn, value, scale, mask, name, particles, _ = log[i]
                 try:
                     lp = fn.log_prob(value)
                 except (ValueError, RuntimeError):
@@ -196,8 +249,50 @@ def current() -> Optional[SiteObserver]:
     return obs if isinstance(obs, SiteObserver) else None
 
 
-def forget() -> None:
-    """Drop the log of the loss's sites (no loss estimate is needed this step)."""
+def forget(params: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Drop the log of the loss's sites (of the runs ``params`` feed, with them): no loss
+    estimate is needed this step."""
     obs = current()
     if obs is not None:
-        obs.log, obs.broken = [], False
+        obs._take_log(params)
+
+
+def _ids(params: Optional[Sequence[torch.Tensor]]) -> Optional[frozenset]:
+    """The ids of ``params``; ``None`` (take everything) without them or while only one
+    optimizer uses the observer."""
+    if params is None or _STATE["users"] <= 1:
+        return None
+    return frozenset(id(p) for p in params)
+
+
+#: at most this many autograd nodes are walked for a site's parameters
+MAX_NODES = 10_000
+
+
+def _leaves(fn: Any) -> frozenset:
+    """The ids of the leaf tensors that require grad (the raw parameters) on the autograd
+    graphs of the distribution's tensors (and of those of the distributions it wraps)."""
+    found = set()
+    seen = set()
+    stack: List[Any] = []
+    dists = [fn]
+    while dists and len(dists) < 64:
+        d = dists.pop()
+        for v in vars(d).values():
+            if torch.is_tensor(v) and v.requires_grad:
+                if v.grad_fn is None:
+                    found.add(id(v))
+                else:
+                    stack.append(v.grad_fn)
+            elif isinstance(v, torch.distributions.Distribution):
+                dists.append(v)
+    while stack and len(seen) < MAX_NODES:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(f for f, _ in node.next_functions)
+    return frozenset(found)

@@ -12,7 +12,7 @@ import torch
 
 from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
-from .curvature import MAX_DIM, DrawCurvature, diag_with_draw
+from .curvature import MAX_DIM, DrawCurvature, diag_with_draw, tril_with_draw
 from .expfam import (
     CONCENTRATION_FAMILIES,
     MAX_FACTOR,
@@ -172,7 +172,7 @@ class GaussianStepper:
                 control = self.controls[g.label] = _control(g.family)
             beta, beta_mean = beta_of(control)
             max_rel = 1.0 if adaptive else None
-            fit = self._fit(g) if g.family == "diag" else None
+            fit = self._fit(g) if g.family in _FITTED else None
             if g.site and fit is None:  # the score control variate of the site's draw
                 # (natgrad.expfam; a curvature fit carries its own control variates)
                 gaussian_score_control(g, self.draws.get(g.site), control, cons)
@@ -187,6 +187,8 @@ class GaussianStepper:
                     # the gradients' noise changed: the step control starts afresh
                     fit[1].started = True
                     control = self.controls[g.label] = _control(g.family)
+            elif g.family == "tril":
+                new, d = _tril(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
             else:
                 new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
@@ -204,14 +206,18 @@ class GaussianStepper:
                 )
 
     def _fit(self, g: GaussianGroup) -> Optional[Tuple[torch.Tensor, DrawCurvature]]:
-        """``(draw, curvature fit)`` of a diagonal Gaussian with one draw this step
-        (:mod:`.curvature`), else ``None``."""
+        """``(draw, curvature fit)`` of a diagonal or full-covariance Gaussian with one draw
+        this step (:mod:`.curvature`), else ``None``. A full covariance takes the fit from
+        ``d + 2`` draws on (its step has no other way to average the one-draw Wishart noise);
+        a diagonal one after a window of ``2 d + 10``."""
         draw = self.normal_draws.get(g.roles["loc"])
         if draw is None or not 2 <= draw.numel() <= MAX_DIM:
             return None
         curv = self.curvatures.get(g.label)
         if curv is None or curv.dim != draw.numel():
-            curv = self.curvatures[g.label] = DrawCurvature(draw.numel())
+            d = draw.numel()
+            curv = DrawCurvature(d) if g.family == "diag" else DrawCurvature(d, d + 2, 2)
+            self.curvatures[g.label] = curv
         return draw, curv
 
     def state(self) -> Dict:
@@ -225,6 +231,7 @@ class GaussianStepper:
             if k == _CURVATURES:
                 for label, cs in v.items():
                     curv = self.curvatures[label] = DrawCurvature(int(cs["u"].numel()))
+                    # (min_draws and checks, where saved, are restored by load)
                     curv.load(cs)
             else:
                 self.controls.setdefault(k, NoiseControl()).load(v)
@@ -246,10 +253,15 @@ def _diag(g, cons, beta, retraction, max_rel, fit=None):
     return {"loc": m2, "scale": s2}, d
 
 
-def _tril(g, cons, beta, retraction, max_rel):
+def _tril(g, cons, beta, retraction, max_rel, fit=None):
     m, gm = _rd(g, "loc", cons)
     L, gL = _rd(g, "scale_tril", cons)
-    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1])
+    G = None
+    if fit is not None and fit[0].shape == m.shape and m.dim() == 1:
+        fitted = tril_with_draw(m, L, gm, gL, fit[0], fit[1])
+        if fitted is not None:
+            gm, G = fitted
+    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1], G)
     return {"loc": m2, "scale_tril": L2}, d
 
 
@@ -309,6 +321,9 @@ _STEPS = {
 }
 
 
+#: the families whose single draws are fitted (:mod:`.curvature`)
+_FITTED = ("diag", "tril")
+
 #: the key of the curvature fits in :meth:`GaussianStepper.state`
 _CURVATURES = "__curvatures__"
 
@@ -316,13 +331,14 @@ _CURVATURES = "__curvatures__"
 def _single_draw(site: GuideSite, g: Optional[GaussianGroup]) -> Optional[torch.Tensor]:
     """The value of a ``Normal`` site (under ``.to_event`` only) run once since the last step
     with one particle, of its loc's shape: the draw whose gradient the loss wrote."""
-    if g is None or g.family != "diag" or site.runs != 1 or site.particles != 1:
+    if g is None or g.family not in _FITTED or site.runs != 1 or site.particles != 1:
         return None
     fn = site.fn
     while type(fn).__name__ == "Independent":
         fn = fn.base_dist
     value = site.value
-    if type(fn).__name__ != "Normal" or value is None or value.shape != fn.loc.shape:
+    family = {"diag": "Normal", "tril": "MultivariateNormal"}[g.family]
+    if type(fn).__name__ != family or value is None or value.shape != fn.loc.shape:
         return None
     return value
 
