@@ -104,3 +104,19 @@ def test_affine_graph_knows_affine_from_piecewise(dtype):
         assert affine_graph(v, [z]), what
     for what, v in general.items():
         assert not affine_graph(v, [z]), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_affine_graph_of_normalised_logits(dtype):
+    """A Categorical normalises its logits (``x - logsumexp(x)``): affine only up to a per-row
+    constant, which the softmax factor's centring removes (``row_constant``); a piecewise op
+    inside the logits is still found."""
+    z = torch.randn(3, dtype=dtype, requires_grad=True)
+    X = torch.randn(5, 3, dtype=dtype)
+    f = X @ z
+    lin = torch.distributions.Categorical(logits=torch.stack([torch.zeros_like(f), f], -1))
+    assert not affine_graph(lin.logits, [z])
+    assert affine_graph(lin.logits, [z], row_constant=True)
+    clamped = torch.stack([torch.zeros_like(f), f.clamp(-1, 1)], -1)
+    cat = torch.distributions.Categorical(logits=clamped)
+    assert not affine_graph(cat.logits, [z], row_constant=True)

@@ -12,9 +12,7 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
   softmax factor (:mod:`~pyro_cvi.messages.softmax_sites`), O(N K^2) parameters;
 * one ``(h, P)`` pair for all general factors (Bonnet/Price Monte Carlo, from gradients only
   by default, :mod:`~pyro_cvi.messages.gaussian`);
-* with ``init_loc_fn``, a start offset ``h0 = Lambda (m_init - m)`` that moves q's mean to the
-  given values (as Pyro's autoguides start). No factor sends it a message: its target is zero,
-  so eq. 12 shrinks it by ``1 - beta`` every step.
+* with ``init_loc_fn``, a start offset ``h0`` (:mod:`~pyro_cvi.blocks.init_start`).
 
 The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
 dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
@@ -63,6 +61,7 @@ from ..update import (
     targets_from_grads,
 )
 from .block_prior import block_prior
+from .init_start import InitLocStart
 from .laplace import LaplaceStart
 from .plate_sites import PlateSites
 from .registry import register_block_kind
@@ -72,7 +71,7 @@ from .site_form import SiteFormBlock
 __all__ = ["GaussianBlock", "block_prior"]
 
 
-class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
+class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
     """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
@@ -98,10 +97,7 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
         self.general_names = (
             (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
         )
-        #: the start offset's name (only with ``init_loc_fn``), and the values it starts q at
-        self.init_name: Optional[str] = None
-        self._init_at: Optional[torch.Tensor] = None
-        self._init_key = f"{prefix}.init_h.{key}"
+        self.init_start_fields(f"{prefix}.init_h.{key}")
         self.z_at: Optional[torch.Tensor] = None
         self.prior: Optional[GaussianPrior] = None
         self.rows: List[Tuple[Optional[str], RowBlock]] = []
@@ -123,40 +119,6 @@ class GaussianBlock(LaplaceStart, PlateSites, SiteFormBlock):
             + ([self.init_name] if self.init_name else [])
             + list(self.general_names)
         )
-
-    setup_traces = ("init",)
-
-    def setup(self, init) -> None:
-        """The site parameters; with ``init_loc_fn``, the start offset (zero until
-        :meth:`initialise` sets it from the block's first ``q``)."""
-        super().setup(init)
-        if init.init_loc_fn is None or init.init_trace is None:
-            return
-        at = {n: init.init_trace.nodes[n]["value"].detach() for n in self.names}
-        self._init_at = self.spec.join(at).to(self.z_at)
-        self.init_name = self._init_key
-        pyro.param(self.init_name, lambda: self.z_at.new_zeros(self.spec.dim))
-
-    def initialise(self, ctx: StepContext, fresh: bool) -> None:
-        super().initialise(ctx, fresh)
-        if self.init_name is None or not fresh or self._init_at is None:
-            return
-        # h0 = Lambda (m_init - m): q's mean moves to the values, its precision stays
-        post = self.post
-        delta = self._init_at - post.loc.detach()
-        h0 = torch.linalg.solve(post.covariance(), delta)
-        with torch.no_grad():
-            pyro.param(self.init_name).copy_(h0.detach())
-        self.post = self._solve()
-        self._sync_rows()
-
-    def continue_from(self, previous, values: Dict[str, torch.Tensor]) -> None:
-        super().continue_from(previous, values)
-        if isinstance(previous, GaussianBlock) and previous.init_name is not None:
-            self.init_name = previous.init_name  # (new data: the offset keeps shrinking)
-
-    def _init_h(self) -> Optional[torch.Tensor]:
-        return pyro.param(self.init_name) if self.init_name else None
 
     def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters (zero: ``q = prior``, Algorithm 1's start)."""

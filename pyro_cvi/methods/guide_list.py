@@ -20,8 +20,9 @@ for point-mass parts such as ``AutoDelta``), hands it to the CVI part (which com
 messages and natural gradients at that ``s``) and subtracts ``log q_other(s)``.
 
 Under a Pyro ELBO (``Trace_ELBO``, ...) the guide list is refused by name before any step
-(:func:`pyro_elbo_refusal`): Pyro differentiates a Monte Carlo estimate, and the CVI part's
-natural parameters get no gradient from it, so its ``q`` would stay at the start.
+(:func:`pyro_cvi.guide_state.pyro_elbo_refusal`): Pyro differentiates a Monte Carlo estimate,
+and the CVI part's natural parameters get no gradient from it, so its ``q`` would stay at the
+start.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ __all__ = [
     "PartsLoss",
     "adopt_guide_list",
     "parts_loss",
-    "pyro_elbo_refusal",
 ]
 
 
@@ -165,18 +165,3 @@ def parts_loss(guide_list: Any, cvi_types: Tuple[type, ...]) -> Optional[PartsLo
         loss = PartsLoss(guide_list, cvis[0])
         guide_list._cvi_parts_loss = loss
     return loss
-
-
-def pyro_elbo_refusal(part: Any, guide_list: Any) -> str:
-    """The error for an AutoGuideList whose AutoCVI ``part`` runs inside ``SVI.step`` under a
-    Pyro ELBO before any CVI step (raised before the step changes anything)."""
-    others = ", ".join(type(p).__name__ for p in guide_list if p is not part)
-    return (
-        f"an AutoGuideList with an {type(part).__name__} part ran inside SVI.step under a Pyro "
-        "ELBO (Trace_ELBO, TraceEnum_ELBO, ...): the part's q is computed by conjugate "
-        "computations, which a Pyro ELBO's gradient does not reach, so it would never change. "
-        f"Train the guide list with SVI(model, guide_list, CVI(), CVI_ELBO()): its loss is the "
-        f"bound of the joint guide, with natural-gradient steps for the {type(part).__name__} "
-        f"part and the inner optimiser's for the others ({others}). Trace_ELBO can evaluate "
-        "the trained guide list."
-    )

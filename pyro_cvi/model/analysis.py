@@ -37,6 +37,7 @@ from . import gaussian_tree, probes
 from .bilinear import BILINEAR_FORM, bilinear_factor, find_bilinear
 from .block_factors import chain_factor, cross_factor, plate_factor, softmax_factor
 from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
+from .dependencies import continuous_dependencies, discrete_dependencies, hidden_dependencies
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -61,10 +62,7 @@ from .records import (
 from .remainder import apply_remainder, remainder_factor, remainder_sets
 from .structures import find_chains
 from .tracing import (
-    continuous_dependencies,
     describe_link,
-    discrete_dependencies,
-    hidden_dependencies,
     is_random,
     linear_candidates,
     linear_param,
@@ -386,13 +384,15 @@ class Analysis:
             return Factor(site, label, LINEAR, why, name, A, dynamic, link=link)
         return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
 
-    def probed_rows(self, site: str, block: BlockSpec, value, read: Callable):
+    def probed_rows(
+        self, site: str, block: BlockSpec, value, read: Callable, row_constant: bool = False
+    ):
         """The Jacobian ``A`` of ``value`` in the block's joint z (autograd), confirmed affine
         at the shared probe runs (``read(fn)`` takes the same quantity from a moved trace):
         ``(A, dynamic)``, or ``None`` when it is not affine."""
         tr, leaves = self.leaf_trace()
         zs = [leaves[n] for n in block.names]
-        if not probes.affine_graph(value, zs):  # piecewise ops are affine only a.e.
+        if not probes.affine_graph(value, zs, row_constant):  # piecewise: affine a.e. only
             return None
         with torch.enable_grad():
             jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}

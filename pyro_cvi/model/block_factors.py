@@ -163,7 +163,7 @@ def softmax_factor(an, site: str, block, base) -> Factor:
     K = value.shape[-1]
     if not value.requires_grad:
         return Factor(site, label, GENERAL, f"{kind_name} logits do not depend on {label}")
-    probed = an.probed_rows(site, block, value, centred_logits)
+    probed = an.probed_rows(site, block, value, centred_logits, row_constant=True)
     if probed is None:
         why = f"{kind_name} logits are not affine in {label} (probed)"
         return Factor(site, label, GENERAL, why)

@@ -274,10 +274,23 @@ def _op_name(fn) -> str:
     return name
 
 
-def affine_graph(value: torch.Tensor, leaves: Sequence[torch.Tensor]) -> bool:
+def _normalises(inputs) -> bool:
+    """Whether a subtraction's inputs are ``(x, logsumexp(x))`` (Categorical's normalisation)."""
+    if len(inputs) != 2 or inputs[0] is None or inputs[1] is None:
+        return False
+    if _op_name(inputs[1]) != "Logsumexp":
+        return False
+    return any(nxt is inputs[0] for nxt, _ in inputs[1].next_functions)
+
+
+def affine_graph(
+    value: torch.Tensor, leaves: Sequence[torch.Tensor], row_constant: bool = False
+) -> bool:
     """Whether autograd's record of ``value`` is affine in the ``leaves``: on every path from a
     leaf to ``value`` each operation is linear (a sum, a copy, a selection, a reshaping, a
-    product with one factor free of the leaves, a quotient by something free of them).
+    product with one factor free of the leaves, a quotient by something free of them). With
+    ``row_constant`` (centred logits), a normalisation ``x - logsumexp(x)`` counts as ``x``: it
+    shifts a row by one constant, which the centring removes.
 
     A numeric probe cannot tell ``clamp``, ``relu``, ``abs``, ``round``, ``where`` or ``max``
     from an affine map at a few points (each is affine almost everywhere); the record can. The
@@ -312,6 +325,9 @@ def affine_graph(value: torch.Tensor, leaves: Sequence[torch.Tensor]) -> bool:
         op = _op_name(fn)
         inputs = [nxt for nxt, _ in fn.next_functions]
         hits = [reaches(nxt) for nxt in inputs]
+        if row_constant and op == "Sub" and _normalises(inputs):  # x - logsumexp(x)
+            stack.append(inputs[0])
+            continue
         inverse = _through_inverse(fn, op)
         if inverse is not None:  # a link read back through its inverse: log(exp(.))
             stack.extend(nxt for nxt, _ in inverse.next_functions)

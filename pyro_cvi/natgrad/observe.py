@@ -145,7 +145,7 @@ class SiteObserver(Messenger):
                 taken[site.name] = site
         return taken
 
-    def _take_log(self, params: Optional[Sequence[torch.Tensor]]) -> Optional[List[Tuple]]:
+    def take_log(self, params: Optional[Sequence[torch.Tensor]]) -> Optional[List[Tuple]]:
         """The loss runs of the log that belong to ``params`` (all, without them), taken out
         of it; ``None`` where a run's guide sites belong to ``params`` and to others."""
         mine = _ids(params)
@@ -172,7 +172,7 @@ class SiteObserver(Messenger):
     def take_loss(self, params: Optional[Sequence[torch.Tensor]] = None) -> Optional[float]:
         """The ``-ELBO`` estimate of what was seen since the last call (of the loss runs whose
         guide ``params`` feed, with them), or ``None``."""
-        log = self._take_log(params)
+        log = self.take_log(params)
         if not log or not any(e[0] > 0 for e in log):
             return None
         # the loss ran every site equally often (its particles); sites run outside it (a
@@ -254,7 +254,7 @@ def forget(params: Optional[Sequence[torch.Tensor]] = None) -> None:
     estimate is needed this step."""
     obs = current()
     if obs is not None:
-        obs._take_log(params)
+        obs.take_log(params)
 
 
 def _ids(params: Optional[Sequence[torch.Tensor]]) -> Optional[frozenset]:

@@ -1,0 +1,164 @@
+"""Which latents each site of a traced model depends on: through autograd from continuous
+latents made leaves (:func:`continuous_dependencies`), through the enumeration dims of
+discrete latents (:func:`discrete_dependencies`), and through paths autograd does not record
+(integer casts, ``detach``, ``.item()``), found by one run with every continuous latent moved
+(:func:`hidden_dependencies`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Set
+
+import torch
+from pyro.poutine.trace_struct import Trace
+
+from . import probes
+from .tracing import float_params, is_random
+
+__all__ = ["continuous_dependencies", "discrete_dependencies", "hidden_dependencies"]
+
+
+def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Set[str]]:
+    """For each sample site of an *enumerated* trace, the discrete latents it depends on.
+
+    Read off Pyro's enumeration bookkeeping: every enumerated site has an id, and every site
+    records the ids of the live enumeration dims (``infer["_dim_to_id"]``); a site depends on
+    those its distribution's batch shape broadcasts over. Ids, not dims alone:
+    ``pyro.markov`` recycles enumeration dims, so ``x_t`` and ``x_{t-2}`` share a dim but never
+    an id.
+    """
+    ids = {}
+    for c in discrete:
+        infer = trace.nodes[c]["infer"]
+        d = infer.get("_enumerate_dim")
+        if d is not None:
+            ids[c] = infer["_dim_to_id"][d]
+    out: Dict[str, Set[str]] = {}
+    for name, site in trace.nodes.items():
+        if not is_random(site):
+            continue
+        infer = site["infer"]
+        shape = site["fn"].batch_shape
+        own = infer.get("_dim_to_id", {}).get(infer.get("_enumerate_dim"))
+        # the live enumeration dims the distribution actually broadcasts over
+        seen = {
+            i for d, i in infer.get("_dim_to_id", {}).items() if len(shape) >= -d and shape[d] > 1
+        } - {own}
+        out[name] = {c for c, i in ids.items() if c != name and i in seen}
+    return out
+
+
+def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Dict[str, Set[str]]:
+    """For each sample site of ``trace``, the continuous latent sites its distribution depends on,
+    through its parameters or its observed value (``pyro.sample("z", d, obs=f(x))``).
+
+    ``trace`` was taken with the latent values ``leaves`` as autograd leaves; a latent is a
+    dependency of a site when the gradient of the site's parameters with respect to it is not
+    identically absent. This is structural (exact), not numeric. (Discrete latents: see
+    :func:`discrete_dependencies`.)
+    """
+    names = list(leaves)
+    deps: Dict[str, Set[str]] = {}
+    with torch.enable_grad():
+        for name, site in trace.nodes.items():
+            if not is_random(site):
+                continue
+            params = [p for p in float_params(site["fn"]) if p.requires_grad]
+            value = site["value"]
+            if name not in leaves and torch.is_tensor(value) and value.requires_grad:
+                params.append(value)  # an observed value computed from latents: obs=f(x)
+            # and through the density itself: parameters held inside the distribution object
+            # (MixtureSameFamily's components, a DiscreteHMM's observation law, ...)
+            lp = _log_prob(site)
+            if lp is not None:
+                params.append(lp)
+            deps[name] = set()
+            if not params or not names:
+                continue
+            total = sum((p * torch.randn_like(p)).sum() for p in params)
+            grads = torch.autograd.grad(
+                total, [leaves[n] for n in names], allow_unused=True, retain_graph=True
+            )
+            deps[name] = {n for n, g in zip(names, grads) if g is not None and n != name}
+    return deps
+
+
+def hidden_dependencies(
+    trace: Trace,
+    deps: Dict[str, Set[str]],
+    rerun: Callable[[Dict[str, torch.Tensor]], Trace],
+    at: Dict[str, torch.Tensor],
+) -> Dict[str, Set[str]]:
+    """``deps`` with the dependencies autograd does not record: a cast to an integer,
+    ``detach``, ``.item()``. One run of the model (``rerun(values)``) with every continuous
+    latent ``at`` moved (on its unconstrained scale, by at least 2 in each element, so that an
+    integer cast moves too); a site with no recorded latent parent whose parameters (or
+    observed value) move with them is run again per latent, to find which it reads. A model
+    that cannot be run at the moved values keeps ``deps``."""
+    if not at:
+        return deps
+    g = torch.Generator(device="cpu").manual_seed(13)  # (the user's RNG stream untouched)
+    moved_at = {}
+    for n, v in at.items():
+        support = trace.nodes[n]["fn"].support
+        if not v.numel() or support.is_discrete:
+            continue
+        try:
+            t = torch.distributions.biject_to(support)
+        except NotImplementedError:  # (a support with no transform: left where it is)
+            continue
+        with torch.no_grad():
+            u = t.inv(v)
+            r = torch.randn(u.shape, generator=g, dtype=torch.float64).to(u)
+            d = r.sign() * (2 * u.abs().mean().clamp_min(1.0) + r.abs())
+            moved_at[n] = t(u + d)
+    try:
+        with torch.no_grad():
+            moved = rerun(moved_at)
+        suspects = [
+            n
+            for n, d in deps.items()
+            if not d and n in moved.nodes and _site_moved(trace.nodes[n], moved.nodes[n], n in at)
+        ]
+        if not suspects:
+            return deps
+        out = {n: set(d) for n, d in deps.items()}
+        for z in moved_at:
+            with torch.no_grad():
+                one = rerun({z: moved_at[z]})
+            for n in suspects:
+                if n != z and n in one.nodes and _site_moved(trace.nodes[n], one.nodes[n], n in at):
+                    out[n].add(z)
+    except Exception:  # (the model refuses the moved values: nothing more to learn here)
+        return deps
+    return out
+
+
+def _site_moved(site, other, latent: bool) -> bool:
+    """Whether a site's distribution parameters (and, observed, its value) differ between two
+    runs (beyond the probes' tolerance)."""
+    a, b = float_params(site["fn"]), float_params(other["fn"])
+    if not latent:
+        a, b = a + [site["value"]], b + [other["value"]]
+    if len(a) != len(b):
+        return True
+    for x, y in zip(a, b):
+        if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.shape != y.shape:
+            if x is not y:
+                return True
+            continue
+        if not x.is_floating_point():
+            if not torch.equal(x, y):
+                return True
+            continue
+        if not probes.close(x.detach(), y.detach(), probes.rtol(x.dtype)):
+            return True
+    return False
+
+
+def _log_prob(site) -> Optional[torch.Tensor]:
+    """The site's log density at its value, where it has a graph (else ``None``)."""
+    try:
+        lp = site["fn"].log_prob(site["value"])
+    except Exception:  # (a density that cannot be evaluated here: its parameters decide)
+        return None
+    return lp if torch.is_tensor(lp) and lp.requires_grad else None
