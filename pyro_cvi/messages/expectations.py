@@ -13,7 +13,7 @@ because it is multilinear in the ``mu``'s.
 
 from __future__ import annotations
 
-from typing import Dict, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import pyro.distributions as dist
 import torch
@@ -26,7 +26,14 @@ from ..model.factor_roles import FactorSpec
 from ..model.probes import jacobian
 from ..model.tracing import unwrap
 
-__all__ = ["QState", "FactorMoments", "expected_log_prob", "site_weight", "discrete_weight"]
+__all__ = [
+    "QState",
+    "FactorMoments",
+    "expected_log_prob",
+    "site_weight",
+    "discrete_weight",
+    "particle_values",
+]
 
 
 class QState:
@@ -247,3 +254,19 @@ def expected_log_prob(spec: FactorSpec, traces, q: QState, cache: Dict, key) -> 
     if w is not None:
         lp = lp * w
     return site_weight(site, lp).sum()
+
+
+def particle_values(analysis, draws: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """``S`` joint draws of the latents as one set of values for a model run in a particle plate
+    (the draws leading, left of the model's ``analysis.plate_dims`` plates); other values (the
+    subsample indices) as the first draw has them."""
+    S, P = len(draws), analysis.plate_dims
+    values = {}
+    for n, v in draws[0].items():
+        if n not in analysis.values:  # (subsample indices)
+            values[n] = v
+            continue
+        batch = v.dim() - analysis.structure.nodes[n]["fn"].event_dim
+        stacked = torch.stack([d[n] for d in draws])
+        values[n] = stacked.reshape((S,) + (1,) * (P - batch) + v.shape)
+    return values

@@ -38,6 +38,7 @@ from ..model import probes
 from ..model.explain import EXACT, MONTE_CARLO
 from ..model.factor_roles import FactorSpec
 from ..model.tracing import run_model, unwrap
+from .expectations import particle_values
 
 __all__ = [
     "EXACT",
@@ -258,16 +259,7 @@ def _looped(ctx, an, site, fam, draws, shapes) -> Params:
 def _batched(ctx, an, site, fam, draws, shapes) -> Optional[Params]:
     """The draws as one model run in a particle plate (``None``: the model does not
     broadcast over it); per draw, with the draws leading."""
-    S, P = len(draws), an.plate_dims
-    values = {}
-    for n, v in draws[0].items():
-        if n not in an.values:  # (subsample indices)
-            values[n] = v
-            continue
-        event_dim = an.structure.nodes[n]["fn"].event_dim
-        batch = v.dim() - event_dim
-        stacked = torch.stack([d[n] for d in draws])
-        values[n] = stacked.reshape((S,) + (1,) * (P - batch) + v.shape)
+    S, P, values = len(draws), an.plate_dims, particle_values(an, draws)
 
     def particles(*a, **k):
         with pyro.plate("_cvi_expected_particles", S, dim=-1 - P):

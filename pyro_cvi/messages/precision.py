@@ -31,7 +31,7 @@ from pyro.distributions.util import sum_rightmost
 from ..context import StepContext
 from ..model.records import CONJUGATE_MC
 from ..model.tracing import run_model, unwrap
-from .expectations import site_weight
+from .expectations import particle_values, site_weight
 
 __all__ = ["jensen_gap", "precision_sites", "precision_messages"]
 
@@ -128,16 +128,7 @@ def _looped(ctx, analysis, name, sites, draws):
 
 def _batched(ctx, analysis, name, sites, draws):
     """The draws as one model run in a particle plate (``None``: the model does not broadcast)."""
-    S, P = len(draws), analysis.plate_dims
-    values = {}
-    for n, v in draws[0].items():
-        if n not in analysis.values:  # (subsample indices)
-            values[n] = v
-            continue
-        event_dim = analysis.structure.nodes[n]["fn"].event_dim
-        batch = v.dim() - event_dim
-        stacked = torch.stack([d[n] for d in draws])
-        values[n] = stacked.reshape((S,) + (1,) * (P - batch) + v.shape)
+    S, P, values = len(draws), analysis.plate_dims, particle_values(analysis, draws)
     shape = draws[0][name].shape
     t = values[name].detach().clone().requires_grad_(True)
     values[name] = t
