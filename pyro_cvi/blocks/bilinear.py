@@ -4,7 +4,7 @@
 ``mu_d`` joins it when the factor has a mean latent, ``z_n`` then augmented to ``(z_n, 1)``),
 each in natural parameters ``(Lambda m, Lambda)`` / ``(a - 1, -b)`` in Pyro's param store
 (:mod:`pyro_cvi.model.bilinear` detects the factor). With ``r_nd = c_nd E[tau_d]``,
-``y = x - c0`` and ``u_d = (w_d, mu_d)``, Algorithm 2's exact expected messages (eq. 20) are
+``y = x - c0`` and ``u_d = (w_d, mu_d)``, Algorithm 2's exact expected messages (eq. 20) are::
 
     z_n:  Lambda = P0_n + sum_d r_nd E[w_d w_d^T],
           Lambda m = P0_n m0_n + sum_d r_nd (y_nd E[w_d] - E[w_d mu_d])
