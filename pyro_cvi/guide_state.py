@@ -422,8 +422,9 @@ def pyro_elbo_refusal(part: Any, guide_list: Any) -> str:
     Pyro ELBO before any CVI step (raised before the step changes anything)."""
     others = ", ".join(type(p).__name__ for p in guide_list if p is not part)
     return (
-        f"an AutoGuideList with an {type(part).__name__} part ran inside SVI.step under a Pyro "
-        "ELBO (Trace_ELBO, TraceEnum_ELBO, ...): the part's q is computed by conjugate "
+        f"{type(part).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
+        f"TraceEnum_ELBO, ...) as the part of an AutoGuideList with an {type(part).__name__} "
+        "part: the part's q is computed by conjugate "
         "computations, which a Pyro ELBO's gradient does not reach, so it would never change. "
         f"Train the guide list with SVI(model, guide_list, CVI(), CVI_ELBO()): its loss is the "
         f"bound of the joint guide, with natural-gradient steps for the {type(part).__name__} "

@@ -62,7 +62,8 @@ def test_fooling_class_is_general_and_its_loss_is_the_bound(name, dtype):
     # same q give its mean and standard error, compared with Trace_ELBO's within 3 SE
     reported = torch.tensor([CVI_ELBO().loss(model, guide, *args) for _ in range(20)])
     se = (reported.var() / 20 + check.se**2).sqrt()
-    assert abs(float(reported.mean()) - check.estimate) <= 3 * float(se), (reported, check)
+    slack = 3 * float(se) + 1e-6 * abs(check.estimate)  # (+ float32's rounding of the loss)
+    assert abs(float(reported.mean()) - check.estimate) <= slack, (reported, check)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -371,7 +371,8 @@ class Analysis:
             candidates = linear_candidates(base, zs)
         for name, link in candidates:
             value = linear_param(base, name, link)[1]
-            probed = self.probed_rows(site, block, value, linked_reader(name, link))
+            read = linked_reader(name, link)  # (a link read back: the numeric probes decide)
+            probed = self.probed_rows(site, block, value, read, structural=link is None)
             if probed is None or not rebuilds(tr.nodes[site], base, value, name, link):
                 continue
             A, dynamic = probed
@@ -385,14 +386,14 @@ class Analysis:
         return Factor(site, label, GENERAL, no_link_reason(base, zs, candidates, label))
 
     def probed_rows(
-        self, site: str, block: BlockSpec, value, read: Callable, row_constant: bool = False
+        self, site, block: BlockSpec, value, read: Callable, row_constant=False, structural=True
     ):
         """The Jacobian ``A`` of ``value`` in the block's joint z (autograd), confirmed affine
         at the shared probe runs (``read(fn)`` takes the same quantity from a moved trace):
         ``(A, dynamic)``, or ``None`` when it is not affine."""
         tr, leaves = self.leaf_trace()
         zs = [leaves[n] for n in block.names]
-        if not probes.affine_graph(value, zs, row_constant):  # piecewise: affine a.e. only
+        if structural and not probes.affine_graph(value, zs, row_constant):  # piecewise ops
             return None
         with torch.enable_grad():
             jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}

@@ -274,6 +274,33 @@ def _op_name(fn) -> str:
     return name
 
 
+def _below_clamp(node):
+    """What ``node`` clamps (torch's ``clamp_probs`` guard keeps ``p`` off 0 and 1), through
+    shape-only ops (a ``Bernoulli`` expanded to a plate)."""
+    while node is not None and (_op_name(node) == "Clamp" or _op_name(node) in _SHAPE_OPS):
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return node
+        node = nxt[0]
+    return node
+
+
+def _logit_of_sigmoid(inputs):
+    """The input of ``sigmoid`` where a subtraction is ``log(p) - log1p(-p)`` of ``p =
+    sigmoid(y)`` (the logits torch reads off ``probs``), else ``None``."""
+    if len(inputs) != 2 or inputs[0] is None or inputs[1] is None:
+        return None
+    if _op_name(inputs[0]) != "Log" or _op_name(inputs[1]) != "Log1P":
+        return None
+    p = _below_clamp(inputs[0].next_functions[0][0])
+    neg = inputs[1].next_functions[0][0]
+    if neg is None or _op_name(neg) != "Neg" or _below_clamp(neg.next_functions[0][0]) is not p:
+        return None
+    if p is None or _op_name(p) != "Sigmoid":
+        return None
+    return p.next_functions[0][0]
+
+
 def _normalises(inputs) -> bool:
     """Whether a subtraction's inputs are ``(x, logsumexp(x))`` (Categorical's normalisation)."""
     if len(inputs) != 2 or inputs[0] is None or inputs[1] is None:
@@ -327,6 +354,9 @@ def affine_graph(
         hits = [reaches(nxt) for nxt in inputs]
         if row_constant and op == "Sub" and _normalises(inputs):  # x - logsumexp(x)
             stack.append(inputs[0])
+            continue
+        if op == "Sub" and (inner := _logit_of_sigmoid(inputs)) is not None:
+            stack.append(inner)  # logit(sigmoid(y)) = y: logits read off probs
             continue
         inverse = _through_inverse(fn, op)
         if inverse is not None:  # a link read back through its inverse: log(exp(.))
