@@ -285,6 +285,33 @@ def _below_clamp(node):
     return node
 
 
+def _skip_shape(node):
+    while node is not None and _op_name(node) in _SHAPE_OPS:
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return node
+        node = nxt[0]
+    return node
+
+
+def _log_of_scaled_exp(fn, reaches):
+    """The input of ``exp`` where ``fn`` is ``log(c * exp(y))`` with ``c`` free of the latents
+    (``= y + log c``: a Poisson rate ``exp(f) * exposure`` read back as its log), else ``None``."""
+    nxt = [n for n, _ in fn.next_functions if n is not None]
+    if len(nxt) != 1:
+        return None
+    mul = _skip_shape(nxt[0])
+    if mul is None or _op_name(mul) != "Mul":
+        return None
+    moving = [n for n, _ in mul.next_functions if n is not None and reaches(n)]
+    if len(moving) != 1:
+        return None
+    exp = _skip_shape(moving[0])
+    if exp is None or _op_name(exp) != "Exp":
+        return None
+    return exp.next_functions[0][0]
+
+
 def _logit_of_sigmoid(inputs):
     """The input of ``sigmoid`` where a subtraction is ``log(p) - log1p(-p)`` of ``p =
     sigmoid(y)`` (the logits torch reads off ``probs``), else ``None``."""
@@ -354,6 +381,9 @@ def affine_graph(
         hits = [reaches(nxt) for nxt in inputs]
         if row_constant and op == "Sub" and _normalises(inputs):  # x - logsumexp(x)
             stack.append(inputs[0])
+            continue
+        if op == "Log" and (inner := _log_of_scaled_exp(fn, reaches)) is not None:
+            stack.append(inner)  # log(c exp(y)) = y + log c
             continue
         if op == "Sub" and (inner := _logit_of_sigmoid(inputs)) is not None:
             stack.append(inner)  # logit(sigmoid(y)) = y: logits read off probs
