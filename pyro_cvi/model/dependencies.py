@@ -16,6 +16,18 @@ from .tracing import float_params, is_random
 
 __all__ = ["continuous_dependencies", "discrete_dependencies", "hidden_dependencies"]
 
+#: what a model (or a density) raises on values it refuses; anything else (an interrupt, an
+#: error of the caller's) propagates
+MODEL_ERRORS = (
+    ValueError,
+    RuntimeError,
+    AssertionError,
+    TypeError,
+    IndexError,
+    ZeroDivisionError,
+    OverflowError,
+)
+
 
 def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Set[str]]:
     """For each sample site of an *enumerated* trace, the discrete latents it depends on.
@@ -128,7 +140,7 @@ def hidden_dependencies(
             for n in suspects:
                 if n != z and n in one.nodes and _site_moved(trace.nodes[n], one.nodes[n], n in at):
                     out[n].add(z)
-    except Exception:  # (the model refuses the moved values: nothing more to learn here)
+    except MODEL_ERRORS:  # (the model refuses the moved values: nothing more to learn here)
         return deps
     return out
 
@@ -159,6 +171,6 @@ def _log_prob(site) -> Optional[torch.Tensor]:
     """The site's log density at its value, where it has a graph (else ``None``)."""
     try:
         lp = site["fn"].log_prob(site["value"])
-    except Exception:  # (a density that cannot be evaluated here: its parameters decide)
+    except MODEL_ERRORS:  # (a density that cannot be evaluated here: its parameters decide)
         return None
     return lp if torch.is_tensor(lp) and lp.requires_grad else None
