@@ -12,7 +12,7 @@ import torch
 
 from ..gaussian import diag_step, lowrank_step, tril_step
 from .control import NoiseControl
-from .curvature import MAX_DIM, DrawCurvature, diag_with_draw, tril_with_draw
+from .curvature import CHECKS, MAX_DIM, DrawCurvature, diag_with_draw, tril_with_draw
 from .expfam import (
     CONCENTRATION_FAMILIES,
     MAX_FACTOR,
@@ -216,7 +216,7 @@ class GaussianStepper:
         curv = self.curvatures.get(g.label)
         if curv is None or curv.dim != draw.numel():
             d = draw.numel()
-            curv = DrawCurvature(d) if g.family == "diag" else DrawCurvature(d, d + 2, 2)
+            curv = DrawCurvature(d) if g.family == "diag" else DrawCurvature(d, d + 2, CHECKS)
             self.curvatures[g.label] = curv
         return draw, curv
 
