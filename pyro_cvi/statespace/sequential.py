@@ -24,8 +24,9 @@ which decides (and raises) as before.
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -70,8 +71,18 @@ def _rows(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, d: int
         trans: Transitions = _Repeated(rows[0].tolist(), n)
     else:
         trans = rows.tolist() if n > 0 else []
-    sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
+    if d == 2 and _first_coordinate(eta, J):
+        sites = torch.stack([eta[:, 0], J[:, 0, 0]], 1).to(f64).tolist()
+    else:
+        sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
     return chain.m0.to(f64).tolist(), chain.P0.to(f64).reshape(-1).tolist(), trans, sites
+
+
+def _first_coordinate(eta: torch.Tensor, J: torch.Tensor) -> bool:
+    """Whether every site lies on the first coordinate (``eta_t = (e, 0)``, ``J_t = diag(j,
+    0)``; exact zeros, so a NaN elsewhere keeps the general pass)."""
+    rest = torch.cat([eta[:, 1:], J.reshape(J.shape[0], -1)[:, 1:]], 1)
+    return not bool(rest.any())
 
 
 class _Repeated:
@@ -87,6 +98,9 @@ class _Repeated:
 
     def __len__(self) -> int:
         return self.n
+
+    def __iter__(self) -> Iterator[List[float]]:
+        return itertools.repeat(self.row, self.n)
 
 
 Transitions = Union[List[List[float]], _Repeated]
@@ -134,12 +148,20 @@ def _pass_1(m0, P0, trans, sites, lag_one: bool):
 def _pass_2(m0, P0, trans, sites, lag_one: bool):
     """``d = 2``, every product written out: as :func:`_pass_1`, covariances as ``(p00, p01,
     p11)`` and lag-one covariances as ``(x00, x01, x10, x11)``."""
+    forward = _forward_2_first if sites and len(sites[0]) == 2 else _forward_2
+    return _backward_2(*forward(m0, P0, trans, sites), lag_one)
+
+
+def _forward_2(m0, P0, trans, sites):
+    """The filter of :func:`_pass_2`: ``log Z``, the filtered moments ``(m0, m1, p00, p01,
+    p11)`` and the predicted ones with ``A_t`` (``..., a00, a01, a10, a11``), flat lists of
+    floats (no tuple per step for the garbage collector to count)."""
     m0_, m1_ = m0
     p00, p01, _, p11 = P0
     p01 = 0.5 * (p01 + P0[2])
     log_z = 0.0
-    filt: List[Tuple[float, ...]] = []
-    pred: List[Tuple[float, ...]] = [(m0_, m1_, p00, p01, p11)]
+    filt: List[float] = []
+    pred: List[float] = [m0_, m1_, p00, p01, p11, 0.0, 0.0, 0.0, 0.0]
     for t, (e0, e1, j00, j01, j10, j11) in enumerate(sites):
         if t:
             a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = trans[t - 1]
@@ -149,7 +171,7 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
             p00 = c00 * a00 + c01 * a01 + q00
             p01 = c00 * a10 + c01 * a11 + q01
             p11 = c10 * a10 + c11 * a11 + q11
-            pred.append((m0_, m1_, p00, p01, p11, a00, a01, a10, a11))
+            pred += (m0_, m1_, p00, p01, p11, a00, a01, a10, a11)
         s00, s01 = 1.0 + p00 * j00 + p01 * j10, p00 * j01 + p01 * j11  # S = I + P J
         s10, s11 = p01 * j00 + p11 * j10, 1.0 + p01 * j01 + p11 * j11
         det = s00 * s11 - s01 * s10
@@ -168,15 +190,56 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
             - 0.5 * math.log(det)
         )
         m0_, m1_, p00, p01, p11 = m0_ + u0, m1_ + u1, n00, n01, n11
-        filt.append((m0_, m1_, p00, p01, p11))
-    T = len(sites)
-    ms: List[Tuple[float, ...]] = [()] * T
-    X: List[Tuple[float, ...]] = [(0.0, 0.0, 0.0, 0.0)] * T
-    ms[-1] = filt[-1]
-    s0, s1, s00, s01, s11 = filt[-1]
+        filt += (m0_, m1_, p00, p01, p11)
+    return log_z, filt, pred
+
+
+def _forward_2_first(m0, P0, trans, sites):
+    """:func:`_forward_2` for sites on the first coordinate only (``eta = (e, 0)``, ``J =
+    diag(j, 0)``: a Gaussian process observed through ``f = x_0``). Then ``det S = s = 1 + p00
+    j``, ``P^f = P - (p00, p01)' (p00, p01) j / s`` and ``P^f r = (p00, p01)' r_0 / s``: the
+    scalar update, a third of the operations."""
+    m0_, m1_ = m0
+    p00, p01, _, p11 = P0
+    p01 = 0.5 * (p01 + P0[2])
+    log_z = 0.0
+    filt: List[float] = []
+    pred: List[float] = [m0_, m1_, p00, p01, p11, 0.0, 0.0, 0.0, 0.0]
+    log = math.log
+    for (e, j), row in zip(sites, itertools.chain((None,), trans)):
+        if row is not None:  # the prediction by A_t, b_t, Q_t
+            a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
+            m0_, m1_ = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
+            c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # (A P) row 0
+            c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11  # (A P) row 1
+            p00 = c00 * a00 + c01 * a01 + q00
+            p01 = c00 * a10 + c01 * a11 + q01
+            p11 = c10 * a10 + c11 * a11 + q11
+            pred += (m0_, m1_, p00, p01, p11, a00, a01, a10, a11)
+        s = 1.0 + p00 * j
+        if not s > 0.0:
+            raise _Fail
+        jm = j * m0_
+        r = e - jm
+        k0, k1 = p00 / s, p01 / s  # the gain P h / s
+        log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
+        m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
+        p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
+        filt += (m0_, m1_, p00, p01, p11)
+    return log_z, filt, pred
+
+
+def _backward_2(log_z, filt, pred, lag_one: bool):
+    """The RTS pass of :func:`_pass_2` over the filter's output: ``log Z``, the smoothed
+    ``(m0, m1, p00, p01, p11)`` and (``lag_one``) ``(x00, x01, x10, x11)``, flat."""
+    T = len(filt) // 5
+    ms = [0.0] * (5 * T)
+    X = [0.0] * (4 * T)
+    ms[-5:] = filt[-5:]
+    s0, s1, s00, s01, s11 = filt[-5:]
     for t in range(T - 2, -1, -1):
-        f0, f1, f00, f01, f11 = filt[t]
-        q0, q1, q00, q01, q11, a00, a01, a10, a11 = pred[t + 1]  # and A_{t+1}
+        f0, f1, f00, f01, f11 = filt[5 * t : 5 * t + 5]
+        q0, q1, q00, q01, q11, a00, a01, a10, a11 = pred[9 * t + 9 : 9 * t + 18]  # A_{t+1}
         det = q00 * q11 - q01 * q01
         if not det > 0.0:
             raise _Fail
@@ -189,14 +252,18 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
         D00, D01, D11 = s00 - q00, s01 - q01, s11 - q11
         h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
         h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
-        x00, x01 = s00 * g00 + s01 * g01, s00 * g10 + s01 * g11  # P^s_{t+1} G'
-        x10, x11 = s01 * g00 + s11 * g01, s01 * g10 + s11 * g11
-        X[t + 1] = (x00, x01, x10, x11)
+        if lag_one:  # P^s_{t+1} G'
+            X[4 * t + 4 : 4 * t + 8] = (
+                s00 * g00 + s01 * g01,
+                s00 * g10 + s01 * g11,
+                s01 * g00 + s11 * g01,
+                s01 * g10 + s11 * g11,
+            )
         s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
-        ms[t] = (s0, s1, s00, s01, s11)
+        ms[5 * t : 5 * t + 5] = (s0, s1, s00, s01, s11)
     return log_z, ms, None, X
 
 
@@ -230,7 +297,7 @@ class SequentialSmoother:
             cross = torch.tensor(X, **like).reshape(T, 1, 1) if lag_one else None
         else:
             log_z, out, _, X = _pass_2(*rows, lag_one)
-            v = torch.tensor(out, **like)  # (T, 5): m0, m1, p00, p01, p11
+            v = torch.tensor(out, **like).reshape(T, 5)  # m0, m1, p00, p01, p11
             m = v[:, :2].unsqueeze(-1)
             S = v[:, [2, 3, 3, 4]].reshape(T, 2, 2)
             cross = torch.tensor(X, **like).reshape(T, 2, 2) if lag_one else None
