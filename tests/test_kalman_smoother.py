@@ -378,3 +378,87 @@ def test_the_sequential_pass_with_one_transition_for_every_step(T, d, dtype):
     changed[-1, 0, 0] = -0.0 if float(changed[-1, 0, 0]) == 0.0 else -changed[-1, 0, 0]
     varying = LinearGaussianChain(chain.m0, chain.P0, changed, chain.b, chain.Q)
     assert isinstance(sequential._rows(varying, eta, J, d)[2], list)
+
+
+def _first_coordinate_sites(T, seed, negative=False):
+    """Sites on ``x_0`` only (a process observed through ``f = x_0``): ``eta = (e, 0)``,
+    ``J = diag(j, 0)``, ``j > 0`` (or of mixed sign)."""
+    chain, eta, _ = _chain(T, 2, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    j = torch.rand(T, generator=g, dtype=D64) * 3.0 + 0.05
+    if negative:
+        j = j - 0.5
+    eta = torch.stack([eta[:, 0], torch.zeros(T, dtype=D64)], 1)
+    J = torch.zeros(T, 2, 2, dtype=D64)
+    J[:, 0, 0] = j
+    return chain, eta, J
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("lag_one", [False, True])
+@pytest.mark.parametrize("T", [1, 2, 3, 9, 64])
+def test_the_sequential_pass_with_sites_on_the_first_coordinate(T, lag_one, dtype):
+    """Sites on ``x_0`` alone take the scalar update (two columns of sites); ``q`` equals the
+    dense one and the one-step-at-a-time reference, and the general ``d = 2`` filter on the same
+    problem to rounding."""
+    from pyro_cvi.statespace import sequential
+
+    chain, eta, J = _first_coordinate_sites(T, seed=T)
+    log_z, mean, cov = _dense(chain, eta, J)
+    ref = _sequential(chain, eta, J)
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    e, Jd = eta.to(dtype), J.to(dtype)
+    rows = sequential._rows(cast, e, Jd, 2)
+    assert isinstance(rows[3], sequential.OnFirst)
+    post = smooth(cast, e, Jd, lag_one=lag_one, method=kalman.SEQUENTIAL)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(post.log_z.double(), log_z, **tol)
+    torch.testing.assert_close(post.log_z.double(), ref[0], **tol)
+    torch.testing.assert_close(post.mean.double(), mean, **tol)
+    torch.testing.assert_close(post.cov.double(), _blocks(cov, T, 2, 0), **tol)
+    torch.testing.assert_close(post.cov.double(), ref[2], **tol)
+    if lag_one:
+        torch.testing.assert_close(
+            post.cross.double(), _blocks(cov, T, 2, 1).reshape(T - 1, 2, 2), **tol
+        )
+        torch.testing.assert_close(post.cross.double(), ref[3], **tol)
+    else:
+        assert post.cross is None
+    first = sequential._rows(chain, eta, J, 2)
+    general = (*first[:3], [[e, 0.0, j, 0.0, 0.0, 0.0] for e, j in zip(*first[3])])
+    a = sequential._pass_2(*first, True)
+    b = sequential._pass_2(*general, True)
+    assert a[0] == pytest.approx(b[0], rel=1e-12, abs=1e-12)
+    for x, y in [(a[1], b[1]), (a[3], b[3])]:
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=1e-12, atol=1e-12)
+
+
+def test_sites_off_the_first_coordinate_take_the_general_pass():
+    """Any non-zero (or NaN) entry of ``eta_1`` or ``J`` off ``(0, 0)`` keeps six columns; a
+    NaN there reaches ``log Z`` and is refused as before."""
+    from pyro_cvi.statespace import sequential
+
+    chain, eta, J = _first_coordinate_sites(7, seed=1)
+    for k, where in enumerate([(eta, (3, 1)), (J, (2, 1, 1)), (J, (4, 0, 1)), (J, (0, 1, 0))]):
+        e, Jk = eta.clone(), J.clone()
+        (e if where[0] is eta else Jk)[where[1]] = 0.25 if k != 1 else float("nan")
+        rows = sequential._rows(chain, e, Jk, 2)
+        assert isinstance(rows[3], list) and all(len(site) == 6 for site in rows[3])
+    e = eta.clone()
+    e[3, 1] = float("nan")
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, e, J, method=kalman.SEQUENTIAL)
+
+
+def test_the_first_coordinate_pass_hands_an_indefinite_step_on():
+    """``1 + p00 j <= 0`` at a step: the tensor strategy decides (and raises); a mixed-sign
+    ``j`` that keeps ``q`` positive definite gives the dense ``q``."""
+    chain, eta, J = _first_coordinate_sites(9, seed=2)
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, eta, -50.0 * J, method=kalman.SEQUENTIAL)
+    chain, eta, J = _first_coordinate_sites(9, seed=3, negative=True)
+    J = 0.1 * J
+    log_z, mean, cov = _dense(chain, eta, J)
+    post = smooth(chain, eta, J, method=kalman.SEQUENTIAL)
+    torch.testing.assert_close(post.log_z, log_z, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(post.cov, _blocks(cov, 9, 2, 0), rtol=1e-10, atol=1e-10)

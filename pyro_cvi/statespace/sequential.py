@@ -24,8 +24,9 @@ which decides (and raises) as before.
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -70,8 +71,19 @@ def _rows(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, d: int
         trans: Transitions = _Repeated(rows[0].tolist(), n)
     else:
         trans = rows.tolist() if n > 0 else []
-    sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
+    sites: Sites
+    if d == 2 and _first_coordinate(eta, J):
+        sites = OnFirst(eta[:, 0].to(f64).tolist(), J[:, 0, 0].to(f64).tolist())
+    else:
+        sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
     return chain.m0.to(f64).tolist(), chain.P0.to(f64).reshape(-1).tolist(), trans, sites
+
+
+def _first_coordinate(eta: torch.Tensor, J: torch.Tensor) -> bool:
+    """Whether every site lies on the first coordinate (``eta_t = (e, 0)``, ``J_t = diag(j,
+    0)``; exact zeros, so a NaN elsewhere keeps the general pass)."""
+    rest = torch.cat([eta[:, 1:], J.reshape(J.shape[0], -1)[:, 1:]], 1)
+    return not bool(rest.any())
 
 
 class _Repeated:
@@ -88,8 +100,23 @@ class _Repeated:
     def __len__(self) -> int:
         return self.n
 
+    def __iter__(self) -> Iterator[List[float]]:
+        return itertools.repeat(self.row, self.n)
+
 
 Transitions = Union[List[List[float]], _Repeated]
+
+
+class OnFirst(NamedTuple):
+    """Sites on the first coordinate only: ``eta_t = (e_t, 0)``, ``J_t = diag(j_t, 0)``."""
+
+    e: List[float]
+    j: List[float]
+
+
+Sites = Union[List[List[float]], OnFirst]
+#: moments over time, one list of floats per entry
+Moments = Tuple[List[float], ...]
 
 
 def _pass_1(m0, P0, trans, sites, lag_one: bool):
@@ -132,24 +159,34 @@ def _pass_1(m0, P0, trans, sites, lag_one: bool):
 
 
 def _pass_2(m0, P0, trans, sites, lag_one: bool):
-    """``d = 2``, every product written out: as :func:`_pass_1`, covariances as ``(p00, p01,
-    p11)`` and lag-one covariances as ``(x00, x01, x10, x11)``."""
+    """``d = 2``, every product written out: as :func:`_pass_1`; the smoothed moments as five
+    lists ``(m0, m1, p00, p01, p11)`` and the lag-one covariances as four ``(x00, x01, x10,
+    x11)`` (``lag_one``), each over time."""
+    forward = _forward_2_first if isinstance(sites, OnFirst) else _forward_2
+    return _backward_2(*forward(m0, P0, trans, sites), trans, lag_one)
+
+
+def _forward_2(m0, P0, trans, sites):
+    """The filter of :func:`_pass_2`: ``log Z`` and the filtered and predicted moments, five
+    lists of floats each (float lists: nothing per step for the garbage collector)."""
     m0_, m1_ = m0
     p00, p01, _, p11 = P0
     p01 = 0.5 * (p01 + P0[2])
     log_z = 0.0
-    filt: List[Tuple[float, ...]] = []
-    pred: List[Tuple[float, ...]] = [(m0_, m1_, p00, p01, p11)]
-    for t, (e0, e1, j00, j01, j10, j11) in enumerate(sites):
-        if t:
-            a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = trans[t - 1]
+    F: Moments = ([], [], [], [], [])
+    P: Moments = ([], [], [], [], [])
+    fm0, fm1, f00, f01, f11 = (x.append for x in F)
+    pm0, pm1, p00s, p01s, p11s = (x.append for x in P)
+    for (e0, e1, j00, j01, j10, j11), row in zip(sites, itertools.chain((None,), trans)):
+        if row is not None:  # the prediction by A_t, b_t, Q_t
+            a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
             m0_, m1_ = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
             c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # (A P) row 0
             c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11  # (A P) row 1
             p00 = c00 * a00 + c01 * a01 + q00
             p01 = c00 * a10 + c01 * a11 + q01
             p11 = c10 * a10 + c11 * a11 + q11
-            pred.append((m0_, m1_, p00, p01, p11, a00, a01, a10, a11))
+        pm0(m0_), pm1(m1_), p00s(p00), p01s(p01), p11s(p11)
         s00, s01 = 1.0 + p00 * j00 + p01 * j10, p00 * j01 + p01 * j11  # S = I + P J
         s10, s11 = p01 * j00 + p11 * j10, 1.0 + p01 * j01 + p11 * j11
         det = s00 * s11 - s01 * s10
@@ -168,15 +205,61 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
             - 0.5 * math.log(det)
         )
         m0_, m1_, p00, p01, p11 = m0_ + u0, m1_ + u1, n00, n01, n11
-        filt.append((m0_, m1_, p00, p01, p11))
-    T = len(sites)
-    ms: List[Tuple[float, ...]] = [()] * T
-    X: List[Tuple[float, ...]] = [(0.0, 0.0, 0.0, 0.0)] * T
-    ms[-1] = filt[-1]
-    s0, s1, s00, s01, s11 = filt[-1]
-    for t in range(T - 2, -1, -1):
-        f0, f1, f00, f01, f11 = filt[t]
-        q0, q1, q00, q01, q11, a00, a01, a10, a11 = pred[t + 1]  # and A_{t+1}
+        fm0(m0_), fm1(m1_), f00(p00), f01(p01), f11(p11)
+    return log_z, F, P
+
+
+def _forward_2_first(m0, P0, trans, sites: OnFirst):
+    """:func:`_forward_2` for sites on the first coordinate only (``eta = (e, 0)``, ``J =
+    diag(j, 0)``: a Gaussian process observed through ``f = x_0``). Then ``det S = s = 1 + p00
+    j``, ``P^f = P - k k' s j`` and ``P^f r = k r_0`` with the gain ``k = (p00, p01) / s``:
+    the scalar update, a third of the operations."""
+    m0_, m1_ = m0
+    p00, p01, _, p11 = P0
+    p01 = 0.5 * (p01 + P0[2])
+    log_z = 0.0
+    F: Moments = ([], [], [], [], [])
+    P: Moments = ([], [], [], [], [])
+    fm0, fm1, f00, f01, f11 = (x.append for x in F)
+    pm0, pm1, p00s, p01s, p11s = (x.append for x in P)
+    log = math.log
+    for e, j, row in zip(sites.e, sites.j, itertools.chain((None,), trans)):
+        if row is not None:  # the prediction by A_t, b_t, Q_t
+            a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
+            m0_, m1_ = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
+            c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # (A P) row 0
+            c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11  # (A P) row 1
+            p00 = c00 * a00 + c01 * a01 + q00
+            p01 = c00 * a10 + c01 * a11 + q01
+            p11 = c10 * a10 + c11 * a11 + q11
+        pm0(m0_), pm1(m1_), p00s(p00), p01s(p01), p11s(p11)
+        s = 1.0 + p00 * j
+        if not s > 0.0:
+            raise _Fail
+        jm = j * m0_
+        r = e - jm
+        k0, k1 = p00 / s, p01 / s
+        log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
+        m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
+        p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
+        fm0(m0_), fm1(m1_), f00(p00), f01(p01), f11(p11)
+    return log_z, F, P
+
+
+def _backward_2(log_z: float, F: Moments, P: Moments, trans, lag_one: bool):
+    """The RTS pass of :func:`_pass_2` over the filter's output (``F`` filtered, ``P``
+    predicted, ``trans`` the transitions)."""
+    T = len(F[0])
+    s0, s1, s00, s01, s11 = (x[-1] for x in F)
+    out: Moments = ([s0], [s1], [s00], [s01], [s11])
+    o0, o1, o00, o01, o11 = (x.append for x in out)
+    X: Moments = ([], [], [], [])
+    x00s, x01s, x10s, x11s = (x.append for x in X)
+    back = [itertools.islice(reversed(x), 1, None) for x in F]  # t = T-2 .. 0
+    ahead = [reversed(x) for x in P]  # t + 1 = T-1 .. 1
+    rows = reversed(trans) if isinstance(trans, list) else iter(trans)
+    for f0, f1, f00, f01, f11, q0, q1, q00, q01, q11, row in zip(*back, *ahead, rows):
+        a00, a01, a10, a11 = row[0], row[1], row[2], row[3]  # A_{t+1}
         det = q00 * q11 - q01 * q01
         if not det > 0.0:
             raise _Fail
@@ -189,15 +272,20 @@ def _pass_2(m0, P0, trans, sites, lag_one: bool):
         D00, D01, D11 = s00 - q00, s01 - q01, s11 - q11
         h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
         h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
-        x00, x01 = s00 * g00 + s01 * g01, s00 * g10 + s01 * g11  # P^s_{t+1} G'
-        x10, x11 = s01 * g00 + s11 * g01, s01 * g10 + s11 * g11
-        X[t + 1] = (x00, x01, x10, x11)
+        if lag_one:  # P^s_{t+1} G'
+            x00s(s00 * g00 + s01 * g01), x01s(s00 * g10 + s01 * g11)
+            x10s(s01 * g00 + s11 * g01), x11s(s01 * g10 + s11 * g11)
         s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
-        ms[t] = (s0, s1, s00, s01, s11)
-    return log_z, ms, None, X
+        o0(s0), o1(s1), o00(s00), o01(s01), o11(s11)
+    for x in out:
+        x.reverse()
+    for x in X:  # Cov(x_0, x_{-1}) = 0
+        x.append(0.0) if lag_one else x.extend([0.0] * T)
+        x.reverse()
+    return log_z, out, None, X
 
 
 class SequentialSmoother:
@@ -230,10 +318,10 @@ class SequentialSmoother:
             cross = torch.tensor(X, **like).reshape(T, 1, 1) if lag_one else None
         else:
             log_z, out, _, X = _pass_2(*rows, lag_one)
-            v = torch.tensor(out, **like)  # (T, 5): m0, m1, p00, p01, p11
+            v = torch.tensor(out, **like).T  # (T, 5): m0, m1, p00, p01, p11
             m = v[:, :2].unsqueeze(-1)
             S = v[:, [2, 3, 3, 4]].reshape(T, 2, 2)
-            cross = torch.tensor(X, **like).reshape(T, 2, 2) if lag_one else None
+            cross = torch.tensor(X, **like).T.reshape(T, 2, 2) if lag_one else None
         lz = torch.tensor(log_z, **like)
         check_log_z(lz)
         return lz, m, S, cross
