@@ -167,3 +167,52 @@ def test_an_indicator_times_a_coefficient_reaches_the_cavi_fixed_point(dtype):
     assert float(guide.posterior("beta").scale ** 2) == pytest.approx(float(vb), abs=tol)
     assert torch.allclose(r, r_cavi, atol=tol)
     _assert_bound(_coefficient, guide, y, losses)
+
+
+# ---------------------------------------------------------------- a discrete in a GLM predictor
+X = [
+    [1.0, 0.3],
+    [1.0, -1.2],
+    [1.0, 0.8],
+    [1.0, 2.0],
+    [1.0, -0.5],
+    [1.0, 1.1],
+    [1.0, 0.0],
+    [1.0, -2.0],
+]
+
+
+def _glm(y):
+    """A Normal regression whose predictor has a Bernoulli shift (``(x * w).sum(-1)``, not
+    ``x @ w``: it broadcasts over Trace_ELBO's particle dim)."""
+    x = y.new_tensor(X)
+    w = pyro.sample("w", dist.Normal(y.new_zeros(2), 2.0).to_event(1))
+    with pyro.plate("n", len(y)):
+        s = pyro.sample("s", dist.Bernoulli(y.new_full((len(y),), 0.4)))
+        pyro.sample("y", dist.Normal((x * w).sum(-1) + 2.0 * s, 1.0), obs=y)
+
+
+def _cavi_glm(y, iters=500):
+    x = y.new_tensor(X)
+    P = torch.eye(2, dtype=y.dtype) / 4 + x.T @ x
+    r = torch.full_like(y, 0.5)
+    for _ in range(iters):
+        m = torch.linalg.solve(P, x.T @ (y - 2.0 * r))
+        f = x @ m
+        r = torch.sigmoid(torch.logit(y.new_tensor(0.4)) - 0.5 * ((y - f - 2) ** 2 - (y - f) ** 2))
+    return m, torch.linalg.inv(P), r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_discrete_in_a_glm_predictor_reaches_the_cavi_fixed_point(dtype):
+    y = torch.tensor(Y, dtype=dtype)
+    guide, losses = _fit(_glm, y, 30)
+    assert "y -> w            conjugate (enumerated)" in guide.explain()
+    m, S, r = _cavi_glm(y.double())
+    tol = TOL[dtype]
+    q = guide.posterior("w")
+    assert torch.allclose(q.loc.double(), m, atol=tol)
+    assert torch.allclose(q.covariance_matrix.double(), S, atol=tol)
+    assert torch.allclose(guide.posterior("s").probs.double(), r, atol=tol)
+    assert all(l1 <= l0 + 1e-6 * abs(l0) for l0, l1 in zip(losses, losses[1:]))
+    _assert_bound(_glm, guide, y, losses)
