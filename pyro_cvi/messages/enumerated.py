@@ -46,8 +46,9 @@ def enumerated_normal_rows(ctx: StepContext, factor, spec, z_at: torch.Tensor) -
     loc = loc.detach()
     z_at = torch.cat([leaves[n].detach().reshape(-1) for n in names])
     prob = torch.ones((), dtype=loc.dtype, device=loc.device)
-    for c in factor.enumerated:  # q of the enumerated value of each entry
+    for c in factor.enumerated:  # q of the enumerated value of each entry (batch-aligned)
         prob = prob * ctx.marginal(c).log_prob(tr.nodes[c]["value"]).exp().detach()
+    prob = prob.reshape(prob.shape + (1,) * site["fn"].event_dim)  # (a to_event factor)
     weight = _weight(site, loc) * prob.expand(shape)
     y = torch.where(weight != 0, y.expand(shape), torch.zeros_like(loc))
     prec = (weight / base.scale.detach().expand(shape) ** 2).reshape(-1)
