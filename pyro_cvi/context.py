@@ -59,6 +59,8 @@ class StepContext:
     #: ``exclude -> {site: value}``: one joint draw of every non-leaf latent from the current q
     #: (minibatch-restricted), except the sites in ``exclude``
     sample_q: Optional[Callable] = None
+    #: ``name -> Distribution``: the current ``q`` of latent ``name`` (its block's marginal)
+    marginal: Optional[Callable] = None
     #: ``() -> trace``: the model traced again at the current q (the sequential schedule)
     retrace: Optional[Callable] = None
     #: ``StepReport -> None``: counts (and warns about) a step taken inside the loss

@@ -28,9 +28,9 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_median
 
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger
+from .blocks.registry import analysis_options
 from .context import GIVEN, Options, StepContext
 from .messages.expectations import site_weight
-from .messages.gaussian import gradient_only
 from .model.analysis import CONSTANT, Analysis
 from .model.factor_roles import minibatch_renames
 from .model.signature import check_signature, closure_key, data_key, signature
@@ -117,7 +117,6 @@ class Engine:
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options
-        rem = o.remainder
         an = Analysis(
             self.model,
             args,
@@ -126,10 +125,8 @@ class Engine:
             o.covariance,
             o.families,
             o.discrete,
-            remainder=(lambda dim: gradient_only(o, dim))
-            if rem is not None and rem.enabled and o.reducer is None
-            else None,
             own_leaves=self.own_leaves,
+            **analysis_options(o),  # (what the kinds admit: blocks/registry.py)
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs) + closure_key(self.model)
@@ -260,6 +257,7 @@ class Engine:
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
         )
+        ctx.marginal = lambda name: self.block_for(name).marginal(name)
         ctx.retrace = lambda: self._trace(ctx)
         ctx.report = self._report
         if self._static_trace is not None and not ctx.subsample:

@@ -60,11 +60,14 @@ def test_no_import_cycle_between_units():
     assert knots == KNOWN_KNOTS, f"the known knot changed: {knots}; update KNOWN_KNOTS"
 
 
-#: what names a kind of block: its class, a latent's form, the per-kind fields of old
+#: what names a kind of block: its class, a latent's form, the per-kind fields of old, a
+#: kind's admission rule (what the remainder takes is the remainder kind's own rule,
+#: registered with it: ``register_kind(..., admits=)``)
 KIND_AWARE = re.compile(
     r"\b(GaussianBlock|MarkovBlock|MeanFieldBlock|NaturalBlock|RemainderBlock|SiteFormBlock)\b"
     r"|\.form\b|\b(NATURAL|SITE|LEAF_FORM|REMAINDER|REMAINDER_OWNER)\b"
     r"|\b(self|engine)\.(gaussian|natural|mean_field|remainder)\b"
+    r"|\bgradient_only\b|\b(o|options|self\.options)\.(remainder|general_curvature)\b"
 )
 
 
@@ -89,5 +92,9 @@ def test_the_kind_checker_flags_the_forms(tmp_path):
         "    b = RemainderBlock(an)\n"
         "self.mean_field = None\n"
         "blocks = build_blocks(found)  # a NaturalBlock in a comment\n"
+        "rule = lambda dim: gradient_only(o, dim)\n"
+        "if o.remainder is not None and o.remainder.enabled:\n"
+        "    mode = self.options.general_curvature\n"
+        "an = Analysis(model, **analysis_options(o))  # o.remainder in a comment\n"
     )
-    assert [p.split(":")[1] for p in kind_aware_places(src)] == ["1", "2", "3"]
+    assert [p.split(":")[1] for p in kind_aware_places(src)] == ["1", "2", "3", "5", "6", "7"]

@@ -34,6 +34,7 @@ from ..context import Options, StepContext
 from ..gaussian.retraction import retraction_target
 from ..gaussian.sites import site_to_row
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
+from ..messages.enumerated import enumerated_normal_rows
 from ..messages.gaussian import (
     RowBlock,
     general_message,
@@ -52,14 +53,9 @@ from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_w
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
+from ..model.records import CONJUGATE_ENUM
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
-from ..update import (
-    MAX_HALVINGS_SOLVE,
-    StepCounts,
-    cvi_update,
-    damped_step,
-    targets_from_grads,
-)
+from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
 from .init_start import InitLocStart
 from .laplace import LaplaceStart
@@ -191,6 +187,10 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         sites = self._sites()
         rows, elbo_rows, graph_rows, graph_fns = [], [], [], {}
         for f in self.spec.factors:
+            if f.kind == CONJUGATE_ENUM:  # rows per enumerated value (no graph: q(s) weighs)
+                rows.append((None, enumerated_normal_rows(ctx, f, self.spec, self.z_at)))
+                graph_rows += rows[-1:] if ctx.graph else []
+                continue
             if f.kind not in (CONJUGATE, LINEAR, SOFTMAX):
                 continue
             A = f.jacobian if ctx.graph else None  # (given: rows with graph, see messages)
@@ -472,8 +472,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             mvn, torch.distributions.transforms.ReshapeTransform(mvn.event_shape, shape)
         )
 
-    def mean_values(self) -> Dict[str, torch.Tensor]:
-        return self.spec.split(self.post.loc.detach())
+    def mean_values(self) -> Dict[str, torch.Tensor]:  # (before the first solve: z_at)
+        return self.spec.split((self.z_at if self.post is None else self.post.loc).detach())
 
 
 def _observed_in(site, plates) -> bool:

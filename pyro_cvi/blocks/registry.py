@@ -21,12 +21,18 @@ rank      kind                        what it takes
 
 Factors are owned once (``analysis.owner``), so a kind's blocks compute the ELBO terms of the
 factors the analysis gave them, and read the other blocks' ``q`` through the protocol only.
+
+A kind may also tell the analysis what it admits (:func:`register_admission`):
+``rule(options)`` returns keyword arguments of :class:`~pyro_cvi.model.analysis.Analysis`
+(the remainder: which Gaussian blocks with a general factor it takes,
+:mod:`pyro_cvi.blocks.admission`). :func:`analysis_options` merges them, so the engine passes
+them on without naming the kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 from ..context import Options
 from .base import Block
@@ -34,6 +40,8 @@ from .base import Block
 __all__ = [
     "BlockKind",
     "Found",
+    "analysis_options",
+    "register_admission",
     "build_blocks",
     "register_block_kind",
     "register_kind",
@@ -83,6 +91,8 @@ class BlockKind(NamedTuple):
 
 
 _KINDS: Dict[str, BlockKind] = {}
+#: kind name -> ``(options) -> {Analysis keyword: value}``: what the kind asks of the analysis
+_ADMISSIONS: Dict[str, Callable[[Options], Dict[str, Any]]] = {}
 
 
 def register_kind(name: str, rank: int, build: Callable[[Found], List[Block]]) -> BlockKind:
@@ -91,6 +101,26 @@ def register_kind(name: str, rank: int, build: Callable[[Found], List[Block]]) -
     kind = BlockKind(name, rank, build)
     _KINDS[name] = kind
     return kind
+
+
+def register_admission(kind: str, rule: Callable[[Options], Dict[str, Any]]) -> None:
+    """Register (or replace) what kind ``kind`` admits: ``rule(options)`` returns the
+    :class:`~pyro_cvi.model.analysis.Analysis` keywords it decides, read by
+    :func:`analysis_options` before the analysis runs (a kind not registered: ignored)."""
+    _ADMISSIONS[kind] = rule
+
+
+def analysis_options(options: Options) -> Dict[str, Any]:
+    """The registered kinds' :class:`~pyro_cvi.model.analysis.Analysis` keywords for
+    ``options``, merged in rank order (a keyword two kinds decide is an error)."""
+    out: Dict[str, Any] = {}
+    for kind in registered_kinds():
+        rule = _ADMISSIONS.get(kind.name)
+        for key, value in (rule(options) if rule is not None else {}).items():
+            if key in out:
+                raise ValueError(f"block kinds {kind.name!r} and another both decide {key!r}")
+            out[key] = value
+    return out
 
 
 def unregister_kind(name: str) -> None:

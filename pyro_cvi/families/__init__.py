@@ -127,7 +127,16 @@ def family_for_support(
 
 
 #: the names ``AutoCVI(families={site: name})`` accepts
-FAMILY_NAMES = ("gaussian", "gamma", "beta", "dirichlet", "bernoulli", "categorical")
+#: (``"gaussian_diag"``: a real site's own mean-field Gaussian, out of any joint Gaussian block)
+FAMILY_NAMES = (
+    "gaussian",
+    "gaussian_diag",
+    "gamma",
+    "beta",
+    "dirichlet",
+    "bernoulli",
+    "categorical",
+)
 
 
 def choose_family(
@@ -158,6 +167,8 @@ def choose_family(
         except NotImplementedError:  # no bijection to the reals
             raise _unsupported(support, event_shape) from None
         return fallback, f"no native family for {support}"
+    if override == "gaussian_diag" and native.is_gaussian:  # mean field for this site
+        return GaussianDiag(event_shape), None
     if override is None or native.name.startswith(override):
         return native, None
     if override == "gaussian" and not support.is_discrete:

@@ -35,7 +35,13 @@ import torch
 from ..families import choose_families
 from . import gaussian_tree, probes
 from .bilinear import BILINEAR_FORM, bilinear_factor, find_bilinear
-from .block_factors import chain_factor, cross_factor, plate_factor, softmax_factor
+from .block_factors import (
+    chain_factor,
+    cross_factor,
+    enumerated_factor,
+    plate_factor,
+    softmax_factor,
+)
 from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
 from .dependencies import continuous_dependencies, discrete_dependencies, hidden_dependencies
 from .explain import explain
@@ -449,6 +455,9 @@ class Analysis:
             )
             why = f"{spec.reason}: rows with E_q[precision], given {others} (eq. 20)"
             return Factor(spec.site, label, CONJUGATE, why, "loc", A, spec.dynamic, True)
+        enumerated = enumerated_factor(self, spec, block)  # (discrete parents: block_factors)
+        if enumerated is not None:
+            return enumerated
         why = f"{spec.reason or 'shared'}; given {others}: stochastic message (Bonnet/Price)"
         return Factor(spec.site, label, GENERAL, why)
 

@@ -7,6 +7,9 @@
   data point of the whole plate (the incremental form, :mod:`pyro_cvi.blocks.plate_sites`).
 * :func:`chain_factor`: a factor of a Markov block (the chain prior, or an observation affine in
   one step's state).
+* :func:`enumerated_factor`: a Normal factor with discrete (mean-field) parents, loc affine in
+  the block given them: exact rows per enumerated value weighted by ``q`` (eq. 20,
+  :mod:`pyro_cvi.messages.enumerated`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ import pyro.poutine
 import torch
 
 from . import probes
-from .records import CONJUGATE_MC, GENERAL, LINEAR, PRIOR, SITE, SOFTMAX, Factor, centred_logits
+from .records import (
+    CONJUGATE_ENUM,
+    CONJUGATE_MC,
+    GENERAL,
+    LINEAR,
+    PRIOR,
+    SITE,
+    SOFTMAX,
+    Factor,
+    centred_logits,
+)
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -30,7 +43,13 @@ from .tracing import (
     subsample_values,
 )
 
-__all__ = ["chain_factor", "cross_factor", "plate_factor", "softmax_factor"]
+__all__ = [
+    "chain_factor",
+    "cross_factor",
+    "enumerated_factor",
+    "plate_factor",
+    "softmax_factor",
+]
 
 
 def cross_factor(an, site: str, inside: Set[str]) -> None:
@@ -174,3 +193,42 @@ def softmax_factor(an, site: str, block, base) -> Factor:
         f"K={K} sites (K x K each)"
     )
     return Factor(site, label, SOFTMAX, why, "logits", A, dynamic, num_classes=K)
+
+
+def enumerated_factor(an, spec, block) -> Optional[Factor]:
+    """The exact message of a factor with discrete parents to Gaussian ``block``
+    (kind ``CONJUGATE_ENUM``), or ``None`` where it does not apply: an observed Normal whose
+    loc is affine in the block given the discrete values (the scale free of the block), the
+    discrete parents in the mean field (not summed out or in the remainder), outside a
+    subsampled plate, the block not a chain. Other continuous parents enter at their means,
+    exact under the mean field between blocks (the loc is affine in them too)."""
+    loc = spec.roles.get("loc")
+    if not (
+        spec.exact
+        and spec.discrete
+        and spec.pattern is not None
+        and spec.pattern.name == "Normal"
+        and spec.value_kind == "observed"
+        and loc is not None
+        and loc.kind == "affine"
+        and set(loc.parents) & set(block.names)
+        and block.chain is None
+        and not spec.collapsed
+        and not spec.discrete & (an.collapsed | an.remainder_discrete)
+        and an.minibatch_plate(spec.site) is None
+    ):
+        return None
+    given = ", ".join(sorted(spec.discrete))
+    others = ", ".join(sorted(spec.latents - set(block.names)))
+    why = f"{spec.reason}: rows per value of {given} weighted by q, given {others} (eq. 20)"
+    return Factor(
+        spec.site,
+        block.label,
+        CONJUGATE_ENUM,
+        why,
+        "loc",
+        dynamic=spec.dynamic,
+        given_others=True,
+        enumerated=tuple(sorted(spec.discrete)),
+        enum_dims=an.enum_dims,
+    )

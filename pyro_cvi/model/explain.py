@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .records import (
     COLLAPSED,
     CONJUGATE,
+    CONJUGATE_ENUM,
     CONJUGATE_MC,
     GENERAL,
     LINEAR,
@@ -35,6 +36,7 @@ EXACT, MONTE_CARLO, SITES = "exact expected", "Monte Carlo expected", "sites"
 MESSAGE_RULES: Dict[str, str] = {
     PRIOR: EXACT,
     CONJUGATE: EXACT,
+    CONJUGATE_ENUM: EXACT,
     CONJUGATE_MC: MONTE_CARLO,
     LINEAR: SITES,
     SOFTMAX: SITES,

@@ -20,6 +20,9 @@ GENERAL = "general"
 #: conjugate to the latent given the others, the expectation over them by Monte Carlo (a Normal
 #: likelihood's Gamma precision beside the remainder: ``E_q[(y - loc)^2]`` over its draws)
 CONJUGATE_MC = "conjugate (MC)"
+#: a Normal factor with discrete (mean-field) parents, loc affine in a Gaussian block given them:
+#: exact rows per enumerated value, weighted by ``q`` of the values (eq. 20)
+CONJUGATE_ENUM = "conjugate (enumerated)"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
@@ -60,6 +63,10 @@ class Factor:
     #: a linear predictor in a vectorised subsampled plate: ``(axis, full shape)`` of its
     #: linked value (the plate's axis and the value's shape at the plate's full size)
     minibatch: Optional[Tuple[int, Tuple[int, ...]]] = None
+    #: the discrete latents a ``CONJUGATE_ENUM`` factor is enumerated over, and the plate dims
+    #: left of which they are enumerated
+    enumerated: Tuple[str, ...] = ()
+    enum_dims: Optional[int] = None
 
     @property
     def link_of(self) -> Tuple[Optional[str], Optional[str]]:
