@@ -24,6 +24,8 @@ __all__ = [
     "unenumerated_leaves",
     "moved_discrete_dependencies",
     "hidden_dependencies",
+    "RngWatch",
+    "random_sites",
 ]
 
 #: what a model (or a density) raises on values it refuses; anything else (an interrupt, an
@@ -289,3 +291,36 @@ def _log_prob(site) -> Optional[torch.Tensor]:
     except MODEL_ERRORS:  # (a density that cannot be evaluated here: its parameters decide)
         return None
     return lp if torch.is_tensor(lp) and lp.requires_grad else None
+
+
+class RngWatch:
+    """``rerun`` that records whether any call drew from torch's random stream: a model run
+    with every latent fixed draws nothing, unless the model holds randomness that no handler
+    sees (a latent hidden by ``poutine.block``, a ``torch.randn`` of its own)."""
+
+    def __init__(self, rerun: Callable[[Dict[str, torch.Tensor]], Trace]):
+        self.rerun, self.drew = rerun, False
+
+    def __call__(self, values: Dict[str, torch.Tensor]) -> Trace:
+        state = torch.get_rng_state()
+        try:
+            return self.rerun(values)
+        finally:
+            self.drew = self.drew or not torch.equal(state, torch.get_rng_state())
+
+
+def random_sites(trace: Trace, rerun: Callable[[Dict[str, torch.Tensor]], Trace]) -> Set[str]:
+    """The sites whose distribution (or observed value) differs between ``trace`` and a run at
+    the same latent values (``rerun({})``): they read a draw the guide does not see, so one
+    trace's exact message is one draw of a random message. (Pyro's Trace_ELBO averages
+    over that draw; so must the messages.) A model that refuses the run gives none."""
+    try:
+        with torch.no_grad():
+            again = rerun({})
+    except MODEL_ERRORS:
+        return set()
+    return {
+        n
+        for n, s in trace.nodes.items()
+        if is_random(s) and n in again.nodes and _site_moved(s, again.nodes[n], False)
+    }
