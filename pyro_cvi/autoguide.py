@@ -43,6 +43,7 @@ from .guide_state import (
     check_prefix,
     claim_prefix,
     detach_distribution,
+    leaf_stages,
     option_property,
     refuse_inside_svi_step,
     rng_preserved,
@@ -378,10 +379,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
                 leaves.append(name)
             elif name not in result:
                 result.update(engine.block_for(name).guide_sample(name, draw))
-        if leaves:
-            run = poutine.block(Unsampled(leaves)(trace_model))
+        run = poutine.block(Unsampled(leaves)(trace_model))
+        for stage in leaf_stages(leaves, engine.analysis.deps):
             tr = run(self.model, result, args, kwargs)
-            for name in leaves:
+            for name in stage:
                 site = tr.nodes[name]
                 with self._plates_of(name, plates, site):
                     fn = site["fn"]

@@ -68,6 +68,7 @@ class Engine:
         #: latent name -> the block that steps it in the sequential schedule
         self.stepper: Dict[str, Block] = {}
         self.pending: Optional[StepContext] = None
+        self.last_mc_var: Optional[float] = None  # (the last loss's Monte Carlo variance)
         self.counts = StepCounts()
         self.warnings = WarningLog()
         self.data_key = None
@@ -360,6 +361,7 @@ class Engine:
         for block in self.blocks:
             elbo = elbo + block.messages(ctx)
         self.pending = ctx if grads else None
+        self.last_mc_var = ctx.mc_var
         ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()

@@ -46,6 +46,7 @@ from pyro.util import set_rng_state
 from torch import nn
 
 __all__ = [
+    "leaf_stages",
     "check_prefix",
     "claim_prefix",
     "GuideState",
@@ -226,6 +227,20 @@ class Unsampled(Messenger):
         except (NotImplementedError, ValueError, AttributeError, RuntimeError):
             value = torch.zeros(fn.shape(), dtype=torch.get_default_dtype())
         msg["value"] = value.expand(fn.shape())
+
+
+def leaf_stages(leaves: List[str], deps: Dict[str, Any]) -> List[List[str]]:
+    """The leaves in the stages the guide draws them in, one model run each: a stage holds the
+    leaves none of whose parents is a leaf still to draw (model order kept). One stage where no
+    leaf depends on another (the usual case); a prior-only subtree (``x`` whose only dependent
+    is the leaf ``y``) draws ``x`` first and reads ``p(y | x)`` at that draw."""
+    left, stages = list(leaves), []
+    while left:
+        todo = set(left)
+        stage = [n for n in left if not (set(deps.get(n, ())) & todo - {n})] or left
+        stages.append(stage)
+        left = [n for n in left if n not in stage]
+    return stages
 
 
 @contextmanager

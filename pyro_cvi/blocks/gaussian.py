@@ -57,6 +57,7 @@ from ..model.records import CONJUGATE_ENUM
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
+from .hidden_draws import draw_weight
 from .init_start import InitLocStart
 from .laplace import LaplaceStart
 from .plate_sites import PlateSites
@@ -345,9 +346,10 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
                 self.options, self._log_joint(ctx), post, -general[1], ctx, self._vectorise
             )
             elbo = elbo + value
-            if ctx.grads:
-                general[0].grad = h - general[0].detach()
-                general[1].grad = P - general[1].detach()
+            if ctx.grads:  # (1/(t+1) for a hidden draw's message: averaged over the steps)
+                w = draw_weight(self)
+                general[0].grad = w * (h - general[0].detach())
+                general[1].grad = w * (P - general[1].detach())
         h0 = self._init_h()
         if h0 is not None and ctx.grads:  # no factor's message: the target is zero
             h0.grad = -h0.detach()

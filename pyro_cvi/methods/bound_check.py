@@ -162,10 +162,22 @@ def _trace_elbo_batches(
     return torch.tensor(out, dtype=torch.float64)
 
 
-def _reported(loss: Callable[[], float]) -> Tuple[float, float]:
-    """The reported loss and its standard error: two evaluations under different random
-    states; equal, it is exact (se 0), else :data:`REPEATS` of them."""
-    first, second = loss(), loss()
+def _reported(
+    loss: Callable[[], float],
+    monte_carlo: Optional[Callable[[], bool]] = None,
+    num_particles: int = DEFAULT_PARTICLES,
+) -> Tuple[float, float]:
+    """The reported loss and its standard error. Where the guide says its loss is a Monte
+    Carlo estimate (``monte_carlo()``, asked after the first evaluation), one evaluation per
+    :data:`BATCH` of the referee's draws (at least :data:`REPEATS`): a few draws per loss can
+    all miss a rare, costly region of ``q`` (a step of ``round(z)`` in its tail), and two equal
+    values then say nothing. Otherwise two evaluations under different random states; equal,
+    it is exact (se 0), else :data:`REPEATS` of them."""
+    first = loss()
+    if monte_carlo is not None and monte_carlo():
+        n = max(REPEATS, math.ceil(num_particles / BATCH))
+        return _mean_se(torch.tensor([first] + [loss() for _ in range(n - 1)]).double())
+    second = loss()
     if first == second:
         return first, 0.0
     values = torch.tensor([first, second] + [loss() for _ in range(REPEATS - 2)])
@@ -184,6 +196,7 @@ def check_bound(
     label: Optional[str] = None,
     enum_plates: Optional[Callable[[], Optional[int]]] = None,
     vectorize: bool = False,
+    monte_carlo: Optional[Callable[[], bool]] = None,
 ) -> BoundCheck:
     """Compare ``reported_loss()`` with Trace_ELBO's estimate of the guide's -ELBO (module
     docstring). Warns :class:`BoundMismatchWarning` (when ``warn``) on disagreement.
@@ -198,6 +211,8 @@ def check_bound(
     :param enum_plates: asked after the first reported loss (the guide is set up then): the
         model's plate nesting where the guide sums discrete latents out (then
         ``TraceEnum_ELBO`` sums them out too), else ``None``.
+    :param monte_carlo: asked after the first reported loss: whether that loss was a Monte
+        Carlo estimate (then it is repeated to about as many draws as the referee's batches).
     """
     kwargs = kwargs or {}
     if num_particles < 2:
@@ -209,7 +224,7 @@ def check_bound(
     try:
         guide.bound_check_running = True  # (a guide may refuse Pyro's ELBOs inside SVI.step)
         with torch.no_grad(), poutine.block():
-            reported, reported_se = _reported(reported_loss)
+            reported, reported_se = _reported(reported_loss, monte_carlo, num_particles)
             plates = enum_plates() if enum_plates is not None else None
             batches = _trace_elbo_batches(
                 model, guide, args, kwargs, num_particles, plates, vectorize
@@ -275,6 +290,9 @@ class BoundChecked:
             label=f"{type(self).__name__}({getattr(self.model, '__name__', 'model')})",
             enum_plates=lambda: collapsed_plates(self),
             vectorize=vectorize,
+            monte_carlo=lambda: (
+                getattr(getattr(self, "engine", None), "last_mc_var", None) is not None
+            ),
         )
 
 

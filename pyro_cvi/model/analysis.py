@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 
 from ..families import choose_families
+from . import dependencies as dep
 from . import gaussian_tree, probes
 from .bilinear import BILINEAR_FORM, bilinear_factor, find_bilinear
 from .block_factors import (
@@ -43,7 +44,6 @@ from .block_factors import (
     softmax_factor,
 )
 from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
-from .dependencies import continuous_dependencies, discrete_dependencies, hidden_dependencies
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -139,24 +139,34 @@ class Analysis:
         }
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
-        self.deps = continuous_dependencies(self.structure, leaves)
+        self.deps = dep.continuous_dependencies(self.structure, leaves)
         at = {n: self.values[n] for n in self.continuous}
         rerun = partial(_rerun, model, args, kwargs, {**fixed, **at, **self.subsample})
-        self.deps = hidden_dependencies(self.structure, self.deps, rerun, at)
+        watch = dep.RngWatch(rerun)  # (hidden randomness: a run at fixed latents that draws)
+        self.deps = dep.hidden_dependencies(self.structure, self.deps, watch, at)
+        self.random_sites = dep.random_sites(self.structure, rerun) if watch.drew else set()
         self._leaf_trace = (self.structure, leaves)
+        not_enumerable = None
         if self.discrete:  # a second, enumerated, trace: discrete dependencies
             cont = {n: v for n, v in self.values.items() if n not in self.discrete}
-            with torch.enable_grad():
-                tr = run_model(
-                    model, {**cont, **leaves, **self.subsample}, args, kwargs, self.plate_dims
-                )
-            extra = discrete_dependencies(tr, self.discrete)
+            vals = {**cont, **leaves, **self.subsample}
+            enumerated = partial(run_model, model, vals, args, kwargs, self.plate_dims)
+            extra, tr = dep.discrete_dependencies_of(
+                enumerated, self.structure, self.discrete, rerun
+            )
             self.deps = {n: d | extra.get(n, set()) for n, d in self.deps.items()}
-            self._leaf_trace = (tr, leaves)
+            if isinstance(tr, dep.NotEnumerable):  # (run as Pyro's Trace_ELBO would)
+                self.enum_dims, not_enumerable = None, tr
+            else:
+                self._leaf_trace = (tr, leaves)
         referenced = set().union(*self.deps.values()) if self.deps else set()
         # a leaf's q is its conditional prior, the optimum only for an unweighted prior: a
         # tempered leaf (poutine.scale / mask) gets a q of its own, q ~ p^c
         self.leaves = leaf_latents(self.values, referenced, self.structure.nodes, own_leaves)
+        if (why := not_enumerable) is not None:
+            self.leaves = dep.unenumerated_leaves(
+                self.leaves, self.deps, self.values, self.discrete, self.structure.nodes, why
+            )
         for name, e in unsupported.items():
             fn = proto.nodes[name]["fn"]
             if name in self.leaves:
@@ -370,6 +380,9 @@ class Analysis:
         if centred_logits(base) is not None:
             return softmax_factor(self, site, block, base)
         zs = [leaves[n] for n in block.names]
+        if site in self.random_sites:  # a hidden draw: its messages are averaged over draws
+            why = f"{kind_name} reads a draw the guide does not see: Monte Carlo message"
+            return Factor(site, label, GENERAL, why, hidden_draw=True)
         if torch.is_tensor(obs := tr.nodes[site]["value"]) and obs.requires_grad:  # obs=f(z)
             why = f"{kind_name}'s observed value depends on {label}: Bonnet/Price message"
             return Factor(site, label, GENERAL, why)
@@ -421,8 +434,9 @@ class Analysis:
         return None
 
     def _probes(self, block: BlockSpec, shrink: float = 1.0):
-        """Two model runs at joint random perturbations of the block's sites (scaled by
-        ``shrink``), shared by every factor of the block: ``[(perturbations, trace)]``."""
+        """Model runs at joint perturbations of the block's sites (``probes.perturbations``: random
+        moves and a reflection; scaled by ``shrink``), shared by every factor of the block:
+        ``[(perturbations, trace)]``."""
         key = block.index if shrink == 1.0 else (block.index, shrink)
         if key not in self.probe_cache:
             at = {n: self.ref[n] for n in block.names}

@@ -2,19 +2,31 @@
 latents made leaves (:func:`continuous_dependencies`), through the enumeration dims of
 discrete latents (:func:`discrete_dependencies`), and through paths autograd does not record
 (integer casts, ``detach``, ``.item()``), found by one run with every continuous latent moved
-(:func:`hidden_dependencies`)."""
+(:func:`hidden_dependencies`). A model that cannot run with enumeration dims (it asserts the
+shapes of its own samples, as Pyro runs it without them) gets its discrete dependencies by
+runs with each discrete latent moved instead (:func:`discrete_dependencies_of`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Set
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 import torch
 from pyro.poutine.trace_struct import Trace
 
 from . import probes
-from .tracing import float_params, is_random
+from .tracing import float_params, is_random, latent_weight
 
-__all__ = ["continuous_dependencies", "discrete_dependencies", "hidden_dependencies"]
+__all__ = [
+    "continuous_dependencies",
+    "discrete_dependencies",
+    "discrete_dependencies_of",
+    "NotEnumerable",
+    "unenumerated_leaves",
+    "moved_discrete_dependencies",
+    "hidden_dependencies",
+    "RngWatch",
+    "random_sites",
+]
 
 #: what a model (or a density) raises on values it refuses; anything else (an interrupt, an
 #: error of the caller's) propagates
@@ -57,6 +69,111 @@ def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Se
         } - {own}
         out[name] = {c for c, i in ids.items() if c != name and i in seen}
     return out
+
+
+def discrete_dependencies_of(
+    enumerated: Callable[[], Trace],
+    trace: Trace,
+    discrete: Iterable[str],
+    rerun: Callable[[Dict[str, torch.Tensor]], Trace],
+) -> Tuple[Dict[str, Set[str]], Union[Trace, NotEnumerable]]:
+    """``(dependencies, enumerated trace)``: from the enumerated run ``enumerated()`` where the
+    model runs so (:func:`discrete_dependencies`); where it refuses (a model asserting its own
+    sample shapes, written for Pyro's ``Trace_ELBO``, which adds no enumeration dim), from
+    unenumerated runs with each discrete latent moved (:func:`moved_discrete_dependencies`),
+    and why it refused (a :class:`NotEnumerable`) in place of the trace."""
+    discrete = list(discrete)
+    try:
+        with torch.enable_grad():
+            tr = enumerated()
+    except MODEL_ERRORS as e:
+        deps = moved_discrete_dependencies(trace, discrete, rerun)
+        return deps, NotEnumerable(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return discrete_dependencies(tr, discrete), tr
+
+
+class NotEnumerable:
+    """Why a model cannot run with enumeration dims (the error it raised there)."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def unenumerated_leaves(
+    leaves: Set[str],
+    deps: Dict[str, Set[str]],
+    latents: Iterable[str],
+    discrete: Iterable[str],
+    nodes,
+    why: NotEnumerable,
+) -> Set[str]:
+    """The leaves of a model that cannot run enumerated: ``leaves`` and, repeatedly, every
+    unweighted latent whose dependents are all latent leaves (a prior-only subtree:
+    ``q(x, y) = p(x) p(y | x)`` is its exact posterior, which no enumeration needs). A discrete
+    latent left outside them would need a ``q`` whose messages enumerate it: refused, naming
+    the error the model raised with enumeration dims."""
+    leaves, latents = set(leaves), set(latents)
+    changed = True
+    while changed:
+        changed = False
+        for x in sorted(latents - leaves):
+            users = {n for n, d in deps.items() if x in d and n != x}
+            if users <= leaves and latent_weight(nodes[x]) is None:
+                leaves.add(x)
+                changed = True
+    left = sorted(set(discrete) - leaves)
+    if left:
+        raise ValueError(
+            f"AutoCVI: the model fails when run with enumeration dims ({why.why}), and the "
+            f"discrete latent site(s) {', '.join(map(repr, left))} need them: their q's "
+            "messages sum over their values in parallel, as TraceEnum_ELBO does. Make the "
+            "model broadcast over extra dims on the left of its plates (check x.shape[-k:] "
+            "rather than x.shape, e.g. in an assert), or collapse them with "
+            "AutoCVI(discrete='collapse') once it runs so."
+        )
+    return leaves
+
+
+def moved_discrete_dependencies(
+    trace: Trace, discrete: Iterable[str], rerun: Callable[[Dict[str, torch.Tensor]], Trace]
+) -> Dict[str, Set[str]]:
+    """For each sample site of the unenumerated ``trace``, the discrete latents it depends on:
+    one run per discrete latent ``c`` with every element of it moved to the next value of its
+    support (``(c + 1) mod K``; a one-hot value rolled); a site whose parameters (or observed
+    value) move depends on ``c``. A latent whose support is not ``0..K-1`` or one-hot counts as
+    a dependency of every site after it (conservative)."""
+    names = [n for n, s in trace.nodes.items() if is_random(s)]
+    out: Dict[str, Set[str]] = {n: set() for n in names}
+    for c in discrete:
+        site = trace.nodes[c]
+        moved = _next_value(site)
+        after = names[names.index(c) + 1 :]
+        if moved is None:
+            for n in after:
+                out[n].add(c)
+            continue
+        with torch.no_grad():
+            other = rerun({c: moved})
+        for n in after:
+            if n not in other.nodes or _site_moved(trace.nodes[n], other.nodes[n], n != c):
+                out[n].add(c)
+    return out
+
+
+def _next_value(site) -> Optional[torch.Tensor]:
+    """Every element of a discrete latent's value moved to the next value of its support, or
+    ``None`` for a support other than ``0..K-1`` or one-hot."""
+    fn, v = site["fn"], site["value"]
+    try:
+        support = fn.enumerate_support(expand=False)
+    except (NotImplementedError, ValueError, RuntimeError):
+        return None
+    K = support.shape[0]
+    if fn.event_shape and v.shape[-1] == K and bool(((v == 0) | (v == 1)).all()):
+        return v.roll(1, -1)  # one-hot
+    if fn.event_shape or not torch.equal(support.reshape(-1), torch.arange(K).to(support)):
+        return None
+    return (v + 1).remainder(K)
 
 
 def continuous_dependencies(trace: Trace, leaves: Dict[str, torch.Tensor]) -> Dict[str, Set[str]]:
@@ -174,3 +291,36 @@ def _log_prob(site) -> Optional[torch.Tensor]:
     except MODEL_ERRORS:  # (a density that cannot be evaluated here: its parameters decide)
         return None
     return lp if torch.is_tensor(lp) and lp.requires_grad else None
+
+
+class RngWatch:
+    """``rerun`` that records whether any call drew from torch's random stream: a model run
+    with every latent fixed draws nothing, unless the model holds randomness that no handler
+    sees (a latent hidden by ``poutine.block``, a ``torch.randn`` of its own)."""
+
+    def __init__(self, rerun: Callable[[Dict[str, torch.Tensor]], Trace]):
+        self.rerun, self.drew = rerun, False
+
+    def __call__(self, values: Dict[str, torch.Tensor]) -> Trace:
+        state = torch.get_rng_state()
+        try:
+            return self.rerun(values)
+        finally:
+            self.drew = self.drew or not torch.equal(state, torch.get_rng_state())
+
+
+def random_sites(trace: Trace, rerun: Callable[[Dict[str, torch.Tensor]], Trace]) -> Set[str]:
+    """The sites whose distribution (or observed value) differs between ``trace`` and a run at
+    the same latent values (``rerun({})``): they read a draw the guide does not see, so one
+    trace's exact message is one draw of a random message. (Pyro's Trace_ELBO averages
+    over that draw; so must the messages.) A model that refuses the run gives none."""
+    try:
+        with torch.no_grad():
+            again = rerun({})
+    except MODEL_ERRORS:
+        return set()
+    return {
+        n
+        for n, s in trace.nodes.items()
+        if is_random(s) and n in again.nodes and _site_moved(s, again.nodes[n], False)
+    }

@@ -147,7 +147,13 @@ def _matvec_jacobian(out: torch.Tensor, z: torch.Tensor) -> Optional[torch.Tenso
 
 
 def perturbations(at: Dict[str, torch.Tensor], num_probes: int = 2, seed: int = 7):
-    """Random joint perturbations of the values ``at``, of the size of the values (>= 1)."""
+    """Random joint perturbations of the values ``at``, of the size of the values (>= 1).
+
+    With two probes or more, one more: the *reflection* ``z0 -> -z0 - s/2 sign(z0)``, which
+    takes every element across zero. Random moves can all fall on one side of a branch on the
+    latent's value (``3 z if z > 0 else -z``, ``z * (z > 0)``), where the map is affine with
+    the Jacobian at ``z0``; the reflection crosses the most common one, at zero, in every
+    element. (Any finite set of points can miss a branch elsewhere.)"""
     g = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for _ in range(num_probes):
@@ -155,6 +161,13 @@ def perturbations(at: Dict[str, torch.Tensor], num_probes: int = 2, seed: int = 
         for p, z0 in at.items():
             s = z0.abs().mean().clamp_min(1.0) if z0.numel() else 1.0
             dz[p] = (s * torch.randn(z0.shape, generator=g, dtype=torch.float64)).to(z0)
+        out.append(dz)
+    if num_probes >= 2:
+        dz = {}
+        for p, z0 in at.items():
+            s = z0.abs().mean().clamp_min(1.0) if z0.numel() else 1.0
+            sign = torch.where(z0 >= 0, 1.0, -1.0).to(z0)
+            dz[p] = -2 * z0 - 0.5 * s * sign
         out.append(dz)
     return out
 

@@ -60,6 +60,9 @@ class Factor:
     #: a linear predictor's link: ``param = LINKS[link][0](A z + c)`` (``None``: the registered
     #: likelihood's own, ``model.tracing.LINEAR_PARAMS``)
     link: Optional[str] = None
+    #: a general factor that reads a draw the guide does not see (``poutine.block``): its
+    #: messages are averaged over the steps (:mod:`~pyro_cvi.blocks.hidden_draws`)
+    hidden_draw: bool = False
     #: a linear predictor in a vectorised subsampled plate: ``(axis, full shape)`` of its
     #: linked value (the plate's axis and the value's shape at the plate's full size)
     minibatch: Optional[Tuple[int, Tuple[int, ...]]] = None
