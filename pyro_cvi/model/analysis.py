@@ -27,7 +27,6 @@ discrete latents; every affine pattern is confirmed by probing (:mod:`~pyro_cvi.
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import partial
 from typing import Callable, Dict, List, Optional, Set
 
 import torch
@@ -139,26 +138,22 @@ class Analysis:
         }
         self.plate_dims = max_plate_nesting(self.structure)
         self.enum_dims = self.plate_dims if self.discrete else None
-        self.deps = dep.continuous_dependencies(self.structure, leaves)
-        at = {n: self.values[n] for n in self.continuous}
-        rerun = partial(_rerun, model, args, kwargs, {**fixed, **at, **self.subsample})
-        watch = dep.RngWatch(rerun)  # (hidden randomness: a run at fixed latents that draws)
-        self.deps = dep.hidden_dependencies(self.structure, self.deps, watch, at)
-        self.random_sites = dep.random_sites(self.structure, rerun) if watch.drew else set()
-        self._leaf_trace = (self.structure, leaves)
-        not_enumerable = None
-        if self.discrete:  # a second, enumerated, trace: discrete dependencies
-            cont = {n: v for n, v in self.values.items() if n not in self.discrete}
-            vals = {**cont, **leaves, **self.subsample}
-            enumerated = partial(run_model, model, vals, args, kwargs, self.plate_dims)
-            extra, tr = dep.discrete_dependencies_of(
-                enumerated, self.structure, self.discrete, rerun
-            )
-            self.deps = {n: d | extra.get(n, set()) for n, d in self.deps.items()}
-            if isinstance(tr, dep.NotEnumerable):  # (run as Pyro's Trace_ELBO would)
-                self.enum_dims, not_enumerable = None, tr
-            else:
-                self._leaf_trace = (tr, leaves)
+        found = dep.discover(
+            model,
+            args,
+            kwargs,
+            self.structure,
+            self.values,
+            leaves,
+            fixed,
+            self.discrete,
+            self.subsample,
+            self.plate_dims,
+        )
+        self.deps, self.random_sites, tr, not_enumerable = found
+        self._leaf_trace = (tr, leaves)
+        if not_enumerable is not None:  # (run as Pyro's Trace_ELBO would)
+            self.enum_dims = None
         referenced = set().union(*self.deps.values()) if self.deps else set()
         # a leaf's q is its conditional prior, the optimum only for an unweighted prior: a
         # tempered leaf (poutine.scale / mask) gets a q of its own, q ~ p^c
@@ -501,8 +496,3 @@ class Analysis:
         """One line per (factor, latent or block): the kind CVI gives it, and why; with the
         engine's ``blocks``, the messages each block receives (``Block.incoming``)."""
         return explain(self, blocks)
-
-
-def _rerun(model, args, kwargs, base, values):
-    """The model traced at ``base`` with ``values`` replacing some of it."""
-    return trace_model(model, {**base, **values}, args, kwargs)

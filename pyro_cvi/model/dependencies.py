@@ -8,15 +8,17 @@ runs with each discrete latent moved instead (:func:`discrete_dependencies_of`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 import torch
 from pyro.poutine.trace_struct import Trace
 
 from . import probes
-from .tracing import float_params, is_random, latent_weight
+from .tracing import float_params, is_random, latent_weight, run_model, trace_model
 
 __all__ = [
+    "discover",
     "continuous_dependencies",
     "discrete_dependencies",
     "discrete_dependencies_of",
@@ -324,3 +326,45 @@ def random_sites(trace: Trace, rerun: Callable[[Dict[str, torch.Tensor]], Trace]
         for n, s in trace.nodes.items()
         if is_random(s) and n in again.nodes and _site_moved(s, again.nodes[n], False)
     }
+
+
+def discover(
+    model,
+    args,
+    kwargs,
+    structure: Trace,
+    values,
+    leaves,
+    fixed,
+    discrete,
+    subsample,
+    plate_dims: int,
+):
+    """Every site's latents: autograd from the continuous ``leaves``, paths autograd misses
+    (one run with them moved), hidden randomness (a run at fixed latents that draws), and,
+    with discrete latents, an enumerated trace (or moved runs where the model refuses
+    enumeration dims). Returns ``(deps, random_sites, leaf_trace, not_enumerable)``: the
+    trace to read leaves from (the enumerated one where it ran) and the
+    :class:`NotEnumerable` reason or None."""
+    deps = continuous_dependencies(structure, leaves)
+    at = {n: values[n] for n in leaves}
+    rerun = partial(_rerun, model, args, kwargs, {**fixed, **at, **subsample})
+    watch = RngWatch(rerun)
+    deps = hidden_dependencies(structure, deps, watch, at)
+    randoms = random_sites(structure, rerun) if watch.drew else set()
+    if not discrete:
+        return deps, randoms, structure, None
+    cont = {n: v for n, v in values.items() if n not in discrete}
+    enumerated = partial(
+        run_model, model, {**cont, **leaves, **subsample}, args, kwargs, plate_dims
+    )
+    extra, tr = discrete_dependencies_of(enumerated, structure, discrete, rerun)
+    deps = {n: d | extra.get(n, set()) for n, d in deps.items()}
+    if isinstance(tr, NotEnumerable):
+        return deps, randoms, structure, tr
+    return deps, randoms, tr, None
+
+
+def _rerun(model, args, kwargs, base, values):
+    """The model traced at ``base`` with ``values`` replacing some of it."""
+    return trace_model(model, {**base, **values}, args, kwargs)
