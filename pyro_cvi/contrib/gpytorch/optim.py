@@ -444,14 +444,10 @@ class CVIOptimizer:
         if s.inducing_form:
             s.blend_sites(old, target, self.step_size)
             return
-        if indices is not None and self.minibatch is not None:  # eq. 14
-            beta, scale = self.minibatch.next_beta(), self.num_data / target[0].shape[-1]
-            s.scale_sites(1.0 - beta)
-            old = (s.site_lam1[indices], s.site_lam2[indices])
-            target = (scale * target[0], scale * target[1])
-            new1, new2 = old[0] + beta * target[0], old[1] + beta * target[1]
-        else:
-            new1, new2 = cvi_update(old, target, self.step_size)
+        if indices is not None and self.minibatch is not None:  # eq. 14 and its variants
+            self.minibatch.apply(s, indices, target, self.num_data)
+            return
+        new1, new2 = cvi_update(old, target, self.step_size)
         s.set_sites(new1, new2.clamp_max(0.0), indices)
 
     @property
