@@ -92,8 +92,10 @@ class CVIOptimizer:
 
     :param minibatch: :class:`~pyro_cvi.contrib.gpytorch.minibatch.SVIScaling` for minibatch
         steps on the data sites by eq. 14 of Khan & Lin 2017 (every site decayed, the batch's
-        targets scaled by ``N / B``); ``None`` (default): the batch's sites move towards their
-        targets and the others are kept. Full-batch steps are the same either way.
+        targets scaled by ``N / B``), or
+        :class:`~pyro_cvi.contrib.gpytorch.minibatch.SiteMemoryScaling` (each point's latest
+        target, eq. 14 for the share not yet seen); ``None`` (default): the batch's sites move
+        towards their targets and the others are kept. Full-batch steps are the same either way.
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
         :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
