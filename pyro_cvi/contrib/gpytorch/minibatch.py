@@ -132,7 +132,7 @@ class SiteMemoryScaling(SVIScaling):
     def apply(self, strategy, indices: Tensor, target: tuple, num_data: int) -> None:
         """One step (class docstring) on ``strategy``'s data sites at ``indices``."""
         st = self._state
-        if st is None or st["version"] != strategy._site_version:
+        if st is None or st["version"] != strategy.site_version:
             st = self._start(strategy)  # first step, or the sites were set by someone else
         t = self.num_steps
         beta, scale = self.next_beta(), num_data / target[0].shape[-1]
@@ -159,7 +159,7 @@ class SiteMemoryScaling(SVIScaling):
             "e": (e1, e2),
             "mem": (m1, m2),
             "kept": kept,
-            "version": strategy._site_version,
+            "version": strategy.site_version,
             "sums": parts,
         }
 
@@ -174,6 +174,11 @@ def linear_sums(P: Tensor, d1: Tensor, d2: Tensor, m0: Tensor) -> Tuple[Tensor, 
 
 class SiteScalingForm:
     """``scale_sites`` for the data-site forms of :class:`CVIVariationalStrategy` (mixed in)."""
+
+    @property
+    def site_version(self) -> int:
+        """Bumped by every write of the sites (a rule's state is valid for one version)."""
+        return self._site_version
 
     def scale_sites(self, factor: float) -> None:
         """Multiply every site by ``factor`` in ``[0, 1]`` (eq. 14's ``1 - beta``); the sparse
