@@ -133,7 +133,7 @@ from .likelihoods import (
     logistic_expected_log_prob,
     logistic_expected_prob,
 )
-from .minibatch import SVIScaling
+from .minibatch import SiteMemoryScaling, SVIScaling
 from .multiclass import CategoricalLogitsLikelihood, MultiClassCVIStrategy
 from .multiclass_optim import MultiClassCVIOptimizer
 from .optim import CVIOptimizer
@@ -150,6 +150,7 @@ __all__ = [
     "FullSitePosterior",
     "LogisticBernoulliLikelihood",
     "SparseSitePosterior",
+    "SiteMemoryScaling",
     "SVIScaling",
     "logistic_expected_log_prob",
     "logistic_expected_prob",

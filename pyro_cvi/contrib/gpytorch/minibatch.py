@@ -19,9 +19,14 @@ sites); the batch costs O(B M^2) as before.
 
 from __future__ import annotations
 
-import torch
+from typing import Optional, Tuple
 
-__all__ = ["SVIScaling", "SiteScalingForm"]
+import torch
+from torch import Tensor
+
+from .posterior import SiteSums, site_sums
+
+__all__ = ["SVIScaling", "SiteMemoryScaling", "SiteScalingForm"]
 
 
 class SVIScaling:
@@ -69,9 +74,111 @@ class SVIScaling:
         self.num_steps += 1
         return beta
 
+    def apply(self, strategy, indices: Tensor, target: tuple, num_data: int) -> None:
+        """One step of eq. 14 on ``strategy``'s data sites: every site times ``1 - beta_t``, the
+        batch's sites plus ``beta_t (N / B) g``."""
+        beta, scale = self.next_beta(), num_data / target[0].shape[-1]
+        strategy.scale_sites(1.0 - beta)
+        new1 = strategy.site_lam1[indices] + beta * scale * target[0]
+        new2 = strategy.site_lam2[indices] + beta * scale * target[1]
+        strategy.set_sites(new1, new2.clamp_max(0.0), indices)
+
+
+class SiteMemoryScaling(SVIScaling):
+    """Eq. 14 for the points not yet seen, each point's own latest target for the others.
+
+    The sites are per point, so a point's target ``g_n`` (computed when its batch was stepped)
+    can stand for it until it is seen again: the sum over those targets has no sampling noise,
+    where eq. 14's ``(N / B)``-scaled batch sums have plenty (one batch of 1,024 of 20,000
+    points is some 300 nats from the optimum at the optimal q). Targets from the first steps
+    come from a q far from the optimum, so only those of steps ``t >= warmup`` are kept
+    (the set ``K``); the rest of the data is filled in by eq. 14's running average ``e``
+    (:class:`SVIScaling`, same ``c`` and ``warmup``), in proportion::
+
+        eta_t = sum_{n in K} g_n + (1 - |K| / N) sum_n e_n,
+        e_n <- (1 - beta_t) e_n + beta_t (N / B) g_n 1[n in B].
+
+    Over uniformly random batches both terms are unbiased for their part of the full-data
+    natural parameter ``sum_n g_n`` when the targets do not depend on q (a Gaussian
+    likelihood); in general the estimate is consistent: once every point has been seen after
+    the warm-up, ``|K| = N`` and ``eta`` is the sum of every point's latest target, whose fixed
+    point is the full-batch one (each site equal to its target at q). Each step costs
+    O(B M^2 + N) on top of the batch (the two running sums are linear in the sites); a change
+    of the hyperparameters recomputes them, O(N M^2), once.
+
+    On ``scripts/benchmark_sparse_minibatch.py`` (N = 20,000, M = 200, B = 1,024, 30 steps)
+    the defaults end 5.3 nats above the full-batch optimum on the script's permutations and
+    4.2-5.2 on three others, against 7.6-8.7 for :class:`SVIScaling` alone.
+
+    :param c: eq. 14's averaging window (:class:`SVIScaling`). Default 1.5.
+    :param warmup: steps with ``beta = 1`` whose targets are not kept. Default 4.
+    """
+
+    def __init__(self, c: float = 1.5, warmup: int = 4):
+        super().__init__(c, warmup)
+        self._state: Optional[dict] = None
+
+    def _start(self, strategy) -> dict:
+        """State from the strategy's current sites: all of them the eq. 14 part, none kept."""
+        l1, l2 = strategy.site_lam1, strategy.site_lam2
+        return {
+            "e": (l1.clone(), l2.clone()),
+            "mem": (torch.zeros_like(l1), torch.zeros_like(l2)),
+            "kept": torch.zeros(l1.shape, dtype=torch.bool, device=l1.device),
+            "version": None,
+            "sums": None,
+        }
+
+    def apply(self, strategy, indices: Tensor, target: tuple, num_data: int) -> None:
+        """One step (class docstring) on ``strategy``'s data sites at ``indices``."""
+        st = self._state
+        if st is None or st["version"] != strategy.site_version:
+            st = self._start(strategy)  # first step, or the sites were set by someone else
+        t = self.num_steps
+        beta, scale = self.next_beta(), num_data / target[0].shape[-1]
+        g1, g2 = target[0].to(strategy.site_lam1), target[1].to(strategy.site_lam1).clamp_max(0.0)
+        e1, e2 = (v * (1.0 - beta) for v in st["e"])
+        e1[indices] += beta * scale * g1
+        e2[indices] += beta * scale * g2
+        m1, m2, kept = st["mem"][0].clone(), st["mem"][1].clone(), st["kept"].clone()
+        if t >= self.warmup:
+            m1[indices], m2[indices], kept[indices] = g1, g2, True
+        a = 1.0 - float(kept.sum()) / kept.numel()
+        k = kept.to(m1)
+        lam1, lam2 = k * m1 + a * e1, (k * m2 + a * e2).clamp_max(0.0)
+        parts = strategy.site_parts_sums(
+            st["sums"],
+            indices,
+            (st["mem"], (m1, m2)),
+            (st["kept"].to(m1), k),
+            (st["e"], (e1, e2)),
+            1.0 - beta,
+        )
+        strategy.write_sites_with_sums(lam1, lam2, parts, a)
+        self._state = {
+            "e": (e1, e2),
+            "mem": (m1, m2),
+            "kept": kept,
+            "version": strategy.site_version,
+            "sums": parts,
+        }
+
+
+def linear_sums(P: Tensor, d1: Tensor, d2: Tensor, m0: Tensor) -> Tuple[Tensor, Tensor]:
+    """The change of :func:`~.posterior.site_sums` over the columns of ``P`` when the sites
+    change by ``(d1, d2)`` (sites whose precisions stay >= 0: the sums are then linear in
+    them), in one product each: ``P diag(-2 d2) P^T`` and ``P (d1 + 2 d2 m0)``."""
+    dw = -2.0 * d2
+    return (P * dw.unsqueeze(-2)) @ P.mT, P @ (d1 - dw * m0)
+
 
 class SiteScalingForm:
     """``scale_sites`` for the data-site forms of :class:`CVIVariationalStrategy` (mixed in)."""
+
+    @property
+    def site_version(self) -> int:
+        """Bumped by every write of the sites (a rule's state is valid for one version)."""
+        return self._site_version
 
     def scale_sites(self, factor: float) -> None:
         """Multiply every site by ``factor`` in ``[0, 1]`` (eq. 14's ``1 - beta``); the sparse
@@ -91,3 +198,57 @@ class SiteScalingForm:
         if current:
             sums.scale(float(factor))
             sums.version = self._site_version
+
+    def site_parts_sums(self, previous, indices, mem: tuple, kept: tuple, e: tuple, decay: float):
+        """The running sums of the two parts of :class:`SiteMemoryScaling`'s sites, ``sum_K
+        phi g phi^T`` (kept memory) and ``sum_n phi e phi^T``, updated by the batch (O(B M^2))
+        when ``previous`` belongs to the current ``Phi``, recomputed otherwise (O(N M^2));
+        ``None`` when the form keeps no running sums (full form, autograd on)."""
+        sums = self._fresh_sums()
+        if sums is None:
+            return None
+        (m_old, m_new), (k_old, k_new), (e_old, e_new) = mem, kept, e
+        if previous is None or previous["phi"] is not sums.Phi:
+            S_k, s_k = site_sums(sums.Phi, k_new * m_new[0], k_new * m_new[1], sums.prior_mean_X)
+            S_e, s_e = site_sums(sums.Phi, e_new[0], e_new[1], sums.prior_mean_X)
+            return {"phi": sums.Phi, "k": (S_k, s_k), "e": (S_e, s_e)}
+        P, m0 = sums.Phi[..., indices], sums.prior_mean_X[..., indices]
+        ko, kn = k_old[indices], k_new[indices]
+        d_k = linear_sums(
+            P,
+            kn * m_new[0][indices] - ko * m_old[0][indices],
+            kn * m_new[1][indices] - ko * m_old[1][indices],
+            m0,
+        )
+        # e: every site times decay, then the batch's rows changed
+        d_e = linear_sums(
+            P,
+            e_new[0][indices] - decay * e_old[0][indices],
+            e_new[1][indices] - decay * e_old[1][indices],
+            m0,
+        )
+        S_k, s_k = previous["k"][0] + d_k[0], previous["k"][1] + d_k[1]
+        S_e, s_e = previous["e"][0] * decay + d_e[0], previous["e"][1] * decay + d_e[1]
+        return {"phi": sums.Phi, "k": (S_k, s_k), "e": (S_e, s_e)}
+
+    def _fresh_sums(self) -> Optional[SiteSums]:
+        """The sparse form's running sums, current for the present sites, or ``None``."""
+        if self.is_full:
+            return None
+        with torch.no_grad():
+            self._posterior()
+        c = self._prior_cache
+        sums = None if c is None else c[1].get("sums")
+        if sums is None or sums.version != self._site_version:
+            return None
+        return sums
+
+    def write_sites_with_sums(self, lam1: Tensor, lam2: Tensor, parts, a: float) -> None:
+        """Write every site; with ``parts`` (:meth:`site_parts_sums`) the running sums become
+        ``S_k + a S_e`` (the sites are ``kept g + a e``) instead of being recomputed."""
+        sums = None if parts is None else self._fresh_sums()
+        self.set_sites(lam1, lam2)  # checks; bumps the version
+        if sums is not None and sums.Phi is parts["phi"]:
+            sums.S = parts["k"][0] + a * parts["e"][0]
+            sums.s = parts["k"][1] + a * parts["e"][1]
+            sums.version, sums.updates = self._site_version, sums.updates + 1

@@ -92,8 +92,10 @@ class CVIOptimizer:
 
     :param minibatch: :class:`~pyro_cvi.contrib.gpytorch.minibatch.SVIScaling` for minibatch
         steps on the data sites by eq. 14 of Khan & Lin 2017 (every site decayed, the batch's
-        targets scaled by ``N / B``); ``None`` (default): the batch's sites move towards their
-        targets and the others are kept. Full-batch steps are the same either way.
+        targets scaled by ``N / B``), or
+        :class:`~pyro_cvi.contrib.gpytorch.minibatch.SiteMemoryScaling` (each point's latest
+        target, eq. 14 for the share not yet seen); ``None`` (default): the batch's sites move
+        towards their targets and the others are kept. Full-batch steps are the same either way.
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
         :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
@@ -444,14 +446,10 @@ class CVIOptimizer:
         if s.inducing_form:
             s.blend_sites(old, target, self.step_size)
             return
-        if indices is not None and self.minibatch is not None:  # eq. 14
-            beta, scale = self.minibatch.next_beta(), self.num_data / target[0].shape[-1]
-            s.scale_sites(1.0 - beta)
-            old = (s.site_lam1[indices], s.site_lam2[indices])
-            target = (scale * target[0], scale * target[1])
-            new1, new2 = old[0] + beta * target[0], old[1] + beta * target[1]
-        else:
-            new1, new2 = cvi_update(old, target, self.step_size)
+        if indices is not None and self.minibatch is not None:  # eq. 14 and its variants
+            self.minibatch.apply(s, indices, target, self.num_data)
+            return
+        new1, new2 = cvi_update(old, target, self.step_size)
         s.set_sites(new1, new2.clamp_max(0.0), indices)
 
     @property
