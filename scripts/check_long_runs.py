@@ -5,19 +5,22 @@ AutoDiagonalNormal, AutoMultivariateNormal and AutoLowRankMultivariateNormal; th
 ``CVIOptimizer`` and GPyTorch's own loop; streaming; structured SVI) on a regression and a
 classification problem, in float32 and float64. A run passes when every loss is finite and the
 mean loss of its last 1,000 steps is within 1 nat of the lowest mean of any 1,000 consecutive
-steps. Where the path has one (every Pyro path and both GPyTorch paths), a fresh estimate of
-the final q's -ELBO (2,000 independent draws of the guide; GPyTorch: its objective evaluated
-afresh) is set beside the mean loss of the last 1,000 steps: they agree when within 3 standard
-errors (both estimates' together) plus 0.01 nat. Prints a table and writes
+steps. A fresh estimate of the final q's -ELBO (every Pyro path and streaming: 2,000
+independent draws of the guide; structured SVI: 2,000 draws of its final q(beta) plus the
+closed-form KL; GPyTorch: its objective evaluated afresh) is set beside the mean loss of the
+last 1,000 steps: they agree when within 3 standard errors (both estimates' together) plus
+0.01 nat. Prints a table and writes
 ``results/check_long_runs.json`` (rewritten after every run, so a partial matrix is kept);
 ``--quick`` runs 2,000 steps and writes to ``results/quick/``. ``--resume`` keeps the rows
 already in the JSON and runs only the missing ones (``--limit N``: at most N of them), so the
-matrix can be measured a few runs at a time.
+matrix can be measured a few runs at a time; ``--merge A.json B.json`` adds the rows of other
+runs' files (several processes, each with its own ``--out``) to ``--out`` without running any.
 
     python scripts/check_long_runs.py                      # the whole matrix, 20,000 steps
     python scripts/check_long_runs.py --quick
     python scripts/check_long_runs.py --paths AutoCVI "CVI() AutoNormal" --dtypes float32
     python scripts/check_long_runs.py --resume --limit 3   # three more of the missing runs
+    python scripts/check_long_runs.py --merge /tmp/other.json
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ COLUMNS = [
     ("gap", "last 1k - best 1k (the requirement: at most 1 nat)"),
     ("bound", "fresh estimate of the final q's -ELBO (- where the path has none)"),
     ("agrees", "last 1k within 3 SE + 0.01 of the fresh bound (- not measured)"),
-    ("ms/step", "wall milliseconds per step (a shared machine: indicative only)"),
+    ("ms/step", "CPU milliseconds per step (a shared machine: indicative only)"),
     ("ok", "finite, no exception, gap <= 1, and the loss agrees with the bound where measured"),
 ]
 
@@ -63,6 +66,13 @@ def main(argv=None) -> int:
         "--resume", action="store_true", help="keep the rows in --out; run only missing ones"
     )
     ap.add_argument("--limit", type=int, default=None, help="run at most this many")
+    ap.add_argument(
+        "--merge",
+        nargs="*",
+        default=[],
+        help="JSON files of other runs of the same length (e.g. another process's --out): "
+        "their rows are added to --out and nothing is run",
+    )
     args = ap.parse_args(argv)
     steps = args.steps or (2_000 if args.quick else 20_000)
     out = args.out or (
@@ -76,8 +86,18 @@ def main(argv=None) -> int:
         for k in range(len(combos))
         for i, p in enumerate(args.paths)
     ]
-    rows = _kept(out, steps) if args.resume else []
+    rows = _kept(out, steps) if args.resume or args.merge else []
     done = {(r["path"], r["model"], r["dtype"]) for r in rows}
+    if args.merge:
+        for other in args.merge:
+            for r in _kept(other, steps):
+                if (r["path"], r["model"], r["dtype"]) not in done:
+                    rows.append(r)
+                    done.add((r["path"], r["model"], r["dtype"]))
+        rank = {c: i for i, c in enumerate(order)}
+        rows.sort(key=lambda r: rank.get((r["path"], r["model"], r["dtype"]), len(rank)))
+        _write(rows, steps, out, args.quick, total=len(order))
+        return 0 if all(r["ok"] for r in rows) else 1
     todo = [c for c in order if c not in done][: args.limit]
     for path, model, dtype in todo:
         r = run(path, model, DTYPES[dtype], steps)
