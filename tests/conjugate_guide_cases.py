@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pyro
 import pyro.distributions as dist
@@ -540,3 +540,20 @@ def train(pair: Pair, dtype, optim, steps: int, seed: int = 0) -> List[float]:
     for _ in range(steps):
         svi.step(*data)
     return pair.errors(data)
+
+
+def stays(
+    pair: Pair, dtype, optim, first: int, last: int, seed: int = 0
+) -> Tuple[Optional[int], List[float]]:
+    """Train ``last`` steps of ``Trace_ELBO`` (one draw); ``(the first step in [first, last]
+    after which the guide is outside tolerance, its errors)``, or ``(None, the errors after
+    the last step)`` when it is within tolerance after every one of those steps."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    data = pair.data(dtype)
+    svi = pyro.infer.SVI(pair.model, pair.guide, optim, pyro.infer.Trace_ELBO())
+    for t in range(1, last + 1):
+        svi.step(*data)
+        if t >= first and not within(pair, data):
+            return t, pair.errors(data)
+    return None, pair.errors(data)

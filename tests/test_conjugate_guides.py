@@ -1,7 +1,8 @@
 """Hand-written guides on textbook conjugate pairs (``tests/conjugate_guide_cases.py``):
 ``CVI()`` reaches the analytic posterior, within Pyro's own test tolerances, in at most a tenth
 of the steps Pyro's Adam needs (best of lr 0.01-0.05, measured by
-``scripts/benchmark_conjugate_guides.py``), in float32 and float64.
+``scripts/benchmark_conjugate_guides.py``), in float32 and float64, and stays there: the
+errors are within tolerance after every step from that budget to ``STAY_FACTOR`` times it.
 
 The closed forms themselves are checked first: ``log p(theta, y) - log q*(theta)`` is the same
 number (``log p(y)``) at every ``theta``, and each guide put at ``q*`` in its own
@@ -15,7 +16,7 @@ import pyro
 import pyro.poutine as poutine
 import pytest
 import torch
-from conjugate_guide_cases import BY_NAME, DTYPES, PAIRS, fit, train
+from conjugate_guide_cases import BY_NAME, DTYPES, PAIRS, fit, stays, train
 
 from pyro_cvi import CVI
 
@@ -36,6 +37,7 @@ ADAM_STEPS = {
     "gamma-exponential-positive/float32": 3181,
     "gamma-exponential-exp/float32": 3181,
     "gamma-exponential-softplus/float32": 6553,
+    "gamma-exponential-softplus/float64": 6553,
     "gamma-poisson-exp/float64": 5939,
     "gamma-exponential-positive/float64": 3181,
     "gamma-exponential-exp/float64": 3181,
@@ -69,6 +71,7 @@ ADAM_LR = {
     "gamma-exponential-positive/float32": 0.02,
     "gamma-exponential-exp/float32": 0.02,
     "gamma-exponential-softplus/float32": 0.05,
+    "gamma-exponential-softplus/float64": 0.05,
     "gamma-poisson-exp/float64": 0.02,
     "gamma-exponential-positive/float64": 0.02,
     "gamma-exponential-exp/float64": 0.02,
@@ -96,6 +99,7 @@ ADAM_NOT_WITHIN = {
     "dirichlet-categorical-softplus/float32": 8000,
     "dirichlet-categorical-positive/float64": 8000,
     "dirichlet-categorical-exp/float64": 8000,
+    "dirichlet-categorical-softplus/float64": 8000,
 }
 
 #: pairs (name/dtype) where CVI() failed this test when measured (not within tolerance after a
@@ -103,6 +107,9 @@ ADAM_NOT_WITHIN = {
 FAILING: frozenset = frozenset()
 
 REASON = "CVI() does not (yet) reach this guide's posterior in a tenth of Adam's steps"
+
+#: the guide must stay within tolerance from the budget step to this many times the budget
+STAY_FACTOR = 3
 
 KEYS = [(p.name, d) for p in PAIRS for d in DTYPES]
 
@@ -166,14 +173,26 @@ def _params():
     return out
 
 
-@pytest.mark.parametrize("name,dtype", _params())
-def test_cvi_reaches_the_posterior_in_a_tenth_of_adams_steps(name, dtype):
+def _assert_stays(name, dtype, seed=0):
+    """Within tolerance after every step from the budget (a tenth of Adam's steps) to
+    ``STAY_FACTOR`` times it."""
     pair = BY_NAME[name]
     steps = _budget(f"{name}/{dtype}") // 10
-    errors = train(pair, DTYPES[dtype], CVI(), steps)
-    assert all(e <= pair.tol for e in errors), (
-        f"{name} ({dtype}) after {steps} CVI() steps: errors {errors}, tolerance {pair.tol}"
+    last = STAY_FACTOR * steps
+    out, errors = stays(pair, DTYPES[dtype], CVI(), steps, last, seed=seed)
+    assert out is None, (
+        f"{name} ({dtype}, seed {seed}): outside tolerance {pair.tol} after step {out} "
+        f"(budget {steps}, checked to {last}): errors {errors}"
     )
+
+
+@pytest.mark.parametrize("name,dtype", _params())
+def test_cvi_reaches_the_posterior_in_a_tenth_of_adams_steps_and_stays(name, dtype):
+    _assert_stays(name, dtype)
+
+
+#: the pairs with the smallest budgets (15-21 steps), checked on more draws
+TIGHT = ("normal-normal-positive", "normal-normal-logscale", "normal-normal-softplus")
 
 
 @pytest.mark.slow
@@ -192,9 +211,8 @@ def test_adam_needs_the_recorded_steps(name, dtype):
 
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_the_scale_tril_guide_on_other_seeds(dtype, seed):
-    """The full-covariance site has the fewest steps of the table (15): other draws too."""
-    pair = BY_NAME["mvn-normal-scale_tril"]
-    steps = _budget(f"{pair.name}/{dtype}") // 10
-    errors = train(pair, DTYPES[dtype], CVI(), steps, seed=seed)
-    assert all(e <= pair.tol for e in errors), (seed, dtype, errors)
+@pytest.mark.parametrize("name", ("mvn-normal-scale_tril",) + TIGHT)
+def test_the_tightest_budgets_on_other_seeds(name, dtype, seed):
+    """The full-covariance site (15 steps) and the Normal guides (20-21) have the fewest steps
+    of the table: other draws too."""
+    _assert_stays(name, dtype, seed)
