@@ -171,8 +171,9 @@ class RemainderBlock(Block):
         self.cross = sorted(
             {n for s in self.owned for n in analysis.latents_of(s)} - inside - analysis.collapsed
         )
-        #: whether the particles run as one batched model run (``None``: not yet checked)
-        self.vectorise: Optional[bool] = None
+        #: how the particles run as one batched model run (:mod:`.remainder_joint`; ``None``:
+        #: not yet checked, ``False``: one run per draw)
+        self.vectorise: Optional[object] = None
 
     @property
     def label(self) -> str:
