@@ -90,7 +90,9 @@ def pk(t_obs, conc):
     V = pyro.sample("V", dist.LogNormal(2.0 * one, 0.5))
     sigma = pyro.sample("sigma", dist.LogNormal(-2.0 * one, 0.5))
     h, per = 0.25, 4  # RK4 steps of 0.25 h, observations hourly
-    path = _rk4(lambda x: [-ka * x[0], ka * x[0] - ke * x[1]], [100.0 * one, 0.0 * one], h, per * 12)
+    path = _rk4(
+        lambda x: [-ka * x[0], ka * x[0] - ke * x[1]], [100.0 * one, 0.0 * one], h, per * 12
+    )
     c = torch.stack([path[per * (i + 1) - 1][1] for i in range(12)], -1) / V
     with pyro.plate("obs", 12):
         pyro.sample("conc", dist.LogNormal(c.clamp_min(1e-6).log(), sigma), obs=conc)
@@ -171,7 +173,9 @@ def bound(model, guide, args, draws: int) -> Tuple[float, float]:
     """``-ELBO`` from ``draws`` Trace_ELBO draws: (mean, standard error over 10 batches)."""
     elbo = Trace_ELBO(num_particles=max(1, draws // 10))
     with torch.no_grad():
-        vals = torch.tensor([elbo.loss(model, guide, *args) for _ in range(10)], dtype=torch.float64)
+        vals = torch.tensor(
+            [elbo.loss(model, guide, *args) for _ in range(10)], dtype=torch.float64
+        )
     return float(vals.mean()), float(vals.std() / math.sqrt(10))
 
 
@@ -222,7 +226,14 @@ def run_adam(model, args, budget: float, lr: float, draws: int) -> Dict:
         n += 1
     cpu = time.process_time() - t0
     est, se = bound(model, guide, args, draws)
-    return {"lr": lr, "cpu": cpu, "steps": n, "cpu_per_step": cpu / max(n, 1), "bound": est, "se": se}
+    return {
+        "lr": lr,
+        "cpu": cpu,
+        "steps": n,
+        "cpu_per_step": cpu / max(n, 1),
+        "bound": est,
+        "se": se,
+    }
 
 
 def main() -> None:
@@ -269,7 +280,8 @@ def main() -> None:
     verdict = (
         "met: every row within 1.5x Adam's CPU per step and no worse than Adam's bound at 3x time"
         if met
-        else "not met: " + ", ".join(
+        else "not met: "
+        + ", ".join(
             f"{r['model']}-{r['dtype']}"
             + ("" if r.get("cost_ok") else " (cost)")
             + ("" if r.get("bound_ok") else " (bound)")
@@ -278,9 +290,16 @@ def main() -> None:
         )
     )
     print(verdict)
-    meta = {"command": "PYTHONPATH=$PWD python scripts/benchmark_remainder_cost.py " + " ".join(
-        f"--{k} {v}" for k, v in [("models", a.models), ("steps", a.steps), ("step", a.step)]
-    ), "dtypes": a.dtypes, "lrs": a.lrs, "draws": a.draws, "torch": torch.__version__}
+    meta = {
+        "command": "PYTHONPATH=$PWD python scripts/benchmark_remainder_cost.py "
+        + " ".join(
+            f"--{k} {v}" for k, v in [("models", a.models), ("steps", a.steps), ("step", a.step)]
+        ),
+        "dtypes": a.dtypes,
+        "lrs": a.lrs,
+        "draws": a.draws,
+        "torch": torch.__version__,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows, "verdict": verdict}, indent=1))
 
@@ -290,7 +309,8 @@ def _line(r: Dict) -> str:
     if "error" in c:
         return f"{r['model']:15s} {r['dtype']:8s} AutoCVI error: {c['error']}"
     return (
-        f"{r['model']:15s} {r['dtype']:8s} {c['rule']:28s} cvi {1e3 * c['cpu_per_step']:7.1f} ms/step"
+        f"{r['model']:15s} {r['dtype']:8s} {c['rule']:28s}"
+        f" cvi {1e3 * c['cpu_per_step']:7.1f} ms/step"
         f"  adam {1e3 * b['cpu_per_step']:6.1f} ms/step  ratio {r['cost_ratio']:5.2f}"
         f"  bound cvi {c['bound']:9.2f}+-{c['se']:.2f}  adam(lr {b['lr']}) {b['bound']:9.2f}"
         f"+-{b['se']:.2f}  {'ok' if r['cost_ok'] and r['bound_ok'] else 'FAIL'}"
