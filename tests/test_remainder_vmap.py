@@ -13,6 +13,7 @@ from pyro.infer import SVI
 from pyro.nn import PyroModule, PyroSample
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.blocks import remainder as rb
 from pyro_cvi.blocks import remainder_joint as rj
 from pyro_cvi.context import StepContext
 from pyro_cvi.messages import precision as pm
@@ -56,6 +57,8 @@ def test_mapped_draws_equal_one_run_per_draw(dtype):
     an = guide.engine.analysis
     assert set(an.precisions) == {"prec"}
     (block,) = [b for b in guide.engine.blocks if b.kind == "remainder"]
+    # a network's log joint is a few vectorised operations: Price's Hessians stay the default
+    assert rb.log_joint_ops(an, block.owned) <= rb.HESSIAN_MAX_OPS and block.hessian
     # the fit took the mapped path for both (the particle plate fails on nn.Linear)
     assert block.vectorise is rj._vmapped
     assert pm._VECTORISE[an] is pm._vmapped
