@@ -74,6 +74,53 @@ def _price_beside(strategy: Remainder, dim: int) -> bool:
     return strategy.curvature == "auto" and strategy.step is None and dim <= SCALED_HESSIAN_MAX_DIM
 
 
+#: the default takes Price's dense Hessians only where the log joint is at most this many
+#: autograd operations (a few vectorised tensor operations: a network layer, a cumulative sum);
+#: a recursion or an ODE solver written as a Python loop records hundreds to thousands
+HESSIAN_MAX_OPS = 256
+
+
+def log_joint_ops(analysis, owned: Sequence[str]) -> int:
+    """The number of autograd operations between the latents and the log joint of the
+    factors ``owned`` (at the analysis' values): a property of how the model is written.
+
+    Price's Hessian takes, besides the gradient's backward pass, a backward pass of the
+    gradient's own graph batched over the ``D`` rows, and ``K`` draws: a fixed multiple of the
+    work per operation. Where the log joint is a few vectorised operations that multiple is
+    small beside a model run's fixed cost (Pyro's trace), and the Hessian is cheap by
+    construction; where it is a long chain of small operations (a Python recursion, an ODE
+    solver's steps) the chain is the cost, and the one-draw step (one gradient) is the
+    default."""
+    tr, _ = analysis.leaf_trace()
+    total = None
+    with torch.enable_grad():
+        for name in owned:
+            node = tr.nodes.get(name)
+            if node is None or node.get("type") != "sample":
+                continue
+            lp = node["fn"].log_prob(node["value"]).sum()
+            total = lp if total is None else total + lp
+    if total is None or total.grad_fn is None:
+        return 0
+    seen, stack = set(), [total.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
+def _cheap_hessian(analysis, owned: Sequence[str]) -> bool:
+    """Whether the log joint is short enough for Price's Hessians by default
+    (:data:`HESSIAN_MAX_OPS`; a model whose trace cannot be read back keeps them)."""
+    try:
+        return log_joint_ops(analysis, owned) <= HESSIAN_MAX_OPS
+    except (RuntimeError, ValueError, TypeError, KeyError, NotImplementedError):
+        return True
+
+
 #: the low-rank form's trust region under the one-draw step (largest move of a log s or W entry)
 LOWRANK_ONEDRAW_MOVE = 0.2
 
@@ -145,8 +192,16 @@ class RemainderBlock(Block):
         # scales positive (the retraction, and s' = s exp(...))
         self.constraints = {n: constraints.real for n in self.param_names()}
         #: Price's theorem (dense Hessians) for the precision (see Remainder.hessian)
+        # (by default only where the log joint is a few vectorised operations: HESSIAN_MAX_OPS)
         self.hessian = self.form == "full" and (
-            strategy.hessian(self.dim, self.rule) or (scaled and _price_beside(strategy, self.dim))
+            strategy.curvature == "hessian"
+            or (
+                (
+                    strategy.hessian(self.dim, self.rule)
+                    or (scaled and _price_beside(strategy, self.dim))
+                )
+                and _cheap_hessian(analysis, self.owned)
+            )
         )
         #: the one-draw step of :mod:`pyro_cvi.natgrad.horizon` (else the reparameterised
         #: gradients in the parameters, or Price's Hessians, under the noise control)
@@ -161,7 +216,11 @@ class RemainderBlock(Block):
             self.prior_prec = torch.zeros_like(self.prior_prec)
         # the default on a small full form: Price's Hessians (natgrad/joint.price_by_default),
         # decided here, so that a resumed run keeps the restored step control
-        if may_use_price(self, strategy) and price_by_default(self):
+        if (
+            may_use_price(self, strategy)
+            and price_by_default(self)
+            and _cheap_hessian(analysis, self.owned)
+        ):
             use_price(self)
         self._grads: Optional[Dict[str, torch.Tensor]] = None
         #: latents of other blocks that its factors hold (Algorithm 2 between blocks): drawn
@@ -171,8 +230,9 @@ class RemainderBlock(Block):
         self.cross = sorted(
             {n for s in self.owned for n in analysis.latents_of(s)} - inside - analysis.collapsed
         )
-        #: whether the particles run as one batched model run (``None``: not yet checked)
-        self.vectorise: Optional[bool] = None
+        #: how the particles run as one batched model run (:mod:`.remainder_joint`; ``None``:
+        #: not yet checked, ``False``: one run per draw)
+        self.vectorise: Optional[object] = None
 
     @property
     def label(self) -> str:

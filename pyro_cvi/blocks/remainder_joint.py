@@ -17,20 +17,40 @@ from ..model.tracing import run_model
 __all__ = ["remainder_log_joint"]
 
 
+_REFUSED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
+
+
 def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
     """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (the owned factors, the discrete
-    latents summed out): one model run with a particle plate left of the model's plates
-    when the model broadcasts over it (checked once against one run per draw), else one
-    run per draw."""
-    if block.vectorise is not False:
+    latents summed out): one batched model run (a particle plate, else ``vmap``; the first
+    that agrees with one run per draw at the first step is kept), else one run per draw."""
+    if block.vectorise is not None:
+        if block.vectorise is not False:
+            try:
+                out = block.vectorise(block, ctx, draws, others)
+            except _REFUSED:
+                out = None
+            if out is not None:
+                return out
+            block.vectorise = False  # (a model whose path changed with the values)
+        return _looped(block, ctx, draws, others)
+    looped = _looped(block, ctx, draws, others)
+    tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
+    block.vectorise = False
+    for way in (_vectorised, _vmapped):
         try:
-            batched = _vectorised(block, ctx, draws, others)
-        except (RuntimeError, ValueError, IndexError, TypeError):
-            batched = None
-        if batched is None:
-            block.vectorise = False
-        elif block.vectorise:
-            return batched
+            found = way(block, ctx, draws, others)
+        except _REFUSED:
+            found = None
+        if found is not None and bool(
+            torch.allclose(found.detach(), looped.detach(), rtol=tol, atol=tol)
+        ):
+            block.vectorise = way
+            break
+    return looped
+
+
+def _looped(block, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
     per = []
     enum = block.analysis.enum_dims if block.analysis.remainder_discrete else None
     for k in range(draws.shape[0]):
@@ -38,12 +58,25 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
         tr = run_model(ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
         sites = [s for s in block.owned if s in tr.nodes]
         per.append(collapsed_log_prob(tr, sites) + logdet)
-    looped = torch.stack(per)
-    if block.vectorise is None:  # the first step: do both agree?
-        tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
-        same = bool(torch.allclose(batched.detach(), looped.detach(), rtol=tol, atol=tol))
-        block.vectorise = same
-    return looped
+    return torch.stack(per)
+
+
+def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others):
+    """One draw's log joint mapped over the draws by ``torch.func.vmap`` (Pyro's argument
+    checks, data-dependent branches, are off inside; a model that draws random numbers of its
+    own is refused)."""
+    if block.analysis.remainder_discrete:
+        return None
+    fixed = {**others, **ctx.subsample}
+
+    def one(u):
+        values, logdet = block.unpack(u)
+        with pyro.validation_enabled(False):
+            tr = run_model(ctx.model, {**fixed, **values}, ctx.args, ctx.kwargs, None)
+            sites = [s for s in block.owned if s in tr.nodes]
+            return collapsed_log_prob(tr, sites) + logdet
+
+    return torch.func.vmap(one, randomness="error")(draws)
 
 
 def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others):
