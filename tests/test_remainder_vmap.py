@@ -13,8 +13,8 @@ from pyro.infer import SVI
 from pyro.nn import PyroModule, PyroSample
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.blocks import remainder as rb
 from pyro_cvi.blocks import remainder_joint as rj
+from pyro_cvi.blocks import remainder_rules as rb
 from pyro_cvi.context import StepContext
 from pyro_cvi.messages import precision as pm
 

@@ -15,7 +15,7 @@ App. E.2); :class:`NaturalBlock` is a mean-field exponential-family factor (Algo
 kind of block is one class and one registration (:mod:`~pyro_cvi.blocks.registry`).
 """
 
-from . import admission  # noqa: F401  (the remainder's admission rule)
+from . import remainder_rules  # noqa: F401  (the remainder's admission and step rules)
 from .base import Block, BlockInit, StepReport
 from .bilinear import BilinearBlock
 from .gaussian import GaussianBlock

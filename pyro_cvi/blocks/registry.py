@@ -25,7 +25,7 @@ factors the analysis gave them, and read the other blocks' ``q`` through the pro
 A kind may also tell the analysis what it admits (:func:`register_admission`):
 ``rule(options)`` returns keyword arguments of :class:`~pyro_cvi.model.analysis.Analysis`
 (the remainder: which Gaussian blocks with a general factor it takes,
-:mod:`pyro_cvi.blocks.admission`). :func:`analysis_options` merges them, so the engine passes
+:mod:`pyro_cvi.blocks.remainder_rules`). :func:`analysis_options` merges them, so the engine passes
 them on without naming the kind.
 """
 

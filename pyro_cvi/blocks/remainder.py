@@ -60,69 +60,9 @@ from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
 from .registry import Found, register_kind
 from .remainder_joint import remainder_log_joint
+from .remainder_rules import LOWRANK_ONEDRAW_MOVE, cheap_hessian, price_beside
 
 __all__ = ["Remainder", "RemainderBlock"]
-
-#: Price's dense Hessians up to this many coordinates when a Gamma precision is kept beside
-#: the remainder, or a remainder latent scales members Gaussian given the others: their
-#: curvature scales with the precision, which moves between steps, so a running one-draw
-#: curvature lags it while the Hessian at the step is exact
-SCALED_HESSIAN_MAX_DIM = 64
-
-
-def _price_beside(strategy: Remainder, dim: int) -> bool:
-    return strategy.curvature == "auto" and strategy.step is None and dim <= SCALED_HESSIAN_MAX_DIM
-
-
-#: the default takes Price's dense Hessians only where the log joint is at most this many
-#: autograd operations (a few vectorised tensor operations: a network layer, a cumulative sum);
-#: a recursion or an ODE solver written as a Python loop records hundreds to thousands
-HESSIAN_MAX_OPS = 256
-
-
-def log_joint_ops(analysis, owned: Sequence[str]) -> int:
-    """The number of autograd operations between the latents and the log joint of the
-    factors ``owned`` (at the analysis' values): a property of how the model is written.
-
-    Price's Hessian takes, besides the gradient's backward pass, a backward pass of the
-    gradient's own graph batched over the ``D`` rows, and ``K`` draws: a fixed multiple of the
-    work per operation. Where the log joint is a few vectorised operations that multiple is
-    small beside a model run's fixed cost (Pyro's trace), and the Hessian is cheap by
-    construction; where it is a long chain of small operations (a Python recursion, an ODE
-    solver's steps) the chain is the cost, and the one-draw step (one gradient) is the
-    default."""
-    tr, _ = analysis.leaf_trace()
-    total = None
-    with torch.enable_grad():
-        for name in owned:
-            node = tr.nodes.get(name)
-            if node is None or node.get("type") != "sample":
-                continue
-            lp = node["fn"].log_prob(node["value"]).sum()
-            total = lp if total is None else total + lp
-    if total is None or total.grad_fn is None:
-        return 0
-    seen, stack = set(), [total.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        stack.extend(f for f, _ in fn.next_functions)
-    return len(seen)
-
-
-def _cheap_hessian(analysis, owned: Sequence[str]) -> bool:
-    """Whether the log joint is short enough for Price's Hessians by default
-    (:data:`HESSIAN_MAX_OPS`; a model whose trace cannot be read back keeps them)."""
-    try:
-        return log_joint_ops(analysis, owned) <= HESSIAN_MAX_OPS
-    except (RuntimeError, ValueError, TypeError, KeyError, NotImplementedError):
-        return True
-
-
-#: the low-rank form's trust region under the one-draw step (largest move of a log s or W entry)
-LOWRANK_ONEDRAW_MOVE = 0.2
 
 
 @dataclass
@@ -198,9 +138,9 @@ class RemainderBlock(Block):
             or (
                 (
                     strategy.hessian(self.dim, self.rule)
-                    or (scaled and _price_beside(strategy, self.dim))
+                    or (scaled and price_beside(strategy, self.dim))
                 )
-                and _cheap_hessian(analysis, self.owned)
+                and cheap_hessian(analysis, self.owned)
             )
         )
         #: the one-draw step of :mod:`pyro_cvi.natgrad.horizon` (else the reparameterised
@@ -219,7 +159,7 @@ class RemainderBlock(Block):
         if (
             may_use_price(self, strategy)
             and price_by_default(self)
-            and _cheap_hessian(analysis, self.owned)
+            and cheap_hessian(analysis, self.owned)
         ):
             use_price(self)
         self._grads: Optional[Dict[str, torch.Tensor]] = None

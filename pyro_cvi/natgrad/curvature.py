@@ -38,11 +38,12 @@ step is the plain diagonal one.
 Only single-draw steps of Normal sites of at most ``MAX_DIM`` coordinates are fitted, and only
 while the gradients are the reparameterised ones of the draw (:func:`reparameterised`).
 
-A one-coordinate Normal site (not an autoguide's) is fitted from ``d + 2 = 3`` draws on (``A`` is its one
-curvature, the metric is the diagonal step's own): its plain one-draw precision target
-``h eps / s`` carries ``Lambda (m - m*) eps / s``, so a mean far off makes the precision noisy,
-a small precision makes the next mean step long, and the two can throw each other off for
-dozens of steps; with the control variate the target is ``A`` whatever ``m``.
+A one-coordinate Normal site (not an autoguide's) is fitted from ``d + 2 = 3`` draws on
+(``A`` is its one curvature, the metric is the diagonal step's own): its plain one-draw
+precision target ``h eps / s`` carries ``Lambda (m - m*) eps / s``, so a mean far off makes
+the precision noisy, a small precision makes the next mean step long, and the two can throw
+each other off for dozens of steps; with the control variate the target is ``A`` whatever
+``m``.
 
 A full-covariance site (``MultivariateNormal(loc, scale_tril=L)``) uses the same fit for
 Price's precision target with control variates (:func:`tril_with_draw`), from ``d + 2`` draws
