@@ -416,7 +416,7 @@ class Analysis:
         for shrink in (1.0, 1e-2):  # smaller moves where exp(...) overflowed at the first
             runs = self._probes(block, shrink)
             moved = [(dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in runs]
-            if probes.affine_at(value.detach(), moved, jac):
+            if moved and probes.affine_at(value.detach(), moved, jac):
                 return torch.cat([jac[n] for n in block.names], 1), dynamic
             if all(bool(torch.isfinite(f).all()) for _, f in moved):
                 return None
@@ -436,9 +436,9 @@ class Analysis:
         if key not in self.probe_cache:
             at = {n: self.ref[n] for n in block.names}
             moves = [{n: shrink * d for n, d in dz.items()} for dz in probes.perturbations(at)]
-            with torch.no_grad():
-                runs = [self.run(**{n: at[n] + dz[n] for n in block.names}) for dz in moves]
-            self.probe_cache[key] = list(zip(moves, runs))
+            with torch.no_grad():  # (a move the model refuses is halved, or left out)
+                runs = probes.moved_runs(lambda v: self.run(**v), at, moves)
+            self.probe_cache[key] = runs
         return self.probe_cache[key]
 
     def _shared_block_factor(self, spec: FactorSpec, block: BlockSpec) -> Factor:

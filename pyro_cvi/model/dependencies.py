@@ -15,6 +15,7 @@ import torch
 from pyro.poutine.trace_struct import Trace
 
 from . import probes
+from .probes import MODEL_ERRORS
 from .tracing import float_params, is_random, latent_weight, run_model, trace_model
 
 __all__ = [
@@ -29,18 +30,6 @@ __all__ = [
     "RngWatch",
     "random_sites",
 ]
-
-#: what a model (or a density) raises on values it refuses; anything else (an interrupt, an
-#: error of the caller's) propagates
-MODEL_ERRORS = (
-    ValueError,
-    RuntimeError,
-    AssertionError,
-    TypeError,
-    IndexError,
-    ZeroDivisionError,
-    OverflowError,
-)
 
 
 def discrete_dependencies(trace: Trace, discrete: Iterable[str]) -> Dict[str, Set[str]]:

@@ -146,6 +146,38 @@ def _matvec_jacobian(out: torch.Tensor, z: torch.Tensor) -> Optional[torch.Tenso
     return X.detach().clone()
 
 
+#: what a model (or a density) raises on values it refuses; anything else (an interrupt, an
+#: error of the caller's) propagates
+MODEL_ERRORS = (
+    ValueError,
+    RuntimeError,
+    AssertionError,
+    TypeError,
+    IndexError,
+    ZeroDivisionError,
+    OverflowError,
+)
+
+#: halvings of a probe move the model refuses (a rate sent negative) before it is left out
+PROBE_HALVINGS = 4
+
+
+def moved_runs(run: Callable, at: Dict[str, torch.Tensor], moves) -> list:
+    """``[(dz, run(z0 + dz))]`` for the ``moves``; a move whose values the model refuses
+    (:data:`MODEL_ERRORS`: a rate or scale sent out of its support) is halved up to
+    :data:`PROBE_HALVINGS` times, then left out. With no move left the list is empty and no
+    affinity is confirmed."""
+    out = []
+    for dz in moves:
+        for _ in range(PROBE_HALVINGS + 1):
+            try:
+                out.append((dz, run({p: z + dz[p] for p, z in at.items()})))
+                break
+            except MODEL_ERRORS:
+                dz = {p: 0.5 * d for p, d in dz.items()}
+    return out
+
+
 def perturbations(at: Dict[str, torch.Tensor], num_probes: int = 2, seed: int = 7):
     """Random joint perturbations of the values ``at``, of the size of the values (>= 1).
 
@@ -205,10 +237,8 @@ def check_affine(
     """
     with torch.no_grad():
         f0 = fn(dict(at)) if f0 is None else f0
-        moved = []
-        for dz in perturbations(at, num_probes):
-            moved.append((dz, fn({p: z + dz[p] for p, z in at.items()})))
-    return affine_at(f0, moved, jacobians)
+        moved = moved_runs(fn, at, perturbations(at, num_probes))
+    return bool(moved) and affine_at(f0, moved, jacobians)
 
 
 def depends_on_params(value: torch.Tensor, leaves: Sequence[torch.Tensor], params) -> bool:

@@ -69,6 +69,9 @@ METRIC_GAIN = 0.5
 NORM_RATE = 0.1
 #: predictions of new draws the fit is judged on before it is used
 CHECKS = 5
+#: a prediction error this many times both its running average and h's variance over the
+#: window is a break (the data or the model moved): the memory restarts from the new draw
+BREAK = 100.0
 
 
 class DrawCurvature:
@@ -83,14 +86,19 @@ class DrawCurvature:
         #: no fit is made from fewer draws (default: ``window``); predictions judged first
         self.min_draws = self.window if min_draws is None else max(dim + 1, min_draws)
         self.checks = checks
+        #: whether the last step used the fit; whether the fit was ever used
+        self.active, self.started = False, False
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget every draw (the fit is rebuilt from the next ``min_draws``)."""
+        dim = self.dim
         self.n = 0
         z = torch.zeros(dim, dtype=torch.float64)
         zz = torch.zeros(dim, dim, dtype=torch.float64)
         self.w, self.u, self.h, self.uu, self.hu = 0.0, z, z.clone(), zz, zz.clone()
         self.hh = z.clone()
         self.error, self.checked = 0.0, 0
-        #: whether the last step used the fit; whether the fit was ever used
-        self.active, self.started = False, False
 
     def fit(self, s: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(A, c)`` (``A`` symmetric, ``d x d``) from the moments so far, whitened by the
@@ -129,10 +137,13 @@ class DrawCurvature:
         norm's average against ``h``'s whitened variance over the window."""
         r = NORM_RATE
         white = float((s * error).pow(2).sum())
-        self.checked += 1
-        self.error = white if self.checked == 1 else (1 - r) * self.error + r * white
         var = (self.hh / self.w - (self.h / self.w).pow(2)).clamp_min(0.0)
         total = float((s * s * var).sum())
+        if self.checked >= self.checks and white > BREAK * max(self.error, total, 1e-300):
+            self.restart()  # (a break: the fit's memory is of another posterior)
+            return False, False
+        self.checked += 1
+        self.error = white if self.checked == 1 else (1 - r) * self.error + r * white
         if self.checked < self.checks:  # the fit is judged on that many predictions first
             return False, False
         return self.error < total, self.error < METRIC_GAIN * total
