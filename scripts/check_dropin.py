@@ -73,9 +73,8 @@ def main(argv=None) -> int:
     adam_ok = sum(r["adam"]["trains"] for r in rows) if not a.no_adam else None
     runs = sum(r["cvi"]["runs"] for r in rows)
     trains = sum(r["cvi"]["trains"] for r in rows)
-    verdict = (
-        f"Verdict: of {n} cases, Adam trains {adam_ok}; CVI() runs {runs} and trains {trains}."
-    )
+    adam = "Adam not run" if adam_ok is None else f"Adam trains {adam_ok}"
+    verdict = f"Verdict: of {n} cases, {adam}; CVI() runs {runs} and trains {trains}."
     print(verdict)
     failing = sorted(r["case"] for r in rows if not r["cvi"]["trains"])
     if a.xfail:
