@@ -77,6 +77,8 @@ class StepContext:
     mc_var: Optional[float] = None
     #: the ELBO value of the loss computed in this context (set by the engine)
     elbo: Optional[float] = None
+    #: the steps the guide has taken (its counter, saved in checkpoints)
+    steps: int = 0
     #: the step's ceiling: the adaptive step's ``max_beta``, or the fixed step size
     max_beta: Optional[float] = None
 

@@ -255,6 +255,8 @@ class Engine:
         ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
         ctx.graph = grads or graph
         ctx.data_key = self.data_key
+        store = pyro.get_param_store()
+        ctx.steps = int(store[self.steps_name]) if self.steps_name in store else 0
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
         )

@@ -347,7 +347,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             )
             elbo = elbo + value
             if ctx.grads:  # (1/(t+1) for a hidden draw's message: averaged over the steps)
-                w = draw_weight(self)
+                w = draw_weight(self, ctx)
                 general[0].grad = w * (h - general[0].detach())
                 general[1].grad = w * (P - general[1].detach())
         h0 = self._init_h()

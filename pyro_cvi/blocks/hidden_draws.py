@@ -14,18 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import pyro
+from ..context import StepContext
 
 __all__ = ["draw_weight"]
 
 
-def draw_weight(block: Any) -> float:
+def draw_weight(block: Any, ctx: StepContext) -> float:
     """The weight ``1 / (t + 1)`` of this step's general message of ``block`` where one of its
-    general factors reads a hidden draw (``Factor.hidden_draw``), else 1."""
+    general factors reads a hidden draw (``Factor.hidden_draw``), else 1; ``t = ctx.steps``."""
     if not any(f.hidden_draw for f in block.general):
         return 1.0
-    prefix = block.general_names[0].rsplit(".general_h.", 1)[0]
-    store = pyro.get_param_store()
-    steps = f"{prefix}.num_steps"
-    t = float(store[steps].detach()) if steps in store else 0.0
-    return 1.0 / (t + 1.0)
+    return 1.0 / (ctx.steps + 1.0)
