@@ -24,6 +24,7 @@ which decides (and raises) as before.
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
@@ -288,6 +289,14 @@ def _backward_2(log_z: float, F: Moments, P: Moments, trans, lag_one: bool):
     return log_z, out, None, X
 
 
+def _columns(lists: Moments) -> torch.Tensor:
+    """The float lists as the columns of a float64 tensor (through ``array``'s buffer: a
+    nested ``torch.tensor`` checks every element's type)."""
+    return torch.stack(
+        [torch.frombuffer(array.array("d", x), dtype=torch.float64) for x in lists], 1
+    )
+
+
 class SequentialSmoother:
     """The scalar sequential filter and smoother (module docstring); problems it does not take
     go to ``fallback(T, d)``, the tensor strategy the rule would otherwise pick."""
@@ -318,10 +327,10 @@ class SequentialSmoother:
             cross = torch.tensor(X, **like).reshape(T, 1, 1) if lag_one else None
         else:
             log_z, out, _, X = _pass_2(*rows, lag_one)
-            v = torch.tensor(out, **like).T  # (T, 5): m0, m1, p00, p01, p11
+            v = _columns(out).to(**like)  # (T, 5): m0, m1, p00, p01, p11
             m = v[:, :2].unsqueeze(-1)
             S = v[:, [2, 3, 3, 4]].reshape(T, 2, 2)
-            cross = torch.tensor(X, **like).T.reshape(T, 2, 2) if lag_one else None
+            cross = _columns(X).to(**like).reshape(T, 2, 2) if lag_one else None
         lz = torch.tensor(log_z, **like)
         check_log_z(lz)
         return lz, m, S, cross
