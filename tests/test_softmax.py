@@ -5,6 +5,7 @@ validity at every step size)."""
 
 import math
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -248,3 +249,49 @@ def test_every_step_size_keeps_sites_valid(method):
         assert float(torch.linalg.eigvalsh(0.5 * (lam2 + lam2.mT)).max()) <= 1e-10
         finals.append(losses[-1])
     assert finals[-1] <= finals[0] + 1e-6  # a full step gets at least as far in 8 steps
+
+
+def _kron_reference(A, K):
+    """The Kronecker factors by the whole-matrix pivot and :func:`probes.close` (one pass of
+    full-size temporaries): what the chunked test must agree with."""
+    from pyro_cvi.model import probes
+
+    R, Dz = A.shape
+    A4 = A.reshape(R // K, K, Dz // K, K)
+    n0, k0, d0, l0 = (int(i) for i in np.unravel_index(int(A4.abs().argmax()), A4.shape))
+    G = A4[n0, :, d0, :]
+    X = A4[:, k0, :, l0] / G[k0, l0]
+    ok = probes.close(A4, X[:, None, :, None] * G[None, :, None, :], probes.rtol(A.dtype))
+    return (X, G) if ok else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("chunk", [1, 64, 1 << 16])
+def test_kron_factors_over_chunks_equal_the_whole_matrix_test(chunk, dtype, monkeypatch):
+    """``A = X (x) G`` (a design with a bias column and a full ``G``) is found over chunks of
+    any size: the same pivot, ``X`` and ``G`` as the whole-matrix test, and ``X (x) G = A`` to
+    rounding; one entry off by 5%, a NaN or an infinity anywhere, or a
+    non-Kronecker ``A`` gives ``None``."""
+    from pyro_cvi.messages import softmax_sites
+
+    monkeypatch.setattr(softmax_sites, "KRON_CHUNK", chunk)
+    g = torch.Generator().manual_seed(chunk)
+    N, D, K = 37, 4, 3
+    X = torch.cat([torch.randn(N, D - 1, generator=g, dtype=F64), torch.ones(N, 1, dtype=F64)], 1)
+    G = torch.randn(K, K, generator=g, dtype=F64)
+    A = torch.kron(X, G).to(dtype)  # rows n K + k, columns d K + l
+    found = softmax_sites._kron_factors(A, K)
+    ref = _kron_reference(A, K)
+    assert found is not None and ref is not None
+    torch.testing.assert_close(found[0], ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(found[1], ref[1], rtol=0, atol=0)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == F64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.kron(*found), A, **tol)
+    for r, c, v in [(N * K - 1, D * K - 2, None), (5, 0, float("nan")), (40, 7, float("inf"))]:
+        B = A.clone()
+        B[r, c] = B[r, c] * 1.05 + 0.05 if v is None else v
+        assert softmax_sites._kron_factors(B, K) is None
+        assert _kron_reference(B, K) is None
+    C = torch.randn(N * K, D * K, generator=g, dtype=F64).to(dtype)
+    assert softmax_sites._kron_factors(C, K) is None
+    assert softmax_sites._kron_factors(A[:, :-1], K) is None  # columns not a multiple of K

@@ -152,22 +152,45 @@ def kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.
     return out
 
 
+#: elements of ``A`` per chunk of :func:`_kron_factors` (the temporaries stay in cache)
+KRON_CHUNK = 1 << 16
+
+
 def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`kron_factors` uncached. The pivot is ``|A|``'s largest entry (the first, as
+    ``argmax``); ``G`` its row block, ``X`` its column scaled by it. ``A = X (x) G`` holds where
+    ``|A - X (x) G| <= tol (1 + |A|)`` everywhere (:func:`~pyro_cvi.model.probes.rtol`; the
+    scale is ``|A|``'s alone, so a structure this accepts also passes
+    :func:`~pyro_cvi.model.probes.close`) and the difference is finite. Both passes run over
+    chunks of points: no temporary of ``A``'s size (``A`` is ``N K x D K``)."""
     R, Dz = A.shape
     if Dz % K or R % K or not R:
         return None
-    A4 = A.reshape(R // K, K, Dz // K, K)
-    flat = int(A4.abs().argmax())  # (plain arithmetic: torch.unravel_index imports sympy)
-    n0, k0, d0, l0 = (
-        flat // (K * Dz),
-        flat // Dz % K,
-        flat // K % (Dz // K),
-        flat % K,
-    )
+    N, Dx = R // K, Dz // K
+    A4 = A.detach().reshape(N, K, Dx, K)
+    step = max(1, KRON_CHUNK // (K * Dz))  # points per chunk
+    flat, best = 0, None
+    for s in range(0, N, step):  # (a NaN in A: whatever the pivot, the check fails)
+        part = A4[s : s + step].abs().reshape(-1)
+        i = int(part.argmax())
+        if best is None or bool(part[i] > best):
+            flat, best = s * K * Dz + i, part[i]
+    # (plain arithmetic: torch.unravel_index imports sympy)
+    n0, k0, d0, l0 = flat // (K * Dz), flat // Dz % K, flat // K % Dx, flat % K
+    A4 = A.reshape(N, K, Dx, K)  # (X and G keep A's graph, if any)
     G = A4[n0, :, d0, :]
     X = A4[:, k0, :, l0] / G[k0, l0]
-    approx = X[:, None, :, None] * G[None, :, None, :]
-    return (X, G) if probes.close(A4, approx, probes.rtol(A.dtype)) else None
+    tol = probes.rtol(A.dtype)
+    with torch.no_grad():
+        Gd, Xd = G.detach(), X.detach()
+        for s in range(0, N, step):
+            a = A4[s : s + step].detach()
+            diff = (a - Xd[s : s + step, None, :, None] * Gd[None, :, None, :]).abs_()
+            if not bool((diff <= a.abs().mul_(tol).add_(tol)).all()):
+                return None
+            if not bool(torch.isfinite(diff.sum())):
+                return None
+    return X, G
 
 
 def softmax_rows(site, factor, z_at: torch.Tensor, A: Optional[torch.Tensor] = None) -> SoftmaxRows:
