@@ -295,3 +295,25 @@ def test_kron_factors_over_chunks_equal_the_whole_matrix_test(chunk, dtype, monk
     C = torch.randn(N * K, D * K, generator=g, dtype=F64).to(dtype)
     assert softmax_sites._kron_factors(C, K) is None
     assert softmax_sites._kron_factors(A[:, :-1], K) is None  # columns not a multiple of K
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_prior_row_cov_blocks_of_a_kronecker_jacobian_equal_the_dense_ones(dtype):
+    """``Cov(A_n z)`` under a diagonal prior by the Kronecker factors equals ``A_n diag(v)
+    A_n^T`` formed densely; a Jacobian off the structure takes the dense product."""
+    from pyro_cvi.linear_gaussian import GaussianPrior
+    from pyro_cvi.messages.warm_start import prior_row_cov_blocks
+
+    g = torch.Generator().manual_seed(7)
+    N, D, K = 23, 5, 4
+    X = torch.randn(N, D, generator=g, dtype=F64)
+    G = torch.randn(K, K, generator=g, dtype=F64)
+    v = torch.rand(D * K, generator=g, dtype=F64) + 0.1
+    for A in (torch.kron(X, G), torch.randn(N * K, D * K, generator=g, dtype=F64)):
+        An = A.reshape(N, K, D * K)
+        dense = (An * v) @ An.mT
+        prior = GaussianPrior(torch.zeros(D * K, dtype=dtype), var=v.to(dtype))
+        got = prior_row_cov_blocks(prior, A.to(dtype), K)
+        assert got.dtype == dtype and got.shape == (N, K, K)
+        tol = dict(rtol=1e-12, atol=1e-12) if dtype == F64 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.double(), dense, **tol)

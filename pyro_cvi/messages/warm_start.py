@@ -26,7 +26,7 @@ import torch
 
 from ..linear_gaussian import GaussianPrior
 from .gaussian import FLAT_PRIOR_VAR
-from .softmax_sites import SoftmaxRows, softmax_message
+from .softmax_sites import SoftmaxRows, kron_factors, softmax_message
 
 __all__ = ["prior_row_var", "prior_row_cov_blocks", "softmax_warm_start"]
 
@@ -60,10 +60,18 @@ def prior_row_var(prior: GaussianPrior, A: torch.Tensor) -> Optional[torch.Tenso
 
 
 def prior_row_cov_blocks(prior: GaussianPrior, A: torch.Tensor, K: int) -> Optional[torch.Tensor]:
-    """``Cov(A_n z) [N, K, K]`` under the prior, rows point-major (``A [N K, D]``)."""
+    """``Cov(A_n z) [N, K, K]`` under the prior, rows point-major (``A [N K, D]``). A diagonal
+    prior ``v`` and ``A = X (x) G`` (:func:`~pyro_cvi.messages.softmax_sites.kron_factors`)
+    give ``sum_d X_nd^2 G diag(v_d) G^T``: ``O(N D K^2)`` instead of ``O(N D K^3)``."""
+    kron = kron_factors(A, K) if prior.var is not None and not A.requires_grad else None
     with torch.no_grad():
         A = A.detach().to(prior.loc)
         N = A.shape[0] // K
+        if kron is not None:
+            X, G = (t.to(prior.loc) for t in kron)
+            v = prior.var.detach().reshape(X.shape[1], K)
+            M = (G * v.unsqueeze(-2)) @ G.mT  # [D', K, K]: G diag(v_d) G^T
+            return ((X * X) @ M.reshape(X.shape[1], K * K)).reshape(N, K, K)
         if prior.var is not None:
             An = A.reshape(N, K, -1)
             return (An * prior.var.detach()) @ An.mT
