@@ -57,7 +57,7 @@ from ..model.records import CONJUGATE_ENUM
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
-from .hidden_draws import draw_weight
+from .hidden_draws import draw_weight, undamped_targets
 from .init_start import InitLocStart
 from .laplace import LaplaceStart
 from .plate_sites import PlateSites
@@ -389,6 +389,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         if pair is None:
             return StepCounts()
         old, target = pair
+        if general is not None:  # a hidden draw's averaged message: not damped by beta
+            target = undamped_targets(self, old, target, beta)
         keys, solved = list(sites), {}
         k0 = len(keys) + (h0 is not None)
 
