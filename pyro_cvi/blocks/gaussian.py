@@ -77,9 +77,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
     """
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
-        self.spec = spec
-        self.names = spec.names
-        self.options = options
+        self.spec, self.names, self.options = spec, spec.names, options
         self.owned = set(owned)
         self.linear = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is None]
         self.minibatch = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is not None]
@@ -389,8 +387,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         if pair is None:
             return StepCounts()
         old, target = pair
-        if general is not None:  # a hidden draw's averaged message: not damped by beta
-            target = undamped_targets(self, old, target, beta)
+        target = undamped_targets(self, old, target, beta)  # (a hidden draw's average)
         keys, solved = list(sites), {}
         k0 = len(keys) + (h0 is not None)
 
