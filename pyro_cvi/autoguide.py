@@ -53,6 +53,7 @@ from .guide_state import (
 from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .methods.bound_check import BoundChecked, check_setup_draws
+from .methods.guide_list import step_inside_pyro_elbo
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
@@ -358,10 +359,12 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
 
     # ------------------------------------------------------------------ the guide itself
     def forward(self, *args, **kwargs):
+        stepped = step_inside_pyro_elbo(self, args, kwargs)  # a guide list's part: CVI's step
         engine = self._ready(args, kwargs)
-        refuse_inside_svi_step(self)
-        # under torch.jit.trace the current q is recorded as constants (its tensors detached)
-        frozen = detach_distribution if torch.jit.is_tracing() else (lambda d: d)
+        if not stepped:
+            refuse_inside_svi_step(self)
+        # under torch.jit.trace (or stepped by CVI above) q is drawn as constants (detached)
+        frozen = detach_distribution if stepped or torch.jit.is_tracing() else (lambda d: d)
         plates = self._create_plates(*args, **kwargs)
         sub = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
         latents = engine.analysis.latents

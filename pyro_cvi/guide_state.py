@@ -349,9 +349,6 @@ def refuse_inside_svi_step(guide) -> None:
         if float(store[engine.steps_name].detach()) > 0:
             return
     if any(isinstance(m, TraceMessenger) and m.param_only for m in _PYRO_STACK):
-        master = guide.master() if getattr(guide, "master", None) is not None else None
-        if master is not None:  # a part of an AutoGuideList (methods/guide_list.py)
-            raise ValueError(pyro_elbo_refusal(guide, master))
         raise ValueError(
             f"{type(guide).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
             "TraceEnum_ELBO, ...) before any CVI_ELBO step: its q is computed by conjugate "
@@ -430,19 +427,3 @@ def claim_prefix(guide: Any) -> None:
     _CLAIMS[prefix].append(weakref.ref(guide))
     for listener in list(_SETUP_LISTENERS):
         listener(guide)
-
-
-def pyro_elbo_refusal(part: Any, guide_list: Any) -> str:
-    """The error for an AutoGuideList whose AutoCVI ``part`` runs inside ``SVI.step`` under a
-    Pyro ELBO before any CVI step (raised before the step changes anything)."""
-    others = ", ".join(type(p).__name__ for p in guide_list if p is not part)
-    return (
-        f"{type(part).__name__} ran inside SVI.step under a Pyro ELBO (Trace_ELBO, "
-        f"TraceEnum_ELBO, ...) as the part of an AutoGuideList with an {type(part).__name__} "
-        "part: the part's q is computed by conjugate "
-        "computations, which a Pyro ELBO's gradient does not reach, so it would never change. "
-        f"Train the guide list with SVI(model, guide_list, CVI(), CVI_ELBO()): its loss is the "
-        f"bound of the joint guide, with natural-gradient steps for the {type(part).__name__} "
-        f"part and the inner optimiser's for the others ({others}). Trace_ELBO can evaluate "
-        "the trained guide list."
-    )

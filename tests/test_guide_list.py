@@ -49,9 +49,18 @@ def log_joint_s(X, y, s):
 
 
 def best_s(X, y):
+    """The grid maximiser of ``log p(y | s) + log p(s)`` (the eigenvalues ``e`` of ``X X^T``
+    give ``log det`` and the quadratic form of ``s^2 I + X X^T`` at every ``s`` at once)."""
+    X, y = X.double(), y.double()
+    e, U = torch.linalg.eigh(X @ X.T)
+    r2 = (U.T @ y) ** 2
     grid = torch.linspace(0.2, 1.5, 2601, dtype=torch.float64)
-    values = torch.tensor([log_joint_s(X, y, float(s)) for s in grid])
-    return float(grid[values.argmax()]), float(values.max())
+    var = grid[:, None] ** 2 + e
+    lp = -0.5 * (var.log().sum(-1) + (r2 / var).sum(-1) + len(y) * math.log(2 * math.pi))
+    values = lp + dist.LogNormal(0.0, 1.0).log_prob(grid)
+    i = int(values.argmax())
+    assert values[i] == pytest.approx(log_joint_s(X, y, float(grid[i])), abs=1e-8)
+    return float(grid[i]), float(values[i])
 
 
 def guide_list(parts="delta"):
@@ -169,25 +178,112 @@ def test_the_delta_part_gets_the_gradient_of_the_bound(dtype):
     assert float(grad) == pytest.approx(fd, rel=1e-2)
 
 
+def exact_q_w(X, y, s):
+    """``p(w | y, s)``: its mean and covariance (float64)."""
+    Xd, yd = X.double(), y.double()
+    prec = torch.eye(2, dtype=torch.float64) + Xd.T @ Xd / s**2
+    return torch.linalg.solve(prec, Xd.T @ yd / s**2), torch.linalg.inv(prec)
+
+
+def trace_elbo_optim(kind, lr):
+    if kind == "cvi":
+        return CVI(optim_args={"lr": lr})
+    return pyro.optim.Adam({"lr": lr})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("optim", ["cvi", "adam"])
-def test_a_pyro_elbo_is_refused_by_name_and_changes_nothing(dtype, optim):
-    """Under Trace_ELBO the CVI part's q would never move (no gradient reaches its natural
-    parameters): refused before the step, naming CVI_ELBO; the guide list then trains."""
+def test_trace_elbo_trains_the_guide_list(dtype, optim):
+    """Under Trace_ELBO the CVI part takes CVI's step inside each ``svi.step`` (at one draw of
+    the other parts) and the delta part follows Trace_ELBO's gradient: ``s`` reaches the
+    maximiser of ``log p(y | s) + log p(s)``, ``q(w)`` is the exact ``p(w | y, s)``, and the
+    reported losses are Trace_ELBO's estimates of the joint guide's bound (its closed form)."""
+    pyro.set_rng_seed(1)
     X, y = data(dtype)
     guide = guide_list()
-    opt = CVI(optim_args={"lr": 0.05}) if optim == "cvi" else pyro.optim.Adam({"lr": 0.05})
+    svi = SVI(model, guide, trace_elbo_optim(optim, 0.05), Trace_ELBO())
+    for _ in range(100):
+        svi.step(X, y)
+    # the last steps with the delta part held (lr 0): q(w) and the losses at a fixed s
+    frozen = SVI(model, guide, trace_elbo_optim(optim, 0.0), Trace_ELBO())
+    losses = torch.tensor([frozen.step(X, y) for _ in range(20)], dtype=torch.float64)
+    s_star, _ = best_s(X, y)
+    s = float(guide.median(X, y)["s"])
+    assert s == pytest.approx(s_star, abs=0.03)
+    mean, cov = exact_q_w(X, y, s)
+    q = guide[0].posterior("w")
+    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    assert torch.allclose(q.mean.double(), mean, atol=tol)
+    assert torch.allclose(q.covariance_matrix.double(), cov, atol=tol)
+    # the reported losses against the closed form, and against an independent Trace_ELBO
+    # (for an exact q(w) and a point mass the estimates have no variance: exact to rounding)
+    rounding = tol * 25 * 1e2
+    se = float(losses.std() / len(losses) ** 0.5)
+    assert abs(float(losses.mean()) + log_joint_s(X, y, s)) <= 3 * se + rounding
+    other = torch.tensor(
+        [Trace_ELBO(num_particles=20).loss(model, guide, X, y) for _ in range(10)],
+        dtype=torch.float64,
+    )
+    se_other = float(other.std() / len(other) ** 0.5)
+    assert abs(float(losses.mean() - other.mean())) <= 3 * (se**2 + se_other**2) ** 0.5 + rounding
+
+
+def num_steps(guide):
+    return int(pyro.param(guide[0].engine.steps_name).detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trace_elbo_steps_the_cvi_part_once_per_svi_step(dtype):
+    """With ``num_particles=3`` the guide list runs three times per ``svi.step``: one CVI step.
+    ``Trace_ELBO().loss`` outside ``SVI.step`` only draws."""
+    X, y = data(dtype)
+    guide = guide_list("normal")
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO(num_particles=3))
+    for _ in range(4):
+        assert math.isfinite(svi.step(X, y))
+    assert num_steps(guide) == 4
     before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
-    with pytest.raises(ValueError, match=r"AutoGuideList with an AutoCVI part.*CVI_ELBO\(\)"):
-        SVI(model, guide, opt, Trace_ELBO()).step(X, y)
-    after = {k: v.detach() for k, v in pyro.get_param_store().items() if k in before}
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    Trace_ELBO(num_particles=5).loss(model, guide, X, y)
+    assert all(torch.equal(v, pyro.param(k).detach()) for k, v in before.items())
+    # the CVI part's parameters are CVI's: the user's optimizer never sees them
+    assert {n for n in before if n.startswith("AutoGuideList.0.")} == set(
+        guide[0].engine.param_names() + [guide[0].engine.steps_name]
+    )
+    svi.step(X, y)
+    assert all(p.grad is None for n, p in pyro.get_param_store().named_parameters() if ".0." in n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trace_elbo_then_cvi_elbo(dtype):
+    """A guide list trained under Trace_ELBO goes on under CVI_ELBO (and back): the bound
+    check agrees with the reported loss."""
+    X, y = data(dtype)
+    guide = guide_list()
+    SVI(model, guide, CVI(optim_args={"lr": 0.05}), Trace_ELBO()).step(X, y)
     svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
     for _ in range(30):
         svi.step(X, y)
+    SVI(model, guide, CVI(optim_args={"lr": 0.05}), Trace_ELBO()).step(X, y)
+    assert num_steps(guide) == 32
 
     def reported():
         return CVI_ELBO().loss(model, guide, X, y)
 
     result = check_bound(model, guide, reported, (X, y), num_particles=400, warn=False)
     assert result.agrees, result
+
+
+def test_a_failed_trace_elbo_step_leaves_the_cvi_part_as_it_was():
+    X, y = data(torch.float64)
+    guide = guide_list()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(3):
+        svi.step(X, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(ValueError):
+        svi.step(X, y[:-1])  # the model's shapes disagree
+    after = {k: v.detach() for k, v in pyro.get_param_store().items()}
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    svi.step(X, y)
+    assert num_steps(guide) == 4

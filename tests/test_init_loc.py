@@ -117,3 +117,100 @@ def test_without_init_loc_fn_the_start_is_unchanged(dtype):
     guide()
     assert not any(".init_h." in k for k in pyro.get_param_store().keys())
     assert guide.engine.blocks[0].init_name is None
+
+
+def _local_level(dtype):
+    """A local-level chain (``pyro.markov``, 12 steps, Normal observations): a Markov block;
+    its exact posterior is the dense Gaussian one (``tests/test_block_markov.py``)."""
+    from test_block_markov import T, dense_posterior, local_level
+
+    y = torch.sin(torch.arange(T, dtype=dtype) / 2) + 0.1 * torch.arange(T, dtype=dtype) / T
+    g = torch.Generator().manual_seed(5)
+    values = {f"x_{t}": (2 * torch.randn((), generator=g)).to(dtype) for t in range(T)}
+    mean, cov = dense_posterior(y)
+    return local_level, y, values, mean, cov
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_markov_block_starts_at_the_values_and_reaches_the_same_fit(dtype):
+    from pyro_cvi.blocks import MarkovBlock
+
+    model, y, values, mean, cov = _local_level(dtype)
+    T = len(values)
+    start = torch.stack([values[f"x_{t}"] for t in range(T)]).double()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model, init_loc_fn=init_to_value(values=values))
+    guide(y)
+    (block,) = guide.engine.blocks
+    assert isinstance(block, MarkovBlock) and block.init_name is not None
+    median = guide.median(y)
+    for k, v in values.items():
+        assert median[k].dtype == dtype
+        assert torch.allclose(median[k], v, atol=10 * _tol(dtype), rtol=0), (k, median[k], v)
+    # only the means moved: the marginal variances are the exact posterior's (conjugate)
+    var = torch.stack([block.marginal(f"x_{t}").variance for t in range(T)]).double()
+    assert torch.allclose(var, cov.diagonal(), atol=1e3 * _tol(dtype), rtol=0)
+    # the reported loss is the bound of this shifted q: -log p(y) + KL(q_start || q*)
+    evidence = _evidence(y, mean, cov)
+    d = start - mean
+    exact = -evidence + 0.5 * float(d @ torch.linalg.inv(cov) @ d)
+    reported = CVI_ELBO().loss(model, guide, y)
+    assert reported == pytest.approx(exact, abs=1e3 * _tol(dtype) * (1 + abs(exact)))
+    # q's draws are centred at the values too (300 draws, every step within 4.5 SE)
+    draws = torch.stack(
+        [torch.stack([v for _, v in sorted(guide(y).items(), key=_step)]) for _ in range(300)]
+    ).double()
+    z = (draws.mean(0) - start) / (cov.diagonal() / 300).sqrt()
+    assert z.abs().max() < 4.5, z
+    # the fit is the one without init_loc_fn: the exact posterior, and the loss -log p(y)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    for _ in range(30):
+        loss = svi.step(y)
+    median = guide.median(y)
+    fitted = torch.stack([median[f"x_{t}"] for t in range(T)]).double()
+    assert torch.allclose(fitted, mean, atol=1e3 * _tol(dtype), rtol=0)
+    assert loss == pytest.approx(-evidence, abs=1e3 * _tol(dtype) * (1 + abs(evidence)))
+
+
+def _step(item):
+    return int(item[0].split("_")[1])
+
+
+def _evidence(y, mean, cov):
+    """``log p(y)`` of the local-level model, its prior covariance recovered from ``cov``."""
+    from test_block_markov import R
+
+    T = len(y)
+    eye = torch.eye(T, dtype=torch.float64)
+    K = torch.linalg.inv(torch.linalg.inv(cov) - eye / R)
+    return float(
+        dist.MultivariateNormal(torch.zeros(T, dtype=torch.float64), K + R * eye).log_prob(
+            y.double()
+        )
+    )
+
+
+def test_random_walk_starts_at_the_values_and_reaches_the_same_fit():
+    """A vectorised random walk (``x = eps.cumsum(-1)``, Poisson counts): a Markov block over
+    the states whose ``z`` are the increments. The offset is set in the states' coordinates;
+    ``q``'s increments start at the values, and 40 steps give the fit without the offset."""
+    from test_random_walk import _counts, _walk
+
+    T = 30
+    model, y = _walk(T), _counts(T)
+    start = 0.1 * torch.randn(T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    pyro.clear_param_store()
+    guide = AutoCVI(model, init_loc_fn=init_to_value(values={"eps": start}))
+    guide(y)
+    assert guide.engine.blocks[0].init_name is not None
+    assert torch.allclose(guide.median(y)["eps"], start, atol=1e-12, rtol=0)
+    ref = AutoCVI(model, prefix="reference")
+    losses = []
+    for g in (guide, ref):
+        svi = SVI(model, g, CVI(), CVI_ELBO())
+        for _ in range(40):
+            loss = svi.step(y)
+        losses.append(loss)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-8)
+    assert torch.allclose(guide.median(y)["eps"], ref.median(y)["eps"], atol=1e-8, rtol=0)

@@ -30,7 +30,7 @@ ERRORS = {
     "E-cvi-elbo": (TypeError, "CVI_ELBO needs an AutoCVI guide"),
     "E-torch": (ValueError, "AutoCVI + CVI_ELBO with an optimizer that is not CVI"),
 }
-WORKS = ("natural", "conjugate", "torch", "inner")
+WORKS = ("natural", "conjugate", "torch", "inner", "in-guide")
 
 
 def _table():

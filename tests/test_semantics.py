@@ -742,14 +742,17 @@ def test_a_discrete_latent_first_in_the_model(dtype):
     assert check.agrees, check
 
 
+@pytest.mark.parametrize("step_size", [1.0, "auto"], ids=["beta1", "default"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-def test_a_latent_hidden_by_poutine_block(dtype):
+def test_a_latent_hidden_by_poutine_block(dtype, step_size):
     """``poutine.block(hide=[...])`` around a latent: neither the guide nor Trace_ELBO sees it,
     so each run of the model draws it from its prior. Trace_ELBO's objective is the expectation
     over that draw; here (a Normal offset ``nu ~ N(0, 0.1^2)`` in the loc) it is Gaussian in
     ``mu``: q is the posterior with unit noise (the offset only adds a constant), and the mean
     of the reported losses is that q's exact -ELBO, as is Trace_ELBO's. The analysis sees the
-    model draw at fixed latents and averages that factor's messages over the steps."""
+    model draw at fixed latents and averages that factor's messages over the steps, also under
+    the default adaptive ``CVI()`` (whose ``beta`` falls to 0.04-0.1 here: the average is not
+    damped by it)."""
     g = torch.Generator().manual_seed(0)
     y = (torch.randn(10, generator=g, dtype=F64) + 1.0).to(dtype)
     s_nu, s0 = 0.1, 2.0
@@ -762,7 +765,11 @@ def test_a_latent_hidden_by_poutine_block(dtype):
             pyro.sample("y", dist.Normal(mu + nu, 1.0), obs=y)
 
     pyro.set_rng_seed(0)
-    guide, svi = _fit(model, (y,), steps=40)
+    pyro.clear_param_store()
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(step_size=step_size), CVI_ELBO())
+    for _ in range(40):
+        svi.step(y)
     assert "reads a draw the guide does not see" in guide.explain()
     yd = y.double()
     prec = 1 / s0**2 + len(y)

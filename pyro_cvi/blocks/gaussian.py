@@ -57,7 +57,7 @@ from ..model.records import CONJUGATE_ENUM
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
-from .hidden_draws import draw_weight
+from .hidden_draws import draw_weight, undamped_targets
 from .init_start import InitLocStart
 from .laplace import LaplaceStart
 from .plate_sites import PlateSites
@@ -77,9 +77,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
     """
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
-        self.spec = spec
-        self.names = spec.names
-        self.options = options
+        self.spec, self.names, self.options = spec, spec.names, options
         self.owned = set(owned)
         self.linear = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is None]
         self.minibatch = [f for f in spec.factors if f.kind == LINEAR and f.minibatch is not None]
@@ -389,6 +387,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         if pair is None:
             return StepCounts()
         old, target = pair
+        target = undamped_targets(self, old, target, beta)  # (a hidden draw's average)
         keys, solved = list(sites), {}
         k0 = len(keys) + (h0 is not None)
 

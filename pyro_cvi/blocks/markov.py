@@ -17,7 +17,7 @@ so the hyperparameter gradient is the derivative of the ELBO at fixed sites; coe
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import pyro
 import pyro.distributions as dist
@@ -39,13 +39,14 @@ from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefin
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
 from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .init_start import ChainInitStart
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
 __all__ = ["MarkovBlock"]
 
 
-class MarkovBlock(SiteFormBlock):
+class MarkovBlock(ChainInitStart, SiteFormBlock):
     """Kalman-smoother CVI for the chain of one :class:`~pyro_cvi.model.analysis.BlockSpec`."""
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
@@ -62,9 +63,10 @@ class MarkovBlock(SiteFormBlock):
         #: ``(rows, q)`` with their graph to the model's parameters (``ctx.graph`` and the
         #: prior or the offsets depend on them), for the differentiable ELBO; else ``None``
         self._graph: Optional[tuple] = None
+        self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
-        return list(self.site_names.values())
+        return list(self.site_names.values()) + ([self.init_name] if self.init_name else [])
 
     def setup_values(self, values: Dict[str, torch.Tensor]) -> None:
         """Register the site parameters at zero (``q = prior``)."""
@@ -77,7 +79,10 @@ class MarkovBlock(SiteFormBlock):
         return {s: pyro.param(n) for s, n in self.site_names.items()}
 
     def _versions(self, sites) -> tuple:
-        return tuple(sites[f.site]._version for f in self.linear)
+        h0 = self._init_h()
+        return tuple(sites[f.site]._version for f in self.linear) + (
+            (h0._version,) if h0 is not None else ()
+        )
 
     # ------------------------------------------------------------------ sites on the steps
     def _rows(self, site, f, sites: torch.Tensor, H=None) -> RowBlock:
@@ -93,16 +98,21 @@ class MarkovBlock(SiteFormBlock):
         c = eta_at - (H.to(x) * x[f.time_index]).sum(-1)
         return RowBlock(H, *site_to_row(sites[..., 0], sites[..., 1], c), c, f.param, f.link)
 
-    def _site_rows(self, rows: Sequence[RowBlock]) -> SiteRows:
-        """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``)."""
-        t = torch.cat([f.time_index for f in self.linear])
-        H = torch.cat([r.A.to(self.z_at) for r in rows])
-        w = torch.cat([r.w for r in rows])
-        b = torch.cat([r.b for r in rows])
-        return SiteRows(t, H, w, b, self.chain.length)
+    def _site_rows(self, rows: Sequence[RowBlock], h0: Any = ...) -> SiteRows:
+        """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``), then the
+        start offset's (``h0``: the current one by default; ``None``: without)."""
+        parts = [(f.time_index, r.A.to(self.z_at), r.w, r.b) for f, r in zip(self.linear, rows)]
+        h0 = self._init_h() if h0 is ... else h0
+        extra = self.init_rows(h0.detach() if h0 is not None else None)
+        if extra is not None:
+            parts.append(extra)
+        t, H, w, b = (torch.cat([p[k] for p in parts]) for k in range(4))
+        return SiteRows(t, H.to(self.z_at), w, b, self.chain.length)
 
-    def _solve(self, rows: Sequence[RowBlock], keep_graph: bool = False) -> Marginals:
-        sr = self._site_rows(rows)
+    def _solve(
+        self, rows: Sequence[RowBlock], keep_graph: bool = False, h0: Any = ...
+    ) -> Marginals:
+        sr = self._site_rows(rows, h0)
         eta, J = sr.information()
         prior = self.prior if keep_graph else self.prior.detach()
         inc = self.chain.increments
@@ -228,18 +238,22 @@ class MarkovBlock(SiteFormBlock):
             if ctx.grads:
                 p = sites[f.site]
                 p.grad = target - p.detach()
+        h0 = self._init_h()
+        if h0 is not None and ctx.grads:  # no factor's message: the target is zero
+            h0.grad = -h0.detach()
         return elbo
 
     # ------------------------------------------------------------------ the step
     def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
-        sites = self._sites()
-        params = list(sites.values())
+        sites, h0 = self._sites(), self._init_h()
+        params = list(sites.values()) + ([h0] if h0 is not None else [])
         pair = targets_from_grads(params) if params else None
         if pair is None:
             return StepCounts()
         old, target = pair
         solved = {}
+        n = len(sites)  # (then the start offset)
 
         def rows_for(new):
             out = []
@@ -249,7 +263,9 @@ class MarkovBlock(SiteFormBlock):
 
         def valid(new) -> torch.Tensor:
             try:
-                solved["post"] = self._solve(rows_for(new))
+                solved["post"] = self._solve(
+                    rows_for(new[:n]), h0=new[n] if h0 is not None else None
+                )
                 ok = True
             except NotPositiveDefinite:
                 ok = False
@@ -261,7 +277,7 @@ class MarkovBlock(SiteFormBlock):
         with torch.no_grad():
             for p, v in zip(params, new):
                 p.copy_(v)
-        self.rows = rows_for(new)
+        self.rows = rows_for(new[:n])
         self.post = solved["post"]
         if self._solved_for is not None:  # q is solved for the new sites already
             self._solved_for = (self._solved_for[0], self._versions(sites))

@@ -19,22 +19,34 @@ parts (with its graph to their parameters: a reparameterised one-draw estimate f
 for point-mass parts such as ``AutoDelta``), hands it to the CVI part (which computes its
 messages and natural gradients at that ``s``) and subtracts ``log q_other(s)``.
 
-Under a Pyro ELBO (``Trace_ELBO``, ...) the guide list is refused by name before any step
-(:func:`pyro_cvi.guide_state.pyro_elbo_refusal`): Pyro differentiates a Monte Carlo estimate,
-and the CVI part's natural parameters get no gradient from it, so its ``q`` would stay at the
-start.
+Under a Pyro ELBO (``Trace_ELBO``, ...) inside ``SVI.step`` (:func:`step_inside_pyro_elbo`)
+Pyro differentiates a Monte Carlo estimate, which cannot reach the CVI part's natural
+parameters. So the part steps itself when the guide list calls it, once per ``SVI.step``: it
+draws ``s`` from the other parts (detached), computes its natural gradients at that ``s``
+(CVI_ELBO's loss of the part given ``s``) and applies CVI's update (eq. 12: the adaptive step,
+or the fixed schedule of a ``CVI(step_size=...)`` optimizer), then draws ``z`` from the
+updated ``q_cvi``, detached. Pyro's loss is then its -ELBO estimate of the joint guide
+``q_cvi(z) q_other(s)``, and its gradient, at fixed ``q_cvi``, trains the other parts with the
+user's optimizer. A step that fails leaves the part as it was; a Pyro ELBO outside ``SVI.step``
+(``Trace_ELBO().loss``, ``Predictive``) only draws.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pyro
 import pyro.poutine as poutine
 import torch
+from pyro.infer import SVI
+from pyro.poutine.runtime import _PYRO_STACK
+from pyro.poutine.trace_messenger import TraceMessenger
 
 from ..context import GIVEN
 from ..guide_state import unbind_parameters
+from ..transaction import abort, commit
 
 __all__ = [
     "GIVEN",
@@ -42,6 +54,7 @@ __all__ = [
     "PartsLoss",
     "adopt_guide_list",
     "parts_loss",
+    "step_inside_pyro_elbo",
 ]
 
 
@@ -165,3 +178,84 @@ def parts_loss(guide_list: Any, cvi_types: Tuple[type, ...]) -> Optional[PartsLo
         loss = PartsLoss(guide_list, cvis[0])
         guide_list._cvi_parts_loss = loss
     return loss
+
+
+#: part -> (a weak reference to) the ``SVI.step`` param capture it last stepped in
+_STEPPED: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _svi_capture() -> Optional[TraceMessenger]:
+    """The param-only trace ``SVI.step`` runs its loss under (``None`` outside ``SVI.step``)."""
+    for m in _PYRO_STACK:
+        if isinstance(m, TraceMessenger) and m.param_only:
+            return m
+    return None
+
+
+def _svi_optimizer() -> Any:
+    """The optimizer of the ``SVI.step`` call on the stack (``None``: not found)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "step" and isinstance(frame.f_locals.get("self"), SVI):
+            return frame.f_locals["self"].optim
+        frame = frame.f_back
+    return None
+
+
+def step_inside_pyro_elbo(part: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether ``part`` (an AutoCVI) runs inside ``SVI.step`` under a Pyro ELBO as a part of an
+    ``AutoGuideList``; if so, its CVI step for this ``SVI.step`` is applied now (once, also
+    with ``num_particles > 1``) and the caller draws from ``q`` detached (module docstring)."""
+    master = part.master() if getattr(part, "master", None) is not None else None
+    if master is None or getattr(part, "bound_check_running", False):
+        return False
+    capture = _svi_capture()
+    if capture is None:
+        return False
+    last = _STEPPED.get(part)
+    if last is not None and last() is capture:
+        return True
+    adopt_guide_list(part)
+    with poutine.block():  # (its parameters are CVI's, not the user optimizer's)
+        _step(part, args, kwargs)
+    _STEPPED[part] = weakref.ref(capture)
+    return True
+
+
+def _step(part: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    values, _ = part.model.draw(args, kwargs)
+    given = {name: value.detach() for name, value in values.items()}
+    part.elbo(args, {**kwargs, GIVEN: given}, grads=True)  # the transaction stays open
+    engine = part.engine
+    try:
+        _apply(engine, _svi_optimizer())
+    except BaseException:
+        abort([engine])
+        raise
+    finally:
+        store = pyro.get_param_store()
+        for name in engine.param_names():
+            if name in store:
+                store.get_param(name).unconstrained().grad = None
+    commit([engine])
+
+
+def _apply(engine: Any, optim: Any) -> None:
+    """CVI's update of the pending step: a ``CVI(step_size=...)`` optimizer's fixed schedule
+    at this part's step count, else the adaptive step (with ``CVI``'s ceiling and kept in its
+    state, so that checkpoints carry it)."""
+    from ..optim import CVI  # (the optimizer imports the guides' modules)
+
+    if isinstance(optim, CVI) and not optim.auto:
+        t = int(pyro.param(engine.steps_name).detach()) + 1
+        beta = float(optim.schedule(t))
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"step-size schedule gave beta_{t} = {beta}; it must be in (0, 1]")
+        engine.step(beta)
+        return
+    if isinstance(optim, CVI):
+        optim.engines[id(engine)] = weakref.ref(engine)
+        engine.enable_control(optim.max_step_size, optim.saved_controls.pop(engine.prefix, None))
+    else:
+        engine.enable_control(1.0)
+    engine.step(None)
