@@ -73,14 +73,16 @@ class GPCData:
 
 
 def data_dir(path: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """The benchmark data folder: the argument, ``$PYRO_CVI_DATA``, or ``../shared/data``."""
-    candidates = []
-    if path is not None:
-        candidates.append(Path(path))
-    if os.environ.get("PYRO_CVI_DATA"):
-        candidates.append(Path(os.environ["PYRO_CVI_DATA"]))
-    repo = Path(__file__).resolve().parent.parent
-    candidates += [Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data"]
+    """The benchmark data folder: the argument, else ``$PYRO_CVI_DATA``, else ``../shared/data``.
+
+    A folder named by the argument or the variable is the only one looked in: if it does not
+    exist, that is an error naming it (never a quiet fall-back to another folder)."""
+    explicit = path if path is not None else os.environ.get("PYRO_CVI_DATA") or None
+    if explicit is not None:
+        candidates = [Path(explicit)]
+    else:
+        repo = Path(__file__).resolve().parent.parent
+        candidates = [Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data"]
     for c in candidates:
         if c.is_dir():
             return c.resolve()
