@@ -247,3 +247,25 @@ def test_every_zoo_model_reports_its_bound(name, dtype):
         result = guide.check_bound(*data.args, num_particles=400, tolerance=5.0, **data.kwargs)
     assert math.isfinite(result.estimate), result
     assert result.agrees, result
+
+
+def test_a_monte_carlo_reported_loss_keeps_float64():
+    """A float64 model whose reported loss is a Monte Carlo estimate (a general site): the
+    repeats are averaged in float64, so the reported value is not rounded to float32."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    y = (torch.linspace(-1.0, 1.0, 10, dtype=torch.float64) > 0.0).double()
+
+    def model(y):
+        z = pyro.sample("z", dist.Normal(y.new_tensor(0.0), 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("x", dist.Bernoulli(probs=torch.round(z).clamp(0.2, 0.8)), obs=y)
+
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(y) for _ in range(30)]
+    check = guide.check_bound(y, num_particles=400, warn=False)
+    # every draw of this q rounds z to the same integer: the loss and the estimate are exact
+    assert check.reported_se < 1e-12
+    assert abs(check.reported - check.estimate) < 1e-10
+    assert abs(check.reported - losses[-1]) < 1e-10

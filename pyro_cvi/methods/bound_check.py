@@ -176,12 +176,14 @@ def _reported(
     first = loss()
     if monte_carlo is not None and monte_carlo():
         n = max(REPEATS, math.ceil(num_particles / BATCH))
-        return _mean_se(torch.tensor([first] + [loss() for _ in range(n - 1)]).double())
+        return _mean_se(torch.tensor([first] + [loss() for _ in range(n - 1)], dtype=torch.float64))
     second = loss()
     if first == second:
         return first, 0.0
-    values = torch.tensor([first, second] + [loss() for _ in range(REPEATS - 2)])
-    return _mean_se(values.double())
+    values = torch.tensor(
+        [first, second] + [loss() for _ in range(REPEATS - 2)], dtype=torch.float64
+    )
+    return _mean_se(values)
 
 
 def check_bound(
