@@ -28,6 +28,9 @@ from .posterior import SiteSums, site_sums
 
 __all__ = ["SVIScaling", "SiteMemoryScaling", "SiteScalingForm"]
 
+#: a loaded memory's version: it belongs to whatever sites the strategy has at the next step
+_ADOPT = object()
+
 
 class SVIScaling:
     """The step sizes ``beta_t`` of eq. 14 (module docstring), ``t = 0, 1, ...``::
@@ -73,6 +76,13 @@ class SVIScaling:
         beta = self.beta(self.num_steps)
         self.num_steps += 1
         return beta
+
+    def state_dict(self) -> dict:
+        """What a reload needs to go on exactly: the step count ``t`` of ``beta_t``."""
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
 
     def apply(self, strategy, indices: Tensor, target: tuple, num_data: int) -> None:
         """One step of eq. 14 on ``strategy``'s data sites: every site times ``1 - beta_t``, the
@@ -129,9 +139,53 @@ class SiteMemoryScaling(SVIScaling):
             "sums": None,
         }
 
+    def state_dict(self) -> dict:
+        """The step count and the memory (``e``, the kept targets, which points are kept),
+        detached copies: a reload into the optimizer of the reloaded model goes on exactly."""
+        state = super().state_dict()
+        st = self._state
+        if st is not None:
+            state["e"] = tuple(v.detach().clone() for v in st["e"])
+            state["mem"] = tuple(v.detach().clone() for v in st["mem"])
+            state["kept"] = st["kept"].clone()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """The inverse of :meth:`state_dict`. The memory is taken to belong to the sites the
+        strategy has at the next step (its running sums are recomputed then, once)."""
+        super().load_state_dict(state)
+        if "e" not in state:
+            self._state = None
+            return
+        e, mem, kept = state["e"], state["mem"], state["kept"]
+        if len(e) != 2 or len(mem) != 2 or not (e[0].shape == mem[0].shape == kept.shape):
+            raise ValueError(
+                "SiteMemoryScaling.load_state_dict: e, mem (pairs of [N] tensors) and kept "
+                "([N] bool) must come from SiteMemoryScaling.state_dict()"
+            )
+        self._state = {
+            "e": tuple(v.clone() for v in e),
+            "mem": tuple(v.clone() for v in mem),
+            "kept": kept.clone().bool(),
+            "version": _ADOPT,
+            "sums": None,
+        }
+
     def apply(self, strategy, indices: Tensor, target: tuple, num_data: int) -> None:
         """One step (class docstring) on ``strategy``'s data sites at ``indices``."""
         st = self._state
+        if st is not None and st["version"] is _ADOPT:
+            if st["kept"].shape != strategy.site_lam1.shape:
+                raise ValueError(
+                    f"SiteMemoryScaling: the loaded memory has {tuple(st['kept'].shape)} points, "
+                    f"the strategy {tuple(strategy.site_lam1.shape)}; load the state saved with "
+                    "this training set"
+                )
+            like = strategy.site_lam1
+            st = dict(st, version=strategy.site_version)
+            st["e"] = tuple(v.to(like) for v in st["e"])
+            st["mem"] = tuple(v.to(like) for v in st["mem"])
+            st["kept"] = st["kept"].to(like.device)
         if st is None or st["version"] != strategy.site_version:
             st = self._start(strategy)  # first step, or the sites were set by someone else
         t = self.num_steps

@@ -469,6 +469,7 @@ class CVIOptimizer:
             "num_backtracks": self.num_backtracks,
             "num_steps": self.num_steps,
             "minibatch_steps": None if self.minibatch is None else self.minibatch.num_steps,
+            "minibatch": None if self.minibatch is None else self.minibatch.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -476,6 +477,8 @@ class CVIOptimizer:
         self.num_clipped = int(state["num_clipped"])
         self.control.num_backtracks = int(state.get("num_backtracks", 0))
         self.num_steps = int(state["num_steps"])
-        if self.minibatch is not None and state.get("minibatch_steps") is not None:
+        if self.minibatch is not None and state.get("minibatch") is not None:
+            self.minibatch.load_state_dict(state["minibatch"])  # t, and a rule's memory
+        elif self.minibatch is not None and state.get("minibatch_steps") is not None:
             self.minibatch.num_steps = int(state["minibatch_steps"])  # beta_t goes on from t
         self.control.snapshot = None
