@@ -243,3 +243,29 @@ def test_a_memory_of_another_training_set_is_refused():
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="loaded memory has"):
         other.step(X2[idx], y2[idx], indices=idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_default_rule_is_the_memory_on_the_data_site_form(dtype):
+    """``minibatch="auto"`` (the default): ``SiteMemoryScaling()`` on the data-site form, whose
+    steps equal those of an explicit ``SiteMemoryScaling()``; ``None`` keeps the rule that moves
+    the batch's sites alone (another q); an unknown name is refused."""
+    X, y, _ = data(dtype=dtype)
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randperm(X.shape[0], generator=g)[:30] for _ in range(6)]
+    qs = []
+    for rule in ("auto", SiteMemoryScaling(), None):
+        model = sparse(X)
+        opt = CVIOptimizer(model, lik, minibatch=rule)
+        if rule == "auto":
+            assert isinstance(opt.minibatch, SiteMemoryScaling)
+            assert (opt.minibatch.c, opt.minibatch.warmup) == (3.0, 3)
+        for idx in batches:
+            opt.step(X[idx], y[idx], indices=idx)
+        qs.append(q_u(model))
+    for a, b in zip(qs[0], qs[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (qs[2][0] - qs[0][0]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="minibatch='memory'"):
+        CVIOptimizer(sparse(X), lik, minibatch="memory")
