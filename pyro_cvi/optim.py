@@ -20,7 +20,10 @@ Each parameter SVI hands it is stepped by its own rule:
 * every other parameter (hyperparameters, ``AutoDelta`` values, amortisation networks, flows,
   parameters of other families): a torch optimizer of the user's choice (Adam by default), so
   hybrid learning is one ``svi.step``. Nothing is refused; :meth:`CVI.explain` says which rule
-  each parameter got.
+  each parameter got. Under the defaults (Adam, no ``optim_args``) the hyperparameters of a
+  ``pyro.contrib.gp`` variational GP, recognised by its class while its guide runs, get the
+  rate :data:`pyro_cvi.natgrad.gp_models.HYPER_LR` (0.03) instead of 0.01: with ``q(u)`` at its
+  optimum after each natural-gradient step their gradients are those of the collapsed bound.
 
 It works the same under ``SVI.step`` and a hand-written loop (``loss.loss_and_grads(...)`` then
 ``optim(params)``); see docs/pairings.md.
@@ -37,6 +40,7 @@ from pyro.optim import PyroOptim
 
 from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
+from .natgrad.gp_models import HYPER_LR, GPHyperparameters
 from .natgrad.guard import LossGuard
 from .natgrad.observe import current, forget, observer
 from .scale.distributed import tell_ranks
@@ -59,7 +63,9 @@ class CVI(PyroOptim):
         :mod:`pyro_cvi.natgrad.control` (the loss value only feeds the divergence guard).
     :param max_step_size: the ceiling of the adaptive step (``step_size="auto"`` only).
     :param optim: torch optimizer class for every other parameter (default ``torch.optim.Adam``).
-    :param optim_args: its arguments (default ``{"lr": 0.01}``).
+    :param optim_args: its arguments (default ``{"lr": 0.01}``; with the default ``optim``, the
+        hyperparameters of a ``pyro.contrib.gp`` variational GP get ``{"lr": 0.03}``, see
+        :mod:`pyro_cvi.natgrad.gp_models`; given ``optim_args`` apply to every parameter).
     :param gaussian_step: the step of Pyro's Gaussian guides: ``"retraction"`` (default; Lin,
         Schmidt & Khan 2020: no step size makes a covariance invalid) or ``"natural"`` (the
         plain natural-gradient step, halved until valid; exact in one step at
@@ -101,6 +107,9 @@ class CVI(PyroOptim):
         observer(self)  # sees the guide's sites while the loss runs (natgrad.observe)
         #: what the last step did with each parameter (:meth:`explain`)
         self.last_rules: List[Tuple[str, str, str]] = []
+        #: hyperparameters of the pyro.contrib.gp models seen (their rate: _get_optim_args)
+        self.gp_hyperparameters = GPHyperparameters()
+        self._gp_rate = optim is torch.optim.Adam and optim_args is None
         super().__init__(optim, optim_args if optim_args is not None else {"lr": 0.01})
 
     @property
@@ -126,6 +135,9 @@ class CVI(PyroOptim):
             obs = current()
             sites = obs.take(params) if obs is not None else {}
             self.gaussians.observe(sites)
+            self.gp_hyperparameters.add(
+                m for m in (s.gp_model() for s in sites.values() if s.gp_model) if m is not None
+            )
             loss = (lambda: obs.take_loss(params)) if obs is not None else None  # (if needed)
             engines = self._update(params, args, kwargs, loss)
         except BaseException as error:
@@ -156,7 +168,8 @@ class CVI(PyroOptim):
             else:
                 engines[id(engine)] = engine
         groups, others = self.gaussians.split(others)
-        self.last_rules = _rules(engines.values(), groups, others)
+        gp = self.gp_hyperparameters if self._gp_rate else None
+        self.last_rules = _rules(engines.values(), groups, others, gp)
         if any(not e.has_pending_step() for e in engines.values()):
             raise ValueError(
                 "AutoCVI + CVI(): the AutoCVI parameters got no natural gradients, so the loss "
@@ -216,6 +229,12 @@ class CVI(PyroOptim):
         for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
             p.grad = None
         return list(engines.values())
+
+    def _get_optim_args(self, param: Any) -> Dict[str, Any]:
+        # (PyroOptim asks once per parameter, when it builds the parameter's torch optimizer)
+        if self._gp_rate and param in self.gp_hyperparameters:
+            return {"lr": HYPER_LR}
+        return cast(Dict[str, Any], super()._get_optim_args(param))
 
     def explain(self, print_table: bool = True) -> List[Dict[str, str]]:
         """Which parameters the last step moved by natural gradients (and as which family,
@@ -280,7 +299,10 @@ def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:
 
 
 def _rules(
-    engines: Iterable[Any], groups: List[Any], others: List[torch.Tensor]
+    engines: Iterable[Any],
+    groups: List[Any],
+    others: List[torch.Tensor],
+    gp: Optional[GPHyperparameters] = None,
 ) -> List[Tuple[str, str, str]]:
     store = pyro.get_param_store()
     rows = []
@@ -292,5 +314,9 @@ def _rules(
             rows.append((name, f"natural gradient ({g.family} {role})", where))
     for p in others:
         name = store.param_name(p)
-        rows.append((name if name is not None else f"<tensor {tuple(p.shape)}>", "inner", ""))
+        label = name if name is not None else f"<tensor {tuple(p.shape)}>"
+        if gp is not None and p in gp:
+            rows.append((label, f"inner (lr {HYPER_LR:g})", "pyro.contrib.gp hyperparameter"))
+        else:
+            rows.append((label, "inner", ""))
     return rows

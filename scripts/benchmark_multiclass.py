@@ -420,12 +420,15 @@ def part_b(args) -> dict:
     from pyro_cvi.contrib.gpytorch import MultiClassCVIOptimizer
 
     Xtr, ytr, Xte, yte = digits()
-    if args.quick:
-        Xtr, ytr = Xtr[:400], ytr[:400]
+    n_train = 400 if args.quick else args.n_train
+    if n_train:
+        Xtr, ytr = Xtr[:n_train], ytr[:n_train]
     N, K = Xtr.shape[0], 10
-    Z = Xtr[torch.from_numpy(np.random.default_rng(1).permutation(N)[: args.M])].clone()
+    seed = args.seed  # the inducing subset and every method's random draws
+    Z = Xtr[torch.from_numpy(np.random.default_rng(1 + seed).permutation(N)[: args.M])].clone()
 
-    def evaluate(model, num_samples=1000, seed=0):
+    def evaluate(model, num_samples=None, seed=0):
+        num_samples = num_samples or args.eval_samples
         model.train()
         ell, _ = expected_terms(*gp_marginals(model, Xtr), ytr, num_samples, seed)
         return -(ell - gp_kl(model))
@@ -437,7 +440,7 @@ def part_b(args) -> dict:
         return test_metrics(probs, yte)
 
     def make(kind, lr):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model, lik = gp_models("cvi" if kind.startswith("cvi") else kind, Xtr, Z, K, N)
         model.train()
         lik.train()
@@ -550,6 +553,24 @@ def part_b(args) -> dict:
             else min(names, key=lambda k: ok[k]["final"])
         )
     return dict(runs=runs, target=target, best=best_all, sweep=sweep, best_of=best_of, N=N)
+
+
+def seed_summary(b: dict) -> dict:
+    """One seed's part B: NGD's best run over its grid and CVI's CPU seconds to NGD's best
+    -ELBO, and the ratio."""
+    best_of, runs = b.get("best_of", {}), b["runs"]
+    if "cvi" not in best_of or "ngd" not in best_of:
+        return dict(speedup=None, t_cvi=None, t_ngd=None, best_ngd=None, target=b["target"])
+    cvi, ngd = runs[best_of["cvi"]], runs[best_of["ngd"]]
+    ok = None not in (cvi["t_target"], ngd["t_target"])
+    return dict(
+        speedup=ngd["t_target"] / cvi["t_target"] if ok else None,
+        t_cvi=cvi["t_target"],
+        t_ngd=ngd["t_target"],
+        best_ngd=best_of["ngd"],
+        target=b["target"],
+        ngd_t_target={k: r.get("t_target") for k, r in runs.items() if r["kind"] == "ngd"},
+    )
 
 
 def step_sweep(Xtr, ytr, Z, K, N, steps: int = 10) -> dict:
@@ -829,6 +850,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--report-from", help="part B: re-render the JSON of a finished run")
     ap.add_argument("--ngd-lrs", help="part B: NGD learning rates (0.1,0.25,0.5)")
     ap.add_argument("--chol-lrs", help="part B: Adam lrs, Cholesky q (0.01,0.03)")
+    ap.add_argument(
+        "--seeds", default="0", help="part B: seeds (inducing subset, random draws), e.g. 0,1,2"
+    )
+    ap.add_argument(
+        "--eval-samples", type=int, default=1000, help="part B: the common evaluator's draws"
+    )
+    ap.add_argument("--merge-b", nargs="+", help="part B: the JSON of other seeds' runs")
+    ap.add_argument("--n-train", type=int, help="part B: the first N training points only")
+    ap.add_argument("--m", type=int, help="part B: inducing points (default 100)")
     args = ap.parse_args(argv)
     from bench.reporting import quick_path
 
@@ -842,7 +872,9 @@ def main(argv=None) -> dict:
     else:
         args.adam_lrs = [0.02] if args.quick else [0.01, 0.03]
     args.adam_every = 100
-    args.M = 50 if args.quick else 100
+    args.M = args.m or (50 if args.quick else 100)
+    args.seeds = [int(v) for v in args.seeds.split(",") if v]
+    args.seed = args.seeds[0]
     args.gp_iters = 8 if args.quick else 15
     args.gp_every = 10
     # --quick: one learning rate each (the full run's best), smaller budgets
@@ -855,7 +887,7 @@ def main(argv=None) -> dict:
     args.scale_n = 5000 if args.quick else 20000  # the issue's N; --quick: a smaller run
     args.adam_budget = args.adam_budget or (8.0 if args.quick else 30.0)
     args.gp_budget = args.gp_budget or (5.0 if args.quick else 45.0)
-    res = {"quick": args.quick, "threads": torch.get_num_threads()}
+    res = {"quick": args.quick, "threads": torch.get_num_threads(), "seed": args.seeds[0]}
     verdicts = []
     if args.merge_a:
         runs = {}
@@ -879,6 +911,30 @@ def main(argv=None) -> dict:
             b = res["B"] = json.loads(Path(args.report_from).read_text())["B"]
         else:
             b = res["B"] = part_b(args)
+        if args.merge_b:  # the runs of other seeds, made by other processes (--seeds k)
+            res["B_seeds"] = {str(args.seeds[0]): seed_summary(b)}
+            for f in args.merge_b:
+                other = json.loads(Path(f).read_text())
+                res["B_seeds"][str(other["seed"])] = seed_summary(other["B"])
+        if len(args.seeds) > 1 and not args.merge_b:  # every other seed in this process
+            res["B_seeds"] = {str(args.seeds[0]): seed_summary(b)}
+            for seed in args.seeds[1:]:
+                args.seed = seed
+                res["B_seeds"][str(seed)] = seed_summary(part_b(args))
+            args.seed = args.seeds[0]
+        if "B_seeds" in res:
+            per = res["B_seeds"]
+            ratios = [r["speedup"] for r in per.values()]
+            met = all(r is not None and r >= 3.0 for r in ratios)
+            verdicts.append(
+                "B over seeds "
+                + ", ".join(
+                    f"{k}: {fmt(r['speedup'], '.2f')}x (CVI {fmt(r['t_cvi'])} s, "
+                    f"{r['best_ngd']} {fmt(r['t_ngd'])} s)"
+                    for k, r in per.items()
+                )
+                + f"; 3x on every seed: {'met' if met else 'not met'}"
+            )
         if b["target"] is not None:
             table_b(f"B. digits GP classification (N={b['N']}, M={args.M}, K=10)", b)
         if b["sweep"]:

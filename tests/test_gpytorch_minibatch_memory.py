@@ -194,3 +194,78 @@ def test_sites_set_elsewhere_restart_the_rule_without_moving_q():
     opt.step(X[idx + 30], y[idx + 30], indices=idx + 30)
     for a, b in zip(q_u(model), q_u(other)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_reload_resumes_the_memory_exactly(dtype):
+    """The optimizer's ``state_dict`` carries the rule's memory (the running average ``e``, the
+    kept targets, which points are kept): a fresh model and optimizer loaded from the two
+    state dicts take the same next steps as the uninterrupted run; loading the step count alone
+    (the memory lost) gives another q."""
+    X, y, _ = data(dtype=dtype)
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    model = sparse(X)
+    opt = CVIOptimizer(model, lik, minibatch=SiteMemoryScaling(warmup=2))
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randperm(X.shape[0], generator=g)[:30] for _ in range(9)]
+    for idx in batches[:5]:
+        opt.step(X[idx], y[idx], indices=idx)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    assert int(saved_opt["minibatch"]["kept"].sum()) > 0
+    for idx in batches[5:]:
+        opt.step(X[idx], y[idx], indices=idx)
+    reference = q_u(model)
+
+    def resumed(state):
+        fresh = sparse(X)
+        fresh.load_state_dict(saved_model)
+        again = CVIOptimizer(fresh, lik, minibatch=SiteMemoryScaling(warmup=2))
+        again.load_state_dict(state)
+        for idx in batches[5:]:
+            again.step(X[idx], y[idx], indices=idx)
+        return q_u(fresh)
+
+    for a, b in zip(resumed(saved_opt), reference):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    lost = dict(saved_opt, minibatch=None)
+    assert (resumed(lost)[0] - reference[0]).abs().max() > 1e-3
+
+
+def test_a_memory_of_another_training_set_is_refused():
+    X, y, _ = data()
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    opt = CVIOptimizer(sparse(X), lik, minibatch=SiteMemoryScaling(warmup=0))
+    idx = torch.arange(30)
+    opt.step(X[idx], y[idx], indices=idx)
+    state = opt.state_dict()
+    X2, y2, _ = data(n=60)
+    other = CVIOptimizer(sparse(X2), lik, minibatch=SiteMemoryScaling(warmup=0))
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="loaded memory has"):
+        other.step(X2[idx], y2[idx], indices=idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_default_rule_is_the_memory_on_the_data_site_form(dtype):
+    """``minibatch="auto"`` (the default): ``SiteMemoryScaling()`` on the data-site form, whose
+    steps equal those of an explicit ``SiteMemoryScaling()``; ``None`` keeps the rule that moves
+    the batch's sites alone (another q); an unknown name is refused."""
+    X, y, _ = data(dtype=dtype)
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randperm(X.shape[0], generator=g)[:30] for _ in range(6)]
+    qs = []
+    for rule in ("auto", SiteMemoryScaling(), None):
+        model = sparse(X)
+        opt = CVIOptimizer(model, lik, minibatch=rule)
+        if rule == "auto":
+            assert isinstance(opt.minibatch, SiteMemoryScaling)
+            assert (opt.minibatch.c, opt.minibatch.warmup) == (3.0, 3)
+        for idx in batches:
+            opt.step(X[idx], y[idx], indices=idx)
+        qs.append(q_u(model))
+    for a, b in zip(qs[0], qs[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (qs[2][0] - qs[0][0]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="minibatch='memory'"):
+        CVIOptimizer(sparse(X), lik, minibatch="memory")

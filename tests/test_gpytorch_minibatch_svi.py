@@ -73,7 +73,7 @@ def test_a_step_is_eq_14_and_keeps_the_running_sums(dtype):
     for t, beta in enumerate([1.0, 2 / 3, 0.5]):
         idx = torch.randperm(N, generator=g)[:B]
         ref = copy.deepcopy(model)
-        CVIOptimizer(ref, lik, step_size=1.0).step(X[idx], y[idx], indices=idx)
+        CVIOptimizer(ref, lik, step_size=1.0, minibatch=None).step(X[idx], y[idx], indices=idx)
         g1, g2 = (v[idx] for v in sites(ref))
         l1, l2 = sites(model)
         opt.step(X[idx], y[idx], indices=idx)

@@ -26,19 +26,19 @@ The ELBO that ``TraceMeanField_ELBO`` then differentiates is exact (the KL of th
 unwhitened prior is analytic; ``Trace_ELBO`` would estimate it from one draw of ``u``), so
 ``CVI()`` takes full natural-gradient steps on ``q(u)`` and its inner Adam deterministic steps on
 the kernel and the inducing inputs. With ``q(u)`` at its optimum after every natural-gradient
-step, those hyperparameters set the pace: CVI()'s default inner learning rate (Pyro's usual 0.01,
-for noisy gradients) lags behind them, 0.05 leaves the kernel jittering above the optimum on a
-Poisson GP, and 0.03 (:data:`INNER_LR`) keeps up on every problem measured (binary, Poisson and
-three-class GPs, sparse and full). Usage (the likelihood and the optimizer are the changed
-lines)::
+step, those hyperparameters set the pace; ``CVI()`` recognises the GP by its class and steps
+them at the inner rate 0.03 (:mod:`pyro_cvi.natgrad.gp_models`; Pyro's usual 0.01 lags, 0.05
+leaves a Poisson GP's kernel jittering above the optimum). Usage (the likelihood is the
+changed line)::
 
     from pyro_cvi.contrib import pyro_gp
 
     gpc = gp.models.VariationalSparseGP(X, y, kernel, Xu=Xu, likelihood=pyro_gp.Binary(),
                                         whiten=True)
-    svi = SVI(gpc.model, gpc.guide, pyro_gp.optimizer(), TraceMeanField_ELBO())
+    svi = SVI(gpc.model, gpc.guide, CVI(), TraceMeanField_ELBO())
 
-(:func:`optimizer` is ``CVI(optim_args={"lr": INNER_LR})``.)
+(:func:`optimizer`, ``CVI(optim_args={"lr": INNER_LR})``, gives the same rate to every
+parameter, the GP's and any other.)
 """
 
 from __future__ import annotations
@@ -53,12 +53,13 @@ from torch import Tensor
 
 from pyro_cvi.messages.quadrature import expected_log_prob
 from pyro_cvi.messages.softmax import lse_expectations
+from pyro_cvi.natgrad.gp_models import HYPER_LR
 from pyro_cvi.optim import CVI
 
 __all__ = ["INNER_LR", "Binary", "MultiClass", "Poisson", "expected_log_lik", "optimizer"]
 
 #: the inner Adam's learning rate for the kernel and the inducing inputs (module docstring)
-INNER_LR = 0.03
+INNER_LR = HYPER_LR
 
 
 def optimizer(**kwargs: Any) -> CVI:

@@ -50,6 +50,8 @@ import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
+from .gp_models import owning_gp_model
+
 __all__ = ["GuideSite", "SiteObserver", "current", "forget", "observer"]
 
 #: the raw parameters (ids) a guide site depends on; ``None``: not looked up (one optimizer)
@@ -74,6 +76,8 @@ class GuideSite:
     #: the raw parameters (ids) its distribution depends on, while several optimizers share
     #: the observer (else ``None``)
     leaves: Leaves = None
+    #: the ``pyro.contrib.gp`` variational GP whose guide drew it (weakly; :mod:`.gp_models`)
+    gp_model: Optional[weakref.ref[Any]] = None
 
 
 class SiteObserver(Messenger):
@@ -116,7 +120,17 @@ class SiteObserver(Messenger):
             seen = self.sites.get(key)
             value = msg["value"].detach() if torch.is_tensor(msg["value"]) else None
             runs = 1 if seen is None else seen.runs + 1
-            self.sites[key] = GuideSite(msg["name"], fn, c, particles, value, runs, leaves)
+            gp = owning_gp_model()
+            self.sites[key] = GuideSite(
+                msg["name"],
+                fn,
+                c,
+                particles,
+                value,
+                runs,
+                leaves,
+                None if gp is None else weakref.ref(gp),
+            )
         if len(self.log) >= MAX_LOG:  # no CVI() step for long (another optimizer runs):
             self.broken, self.log = True, []  # the loss estimate is off until the next step
         if self.broken:

@@ -35,7 +35,7 @@ over the ranks, so every rank takes the same Adam step.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -51,7 +51,7 @@ from pyro_cvi.update import cvi_update
 
 from .inducing import mean_param_targets
 from .likelihoods import LogisticBernoulliLikelihood, binary_labels
-from .minibatch import SVIScaling
+from .minibatch import SiteMemoryScaling, SVIScaling
 from .strategy import CVIVariationalStrategy
 
 __all__ = ["CVIOptimizer"]
@@ -94,8 +94,11 @@ class CVIOptimizer:
         steps on the data sites by eq. 14 of Khan & Lin 2017 (every site decayed, the batch's
         targets scaled by ``N / B``), or
         :class:`~pyro_cvi.contrib.gpytorch.minibatch.SiteMemoryScaling` (each point's latest
-        target, eq. 14 for the share not yet seen); ``None`` (default): the batch's sites move
-        towards their targets and the others are kept. Full-batch steps are the same either way.
+        target, eq. 14 for the share not yet seen); ``"auto"`` (default):
+        ``SiteMemoryScaling()`` where the data-site form runs in one process, else ``None``;
+        ``None``: the batch's sites move towards their targets (``step_size``) and the others
+        are kept (after 30 steps of the benchmark 40-43 nats from the full-batch optimum,
+        against 4.3-5.0 for the memory). Full-batch steps are the same either way.
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
         :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
@@ -121,7 +124,7 @@ class CVIOptimizer:
         min_step_size: float = 1e-2,
         process_group=None,
         num_data: Optional[int] = None,
-        minibatch: Optional[SVIScaling] = None,
+        minibatch: Union[SVIScaling, None, str] = "auto",
     ):
         strategy = getattr(model, "variational_strategy", None)
         while not isinstance(strategy, CVIVariationalStrategy) and hasattr(
@@ -155,7 +158,15 @@ class CVIOptimizer:
         self.num_clipped = 0
         self.last_num_clipped = 0
         self.num_steps = 0
-        self.minibatch = minibatch
+        if isinstance(minibatch, str):
+            if minibatch != "auto":
+                raise ValueError(
+                    f"CVIOptimizer(minibatch={minibatch!r}): pass 'auto', None, SVIScaling() "
+                    "or SiteMemoryScaling()"
+                )
+            one = not strategy.inducing_form and process_group is None
+            minibatch = SiteMemoryScaling() if one and strategy.reducer is None else None
+        self.minibatch: Optional[SVIScaling] = minibatch
         if minibatch is not None and (strategy.inducing_form or process_group is not None):
             raise ValueError(
                 "CVIOptimizer(minibatch=SVIScaling()) needs the data-site form in one process "
@@ -469,6 +480,7 @@ class CVIOptimizer:
             "num_backtracks": self.num_backtracks,
             "num_steps": self.num_steps,
             "minibatch_steps": None if self.minibatch is None else self.minibatch.num_steps,
+            "minibatch": None if self.minibatch is None else self.minibatch.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -476,6 +488,8 @@ class CVIOptimizer:
         self.num_clipped = int(state["num_clipped"])
         self.control.num_backtracks = int(state.get("num_backtracks", 0))
         self.num_steps = int(state["num_steps"])
-        if self.minibatch is not None and state.get("minibatch_steps") is not None:
+        if self.minibatch is not None and state.get("minibatch") is not None:
+            self.minibatch.load_state_dict(state["minibatch"])  # t, and a rule's memory
+        elif self.minibatch is not None and state.get("minibatch_steps") is not None:
             self.minibatch.num_steps = int(state["minibatch_steps"])  # beta_t goes on from t
         self.control.snapshot = None
