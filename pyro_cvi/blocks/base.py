@@ -51,11 +51,14 @@ class Incoming(NamedTuple):
     """One message a block receives: from factor ``factor`` to its latent ``latent`` (a site,
     or the block's label for a joint block), by ``rule``: ``"exact expected"`` (the closed-form
     expected natural parameter, VMP), ``"Monte Carlo expected"`` (the same averaged over draws
-    of the neighbours) or ``"sites"`` (CVI sites or Monte Carlo gradients: not conjugate)."""
+    of the neighbours) or ``"sites"`` (CVI sites or Monte Carlo gradients: not conjugate);
+    ``note``: ``(kind, why)`` where the block's message is not the one the analysis's record
+    describes (``explain()`` prints it instead)."""
 
     factor: str
     latent: str
     rule: str
+    note: Optional[Tuple[str, str]] = None
 
 
 class StepReport(NamedTuple):

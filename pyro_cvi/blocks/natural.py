@@ -20,13 +20,14 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
 from ..context import StepContext
+from ..messages.augmented import augmented_plan
 from ..messages.expected_natural import (
     EXACT,
     MONTE_CARLO,
     expected_natural_rule,
     monte_carlo_messages_used,
 )
-from ..model.analysis import LatentInfo
+from ..model.analysis import MEANFIELD, LatentInfo
 from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
@@ -159,13 +160,19 @@ class NaturalBlock(Block):
 
     def incoming(self, analysis) -> List[Incoming]:
         """The records' rules, but a non-conjugate factor that draws this latent sends its
-        expected natural parameter (:mod:`~pyro_cvi.messages.expected_natural`)."""
+        expected natural parameter (:mod:`~pyro_cvi.messages.expected_natural`), and one made
+        conjugate by auxiliary latents its exact message (:mod:`~pyro_cvi.messages.augmented`)."""
         out = []
         for item in super().incoming(analysis):
             if item.factor == self.name and item.rule == SITES and self.name in analysis.owner:
                 rule = expected_natural_rule(analysis, analysis.spec(self.name), self.family)
                 if rule == EXACT or (rule == MONTE_CARLO and monte_carlo_messages_used(analysis)):
                     item = item._replace(rule=rule)
+            elif item.rule == SITES and analysis.owner.get(item.factor) == MEANFIELD:
+                spec = analysis.spec(item.factor)
+                found = None if spec.exact else augmented_plan(analysis, spec)
+                if found is not None:  # exact through auxiliary latents
+                    item = item._replace(rule=EXACT, note=found[0].describe(found[1], self.name))
             out.append(item)
         return out
 
