@@ -25,6 +25,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from ..model.records import NATURAL
 
 __all__ = ["augmented_plan", "register_augmented_kind", "registered_augmented_kinds"]
@@ -53,10 +55,11 @@ def augmented_plan(an, spec) -> Optional[Tuple[Any, Any]]:
     if spec.site not in cache:
         families = {n: i.family for n, i in an.latents.items() if i.form == NATURAL}
         found = None
-        for kind in _KINDS:
-            plan = kind.detect(an, spec, families)
-            if plan is not None:
-                found = (kind, plan)
-                break
+        with torch.random.fork_rng(devices=[]):  # (probes leave the fit's random stream alone)
+            for kind in _KINDS:
+                plan = kind.detect(an, spec, families)
+                if plan is not None:
+                    found = (kind, plan)
+                    break
         cache[spec.site] = found
     return cache[spec.site]
