@@ -20,13 +20,14 @@ N, D, K = 6, 5, 2
 A_W, B_W, A_Z, B_Z = 0.5, 1.0, 1.0, 1.0
 
 
-def _model(y):
+def _model(y, mask=None):
     with pyro.plate("k", K, dim=-2), pyro.plate("d", D, dim=-1):
         w = pyro.sample("w", dist.Gamma(y.new_tensor(A_W), y.new_tensor(B_W)))
     with pyro.plate("n", N, dim=-2), pyro.plate("k2", K, dim=-1):
         z = pyro.sample("z", dist.Gamma(y.new_tensor(A_Z), y.new_tensor(B_Z)))
     with pyro.plate("n2", N, dim=-2), pyro.plate("d2", D, dim=-1):
-        pyro.sample("y", dist.Poisson(z @ w), obs=y)
+        like = dist.Poisson(z @ w)
+        pyro.sample("y", like if mask is None else like.mask(mask), obs=y)
 
 
 def _data(dtype):
@@ -36,16 +37,16 @@ def _data(dtype):
     return torch.poisson(3.0 * u @ v, generator=g).to(dtype)
 
 
-def _fit(y, steps):
+def _fit(y, steps, mask=None):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = AutoCVI(_model, schedule="sequential")
     svi = SVI(_model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
-    losses = [svi.step(y) for _ in range(steps)]
+    losses = [svi.step(y, mask) for _ in range(steps)]
     return guide, losses
 
 
-def _cavi_sweep(y, z, w):
+def _cavi_sweep(y, z, w, mask=None):
     """One plain CAVI sweep of Poisson factorisation on (shape, rate) pairs, in the sequential
     schedule's order (reverse model order: z, then w)."""
 
@@ -56,10 +57,12 @@ def _cavi_sweep(y, z, w):
         a = elog(z)[:, :, None] + elog(w)[None, :, :]  # (N, K, D)
         return torch.softmax(a, dim=1)
 
+    m = torch.ones_like(y) if mask is None else mask.to(y)
+    y = y * m
     p = phi(z, w)
-    z = (A_Z + (y[:, None, :] * p).sum(2), B_Z + (w[0] / w[1]).sum(1)[None, :].expand(N, K))
+    z = (A_Z + (y[:, None, :] * p).sum(2), B_Z + m @ (w[0] / w[1]).T)
     p = phi(z, w)
-    w = (A_W + (y[:, None, :] * p).sum(0), B_W + (z[0] / z[1]).sum(0)[:, None].expand(K, D))
+    w = (A_W + (y[:, None, :] * p).sum(0), B_W + (z[0] / z[1]).T @ m)
     return z, w
 
 
@@ -96,11 +99,14 @@ def _augmented_elbo(y, z, w, draws=5000, batches=10):
     return float(t.mean()), float(t.std() / batches**0.5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_poisson_factorisation_sweep_is_cavi(dtype):
-    """One sequential sweep with ``step_size=1`` is one CAVI sweep (w, then z)."""
+def test_poisson_factorisation_sweep_is_cavi(dtype, masked):
+    """One sequential sweep with ``step_size=1`` is one CAVI sweep (z, then w); a mask
+    weights the counts and the rates alike."""
     y = _data(dtype)
-    guide, losses = _fit(y, 20)
+    mask = (torch.arange(N * D).reshape(N, D) % 3 != 0) if masked else None
+    guide, losses = _fit(y, 20, mask)
     text = guide.explain()
     for name in ("w", "z"):
         line = (
@@ -111,8 +117,8 @@ def test_poisson_factorisation_sweep_is_cavi(dtype):
     # CAVI: every step's bound no worse than the last (up to rounding)
     assert all(b <= a + 1e-5 * abs(a) for a, b in zip(losses, losses[1:]))
     z, w = _q(guide, "z"), _q(guide, "w")
-    want_z, want_w = _cavi_sweep(y.double(), z, w)
-    SVI(_model, guide, CVI(step_size=1.0), loss=CVI_ELBO()).step(y)
+    want_z, want_w = _cavi_sweep(y.double(), z, w, mask)
+    SVI(_model, guide, CVI(step_size=1.0), loss=CVI_ELBO()).step(y, mask)
     tol = TOL[dtype]
     got = _q(guide, "z") + _q(guide, "w")
     for a, b in zip(got, want_z + want_w):
