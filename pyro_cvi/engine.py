@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 import pyro
 import torch
-from pyro.infer.autoguide.initialization import init_to_median
+from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger
 from .blocks.registry import analysis_options
@@ -97,6 +97,12 @@ class Engine:
             model = init_messenger(init_loc_fn or init_to_median)(self.model)
             with initial_failures():
                 start_trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        mean_trace = None
+        if "mean" in wanted and init_loc_fn is None:
+            with initial_failures():
+                mean_trace = pyro.poutine.trace(init_messenger(init_to_mean)(self.model)).get_trace(
+                    *args, **kwargs
+                )
         init = BlockInit(
             an.values,
             prototype_trace,
@@ -104,6 +110,7 @@ class Engine:
             init_loc_fn,
             self.options.init_scale,
             start_trace,
+            mean_trace,
         )
         for block in self.blocks:
             block.setup(init)

@@ -71,3 +71,31 @@ def test_local_blocks_step_only_their_minibatch_rows():
     conc = q.concentration.reshape(-1)[rows]
     assert torch.allclose(conc, 2.0 + counts[rows])
     assert torch.allclose(q.rate.reshape(-1)[rows], torch.full((2,), 2.0, dtype=torch.float64))
+
+
+def gamma_chain(y):
+    z1 = pyro.sample("z1", dist.Gamma(torch.tensor(2.0, dtype=y.dtype), 4.0))
+    z2 = pyro.sample("z2", dist.Gamma(torch.tensor(3.0, dtype=y.dtype), 1.0 / z1))
+    z3 = pyro.sample("z3", dist.Gamma(torch.tensor(0.1, dtype=y.dtype), 0.2 / z2))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Poisson(z3), obs=y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gamma_latents_start_at_the_prior_means_of_their_parents_means(dtype):
+    """Without ``init_loc_fn`` a Gamma ``q`` starts at mean ``E[z | parents at their means]``
+    with the prior's shape (at least 1), whatever the prototype draw upstream: z1 ~ Gamma(2, 4)
+    at Gamma(2, 4); z2 at Gamma(3, 1 / 0.5); z3 (prior shape 0.1) at shape 1 and mean
+    0.1 * 1.5 / 0.2."""
+    y = torch.tensor([0.0, 2.0, 1.0], dtype=dtype)
+    expected = {"z1": (2.0, 4.0), "z2": (3.0, 2.0), "z3": (1.0, 1.0 / 0.75)}
+    for seed in (0, 1):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = AutoCVI(gamma_chain)
+        guide(y)
+        for name, (shape, rate) in expected.items():
+            q = guide.posterior(name)
+            tol = 1e-6 if dtype == torch.float32 else 1e-12
+            assert abs(q.concentration.item() - shape) < tol * shape, name
+            assert abs(q.rate.item() - rate) < tol * rate, name

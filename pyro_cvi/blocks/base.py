@@ -51,11 +51,14 @@ class Incoming(NamedTuple):
     """One message a block receives: from factor ``factor`` to its latent ``latent`` (a site,
     or the block's label for a joint block), by ``rule``: ``"exact expected"`` (the closed-form
     expected natural parameter, VMP), ``"Monte Carlo expected"`` (the same averaged over draws
-    of the neighbours) or ``"sites"`` (CVI sites or Monte Carlo gradients: not conjugate)."""
+    of the neighbours) or ``"sites"`` (CVI sites or Monte Carlo gradients: not conjugate);
+    ``note``: ``(kind, why)`` where the block's message is not the one the analysis's record
+    describes (``explain()`` prints it instead)."""
 
     factor: str
     latent: str
     rule: str
+    note: Optional[Tuple[str, str]] = None
 
 
 class StepReport(NamedTuple):
@@ -97,6 +100,8 @@ class BlockInit:
     init_scale: Optional[float] = None
     #: a trace at ``init_loc_fn``'s values, else at the prior medians (Pyro's autoguides' start)
     median_trace: Any = None
+    #: without ``init_loc_fn``, a trace at the prior means (each site's parents at theirs)
+    mean_trace: Any = None
 
 
 class Block(abc.ABC):
@@ -112,7 +117,8 @@ class Block(abc.ABC):
     #: whether its ``q`` is drawn before the other blocks' (the order of the random stream)
     draws_first: bool = False
     #: the set-up traces it reads from :class:`BlockInit`: ``"init"`` (at ``init_loc_fn``'s
-    #: values, when one is given), ``"median"`` (at ``init_loc_fn``'s values, else the medians)
+    #: values, when one is given), ``"median"`` (at ``init_loc_fn``'s values, else the medians),
+    #: ``"mean"`` (without ``init_loc_fn``: at the prior means)
     setup_traces: Tuple[str, ...] = ()
     #: whether :meth:`joint` of several of its sites is a Gaussian (``guide.joint_posterior``)
     gaussian_joint: bool = False

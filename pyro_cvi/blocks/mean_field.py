@@ -78,7 +78,10 @@ class MeanFieldBlock(Block):
 
     @property
     def setup_traces(self) -> Tuple[str, ...]:  # type: ignore[override]
-        return ("init",) if self.natural else ()
+        if not self.natural:
+            return ()
+        mean = any(nb.family.starts_at_mean for nb in self.natural.values())
+        return ("init", "mean") if mean else ("init",)
 
     def steppers(self) -> Dict[str, Block]:
         return dict(self.natural)

@@ -20,13 +20,14 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
 from ..context import StepContext
+from ..messages.augmented import augmented_plan
 from ..messages.expected_natural import (
     EXACT,
     MONTE_CARLO,
     expected_natural_rule,
     monte_carlo_messages_used,
 )
-from ..model.analysis import LatentInfo
+from ..model.analysis import MEANFIELD, LatentInfo
 from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
@@ -66,7 +67,8 @@ class NaturalBlock(Block):
         """Register the natural parameters at :func:`initial_natural` of the site (kept as
         they are when already in the param store)."""
         site = (init.init_trace or init.prototype_trace).nodes[self.name]
-        nat = initial_natural(self.family, site, init.init_loc_fn, init.init_scale)
+        at_mean = None if init.mean_trace is None else init.mean_trace.nodes[self.name]
+        nat = initial_natural(self.family, site, init.init_loc_fn, init.init_scale, at_mean)
         for n, t in zip(self.store_names, nat):
             t = t.detach().clone()
             pyro.param(n, lambda t=t: t)
@@ -159,13 +161,19 @@ class NaturalBlock(Block):
 
     def incoming(self, analysis) -> List[Incoming]:
         """The records' rules, but a non-conjugate factor that draws this latent sends its
-        expected natural parameter (:mod:`~pyro_cvi.messages.expected_natural`)."""
+        expected natural parameter (:mod:`~pyro_cvi.messages.expected_natural`), and one made
+        conjugate by auxiliary latents its exact message (:mod:`~pyro_cvi.messages.augmented`)."""
         out = []
         for item in super().incoming(analysis):
             if item.factor == self.name and item.rule == SITES and self.name in analysis.owner:
                 rule = expected_natural_rule(analysis, analysis.spec(self.name), self.family)
                 if rule == EXACT or (rule == MONTE_CARLO and monte_carlo_messages_used(analysis)):
                     item = item._replace(rule=rule)
+            elif item.rule == SITES and analysis.owner.get(item.factor) == MEANFIELD:
+                spec = analysis.spec(item.factor)
+                found = None if spec.exact else augmented_plan(analysis, spec)
+                if found is not None:  # exact through auxiliary latents
+                    item = item._replace(rule=EXACT, note=found[0].describe(found[1], self.name))
             out.append(item)
         return out
 
@@ -228,14 +236,29 @@ def init_messenger(init_loc_fn):
     return InitMessenger(init_fn)
 
 
-def initial_natural(fam, site, init_loc_fn=None, init_scale: Optional[float] = None) -> Params:
+def initial_natural(
+    fam,
+    site,
+    init_loc_fn=None,
+    init_scale: Optional[float] = None,
+    mean_site=None,
+) -> Params:
     """Initial natural parameters of a natural-form site, at full plate sizes.
 
     The prior's natural parameters when the prior is of ``q``'s family and no ``init_loc_fn``
     is given (Algorithm 2's ``lambda_0``); otherwise ``family.natural_at`` the init value (or
     the prototype draw) with the prior's spread, or with spread ``init_scale`` when given
-    (``family.natural_with_spread``; continuous families only).
+    (``family.natural_with_spread``; continuous families only). Families that
+    ``starts_at_mean`` (the positive ones, whose prior draws reach ``1e-30`` at small shapes)
+    start, without ``init_loc_fn``, at ``natural_at`` the prior mean of ``mean_site`` (the
+    site in a trace where every latent sits at its prior mean given its parents'), so that
+    no prior draw upstream puts the first Monte Carlo messages at extreme values.
     """
+    if fam.starts_at_mean and mean_site is not None and init_loc_fn is None and init_scale is None:
+        mean_fn = mean_site["fn"]
+        nat = fam.natural_at(mean_site["value"], _prior_natural(fam, mean_fn))
+        if all(bool(torch.isfinite(t).all()) for t in nat) and bool(fam.is_valid(nat).all()):
+            return _full_size(fam, dict(site, fn=mean_fn), nat)
     fn = site["fn"]
     prior = _prior_natural(fam, fn)
     if init_scale is not None and not fam.is_discrete:
@@ -246,7 +269,12 @@ def initial_natural(fam, site, init_loc_fn=None, init_scale: Optional[float] = N
     else:
         value = init_loc_fn(site) if init_loc_fn is not None else site["value"]
         nat = fam.natural_at(value, prior)
-    batch = fn.batch_shape
+    return _full_size(fam, site, nat)
+
+
+def _full_size(fam, site, nat: Params) -> Params:
+    """``nat`` broadcast to the site's batch shape and repeated to its plates' full sizes."""
+    batch = site["fn"].batch_shape
     out = []
     for t, s in zip(nat, fam.param_shapes):
         t = torch.broadcast_to(t, batch + s)

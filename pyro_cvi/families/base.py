@@ -96,6 +96,9 @@ class ExponentialFamily(abc.ABC):
     domain: str = ""
     #: ``True`` for finite-valued families (CVI enumerates them instead of sampling)
     is_discrete: bool = False
+    #: whether ``q`` starts, without ``init_loc_fn``, at ``natural_at`` the prior mean given
+    #: the parents' prior means (:func:`~pyro_cvi.blocks.natural.initial_natural`)
+    starts_at_mean: bool = False
     #: ``True`` for the Gaussian families (affine conjugacy, the site form, Bonnet/Price)
     is_gaussian: bool = False
     #: a full-covariance Gaussian (one joint Gaussian over the flattened event)

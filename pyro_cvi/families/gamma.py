@@ -47,6 +47,7 @@ class Gamma(ExponentialFamily):
     name = "gamma"
     domain = "eta1 > -1 (shape alpha = eta1 + 1 > 0) and eta2 < 0 (rate beta = -eta2 > 0)"
     natural_bounds: Optional[Bounds] = ((-1.0, None), (None, 0.0))
+    starts_at_mean = True
 
     @property
     def param_shapes(self) -> Tuple[torch.Size, ...]:

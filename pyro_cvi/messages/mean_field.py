@@ -30,6 +30,8 @@ from ..model.analysis import MEANFIELD
 from ..model.factor_roles import minibatch_renames, minibatch_spec
 from ..model.replication import replicated_sites
 from ..model.tracing import run_model
+from . import allocation  # noqa: F401  (registers the Poisson allocation kind)
+from .augmented import augmented_plan
 from .expectations import QState, expected_log_prob
 from .expected_natural import expected_natural, expected_natural_rule
 from .montecarlo import monte_carlo
@@ -86,7 +88,10 @@ def compute(
         group = [analysis.spec(s) for s in analysis.collapsed_sites]
         specs += [s for s in group if s not in specs]
     exact = [s for s in specs if s.exact]
-    general = [s for s in specs if not s.exact]
+    # factors made conjugate by auxiliary latents (allocations): exact messages of their own
+    augmented = {s.site: augmented_plan(analysis, s) for s in specs if not s.exact}
+    augmented = {k: v for k, v in augmented.items() if v is not None}
+    general = [s for s in specs if not s.exact and s.site not in augmented]
     like = next(iter(q.mu.values()))[0] if q.mu else None
     zero = torch.zeros(
         (), dtype=None if like is None else like.dtype, device=None if like is None else like.device
@@ -157,6 +162,13 @@ def compute(
                 e = e * share if spec.site in shared else e
                 grad_total = grad_total + e
         elbo = elbo + grad_total
+        aug_msgs: Dict[str, Tuple[torch.Tensor, ...]] = {}
+        for site, (kind, plan) in augmented.items():
+            e, msgs = kind.messages(plan, at_means(), q, want)
+            elbo = elbo + (e * share if site in shared else e)
+            for n, m in msgs.items():
+                old = aug_msgs.get(n)
+                aug_msgs[n] = m if old is None else tuple(a + b for a, b in zip(old, m))
         targets: Dict[str, Tuple[torch.Tensor, ...]] = {}
         names = sorted(want, key=list(natural).index)
         leaves = [t for n in names for t in q.mu[n]]
@@ -173,7 +185,7 @@ def compute(
                 if value:  # the remainder read its factors at E[tau]: the Jensen gap
                     gap = jensen_gap(expected[n][0], q.values("mean")[n], q.geo[n])
                     elbo = elbo + gap * share
-        for site, msg in own_msgs.items():
+        for site, msg in list(own_msgs.items()) + list(aug_msgs.items()):
             if site in expected:
                 msg = tuple(a.reshape(b.shape) + b for a, b in zip(expected[site], msg))
             expected[site] = msg

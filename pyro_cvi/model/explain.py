@@ -85,10 +85,19 @@ def explain(an, blocks: Optional[Sequence] = None) -> str:
     """The analysis's classification, one line per (factor, latent or block) pair; with the
     engine's ``blocks``, each latent's message rules as its block reports them, and a section
     of every block's incoming messages."""
-    told = {}
+    told, notes = {}, {}
     for block in blocks or ():
         for item in block.incoming(an):
             told[(item.factor, item.latent)] = item.rule
+            if getattr(item, "note", None) is not None:
+                notes[(item.factor, item.latent)] = item.note
+
+    def describe(f) -> str:
+        note = notes.get((f.site, f.latent))
+        if note is None:
+            return f.describe()
+        return f"{f.site:>20s} -> {f.latent:<12s} {note[0]:<17s} {note[1]}"
+
     lines = [f"{'factor':>20s}    {'latent':<12s} {'kind':<17s} why"]
     done = set()
     for name, info in an.latents.items():
@@ -111,7 +120,7 @@ def explain(an, blocks: Optional[Sequence] = None) -> str:
         lines.append(f"# {name}: q = {fam} ({info.form} form{why})")
         if info.factors:
             lines.append(message_rules(info.factors, told))
-        lines.extend(f.describe() for f in info.factors)
+        lines.extend(describe(f) for f in info.factors)
     for name in sorted(an.collapsed - an.remainder_discrete, key=list(an.values).index):
         lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
     for name in sorted(an.remainder_discrete, key=list(an.values).index):
