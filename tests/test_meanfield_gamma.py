@@ -185,7 +185,13 @@ def test_monte_carlo_messages_are_unbiased_and_vectorize():
 
 def test_vectorize_particles_explains_a_model_that_does_not_broadcast():
     X = torch.tensor([[2.0, 0.0, 3.0], [1.0, 4.0, 2.0]], dtype=torch.float64)
-    model = gm.poisson_mf_model(2, 0.5, 0.5)  # Z @ W does not broadcast over particles
+    def model(X, mask=None):  # Z @ W does not broadcast over particles
+        W = pyro.sample("W", dist.Gamma(X.new_tensor(0.5), 0.5).expand([2, 3]).to_event(2))
+        with pyro.plate("images", 2):
+            Z = pyro.sample("Z", dist.Gamma(X.new_tensor(0.5), 0.5).expand([2]).to_event(1))
+            # (an offset: not a sum of products, so its messages are Monte Carlo ones)
+            pyro.sample("X", dist.Poisson(Z @ W + 0.1).to_event(1), obs=X)
+
     guide = AutoCVI(model, remainder="off", num_general_samples=3, vectorize_particles=True)
     svi = SVI_(model, guide, 0.1)
     with pytest.raises(ValueError, match="broadcast"):
