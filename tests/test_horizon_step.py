@@ -236,3 +236,23 @@ def test_horizon_state_survives_a_checkpoint():
     assert rem.control.t == t + 1
     rem.load_extra_state(state)
     assert rem.control.t == t and torch.equal(rem.control.gbar, gbar)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_diagonal_precision_follows_an_increase_at_once(dtype):
+    """The diagonal step's caps, from the retraction ``h + b G + (b G)^2 / (2 h)`` in closed
+    form: a large positive ``G`` moves ``h`` by ``b G = MAX_REL_UP h`` (to ``2.5 h``), a large
+    negative one by ``b G = -MAX_REL h`` (to ``0.82 h``), a small one by ``b = rho``."""
+    from pyro_cvi.gaussian.onedraw import MAX_REL, MAX_REL_UP, onedraw_diag_step
+
+    p0 = torch.tensor([1.0, 1.0, 1.0], dtype=dtype)
+    h = torch.tensor([4.0, 4.0, 4.0], dtype=dtype)
+    s = (p0 + h).rsqrt()
+    G = torch.tensor([1e4, -1e4, 2.0], dtype=dtype)
+    rho = 0.05
+    _, s2, _ = onedraw_diag_step(torch.zeros_like(s), s, torch.zeros_like(s), G, p0, rho, 0.1)
+    bg = torch.tensor([MAX_REL_UP * 4.0, -MAX_REL * 4.0, rho * 2.0], dtype=torch.float64)
+    want = 1.0 + 4.0 + bg + bg**2 / 8.0
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(s2.double().pow(-2), want, rtol=tol)
+    assert float(want[0]) == pytest.approx(1.0 + 2.5 * 4.0)

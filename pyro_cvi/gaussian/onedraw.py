@@ -74,6 +74,14 @@ def known_prior_expectation(m: Tensor, var: Tensor, a: Tensor, p0: Tensor) -> Te
 #: large random factors
 MAX_REL = 0.2
 
+#: the same cap on an increase of a diagonal ``h`` (``G > 0``): at most ``h + h + h / 2`` in one
+#: step. Curvature that appears suddenly (a network's hidden unit coming alive) must be followed
+#: at once: the mean's Newton step ``alpha gm / p`` on a stale, too small ``p`` overshoots by the
+#: ratio, and the cap of ``MEAN_MAX_MOVE`` sd per coordinate does not stop a thousand
+#: coordinates moving together. A decrease (``G < 0``) keeps ``MAX_REL``: too large a ``p``
+#: only slows the mean.
+MAX_REL_UP = 1.0
+
 
 def _spectral_norm(A: Tensor, iters: int = 8) -> Tensor:
     """``||A||_2`` of a symmetric ``A`` by power iteration (a lower estimate, ``O(D^2)`` a
@@ -93,13 +101,15 @@ def onedraw_diag_step(
 ) -> Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]:
     """One step of ``N(m, diag(s^2))`` with the known prior precisions ``p0``: the
     likelihood's part ``h = p - p0`` moves by the positive retraction ``h + b G + (b G)^2 /
-    (2 h)`` (``b = rho``, at most ``MAX_REL h / |G|`` per element), so that ``p = p0 + h > p0`` at
-    every step; then ``m' = m - alpha gm / p'``, at most ``MEAN_MAX_MOVE`` sd of ``q'``.
-    Returns ``(m', s', d)`` with the whitened directions ``d``."""
+    (2 h)`` (``b = rho``, at most ``MAX_REL h / |G|`` per element where ``G < 0`` and
+    ``MAX_REL_UP h / |G|`` where ``G > 0``), so that ``p = p0 + h > p0`` at every step; then
+    ``m' = m - alpha gm / p'``, at most ``MEAN_MAX_MOVE`` sd of ``q'``. Returns ``(m', s', d)``
+    with the whitened directions ``d``."""
     p = s.pow(-2)
     tiny = torch.finfo(p.dtype).eps
     h = (p - p0).clamp_min(1e-3 * p)
-    b = torch.minimum(torch.full_like(h, rho), MAX_REL * h / G.abs().clamp_min(tiny * h))
+    cap = torch.where(G > 0, torch.full_like(h, MAX_REL_UP), torch.full_like(h, MAX_REL))
+    b = torch.minimum(torch.full_like(h, rho), cap * h / G.abs().clamp_min(tiny * h))
     p_new = p0 + retract_diagonal(h, G, b)
     step = alpha * gm / p_new
     z = step.abs() * p_new.sqrt()

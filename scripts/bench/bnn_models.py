@@ -1,5 +1,6 @@
-"""Models with no exact structure for ``scripts/benchmark_bnn.py``: Bayesian neural networks,
-the horseshoe logistic regression, stochastic volatility, and ODE / recursion models.
+"""Models with no exact structure for ``scripts/benchmark_bnn.py``: Bayesian neural networks
+(one and two hidden layers), the horseshoe logistic regression, stochastic volatility, and
+ODE / recursion models.
 
 Each entry of :data:`MODELS` is ``name -> (model, data(dtype) -> args)``; the data are fixed
 (seeded generators), the models written as a Pyro user would.
@@ -14,7 +15,7 @@ import pyro.distributions as dist
 import torch
 from pyro.nn import PyroModule, PyroSample
 
-__all__ = ["MODELS", "ODE_MODELS"]
+__all__ = ["MODELS", "ODE_MODELS", "NETWORKS", "mlp_twin"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -64,6 +65,50 @@ class WineBNN(PyroModule):
         logits = self.l2(torch.tanh(self.l1(x)))
         with pyro.plate("data", x.shape[0]):
             return pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+
+class DigitsBNN(PyroModule):
+    """A two-hidden-layer 64-16-16-10 tanh classifier with ``Normal(0, 1)`` weights and
+    biases (1,482 latents)."""
+
+    def __init__(self, sizes: Tuple[int, ...] = (64, 16, 16, 10)):
+        super().__init__()
+        self.sizes = sizes
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layer = PyroModule[torch.nn.Linear](a, b)
+            layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([b, a]).to_event(2))
+            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([b]).to_event(1))
+            setattr(self, f"l{i + 1}", layer)
+
+    def forward(self, x, y=None):
+        h = x
+        n = len(self.sizes) - 1
+        for i in range(n):
+            h = getattr(self, f"l{i + 1}")(h)
+            if i < n - 1:
+                h = torch.tanh(h)
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Categorical(logits=h), obs=y)
+
+
+def mlp_twin(sizes: Tuple[int, ...]) -> torch.nn.Sequential:
+    """The same network as a plain ``nn.Module`` (for IVON): ``Linear``/``Tanh`` layers whose
+    ``2 i``-th module is the Pyro network's ``l{i + 1}``."""
+    mods: list = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        mods.append(torch.nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            mods.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*mods)
+
+
+def digits_data(dtype=torch.float64) -> Tuple[torch.Tensor, ...]:
+    """sklearn's bundled digits (1,797 8x8 images, 10 classes), pixels scaled to [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    X = torch.tensor(d.data, dtype=torch.float64) / 16.0
+    return X.to(dtype), torch.tensor(d.target)
 
 
 def wine_data(dtype=torch.float64) -> Tuple[torch.Tensor, ...]:
@@ -233,9 +278,14 @@ def _wine_model() -> Callable:
 MODELS: Dict[str, Tuple[Callable[[], Callable], Callable]] = {
     "bnn_regression": (lambda: bnn_regression, bnn_regression_data),
     "bnn_wine": (_wine_model, wine_data),
+    "bnn_digits": (lambda: DigitsBNN(), digits_data),
     "horseshoe_logistic": (lambda: horseshoe_logistic, horseshoe_data),
     "stochastic_volatility": (lambda: stochastic_volatility, stochastic_volatility_data),
 }
+
+#: the networks whose latents all have ``Normal(0, 1)`` priors (IVON's Bayesian posterior):
+#: name -> layer sizes
+NETWORKS: Dict[str, Tuple[int, ...]] = {"bnn_wine": (13, 8, 3), "bnn_digits": (64, 16, 16, 10)}
 
 ODE_MODELS: Dict[str, Tuple[Callable[[], Callable], Callable]] = {
     "lotka_volterra": (lambda: lotka_volterra, lotka_volterra_data),
