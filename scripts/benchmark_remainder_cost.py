@@ -331,6 +331,10 @@ def report(rows, metas, out: str, quick: bool) -> None:
             if not (r.get("cost_ok") and r.get("bound_ok"))
         )
     )
+    done = {(r["model"], r["dtype"]) for r in rows}
+    missing = [f"{m}-{d}" for m in MODELS for d in ("float32", "float64") if (m, d) not in done]
+    if missing and not quick:
+        verdict += f" on the rows measured; not measured: {', '.join(missing)}"
     print(verdict)
     write_results(
         out,
