@@ -25,11 +25,14 @@ within 1.5x Adam's and its bound is no worse than Adam's best by more than
 
     PYTHONPATH=$PWD python scripts/benchmark_remainder_cost.py [--models garch,pk]
         [--dtypes float32 float64] [--steps 200] [--out results/benchmark_remainder_cost.json]
+    # runs split by model, one process each, then one record:
+    PYTHONPATH=$PWD python scripts/benchmark_remainder_cost.py --merge a.json b.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -253,7 +256,15 @@ def main() -> None:
     p.add_argument(
         "--quick", action="store_true", help="garch and arma, float64, 20 steps (results/quick/)"
     )
+    p.add_argument(
+        "--merge",
+        nargs="*",
+        default=None,
+        help="write --out from the rows of these JSON files (runs split by model) and exit",
+    )
     a = p.parse_args()
+    if a.merge:
+        return merge(a.merge, a.out)
     if a.quick:
         a.models, a.dtypes, a.steps, a.lrs, a.draws = "garch,arma", ["float64"], 20, [0.05], 50
     torch.set_num_threads(1)
@@ -281,6 +292,32 @@ def main() -> None:
                 )
             rows.append(row)
             print(_line(row), flush=True)
+    meta = {
+        "command": "PYTHONPATH=$PWD python scripts/benchmark_remainder_cost.py "
+        + " ".join(
+            f"--{k} {v}" for k, v in [("models", a.models), ("steps", a.steps), ("step", a.step)]
+        ),
+        "dtypes": a.dtypes,
+        "lrs": a.lrs,
+        "draws": a.draws,
+        "torch": torch.__version__,
+    }
+    report(rows, [meta], a.out, a.quick)
+
+
+def merge(paths, out: str) -> None:
+    """One record from runs split by model (each its own process): their rows and commands."""
+    rows, metas = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        rows += data["rows"]
+        metas += data["meta"] if isinstance(data["meta"], list) else [data["meta"]]
+    for r in rows:
+        print(_line(r))
+    report(rows, metas, out, False)
+
+
+def report(rows, metas, out: str, quick: bool) -> None:
     met = all(r.get("cost_ok") and r.get("bound_ok") for r in rows)
     verdict = (
         "met: every row within 1.5x Adam's CPU per step and no worse than Adam's bound at 3x time"
@@ -294,24 +331,18 @@ def main() -> None:
             if not (r.get("cost_ok") and r.get("bound_ok"))
         )
     )
+    done = {(r["model"], r["dtype"]) for r in rows}
+    missing = [f"{m}-{d}" for m in MODELS for d in ("float32", "float64") if (m, d) not in done]
+    if missing and not quick:
+        verdict += f" on the rows measured; not measured: {', '.join(missing)}"
     print(verdict)
-    meta = {
-        "command": "PYTHONPATH=$PWD python scripts/benchmark_remainder_cost.py "
-        + " ".join(
-            f"--{k} {v}" for k, v in [("models", a.models), ("steps", a.steps), ("step", a.step)]
-        ),
-        "dtypes": a.dtypes,
-        "lrs": a.lrs,
-        "draws": a.draws,
-        "torch": torch.__version__,
-    }
     write_results(
-        a.out,
-        {"meta": meta, "rows": rows},
+        out,
+        {"meta": metas if len(metas) > 1 else metas[0], "rows": rows},
         title="The remainder's CPU per step on recursion and ODE models, against AutoMVN + Adam",
         verdict=f"Verdict: {verdict}",
-        command=meta["command"],
-        quick=a.quick,
+        command="; ".join(m["command"] for m in metas),
+        quick=quick,
     )
 
 

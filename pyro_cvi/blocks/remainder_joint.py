@@ -7,8 +7,12 @@ draw), else one run per draw."""
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import pyro
 import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.poutine.trace_struct import Trace
 
 from ..context import StepContext
 from ..messages.collapsed import collapsed_log_prob
@@ -101,4 +105,20 @@ def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others):
         shape = tr.nodes[name]["fn"].batch_shape
         if len(shape) < P + 1 or shape[len(shape) - 1 - P] != K:
             return None
-    return collapsed_log_prob(tr, sites, "_cvi_particles") + logdet
+    if block.analysis.remainder_discrete:
+        return collapsed_log_prob(tr, sites, "_cvi_particles") + logdet
+    return _particle_sums(tr, sites, K, P) + logdet
+
+
+def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int) -> torch.Tensor:
+    """``sum_a scale_a * mask_a * log p_a`` per particle, without enumeration: the sum that
+    :func:`collapsed_log_prob` contracts to when nothing is summed out, taken directly."""
+    total = None
+    for name in sites:  # (each has the particle dim: checked by the caller)
+        node = tr.nodes[name]
+        fn: Any = node["fn"]
+        lp = scale_and_mask(fn.log_prob(node["value"]), node["scale"], node["mask"])
+        lp = lp.movedim(lp.dim() - 1 - P, 0)
+        lp = lp.expand((K,) + lp.shape[1:]).reshape(K, -1).sum(-1)
+        total = lp if total is None else total + lp
+    return total if total is not None else torch.zeros(K)
