@@ -13,11 +13,37 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.messages.allocation import PoissonAllocation
+from pyro_cvi.messages.augmented import (
+    register_augmented_kind,
+    registered_augmented_kinds,
+    unregister_augmented_kind,
+)
 
 DTYPES = [torch.float64, torch.float32]
 TOL = {torch.float64: 1e-6, torch.float32: 1e-3}
 N, D, K = 6, 5, 2
 A_W, B_W, A_Z, B_Z = 0.5, 1.0, 1.0, 1.0
+
+
+@pytest.fixture(autouse=True)
+def allocation_kind():
+    """The kind is opt-in (its module docstring): registered for these tests only."""
+    kind = PoissonAllocation()
+    register_augmented_kind(kind)
+    yield kind
+    unregister_augmented_kind(kind)
+
+
+def test_the_kind_is_opt_in(allocation_kind):
+    unregister_augmented_kind(allocation_kind)
+    assert not any(isinstance(k, PoissonAllocation) for k in registered_augmented_kinds())
+    y = _data(torch.float64)
+    pyro.clear_param_store()
+    guide = AutoCVI(_model)
+    SVI(_model, guide, CVI(), CVI_ELBO()).step(y)
+    assert "alloc" not in guide.explain()
+    register_augmented_kind(allocation_kind)
 
 
 def _model(y, mask=None):

@@ -29,7 +29,12 @@ import torch
 
 from ..model.records import NATURAL
 
-__all__ = ["augmented_plan", "register_augmented_kind", "registered_augmented_kinds"]
+__all__ = [
+    "augmented_plan",
+    "register_augmented_kind",
+    "registered_augmented_kinds",
+    "unregister_augmented_kind",
+]
 
 _KINDS: List[Any] = []
 #: per analysis: ``{site: (kind, plan) or None}``
@@ -42,6 +47,12 @@ def register_augmented_kind(kind: Any) -> None:
     """Add an augmented factor kind (tried in registration order)."""
     if kind not in _KINDS:
         _KINDS.append(kind)
+
+
+def unregister_augmented_kind(kind: Any) -> None:
+    """Remove a registration (guides built afterwards no longer use the kind)."""
+    if kind in _KINDS:
+        _KINDS.remove(kind)
 
 
 def registered_augmented_kinds() -> List[Any]:

@@ -30,7 +30,6 @@ from ..model.analysis import MEANFIELD
 from ..model.factor_roles import minibatch_renames, minibatch_spec
 from ..model.replication import replicated_sites
 from ..model.tracing import run_model
-from . import allocation  # noqa: F401  (registers the Poisson allocation kind)
 from .augmented import augmented_plan
 from .expectations import QState, expected_log_prob
 from .expected_natural import expected_natural, expected_natural_rule
