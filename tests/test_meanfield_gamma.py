@@ -185,6 +185,7 @@ def test_monte_carlo_messages_are_unbiased_and_vectorize():
 
 def test_vectorize_particles_explains_a_model_that_does_not_broadcast():
     X = torch.tensor([[2.0, 0.0, 3.0], [1.0, 4.0, 2.0]], dtype=torch.float64)
+
     def model(X, mask=None):  # Z @ W does not broadcast over particles
         W = pyro.sample("W", dist.Gamma(X.new_tensor(0.5), 0.5).expand([2, 3]).to_event(2))
         with pyro.plate("images", 2):
