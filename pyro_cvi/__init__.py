@@ -6,7 +6,7 @@ svi = pyro.infer.SVI(model, AutoCVI(model), CVI(step_size=0.5), loss=CVI_ELBO())
 The package is laid out by pipeline stage (docs/architecture.md): ``model/`` (tracing,
 probing, analysis), ``messages/``, ``blocks/``, ``families/``, ``statespace/``, ``scale/``
 (distributed, streaming), ``checkpoints/`` (save and exact resume), ``methods/``
-(structured SVI) and ``contrib/``.
+(structured SVI, the bound and convergence checks) and ``contrib/``.
 """
 
 import importlib
@@ -22,6 +22,7 @@ from .autoguide import AutoCVI
 from .checkpoints.checkpoint import CheckpointError
 from .divergence import DivergenceError
 from .elbo import CVI_ELBO
+from .methods.convergence import converged
 from .methods.structured import StructuredSVI
 from .methods.structured_guide import AutoStructuredCVI
 from .model.weights import UnboundedELBOError
@@ -41,6 +42,7 @@ __all__ = [
     "SignalToNoise",
     "StructuredSVI",
     "UnboundedELBOError",
+    "converged",
     "step_sizes",
 ]
 

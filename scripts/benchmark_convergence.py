@@ -1,4 +1,4 @@
-"""Steps until :func:`pyro_cvi.convergence.converged` says True, per model class, with the
+"""Steps until :func:`pyro_cvi.methods.convergence.converged` says True, per model class, with the
 bound there against the bound after ``extra`` more steps (both fresh ``Trace_ELBO``
 estimates): whether True was right.
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench.bnn_models import MODELS  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
-from pyro_cvi.convergence import convergence_report  # noqa: E402
+from pyro_cvi.methods.convergence import convergence_report  # noqa: E402
 
 
 def normal_means(x):

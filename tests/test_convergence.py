@@ -1,4 +1,4 @@
-"""The convergence check (:mod:`pyro_cvi.convergence`): its slope test against closed forms,
+"""The convergence check (:mod:`pyro_cvi.methods.convergence`): its slope test against closed forms,
 and its verdicts on real fits, checked against the exact gap to the optimum of a conjugate
 model."""
 
@@ -14,7 +14,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.convergence import converged, convergence_report
+from pyro_cvi.methods.convergence import converged, convergence_report
 
 DTYPES = [torch.float32, torch.float64]
 
