@@ -34,6 +34,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from bench.reporting import write_results
+from benchmark_remainder_cost import bound
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.optim import Adam
@@ -65,16 +66,6 @@ def negbin_data(dtype, n: int = 300, seed: int = 5) -> Tuple[torch.Tensor, ...]:
     rate = torch._standard_gamma(torch.full((n,), phi, dtype=f64), generator=g) / phi * mu
     y = torch.poisson(rate, generator=g)
     return X.to(dtype), group, y.to(dtype)
-
-
-def bound(model, guide, args, draws: int) -> Tuple[float, float]:
-    """``-ELBO`` from ``draws`` Trace_ELBO draws: (mean, standard error over 10 batches)."""
-    elbo = Trace_ELBO(num_particles=max(1, draws // 10))
-    with torch.no_grad():
-        vals = torch.tensor(
-            [elbo.loss(model, guide, *args) for _ in range(10)], dtype=torch.float64
-        )
-    return float(vals.mean()), float(vals.std() / math.sqrt(10))
 
 
 def run_autocvi(args, steps: int, draws: int) -> Dict:
