@@ -3,7 +3,11 @@ bound there against the bound after ``extra`` more steps (both fresh ``Trace_ELB
 estimates): whether True was right.
 
     python scripts/benchmark_convergence.py [--models a,b] [--max-steps 4000] [--extra 1000]
-        [--out results/benchmark_convergence.json]
+        [--out results/benchmark_convergence.json] [--quick]
+
+``--quick``: the conjugate model only, 600 steps and 200 more, output under ``results/quick/``.
+The verdict says, per model, whether the bound gained less than the check's tolerance in the
+steps after it first said True.
 
 AutoCVI's defaults (``CVI()``, float32, one thread) on the BNN benchmark's models
 (``scripts/bench/bnn_models.py``), and AutoNormal + Adam (lr 0.01) on a conjugate model
@@ -29,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench.bnn_models import MODELS  # noqa: E402
+from bench.reporting import write_results  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 from pyro_cvi.methods.convergence import convergence_report  # noqa: E402
@@ -92,18 +97,47 @@ def run(name, max_steps, extra, seed=0):
     return row
 
 
+def verdict(rows) -> str:
+    """Per model: the check said True, and the steps after it gained less than its tolerance
+    (a right True), more (a premature one), or it never said True."""
+    parts = []
+    for r in rows:
+        if r["first_true"] is None:
+            parts.append(f"{r['model']}: never converged in {r['steps_run']} steps")
+            continue
+        gain = r["bound_at_first"][0] - r["bound_at_end"][0]
+        right = gain <= r["tol"]
+        parts.append(
+            f"{r['model']}: True at step {r['first_true']}, then {gain:+.2f} nats "
+            f"({'within' if right else 'beyond'} its tolerance {r['tol']:.2f})"
+        )
+    return "; ".join(parts)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="normal_means_adam,bnn_regression,bnn_wine")
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--extra", type=int, default=1000)
     ap.add_argument("--out", default=str(ROOT / "results" / "benchmark_convergence.json"))
+    ap.add_argument("--quick", action="store_true", help="the conjugate model, 600 + 200 steps")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.models, a.max_steps, a.extra = "normal_means_adam", 600, 200
     torch.set_num_threads(1)
     rows = []
     for name in a.models.split(","):
         rows.append(run(name, a.max_steps, a.extra))
-        Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
+        text = verdict(rows)
+        write_results(
+            a.out,
+            {"rows": rows},
+            title="The convergence check: when it says True, and the bound after",
+            verdict=text,
+            command="python scripts/benchmark_convergence.py" + (" --quick" if a.quick else ""),
+            quick=a.quick,
+        )
+    print("verdict:", verdict(rows))
 
 
 if __name__ == "__main__":

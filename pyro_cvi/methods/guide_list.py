@@ -110,7 +110,7 @@ def adopt_guide_list(part: Any) -> None:
         engine = part.engine
         store = pyro.get_param_store()
         steps = engine.steps_name if engine is not None else None
-        if steps is not None and steps in store and float(store[steps].detach()) > 0:
+        if trained_alone(part):
             raise ValueError(
                 "CVI_ELBO with an AutoGuideList whose AutoCVI part was trained alone on its "
                 "blocked model: its q belongs to that model. Build the guide list anew and "
@@ -124,6 +124,16 @@ def adopt_guide_list(part: Any) -> None:
         part.prototype_trace = None
         part.engine = None
     part.model = OthersGiven(master.model, part)
+
+
+def trained_alone(part: Any) -> bool:
+    """Whether ``part`` was set up and stepped on its own (blocked) model, outside the list."""
+    if isinstance(part.model, OthersGiven) or part.prototype_trace is None:
+        return False
+    engine = part.engine
+    steps = engine.steps_name if engine is not None else None
+    store = pyro.get_param_store()
+    return steps is not None and steps in store and float(store[steps].detach()) > 0
 
 
 class PartsLoss:
@@ -211,6 +221,8 @@ def step_inside_pyro_elbo(part: Any, args: Tuple[Any, ...], kwargs: Dict[str, An
         return False
     capture = _svi_capture()
     if capture is None:
+        return False
+    if trained_alone(part):  # a q fitted on its blocked model: drawn as it is, not stepped
         return False
     last = _STEPPED.get(part)
     if last is not None and last() is capture:
