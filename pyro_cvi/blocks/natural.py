@@ -251,17 +251,17 @@ def initial_natural(
     (``family.natural_with_spread``; continuous families only). Families that
     ``starts_at_mean`` (the positive ones, whose prior draws reach ``1e-30`` at small shapes)
     start, without ``init_loc_fn`` and when the prior is of ``q``'s family, at ``natural_at``
-    the prior mean of ``mean_site`` (the
-    site in a trace where every latent sits at its prior mean given its parents'), so that
-    no prior draw upstream puts the first Monte Carlo messages at extreme values.
+    the prior mean of ``mean_site`` (the site in a trace where every latent sits at its prior
+    mean given its parents'), so that no prior draw upstream puts the first Monte Carlo
+    messages at extreme values.
     """
     if fam.starts_at_mean and mean_site is not None and init_loc_fn is None and init_scale is None:
         mean_fn = mean_site["fn"]
         mean_prior = _prior_natural(fam, mean_fn)  # (a prior of another family: as before)
         nat = None if mean_prior is None else fam.natural_at(mean_site["value"], mean_prior)
-        if nat is not None and all(bool(torch.isfinite(t).all()) for t in nat):
-            if bool(fam.is_valid(nat).all()):
-                return _full_size(fam, dict(site, fn=mean_fn), nat)
+        finite = nat is not None and all(bool(torch.isfinite(t).all()) for t in nat)
+        if finite and bool(fam.is_valid(nat).all()):
+            return _full_size(fam, dict(site, fn=mean_fn), nat)
     fn = site["fn"]
     prior = _prior_natural(fam, fn)
     if init_scale is not None and not fam.is_discrete:
