@@ -256,7 +256,7 @@ def _has_graph(t: Transform) -> bool:
     return any(torch.is_tensor(v) and v.requires_grad for v in vars(t).values())
 
 
-def _leaves(x: torch.Tensor) -> Optional[List[torch.Tensor]]:
+def leaf_tensors(x: torch.Tensor) -> Optional[List[torch.Tensor]]:
     """The leaf tensors ``x`` depends on (``None``: graph too large to look at)."""
     if x.grad_fn is None:
         return [x] if x.requires_grad else []
@@ -364,7 +364,7 @@ def site_group(
             maps.append((role, chosen))
             mult = max(mult, theta.numel() // max(chosen.idx.numel(), 1))
             continue
-        leaves = _leaves(theta)
+        leaves = leaf_tensors(theta)
         if leaves is not None and len(leaves) == len(roles) and family == "beta":
             # torch's Beta stacks (c1, c0) into a Dirichlet: each is a slice of both; the
             # one leaf that reproduces it is its parameter, and the other role has the other

@@ -22,7 +22,7 @@ from .expfam import (
 from .observe import GuideSite
 from .params import read, write
 from .roles import GaussianGroup, find_gaussians
-from .sites import site_group
+from .sites import leaf_tensors, site_group
 
 __all__ = ["GaussianStepper", "FORMS"]
 
@@ -59,6 +59,9 @@ class GaussianStepper:
         self.draws: Dict[str, GuideSite] = {}
         #: the single draw of each Normal site the last loss ran, by its loc's param name
         self.normal_draws: Dict[str, torch.Tensor] = {}
+        #: the params that are the whole loc of a guide site with no site group (a joint
+        #: autoguide's latent, ``L = diag(s) T``: its group is found by name)
+        self.site_locs: set = set()
         #: the curvature fitted from the draws of each diagonal Gaussian (by label)
         self.curvatures: Dict[str, DrawCurvature] = {}
 
@@ -69,6 +72,7 @@ class GaussianStepper:
         self.normal_draws = {}  # (this loss's draws only: a stale draw would mislead the fit)
         if not sites:
             return
+        self.site_locs = set()
         store = pyro.get_param_store()
         names = {id(u): n for n, u in store.named_parameters()}
         cons = store.get_state()["constraints"]
@@ -105,6 +109,12 @@ class GaussianStepper:
             draw = _single_draw(sites[name], g)
             if draw is not None and g is not None:
                 self.normal_draws[g.roles["loc"]] = draw
+            elif g is None:
+                loc_name, draw = _joint_loc(sites[name], names)
+                if loc_name is not None:
+                    self.site_locs.add(loc_name)
+                if draw is not None:
+                    self.normal_draws[loc_name] = draw
 
     def split(
         self, params: Iterable[torch.Tensor]
@@ -138,7 +148,8 @@ class GaussianStepper:
         seen_sites = bool(self.site_groups or self.site_skipped)
         for g in self._groups():
             members = [n for _, n in g.names]
-            if seen_sites and not all(n.startswith("Auto") or n in declared for n in members):
+            own = all(n.startswith("Auto") or n in declared for n in members)
+            if seen_sites and not own and g.roles.get("loc") not in self.site_locs:
                 continue  # named like a Gaussian but feeds no guide site: a model parameter
             if any(n in named for n in members) and not used & set(members):
                 groups.append(g)
@@ -189,6 +200,8 @@ class GaussianStepper:
                     control = self.controls[g.label] = _control(g.family)
             elif g.family == "tril":
                 new, d = _tril(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
+            elif g.family == "scaled_tril":
+                new, d = _scaled_tril(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
             else:
                 new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
@@ -273,9 +286,10 @@ def _tril(g, cons, beta, retraction, max_rel, fit=None):
     return {"loc": m2, "scale_tril": L2}, d
 
 
-def _scaled_tril(g, cons, beta, retraction, max_rel):
+def _scaled_tril(g, cons, beta, retraction, max_rel, fit=None):
     """``L = diag(s) T`` (``AutoMultivariateNormal``): ``dl/dL`` below the diagonal is
-    ``(dl/dT) / s_i``; on it, ``dl/ds_i - sum_{j<i} T_ij dl/dL_ij``."""
+    ``(dl/dT) / s_i``; on it, ``dl/ds_i - sum_{j<i} T_ij dl/dL_ij``; then the step of
+    ``N(m, L L^T)`` as :func:`_tril` (with the draws' curvature fit where there is one)."""
     m, gm = _rd(g, "loc", cons)
     s, gs = _rd(g, "scale", cons)
     T, gT = _rd(g, "scale_tril", cons)
@@ -283,7 +297,12 @@ def _scaled_tril(g, cons, beta, retraction, max_rel):
     diag = gs - (T.tril(-1) * off).sum(-1)
     L = s.unsqueeze(-1) * T
     gL = off + torch.diag_embed(diag)
-    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1])
+    G = None
+    if fit is not None and fit[0].shape == m.shape and m.dim() == 1:
+        fitted = tril_with_draw(m, L, gm, gL, fit[0], fit[1])
+        if fitted is not None:
+            gm, G = fitted
+    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1], G)
     s2 = L2.diagonal(dim1=-2, dim2=-1)
     return {"loc": m2, "scale": s2, "scale_tril": L2 / s2.unsqueeze(-1)}, d
 
@@ -330,7 +349,7 @@ _STEPS = {
 
 
 #: the families whose single draws are fitted (:mod:`.curvature`)
-_FITTED = ("diag", "tril")
+_FITTED = ("diag", "tril", "scaled_tril")
 
 #: the key of the curvature fits in :meth:`GaussianStepper.state`
 _CURVATURES = "__curvatures__"
@@ -345,10 +364,42 @@ def _single_draw(site: GuideSite, g: Optional[GaussianGroup]) -> Optional[torch.
     while type(fn).__name__ == "Independent":
         fn = fn.base_dist
     value = site.value
-    family = {"diag": "Normal", "tril": "MultivariateNormal"}[g.family]
+    family = {"diag": "Normal", "tril": "MultivariateNormal"}.get(g.family)
     if type(fn).__name__ != family or value is None or value.shape != fn.loc.shape:
         return None
     return value
+
+
+def _joint_loc(
+    site: GuideSite, names: Mapping[int, str]
+) -> Tuple[Optional[str], Optional[torch.Tensor]]:
+    """``(loc's param name, draw)`` of a joint Gaussian site (``MultivariateNormal``,
+    ``LowRankMultivariateNormal``) with no site group whose loc is one whole parameter, as in
+    Pyro's joint autoguides (``L = diag(s) T``: the group is found by name, :mod:`.roles`,
+    whatever the guide's class is called); the draw only where one run with one particle made
+    it (else ``None``); ``(None, None)`` for any other site."""
+    fn = site.fn
+    while type(fn).__name__ == "Independent":
+        fn = fn.base_dist
+    if type(fn).__name__ not in ("MultivariateNormal", "LowRankMultivariateNormal"):
+        return None, None
+    loc = fn.loc
+    leaves = leaf_tensors(loc) if loc.dim() == 1 else None
+    if leaves is None or len(leaves) != 1 or leaves[0].shape != loc.shape:
+        return None, None
+    name = names.get(id(leaves[0]))
+    if name is None:
+        return None, None
+    value = site.value
+    if (
+        type(fn).__name__ != "MultivariateNormal"
+        or site.runs != 1
+        or site.particles != 1
+        or value is None
+        or value.shape != loc.shape
+    ):
+        return name, None
+    return name, value
 
 
 def _site_key(site: GuideSite, params_key: object) -> object:
