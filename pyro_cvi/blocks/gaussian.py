@@ -49,11 +49,16 @@ from ..messages.softmax_sites import (
     softmax_message,
     softmax_rows,
 )
-from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_warm_start
+from ..messages.warm_start import (
+    prior_row_cov_blocks,
+    prior_row_var,
+    softmax_mode_start,
+    softmax_warm_start,
+)
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
-from ..model.records import CONJUGATE_ENUM
+from ..model.records import CONJUGATE_ENUM, PRIOR
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
@@ -165,10 +170,19 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points, v)
             if target is not None:
                 p.data.copy_(target)
-        for f in self.softmax:  # the same rule, K-variate
-            r = softmax_rows(trace.nodes[f.site], f, self.z_at)
+        parts = [(trace.nodes[f.site], softmax_rows(trace.nodes[f.site], f, self.z_at))
+                 for f in self.softmax]  # fmt: skip
+        others = [f for f in self.spec.factors if f.kind not in (PRIOR, SOFTMAX)]
+        multi = all(r.K > 2 for _, r in parts)  # (K = 2 keeps the binary logistic path's start)
+        if parts and multi and not others and self.options.reducer is None:
+            mode = softmax_mode_start(prior, parts)  # softmax factors alone: the Laplace start
+            if mode is not None:
+                for f, target in zip(self.softmax, mode):
+                    sites[f.site].data.copy_(target)
+                return
+        for f, (site, r) in zip(self.softmax, parts):  # the same rule, K-variate
             cov = prior_row_cov_blocks(prior, f.jacobian, r.K)
-            target = softmax_warm_start(trace.nodes[f.site], r, m0, cov)
+            target = softmax_warm_start(site, r, m0, cov)
             if target is not None:
                 sites[f.site].data.copy_(target)
 
