@@ -157,7 +157,9 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         It starts q near the posterior instead of at the prior, which matters for flat priors
         (australian, ``delta = 1e-5``). Positive curvature is clipped to zero. Where the
         prior's own moments give a row less curvature, its target there instead; softmax rows
-        by the same rule (:mod:`~pyro_cvi.messages.warm_start`).
+        by the same rule (:mod:`~pyro_cvi.messages.warm_start`), except in a block whose only
+        likelihood factors are softmax factors with ``K > 2``: there every site starts at its
+        point-mass target at the mode (``q`` = the Laplace approximation).
         """
         prior = self._prior(trace)
         m0 = prior.loc.detach()
