@@ -151,6 +151,10 @@ def _matvec_jacobian(out: torch.Tensor, z: torch.Tensor) -> Optional[torch.Tenso
     return X.detach().clone()
 
 
+#: features tried for a nonzero column block before :func:`kron_jacobian` gives up
+KRON_FEATURE_TRIES = 3
+
+
 def kron_jacobian(
     out: torch.Tensor, z: torch.Tensor, seed: int = 11
 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -186,7 +190,7 @@ def kron_jacobian(
         return (torch.zeros_like(v) if g is None else g).reshape(N, K)
 
     d0, first = None, None
-    for d in range(Dx):  # the first feature with a nonzero column
+    for d in range(min(Dx, KRON_FEATURE_TRIES)):  # the first feature with a nonzero column
         cols = torch.stack([column(d, l) for l in range(Kz)], -1)  # [N, K, K']
         if bool(cols.abs().amax() > 0):
             d0, first = d, cols
@@ -197,17 +201,18 @@ def kron_jacobian(
     G = first[n0]  # X[n0, d0] = 1
     flat_g = int(G.abs().argmax())
     k0, l0 = flat_g // Kz, flat_g % Kz
-    cols = [first[..., l0] if d == d0 else column(d, l0) for d in range(Dx)]
-    C = torch.stack(cols, 1)  # [N, D', K]: X[:, d] G[:, l0]
-    X = C[:, :, k0] / G[k0, l0]
 
     def agrees(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> bool:
         ok = (a - b).abs() <= tol * (1 + scale)
         return bool(ok.all()) and bool(torch.isfinite(a).all() and torch.isfinite(b).all())
 
-    Xa, Ga = X.abs(), G.abs()
-    if not agrees(first, X[:, d0, None, None] * G, Xa[:, d0, None, None] * Ga):
+    x0, Ga = first[:, k0, l0] / G[k0, l0], G.abs()  # (a first check before D' more passes)
+    if not agrees(first, x0[:, None, None] * G, x0.abs()[:, None, None] * Ga):
         return None
+    cols = [first[..., l0] if d == d0 else column(d, l0) for d in range(Dx)]
+    C = torch.stack(cols, 1)  # [N, D', K]: X[:, d] G[:, l0]
+    X = C[:, :, k0] / G[k0, l0]
+    Xa = X.abs()
     if not agrees(C, X[:, :, None] * G[:, l0], Xa[:, :, None] * Ga[:, l0]):
         return None
     g = torch.Generator(device="cpu").manual_seed(seed)
