@@ -47,14 +47,8 @@ from ..messages.softmax_sites import (
     SoftmaxRows,
     centred_logits,
     softmax_message,
-    softmax_rows,
 )
-from ..messages.warm_start import (
-    prior_row_cov_blocks,
-    prior_row_var,
-    softmax_mode_start,
-    softmax_warm_start,
-)
+from ..messages.warm_start import prior_row_var, softmax_starts
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
@@ -172,21 +166,11 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points, v)
             if target is not None:
                 p.data.copy_(target)
-        parts = [(trace.nodes[f.site], softmax_rows(trace.nodes[f.site], f, self.z_at))
-                 for f in self.softmax]  # fmt: skip
-        others = [f for f in self.spec.factors if f.kind not in (PRIOR, SOFTMAX)]
-        multi = all(r.K > 2 for _, r in parts)  # (K = 2 keeps the binary logistic path's start)
-        if parts and multi and not others and self.options.reducer is None:
-            mode = softmax_mode_start(prior, parts)  # softmax factors alone: the Laplace start
-            if mode is not None:
-                for f, target in zip(self.softmax, mode):
-                    sites[f.site].data.copy_(target)
-                return
-        for f, (site, r) in zip(self.softmax, parts):  # the same rule, K-variate
-            cov = prior_row_cov_blocks(prior, f.jacobian, r.K)
-            target = softmax_warm_start(site, r, m0, cov)
-            if target is not None:
-                sites[f.site].data.copy_(target)
+        alone = self.options.reducer is None and all(
+            f.kind in (PRIOR, SOFTMAX) for f in self.spec.factors
+        )
+        for name, target in softmax_starts(trace, self.softmax, prior, self.z_at, alone):
+            sites[name].data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation
     def _prior(self, trace) -> GaussianPrior:

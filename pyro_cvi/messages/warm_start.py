@@ -28,14 +28,14 @@ precision), each site at its point-mass target at ``m*``, so ``q``'s precision i
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..linear_gaussian import GaussianPrior
 from ..model import probes
 from .gaussian import FLAT_PRIOR_VAR
-from .softmax_sites import SoftmaxRows, kron_factors, softmax_message
+from .softmax_sites import SoftmaxRows, kron_factors, softmax_message, softmax_rows
 
 __all__ = ["prior_row_var", "prior_row_cov_blocks", "softmax_mode_start", "softmax_warm_start"]
 
@@ -216,4 +216,25 @@ def softmax_mode_start(prior: GaussianPrior, parts) -> Optional[list]:
         if not bool(torch.isfinite(target).all()):
             return None
         out.append(target)
+    return out
+
+
+def softmax_starts(
+    trace, softmax: list, prior: GaussianPrior, z_at, alone: bool
+) -> List[Tuple[str, torch.Tensor]]:
+    """``(site, start)`` of each softmax factor of a Gaussian block: where the block's only
+    likelihood factors are softmax factors with ``K > 2`` (``alone``), each site's point-mass
+    target at the mode (:func:`softmax_mode_start`: ``q`` = the Laplace approximation); else
+    the prior-mean rule of :func:`softmax_warm_start` (``K = 2`` keeps the binary path's start)."""
+    parts = [(trace.nodes[f.site], softmax_rows(trace.nodes[f.site], f, z_at)) for f in softmax]
+    if parts and alone and all(r.K > 2 for _, r in parts):
+        mode = softmax_mode_start(prior, parts)
+        if mode is not None:
+            return [(f.site, target) for f, target in zip(softmax, mode)]
+    m0 = prior.loc.detach()
+    out = []
+    for f, (site, r) in zip(softmax, parts):
+        target = softmax_warm_start(site, r, m0, prior_row_cov_blocks(prior, f.jacobian, r.K))
+        if target is not None:
+            out.append((f.site, target))
     return out
