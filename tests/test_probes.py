@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pyro_cvi.model import probes
+from pyro_cvi.model.kron_probes import kron_jacobian
 
 
 def _loop(out, z):
@@ -74,3 +75,58 @@ def test_every_strategy_gives_the_jacobian_of_the_backward_passes(tall, dtype):
         J = probes.jacobian(out, w, loop_below, loop_columns=loop_columns, create_graph=True)
         (ds,) = torch.autograd.grad(J.sum(), s)
         assert float(ds) == pytest.approx(want, rel=tol["rtol"] * 10)
+
+
+def _softmax_regression(dtype, N=240, D=6, K=4, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.cat(
+        [torch.randn(N, D - 1, generator=g, dtype=dtype), torch.ones(N, 1, dtype=dtype)], 1
+    )
+    W = torch.randn(D, K, generator=g, dtype=dtype, requires_grad=True)
+    return X, W
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_softmax_regression_jacobian_is_read_from_few_columns(dtype):
+    """Centred logits of ``Categorical(logits = X W)``: ``X (x) (I - 1 1^T / K)``, equal to the
+    row-by-row Jacobian; ``jacobian`` takes that path and returns the same matrix."""
+    X, W = _softmax_regression(dtype)
+    K = W.shape[1]
+    logits = torch.distributions.Categorical(logits=X @ W).logits
+    out = logits - logits.mean(-1, keepdim=True)
+    ref = _loop(out, W).flatten(1)
+    kron = kron_jacobian(out, W, probes.rtol(out.dtype))
+    assert kron is not None
+    Xk, G = kron
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.kron(Xk, G), ref, **tol)
+    # the factors are the design and the centring, up to one scale shared between them
+    c = G[0, 0] / (1 - 1 / K)
+    torch.testing.assert_close(G / c, torch.eye(K, dtype=dtype) - 1 / K, **tol)
+    torch.testing.assert_close(Xk * c, X, **tol)
+    torch.testing.assert_close(probes.jacobian(out, W, loop_below=10), ref, **tol)
+
+
+def _not_kronecker():
+    X, W = _softmax_regression(torch.float64)
+    g = torch.Generator().manual_seed(4)
+    X2 = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    c = torch.arange(1.0, W.shape[1] + 1, dtype=torch.float64)
+    return [
+        ("sum of two products", lambda: X @ W + (X2 @ W) * c, W),
+        ("nonlinear", lambda: torch.tanh(X @ W), W),
+        (
+            "one entry off",
+            lambda: X @ W + 1e-3 * W[2, 1] * (torch.arange(X.shape[0]) == 7)[:, None],
+            W,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _not_kronecker(), ids=lambda c: c[0])
+def test_a_jacobian_that_is_not_a_kronecker_product_is_refused(case):
+    _, make, W = case
+    out = make()
+    assert kron_jacobian(out, W, probes.rtol(out.dtype)) is None
+    J = probes.jacobian(out, W, loop_below=10)
+    torch.testing.assert_close(J, _loop(out, W).flatten(1), rtol=1e-12, atol=1e-12)

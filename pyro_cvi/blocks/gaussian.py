@@ -47,13 +47,12 @@ from ..messages.softmax_sites import (
     SoftmaxRows,
     centred_logits,
     softmax_message,
-    softmax_rows,
 )
-from ..messages.warm_start import prior_row_cov_blocks, prior_row_var, softmax_warm_start
+from ..messages.warm_start import prior_row_var, softmax_starts
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
-from ..model.records import CONJUGATE_ENUM
+from ..model.records import CONJUGATE_ENUM, PRIOR
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
@@ -152,7 +151,9 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         It starts q near the posterior instead of at the prior, which matters for flat priors
         (australian, ``delta = 1e-5``). Positive curvature is clipped to zero. Where the
         prior's own moments give a row less curvature, its target there instead; softmax rows
-        by the same rule (:mod:`~pyro_cvi.messages.warm_start`).
+        by the same rule (:mod:`~pyro_cvi.messages.warm_start`), except in a block whose only
+        likelihood factors are softmax factors with ``K > 2``: there every site starts at its
+        point-mass target at the mode (``q`` = the Laplace approximation).
         """
         prior = self._prior(trace)
         m0 = prior.loc.detach()
@@ -165,12 +166,11 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             target = warm_start_target(trace.nodes[f.site], rows, f_mean, num_quad_points, v)
             if target is not None:
                 p.data.copy_(target)
-        for f in self.softmax:  # the same rule, K-variate
-            r = softmax_rows(trace.nodes[f.site], f, self.z_at)
-            cov = prior_row_cov_blocks(prior, f.jacobian, r.K)
-            target = softmax_warm_start(trace.nodes[f.site], r, m0, cov)
-            if target is not None:
-                sites[f.site].data.copy_(target)
+        alone = self.options.reducer is None and all(
+            f.kind in (PRIOR, SOFTMAX) for f in self.spec.factors
+        )
+        for name, target in softmax_starts(trace, self.softmax, prior, self.z_at, alone):
+            sites[name].data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation
     def _prior(self, trace) -> GaussianPrior:

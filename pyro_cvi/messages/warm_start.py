@@ -16,19 +16,28 @@ variances from :func:`prior_row_var`; K-variate softmax rows use :func:`softmax_
 with "flat" read off the largest prior variance of a logit difference and "curvature" as the
 trace of ``-lam2`` (at ``K = 2`` both are the scalar rule's, so the two-class softmax and the
 Bernoulli path stay step for step equal).
+
+A block whose only likelihood factors are softmax factors with ``K > 2`` starts at its
+Laplace approximation instead (:func:`softmax_mode_start`): the mode ``m*`` of the log joint
+by L-BFGS (first-order steps of ``O(N D K)``; a Newton step would form the ``O(N D^2 K^2)``
+precision), each site at its point-mass target at ``m*``, so ``q``'s precision is
+``-hess L(m*)`` and its mean one Newton step from ``m*``. Measured on 10-class regression
+(5,000 points, 41 features): ``q``'s test log-loss after set-up is 0.269, the converged one
+0.270; from the prior mean's point mass it is 17 nats.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..linear_gaussian import GaussianPrior
+from ..model import probes
 from .gaussian import FLAT_PRIOR_VAR
-from .softmax_sites import SoftmaxRows, kron_factors, softmax_message
+from .softmax_sites import SoftmaxRows, kron_factors, softmax_message, softmax_rows
 
-__all__ = ["prior_row_var", "prior_row_cov_blocks", "softmax_warm_start"]
+__all__ = ["prior_row_var", "prior_row_cov_blocks", "softmax_mode_start", "softmax_warm_start"]
 
 #: the largest ``rows x dim^2`` product for which a dense prior's row covariances are formed
 #: (one ``A L`` product); beyond it the warm start keeps the point mass
@@ -97,8 +106,7 @@ def softmax_warm_start(
     ``None`` when they are not finite. ``prior_cov``: the rows' prior ``Cov(eta_n)``."""
     N, K = rows.N, rows.K
     eye = torch.eye(K, dtype=m0.dtype, device=m0.device)
-    # 5e-5 I: variance 1e-4 of each logit difference, as the scalar point mass
-    _, target = softmax_message(site, rows, m0, 5e-5 * eye.expand(N, K, K))
+    _, target = softmax_message(site, rows, m0, POINT_MASS_VAR * eye.expand(N, K, K))
     informative = None if prior_cov is None else _max_difference_var(prior_cov) <= FLAT_PRIOR_VAR
     if informative is not None and bool(informative.any()):
         _, at_prior = softmax_message(site, rows, m0, prior_cov)
@@ -107,3 +115,126 @@ def softmax_warm_start(
         pick = informative & (curv_prior < curv)
         target = torch.where(pick[:, None, None], at_prior, target)
     return target if bool(torch.isfinite(target).all()) else None
+
+
+#: L-BFGS iterations at most of :func:`softmax_mode`, and the pairs it keeps
+MAX_MODE_ITERS = 300
+MODE_HISTORY = 20
+#: the L-BFGS end: the gradient's largest entry at ``MODE_GTOL rtol`` of the first's (or no
+#: progress: the line search fails at the dtype's rounding)
+MODE_GTOL = 1e-2
+#: a point-mass ``Cov(eta_n)``: variance ``1e-4`` of each logit difference (as the scalar rule)
+POINT_MASS_VAR = 5e-5
+
+
+def _neg_log_joint(prior: GaussianPrior, parts, m: torch.Tensor):
+    """``(-L(m), -grad L(m))``, ``-L = (m - m0)^T S0^-1 (m - m0) / 2 - sum_n w_n (y_n^T eta_n -
+    n_n lse(eta_n))``, ``eta_n = A_n m + c_n``; ``A = X (x) G`` as ``X M G^T`` (``O(N D K)``)."""
+    d = m - prior.loc.detach()
+    Pd = d / prior.var.detach() if prior.var is not None else prior.precision_matrix().detach() @ d
+    value, grad = 0.5 * (d * Pd).sum(), Pd.clone()
+    for _, rows in parts:
+        if rows.kron is not None:
+            X, G = rows.kron
+            eta = X @ m.reshape(X.shape[1], -1) @ G.mT + rows.c.reshape(rows.N, rows.K)
+        else:
+            eta = rows.mean(m)
+        lse = eta.logsumexp(-1)
+        wn = rows.weight * rows.n
+        value = value - (rows.weight * (rows.Y * eta).sum(-1) - wn * lse).sum()
+        R = rows.weight.unsqueeze(-1) * rows.Y - wn.unsqueeze(-1) * (eta - lse.unsqueeze(-1)).exp()
+        if rows.kron is not None:
+            grad = grad - (X.mT @ R @ G).reshape(-1)
+        else:
+            grad = grad - rows.A.mT @ R.reshape(-1)
+    return value, grad
+
+
+def softmax_mode(prior: GaussianPrior, parts) -> Optional[torch.Tensor]:
+    """The mode of the log joint of a Gaussian block whose likelihood factors are the softmax
+    factors ``parts`` (``[(site, rows)]``): L-BFGS (two-loop recursion, ``MODE_HISTORY`` pairs)
+    with a backtracking (Armijo) line search from the prior mean, to a gradient of
+    ``MODE_GTOL rtol`` relative to the first. The targets at the result take one Newton step
+    more, so a loose end is enough. ``None`` where it is not finite."""
+    with torch.no_grad():
+        m = prior.loc.detach().clone()
+        f, g = _neg_log_joint(prior, parts, m)
+        stop = MODE_GTOL * probes.rtol(m.dtype) * float(g.abs().max().clamp_min(1.0))
+        S: list = []
+        Yd: list = []
+        for _ in range(MAX_MODE_ITERS):
+            if not bool(torch.isfinite(f)) or float(g.abs().max()) <= stop:
+                break
+            q = g.clone()
+            alphas = []
+            for s_, y_ in zip(reversed(S), reversed(Yd)):
+                a = (s_ @ q) / (y_ @ s_)
+                alphas.append(a)
+                q = q - a * y_
+            if S:
+                q = q * ((S[-1] @ Yd[-1]) / (Yd[-1] @ Yd[-1]))
+            else:  # the first step: unit length
+                q = q / q.norm().clamp_min(1e-30)
+            for (s_, y_), a in zip(zip(S, Yd), reversed(alphas)):
+                q = q + s_ * (a - (y_ @ q) / (y_ @ s_))
+            direction = -q
+            slope = float(g @ direction)
+            if slope >= 0:  # not a descent direction: restart from the gradient
+                S.clear()
+                Yd.clear()
+                direction, slope = -g, -float(g @ g)
+            t = 1.0
+            for _ in range(40):
+                f_new, g_new = _neg_log_joint(prior, parts, m + t * direction)
+                if bool(torch.isfinite(f_new)) and float(f_new) <= float(f) + 1e-4 * t * slope:
+                    break
+                t *= 0.5
+            else:
+                break
+            s_, y_ = t * direction, g_new - g
+            if float(s_ @ y_) > 1e-12 * float(s_.norm() * y_.norm()):
+                S.append(s_)
+                Yd.append(y_)
+                if len(S) > MODE_HISTORY:
+                    S.pop(0)
+                    Yd.pop(0)
+            m, f, g = m + s_, f_new, g_new
+    return m if bool(torch.isfinite(m).all()) else None
+
+
+def softmax_mode_start(prior: GaussianPrior, parts) -> Optional[list]:
+    """Point-mass targets ``[N, K, K + 1]`` of each softmax factor of ``parts``
+    (``[(site, rows)]``) at the mode of the log joint (module docstring), or ``None`` (a mode or
+    a target that is not finite: the caller keeps its start)."""
+    m = softmax_mode(prior, parts)
+    if m is None:
+        return None
+    out = []
+    for site, rows in parts:
+        eye = torch.eye(rows.K, dtype=m.dtype, device=m.device)
+        _, target = softmax_message(site, rows, m, POINT_MASS_VAR * eye.expand(rows.N, -1, -1))
+        if not bool(torch.isfinite(target).all()):
+            return None
+        out.append(target)
+    return out
+
+
+def softmax_starts(
+    trace, softmax: list, prior: GaussianPrior, z_at, alone: bool
+) -> List[Tuple[str, torch.Tensor]]:
+    """``(site, start)`` of each softmax factor of a Gaussian block: where the block's only
+    likelihood factors are softmax factors with ``K > 2`` (``alone``), each site's point-mass
+    target at the mode (:func:`softmax_mode_start`: ``q`` = the Laplace approximation); else
+    the prior-mean rule of :func:`softmax_warm_start` (``K = 2`` keeps the binary path's start)."""
+    parts = [(trace.nodes[f.site], softmax_rows(trace.nodes[f.site], f, z_at)) for f in softmax]
+    if parts and alone and all(r.K > 2 for _, r in parts):
+        mode = softmax_mode_start(prior, parts)
+        if mode is not None:
+            return [(f.site, target) for f, target in zip(softmax, mode)]
+    m0 = prior.loc.detach()
+    out = []
+    for f, (site, r) in zip(softmax, parts):
+        target = softmax_warm_start(site, r, m0, prior_row_cov_blocks(prior, f.jacobian, r.K))
+        if target is not None:
+            out.append((f.site, target))
+    return out

@@ -12,6 +12,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .kron_probes import kron_jacobian
+
 __all__ = [
     "jacobian",
     "rtol",
@@ -65,6 +67,10 @@ def jacobian(
     direct = _matvec_jacobian(out, z)
     if direct is not None:
         return direct
+    if not cg and D > loop_below and R > loop_below:
+        kron = kron_jacobian(out, z, rtol(out.dtype))
+        if kron is not None:
+            return torch.kron(*kron)
     flat = out.reshape(-1)
     rows = []
     if min(R, D) <= loop_below or D < R and D <= loop_columns:  # plain backward passes
