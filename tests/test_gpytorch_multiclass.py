@@ -440,3 +440,36 @@ def test_target_projection_equals_the_eigenvalue_clip(dtype):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(lam2, want.to(dtype), **tol)
     assert float(torch.linalg.eigvalsh(lam2.to(F64)).amax()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_monte_carlo_draws_equal_the_reseeded_generator(dtype):
+    """The optimizer keeps its Monte Carlo draws (the generator is re-seeded at every step):
+    ``lse_expectations(draws=...)`` equals drawing from the re-seeded generator, bit for bit, and
+    the optimizer's step equals one with the draws discarded; draws of another shape are refused
+    by name."""
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(7, K, generator=g, dtype=dtype)
+    A = torch.randn(7, K, K, generator=g, dtype=dtype)
+    cov = A @ A.mT / K + 0.1 * torch.eye(K, dtype=dtype)
+    fresh = lse_expectations(mean, cov, "mc", num_samples=10, generator=g.manual_seed(5))
+    eps = torch.randn(5, 7, K, dtype=dtype, generator=g.manual_seed(5))
+    kept = lse_expectations(mean, cov, "mc", num_samples=10, draws=eps)
+    for a, b in zip((fresh.value, fresh.grad, fresh.hess), (kept.value, kept.grad, kept.hess)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="draws must have shape"):
+        lse_expectations(mean, cov, "mc", num_samples=12, draws=eps)
+    X, y = _data()
+    X = X.to(dtype)
+    losses = []
+    for discard in (False, True):
+        m = GP(X[::3].clone(), X.shape[0], train_inputs=X).to(dtype)
+        m.variational_strategy.jitter_val = 1e-5
+        opt = MultiClassCVIOptimizer(m, CategoricalLogitsLikelihood(K), method="mc")
+        run = []
+        for _ in range(3):
+            if discard:
+                opt._draw_cache = None
+            run.append(float(opt.step(X, y)))
+        losses.append(run)
+    assert losses[0] == losses[1]

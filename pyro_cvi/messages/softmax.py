@@ -150,10 +150,18 @@ def _pairwise(mean, cov, num_points):
     return LSEMoments(value, grad, hess)
 
 
-def _monte_carlo(mean, cov, num_samples, generator):
+def _monte_carlo(mean, cov, num_samples, generator, draws=None):
     half = max(1, num_samples // 2)
-    eps = torch.randn((half,) + mean.shape, dtype=mean.dtype, generator=generator)
-    eps = eps.to(mean.device)
+    if draws is None:
+        eps = torch.randn((half,) + mean.shape, dtype=mean.dtype, generator=generator)
+    elif draws.shape != (half,) + mean.shape:
+        raise ValueError(
+            f"lse_expectations: draws must have shape {(half,) + tuple(mean.shape)} "
+            f"(num_samples // 2 antithetic pairs), got {tuple(draws.shape)}"
+        )
+    else:
+        eps = draws
+    eps = eps.to(mean)
     Q, L = _contrast_sqrt(mean, cov)
     # L eps as one contraction, not [S, N] tiny matmuls (10x faster on the CPU)
     d = torch.einsum("...ij,s...j->s...i", L, eps[..., : mean.shape[-1] - 1]) @ Q.mT
@@ -193,19 +201,22 @@ def lse_expectations(
     num_samples: int = 100,
     kappa: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
+    draws: Optional[torch.Tensor] = None,
 ) -> LSEMoments:
     """``E[lse]``, ``E[softmax]``, ``E[H]`` under ``N(mean [..., K], cov [..., K, K])``.
 
     ``method``: ``"cubature"`` (default), ``"mc"`` or ``"bound"`` (module docstring).
     ``num_points``: Gauss-Hermite points of the K = 2 cubature; ``num_samples``: Monte Carlo
-    draws. The value keeps its graph to ``mean`` and ``cov``; the moments have none.
+    draws; ``draws``: Monte Carlo only, the standard normals ``[num_samples // 2, ..., K]`` to
+    use instead of drawing them from ``generator`` (a caller that re-seeds every call can keep
+    them). The value keeps its graph to ``mean`` and ``cov``; the moments have none.
     """
     if method not in METHODS:
         raise ValueError(f"softmax method must be one of {METHODS}, got {method!r}")
     if method == "bound":
         return _bound(mean, cov)
     if method == "mc":
-        return _monte_carlo(mean, cov, num_samples, generator)
+        return _monte_carlo(mean, cov, num_samples, generator, draws)
     if mean.shape[-1] == 2:
         return _pairwise(mean, cov, num_points)
     return _cubature(mean, cov, kappa)
