@@ -354,3 +354,122 @@ def test_a_step_from_the_prior_is_capped_at_first_step_size(dtype, adaptive):
     torch.testing.assert_close(mb.variational_strategy.site_lam1[idx], 0.8 * t1[idx], **tol)
     with pytest.raises(ValueError, match="first_step_size must be in"):
         MultiClassCVIOptimizer(model(), lik, first_step_size=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("change", ["outputscale", "lengthscale", "inducing_points"])
+def test_the_kernel_part_of_q_follows_a_change_between_steps(dtype, change):
+    """The kernel's part of q (``K_ZZ``, ``L_Z``, ``Phi``) is reused across CVI steps while the
+    hyperparameters and inducing points are unchanged; a change made by hand between steps
+    (a parameter, or the inducing-point buffer in place) is seen at the next step: the
+    marginals equal those of a fresh model with the same sites and the new values."""
+    X, y = _data()
+    X = X.to(dtype)
+
+    def model():
+        m = GP(X[::3].clone(), X.shape[0], train_inputs=X).to(dtype)
+        m.variational_strategy.jitter_val = 1e-5
+        return m
+
+    m = model()
+    opt = MultiClassCVIOptimizer(m, CategoricalLogitsLikelihood(K), method="cubature")
+    for _ in range(2):
+        opt.step(X, y)
+    s = m.variational_strategy
+    before = s.site_marginals()
+    assert s._kernel_cache is not None  # the steps reused it
+    with torch.no_grad():
+        if change == "outputscale":
+            m.covar_module.outputscale = 2.5
+        elif change == "lengthscale":
+            m.covar_module.base_kernel.lengthscale = 0.4
+        else:
+            s.inducing_points.add_(0.7)
+    got = s.site_marginals()
+    fresh = model()
+    fresh.load_state_dict(m.state_dict())
+    want = fresh.variational_strategy.site_marginals()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    for a, b, old in zip(got, want, before):
+        torch.testing.assert_close(a, b, **tol)
+        assert float((a - old).abs().max()) > 1e-3  # the change matters
+    opt.step(X, y)  # and the next step runs on the new kernel without a complaint
+    assert torch.isfinite(s.site_lam2).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_site_nsd_check_refuses_a_positive_eigenvalue_and_accepts_a_singular_site(dtype):
+    """``set_sites`` checks ``lam2`` by a Cholesky test of ``tol I - lam2``: a singular
+    negative semidefinite site (the softmax Hessian, null direction 1) is accepted; one with an
+    eigenvalue of +1e-3 is refused by name, and the sites are left as they were."""
+    X, y = _data()
+    m = GP(X[::3].clone(), X.shape[0], train_inputs=X).to(dtype)
+    s = m.variational_strategy
+    p = torch.softmax(torch.randn(X.shape[0], K, dtype=dtype), -1)
+    hess = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)  # PSD, H 1 = 0
+    lam1 = torch.randn(X.shape[0], K, dtype=dtype)
+    s.set_sites(lam1, -0.5 * hess)
+    torch.testing.assert_close(s.site_lam2, -0.5 * hess)
+    bad = -0.5 * hess
+    bad[4] += 1e-3 * torch.eye(K, dtype=dtype)
+    with pytest.raises(ValueError, match="negative semidefinite"):
+        s.set_sites(lam1, bad)
+    torch.testing.assert_close(s.site_lam2, -0.5 * hess)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_target_projection_equals_the_eigenvalue_clip(dtype):
+    """``site_targets`` decomposes only the ``lam2`` with an eigenvalue above round-off (a
+    Cholesky test); the result equals clipping every matrix's eigenvalues at zero (the
+    projection onto the negative semidefinite cone), including matrices that need it."""
+    from pyro_cvi.messages.softmax import LSEMoments, site_targets
+
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    p = torch.softmax(torch.randn(n, K, generator=g, dtype=F64), -1)
+    hess = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    A = torch.randn(n, K, K, generator=g, dtype=F64)
+    hess[::4] -= 0.05 * (A[::4] + A[::4].mT)  # some indefinite: these need the projection
+    mean = torch.randn(n, K, generator=g, dtype=F64)
+    Y = torch.nn.functional.one_hot(torch.arange(n) % K, K).to(F64)
+    ones = torch.ones(n, dtype=F64)
+    v, pr, h, Y, ones, mean = (t.to(dtype) for t in (ones, p, hess, Y, ones, mean))
+    _, _, lam2 = site_targets(Y, ones, ones, mean, LSEMoments(v, pr, h))
+    e, U = torch.linalg.eigh(-0.5 * 0.5 * (hess + hess.mT))
+    want = (U * e.clamp_max(0).unsqueeze(-2)) @ U.mT
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(lam2, want.to(dtype), **tol)
+    assert float(torch.linalg.eigvalsh(lam2.to(F64)).amax()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_monte_carlo_draws_equal_the_reseeded_generator(dtype):
+    """The optimizer keeps its Monte Carlo draws (the generator is re-seeded at every step):
+    ``lse_expectations(draws=...)`` equals drawing from the re-seeded generator, bit for bit, and
+    the optimizer's step equals one with the draws discarded; draws of another shape are refused
+    by name."""
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(7, K, generator=g, dtype=dtype)
+    A = torch.randn(7, K, K, generator=g, dtype=dtype)
+    cov = A @ A.mT / K + 0.1 * torch.eye(K, dtype=dtype)
+    fresh = lse_expectations(mean, cov, "mc", num_samples=10, generator=g.manual_seed(5))
+    eps = torch.randn(5, 7, K, dtype=dtype, generator=g.manual_seed(5))
+    kept = lse_expectations(mean, cov, "mc", num_samples=10, draws=eps)
+    for a, b in zip((fresh.value, fresh.grad, fresh.hess), (kept.value, kept.grad, kept.hess)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="draws must have shape"):
+        lse_expectations(mean, cov, "mc", num_samples=12, draws=eps)
+    X, y = _data()
+    X = X.to(dtype)
+    losses = []
+    for discard in (False, True):
+        m = GP(X[::3].clone(), X.shape[0], train_inputs=X).to(dtype)
+        m.variational_strategy.jitter_val = 1e-5
+        opt = MultiClassCVIOptimizer(m, CategoricalLogitsLikelihood(K), method="mc")
+        run = []
+        for _ in range(3):
+            if discard:
+                opt._draw_cache = None
+            run.append(float(opt.step(X, y)))
+        losses.append(run)
+    assert losses[0] == losses[1]

@@ -118,6 +118,9 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         self.register_buffer("site_inputs", x)
         self._site_version = 0
         self._cache = None
+        #: the kernel's part of q (blocks, ``L_Z``, ``Phi``), kept while the hyperparameters are
+        #: unchanged: a CVI step moves the sites only
+        self._kernel_cache = None
 
     # ------------------------------------------------------------------ sites
     @property
@@ -132,8 +135,14 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         """Overwrite the sites (all, or those at ``indices``); ``lam2`` must be NSD and finite."""
 
         def nsd(lam2: Tensor) -> None:
-            top = torch.linalg.eigvalsh(0.5 * (lam2 + lam2.mT)).amax()
-            if float(top) > 1e-8 * (1 + float(lam2.abs().amax())):
+            # no eigenvalue of lam2 above tol  <=>  -lam2 + tol I is positive definite; tol covers
+            # the round-off that the targets' NSD projection leaves (K eps relative)
+            K = lam2.shape[-1]
+            rel = max(1e-8, 2 * K * torch.finfo(lam2.dtype).eps)
+            tol = rel * (1 + float(lam2.abs().amax()))
+            eye = torch.eye(K, dtype=lam2.dtype, device=lam2.device)
+            info = torch.linalg.cholesky_ex(tol * eye - 0.5 * (lam2 + lam2.mT)).info
+            if bool((info != 0).any()):
                 raise ValueError("site lam2 must be negative semidefinite (W = -2 lam2 >= 0).")
 
         write_sites((self.site_lam1, self.site_lam2), lam1, lam2, indices, check=nsd)
@@ -181,9 +190,14 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         return [self._site_version] + self.hyper_key()
 
     def hyper_key(self) -> list:
-        """Copies of the hyperparameters (and inducing points): steps are comparable (and
-        backtracking applies) only while these are unchanged."""
-        return [p.detach().clone() for p in self.model.parameters()]
+        """Copies of the hyperparameters and inducing points (and the site inputs): steps are
+        comparable (and backtracking applies) only while these are unchanged."""
+        key = [p.detach().clone() for p in self.model.parameters()]
+        if not isinstance(self.inducing_points, torch.nn.Parameter):  # a buffer, not above
+            key.append(self.inducing_points.detach().clone())
+        if self.site_inputs is not None:
+            key.append(self.site_inputs.clone())
+        return key
 
     @staticmethod
     def hyper_keys_equal(a: list, b: list) -> bool:
@@ -196,9 +210,16 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         grad = torch.is_grad_enabled()
         if not force and c is not None and (c[3] or not grad) and keys_equal(c[0], key):
             return c[1], c[2]
-        b = self._blocks()
+        hyper, kc = [0] + key[1:], self._kernel_cache
+        # reused without a graph only: a graph kept across site steps may have been freed
+        if not (force or grad) and kc is not None and keys_equal(kc[0], hyper):
+            b, whitened = kc[1], kc[2]
+        else:
+            b = self._blocks()
+            whitened = MultiClassSitePosterior.whitening(b["K_ZZ"], b["K_ZX"])
+            self._kernel_cache = (hyper, b, whitened)
         post = MultiClassSitePosterior(
-            b["K_ZZ"], b["K_ZX"], b["mean_X"], self.site_lam1, self.site_lam2
+            b["K_ZZ"], b["K_ZX"], b["mean_X"], self.site_lam1, self.site_lam2, whitened=whitened
         )
         self._cache = (key, post, b, grad)
         return post, b

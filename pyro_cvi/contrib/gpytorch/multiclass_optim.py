@@ -110,6 +110,7 @@ class MultiClassCVIOptimizer:
             self.control = StepControl(max_beta=self.step_size, start_exact=self.step_size)
             self.control.start(stochastic=False)
         self._hyper = None
+        self._draw_cache: Optional[tuple] = None
         self.num_steps = 0
 
     @property
@@ -132,14 +133,14 @@ class MultiClassCVIOptimizer:
                 "the full training inputs, or a minibatch together with its indices."
             )
         mean, cov = s.site_marginals(indices)
-        gen = torch.Generator().manual_seed(self.seed) if self.method == "mc" else None
         c = self.chunk  # Monte Carlo draws are [S, chunk, K]: bounded memory at any N
+        draws = self._draws(mean, c) if self.method == "mc" else None
         parts = [
             lse_expectations(
                 mean[i : i + c], cov[i : i + c], self.method, num_samples=self.num_samples,
-                generator=gen,
+                draws=None if draws is None else draws[j],
             )
-            for i in range(0, mean.shape[0], c)
+            for j, i in enumerate(range(0, mean.shape[0], c))
         ]  # fmt: skip
         mom = LSEMoments(*(torch.cat(t) for t in zip(*((p.value, p.grad, p.hess) for p in parts))))
         Y = torch.nn.functional.one_hot(y.long().to(mean.device), s.num_classes).to(mean)
@@ -150,6 +151,23 @@ class MultiClassCVIOptimizer:
         with torch.no_grad():
             loss = s.kl_divergence() - F.sum() * (s.num_data / mean.shape[0])
         return lam1, lam2, loss.detach()
+
+    def _draws(self, mean: Tensor, chunk: int) -> list:
+        """The Monte Carlo draws of each chunk of points, drawn in turn from a generator seeded
+        with ``seed`` (the same at every step: common random numbers), so drawn once and kept
+        for the points' shape, dtype and device."""
+        key = (tuple(mean.shape), mean.dtype, mean.device, self.num_samples, self.seed, chunk)
+        if self._draw_cache is None or self._draw_cache[0] != key:
+            gen, half = torch.Generator().manual_seed(self.seed), max(1, self.num_samples // 2)
+            n, K = mean.shape
+            draws = [
+                torch.randn((half, min(chunk, n - i), K), dtype=mean.dtype, generator=gen).to(
+                    mean.device
+                )
+                for i in range(0, n, chunk)
+            ]
+            self._draw_cache = (key, draws)
+        return self._draw_cache[1]
 
     def step(self, x: Tensor, y: Tensor, indices: Optional[Tensor] = None) -> Tensor:
         """Update the sites of the points ``x`` (all, or the minibatch ``indices``); returns the

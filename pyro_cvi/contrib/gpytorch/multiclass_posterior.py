@@ -57,12 +57,20 @@ class MultiClassSitePosterior:
     """
 
     def __init__(
-        self, K_ZZ: Tensor, K_ZX: Tensor, prior_mean_X: Tensor, lam1: Tensor, lam2: Tensor
+        self,
+        K_ZZ: Tensor,
+        K_ZX: Tensor,
+        prior_mean_X: Tensor,
+        lam1: Tensor,
+        lam2: Tensor,
+        *,
+        whitened: Optional[Tuple[Tensor, Tensor]] = None,
     ):
         K, M, _ = K_ZZ.shape
         self.K, self.M = K, M
-        self.L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrices)")
-        self.Phi = torch.linalg.solve_triangular(self.L_Z, K_ZX, upper=False)  # [K, M, N]
+        if whitened is None:
+            whitened = self.whitening(K_ZZ, K_ZX)
+        self.L_Z, self.Phi = whitened  # [K, M, M], [K, M, N]
         eye = torch.eye(K * M, dtype=K_ZZ.dtype, device=K_ZZ.device)
         #: every site empty (the first step): q = prior, ``P = I``, no Gram and no solve
         self.is_prior = not (bool(lam1.any()) or bool(lam2.any()))
@@ -77,6 +85,13 @@ class MultiClassSitePosterior:
         h = torch.einsum("kin,nk->ki", self.Phi, r).reshape(K * M, 1)
         self.m_v = torch.cholesky_solve(h, self.L_P).reshape(K, M)
         self._S_v = None
+
+    @staticmethod
+    def whitening(K_ZZ: Tensor, K_ZX: Tensor) -> Tuple[Tensor, Tensor]:
+        """``L_Z`` (``L_Z L_Z^T = K_ZZ``) and ``Phi = L_Z^-1 K_ZX``: the part of q that depends on
+        the kernel only (a caller may reuse it while the hyperparameters are unchanged)."""
+        L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrices)")
+        return L_Z, torch.linalg.solve_triangular(L_Z, K_ZX, upper=False)
 
     def whiten(self, K_Zx: Tensor) -> Tensor:
         """``phi_x = L_Z^-1 k(Z, x)``, ``[K, M, n]``."""
