@@ -189,8 +189,10 @@ def test_a_remainder_model_runs_its_check_trace_only_on_change(dtype):
     g = torch.Generator().manual_seed(0)
     y = (0.3 * torch.randn(25, generator=g, dtype=torch.float64)).to(dtype)
     flags = {"extra": False}
+    runs = itertools.count()
 
     def model(y):
+        next(runs)
         s = pyro.sample("s", dist.LogNormal(y.new_tensor(0.0), 1.0))
         r = pyro.sample("r", dist.Beta(y.new_tensor(2.0), 2.0))
         if flags["extra"]:
@@ -205,6 +207,10 @@ def test_a_remainder_model_runs_its_check_trace_only_on_change(dtype):
     for _ in range(3):
         svi.step(y)
     assert svi.guide.engine.kinds.get("remainder")  # (the block this test is about)
+    before = next(runs)
+    for _ in range(4):
+        svi.step(y)
+    assert next(runs) - before == 4 + 1  # one batched run of the draws per step, no trace
     flags["extra"] = True
     with pytest.raises(ValueError, match=r"added \['v'\]"):
         svi.step(y)
