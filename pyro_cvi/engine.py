@@ -13,7 +13,8 @@ takes the step with the schedule: ``parallel`` (every block from the same ``q_t`
 inside a subsampled plate the local natural blocks first take a full (``beta = 1``) update for
 the minibatch (doubly stochastic CVI, Hoffman et al. 2013).
 
-Model runs per step (parallel schedule): one trace at the current means, plus for the
+Model runs per step (parallel schedule): one trace at the current means (where a block reads
+it, or what the model reads changed: :func:`~pyro_cvi.model.signature.model_state`), plus for the
 mean-field part one enumerated trace at the means (and one at the geometric means where a Gamma
 latent enters a rate), plus ``num_general_samples`` traces per Monte Carlo message (one if
 vectorised), plus ``num_general_samples`` per Gaussian block with general factors.

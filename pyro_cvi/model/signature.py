@@ -1,11 +1,11 @@
-"""Model changes are seen: a structural signature of the model's trace, checked every step, and
-the tensors a model reads from its closure or module globals, part of the data's identity.
+"""Model changes are seen: a structural signature of the model's trace, checked whenever what
+the model reads changes, and the tensors a model reads from its closure or module globals, part of the data's identity.
 
 The analysis of a model (its blocks, affine coefficients, messages) holds as long as the model
 has the same sample sites, with the same distributions, shapes and plates, and reads the same
 data. A model without learnable parameters is traced once per data (its trace at the blocks'
-fixed point does not change); so that a model that changes is still seen, every step runs it
-again and compares:
+fixed point does not change); so that a model that changes is still seen, it is run again and
+compared whenever :func:`model_state` (what its run reads) changes:
 
 * :func:`signature`: per sample site, the base distribution's type, its batch and event shapes
   (batch dims of subsampled plates left out: a minibatch's size may vary) and its plates. A
@@ -18,7 +18,10 @@ again and compares:
   model's code names; at bounded cost (:data:`MAX_DEPTH` levels, :data:`MAX_ITEMS` values).
   Data read that way is then treated as data passed as arguments: replaced or changed in
   place, it is re-analysed at the next step (a tensor read inside another function the model
-  calls is not seen: pass data as arguments).
+  calls is not re-analysed: pass data as arguments).
+* :func:`model_state`: the key of the structure check, a superset of the data's: the
+  arguments and the closure as above, plus plain values (numbers, strings, ``None``) by value,
+  arrays by identity and shape, and what the model's own helper functions read.
 """
 
 from __future__ import annotations
