@@ -1,5 +1,6 @@
 """Model changes are seen: a structural signature of the model's trace, checked whenever what
-the model reads changes, and the tensors a model reads from its closure or module globals, part of the data's identity.
+the model reads changes, and the tensors a model reads from its closure or module globals,
+part of the data's identity.
 
 The analysis of a model (its blocks, affine coefficients, messages) holds as long as the model
 has the same sample sites, with the same distributions, shapes and plates, and reads the same
