@@ -13,7 +13,8 @@ takes the step with the schedule: ``parallel`` (every block from the same ``q_t`
 inside a subsampled plate the local natural blocks first take a full (``beta = 1``) update for
 the minibatch (doubly stochastic CVI, Hoffman et al. 2013).
 
-Model runs per step (parallel schedule): one trace at the current means, plus for the
+Model runs per step (parallel schedule): one trace at the current means (where a block reads
+it, or what the model reads changed: :func:`~pyro_cvi.model.signature.model_state`), plus for the
 mean-field part one enumerated trace at the means (and one at the geometric means where a Gamma
 latent enters a rate), plus ``num_general_samples`` traces per Monte Carlo message (one if
 vectorised), plus ``num_general_samples`` per Gaussian block with general factors.
@@ -33,8 +34,8 @@ from .context import GIVEN, Options, StepContext
 from .messages.expectations import site_weight
 from .model.analysis import CONSTANT, Analysis
 from .model.factor_roles import minibatch_renames
-from .model.signature import check_signature, closure_key, data_key, signature
-from .model.tracing import is_random, trace_model
+from .model.signature import check_signature, closure_key, data_key, model_state, signature
+from .model.tracing import DeferredTrace, is_random, trace_model
 from .model.validation import check_analysis, check_observations, check_structure, per_index
 from .step_control import (
     Snapshot,
@@ -72,6 +73,12 @@ class Engine:
         self.counts = StepCounts()
         self.warnings = WarningLog()
         self.data_key = None
+        #: the :func:`~pyro_cvi.model.signature.model_state` at which the model's structure was
+        #: last checked (the structure check is skipped while it stays the same), and the one
+        #: computed for the current step's arguments
+        self._checked = None
+        self._state_for: Optional[tuple] = None
+        self._data_state = None  # (the model_state at which the data key was last compared)
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
         self.control: Optional[StepControl] = None
         self.steps_name = f"{prefix}.num_steps"
@@ -138,6 +145,8 @@ class Engine:
         )
         self.analysis = an
         self.data_key = data_key(args, kwargs) + closure_key(self.model)
+        self._data_held = (args, kwargs)  # (the key's identities stay unique while held)
+        self._checked = self._data_state = None
         self.signature = None  # of the first step's trace (model/signature.py)
         # the sample sites, and which are observed (the analysis trace conditions the latents)
         self.structure = {
@@ -165,6 +174,8 @@ class Engine:
             and not any(b.moves_trace for b in self.blocks)
         )
         self._static_trace = None
+        # Without parameters or minibatches, a trace that no block reads need not be taken
+        self._deferrable = not self.minibatch and not self._has_params
 
     def block_for(self, name: str) -> Block:
         """The block that holds the ``q`` of latent site ``name`` (``KeyError``: none, a leaf
@@ -214,19 +225,24 @@ class Engine:
     def invalidate(self) -> None:
         """The parameters were set from outside (a checkpoint): drop every cached ``q``."""
         self.pending, self.control, self._static_trace = None, None, None
+        self._checked = None
         for block in self.blocks:
             block.forget()
 
     def reanalyse_if_new_data(self, args, kwargs, prototype_trace) -> None:
         """New data (other tensors): the affine coefficients are re-probed; the site
         parameters are kept, so the number of data points must not change."""
+        state = model_state(self.model, args, kwargs)
+        self._state_for = (args, kwargs, state)
+        if state is not None and state == self._data_state:
+            return  # (it names every tensor the data key names: those are the same too)
         key = data_key(args, kwargs) + closure_key(self.model)  # (closure data too)
-        if key == self.data_key:
-            return
-        old = {b.label: b for b in self.blocks}
-        self._analyse(args, kwargs, prototype_trace)
-        for block in self.blocks:
-            block.continue_from(old.get(block.label), self.analysis.values)
+        if key != self.data_key:
+            old = {b.label: b for b in self.blocks}
+            self._analyse(args, kwargs, prototype_trace)
+            for block in self.blocks:
+                block.continue_from(old.get(block.label), self.analysis.values)
+        self._data_state = state
 
     def _tag_params(self) -> None:
         """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
@@ -270,20 +286,42 @@ class Engine:
         ctx.marginal = lambda name: self.block_for(name).marginal(name)
         ctx.retrace = lambda: self._trace(ctx)
         ctx.report = self._report
+        state = self._model_state(args, kwargs)
+        if state is not None and state == self._checked and not ctx.subsample:
+            # the model reads what it read when its structure was last checked
+            ctx.trace = self._static_trace
+            if ctx.trace is None:  # (read by a block, it is traced and checked then)
+                ctx.trace = DeferredTrace(lambda: self._checked_trace(ctx))
+            return ctx
         if self._static_trace is not None and not ctx.subsample:
             fresh = self._trace(ctx)  # a model that changed (or now raises) is still seen
             check_structure(fresh, self.structure)
             check_signature(fresh, self.signature)
             ctx.trace = self._static_trace
-            return ctx
-        ctx.trace = self._trace(ctx)
-        check_observations(ctx.trace, self.structure)
-        if self.signature is None:
-            self.signature = signature(ctx.trace)
-        check_signature(ctx.trace, self.signature)
-        if self._static:
-            self._static_trace = ctx.trace
+        else:
+            ctx.trace = self._checked_trace(ctx)
+            if self._static:
+                self._static_trace = ctx.trace
+        if self._static_trace is not None or self._deferrable:
+            self._checked = None if ctx.subsample else state
         return ctx
+
+    def _model_state(self, args, kwargs):
+        """The :func:`~pyro_cvi.model.signature.model_state` of this step's arguments (the one
+        :meth:`reanalyse_if_new_data` took for them, once)."""
+        pending, self._state_for = self._state_for, None
+        if pending is not None and pending[0] is args and pending[1] is kwargs:
+            return pending[2]
+        return model_state(self.model, args, kwargs)
+
+    def _checked_trace(self, ctx: StepContext):
+        """The model traced at the current q, its observations and structure checked."""
+        trace = self._trace(ctx)
+        check_observations(trace, self.structure)
+        if self.signature is None:
+            self.signature = signature(trace)
+        check_signature(trace, self.signature)
+        return trace
 
     def _trace(self, ctx: StepContext):
         """The model traced at the current q (:meth:`trace_values`) and the step's minibatch."""

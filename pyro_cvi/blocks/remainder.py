@@ -110,6 +110,13 @@ class RemainderBlock(Block):
             self.sites.append(site)
             start += size
         self.dim = start
+        # (a discrete latent summed out here is drawn in that trace: it is part of the run's
+        # random stream, so such a model keeps it)
+        self._alone = set(analysis.values) <= set(self.names) and all(
+            node["fn"].subsample_size in (None, node["fn"].size)
+            for n, node in analysis.structure.nodes.items()
+            if n in analysis.subsample
+        )
         #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
         self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
         # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too;
@@ -276,14 +283,16 @@ class RemainderBlock(Block):
 
     # ------------------------------------------------------------------ messages and steps
     def messages(self, ctx: StepContext) -> torch.Tensor:
-        others = {
+        # the trace's free sample sites: none where every latent is this block's continuous one
+        # and no plate is subsampled (then the step's trace is not read, and need not be taken)
+        others = {} if self._alone else {
             n: node["value"]
             for n, node in ctx.trace.nodes.items()
             if node["type"] == "sample"
             and not node["is_observed"]
             and n not in self.names
             and n not in self.analysis.remainder_discrete
-        }
+        }  # fmt: skip
         if self.cross:
             drawn = ctx.sample_q(exclude=set(self.names))
             others.update({n: drawn[n] for n in self.cross if n in drawn})

@@ -1,11 +1,12 @@
-"""Model changes are seen: a structural signature of the model's trace, checked every step, and
-the tensors a model reads from its closure or module globals, part of the data's identity.
+"""Model changes are seen: a structural signature of the model's trace, checked whenever what
+the model reads changes, and the tensors a model reads from its closure or module globals,
+part of the data's identity.
 
 The analysis of a model (its blocks, affine coefficients, messages) holds as long as the model
 has the same sample sites, with the same distributions, shapes and plates, and reads the same
 data. A model without learnable parameters is traced once per data (its trace at the blocks'
-fixed point does not change); so that a model that changes is still seen, every step runs it
-again and compares:
+fixed point does not change); so that a model that changes is still seen, it is run again and
+compared whenever :func:`model_state` (what its run reads) changes:
 
 * :func:`signature`: per sample site, the base distribution's type, its batch and event shapes
   (batch dims of subsampled plates left out: a minibatch's size may vary) and its plates. A
@@ -18,12 +19,16 @@ again and compares:
   model's code names; at bounded cost (:data:`MAX_DEPTH` levels, :data:`MAX_ITEMS` values).
   Data read that way is then treated as data passed as arguments: replaced or changed in
   place, it is re-analysed at the next step (a tensor read inside another function the model
-  calls is not seen: pass data as arguments).
+  calls is not re-analysed: pass data as arguments).
+* :func:`model_state`: the key of the structure check, a superset of the data's: the
+  arguments and the closure as above, plus plain values (numbers, strings, ``None``) by value,
+  arrays by identity and shape, and what the model's own helper functions read.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 import weakref
 from typing import Callable, Dict, Optional, Tuple
@@ -34,7 +39,15 @@ from pyro.poutine.util import site_is_subsample
 
 from .tracing import unwrap
 
-__all__ = ["signature", "check_signature", "closure_key", "data_key", "MAX_DEPTH", "MAX_ITEMS"]
+__all__ = [
+    "signature",
+    "check_signature",
+    "closure_key",
+    "data_key",
+    "model_state",
+    "MAX_DEPTH",
+    "MAX_ITEMS",
+]
 
 #: how deep :func:`closure_key` looks into captured containers and objects
 MAX_DEPTH = 3
@@ -96,6 +109,32 @@ def closure_key(model: Callable) -> Tuple:
     """``(name, id, version, shape)`` of every tensor ``model`` reads from its closure or its
     module's globals (a ``functools.partial``, a bound method or a callable object: its
     function), in a fixed order."""
+    found: list = []
+    budget = [MAX_ITEMS]
+    items, attrs = _closure_items(model)
+    for name, value in items:
+        _collect(name, value, attrs, MAX_DEPTH, found, budget, set())
+    return tuple(found)
+
+
+def _closure_items(model: Callable) -> Tuple[list, tuple]:
+    """``([(name, value)], attribute names)``: what ``model``'s code reads from its closure
+    cells, its module's globals and (a bound method) its object."""
+    where = _where(model)
+    if where is None:
+        return [], ()
+    fn, code, owner = where
+    items = _function_items(fn, code)
+    if owner is not None:  # the object a method reads its data from (self.X)
+        items.append(("self", owner))
+    return items, _code_names(code)[2]
+
+
+def _where(model: Callable) -> Optional[Tuple[Callable, types.CodeType, object]]:
+    """``(function, its code, the object it is bound to)`` under wrappers, partials, bound
+    methods and callable objects (``None``: no Python code)."""
+    if type(model) is types.FunctionType and "__wrapped__" not in model.__dict__:
+        return model, model.__code__, None  # (a plain function: the common case, first)
     fn = _bound(model)
     owner = fn.__self__ if inspect.ismethod(fn) else None  # a bound method's object
     if inspect.ismethod(fn):
@@ -104,9 +143,11 @@ def closure_key(model: Callable) -> Tuple:
     if code is None and callable(fn):  # a callable object: its __call__
         owner, fn = fn, type(fn).__call__
         code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    freevars, names, attrs = _code_names(code)
+    return None if code is None else (fn, code, owner)
+
+
+def _function_items(fn, code: types.CodeType) -> list:
+    freevars, names, _ = _code_names(code)
     items = []
     cells = getattr(fn, "__closure__", None) or ()
     for name, cell in zip(freevars, cells):
@@ -116,13 +157,7 @@ def closure_key(model: Callable) -> Tuple:
             continue
     env = getattr(fn, "__globals__", {})
     items += [(n, env[n]) for n in names if n in env]
-    if owner is not None:  # the object a method reads its data from (self.X)
-        items.append(("self", owner))
-    found: list = []
-    budget = [MAX_ITEMS]
-    for name, value in items:
-        _collect(name, value, attrs, MAX_DEPTH, found, budget, set())
-    return tuple(found)
+    return items
 
 
 _CODE_NAMES: weakref.WeakKeyDictionary[types.CodeType, Tuple[tuple, tuple, tuple]] = (
@@ -148,33 +183,131 @@ def _bound(model: Callable) -> Callable:
     return fn
 
 
-def _collect(path: str, value, attrs: tuple, depth: int, found: list, budget: list, seen: set):
+def _collect(
+    path: str,
+    value,
+    attrs: tuple,
+    depth: int,
+    found: list,
+    budget: list,
+    seen: set,
+    state: Optional[_Scan] = None,
+):
     """Append ``(path, id, version, shape)`` of every tensor in ``value``: the value itself,
     the items of a list, tuple or dict, and the attributes named in ``attrs`` of an object, a
     module or an ``nn.Module`` (its buffers; a parameter is learned, not data: skipped). Read
-    without running code (no properties, no ``PyroModule`` side effects)."""
+    without running code (no properties, no ``PyroModule`` side effects). A library's module
+    (torch, pyro, the standard library) holds no data: skipped. With ``state``, also what
+    else may change the model's structure: plain values (numbers, strings, ``None``) by value,
+    an array's identity and shape, and the closures and globals of the model's own helper
+    functions (:func:`model_state`)."""
     if budget[0] <= 0:
         return
     budget[0] -= 1
-    if isinstance(value, torch.nn.Parameter):
-        return
     if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.nn.Parameter):
+            return
         found.append((path, id(value), value._version, tuple(value.shape)))
+        if state is not None:
+            state.append(value.dtype)
+            state.held.append(value)
+        return
+    if state is not None and isinstance(value, _PLAIN):
+        state.append((path, type(value), value))  # (True == 1: the type too)
         return
     if depth == 0 or id(value) in seen:
         return
     seen.add(id(value))
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value[:MAX_ITEMS]):
-            _collect(f"{path}[{i}]", v, attrs, depth - 1, found, budget, seen)
+            _collect(f"{path}[{i}]", v, attrs, depth - 1, found, budget, seen, state)
     elif isinstance(value, dict):
+        if state is not None:
+            state.append((path, len(value)))
         for k in list(value)[:MAX_ITEMS]:
-            _collect(f"{path}[{k!r}]", value[k], attrs, depth - 1, found, budget, seen)
+            _collect(f"{path}[{k!r}]", value[k], attrs, depth - 1, found, budget, seen, state)
+    elif isinstance(value, types.ModuleType) and _library(value.__name__):
+        return
+    elif isinstance(value, types.FunctionType):
+        if state is not None and not _library(getattr(value, "__module__", None)):
+            # a helper of the model's own: what it reads may change the model too
+            code = value.__code__
+            for n, v in _function_items(value, code):
+                _collect(
+                    f"{path}.{n}", v, _code_names(code)[2], depth - 1, found, budget, seen, state
+                )
+    elif state is not None and hasattr(type(value), "__array__") and hasattr(value, "shape"):
+        state.append((path, id(value), tuple(value.shape), str(getattr(value, "dtype", ""))))
     elif _holds_attributes(value):
         for a in attrs:
             v = _attribute(value, a)
             if v is not _MISSING:
-                _collect(f"{path}.{a}", v, attrs, depth - 1, found, budget, seen)
+                _collect(f"{path}.{a}", v, attrs, depth - 1, found, budget, seen, state)
+
+
+#: values recorded by value in :func:`model_state`
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+_LIBRARIES = frozenset({"torch", "pyro", "pyro_cvi", "gpytorch", "numpy", "scipy", "funsor"})
+_LIBRARY_OF: Dict[str, bool] = {}
+
+
+def _library(module: Optional[str]) -> bool:
+    """Whether a module (by name) is a library's: torch, Pyro and their kin, the standard
+    library."""
+    if module is None:
+        return False
+    out = _LIBRARY_OF.get(module)
+    if out is None:
+        root = module.partition(".")[0]
+        out = _LIBRARY_OF[module] = root in _LIBRARIES or root in sys.stdlib_module_names
+    return out
+
+
+class _Scan(list):
+    """:func:`model_state`'s plain entries, and the tensors it named (:attr:`held`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list = []
+
+
+class ModelState:
+    """A :func:`model_state` key. It holds the tensors it names, so that while it lives no
+    other tensor can take one of their identities."""
+
+    __slots__ = ("key", "held")
+
+    def __init__(self, key: Tuple, held: list):
+        self.key, self.held = key, held
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModelState) and self.key == other.key
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def model_state(model: Callable, args, kwargs) -> Optional[ModelState]:
+    """What a model's run reads that may differ from one step to the next, as a key: the
+    arguments (tensors by identity, version, shape and dtype; containers item by item; plain
+    values by value), and the same of what the model's code and its own helper functions read
+    from their closures and globals (:func:`closure_key`, with plain values). Equal keys: the
+    model sees the same inputs, so its structure is the one already checked. ``None`` where
+    the scan was cut short (:data:`MAX_ITEMS`): nothing can be concluded."""
+    found: list = []
+    state = _Scan()
+    budget = [MAX_ITEMS]
+    items, attrs = _closure_items(model)
+    seen: set = set()
+    for i, a in enumerate(args):
+        _collect(f"args[{i}]", a, attrs, MAX_DEPTH, found, budget, seen, state)
+    for k in sorted(kwargs):
+        _collect(f"kwargs[{k!r}]", kwargs[k], attrs, MAX_DEPTH, found, budget, seen, state)
+    for name, value in items:
+        _collect(name, value, attrs, MAX_DEPTH, found, budget, seen, state)
+    if budget[0] <= 0:
+        return None
+    return ModelState((tuple(found), tuple(state)), state.held)
 
 
 _MISSING = object()

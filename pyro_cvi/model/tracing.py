@@ -16,6 +16,7 @@ from . import probes
 
 __all__ = [
     "trace_model",
+    "DeferredTrace",
     "run_model",
     "max_plate_nesting",
     "subsample_values",
@@ -40,6 +41,27 @@ def trace_model(model: Callable, values: Dict[str, torch.Tensor], args, kwargs) 
     """Trace ``model(*args, **kwargs)`` with the latent sites in ``values`` fixed (conditioned)."""
     conditioned = poutine.condition(model, data=values) if values else model
     return poutine.trace(conditioned).get_trace(*args, **kwargs)
+
+
+class DeferredTrace:
+    """A trace taken when it is first read (``make()``), then kept: a step whose blocks read no
+    trace runs no model for it. Reads as the trace (``.nodes``, ...)."""
+
+    __slots__ = ("_make", "_trace")
+
+    def __init__(self, make: Callable[[], Trace]):
+        self._make: Optional[Callable[[], Trace]] = make
+        self._trace: Optional[Trace] = None
+
+    def get(self) -> Trace:
+        if self._trace is None:
+            make, self._make = self._make, None
+            assert make is not None
+            self._trace = make()
+        return self._trace
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
 
 
 def run_model(model, values: Dict[str, torch.Tensor], args, kwargs, enum_dims: Optional[int]):
