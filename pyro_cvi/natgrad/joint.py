@@ -107,11 +107,12 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     prior = prior_split(block, p, u)
     # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
     logdet = (sc.diagonal() if full else sc).abs().log().sum()
-    const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
-    per_t = f + prior + 0.5 * eps.pow(2).sum(-1) + const
+    log_q = -0.5 * eps.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
+    per_t = f + prior - log_q
     elbo = per_t.mean()
     if n > 0:
         with torch.no_grad():
+            const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
             pairs = paired_report(block, p, u2, f2, e2, const)
         # the value is the pairs' mean; the gradient (for the model's parameters) the draw's
         elbo = elbo + (pairs.mean() - elbo.detach())
