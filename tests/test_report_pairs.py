@@ -4,8 +4,10 @@ classifier (139 latents, the diagonal one-draw step):
 
 * unbiased: at a fixed ``q`` the mean of many reports equals an independent ``Trace_ELBO``
   estimate of the same guide within 3 standard errors, in float32 and float64;
-* low variance: at that ``q`` the reports' standard deviation is below 6 nats with four pairs
-  (one draw's report: about 17 nats there);
+* low variance: at that ``q`` the reports' standard deviation is below 5 nats with 16 pairs,
+  and below 0.4 of one draw's report's (measured at 300 steps, two seeds: 15.9 and 15.0 nats
+  from one draw, 5.8 and 4.9 with four pairs, 3.2 and 2.1 with 16:
+  ``scripts/benchmark_report_spread.py``);
 * the step is the same: the pairs come from the block's own generator, so ``q`` after 20
   steps equals ``q`` without them (to rounding: the draws share one batched model run);
 * its validation.
@@ -50,7 +52,7 @@ def _fit(dtype, pairs: int, steps: int):
 @pytest.mark.slow
 @DTYPES
 def test_the_paired_report_is_the_bound_with_a_small_spread(dtype):
-    model, guide, args, _ = _fit(dtype, 4, 150)
+    model, guide, args, _ = _fit(dtype, 16, 150)
     (block,) = [b for b in guide.engine.blocks if b.kind == "remainder"]
     assert block.onedraw and block.form == "diag" and block.vectorise
     reports = torch.tensor(
@@ -63,9 +65,11 @@ def test_the_paired_report_is_the_bound_with_a_small_spread(dtype):
         )
     se = math.sqrt(reports.var() / 100 + est.var() / 60)
     assert abs(float(reports.mean() - est.mean())) < 3 * se, (reports.mean(), est.mean(), se)
-    assert float(reports.std()) < 6.0, float(reports.std())
-    # and one draw's spread is the larger (what the pairs are for)
-    assert float(est.std()) * math.sqrt(10) > 2 * float(reports.std())
+    assert float(reports.std()) < 5.0, float(reports.std())
+    # against one draw's report at the same q (what the pairs are for)
+    block.rule = Horizon(report_pairs=0)
+    one = torch.tensor([CVI_ELBO().loss(model, guide, *args) for _ in range(100)])
+    assert float(reports.std()) < 0.4 * float(one.std()), (reports.std(), one.std())
 
 
 @DTYPES
