@@ -62,6 +62,20 @@ def test_noise_alone_is_not_convergence():
     assert not r.converged
 
 
+def test_a_rising_trend_is_no_credit_against_the_noise():
+    """Losses that rise by 0.02 a step under noise of sd 14 (a one-draw network's reported
+    losses): ``D = -b K`` is about -7 nats over K = 350, and ``z se(b) K`` about 5.3 > 1. A
+    negative ``D`` must not pull the bound under the tolerance: still False."""
+    g = torch.Generator().manual_seed(2)
+    noise = (14.0 * torch.randn(700, generator=g, dtype=torch.float64)).tolist()
+    rising = [75.0 + 0.02 * t + e for t, e in enumerate(noise)]
+    r = convergence_report(rising, atol=1.0, rtol=0.0)
+    assert r.decrease < -3.0
+    se_band = 2.0 * r.noise * math.sqrt(12.0 / r.steps)  # z se(b) K, with sum (t - tbar)^2
+    assert r.upper == pytest.approx(se_band * math.sqrt(r.steps**2 / (r.steps**2 - 1)), rel=1e-9)
+    assert r.upper > 1.0 and not r.converged
+
+
 def test_short_history_is_not_converged():
     r = convergence_report([1.0] * 99)
     assert not r.converged and r.steps == 49

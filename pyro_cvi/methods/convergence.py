@@ -6,13 +6,14 @@ the least-squares slope ``b`` and its standard error ``se(b) = sigma / sqrt(sum_
 tbar)^2)`` (``sigma``: the residual standard deviation) give the decrease still to come over
 the next ``K`` steps, were the trend to go on, and an upper confidence bound on it::
 
-    D = -b K,        D_up = D + z se(b) K
+    D = -b K,        D_up = max(D, 0) + z se(b) K
 
 The fit has converged when ``D_up <= tol``, ``tol = max(atol, rtol |mean l|)``: with
 confidence about ``Phi(z)`` (a one-sided normal test), ``K`` more steps would gain less than
 ``tol``. Noise alone never reads as convergence: a short or noisy history has a large
 ``se(b)`` and says ``False`` until it holds enough losses to resolve ``tol``
-(``z sigma sqrt(12 / K) <= tol`` at the least). The linear fit over a decaying curve's later
+(``z sigma sqrt(12 / K) <= tol``), and a rising trend (``D < 0``, often the noise's own
+slope) earns no credit against it. The linear fit over a decaying curve's later
 half overstates the current slope, so the test errs towards ``False``.
 
 Use it with any optimiser (``CVI()``, Adam)::
@@ -96,7 +97,7 @@ def convergence_report(
     sigma = math.sqrt(rss / (K - 2))
     se = sigma / math.sqrt(sxx)
     decrease = -b * K
-    upper = decrease + z * se * K
+    upper = max(decrease, 0.0) + z * se * K
     tol = max(atol, rtol * abs(ybar))
     return ConvergenceReport(upper <= tol, decrease, upper, tol, sigma, K)
 

@@ -52,6 +52,11 @@ class Horizon:
     :param warmup: steps over which the mean's step grows linearly to ``lr`` (the first
         steps' curvature is the initial guess's, and momentum would carry their error on).
     :param particles: reparameterised draws per step.
+    :param report_pairs: antithetic pairs ``m +- L e_j`` of forward-only draws for the reported
+        loss, run in the gradient draw's batched model run (from a generator of the block's
+        own, so that the step's draws are unchanged): the loss is their mean, unbiased for the
+        current ``q``'s bound, its odd Taylor terms cancelled in each pair (0: the gradient
+        draw's own estimate).
     """
 
     lr: float = 0.1
@@ -61,6 +66,7 @@ class Horizon:
     final: float = 0.1
     warmup: int = 0
     particles: int = 1
+    report_pairs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("lr", "rho"):
@@ -77,6 +83,10 @@ class Horizon:
             raise ValueError(f"Horizon(final={self.final!r}): a number in (0, 1]")
         if not (isinstance(self.particles, int) and self.particles >= 1):
             raise ValueError(f"Horizon(particles={self.particles!r}): a positive integer")
+        if not (isinstance(self.report_pairs, int) and self.report_pairs >= 0):
+            raise ValueError(
+                f"Horizon(report_pairs={self.report_pairs!r}): a non-negative integer (pairs)"
+            )
 
     def control(self) -> HorizonControl:
         return HorizonControl(self)

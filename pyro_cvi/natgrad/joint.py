@@ -40,7 +40,9 @@ __all__ = [
     "onedraw_messages",
     "onedraw_step",
     "price_messages",
+    "paired_report",
     "prior_split",
+    "report_generator",
 ]
 
 
@@ -90,14 +92,33 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     dz = eps @ sc.mT if full else sc * eps
     u = (m + dz).requires_grad_(True)
-    f = log_joint(u)
+    # the report's pairs ride in the gradient draw's batched model run (none where the model
+    # runs once per draw, or before the batched run is checked)
+    batched = block.vectorise is not None and block.vectorise is not False
+    n = getattr(block.rule, "report_pairs", 0) if batched else 0
+    if n > 0:
+        e2 = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block))
+        e2 = torch.cat([e2, -e2]).to(m.device)
+        u2 = (m + (e2 @ sc.mT if full else sc * e2)).detach()
+        f_all = log_joint(torch.cat([u, u2]))
+        f, f2 = f_all[:K], f_all[K:].detach()
+    else:
+        f = log_joint(u)
     prior = prior_split(block, p, u)
     # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
     logdet = (sc.diagonal() if full else sc).abs().log().sum()
     log_q = -0.5 * eps.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
     per_t = f + prior - log_q
     elbo = per_t.mean()
-    ctx.add_mc_samples(per_t)
+    if n > 0:
+        with torch.no_grad():
+            const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
+            pairs = paired_report(block, p, u2, f2, e2, const)
+        # the value is the pairs' mean; the gradient (for the model's parameters) the draw's
+        elbo = elbo + (pairs.mean() - elbo.detach())
+        ctx.add_mc_samples(pairs)
+    else:
+        ctx.add_mc_samples(per_t)
     if ctx.grads:
         # (the loss keeps this graph where it is differentiated for the model's parameters)
         (g,) = torch.autograd.grad(
@@ -115,6 +136,30 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
             gm, G = onedraw_diag(sc, eps, g, p0, c)
         return elbo, {block.loc_name: gm, "G": G}
     return elbo, None
+
+
+def report_generator(block) -> torch.Generator:
+    """The block's own generator for the report's draws (seeded once): the step's draws come
+    from the user's stream, as without a report."""
+    gen = getattr(block, "_report_generator", None)
+    if gen is None:
+        gen = block._report_generator = torch.Generator().manual_seed(0)
+    return gen
+
+
+def paired_report(block, p, u2, f2, e2, const) -> torch.Tensor:
+    """The bound's estimate of each antithetic pair ``u = m +- L e``: the mean over the pair of
+    ``f(u) + E_q[log prior] - log prior(u) - log q(u)``, minus the zero-mean quadratic
+    ``((u - m)^T P0 (u - m) - tr(P0 S)) / 2`` (the known prior's fluctuation, which
+    ``-log q`` would cancel if the prior were left in ``f``). The linear term cancels in each
+    pair; the pairs are independent of each other."""
+    dz2 = u2 - p[block.loc_name]
+    var = marginal_var(block.form, p, block.role_names)
+    p0 = block.prior_prec
+    quad = 0.5 * ((dz2 * dz2 * p0).sum(-1) - (p0 * var).sum())
+    per = f2 + prior_split(block, p, u2) + 0.5 * e2.pow(2).sum(-1) + const - quad
+    n = per.shape[0] // 2
+    return 0.5 * (per[:n] + per[n:])
 
 
 def known_priors(analysis, sites, dim: int):
