@@ -73,12 +73,9 @@ class Engine:
         self.counts = StepCounts()
         self.warnings = WarningLog()
         self.data_key = None
-        #: the :func:`~pyro_cvi.model.signature.model_state` at which the model's structure was
-        #: last checked (the structure check is skipped while it stays the same), and the one
-        #: computed for the current step's arguments
-        self._checked = None
-        self._state_for: Optional[tuple] = None
-        self._data_state = None  # (the model_state at which the data key was last compared)
+        # model_state at the last structure check (skipped while it holds), this step's, and
+        # at the last comparison of the data key
+        self._checked, self._state_for, self._data_state = None, None, None
         #: the adaptive step control (``CVI(step_size="auto")``), made by the first auto step
         self.control: Optional[StepControl] = None
         self.steps_name = f"{prefix}.num_steps"
@@ -174,8 +171,7 @@ class Engine:
             and not any(b.moves_trace for b in self.blocks)
         )
         self._static_trace = None
-        # Without parameters or minibatches, a trace that no block reads need not be taken
-        self._deferrable = not self.minibatch and not self._has_params
+        self._deferrable = not self.minibatch and not self._has_params  # (trace when read)
 
     def block_for(self, name: str) -> Block:
         """The block that holds the ``q`` of latent site ``name`` (``KeyError``: none, a leaf
@@ -307,8 +303,7 @@ class Engine:
         return ctx
 
     def _model_state(self, args, kwargs):
-        """The :func:`~pyro_cvi.model.signature.model_state` of this step's arguments (the one
-        :meth:`reanalyse_if_new_data` took for them, once)."""
+        """``model_state`` of this step's arguments (:meth:`reanalyse_if_new_data`'s, once)."""
         pending, self._state_for = self._state_for, None
         if pending is not None and pending[0] is args and pending[1] is kwargs:
             return pending[2]
