@@ -139,7 +139,7 @@ class RemainderBlock(Block):
         # scales positive (the retraction, and s' = s exp(...))
         self.constraints = {n: constraints.real for n in self.param_names()}
         #: Price's theorem (dense Hessians) for the precision (see Remainder.hessian)
-        # (by default only where the log joint is a few vectorised operations: HESSIAN_MAX_OPS)
+        # (by default only where the log joint is vectorised: remainder_rules.VectorisedLogJoint)
         self.hessian = self.form == "full" and (
             strategy.curvature == "hessian"
             or (

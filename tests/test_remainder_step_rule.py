@@ -1,0 +1,133 @@
+"""The remainder's default step follows the model's structure (``blocks/remainder_rules``):
+Price's dense Hessians where its log joint is vectorised (a span that does not grow with the
+data), the one-draw step where it is sequential (a Python recursion; a Markov chain of
+enumerated states), whatever the coordinate count; the user's options override the rule."""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
+from pyro_cvi.blocks import remainder_rules as rr
+
+DTYPES = [torch.float64, torch.float32]
+
+
+def regression(x, y):
+    """A hierarchical logistic regression: its scale has a Gamma-free prior (a seed of the
+    remainder), every site batched over a plate."""
+    tau = pyro.sample("tau", dist.LogNormal(x.new_tensor(0.0), 1.0))
+    with pyro.plate("coef", x.shape[1]):
+        b = pyro.sample("b", dist.Normal(x.new_tensor(0.0), tau))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=x @ b), obs=y)
+
+
+def recursion(y):
+    """A GARCH(1, 1)-like variance recursion written as a Python loop."""
+    omega = pyro.sample("omega", dist.LogNormal(y.new_tensor(-2.0), 1.0))
+    a = pyro.sample("a", dist.Beta(y.new_tensor(2.0), 8.0))
+    var, sds = omega / (1 - a), []
+    for t in range(y.shape[0]):
+        sds.append(var.sqrt())
+        var = omega + a * var * y[t].abs()
+    with pyro.plate("time", y.shape[0]):
+        pyro.sample("y", dist.Normal(0.0, torch.stack(sds, -1)), obs=y)
+
+
+def markov_hmm(y):
+    """Two states enumerated in a ``pyro.markov`` loop, latent emission means."""
+    trans = pyro.sample("trans", dist.Dirichlet(y.new_ones(2, 2)).to_event(1))
+    locs = pyro.sample("locs", dist.Normal(y.new_zeros(2), 5.0).to_event(1))
+    probs = trans.mean(0)
+    for t in pyro.markov(range(y.shape[0])):
+        s = pyro.sample(f"s_{t}", dist.Categorical(probs), infer={"enumerate": "parallel"})
+        pyro.sample(f"y_{t}", dist.Normal(locs[s], 1.0), obs=y[t])
+        probs = trans[s]
+
+
+def _data(name, n, dtype):
+    g = torch.Generator().manual_seed(n)
+    if name == "regression":
+        x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+        y = torch.bernoulli(
+            torch.sigmoid(x @ torch.tensor([1.0, -1.0, 0.5], dtype=x.dtype)), generator=g
+        )
+        return regression, (x.to(dtype), y.to(dtype))
+    if name == "recursion":
+        return recursion, ((0.3 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype),)
+    y = torch.cat([torch.full((n // 2,), -2.0), torch.full((n - n // 2,), 2.0)]).double()
+    return markov_hmm, ((y + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype),)
+
+
+def _block(model, args, **kw):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model, **kw)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(*args) for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    (block,) = [b for b in guide.engine.blocks if getattr(b, "kind", None) == "remainder"]
+    return block
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_span_is_set_by_the_formula_for_a_vectorised_model_and_by_the_data_for_a_loop(dtype):
+    spans = {}
+    for name in ("regression", "recursion"):
+        for n in (10, 80):
+            block = _block(*_data(name, n, dtype))
+            spans[name, n] = rr.log_joint_span(block.analysis, block.owned)
+    # the plate-batched model: the same chain at 10 and 80 rows, and a short one
+    assert spans["regression", 10] == spans["regression", 80] <= 20
+    # the loop: one step of the recursion per row (at least two operations a step)
+    assert spans["recursion", 80] - spans["recursion", 10] >= 2 * 70
+    assert spans["recursion", 80] > rr.VECTORISED_MAX_SPAN
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_step_by_structure(dtype):
+    # vectorised: Price's dense Hessians (under the noise control)
+    reg = _block(*_data("regression", 40, dtype))
+    assert reg.form == "full" and reg.hessian and not reg.onedraw
+    assert rr.cheap_hessian(reg.analysis, reg.owned)
+    # a recursion of the same size (2 coordinates against 4): the one-draw step
+    rec = _block(*_data("recursion", 80, dtype))
+    assert rec.dim < reg.dim
+    assert rec.form == "full" and rec.onedraw and not rec.hessian
+    # a Markov chain of enumerated states: each site's span is short, the contraction is not
+    hmm = _block(*_data("markov_hmm", 12, dtype))
+    assert rr.discrete_chain(hmm.analysis)
+    assert rr.log_joint_span(hmm.analysis, hmm.owned) <= rr.VECTORISED_MAX_SPAN
+    assert hmm.onedraw and not hmm.hessian
+    assert not rr.discrete_chain(reg.analysis) and not rr.discrete_chain(rec.analysis)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_user_options_override_the_rule(dtype):
+    model, args = _data("recursion", 80, dtype)
+    forced = _block(model, args, remainder=Remainder(curvature="hessian"))
+    assert forced.hessian and not forced.onedraw
+    model, args = _data("regression", 40, dtype)
+    assert not _block(model, args, remainder=Remainder(step=Horizon())).hessian
+    assert not _block(model, args, remainder=Remainder(curvature="gradient")).hessian
+
+
+def test_the_default_rule_is_a_strategy_object():
+    class Never(rr.DenseHessianRule):
+        def dense(self, analysis, owned):
+            return False
+
+    model, args = _data("regression", 40, torch.float64)
+    saved = rr.DEFAULT_HESSIAN_RULE
+    try:
+        rr.DEFAULT_HESSIAN_RULE = Never()
+        block = _block(model, args)
+    finally:
+        rr.DEFAULT_HESSIAN_RULE = saved
+    # (a hierarchy: the signal-to-noise step with gradients in q's parameters)
+    assert not block.hessian and not block.onedraw
