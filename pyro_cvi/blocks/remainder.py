@@ -60,7 +60,13 @@ from .base import Block, BlockInit, GuideDraw, StepReport
 from .marginals import standard_posterior
 from .registry import Found, register_kind
 from .remainder_joint import remainder_log_joint
-from .remainder_rules import LOWRANK_ONEDRAW_MOVE, cheap_hessian, price_beside
+from .remainder_rules import (
+    LOWRANK_ONEDRAW_MOVE,
+    cheap_hessian,
+    holds_every_latent,
+    is_real_support,
+    price_beside,
+)
 
 __all__ = ["Remainder", "RemainderBlock"]
 
@@ -105,18 +111,12 @@ class RemainderBlock(Block):
             ushape = t.inv(value).shape
             size = int(ushape.numel())
             frames = [f for f in node["cond_indep_stack"] if f.vectorized]
-            real = _is_real(fn.support)
+            real = is_real_support(fn.support)
             site = _Site(n, t, value.shape, ushape, fn.event_dim, frames, start, size, real)
             self.sites.append(site)
             start += size
         self.dim = start
-        # (a discrete latent summed out here is drawn in that trace: it is part of the run's
-        # random stream, so such a model keeps it)
-        self._alone = set(analysis.values) <= set(self.names) and all(
-            node["fn"].subsample_size in (None, node["fn"].size)
-            for n, node in analysis.structure.nodes.items()
-            if n in analysis.subsample
-        )
+        self._alone = holds_every_latent(analysis, self.names)
         #: the known Gaussian priors (mean, precision; 0 where unknown), added exactly
         self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
         # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too;
@@ -283,8 +283,7 @@ class RemainderBlock(Block):
 
     # ------------------------------------------------------------------ messages and steps
     def messages(self, ctx: StepContext) -> torch.Tensor:
-        # the trace's free sample sites: none where every latent is this block's continuous one
-        # and no plate is subsampled (then the step's trace is not read, and need not be taken)
+        # the trace's free sample sites (none when alone: the trace need not even be taken)
         others = {} if self._alone else {
             n: node["value"]
             for n, node in ctx.trace.nodes.items()
@@ -486,12 +485,6 @@ class RemainderBlock(Block):
     def load_extra_state(self, state: Dict) -> None:
         if "control" in state:
             self.control.load(state["control"])
-
-
-def _is_real(c) -> bool:
-    while isinstance(c, constraints.independent):
-        c = c.base_constraint
-    return c is constraints.real
 
 
 def build_remainder(found: Found) -> List[Block]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+from torch.distributions import constraints
 
 from ..context import Options
 from ..messages.gaussian import gradient_only
@@ -158,3 +159,22 @@ def cheap_hessian(analysis, owned: Sequence[str]) -> bool:
 
 #: the low-rank form's trust region under the one-draw step (largest move of a log s or W entry)
 LOWRANK_ONEDRAW_MOVE = 0.2
+
+
+def holds_every_latent(analysis, owned: Sequence[str]) -> bool:
+    """Every latent is one of ``owned`` and no plate is subsampled: the step's trace at ``q``
+    has no other free site, so the remainder need not read it. (A discrete latent summed out
+    in the remainder is drawn in that trace, part of the run's random stream: such a model
+    keeps reading it.)"""
+    return set(analysis.values) <= set(owned) and all(
+        node["fn"].subsample_size in (None, node["fn"].size)
+        for n, node in analysis.structure.nodes.items()
+        if n in analysis.subsample
+    )
+
+
+def is_real_support(c) -> bool:
+    """A support that is the real line (under ``independent`` wrappers)."""
+    while isinstance(c, constraints.independent):
+        c = c.base_constraint
+    return c is constraints.real
