@@ -216,3 +216,21 @@ def test_an_unmarked_site_sharing_a_factor_with_a_marked_one_is_summed_with_it()
     text = guide.explain()
     assert "# a: no q, summed out exactly" in text
     assert "(shares factor 'y' with a summed-out site)" in text
+
+
+def test_posterior_draws_of_a_summed_out_switch():
+    """``sample_discrete`` draws the switch from ``p(s | y, mu)`` (``infer_discrete``); here
+    ``s`` and ``mu`` share no factor, so the frequencies are ``p(s | y2)``."""
+    dtype = torch.float64
+    pyro.set_rng_seed(0)
+    model, _ = _switch_model(dtype)
+    guide, _ = _fit(model, 2)
+    shift, prior = torch.tensor([-2.0, 0.0, 3.0], dtype=dtype), torch.tensor([0.3, 0.3, 0.4])
+    y2 = torch.tensor([2.5, 3.4, 2.9], dtype=dtype)
+    logits = prior.double().log() + dist.Normal(shift[:, None], 1.0).log_prob(y2).sum(-1)
+    exact = torch.softmax(logits, 0)
+    draws = torch.stack([guide.sample_discrete()["s"] for _ in range(300)])
+    freq = torch.stack([(draws == k).double().mean() for k in range(3)])
+    se = (exact * (1 - exact) / 300).sqrt()
+    assert ((freq - exact).abs() <= 4 * se + 1e-3).all(), (freq, exact)
+    assert float(exact[2]) > 0.9  # (the data favour the shift 3)
