@@ -9,7 +9,7 @@ runs with each discrete latent moved instead (:func:`discrete_dependencies_of`).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
+from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 import torch
 from pyro.poutine.trace_struct import Trace
@@ -67,7 +67,7 @@ def discrete_dependencies_of(
     trace: Trace,
     discrete: Iterable[str],
     rerun: Callable[[Dict[str, torch.Tensor]], Trace],
-    ignore: Set[str] = frozenset(),  # type: ignore[assignment]
+    ignore: AbstractSet[str] = frozenset(),
 ) -> Tuple[Dict[str, Set[str]], Union[Trace, NotEnumerable]]:
     """``(dependencies, enumerated trace)``: from the enumerated run ``enumerated()`` where the
     model runs so (:func:`discrete_dependencies`); where it refuses (a model asserting its own
