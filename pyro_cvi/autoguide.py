@@ -101,13 +101,12 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         ``explain()`` names the fallback sites.
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
-    :param discrete: ``"mean_field"`` (default) gives every finite discrete latent its own
-        Categorical/Bernoulli factor of ``q``; ``"collapse"`` sums them out exactly in the
-        ELBO, as ``TraceEnum_ELBO`` does, and the guide has no site for them
-        (:mod:`pyro_cvi.messages.collapsed`; ``Predictive`` then draws them from the model's prior,
-        :meth:`sample_discrete` from their posterior). Mean field is the default by
-        measurement (docs/discrete_latents.md: a tie on the Gaussian mixture, 35 nats better
-        on the HMM, where the collapsed mode stays at the symmetric start).
+    :param discrete: ``"auto"`` (default) sums out exactly, as ``TraceEnum_ELBO`` does, the
+        finite discrete latents the model marks ``infer={"enumerate": ...}`` (the guide has no
+        site for them: :mod:`pyro_cvi.messages.collapsed`; ``Predictive`` draws them from the
+        model's prior, :meth:`sample_discrete` from their posterior) and gives every other one
+        its own Categorical/Bernoulli factor of ``q``; ``"collapse"`` sums out all of them,
+        ``"mean_field"`` none (docs/discrete_latents.md).
     :param init_scale: ``None`` (default): natural-form sites start with the prior's spread;
         a float: with that spread (as AutoNormal's ``init_scale``: a standard deviation, on
         the log scale for Gamma and the logit scale for Beta/Dirichlet) around the
@@ -154,7 +153,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         init_loc_fn: Optional[Callable] = None,
         vectorize_particles: bool = False,
         families: Optional[Dict[str, str]] = None,
-        discrete: str = "mean_field",
+        discrete: str = "auto",
         init_scale: Optional[float] = None,
         process_group=None,
         softmax: str = "cubature",
@@ -409,8 +408,8 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         latents = self._ready().analysis.latents
         if name in self.engine.analysis.collapsed:
             raise ValueError(
-                f"{name!r} is summed out (discrete='collapse', or inside the remainder): it has "
-                "no q; draw it from its posterior with guide.sample_discrete(*args)"
+                f"{name!r} is summed out (see guide.explain()): it has no q; draw it from its "
+                "posterior with guide.sample_discrete(*args)"
             )
         if name not in latents:
             raise KeyError(
@@ -466,7 +465,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
     @torch.no_grad()
     def sample_discrete(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
         """One joint draw of every latent: the continuous ones from ``q``, the collapsed
-        discrete ones (``discrete="collapse"``) from ``p(z | x, theta)`` given that draw."""
+        discrete ones (summed out: see :meth:`explain`) from ``p(z | x, theta)`` given that draw."""
         tr = poutine.trace(self).get_trace(*args, **kwargs)
         values = {n: s["value"] for n, s in tr.iter_stochastic_nodes()}
         if not self.engine.analysis.collapsed:

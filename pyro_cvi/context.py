@@ -34,8 +34,8 @@ class Options:
     #: ``{site: family name}`` overrides of the q family (``"gaussian"``: on the unconstrained
     #: space), see :func:`~pyro_cvi.families.choose_family`
     families: Optional[Dict[str, str]] = None
-    #: ``"mean_field"`` or ``"collapse"`` (finite discrete latents summed out)
-    discrete: str = "mean_field"
+    #: ``"auto"``, ``"collapse"`` or ``"mean_field"``: which discrete latents are summed out
+    discrete: str = "auto"
     #: initial spread of natural-form sites (``None``: the prior's)
     init_scale: Optional[float] = None
     #: sums row statistics and ELBO terms over the ranks of a data-parallel run

@@ -43,6 +43,7 @@ from ..gaussian.quadrature import gauss_hermite
 __all__ = [
     "marginal_quantiles",
     "marginal_median",
+    "discrete_mode",
     "standard_posterior",
     "NormalPosterior",
     "IndependentNormalPosterior",
@@ -53,11 +54,27 @@ __all__ = [
 _COARSE, _FINE, _DRAWS = 2001, 4001, 4096
 
 
+def discrete_mode(d: Distribution) -> torch.Tensor:
+    """A most probable value of a discrete law, always a value of its support: torch's
+    ``mode`` is NaN at a tie (``Bernoulli(0.5)``); there the first most probable value of
+    ``enumerate_support`` is taken."""
+    m = d.mode.detach()
+    if not (m.is_floating_point() and bool(torch.isnan(m).any())):
+        return m
+    if isinstance(d, Independent):  # (elementwise: the base law's mode)
+        return discrete_mode(d.base_dist)
+    support = d.enumerate_support(expand=True)  # (K, *batch, *event)
+    lp = d.log_prob(support)  # (K, *batch)
+    idx = lp.argmax(0).reshape(lp.shape[1:] + (1,) * len(d.event_shape))
+    idx = idx.expand(support.shape[1:]).unsqueeze(0)
+    return support.gather(0, idx).squeeze(0).to(m).detach()
+
+
 def marginal_median(d: Distribution) -> torch.Tensor:
     """The elementwise median of ``d`` (its 0.5 quantile; discrete laws: the mode)."""
     base = _unwrap(d)
     if base.support.is_discrete:
-        return base.mode.detach()
+        return discrete_mode(base)
     if isinstance(base, TransformedDistribution) and all(t.bijective for t in base.transforms):
         out = marginal_median(base.base_dist)  # (not through a folding map, e.g. HalfNormal)
         for t in base.transforms:

@@ -32,6 +32,7 @@ from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 from .base import Block, BlockInit, Incoming, StepReport
+from .marginals import discrete_mode
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
 
@@ -116,7 +117,7 @@ class NaturalBlock(Block):
         nat = self.natural(subsample)
         fam = self.family
         if fam.is_discrete:
-            return fam.natural_to_dist(nat).mode.detach()
+            return discrete_mode(fam.natural_to_dist(nat))
         value = fam.mean_value(nat, fam.natural_to_mean(nat))
         return value.reshape(self.value_shape(nat)).detach()
 

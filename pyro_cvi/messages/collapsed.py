@@ -1,7 +1,8 @@
 """Collapsed discrete latents: finite discrete sites summed out exactly, as ``TraceEnum_ELBO``.
 
-With ``AutoCVI(model, discrete="collapse")`` the finite discrete latents ``z`` get no ``q``
-factor. The bound is
+The finite discrete latents ``z`` that are summed out (the sites the model marks for
+enumeration, by default; every one with ``AutoCVI(model, discrete="collapse")``; the rule:
+:mod:`pyro_cvi.model.collapsed_group`) get no ``q`` factor. The bound is
 
     L(q) = E_{q(theta)}[ log sum_z p(x, z, theta) ] - E_q[log q(theta)],
 
@@ -39,7 +40,14 @@ from pyro.ops import packed
 from pyro.ops.contract import contract_to_tensor
 from pyro.poutine.trace_struct import Trace
 
-from ..model.collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
+from ..model.collapsed_group import (
+    MODES,
+    check_mode,
+    collapsed_sites,
+    collapsed_spec,
+    infinite_support_error,
+)
+from ..model.tracing import parallel_enumeration
 
 __all__ = [
     "MODES",
@@ -50,15 +58,6 @@ __all__ = [
     "infinite_support_error",
     "sample_posterior",
 ]
-
-#: the ``discrete=`` choices of :class:`~pyro_cvi.AutoCVI`
-MODES = ("collapse", "mean_field")
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"discrete must be one of {MODES}, got {mode!r}")
-    return mode
 
 
 def collapsed_log_prob(
@@ -110,6 +109,9 @@ def sample_posterior(model, guide_values: Dict[str, torch.Tensor], plate_dims: i
     """One draw of the collapsed latents from ``p(z | x, theta)`` at the continuous values
     ``guide_values`` (forward filtering, backward sampling: Pyro's ``infer_discrete``)."""
     conditioned = config_enumerate(poutine.condition(model, data=guide_values), default="parallel")
+    conditioned = poutine.infer_config(
+        conditioned, parallel_enumeration
+    )  # ("sequential": the same sum)
     sampler = infer_discrete(conditioned, first_available_dim=-1 - plate_dims, temperature=1)
     tr = poutine.trace(sampler).get_trace(*args, **kwargs)
     return tr

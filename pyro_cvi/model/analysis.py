@@ -31,7 +31,6 @@ from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
-from ..families import choose_families
 from . import dependencies as dep
 from . import gaussian_tree, probes
 from .bilinear import BILINEAR_FORM, bilinear_factor, find_bilinear
@@ -42,7 +41,8 @@ from .block_factors import (
     plate_factor,
     softmax_factor,
 )
-from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error
+from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error, summed_out
+from .collapsed_group import families_summing_marked as choose_families
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -99,8 +99,9 @@ class Analysis:
     :param covariance: ``"full"`` or ``"diag"`` Gaussians.
     :param own_leaves: give a leaf with a Normal or MultivariateNormal prior a ``q`` of its
         own (a start at ``init_loc_fn``'s values; the steps take that ``q`` to its prior).
-    :param discrete: ``"collapse"`` sums the finite discrete latents out (:mod:`.collapsed`);
-        ``"mean_field"`` gives each its own Categorical/Bernoulli ``q``.
+    :param discrete: ``"auto"`` sums out the discrete latents the model marks for enumeration,
+        ``"collapse"`` all, ``"mean_field"`` none (the rule: :mod:`.collapsed_group`); the others
+        get their own Categorical/Bernoulli ``q``.
     """
 
     def __init__(
@@ -111,7 +112,7 @@ class Analysis:
         prototype_trace,
         covariance: str = "full",
         families: Optional[Dict[str, str]] = None,
-        discrete: str = "mean_field",
+        discrete: str = "auto",
         remainder: Optional[Callable[[int], bool]] = None,
         own_leaves: bool = False,
     ):
@@ -121,7 +122,7 @@ class Analysis:
             n: s["value"].detach() for n, s in proto.iter_stochastic_nodes() if is_random(s)
         }
         self.families, self.fallback, self.discrete, unsupported = choose_families(
-            proto, list(self.values), covariance, families, discrete == "collapse"
+            proto, list(self.values), covariance, families, discrete
         )
         self.continuous = {
             n for n, v in self.values.items() if n not in self.discrete and v.is_floating_point()
@@ -170,8 +171,8 @@ class Analysis:
                 raise infinite_support_error(name, fn)
             hint = " Or AutoCVI(discrete='collapse') sums it out." if fn.support.is_discrete else ""
             raise ValueError(f"latent site {name!r}: {e}{hint}") from None
-        # collapsed discrete latents (discrete="collapse"): no q; their group is summed out
-        self.collapsed = (self.discrete - self.leaves) if discrete == "collapse" else set()
+        # summed-out discrete latents (marked for enumeration, or "collapse"): no q
+        self.collapsed = summed_out(self, discrete)
         self.collapsed_sites = collapsed_sites(self.structure.nodes, self.deps, self.collapsed)
         self._feeds_collapsed = set().union(
             set(self.collapsed_sites), *[self.deps[s] for s in self.collapsed_sites]

@@ -9,7 +9,7 @@ runs with each discrete latent moved instead (:func:`discrete_dependencies_of`).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
+from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 import torch
 from pyro.poutine.trace_struct import Trace
@@ -67,12 +67,16 @@ def discrete_dependencies_of(
     trace: Trace,
     discrete: Iterable[str],
     rerun: Callable[[Dict[str, torch.Tensor]], Trace],
+    ignore: AbstractSet[str] = frozenset(),
 ) -> Tuple[Dict[str, Set[str]], Union[Trace, NotEnumerable]]:
     """``(dependencies, enumerated trace)``: from the enumerated run ``enumerated()`` where the
     model runs so (:func:`discrete_dependencies`); where it refuses (a model asserting its own
     sample shapes, written for Pyro's ``Trace_ELBO``, which adds no enumeration dim), from
     unenumerated runs with each discrete latent moved (:func:`moved_discrete_dependencies`),
-    and why it refused (a :class:`NotEnumerable`) in place of the trace."""
+    and why it refused (a :class:`NotEnumerable`) in place of the trace. The moved runs also
+    check an enumerated run that succeeded: a site that moves with a discrete latent but does
+    not broadcast over its enumeration dim (outside ``ignore``, the sites that draw
+    randomness of their own) makes the model one that does not run enumerated."""
     discrete = list(discrete)
     try:
         with torch.enable_grad():
@@ -80,7 +84,20 @@ def discrete_dependencies_of(
     except MODEL_ERRORS as e:
         deps = moved_discrete_dependencies(trace, discrete, rerun)
         return deps, NotEnumerable(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    return discrete_dependencies(tr, discrete), tr
+    deps = discrete_dependencies(tr, discrete)
+    # a model that runs enumerated but does not broadcast over the enumeration dims (a
+    # .view/.reshape to a fixed shape, a sum or index over a fixed dim) hides a dependency
+    # there: the moved runs, as Pyro runs the model, see it
+    moved = moved_discrete_dependencies(trace, discrete, rerun, exact_only=True)
+    for n, cs in moved.items():
+        hidden = sorted(cs - deps.get(n, set()) - ignore)
+        if hidden and n not in ignore:
+            return moved_discrete_dependencies(trace, discrete, rerun), NotEnumerable(
+                f"site {n!r} reads discrete latent {hidden[0]!r} but does not broadcast over "
+                "its enumeration dim: a .view/.reshape to a fixed shape, or an index or sum "
+                "over a fixed dim, where x.shape[-k:] or a negative dim is needed"
+            )
+    return deps, tr
 
 
 class NotEnumerable:
@@ -126,13 +143,16 @@ def unenumerated_leaves(
 
 
 def moved_discrete_dependencies(
-    trace: Trace, discrete: Iterable[str], rerun: Callable[[Dict[str, torch.Tensor]], Trace]
+    trace: Trace,
+    discrete: Iterable[str],
+    rerun: Callable[[Dict[str, torch.Tensor]], Trace],
+    exact_only: bool = False,
 ) -> Dict[str, Set[str]]:
     """For each sample site of the unenumerated ``trace``, the discrete latents it depends on:
     one run per discrete latent ``c`` with every element of it moved to the next value of its
     support (``(c + 1) mod K``; a one-hot value rolled); a site whose parameters (or observed
     value) move depends on ``c``. A latent whose support is not ``0..K-1`` or one-hot counts as
-    a dependency of every site after it (conservative)."""
+    a dependency of every site after it (conservative; with ``exact_only``, of none)."""
     names = [n for n, s in trace.nodes.items() if is_random(s)]
     out: Dict[str, Set[str]] = {n: set() for n in names}
     for c in discrete:
@@ -140,7 +160,7 @@ def moved_discrete_dependencies(
         moved = _next_value(site)
         after = names[names.index(c) + 1 :]
         if moved is None:
-            for n in after:
+            for n in after if not exact_only else ():
                 out[n].add(c)
             continue
         with torch.no_grad():
@@ -347,7 +367,7 @@ def discover(
     enumerated = partial(
         run_model, model, {**cont, **leaves, **subsample}, args, kwargs, plate_dims
     )
-    extra, tr = discrete_dependencies_of(enumerated, structure, discrete, rerun)
+    extra, tr = discrete_dependencies_of(enumerated, structure, discrete, rerun, randoms)
     deps = {n: d | extra.get(n, set()) for n, d in deps.items()}
     if isinstance(tr, NotEnumerable):
         return deps, randoms, structure, tr

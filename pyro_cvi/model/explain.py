@@ -122,9 +122,11 @@ def explain(an, blocks: Optional[Sequence] = None) -> str:
             lines.append(message_rules(info.factors, told))
         lines.extend(describe(f) for f in info.factors)
     for name in sorted(an.collapsed - an.remainder_discrete, key=list(an.values).index):
-        lines.append(f"# {name}: no q, summed out exactly (discrete='collapse')")
+        why = getattr(an, "summed_why", {}).get(name, "discrete='collapse'")
+        lines.append(f"# {name}: no q, summed out exactly as TraceEnum_ELBO does ({why})")
     for name in sorted(an.remainder_discrete, key=list(an.values).index):
-        lines.append(f"# {name}: no q, summed out exactly in the remainder's log joint")
+        why = f" ({an.summed_why[name]})" if name in getattr(an, "summed_why", {}) else ""
+        lines.append(f"# {name}: no q, summed out exactly in the remainder's log joint{why}")
     if an.remainder:
         summed = sorted(an.remainder_discrete, key=list(an.values).index)
         also = f"; summed out: {', '.join(summed)}" if summed else ""

@@ -28,6 +28,7 @@ __all__ = [
     "linear_param",
     "link_candidates",
     "linear_candidates",
+    "parallel_enumeration",
     "with_param",
     "has_learnable_params",
     "describe_link",
@@ -66,12 +67,19 @@ class DeferredTrace:
 
 def run_model(model, values: Dict[str, torch.Tensor], args, kwargs, enum_dims: Optional[int]):
     """Trace ``model`` with ``values`` conditioned; discrete latents left free are enumerated in
-    parallel left of ``enum_dims`` plate dims (``None``: no enumeration)."""
+    parallel left of ``enum_dims`` plate dims (``None``: no enumeration). A site the model marks
+    ``"sequential"`` is enumerated in parallel too (the same sum, one run)."""
     if enum_dims is None:
         return trace_model(model, values, args, kwargs)
     fn = poutine.condition(model, data=values) if values else model
-    fn = poutine.enum(config_enumerate(fn, default="parallel"), first_available_dim=-1 - enum_dims)
+    fn = poutine.infer_config(config_enumerate(fn, default="parallel"), parallel_enumeration)
+    fn = poutine.enum(fn, first_available_dim=-1 - enum_dims)
     return poutine.trace(fn).get_trace(*args, **kwargs)
+
+
+def parallel_enumeration(msg) -> Dict[str, str]:
+    """An ``infer_config`` that enumerates a site marked ``"sequential"`` in parallel."""
+    return {"enumerate": "parallel"} if msg["infer"].get("enumerate") == "sequential" else {}
 
 
 def max_plate_nesting(trace: Trace) -> int:
