@@ -43,7 +43,9 @@ class Remainder:
         :class:`SignalToNoise`), ``"gradient"`` (from the gradient at the draws only: Stein's
         lemma with :class:`Horizon`, the reparameterised gradient in ``S`` with
         :class:`SignalToNoise`), or ``"auto"`` (default: ``"gradient"``; with
-        :class:`SignalToNoise`, Hessians up to :data:`HESSIAN_MAX_DIM` coordinates).
+        :class:`SignalToNoise`, Hessians up to :data:`HESSIAN_MAX_DIM` coordinates; a small
+        full form takes them where its log joint is vectorised, the one-draw step elsewhere:
+        ``blocks.remainder_rules``).
     :param step: the step and its control: :class:`Horizon` (one draw, the known Gaussian
         priors exact, momentum, a decay over a horizon of steps), :class:`SignalToNoise` (the
         signal-to-noise control of ``CVI()`` on Pyro's guides), or ``None`` (default: chosen

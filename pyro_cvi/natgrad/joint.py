@@ -223,11 +223,12 @@ def price_messages(block, ctx, p, log_joint, log_q, K: int):
 
 def price_by_default(block) -> bool:
     """Whether the default rule takes Price's dense Hessians on a small full form
-    (:func:`may_use_price`): yes, always. Exact Hessians converge in a few Newton steps where
-    the model is cheap (eight schools: 10 coordinates); the one-draw step, which pays where a
-    model run is expensive (ODEs, recursions: one gradient a step), is asked for with
-    ``Remainder(step=Horizon())``. A rule by the model's measured cost would make the fit,
-    and a resumed run, depend on the machine's load."""
+    (:func:`may_use_price`), as far as its size goes: yes, always. The structural test comes
+    after it (``blocks.remainder_rules.cheap_hessian``: Price where the log joint is vectorised,
+    the one-draw step, one gradient a step, where a model run chains its steps: ODEs,
+    recursions). The user overrides with ``Remainder(curvature="hessian")`` or
+    ``Remainder(step=Horizon())``. A rule by the model's measured cost would make the fit, and
+    a resumed run, depend on the machine's load."""
     return block.dim >= 0
 
 
