@@ -149,10 +149,15 @@ def test_softmax_warm_start_is_the_same_rule(dtype):
     X = torch.randn(N, D, generator=g, dtype=torch.float64).to(dtype)
     y = torch.randint(0, K, (N,), generator=g)
 
+    b = (X[:, 0] > 0).to(dtype)
+
     def model(X, y):
         w = pyro.sample("w", dist.Normal(X.new_zeros(D, K), 0.7).to_event(2))
         with pyro.plate("data", N):
             pyro.sample("y", dist.Categorical(logits=X @ w), obs=y)
+            # a second likelihood factor: softmax factors alone start at the Laplace
+            # approximation instead (tests/test_softmax_start.py)
+            pyro.sample("b", dist.Bernoulli(logits=(X @ w)[:, 0]), obs=b)
 
     AutoCVI(model)(X, y)
     sites = _sites().double()
