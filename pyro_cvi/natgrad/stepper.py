@@ -198,12 +198,11 @@ class GaussianStepper:
                     # the gradients' noise changed: the step control starts afresh
                     fit[1].started = True
                     control = self.controls[g.label] = _control(g.family)
-            elif g.family == "tril":
-                new, d = _tril(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
-            elif g.family == "scaled_tril":
-                new, d = _scaled_tril(g, cons, (beta, beta_mean), self.retraction, max_rel, fit)
-            else:
-                new, d = _STEPS[g.family](g, cons, (beta, beta_mean), self.retraction, max_rel)
+            else:  # (here only the full-covariance families have a fit)
+                extra = () if fit is None else (fit,)
+                new, d = _STEPS[g.family](
+                    g, cons, (beta, beta_mean), self.retraction, max_rel, *extra
+                )
             if all(bool(torch.isfinite(v).all()) for v in new.values()):
                 roles, maps = g.roles, g.transforms
                 for role, value in new.items():
@@ -274,22 +273,27 @@ def _diag(g, cons, beta, retraction, max_rel, fit=None):
     return {"loc": m2, "scale": s2}, d
 
 
-def _tril(g, cons, beta, retraction, max_rel, fit=None):
-    m, gm = _rd(g, "loc", cons)
-    L, gL = _rd(g, "scale_tril", cons)
+def _full_step(m, L, gm, gL, beta, retraction, max_rel, fit):
+    """The step of ``N(m, L L^T)``, with the draws' curvature fit where there is one."""
     G = None
     if fit is not None and fit[0].shape == m.shape and m.dim() == 1:
         fitted = tril_with_draw(m, L, gm, gL, fit[0], fit[1])
         if fitted is not None:
             gm, G = fitted
-    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1], G)
+    return tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1], G)
+
+
+def _tril(g, cons, beta, retraction, max_rel, fit=None):
+    m, gm = _rd(g, "loc", cons)
+    L, gL = _rd(g, "scale_tril", cons)
+    m2, L2, d = _full_step(m, L, gm, gL, beta, retraction, max_rel, fit)
     return {"loc": m2, "scale_tril": L2}, d
 
 
 def _scaled_tril(g, cons, beta, retraction, max_rel, fit=None):
     """``L = diag(s) T`` (``AutoMultivariateNormal``): ``dl/dL`` below the diagonal is
     ``(dl/dT) / s_i``; on it, ``dl/ds_i - sum_{j<i} T_ij dl/dL_ij``; then the step of
-    ``N(m, L L^T)`` as :func:`_tril` (with the draws' curvature fit where there is one)."""
+    ``N(m, L L^T)`` (:func:`_full_step`)."""
     m, gm = _rd(g, "loc", cons)
     s, gs = _rd(g, "scale", cons)
     T, gT = _rd(g, "scale_tril", cons)
@@ -297,12 +301,7 @@ def _scaled_tril(g, cons, beta, retraction, max_rel, fit=None):
     diag = gs - (T.tril(-1) * off).sum(-1)
     L = s.unsqueeze(-1) * T
     gL = off + torch.diag_embed(diag)
-    G = None
-    if fit is not None and fit[0].shape == m.shape and m.dim() == 1:
-        fitted = tril_with_draw(m, L, gm, gL, fit[0], fit[1])
-        if fitted is not None:
-            gm, G = fitted
-    m2, L2, d = tril_step(m, L, gm, gL, beta[0], retraction, max_rel, beta[1], G)
+    m2, L2, d = _full_step(m, L, gm, gL, beta, retraction, max_rel, fit)
     s2 = L2.diagonal(dim1=-2, dim2=-1)
     return {"loc": m2, "scale": s2, "scale_tril": L2 / s2.unsqueeze(-1)}, d
 
