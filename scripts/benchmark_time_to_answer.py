@@ -212,28 +212,11 @@ def laplace_log_loss(Xtr, ytr, Xte, yte, draws: int = 4096) -> float:
     (``W*`` the mode by Newton's method, ``H`` the exact ``410 x 410`` Hessian of the negative
     log joint there) by ``draws`` fixed draws."""
     import torch
-    from benchmark_multiclass_speed import K
+    from softmax_posterior_reference import newton_map, predictive
 
-    X, D = Xtr, Xtr.shape[1]
-    Y = torch.nn.functional.one_hot(ytr, K).to(X)
-    w = X.new_zeros(D * K)
-    for _ in range(50):
-        P = (X @ w.reshape(D, K)).softmax(-1)
-        g = (X.T @ (P - Y)).reshape(-1) + w
-        Hn = torch.diag_embed(P) - P[:, :, None] * P[:, None, :]
-        H = torch.einsum("nd,ne,nkl->dkel", X, X, Hn).reshape(D * K, D * K)
-        H = H + torch.eye(D * K, dtype=X.dtype)
-        w = w - torch.linalg.solve(H, g)
-        if float(g.abs().max()) < 1e-10:
-            break
+    w, H = newton_map(Xtr, ytr)
     L = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)))
-    gen = torch.Generator().manual_seed(1)
-    p = Xte.new_zeros(len(yte), K)
-    for _ in range(draws // 256):
-        eps = torch.randn(256, D * K, generator=gen, dtype=X.dtype)
-        p += (Xte @ (w + eps @ L.mT).reshape(256, D, K)).softmax(-1).sum(0)
-    p = p / (256 * (draws // 256))
-    return float(-p[torch.arange(len(yte)), yte].log().mean())
+    return predictive(w, L, Xte, yte, draws)
 
 
 def run_child(argv: Sequence[str]) -> None:
