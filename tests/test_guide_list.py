@@ -9,6 +9,7 @@ must be its maximiser (a grid search) and the reported loss that closed form, an
 """
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -287,3 +288,44 @@ def test_a_failed_trace_elbo_step_leaves_the_cvi_part_as_it_was():
     assert all(torch.equal(before[k], after[k]) for k in before)
     svi.step(X, y)
     assert num_steps(guide) == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["differentiable_loss", "loss_and_grads"])
+def test_a_hand_written_loop_warns_once_that_the_cvi_part_is_not_stepped(dtype, method):
+    """A Pyro ELBO differentiating the guide list outside ``SVI.step`` (a hand-written loop)
+    trains the delta part but cannot step the CVI part: one RuntimeWarning per part, naming
+    the method, and ``q(w)`` indeed stays at its prior. Drawing (``Trace_ELBO().loss``) and
+    ``SVI.step`` do not warn, nor does a loop over a part that CVI already fitted."""
+    X, y = data(dtype)
+    guide = guide_list()
+    elbo = Trace_ELBO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        elbo.loss(model, guide, X, y)  # draws only
+    params = [p.unconstrained() for _, p in pyro.get_param_store().items()]
+    opt = torch.optim.Adam(params, lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            opt.zero_grad()
+            if method == "differentiable_loss":
+                elbo.differentiable_loss(model, guide, X, y).backward()
+            else:
+                elbo.loss_and_grads(model, guide, X, y)
+            opt.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert f"Trace_ELBO.{method} outside SVI.step" in messages[0]
+    assert "SVI(model, guide_list, CVI(), loss=CVI_ELBO())" in messages[0]
+    q = guide[0].posterior("w")
+    assert torch.equal(q.mean, torch.zeros(2, dtype=dtype))  # the prior's: never stepped
+    # a part that CVI has fitted is drawn as it is (a two-stage fit): no warning
+    guide = guide_list()
+    svi = SVI(model, guide, CVI(optim_args={"lr": 0.05}), CVI_ELBO())
+    for _ in range(3):
+        svi.step(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        elbo.differentiable_loss(model, guide, X, y).backward()
+        SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO()).step(X, y)

@@ -34,13 +34,14 @@ user's optimizer. A step that fails leaves the part as it was; a Pyro ELBO outsi
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.infer import SVI
+from pyro.infer import ELBO, SVI
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.trace_messenger import TraceMessenger
 
@@ -212,6 +213,50 @@ def _svi_optimizer() -> Any:
     return None
 
 
+#: parts already warned that a Pyro ELBO differentiated them outside ``SVI.step``
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+_DIFFERENTIATING = ("differentiable_loss", "loss_and_grads")
+
+
+def _pyro_elbo_differentiating() -> Optional[str]:
+    """``"Trace_ELBO.loss_and_grads"`` (say) when a Pyro ELBO's differentiating method is on the
+    call stack, else ``None``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name in _DIFFERENTIATING and isinstance(frame.f_locals.get("self"), ELBO):
+            return f"{type(frame.f_locals['self']).__name__}.{name}"
+        frame = frame.f_back
+    return None
+
+
+def _warn_outside_svi_step(part: Any) -> None:
+    """Once per part: a Pyro ELBO differentiating the guide list outside ``SVI.step`` (a
+    hand-written loop) trains the other parts, but never steps the CVI part (its ``q`` is
+    computed by conjugate computations; gradients cannot reach it)."""
+    if part in _WARNED or not torch.is_grad_enabled():
+        return
+    engine = part.engine
+    store = pyro.get_param_store()
+    if engine is not None and engine.steps_name in store:
+        if float(store[engine.steps_name].detach()) > 0:  # fitted: drawn as it is (two stages)
+            return
+    caller = _pyro_elbo_differentiating()
+    if caller is None:
+        return
+    _WARNED.add(part)
+    warnings.warn(
+        f"the AutoCVI part of an AutoGuideList was run by {caller} outside SVI.step: its q "
+        "is fitted by CVI's steps, which a hand-written loop never takes, so it stays where "
+        "it is while the other parts train. Step the guide list with "
+        "SVI(model, guide_list, CVI(), loss=CVI_ELBO()).step(...) (or SVI with a Pyro ELBO "
+        "and any optimizer, which steps the part once per SVI.step)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 def step_inside_pyro_elbo(part: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     """Whether ``part`` (an AutoCVI) runs inside ``SVI.step`` under a Pyro ELBO as a part of an
     ``AutoGuideList``; if so, its CVI step for this ``SVI.step`` is applied now (once, also
@@ -221,6 +266,7 @@ def step_inside_pyro_elbo(part: Any, args: Tuple[Any, ...], kwargs: Dict[str, An
         return False
     capture = _svi_capture()
     if capture is None:
+        _warn_outside_svi_step(part)
         return False
     if trained_alone(part):  # a q fitted on its blocked model: drawn as it is, not stepped
         return False
