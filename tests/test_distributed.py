@@ -113,7 +113,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_checkpoints(tmp_path):
         sys.path.remove(str(HERE))
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-    subprocess.run(launch + [worker, str(two), "ckpt"], env=env, check=True, timeout=300)
+    subprocess.run(launch + [worker, str(two), "ckpt"], env=env, check=True, timeout=1200)
     a, b = torch.load(one), torch.load(two)
     if a["gpytorch"] is not None:  # sparse GPyTorch GP: CVI steps, a backtrack, Adam steps
         gp_one, gp_two = torch.stack(a["gpytorch"]), torch.stack(b["gpytorch"])
@@ -153,7 +153,7 @@ def test_a_rank_that_fails_makes_every_rank_fail_and_the_next_step_is_exact(tmp_
         out = tmp_path / f"{name}.pt"
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
         launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-        subprocess.run(launch + [worker, str(out), *extra], env=env, check=True, timeout=300)
+        subprocess.run(launch + [worker, str(out), *extra], env=env, check=True, timeout=1200)
         runs[name] = torch.load(out, weights_only=False)
     for rank in (0, 1):
         clean, faults = runs["clean"][rank], runs["faults"][rank]

@@ -139,7 +139,7 @@ def test_round_trip_into_a_fresh_process(how, tmp_path):
     loss = svi.step(*args)
     code = _FRESH.format(tests=str(TESTS), how=how, path=str(path), out=str(out))
     run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1200
     )
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.load(out, weights_only=False)

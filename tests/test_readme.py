@@ -73,7 +73,7 @@ def _run_script(tmp_path, *launcher):
     root = str(README.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, *launcher, str(script)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
     assert out.returncode == 0, out.stderr[-2000:]
     return [line for line in out.stdout.splitlines() if line.startswith("-ELBO")]
 

@@ -51,6 +51,6 @@ SCRIPT = textwrap.dedent(
 
 def test_first_steps_import_neither_sympy_nor_numpy_random():
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=1200, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
