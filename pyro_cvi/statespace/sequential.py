@@ -189,7 +189,7 @@ def _pass_1(m0, P0, trans, sites, lag_one: bool):
 
 def _pass_2(m0, P0, trans, sites, lag_one: bool = True) -> Tuple[float, array.array]:
     """``d = 2``, every product written out: ``log Z`` and one flat row of nine floats per step,
-    in time order: the smoothed ``(m0, m1, p00, p01, p11)`` of ``x_t`` and, with ``lag_one``,
+    last step first: the smoothed ``(m0, m1, p00, p01, p11)`` of ``x_t`` and, with ``lag_one``,
     ``Cov(x_{t+1}, x_t)`` as ``(x00, x01, x10, x11)`` (zero at the last step, and without)."""
     forward = _forward_2_first if isinstance(sites, OnFirst) else _forward_2
     return _backward_2(*forward(m0, P0, trans, sites), lag_one)
@@ -290,8 +290,8 @@ def _backward_2(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float,
     of ``x_{T-1}``, its smoothed ones): ``G = P^f A' P_{t+1}^-1 = C' P_{t+1}^-1``."""
     s0, s1, s00, s01, s11 = last
     z = 0.0
-    out: List[Tuple[float, ...]] = [(s0, s1, s00, s01, s11, z, z, z, z)]
-    push = out.append
+    out: List[float] = [s0, s1, s00, s01, s11, z, z, z, z]
+    push = out.extend  # (one flat list: a tuple's floats are copied in C)
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
         det = n00 * n11 - n01 * n01
         if not det > 0.0:
@@ -313,8 +313,7 @@ def _backward_2(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float,
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
         push((s0, s1, s00, s01, s11, x00, x01, x10, x11))
-    out.reverse()
-    return log_z, array.array("d", itertools.chain.from_iterable(out))
+    return log_z, array.array("d", out)
 
 
 class SequentialSmoother:
@@ -347,7 +346,7 @@ class SequentialSmoother:
             cross = torch.tensor(X, **like).reshape(T, 1, 1) if lag_one else None
         else:
             log_z, flat = _pass_2(*rows, lag_one)
-            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 9).to(**like)
+            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 9).flip(0).to(**like)
             m = v[:, :2].unsqueeze(-1)
             S = v[:, [2, 3, 3, 4]].reshape(T, 2, 2)
             # row t holds Cov(x_{t+1}, x_t); the smoother's t holds Cov(x_t, x_{t-1})
