@@ -73,26 +73,22 @@ def _rows(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, d: int
 
 class _LastTransitions:
     """The transition rows of the last chain seen, reused while its ``A``, ``b``, ``Q`` are
-    equal (``torch.equal`` against copies: a fit solves the same prior at every step)."""
+    equal (``torch.equal`` against copies: a fit solves the same prior at every step). The
+    copies and the rows are one tuple, replaced at once (a thread sees one pair or the other)."""
 
     def __init__(self) -> None:
-        self.key: Optional[Tuple[torch.Tensor, ...]] = None
-        self.value: Optional[Transitions] = None
+        self.last: Optional[Tuple[Tuple[torch.Tensor, ...], Transitions]] = None
 
     def rows(self, chain: LinearGaussianChain, n: int, d: int) -> Transitions:
         now = (chain.A, chain.b, chain.Q)
-        key, value = self.key, self.value
-        if (
-            key is not None
-            and value is not None
-            and all(
-                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-                for a, b in zip(now, key)
-            )
+        last = self.last
+        if last is not None and all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            for a, b in zip(now, last[0])
         ):
-            return value
+            return last[1]
         value = _transition_rows(chain, n, d)
-        self.key, self.value = tuple(t.detach().clone() for t in now), value
+        self.last = (tuple(t.detach().clone() for t in now), value)
         return value
 
 
