@@ -332,6 +332,17 @@ def summarise(runs: List[dict], hits: List[Optional[tuple]]) -> dict:
     )
 
 
+#: the per-step criterion against BayesNewton's jitted step: within this factor up to this T,
+#: faster beyond
+PER_STEP_NEAR, NEAR_UP_TO = 2.0, 1000
+
+
+def per_step_met(row: dict) -> bool:
+    """Whether a Markov row's per-step ratio meets :data:`PER_STEP_NEAR` / ahead."""
+    limit = PER_STEP_NEAR if row["T"] <= NEAR_UP_TO else 1.0
+    return bool(row["ratio_per_step"] <= limit)
+
+
 def _fmt(x: Optional[float], spec: str) -> str:
     return "never" if x is None else format(x, spec)
 
@@ -547,14 +558,17 @@ def main(argv: Optional[List[str]] = None) -> dict:
     out = args.out or f"results/{'quick/' if args.quick else ''}benchmark_time_to_answer.json"
     payload: Dict[str, Any] = {"config": dict(threads=1, dtype="float64", device="cpu", T=Ts,
                                               repeats=repeats)}  # fmt: skip
+    payload["config"]["load_before"] = os.getloadavg()
     tables, verdicts = [], []
     if "markov" in args.parts:
         rows, table = part_markov(Ts, repeats, python)
         payload["markov"] = rows
         tables.append(table)
-        r = [f"T={x['T']}: {x['ratio_to_answer']:.3g}x (per step {x['ratio_per_step']:.3g}x)"
-             for x in rows if x.get("ratio_to_answer") is not None]  # fmt: skip
-        verdicts.append("Markov GP, ours / BayesNewton to the answer: "
+        r = [f"T={x['T']}: {x['ratio_to_answer']:.3g}x (per step {x['ratio_per_step']:.3g}x, "
+             f"{'met' if per_step_met(x) else 'not met'}; bounds {x['bound_rel_diff']:.1e} "
+             "relative)" for x in rows if x.get("ratio_to_answer") is not None]  # fmt: skip
+        verdicts.append("Markov GP, ours / BayesNewton to the answer (per step: within "
+                        f"{PER_STEP_NEAR}x at T <= {NEAR_UP_TO}, ahead beyond): "
                         + (", ".join(r) if r else "BayesNewton not run"))  # fmt: skip
     if "a1a" in args.parts:
         payload["a1a"], table = part_a1a(repeats)
@@ -577,6 +591,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         + ("never reached" if t is None else f"in {t:.2f} CPU s")
                         + ", by the plug-in at q's mean "
                         + ("never" if u is None else f"in {u:.2f} CPU s"))  # fmt: skip
+    payload["config"]["load_after"] = os.getloadavg()
+    verdicts.append("load average (1, 5, 15 min) before {:.1f} {:.1f} {:.1f}, after {:.1f} {:.1f} "
+                    "{:.1f}".format(*payload["config"]["load_before"],
+                                    *payload["config"]["load_after"]))  # fmt: skip
     verdict = "Verdict: " + "; ".join(verdicts) + "."
     print(verdict)
     write_results(

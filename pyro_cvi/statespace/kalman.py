@@ -252,7 +252,7 @@ SCAN_MIN_T = 4
 #: The longest chain, per state dimension, for which the scalar sequential pass
 #: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
 #: operation's fixed cost is paid per step.
-SEQUENTIAL_MAX_T = {1: 3000, 2: 1200}
+SEQUENTIAL_MAX_T = {1: 3000, 2: 3000}
 
 
 def tensor_smoother(T: int, d: int):

@@ -28,8 +28,22 @@ class SiteRows:
     b: torch.Tensor
     length: int
 
+    def one_per_step(self) -> bool:
+        """Whether row ``r`` is on step ``r`` for every step (``t = 0..T-1``): then gathering
+        and scattering by ``t`` are the identity."""
+        flag = self.__dict__.get("_one_per_step")
+        if flag is None:
+            t = self.t
+            flag = t.shape[0] == self.length and bool(
+                (t == torch.arange(self.length, device=t.device)).all()
+            )
+            self.__dict__["_one_per_step"] = flag
+        return flag
+
     def scatter(self, v: torch.Tensor) -> torch.Tensor:
         """``sum_{r: t_r = t} v_r h_r`` for every step: ``(T, d)``."""
+        if self.one_per_step():
+            return v[:, None] * self.H
         out = self.H.new_zeros(self.length, self.H.shape[-1])
         return out.index_add_(0, self.t, v[:, None] * self.H)
 
@@ -37,13 +51,16 @@ class SiteRows:
         """``eta (T, d)`` and ``J (T, d, d)``."""
         d = self.H.shape[-1]
         outer = self.w[:, None, None] * self.H[:, :, None] * self.H[:, None, :]
-        J = self.H.new_zeros(self.length, d, d).index_add_(0, self.t, outer)
-        return self.scatter(self.b), J
+        if not self.one_per_step():
+            outer = self.H.new_zeros(self.length, d, d).index_add_(0, self.t, outer)
+        return self.scatter(self.b), outer
 
     def moments(self, mean: torch.Tensor, cov: torch.Tensor):
         """``E_q[f_r]`` and ``Var_q[f_r]`` from the smoothed marginals."""
-        f_mean = (self.H * mean[self.t]).sum(-1)
-        f_var = (self.H.unsqueeze(-2) @ cov[self.t] @ self.H.unsqueeze(-1)).reshape(-1)
+        if not self.one_per_step():
+            mean, cov = mean[self.t], cov[self.t]
+        f_mean = (self.H * mean).sum(-1)
+        f_var = (self.H.unsqueeze(-2) @ cov @ self.H.unsqueeze(-1)).reshape(-1)
         return f_mean, f_var
 
     def expected_log_sites(self, f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:

@@ -62,22 +62,47 @@ def _rows(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, d: int
     J]``, one flat row per step (float64)."""
     f64 = torch.float64
     T = eta.shape[0]
-    n = T - 1
-    A = chain.A.to(f64).expand(n, d, d).reshape(n, d * d)
-    b = chain.b.to(f64).expand(n, d)
-    Q = chain.Q.to(f64).expand(n, d, d).reshape(n, d * d)
-    rows = torch.cat([A, b, Q], 1)
-    bits = rows.view(torch.int64)  # (bit for bit: -0.0 and NaN rows count as different)
-    if n > 1 and bool((bits == bits[:1]).all()):  # one transition for every step: one row
-        trans: Transitions = _Repeated(rows[0].tolist(), n)
-    else:
-        trans = rows.tolist() if n > 0 else []
+    trans = _TRANSITIONS.rows(chain, T - 1, d)
     sites: Sites
     if d == 2 and _first_coordinate(eta, J):
         sites = OnFirst(eta[:, 0].to(f64).tolist(), J[:, 0, 0].to(f64).tolist())
     else:
         sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
     return chain.m0.to(f64).tolist(), chain.P0.to(f64).reshape(-1).tolist(), trans, sites
+
+
+class _LastTransitions:
+    """The transition rows of the last chain seen, reused while its ``A``, ``b``, ``Q`` are
+    equal (``torch.equal`` against copies: a fit solves the same prior at every step). The
+    copies and the rows are one tuple, replaced at once (a thread sees one pair or the other)."""
+
+    def __init__(self) -> None:
+        self.last: Optional[Tuple[Tuple[torch.Tensor, ...], Transitions]] = None
+
+    def rows(self, chain: LinearGaussianChain, n: int, d: int) -> Transitions:
+        now = (chain.A, chain.b, chain.Q)
+        last = self.last
+        if last is not None and all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            for a, b in zip(now, last[0])
+        ):
+            return last[1]
+        value = _transition_rows(chain, n, d)
+        self.last = (tuple(t.detach().clone() for t in now), value)
+        return value
+
+
+def _transition_rows(chain: LinearGaussianChain, n: int, d: int) -> Transitions:
+    """``[A | b | Q]`` per step; one row when every step's is the same."""
+    f64 = torch.float64
+    A = chain.A.to(f64).expand(n, d, d).reshape(n, d * d)
+    b = chain.b.to(f64).expand(n, d)
+    Q = chain.Q.to(f64).expand(n, d, d).reshape(n, d * d)
+    rows = torch.cat([A, b, Q], 1)
+    bits = rows.view(torch.int64)  # (bit for bit: -0.0 and NaN rows count as different)
+    if n > 1 and bool((bits == bits[:1]).all()):  # one transition for every step: one row
+        return _Repeated(rows[0].tolist(), n)
+    return rows.tolist() if n > 0 else []
 
 
 def _first_coordinate(eta: torch.Tensor, J: torch.Tensor) -> bool:
@@ -116,8 +141,7 @@ class OnFirst(NamedTuple):
 
 
 Sites = Union[List[List[float]], OnFirst]
-#: moments over time, one list of floats per entry
-Moments = Tuple[List[float], ...]
+_TRANSITIONS = _LastTransitions()
 
 
 def _pass_1(m0, P0, trans, sites, lag_one: bool):
@@ -159,35 +183,35 @@ def _pass_1(m0, P0, trans, sites, lag_one: bool):
     return log_z, ms, Ps, X
 
 
-def _pass_2(m0, P0, trans, sites, lag_one: bool):
-    """``d = 2``, every product written out: as :func:`_pass_1`; the smoothed moments as five
-    lists ``(m0, m1, p00, p01, p11)`` and the lag-one covariances as four ``(x00, x01, x10,
-    x11)`` (``lag_one``), each over time."""
+def _pass_2(m0, P0, trans, sites, lag_one: bool = True) -> Tuple[float, array.array]:
+    """``d = 2``, every product written out: ``log Z`` and one flat row of nine floats per step,
+    last step first: the smoothed ``(m0, m1, p00, p01, p11)`` of ``x_t`` and, with ``lag_one``,
+    ``Cov(x_{t+1}, x_t)`` as ``(x00, x01, x10, x11)`` (zero at the last step, and without)."""
     forward = _forward_2_first if isinstance(sites, OnFirst) else _forward_2
-    return _backward_2(*forward(m0, P0, trans, sites), trans, lag_one)
+    return _backward_2(*forward(m0, P0, trans, sites), lag_one)
+
+
+# The filter hands the backward pass one tuple per step ``t < T - 1`` (one list append, not
+# fourteen): the filtered ``m^f_t, P^f_t``, ``C = A_{t+1} P^f_t`` and the predicted
+# ``m_{t+1}, P_{t+1} = C A_{t+1}' + Q_{t+1}``, each symmetric matrix as ``(p00, p01, p11)``:
+#
+#     (f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11)
+#
+# and the last filtered moments (the last smoothed ones).
 
 
 def _forward_2(m0, P0, trans, sites):
-    """The filter of :func:`_pass_2`: ``log Z`` and the filtered and predicted moments, five
-    lists of floats each (float lists: nothing per step for the garbage collector)."""
+    """The filter of :func:`_pass_2` for sites anywhere on the state: ``log Z``, the steps'
+    tuples and the last filtered moments."""
     m0_, m1_ = m0
     p00, p01, _, p11 = P0
     p01 = 0.5 * (p01 + P0[2])
     log_z = 0.0
-    F: Moments = ([], [], [], [], [])
-    P: Moments = ([], [], [], [], [])
-    fm0, fm1, f00, f01, f11 = (x.append for x in F)
-    pm0, pm1, p00s, p01s, p11s = (x.append for x in P)
-    for (e0, e1, j00, j01, j10, j11), row in zip(sites, itertools.chain((None,), trans)):
-        if row is not None:  # the prediction by A_t, b_t, Q_t
-            a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
-            m0_, m1_ = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
-            c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # (A P) row 0
-            c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11  # (A P) row 1
-            p00 = c00 * a00 + c01 * a01 + q00
-            p01 = c00 * a10 + c01 * a11 + q01
-            p11 = c10 * a10 + c11 * a11 + q11
-        pm0(m0_), pm1(m1_), p00s(p00), p01s(p01), p11s(p11)
+    steps: List[Tuple[float, ...]] = []
+    push = steps.append
+    log = math.log
+    rows = itertools.chain(trans, (None,))
+    for (e0, e1, j00, j01, j10, j11), row in zip(sites, rows):
         s00, s01 = 1.0 + p00 * j00 + p01 * j10, p00 * j01 + p01 * j11  # S = I + P J
         s10, s11 = p01 * j00 + p11 * j10, 1.0 + p01 * j01 + p11 * j11
         det = s00 * s11 - s01 * s10
@@ -203,11 +227,21 @@ def _forward_2(m0, P0, trans, sites):
             m0_ * (e0 - 0.5 * jm0)
             + m1_ * (e1 - 0.5 * jm1)
             + 0.5 * (r0 * u0 + r1 * u1)
-            - 0.5 * math.log(det)
+            - 0.5 * log(det)
         )
         m0_, m1_, p00, p01, p11 = m0_ + u0, m1_ + u1, n00, n01, n11
-        fm0(m0_), fm1(m1_), f00(p00), f01(p01), f11(p11)
-    return log_z, F, P
+        if row is None:
+            break
+        a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
+        c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # C = A P^f
+        c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11
+        n0, n1 = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
+        n00 = c00 * a00 + c01 * a01 + q00  # P_{t+1} = C A' + Q
+        n01 = c00 * a10 + c01 * a11 + q01
+        n11 = c10 * a10 + c11 * a11 + q11
+        push((m0_, m1_, p00, p01, p11, c00, c01, c10, c11, n0, n1, n00, n01, n11))
+        m0_, m1_, p00, p01, p11 = n0, n1, n00, n01, n11
+    return log_z, steps, (m0_, m1_, p00, p01, p11)
 
 
 def _forward_2_first(m0, P0, trans, sites: OnFirst):
@@ -219,21 +253,11 @@ def _forward_2_first(m0, P0, trans, sites: OnFirst):
     p00, p01, _, p11 = P0
     p01 = 0.5 * (p01 + P0[2])
     log_z = 0.0
-    F: Moments = ([], [], [], [], [])
-    P: Moments = ([], [], [], [], [])
-    fm0, fm1, f00, f01, f11 = (x.append for x in F)
-    pm0, pm1, p00s, p01s, p11s = (x.append for x in P)
+    steps: List[Tuple[float, ...]] = []
+    push = steps.append
     log = math.log
-    for e, j, row in zip(sites.e, sites.j, itertools.chain((None,), trans)):
-        if row is not None:  # the prediction by A_t, b_t, Q_t
-            a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
-            m0_, m1_ = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
-            c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # (A P) row 0
-            c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11  # (A P) row 1
-            p00 = c00 * a00 + c01 * a01 + q00
-            p01 = c00 * a10 + c01 * a11 + q01
-            p11 = c10 * a10 + c11 * a11 + q11
-        pm0(m0_), pm1(m1_), p00s(p00), p01s(p01), p11s(p11)
+    rows = itertools.chain(trans, (None,))
+    for e, j, row in zip(sites.e, sites.j, rows):
         s = 1.0 + p00 * j
         if not s > 0.0:
             raise _Fail
@@ -243,58 +267,49 @@ def _forward_2_first(m0, P0, trans, sites: OnFirst):
         log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
         m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
         p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
-        fm0(m0_), fm1(m1_), f00(p00), f01(p01), f11(p11)
-    return log_z, F, P
+        if row is None:
+            break
+        a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
+        c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # C = A P^f
+        c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11
+        n0, n1 = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
+        n00 = c00 * a00 + c01 * a01 + q00  # P_{t+1} = C A' + Q
+        n01 = c00 * a10 + c01 * a11 + q01
+        n11 = c10 * a10 + c11 * a11 + q11
+        push((m0_, m1_, p00, p01, p11, c00, c01, c10, c11, n0, n1, n00, n01, n11))
+        m0_, m1_, p00, p01, p11 = n0, n1, n00, n01, n11
+    return log_z, steps, (m0_, m1_, p00, p01, p11)
 
 
-def _backward_2(log_z: float, F: Moments, P: Moments, trans, lag_one: bool):
-    """The RTS pass of :func:`_pass_2` over the filter's output (``F`` filtered, ``P``
-    predicted, ``trans`` the transitions)."""
-    T = len(F[0])
-    s0, s1, s00, s01, s11 = (x[-1] for x in F)
-    out: Moments = ([s0], [s1], [s00], [s01], [s11])
-    o0, o1, o00, o01, o11 = (x.append for x in out)
-    X: Moments = ([], [], [], [])
-    x00s, x01s, x10s, x11s = (x.append for x in X)
-    back = [itertools.islice(reversed(x), 1, None) for x in F]  # t = T-2 .. 0
-    ahead = [reversed(x) for x in P]  # t + 1 = T-1 .. 1
-    rows = reversed(trans) if isinstance(trans, list) else iter(trans)
-    for f0, f1, f00, f01, f11, q0, q1, q00, q01, q11, row in zip(*back, *ahead, rows):
-        a00, a01, a10, a11 = row[0], row[1], row[2], row[3]  # A_{t+1}
-        det = q00 * q11 - q01 * q01
+def _backward_2(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...], lag_one):
+    """The RTS pass of :func:`_pass_2` over the filter's steps (``last``: the filtered moments
+    of ``x_{T-1}``, its smoothed ones): ``G = P^f A' P_{t+1}^-1 = C' P_{t+1}^-1``."""
+    s0, s1, s00, s01, s11 = last
+    z = 0.0
+    out: List[float] = [s0, s1, s00, s01, s11, z, z, z, z]
+    push = out.extend  # (one flat list: a tuple's floats are copied in C)
+    for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
+        det = n00 * n11 - n01 * n01
         if not det > 0.0:
             raise _Fail
-        i00, i01, i11 = q11 / det, -q01 / det, q00 / det  # P_{t+1}^-1
-        c00, c01 = f00 * a00 + f01 * a01, f00 * a10 + f01 * a11  # P^f A'
-        c10, c11 = f01 * a00 + f11 * a01, f01 * a10 + f11 * a11
-        g00, g01 = c00 * i00 + c01 * i01, c00 * i01 + c01 * i11  # G = P^f A' P^-1
-        g10, g11 = c10 * i00 + c11 * i01, c10 * i01 + c11 * i11
-        d0, d1 = s0 - q0, s1 - q1
-        D00, D01, D11 = s00 - q00, s01 - q01, s11 - q11
+        i00, i01, i11 = n11 / det, -n01 / det, n00 / det  # P_{t+1}^-1
+        g00, g01 = c00 * i00 + c10 * i01, c00 * i01 + c10 * i11  # G = C' P_{t+1}^-1
+        g10, g11 = c01 * i00 + c11 * i01, c01 * i01 + c11 * i11
+        d0, d1 = s0 - n0, s1 - n1
+        D00, D01, D11 = s00 - n00, s01 - n01, s11 - n11
         h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
         h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
         if lag_one:  # P^s_{t+1} G'
-            x00s(s00 * g00 + s01 * g01), x01s(s00 * g10 + s01 * g11)
-            x10s(s01 * g00 + s11 * g01), x11s(s01 * g10 + s11 * g11)
+            x00, x01 = s00 * g00 + s01 * g01, s00 * g10 + s01 * g11
+            x10, x11 = s01 * g00 + s11 * g01, s01 * g10 + s11 * g11
+        else:
+            x00 = x01 = x10 = x11 = z
         s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
-        o0(s0), o1(s1), o00(s00), o01(s01), o11(s11)
-    for x in out:
-        x.reverse()
-    for x in X:  # Cov(x_0, x_{-1}) = 0
-        x.append(0.0) if lag_one else x.extend([0.0] * T)
-        x.reverse()
-    return log_z, out, None, X
-
-
-def _columns(lists: Moments) -> torch.Tensor:
-    """The float lists as the columns of a float64 tensor (through ``array``'s buffer: a
-    nested ``torch.tensor`` checks every element's type)."""
-    return torch.stack(
-        [torch.frombuffer(array.array("d", x), dtype=torch.float64) for x in lists], 1
-    )
+        push((s0, s1, s00, s01, s11, x00, x01, x10, x11))
+    return log_z, array.array("d", out)
 
 
 class SequentialSmoother:
@@ -326,11 +341,13 @@ class SequentialSmoother:
             S = torch.tensor(Ps, **like).reshape(T, 1, 1)
             cross = torch.tensor(X, **like).reshape(T, 1, 1) if lag_one else None
         else:
-            log_z, out, _, X = _pass_2(*rows, lag_one)
-            v = _columns(out).to(**like)  # (T, 5): m0, m1, p00, p01, p11
+            log_z, flat = _pass_2(*rows, lag_one)
+            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 9).flip(0).to(**like)
             m = v[:, :2].unsqueeze(-1)
             S = v[:, [2, 3, 3, 4]].reshape(T, 2, 2)
-            cross = _columns(X).to(**like).reshape(T, 2, 2) if lag_one else None
+            # row t holds Cov(x_{t+1}, x_t); the smoother's t holds Cov(x_t, x_{t-1})
+            cross = v[:, 5:].roll(1, 0).reshape(T, 2, 2) if lag_one else None
         lz = torch.tensor(log_z, **like)
-        check_log_z(lz)
+        if not math.isfinite(log_z) or lz.dtype != torch.float64:
+            check_log_z(lz)
         return lz, m, S, cross
