@@ -97,7 +97,7 @@ class EnumeratedGLM:
     def elp(self, m) -> torch.Tensor:
         base = m.base
         eta = linear_param(base, self.param, self.link)[1]
-        jac = {p: m._jacobian("eta", p, eta) for p in self.names}
+        jac = {p: m.jacobian("eta", p, eta) for p in self.names}
         var = m.q.variance(jac).reshape(eta.shape)
         y = m.x
 
