@@ -26,7 +26,7 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
+from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.ops.indexing import Vindex
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
@@ -80,8 +80,9 @@ def run(local: bool, how: str, n: int, seed: int, steps: int, draws: int):
     pyro.set_rng_seed(seed + 100)
     if how == "mean field":
         elbo = Trace_ELBO(num_particles=draws, vectorize_particles=True, max_plate_nesting=1)
-    else:
+    else:  # (s summed out: the model marks it for TraceEnum_ELBO)
         elbo = TraceEnum_ELBO(num_particles=draws, vectorize_particles=True, max_plate_nesting=1)
+        model = config_enumerate(model, "parallel")
     with torch.no_grad():
         est = torch.tensor([-elbo.loss(model, guide, x, y) for _ in range(4)])
     return {
