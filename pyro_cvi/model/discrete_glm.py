@@ -21,8 +21,8 @@ is joint over the coefficients of every branch (``b`` and ``c`` above). A Normal
 continuous latent keeps the exact rows of :mod:`pyro_cvi.messages.enumerated` instead.
 
 The rule (measured by ``scripts/benchmark_discrete_glm.py``): a *global* unmarked ``s`` takes
-this route by default (its bound within 0.04 nats of ``s`` summed out in the remainder, at a
-seventh of the CPU time); a *plate-local* ``s_n`` only with ``AutoCVI(discrete="mean_field")``:
+this route by default (its bound within 0.04 nats of ``s`` summed out in the remainder, at
+about an eighth of the CPU time); a *plate-local* ``s_n`` only with ``AutoCVI(discrete="mean_field")``:
 summed out in the remainder's log joint its bound was 1.4 nats better (N = 200), because
 ``q(s_n)`` cannot follow ``b, c`` under the mean field. A marked global ``s`` stays summed out
 (the collapsed bound is not the mean field's, docs/architecture.md).
