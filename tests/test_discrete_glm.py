@@ -248,6 +248,7 @@ def test_a_plate_local_discrete_is_summed_out_unless_mean_field_is_asked(marked)
     model = _marked(True) if marked else _model(True)
     text = _fit(model, x, y, steps=1, discrete="auto")[0].explain()
     assert "# s: no q, summed out exactly in the remainder's log joint" in text
+    assert "AutoCVI(discrete='mean_field') gives it a q" in text
     assert "linear-predictor (enumerated)" not in text
     text = _fit(model, x, y, steps=1)[0].explain()
     assert "y -> b, c         linear-predictor (enumerated) Bernoulli logits" in text

@@ -22,10 +22,11 @@ continuous latent keeps the exact rows of :mod:`pyro_cvi.messages.enumerated` in
 
 The rule (measured by ``scripts/benchmark_discrete_glm.py``): a *global* unmarked ``s`` takes
 this route by default (its bound within 0.04 nats of ``s`` summed out in the remainder, at
-about an eighth of the CPU time); a *plate-local* ``s_n`` only with ``AutoCVI(discrete="mean_field")``:
-summed out in the remainder's log joint its bound was 1.4 nats better (N = 200), because
-``q(s_n)`` cannot follow ``b, c`` under the mean field. A marked global ``s`` stays summed out
-(the collapsed bound is not the mean field's, docs/architecture.md).
+about an eighth of the CPU time); a *plate-local* ``s_n`` only with
+``AutoCVI(discrete="mean_field")``: summed out in the remainder's log joint its bound was 1.4
+nats better (N = 200), because ``q(s_n)`` cannot follow ``b, c`` under the mean field
+(``explain()`` names the option). A marked global ``s`` stays summed out (the collapsed bound
+is not the mean field's, docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .tracing import (
     with_param,
 )
 
-__all__ = ["EnumeratedGLM", "discrete_glm_factor", "unites"]
+__all__ = ["EnumeratedGLM", "discrete_glm_factor", "summed_glm_hint", "unites"]
 
 #: Gauss-Hermite points of the mean field's ``f_k`` (the blocks' default ``num_quad_points``)
 NUM_POINTS = 32
@@ -71,11 +72,16 @@ def _candidate(an, site: str) -> bool:
     observed, its discrete parents with a mean-field ``q`` (none summed out; a plate-local one
     only with ``AutoCVI(discrete="mean_field")``, the rule in the module docstring), outside
     any subsampled plate, not a Normal whose loc reads a continuous latent (exact rows)."""
+    return _candidate_under(an, site, getattr(an, "discrete_mode", "auto"), an.collapsed)
+
+
+def _candidate_under(an, site: str, mode: str, summed) -> bool:
+    """:func:`_candidate` with the ``discrete=`` mode ``mode`` and the summed-out set ``summed``."""
     disc = an.deps.get(site, set()) & an.discrete
-    if not disc or disc & an.collapsed or site in an.discrete:
+    if not disc or disc & summed or site in an.discrete:
         return False
     local = any(not is_global(an.structure.nodes[c]) for c in disc)
-    if local and getattr(an, "discrete_mode", "auto") != "mean_field":
+    if local and mode != "mean_field":
         return False
     if an.minibatch_plate(site) is not None:
         return False
@@ -86,6 +92,22 @@ def _candidate(an, site: str) -> bool:
         loc = base.loc
         return not (torch.is_tensor(loc) and loc.requires_grad)
     return True
+
+
+def summed_glm_hint(an, name: str) -> str:
+    """For ``explain()``: where discrete latent ``name`` is summed out in the remainder by the
+    default rule while ``discrete="mean_field"`` would give it a ``q`` and a GLM factor of it
+    linear-predictor sites per value, that option (else ``""``)."""
+    if getattr(an, "discrete_mode", "auto") != "auto":
+        return ""
+    summed = an.collapsed - an.remainder_discrete
+    for site in an.deps:
+        if name in an.deps[site] and _candidate_under(an, site, "mean_field", summed):
+            return (
+                f" (a plate-local parent of GLM factor {site!r}: summed out by default, "
+                "AutoCVI(discrete='mean_field') gives it a q and the factor sites per value)"
+            )
+    return ""
 
 
 def unites(an, site: str) -> bool:
