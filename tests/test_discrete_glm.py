@@ -178,8 +178,7 @@ def _direct_optimum(x, y, local, like):
 
 
 def _guide_q(guide, local):
-    q = guide.posterior("b")
-    del q
+    """The guide's joint q(b, c) (mean, covariance) and q(s)'s probabilities, in float64."""
     block = guide.engine.block_for("b")
     joint = block.joint()
     probs = guide.posterior("s").probs.detach().double()

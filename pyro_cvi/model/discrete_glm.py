@@ -98,14 +98,15 @@ def summed_glm_hint(an, name: str) -> str:
     """For ``explain()``: where discrete latent ``name`` is summed out in the remainder by the
     default rule while ``discrete="mean_field"`` would give it a ``q`` and a GLM factor of it
     linear-predictor sites per value, that option (else ``""``)."""
-    if getattr(an, "discrete_mode", "auto") != "auto":
+    if getattr(an, "discrete_mode", "auto") != "auto" or is_global(an.structure.nodes[name]):
         return ""
     summed = an.collapsed - an.remainder_discrete
     for site in an.deps:
         if name in an.deps[site] and _candidate_under(an, site, "mean_field", summed):
             return (
                 f" (a plate-local parent of GLM factor {site!r}: summed out by default, "
-                "AutoCVI(discrete='mean_field') gives it a q and the factor sites per value)"
+                "AutoCVI(discrete='mean_field') gives it a q, and the factor sites per value "
+                "where its linked parameter is affine given it)"
             )
     return ""
 
