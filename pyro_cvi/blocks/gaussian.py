@@ -34,7 +34,6 @@ from ..context import Options, StepContext
 from ..gaussian.retraction import retraction_target
 from ..gaussian.sites import site_to_row
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
-from ..messages.enumerated import enumerated_normal_rows
 from ..messages.gaussian import (
     RowBlock,
     general_message,
@@ -52,22 +51,23 @@ from ..messages.warm_start import prior_row_var, softmax_starts
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
-from ..model.records import CONJUGATE_ENUM, PRIOR
+from ..model.records import PRIOR
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .block_prior import block_prior
+from .enumerated_sites import ENUMERATED, EnumeratedSites
 from .hidden_draws import draw_weight, undamped_targets
 from .init_start import InitLocStart
 from .laplace import LaplaceStart
 from .plate_sites import PlateSites
 from .registry import register_block_kind
-from .rows import factor_rows, has_graph, site_value
+from .rows import factor_rows, has_graph, same_rows, site_value
 from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
 
 
-class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
+class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, SiteFormBlock):
     """Site-form CVI for the latent sites of one :class:`~pyro_cvi.model.analysis.BlockSpec`.
 
     :param spec: the block (its sites and classified factors).
@@ -88,6 +88,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             f.site: f"{prefix}.sites.{f.site}" for f in self.linear + self.minibatch + self.softmax
         }
         self.init_plate_sites(prefix)
+        self.init_enumerated_sites(prefix)
         self.general_names = (
             (f"{prefix}.general_h.{key}", f"{prefix}.general_P.{key}") if self.general else ()
         )
@@ -128,6 +129,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             R = f.jacobian.shape[0]
             pyro.param(self.site_names[f.site], lambda R=R: like.new_zeros(R, 2))
         self.setup_plate_sites(like)
+        self.setup_enumerated_sites(like)
         for f in self.softmax:
             N, K = f.jacobian.shape[0] // f.num_classes, f.num_classes
             pyro.param(self.site_names[f.site], lambda N=N, K=K: like.new_zeros(N, K, K + 1))
@@ -186,8 +188,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
         sites = self._sites()
         rows, elbo_rows, graph_rows, graph_fns = [], [], [], {}
         for f in self.spec.factors:
-            if f.kind == CONJUGATE_ENUM:  # rows per enumerated value (no graph: q(s) weighs)
-                rows.append((None, enumerated_normal_rows(ctx, f, self.spec, self.z_at)))
+            if f.kind in ENUMERATED:  # rows per enumerated value (no graph: q(s) weighs)
+                rows.append(self.enumerated_rows(ctx, f))
                 graph_rows += rows[-1:] if ctx.graph else []
                 continue
             if f.kind not in (CONJUGATE, LINEAR, SOFTMAX):
@@ -214,7 +216,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             and not self.general
             and not self.softmax
             and not self.minibatch
-            and _same(self.prior, self.rows, prior, rows)
+            and same_rows(self.prior, self.rows, prior, rows)
         )
         if self.options.reducer is not None:  # every rank must take the same branch
             same = self.options.reducer.all_agree(same, prior.loc)
@@ -312,8 +314,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, SiteFormBlock):
             elbo = elbo + fn(valued.f_mean[sl], valued.f_var[sl])
         sites = self._sites()
         for (site_name, sl), (_, r), (_, rg) in zip(post.blocks, self.rows, graph_rows):
-            if site_name is None:
-                continue
+            if site_name is None or self.enumerated_grad(ctx, site_name, post, sl, r):
+                continue  # (a discrete parent's: the mean field owns its term)
             if isinstance(r, SoftmaxRows):
                 value, target = softmax_message(
                     tr.nodes[site_name],
@@ -483,17 +485,6 @@ def _observed_in(site, plates) -> bool:
         and site["is_observed"]
         and any(f.name in plates for f in site["cond_indep_stack"])
     )
-
-
-def _same(old_prior, old_rows, prior, rows) -> bool:
-    if old_prior is None or len(old_rows) != len(rows) or not old_prior.equal(prior.detach()):
-        return False
-    for (_, r1), (_, r2) in zip(old_rows, rows):
-        if r1.A is not r2.A and not torch.equal(r1.A, r2.A):
-            return False
-        if not (torch.equal(r1.w, r2.w) and torch.equal(r1.b, r2.b)):
-            return False
-    return True
 
 
 register_block_kind(lambda spec: spec.chain is None, GaussianBlock, fallback=True)

@@ -20,7 +20,7 @@ from ..messages.gaussian import RowBlock, linear_predictor_rows, linear_predicto
 from ..messages.softmax_sites import SOFTMAX, SoftmaxRows, softmax_message, softmax_rows
 from ..model.analysis import CONJUGATE
 
-__all__ = ["factor_rows", "has_graph", "site_value"]
+__all__ = ["factor_rows", "has_graph", "same_rows", "site_value"]
 
 
 def factor_rows(
@@ -59,3 +59,15 @@ def site_value(site, rows, post: GaussianPosterior, sl: slice, options: Options)
     return linear_predictor_value(
         site, rows, post.f_mean[sl], post.f_var[sl], options.num_quad_points
     )
+
+
+def same_rows(old_prior, old_rows, prior, rows) -> bool:
+    """Whether a block's prior and rows are those it last solved from (the solve is skipped)."""
+    if old_prior is None or len(old_rows) != len(rows) or not old_prior.equal(prior.detach()):
+        return False
+    for (_, r1), (_, r2) in zip(old_rows, rows):
+        if r1.A is not r2.A and not torch.equal(r1.A, r2.A):
+            return False
+        if not (torch.equal(r1.w, r2.w) and torch.equal(r1.b, r2.b)):
+            return False
+    return True

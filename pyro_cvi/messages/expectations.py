@@ -154,6 +154,10 @@ class FactorMoments:
         jac = {p: self._jacobian(name, p, t) for p in role.parents}
         return self.q.variance(jac).reshape(t.shape)
 
+    def jacobian(self, name, p, t):
+        """``d t / d z_p`` of a quantity ``t`` affine in latent ``p`` (cached under ``name``)."""
+        return self._jacobian(name, p, t)
+
     def _jacobian(self, name, p, t):
         """``d theta / d z_p`` (affine, so constant): cached per data and minibatch unless it
         depends on learnable parameters."""

@@ -43,6 +43,7 @@ from .block_factors import (
 )
 from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_error, summed_out
 from .collapsed_group import families_summing_marked as choose_families
+from .discrete_glm import discrete_glm_factor, unites
 from .explain import explain
 from .factor_roles import FactorSpec, analyze_factor
 from .records import (
@@ -273,7 +274,7 @@ class Analysis:
             if site in self.leaves:
                 continue
             members = [n for n in cand if n in deps or n == site]
-            if self.deps[site] & self.discrete:
+            if not unites(self, site):
                 continue  # a discrete parent: the factor is enumerated by the mean field
             for m in members[1:]:
                 parent[find(m)] = find(members[0])
@@ -465,7 +466,7 @@ class Analysis:
             )
             why = f"{spec.reason}: rows with E_q[precision], given {others} (eq. 20)"
             return Factor(spec.site, label, CONJUGATE, why, "loc", A, spec.dynamic, True)
-        enumerated = enumerated_factor(self, spec, block)  # (discrete parents: block_factors)
+        enumerated = enumerated_factor(self, spec, block) or discrete_glm_factor(self, spec, block)
         if enumerated is not None:
             return enumerated
         why = f"{spec.reason or 'shared'}; given {others}: stochastic message (Bonnet/Price)"

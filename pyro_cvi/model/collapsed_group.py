@@ -130,6 +130,7 @@ def summed_out(an, mode: str) -> Set[str]:
     """The summed-out latents of analysis ``an`` (:func:`choose_summed_out`); records why in
     ``an.summed_why`` (``explain()`` prints it)."""
     nodes = an.structure.nodes
+    an.discrete_mode = mode  # (a GLM factor's plate-local parents: model/discrete_glm.py)
     an.summed_why = choose_summed_out(mode, an.discrete - an.leaves, nodes, an.deps)
     for n in an.discrete - an.leaves - set(an.summed_why) if mode == "auto" else ():
         if marked_for_enumeration(nodes[n]):  # (explain() prints it beside q)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .discrete_glm import summed_glm_hint
 from .records import (
     COLLAPSED,
     CONJUGATE,
@@ -21,6 +22,7 @@ from .records import (
     CONJUGATE_MC,
     GENERAL,
     LINEAR,
+    LINEAR_ENUM,
     NATGRAD,
     PRIOR,
     REMAINDER,
@@ -39,6 +41,7 @@ MESSAGE_RULES: Dict[str, str] = {
     CONJUGATE_ENUM: EXACT,
     CONJUGATE_MC: MONTE_CARLO,
     LINEAR: SITES,
+    LINEAR_ENUM: SITES,
     SOFTMAX: SITES,
     GENERAL: SITES,
     NATGRAD: SITES,
@@ -126,6 +129,7 @@ def explain(an, blocks: Optional[Sequence] = None) -> str:
         lines.append(f"# {name}: no q, summed out exactly as TraceEnum_ELBO does ({why})")
     for name in sorted(an.remainder_discrete, key=list(an.values).index):
         why = f" ({an.summed_why[name]})" if name in getattr(an, "summed_why", {}) else ""
+        why = why or summed_glm_hint(an, name)
         lines.append(f"# {name}: no q, summed out exactly in the remainder's log joint{why}")
     if an.remainder:
         summed = sorted(an.remainder_discrete, key=list(an.values).index)

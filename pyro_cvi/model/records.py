@@ -23,6 +23,9 @@ CONJUGATE_MC = "conjugate (MC)"
 #: a Normal factor with discrete (mean-field) parents, loc affine in a Gaussian block given them:
 #: exact rows per enumerated value, weighted by ``q`` of the values (eq. 20)
 CONJUGATE_ENUM = "conjugate (enumerated)"
+#: a GLM factor with discrete (mean-field) parents, its linked parameter affine in a Gaussian
+#: block given them: linear-predictor sites per enumerated value, weighted by ``q`` of the value
+LINEAR_ENUM = "linear-predictor (enumerated)"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
