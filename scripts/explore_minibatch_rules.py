@@ -25,6 +25,7 @@ alone, scaled by ``N / B``, stands for the data until then).
 Usage::
 
     PYTHONPATH=$PWD python scripts/explore_minibatch_rules.py            # every rule, 10 orders
+    PYTHONPATH=$PWD python scripts/explore_minibatch_rules.py --quick    # 2 orders, 2 rules
 
 Writes ``results/explore_minibatch_rules.json`` (``--out``) and prints a table.
 """
@@ -36,6 +37,7 @@ import time
 
 import gpytorch
 import torch
+from bench.reporting import quick_path
 from benchmark_sparse_minibatch import build
 
 from pyro_cvi.contrib.gpytorch import CVIOptimizer, SiteMemoryScaling, SVIScaling
@@ -125,9 +127,13 @@ RULES = {
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--orders", type=int, default=10)
-    ap.add_argument("--rules", help="comma-separated substrings of the rule names (default: all)")
+    ap.add_argument("--rules", help="substrings of the rule names, separated by ; (default: all)")
+    ap.add_argument("--quick", action="store_true", help="two orders, two rules")
     ap.add_argument("--out", default="results/explore_minibatch_rules.json")
     args = ap.parse_args()
+    args.out = str(quick_path(args.out, args.quick))  # --quick: under results/quick/
+    if args.quick:
+        args.orders, args.rules = 2, "default;scaled, warm-up 4"
     torch.set_num_threads(1)
     N, M, B, steps = 20000, 200, 1024, 30
     g = torch.Generator().manual_seed(0)  # the data of benchmark_sparse_minibatch.py
@@ -138,7 +144,7 @@ def main():
     state = g.get_state()
     opt = CVIOptimizer(build(X, M), lik, step_size=0.8)
     optimum = min(float(opt.step(X, y)) for _ in range(30))
-    wanted = None if not args.rules else args.rules.split(",")
+    wanted = None if not args.rules else [w.strip() for w in args.rules.split(";")]
     out = {"N": N, "M": M, "B": B, "steps": steps, "full_batch_optimum": optimum, "gaps": {}}
     print(f"N={N} M={M} B={B}, {steps} steps; full-batch optimum (-ELBO) {optimum:.2f}")
     for name, make in RULES.items():
