@@ -54,7 +54,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--T", type=int, nargs="+", default=[200, 1000, 3000])
     ap.add_argument("--rounds", type=int, default=12, help="blocks of steps per side")
     ap.add_argument("--out", default="results/compare_markov_step.json")
+    ap.add_argument("--quick", action="store_true", help="T = 200, 3 rounds; results/quick/")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.T, args.rounds = [200], 3
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
     import pyro
@@ -161,6 +164,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         tables=[table],
         command="PYTHONPATH=. python scripts/compare_markov_step.py --before " + args.before,
         text="Process CPU ms per step, one thread, blocks of steps alternating in one process.",
+        quick=args.quick,
     )
     return {"rows": rows}
 
