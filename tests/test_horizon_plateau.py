@@ -17,11 +17,10 @@ import pyro
 import pytest
 import torch
 from pyro.infer import SVI
+from test_horizon_step import _data, _posterior, lognormal_regression
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
 from pyro_cvi.natgrad.horizon import HorizonControl
-
-from test_horizon_step import _data, _posterior, lognormal_regression
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 
