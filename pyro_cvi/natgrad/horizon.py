@@ -23,13 +23,23 @@ average of about ``1 / rho`` one-draw curvature estimates. ``alpha`` is a fracti
 step. Both decay by a cosine over ``horizon`` steps to ``final`` of their start
 (:class:`Horizon`): the noise of one draw is averaged out by the decay, never read as
 convergence.
+
+They also halve where the step has stopped gaining beyond its noise (``plateau`` steps): over
+each run of ``W = plateau`` steps the least-squares slope ``b`` of the block's own one-draw
+bound estimates and its standard error ``se(b) = sigma sqrt(12 / (W (W^2 - 1)))`` give the
+gain still to come over the next ``W`` steps; where it is not resolved from zero, ``-b <=
+se(b)`` (the decrease within one standard error of none: the mean jitters in its noise ball
+at this step size), a second factor halves (floored at ``final``), and the sizes are ``min(
+cosine, factor)`` of their start. A small problem's steps reach their noise ball and decay
+within a few hundred steps; a large one keeps its steps while its bound still falls
+measurably, whatever its size or its step count.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,6 +61,7 @@ class Horizon:
     :param final: the fraction of ``lr`` and ``rho`` left at the horizon.
     :param warmup: steps over which the mean's step grows linearly to ``lr`` (the first
         steps' curvature is the initial guess's, and momentum would carry their error on).
+    :param plateau: the steps of one slope test of the module docstring (0: the cosine alone).
     :param particles: reparameterised draws per step.
     :param report_pairs: antithetic pairs ``m +- L e_j`` of forward-only draws for the reported
         loss, run in the gradient draw's batched model run (from a generator of the block's
@@ -65,6 +76,7 @@ class Horizon:
     horizon: int = 2000
     final: float = 0.1
     warmup: int = 0
+    plateau: int = 100
     particles: int = 1
     report_pairs: int = 0
 
@@ -81,6 +93,8 @@ class Horizon:
             raise ValueError(f"Horizon(warmup={self.warmup!r}): a non-negative integer (steps)")
         if not (0 < self.final <= 1):
             raise ValueError(f"Horizon(final={self.final!r}): a number in (0, 1]")
+        if not (isinstance(self.plateau, int) and (self.plateau == 0 or self.plateau >= 3)):
+            raise ValueError(f"Horizon(plateau={self.plateau!r}): 0 or an integer >= 3 (steps)")
         if not (isinstance(self.particles, int) and self.particles >= 1):
             raise ValueError(f"Horizon(particles={self.particles!r}): a positive integer")
         if not (isinstance(self.report_pairs, int) and self.report_pairs >= 0):
@@ -102,11 +116,31 @@ class HorizonControl:
         self.ceiling = 1.0
         self.t = 0
         self.gbar: Optional[torch.Tensor] = None
+        #: the plateau test's factor and the current run of bound estimates
+        self.factor = 1.0
+        self.losses: List[float] = []
+        self._loss: Optional[float] = None
 
     def decay(self) -> float:
+        """The sizes' fraction of their start: ``min(cosine over the horizon, factor)``."""
         r = self.rule
         x = min(self.t, r.horizon) / r.horizon
-        return r.final + (1.0 - r.final) * 0.5 * (1.0 + math.cos(math.pi * x))
+        return min(r.final + (1.0 - r.final) * 0.5 * (1.0 + math.cos(math.pi * x)), self.factor)
+
+    def record(self, loss: float) -> None:
+        """This step's estimate of the block's loss (kept with the step at :meth:`observe`)."""
+        self._loss = float(loss)
+
+    def _plateau(self) -> None:
+        """The slope test of the module docstring over the full run of losses."""
+        y, h = self.losses, len(self.losses) // 2
+        d = sorted(y[i + h] - y[i] for i in range(h))
+        med = 0.5 * (d[(h - 1) // 2] + d[h // 2])
+        mad = sorted(abs(v - med) for v in d)
+        sd = 1.4826 * 0.5 * (mad[(h - 1) // 2] + mad[h // 2])
+        if not math.isfinite(med) or -med <= 1.2533 * sd / math.sqrt(h):
+            self.factor = max(self.rule.final, 0.5 * self.factor)
+        self.losses = []
 
     def step_sizes(self) -> Tuple[float, float]:
         """``(rho, alpha)``: the precision's and the mean's step of the next step."""
@@ -160,6 +194,11 @@ class HorizonControl:
         if nxt is not None:
             self.gbar, self._n = nxt, self._next_n
             self._next = None
+        if self._loss is not None and self.rule.plateau > 0:
+            self.losses.append(self._loss)
+            if len(self.losses) >= self.rule.plateau:
+                self._plateau()
+        self._loss = None
 
     def state(self) -> Dict:
         return {
@@ -167,8 +206,12 @@ class HorizonControl:
             "ceiling": self.ceiling,
             "gbar": self.gbar,
             "n": getattr(self, "_n", 0),
+            "factor": self.factor,
+            "losses": list(self.losses),
         }
 
     def load(self, state: Dict) -> None:
         self.t, self.ceiling = int(state["t"]), float(state["ceiling"])
         self.gbar, self._n = state.get("gbar"), int(state.get("n", 0))
+        self.factor = float(state.get("factor", 1.0))
+        self.losses, self._loss = list(state.get("losses", [])), None

@@ -120,6 +120,9 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     else:
         ctx.add_mc_samples(per_t)
     if ctx.grads:
+        record = getattr(block.control, "record", None)
+        if record is not None:  # the step schedule's plateau test (natgrad/horizon.py)
+            record(-float(per_t.detach().mean()))
         # (the loss keeps this graph where it is differentiated for the model's parameters)
         (g,) = torch.autograd.grad(
             (f + prior).sum(), u, allow_unused=True, retain_graph=bool(ctx.graph)
