@@ -121,7 +121,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--draws", type=int, default=300)
     ap.add_argument("--out", default=str(ROOT / "results" / "benchmark_report_cv.json"))
+    ap.add_argument("--quick", action="store_true", help="wine, 30 steps, 40 draws; results/quick/")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.models, a.seeds, a.steps, a.draws = "bnn_wine", 1, 30, 40
     torch.set_num_threads(1)
     rows = [
         run(name, seed, a.steps, a.draws) for name in a.models.split(",") for seed in range(a.seeds)
@@ -139,6 +142,7 @@ def main(argv=None):
         title="The one-draw report's spread under control variates with known means",
         verdict=text,
         command="python scripts/benchmark_report_cv.py " + " ".join(sys.argv[1:]),
+        quick=a.quick,
     )
     print("verdict:", text)
 
