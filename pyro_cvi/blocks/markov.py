@@ -120,6 +120,11 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             return c
         return eta_at - (H.to(x) * x[f.time_index]).sum(-1)
 
+    def _kept(self, f, row: RowBlock) -> bool:
+        """Whether ``row``'s offsets are the kept ones of ``f`` (so they carry no graph)."""
+        hit = self._offsets.get(f.site)
+        return hit is not None and hit[2] is row.c
+
     def _site_rows(self, rows: Sequence[RowBlock], h0: Any = ...) -> SiteRows:
         """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``), then the
         start offset's (``h0``: the current one by default; ``None``: without)."""
@@ -209,8 +214,15 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
         self.rows = [self._rows(*o) for o in obs]
         moving = self.prior.requires_grad() or bool(H)
-        graph_rows = (
-            [self._rows(*o, H.get(o[1].site, o[1].jacobian)) for o in obs] if ctx.graph else []
+        graph_rows = (  # (a plain row with offsets kept without graph is its own graph row)
+            [
+                r
+                if o[1].site not in H and self._kept(o[1], r)
+                else self._rows(*o, H.get(o[1].site, o[1].jacobian))
+                for o, r in zip(obs, self.rows)
+            ]
+            if ctx.graph
+            else []
         )
         self._graph = None
         if ctx.graph and (moving or any(r.c.requires_grad for r in graph_rows)):  # (H: in c)
