@@ -63,6 +63,9 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         #: ``(rows, q)`` with their graph to the model's parameters (``ctx.graph`` and the
         #: prior or the offsets depend on them), for the differentiable ELBO; else ``None``
         self._graph: Optional[tuple] = None
+        #: per factor: ``(key, the objects keyed, c)`` of the last offsets built (:meth:`_offset`)
+        self._offsets: Dict[str, tuple] = {}
+        self.offset_builds = 0  # (how many were built: a static model builds each once)
         self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
@@ -91,12 +94,36 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         :func:`~pyro_cvi.gaussian.sites.site_to_row`. With ``H`` given (the coefficients, with
         their graph where they depend on parameters) ``c`` keeps its graph to the model's
         parameters too."""
-        eta_at = linear_param(unwrap(site["fn"])[0], f.param, f.link)[1]
-        eta_at = (eta_at if H is not None else eta_at.detach()).reshape(-1)
+        c = self._offset(site, f, H)
         H = f.jacobian if H is None else H
-        x = self.chain.states(self.z_at)
-        c = eta_at - (H.to(x) * x[f.time_index]).sum(-1)
         return RowBlock(H, *site_to_row(sites[..., 0], sites[..., 1], c), c, f.param, f.link)
+
+    def _offset(self, site, f, H=None) -> torch.Tensor:
+        """``c = eta_at - h' x_at`` of factor ``f`` (with ``H``: its graph kept), reused while
+        what it is computed from is unchanged: the site's distribution and its tensors,
+        ``z_at``, ``h`` (by identity and version counter; the cache holds them, so no identity
+        is reused). One with a graph to the model's parameters is built afresh each time."""
+        fn = site["fn"]
+        held = (fn, self.z_at, f.jacobian, f.time_index)
+        held += tuple(v for v in vars(unwrap(fn)[0]).values() if torch.is_tensor(v))
+        key = tuple((id(o), getattr(o, "_version", None)) for o in held)
+        hit = self._offsets.get(f.site)
+        if (H is None or H is f.jacobian) and hit is not None and hit[0] == key:
+            return hit[2]  # (no graph: the plain offsets are the graph ones)
+        eta_at = linear_param(unwrap(fn)[0], f.param, f.link)[1].reshape(-1)
+        x = self.chain.states(self.z_at)
+        c = eta_at.detach() - (f.jacobian.to(x) * x[f.time_index]).sum(-1)
+        if not eta_at.requires_grad:
+            self._offsets[f.site] = (key, held, c)
+            self.offset_builds += 1
+        if H is None or (H is f.jacobian and not eta_at.requires_grad):
+            return c
+        return eta_at - (H.to(x) * x[f.time_index]).sum(-1)
+
+    def _kept(self, f, row: RowBlock) -> bool:
+        """Whether ``row``'s offsets are the kept ones of ``f`` (so they carry no graph)."""
+        hit = self._offsets.get(f.site)
+        return hit is not None and hit[2] is row.c
 
     def _site_rows(self, rows: Sequence[RowBlock], h0: Any = ...) -> SiteRows:
         """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``), then the
@@ -187,8 +214,15 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
         self.rows = [self._rows(*o) for o in obs]
         moving = self.prior.requires_grad() or bool(H)
-        graph_rows = (
-            [self._rows(*o, H.get(o[1].site, o[1].jacobian)) for o in obs] if ctx.graph else []
+        graph_rows = (  # (a plain row with offsets kept without graph is its own graph row)
+            [
+                r
+                if o[1].site not in H and self._kept(o[1], r)
+                else self._rows(*o, H.get(o[1].site, o[1].jacobian))
+                for o, r in zip(obs, self.rows)
+            ]
+            if ctx.graph
+            else []
         )
         self._graph = None
         if ctx.graph and (moving or any(r.c.requires_grad for r in graph_rows)):  # (H: in c)
