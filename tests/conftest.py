@@ -23,6 +23,12 @@ def _clean_param_store(request):
     ``$PYRO_CVI_STACK_LEAKS`` when that names a file."""
     from pyro.poutine.runtime import _PYRO_STACK
 
+    # a handler left by something outside any test (a fixture's teardown, a finalizer) goes too
+    foreign = [m for m in _PYRO_STACK if type(m).__name__ != "SiteObserver"]
+    if foreign:
+        _report_leak(f"before {request.node.nodeid}", foreign)
+        for m in foreign:
+            _PYRO_STACK.remove(m)
     before = list(_PYRO_STACK)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -30,12 +36,16 @@ def _clean_param_store(request):
     pyro.clear_param_store()
     leaked = [m for m in _PYRO_STACK if m not in before and type(m).__name__ != "SiteObserver"]
     if leaked:
-        path = os.environ.get("PYRO_CVI_STACK_LEAKS")
-        if path:
-            with open(path, "a") as f:
-                f.write(f"{request.node.nodeid}: {[type(m).__name__ for m in leaked]}\n")
+        _report_leak(request.node.nodeid, leaked)
         for m in leaked:
             _PYRO_STACK.remove(m)
+
+
+def _report_leak(where, handlers):
+    path = os.environ.get("PYRO_CVI_STACK_LEAKS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{where}: {[type(m).__name__ for m in handlers]}\n")
 
 
 @pytest.fixture(scope="session")
