@@ -293,7 +293,7 @@ def test_a_failed_trace_elbo_step_leaves_the_cvi_part_as_it_was():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("method", ["differentiable_loss", "loss_and_grads"])
 def test_a_hand_written_loop_warns_once_that_the_cvi_part_is_not_stepped(dtype, method):
-    """A Pyro ELBO differentiating the guide list outside ``SVI.step`` (a hand-written loop)
+    """A Pyro ELBO differentiating the guide list outside ``SVI.step`` in a loop (a third time)
     trains the delta part but cannot step the CVI part: one RuntimeWarning per part, naming
     the method, and ``q(w)`` indeed stays at its prior. Drawing (``Trace_ELBO().loss``) and
     ``SVI.step`` do not warn, nor does a loop over a part that CVI already fitted."""
@@ -303,6 +303,9 @@ def test_a_hand_written_loop_warns_once_that_the_cvi_part_is_not_stepped(dtype, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         elbo.loss(model, guide, X, y)  # draws only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        elbo.loss_and_grads(model, guide, X, y)  # one gradient (Pyro's own tests) is no loop
     params = [p.unconstrained() for _, p in pyro.get_param_store().items()]
     opt = torch.optim.Adam(params, lr=0.05)
     with warnings.catch_warnings(record=True) as caught:

@@ -215,6 +215,10 @@ def _svi_optimizer() -> Any:
 
 #: parts already warned that a Pyro ELBO differentiated them outside ``SVI.step``
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: part -> how often a Pyro ELBO differentiated it outside ``SVI.step`` while it was unfitted
+_UNSTEPPED_RUNS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+#: a loop, not one gradient (Pyro's own tests take one ``loss_and_grads`` of a guide list)
+LOOP_RUNS = 3
 
 _DIFFERENTIATING = ("differentiable_loss", "loss_and_grads")
 
@@ -232,9 +236,9 @@ def _pyro_elbo_differentiating() -> Optional[str]:
 
 
 def _warn_outside_svi_step(part: Any) -> None:
-    """Once per part: a Pyro ELBO differentiating the guide list outside ``SVI.step`` (a
-    hand-written loop) trains the other parts, but never steps the CVI part (its ``q`` is
-    computed by conjugate computations; gradients cannot reach it)."""
+    """Once per part, at the :data:`LOOP_RUNS`-th time: a Pyro ELBO differentiating the guide
+    list outside ``SVI.step`` (a hand-written loop) trains the other parts, but never steps the
+    CVI part (its ``q`` is computed by conjugate computations; gradients cannot reach it)."""
     if part in _WARNED or not torch.is_grad_enabled():
         return
     engine = part.engine
@@ -244,6 +248,10 @@ def _warn_outside_svi_step(part: Any) -> None:
             return
     caller = _pyro_elbo_differentiating()
     if caller is None:
+        return
+    runs = _UNSTEPPED_RUNS.get(part, 0) + 1
+    _UNSTEPPED_RUNS[part] = runs
+    if runs < LOOP_RUNS:
         return
     _WARNED.add(part)
     warnings.warn(
