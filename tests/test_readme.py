@@ -75,7 +75,8 @@ def _run_script(tmp_path, *launcher):
     cmd = [sys.executable, *launcher, str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
     assert out.returncode == 0, out.stderr[-2000:]
-    return [line for line in out.stdout.splitlines() if line.startswith("-ELBO")]
+    # each rank's result, also when two ranks' prints share a line of the captured stdout
+    return re.findall(r"-ELBO [^,]+, posterior mean \[[^\]]*\]", out.stdout)
 
 
 def test_readme_distributed_example_runs_as_pasted_in_one_process(tmp_path):
