@@ -203,14 +203,22 @@ def _svi_capture() -> Optional[TraceMessenger]:
     return None
 
 
-def _svi_optimizer() -> Any:
-    """The optimizer of the ``SVI.step`` call on the stack (``None``: not found)."""
-    frame = sys._getframe(1)
+def _caller_self(names: Tuple[str, ...], cls: type) -> Optional[Tuple[Any, str]]:
+    """``(self, method name)`` of the innermost call on the stack of a method in ``names`` of
+    an instance of ``cls`` (``None``: none)."""
+    frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name == "step" and isinstance(frame.f_locals.get("self"), SVI):
-            return frame.f_locals["self"].optim
+        name = frame.f_code.co_name
+        if name in names and isinstance(frame.f_locals.get("self"), cls):
+            return frame.f_locals["self"], name
         frame = frame.f_back
     return None
+
+
+def _svi_optimizer() -> Any:
+    """The optimizer of the ``SVI.step`` call on the stack (``None``: not found)."""
+    found = _caller_self(("step",), SVI)
+    return found[0].optim if found is not None else None
 
 
 #: parts already warned that a Pyro ELBO differentiated them outside ``SVI.step``
@@ -226,13 +234,8 @@ _DIFFERENTIATING = ("differentiable_loss", "loss_and_grads")
 def _pyro_elbo_differentiating() -> Optional[str]:
     """``"Trace_ELBO.loss_and_grads"`` (say) when a Pyro ELBO's differentiating method is on the
     call stack, else ``None``."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name in _DIFFERENTIATING and isinstance(frame.f_locals.get("self"), ELBO):
-            return f"{type(frame.f_locals['self']).__name__}.{name}"
-        frame = frame.f_back
-    return None
+    found = _caller_self(_DIFFERENTIATING, ELBO)
+    return f"{type(found[0]).__name__}.{found[1]}" if found is not None else None
 
 
 def _warn_outside_svi_step(part: Any) -> None:
