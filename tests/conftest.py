@@ -18,10 +18,11 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _clean_param_store(request):
-    """Every test starts from an empty param store, a fixed seed and Pyro's effect stack as it
-    was (a handler a test left entered would run in every later model); a leak is reported in
+    """Every test starts from an empty param store, a fixed seed and Pyro's effect stack and plate
+    dimensions as they were (a handler a test left entered would run in every later model; a
+    plate dimension left allocated moves every later plate); a leak is reported in
     ``$PYRO_CVI_STACK_LEAKS`` when that names a file."""
-    from pyro.poutine.runtime import _PYRO_STACK
+    from pyro.poutine.runtime import _DIM_ALLOCATOR, _PYRO_STACK
 
     # a handler left by something outside any test (a fixture's teardown, a finalizer) goes too
     foreign = [m for m in _PYRO_STACK if type(m).__name__ != "SiteObserver"]
@@ -29,6 +30,9 @@ def _clean_param_store(request):
         _report_leak(f"before {request.node.nodeid}", foreign)
         for m in foreign:
             _PYRO_STACK.remove(m)
+    if any(n is not None for n in _DIM_ALLOCATOR._stack):
+        _report_leak(f"before {request.node.nodeid}: plate dims {_DIM_ALLOCATOR._stack}", [])
+        _DIM_ALLOCATOR._stack.clear()
     before = list(_PYRO_STACK)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -39,6 +43,9 @@ def _clean_param_store(request):
         _report_leak(request.node.nodeid, leaked)
         for m in leaked:
             _PYRO_STACK.remove(m)
+    if any(n is not None for n in _DIM_ALLOCATOR._stack):
+        _report_leak(f"{request.node.nodeid}: plate dims {_DIM_ALLOCATOR._stack}", [])
+        _DIM_ALLOCATOR._stack.clear()
 
 
 def _report_leak(where, handlers):
@@ -46,6 +53,32 @@ def _report_leak(where, handlers):
     if path:
         with open(path, "a") as f:
             f.write(f"{where}: {[type(m).__name__ for m in handlers]}\n")
+
+
+def _watch_plate_exits():
+    """With ``$PYRO_CVI_STACK_LEAKS`` set: a plate that leaves Pyro's effect stack at its exit
+    without being popped (its dimension freed, its frame still added to every later site) is
+    reported with the call stack that exited it."""
+    import traceback
+
+    from pyro.poutine.indep_messenger import IndepMessenger
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    exit_ = IndepMessenger.__exit__
+
+    def __exit__(self, *args):
+        try:
+            return exit_(self, *args)
+        finally:
+            if self in _PYRO_STACK:
+                where = "".join(traceback.format_stack(limit=25))
+                _report_leak(f"plate {self.name!r} still on the stack after its exit\n{where}", [])
+
+    IndepMessenger.__exit__ = __exit__
+
+
+if os.environ.get("PYRO_CVI_STACK_LEAKS"):
+    _watch_plate_exits()
 
 
 @pytest.fixture(scope="session")
