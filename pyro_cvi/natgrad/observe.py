@@ -24,10 +24,12 @@ wrapper, or another Python); re-tracing the guide (``CVI()`` does not know the g
 arguments); parameter names (say nothing about which distribution a parameter feeds). The
 observer works with ``SVI``, a hand-written ``loss.loss_and_grads`` loop, and any Pyro ELBO.
 What it changes: while a ``CVI()`` is alive ``pyro.poutine.runtime.am_i_wrapped()`` is true
-(a bare ``pyro.sample`` goes through the effect stack; it returns the same value). It removes
-itself when the last ``CVI()`` is garbage-collected. Under ``JitTrace_ELBO`` the guide runs in
-Python only while being compiled: what was seen then is kept
-(:mod:`pyro_cvi.natgrad.sites` caches it).
+(a bare ``pyro.sample`` goes through the effect stack; it returns the same value). When the
+last ``CVI()`` is garbage-collected it goes idle and leaves the stack as soon as that is safe:
+at once if nothing else is on the stack, else at the next site that runs with nothing above it
+(a collection can run inside Pyro's walk over the stack, which an early removal would shift).
+Under ``JitTrace_ELBO`` the guide runs in Python only while being compiled: what was seen then
+is kept (:mod:`pyro_cvi.natgrad.sites` caches it).
 
 **Several ``CVI()`` optimizers** (two ``SVI`` objects in one process) share the one observer.
 While more than one is alive, every guide site is recorded with the raw parameters its
@@ -92,11 +94,17 @@ class SiteObserver(Messenger):
 
     # Messenger protocol: only sample sites are looked at
     def _process_message(self, msg: Any) -> None:
+        if _STATE["users"] <= 0:  # no CVI() left: idle until it is taken off the stack
+            _detach_when_safe()
+            return
         if msg["type"] == "sample":
             msg.setdefault("infer", {})
             msg["_cvi_done_above"] = bool(msg["done"])
 
     def _postprocess_message(self, msg: Any) -> None:
+        if _STATE["users"] <= 0:
+            msg.pop("_cvi_done_above", None)
+            return
         if msg["type"] != "sample" or type(msg["fn"]).__name__ == "_Subsample":
             msg.pop("_cvi_done_above", None)
             return
@@ -249,12 +257,27 @@ def observer(owner: object) -> SiteObserver:
 
 
 def _release() -> None:
+    """A ``CVI()`` was garbage-collected: the last one takes the observer off the stack."""
     _STATE["users"] -= 1
-    obs = _STATE["observer"]
-    if _STATE["users"] <= 0 and obs is not None:
+    if _STATE["users"] <= 0:
         _STATE["users"] = 0
+        _detach_when_safe()
+
+
+def _detach_when_safe() -> None:
+    """Take the unused observer off Pyro's stack, now if nothing else is on it, else at the
+    next site that runs with nothing above it. A garbage collection (hence :func:`_release`)
+    can run inside Pyro's ``apply_stack`` while it walks the stack top to bottom; removing the
+    bottom entry then shifts the walk by one and the handler it is in runs twice (a plate
+    adds its frame twice: a "dim collision"). With nothing above the observer, the walk is at
+    its last entry and ends."""
+    obs = _STATE["observer"]
+    if obs is None or obs not in _PYRO_STACK:
+        return
+    if all(m is obs for m in _PYRO_STACK):
         while obs in _PYRO_STACK:
             _PYRO_STACK.remove(obs)
+    # else: the observer stays, idle, until the check in its own message handling
 
 
 def current() -> Optional[SiteObserver]:
