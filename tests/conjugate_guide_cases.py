@@ -506,12 +506,22 @@ def within(pair: Pair, data) -> bool:
     return all(e <= pair.tol for e in pair.errors(data))
 
 
-def fit(pair: Pair, dtype, optim, steps: int, seed: int = 0, stay: int = 100):
+def fit(
+    pair: Pair,
+    dtype,
+    optim,
+    steps: int,
+    seed: int = 0,
+    stay: int = 100,
+    seen: Optional[Dict[int, List[float]]] = None,
+):
     """Train up to ``steps`` steps of ``Trace_ELBO`` (one draw, as Pyro's tests).
 
     Returns ``(first, errors)``: the first step after which the guide is within tolerance and
     stays so for ``stay`` more steps (``None`` if never within ``steps``; training stops there),
-    and the errors after the last step.
+    and the errors after the last step. ``seen``: a dict whose keys are step numbers; the
+    errors after each of those steps that training reaches are stored under it (the same
+    numbers as ``train(pair, dtype, optim, step, seed)``, without a second run).
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
@@ -520,6 +530,8 @@ def fit(pair: Pair, dtype, optim, steps: int, seed: int = 0, stay: int = 100):
     first = None
     for t in range(1, steps + 1):
         svi.step(*data)
+        if seen is not None and t in seen:
+            seen[t] = pair.errors(data)
         if within(pair, data):
             first = t if first is None else first
             if t - first >= stay:

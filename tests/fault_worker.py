@@ -1,10 +1,13 @@
 """A data-parallel run with faults on one rank, for tests/test_distributed.py (not collected).
 
-``torchrun --nproc_per_node=2 tests/fault_worker.py OUT [faults]``: 2 gloo ranks fit a
-logistic regression with a learned prior scale (Adam) on their shards for 6 good steps. With
-``faults``, rank 1's model raises at the 3rd step and rank 1's data has a NaN at the 5th (a
-bad-data error from the checks); after each failed step every rank goes on with good data.
-Rank 0 saves the losses of the good steps, q's mean and the errors each rank saw."""
+``torchrun --nproc_per_node=2 tests/fault_worker.py CLEAN FAULTS``: 2 gloo ranks fit a
+logistic regression with a learned prior scale (Adam) on their shards for 6 good steps, twice
+in the same process group, each from a cleared param store and the same seed: first
+undisturbed (saved to CLEAN), then with faults (saved to FAULTS): rank 1's model raises at the
+3rd step and rank 1's data has a NaN at the 5th (a bad-data error from the checks); after each
+failed step every rank goes on with good data. Rank 0 saves, per rank, the losses of the good
+steps, q's mean and the errors the rank saw. (One launch for both runs: starting torchrun and
+its ranks is most of the cost.)"""
 
 import sys
 
@@ -20,13 +23,25 @@ from pyro_cvi.scale.distributed import WORLD, shard
 N, D = 200, 3
 
 
-def main(out: str, faults: bool) -> None:
+def main(clean_out: str, faults_out: str) -> None:
     tdist.init_process_group("gloo")
-    rank = tdist.get_rank()
     g = torch.Generator().manual_seed(0)
     X = torch.randn(N, D, generator=g, dtype=torch.float64)
     y = torch.bernoulli(torch.sigmoid(X @ torch.ones(D, dtype=X.dtype)), generator=g)
     X, y = shard(X), shard(y)
+    for out, faults in ((clean_out, False), (faults_out, True)):
+        result = fit(X, y, faults)
+        gathered = [None, None]
+        tdist.all_gather_object(gathered, result)
+        if tdist.get_rank() == 0:
+            torch.save(gathered, out)
+    tdist.destroy_process_group()
+
+
+def fit(X: torch.Tensor, y: torch.Tensor, faults: bool) -> dict:
+    rank = tdist.get_rank()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
     state = {"raise": False}
 
     def model(X, y):
@@ -50,13 +65,8 @@ def main(out: str, faults: bool) -> None:
             losses.append(svi.step(Xs, y))
         except Exception as e:  # noqa: BLE001 (recorded: the test checks them)
             errors.append(f"{type(e).__name__}: {e}")
-    result = {"losses": losses, "mean": guide.posterior("w").mean, "errors": errors}
-    gathered = [None, None]
-    tdist.all_gather_object(gathered, result)
-    if rank == 0:
-        torch.save(gathered, out)
-    tdist.destroy_process_group()
+    return {"losses": losses, "mean": guide.posterior("w").mean, "errors": errors}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "faults")
+    main(sys.argv[1], sys.argv[2])

@@ -148,15 +148,15 @@ def test_a_rank_that_fails_makes_every_rank_fail_and_the_next_step_is_exact(tmp_
     undisturbed run (to 1e-12)."""
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     worker = str(HERE / "fault_worker.py")
-    runs = {}
-    for name, extra in (("clean", []), ("faults", ["faults"])):
-        out = tmp_path / f"{name}.pt"
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-        launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-        subprocess.run(launch + [worker, str(out), *extra], env=env, check=True, timeout=1200)
-        runs[name] = torch.load(out, weights_only=False)
+    outs = {name: tmp_path / f"{name}.pt" for name in ("clean", "faults")}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    launch += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
+    launch += [worker, str(outs["clean"]), str(outs["faults"])]  # both runs, one after the other
+    subprocess.run(launch, env=env, check=True, timeout=1200)
+    runs = {name: torch.load(out, weights_only=False) for name, out in outs.items()}
     for rank in (0, 1):
         clean, faults = runs["clean"][rank], runs["faults"][rank]
+        assert clean["errors"] == []
         assert len(faults["losses"]) == len(clean["losses"]) == 6
         assert faults["losses"] == pytest.approx(clean["losses"], rel=1e-12)
         torch.testing.assert_close(faults["mean"], clean["mean"], rtol=1e-12, atol=1e-12)
