@@ -144,8 +144,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     table = Table(
         f"A whole CVI step at {args.before} against this tree (two alternating workers)",
         [
-            ("problem", "markov: Poisson counts on a Matern-3/2 chain; minibatch: Bernoulli "
-             "regression, minibatches of 25"),  # fmt: skip
+            (
+                "problem",
+                "markov: Poisson counts on a Matern-3/2 chain; minibatch: Bernoulli "
+                "regression, minibatches of 25",
+            ),  # fmt: skip
             ("size", "chain length T, or data points N"),
             ("dtype", "of the data"),
             ("before ms", "min (median) CPU ms per step, the earlier revision"),
