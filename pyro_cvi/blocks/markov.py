@@ -39,6 +39,7 @@ from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefin
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
 from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .base import stored
 from .init_start import ChainInitStart
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
@@ -79,7 +80,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             pyro.param(self.site_names[f.site], lambda R=R: self.z_at.new_zeros(R, 2))
 
     def _sites(self) -> Dict[str, torch.Tensor]:
-        return {s: pyro.param(n) for s, n in self.site_names.items()}
+        return {s: stored(n) for s, n in self.site_names.items()}
 
     def _versions(self, sites) -> tuple:
         h0 = self._init_h()

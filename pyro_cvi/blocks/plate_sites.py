@@ -26,7 +26,7 @@ import torch
 from ..context import StepContext
 from ..gaussian.sites import site_to_row
 from ..model.tracing import subsample_values
-from .base import StepReport
+from .base import StepReport, stored
 
 __all__ = ["PlateSites", "batch_rows", "subsample_scale"]
 
@@ -103,8 +103,8 @@ class PlateSites:
         """The natural parameters ``(h, P)`` of every stored site of ``site`` but this
         minibatch's: the running sum less this minibatch's stored rows (eq. 11 over the whole
         plate, whose other rows this step does not see)."""
-        total = pyro.param(self.sum_names[site]).detach()
-        h, P = self._rows_sum(site, pyro.param(self.site_names[site]))
+        total = stored(self.sum_names[site]).detach()
+        h, P = self._rows_sum(site, stored(self.site_names[site]))
         return total[:, -1] - h, total[:, :-1] - P
 
     def plate_extras(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -118,7 +118,7 @@ class PlateSites:
             if f.site in self._batch:
                 h_out, P_out = self._others_of_plate(f.site)
                 h, P = self._rows_sum(f.site, new_sites[f.site])
-                pyro.param(self.sum_names[f.site]).copy_(
+                stored(self.sum_names[f.site]).copy_(
                     torch.cat([P_out + P, (h_out + h)[:, None]], 1)
                 )
 
