@@ -120,10 +120,10 @@ def test_markov_step_with_a_stepped_hyperparameter_is_a_fresh_guides(dtype):
     svi = SVI(learnable_gp_model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
     for _ in range(4):
         svi.step(t, y)
-    ls = float(pyro.param("ls"))
+    ls = float(pyro.param("ls").detach())
     expected, _ = fresh_loss(learnable_gp_model, guide, (t, y), {})
     assert_close(svi.step(t, y), expected, dtype)
-    assert float(pyro.param("ls")) != ls  # (the inner optimizer moved it)
+    assert float(pyro.param("ls").detach()) != ls  # (the inner optimizer moved it)
     expected, mean = fresh_loss(learnable_gp_model, guide, (t, y), {})
     assert_close(svi.evaluate_loss(t, y), expected, dtype)
     assert_close(guide.posterior("x").mean, mean, dtype)
