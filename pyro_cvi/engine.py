@@ -29,9 +29,9 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger, stored
+from .blocks.constant_terms import constant_terms
 from .blocks.registry import analysis_options
 from .context import GIVEN, Options, StepContext
-from .engine_terms import constant_terms
 from .model.analysis import Analysis
 from .model.signature import check_signature, closure_key, data_key, model_state, signature
 from .model.tracing import DeferredTrace, is_random, trace_model

@@ -1,4 +1,4 @@
-"""The engine's factors that depend on no latent (:class:`~pyro_cvi.engine.Engine`'s ELBO).
+"""The ELBO terms no block owns: factors that depend on no latent (the engine adds them).
 
 A factor whose owner is ``CONSTANT`` (e.g. an observation with learnable parameters only) is
 a constant of ``q`` but part of the bound and of the hyperparameter gradients: its log-density
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .messages.expectations import site_weight
-from .model.analysis import CONSTANT, Analysis
-from .model.factor_roles import minibatch_renames
+from ..messages.expectations import site_weight
+from ..model.analysis import CONSTANT, Analysis
+from ..model.factor_roles import minibatch_renames
 
 __all__ = ["constant_terms"]
 
