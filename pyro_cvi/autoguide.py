@@ -308,8 +308,9 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         # open until the optimizer's step (:mod:`pyro_cvi.transaction`)
         with rolled_back(self, keep_open=grads), explained(args, kwargs, self.data_shapes):
             self._ready(args, kwargs)  # first call, a restored guide, or a cleared store
-            with rng_preserved():  # new data are probed: the loss's draws do not depend on it
-                self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for(args, kwargs))
+            if self.engine.new_data(args, kwargs):  # probed without moving the loss's draws
+                with rng_preserved():
+                    self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for)
             sub = self.draw_subsample(args, kwargs)
             loss = self.engine.loss(args, kwargs, sub, grads, graph)
             if grads:  # a non-finite or exploding loss: an error, and back to the best q

@@ -28,12 +28,11 @@ import pyro
 import torch
 from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 
-from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger
+from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger, stored
+from .blocks.constant_terms import constant_terms
 from .blocks.registry import analysis_options
 from .context import GIVEN, Options, StepContext
-from .messages.expectations import site_weight
-from .model.analysis import CONSTANT, Analysis
-from .model.factor_roles import minibatch_renames
+from .model.analysis import Analysis
 from .model.signature import check_signature, closure_key, data_key, model_state, signature
 from .model.tracing import DeferredTrace, is_random, trace_model
 from .model.validation import check_analysis, check_observations, check_structure, per_index
@@ -225,17 +224,29 @@ class Engine:
         for block in self.blocks:
             block.forget()
 
-    def reanalyse_if_new_data(self, args, kwargs, prototype_trace) -> None:
-        """New data (other tensors): the affine coefficients are re-probed; the site
-        parameters are kept, so the number of data points must not change."""
+    def new_data(self, args, kwargs) -> bool:
+        """Whether the model may read other data than at the last step (``False``: its
+        :func:`~pyro_cvi.model.signature.model_state` is the one last seen), in which case
+        :meth:`reanalyse_if_new_data` has nothing to do. The key is kept for this step."""
         state = model_state(self.model, args, kwargs)
         self._state_for = (args, kwargs, state)
+        # (it names every tensor the data key names: those are the same too)
+        return state is None or state != self._data_state
+
+    def reanalyse_if_new_data(self, args, kwargs, prototype) -> None:
+        """New data (other tensors): the affine coefficients are re-probed (on the trace
+        ``prototype(args, kwargs)``); the site parameters are kept, so the number of data
+        points must not change."""
+        pending = self._state_for
+        if pending is None or pending[0] is not args or pending[1] is not kwargs:
+            self.new_data(args, kwargs)
+        state = self._state_for[2]
         if state is not None and state == self._data_state:
-            return  # (it names every tensor the data key names: those are the same too)
+            return
         key = data_key(args, kwargs) + closure_key(self.model)  # (closure data too)
         if key != self.data_key:
             old = {b.label: b for b in self.blocks}
-            self._analyse(args, kwargs, prototype_trace)
+            self._analyse(args, kwargs, prototype(args, kwargs))
             for block in self.blocks:
                 block.continue_from(old.get(block.label), self.analysis.values)
         self._data_state = state
@@ -349,12 +360,12 @@ class Engine:
 
     # ------------------------------------------------------------------ step control
     def _param_values(self) -> Dict[str, torch.Tensor]:
-        return {n: pyro.param(n).unconstrained().detach().clone() for n in self.param_names()}
+        return {n: stored(n).unconstrained().detach().clone() for n in self.param_names()}
 
     def _restore(self, values: Dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for n, v in values.items():
-                pyro.param(n).unconstrained().copy_(v)
+                stored(n).unconstrained().copy_(v)
         for block in self.blocks:
             block.forget()
 
@@ -399,7 +410,7 @@ class Engine:
         ctx = self.context(args, kwargs, subsample, grads, graph)
         if grads:
             self._tag_params()
-        elbo = self._constant_terms(ctx.trace)
+        elbo = constant_terms(self.analysis, ctx.trace, self.options.reducer)
         for block in self.blocks:
             elbo = elbo + block.messages(ctx)
         self.pending = ctx if grads else None
@@ -407,23 +418,6 @@ class Engine:
         ctx.elbo = float(elbo.detach())
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
-
-    def _constant_terms(self, trace) -> torch.Tensor:
-        """Factors that depend on no latent (e.g. observations with learnable parameters only):
-        constants of q, but part of the bound and of the hyperparameter gradients."""
-        total = torch.zeros(())
-        owners = dict(self.analysis.owner)
-        for site, template in minibatch_renames(self.analysis, trace).items():
-            if template is not None:  # a sequential plate's site of this minibatch
-                owners.setdefault(site, owners[template])
-        for site, owner in owners.items():
-            if owner == CONSTANT and site in trace.nodes:  # (sequential minibatch sites vary)
-                node = trace.nodes[site]
-                lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
-                total = total.to(lp) + lp
-        shared, reducer = torch.zeros_like(total), self.options.reducer
-        # (the rank's data in a data-parallel run)
-        return shared + total if reducer is None else reducer.combine(shared, total)
 
     # ------------------------------------------------------------------ the step
     def step(self, beta: Optional[float]) -> None:
@@ -467,7 +461,7 @@ class Engine:
                 for report in block.step(beta, ctx):
                     self._report(report)
         with torch.no_grad():
-            pyro.param(self.steps_name).add_(1)
+            stored(self.steps_name).add_(1)
 
     def sequential_order(self) -> List[str]:
         """Order of the sequential schedule: the user's list, or reverse model order."""

@@ -86,7 +86,7 @@ class Transaction:
 
 
 def _unconstrained(name: str) -> torch.Tensor:
-    return pyro.param(name).unconstrained()
+    return pyro.get_param_store()[name].unconstrained()  # (no effect handler: a snapshot)
 
 
 def pending(engine) -> Optional[Transaction]:

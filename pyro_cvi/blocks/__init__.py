@@ -16,7 +16,7 @@ kind of block is one class and one registration (:mod:`~pyro_cvi.blocks.registry
 """
 
 from . import remainder_rules  # noqa: F401  (the remainder's admission and step rules)
-from .base import Block, BlockInit, StepReport
+from .base import Block, BlockInit, StepReport, stored
 from .bilinear import BilinearBlock
 from .gaussian import GaussianBlock
 from .markov import MarkovBlock
@@ -50,6 +50,7 @@ __all__ = [
     "RemainderBlock",
     "SiteFormBlock",
     "StepReport",
+    "stored",
     "init_messenger",
     "initial_natural",
     "register_block_kind",

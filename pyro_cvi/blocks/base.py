@@ -44,7 +44,16 @@ __all__ = [
     "GuideDraw",
     "Incoming",
     "StepReport",
+    "stored",
 ]
+
+
+def stored(name: str) -> torch.Tensor:
+    """``pyro.param(name)`` of a parameter already in the param store, read from the store
+    directly: the same tensor, without a trip through the effect handlers. (The engine
+    declares its parameters with ``pyro.param`` once per step with gradients, where
+    ``SVI.step`` captures them; every other read in a step needs no handler.)"""
+    return pyro.get_param_store()[name]
 
 
 class Incoming(NamedTuple):

@@ -54,6 +54,7 @@ from ..model.probes import jacobian
 from ..model.records import PRIOR
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
+from .base import stored
 from .block_prior import block_prior
 from .enumerated_sites import ENUMERATED, EnumeratedSites
 from .hidden_draws import draw_weight, undamped_targets
@@ -138,12 +139,12 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
             pyro.param(self.general_names[1], lambda: like.new_zeros(D, D))
 
     def _sites(self) -> Dict[str, torch.Tensor]:
-        return {s: pyro.param(n) for s, n in self.site_names.items()}
+        return {s: stored(n) for s, n in self.site_names.items()}
 
     def _general(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         if not self.general:
             return None
-        return pyro.param(self.general_names[0]), pyro.param(self.general_names[1])
+        return stored(self.general_names[0]), stored(self.general_names[1])
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """Start each linear-predictor site at the factor's curvature at the prior mean.

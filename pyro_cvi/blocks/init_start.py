@@ -21,6 +21,7 @@ import pyro
 import torch
 
 from ..context import StepContext
+from .base import stored
 
 __all__ = ["ChainInitStart", "InitLocStart", "chain_precision_times"]
 
@@ -68,7 +69,7 @@ class InitLocStart:
             self.init_name = previous.init_name  # (new data: the offset keeps shrinking)
 
     def _init_h(self) -> Optional[torch.Tensor]:
-        return pyro.param(self.init_name) if self.init_name else None
+        return stored(self.init_name) if self.init_name else None
 
 
 def chain_precision_times(prior, J: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefin
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
 from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
+from .base import stored
 from .init_start import ChainInitStart
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
@@ -66,6 +67,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         #: per factor: ``(key, the objects keyed, c)`` of the last offsets built (:meth:`_offset`)
         self._offsets: Dict[str, tuple] = {}
         self.offset_builds = 0  # (how many were built: a static model builds each once)
+        #: ``(rows, SiteRows)`` of the last rows gathered without a start offset (a list of
+        #: rows is never changed in place: a new one is built for new sites)
+        self._kept_rows: Optional[tuple] = None
+        self._steps_kept: Optional[tuple] = None  # (:meth:`_steps_and_coefficients`)
         self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
@@ -79,7 +84,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             pyro.param(self.site_names[f.site], lambda R=R: self.z_at.new_zeros(R, 2))
 
     def _sites(self) -> Dict[str, torch.Tensor]:
-        return {s: pyro.param(n) for s, n in self.site_names.items()}
+        return {s: stored(n) for s, n in self.site_names.items()}
 
     def _versions(self, sites) -> tuple:
         h0 = self._init_h()
@@ -120,6 +125,14 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             return c
         return eta_at - (H.to(x) * x[f.time_index]).sum(-1)
 
+    def _same_rows(self, obs) -> bool:
+        """Whether :attr:`rows` are those of ``obs`` at the sites they were solved for: the
+        same coefficients and kept offsets (so the same ``(w, b)``, bitwise)."""
+        return len(self.rows) == len(obs) and all(
+            r.A is f.jacobian and r.c is self._offset(site, f)
+            for (site, f, _), r in zip(obs, self.rows)
+        )
+
     def _kept(self, f, row: RowBlock) -> bool:
         """Whether ``row``'s offsets are the kept ones of ``f`` (so they carry no graph)."""
         hit = self._offsets.get(f.site)
@@ -128,13 +141,37 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
     def _site_rows(self, rows: Sequence[RowBlock], h0: Any = ...) -> SiteRows:
         """All factors' rows as one :class:`SiteRows` (steps, ``h``, ``w``, ``b``), then the
         start offset's (``h0``: the current one by default; ``None``: without)."""
-        parts = [(f.time_index, r.A.to(self.z_at), r.w, r.b) for f, r in zip(self.linear, rows)]
         h0 = self._init_h() if h0 is ... else h0
+        kept = self._kept_rows
+        if h0 is None and kept is not None and kept[0] is rows:  # (the list is held there)
+            return kept[1]
         extra = self.init_rows(h0.detach() if h0 is not None else None)
-        if extra is not None:
-            parts.append(extra)
+        if extra is None:
+            t, H, flag = self._steps_and_coefficients(rows)
+            w, b = (torch.cat([getattr(r, k) for r in rows]) for k in "wb")
+            sr = SiteRows(t, H, w, b, self.chain.length)
+            sr.__dict__["_one_per_step"] = flag
+            self._kept_rows = (rows, sr)
+            return sr
+        parts = [(f.time_index, r.A.to(self.z_at), r.w, r.b) for f, r in zip(self.linear, rows)]
+        parts.append(extra)
         t, H, w, b = (torch.cat([p[k] for p in parts]) for k in range(4))
         return SiteRows(t, H.to(self.z_at), w, b, self.chain.length)
+
+    def _steps_and_coefficients(self, rows: Sequence[RowBlock]) -> tuple:
+        """The steps ``t`` and coefficients ``H`` of all factors' rows, and whether there is
+        one row per step in order (:meth:`SiteRows.one_per_step`); kept while the factors'
+        step indices and the rows' coefficients are the same tensors, unedited."""
+        held = tuple(f.time_index for f in self.linear) + tuple(r.A for r in rows)
+        key = tuple((id(o), o._version) for o in held) + (self.z_at.dtype,)
+        hit = self._steps_kept
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        t = torch.cat([f.time_index for f in self.linear])
+        H = torch.cat([r.A.to(self.z_at) for r in rows]).to(self.z_at)
+        flag = SiteRows(t, H, H[:, 0], H[:, 0], self.chain.length).one_per_step()
+        self._steps_kept = (key, held, (t, H, flag))
+        return t, H, flag
 
     def _solve(
         self, rows: Sequence[RowBlock], keep_graph: bool = False, h0: Any = ...
@@ -212,8 +249,9 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         H = self._coefficients(ctx, leafy) if dynamic else {}
         sites = self._sites()
         obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
-        self.rows = [self._rows(*o) for o in obs]
         moving = self.prior.requires_grad() or bool(H)
+        if moving or (tr, self._versions(sites)) != self._solved_for or not self._same_rows(obs):
+            self.rows = [self._rows(*o) for o in obs]
         graph_rows = (  # (a plain row with offsets kept without graph is its own graph row)
             [
                 r
@@ -297,9 +335,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
 
         def valid(new) -> torch.Tensor:
             try:
-                solved["post"] = self._solve(
-                    rows_for(new[:n]), h0=new[n] if h0 is not None else None
-                )
+                solved["rows"] = rows_for(new[:n])
+                solved["post"] = self._solve(solved["rows"], h0=new[n] if h0 is not None else None)
                 ok = True
             except NotPositiveDefinite:
                 ok = False
@@ -311,7 +348,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         with torch.no_grad():
             for p, v in zip(params, new):
                 p.copy_(v)
-        self.rows = rows_for(new[:n])
+        self.rows = solved["rows"]  # (the rows of the new sites, as the last check built them)
         self.post = solved["post"]
         if self._solved_for is not None:  # q is solved for the new sites already
             self._solved_for = (self._solved_for[0], self._versions(sites))

@@ -31,7 +31,7 @@ from ..model.analysis import MEANFIELD, LatentInfo
 from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
-from .base import Block, BlockInit, Incoming, StepReport
+from .base import Block, BlockInit, Incoming, StepReport, stored
 from .marginals import discrete_mode
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
@@ -75,7 +75,7 @@ class NaturalBlock(Block):
             pyro.param(n, lambda t=t: t)
 
     def params(self) -> Tuple[torch.Tensor, ...]:
-        return tuple(pyro.param(n) for n in self.store_names)
+        return tuple(stored(n) for n in self.store_names)
 
     # ------------------------------------------------------------------ minibatch views
     def _slices(self, subsample: Dict[str, torch.Tensor]):

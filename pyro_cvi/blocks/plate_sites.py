@@ -26,7 +26,7 @@ import torch
 from ..context import StepContext
 from ..gaussian.sites import site_to_row
 from ..model.tracing import subsample_values
-from .base import StepReport
+from .base import StepReport, stored
 
 __all__ = ["PlateSites", "batch_rows", "subsample_scale"]
 
@@ -39,6 +39,8 @@ class PlateSites:
         self.sum_names = {f.site: f"{prefix}.site_sums.{f.site}" for f in self.minibatch}
         #: this step's minibatch of each such factor: (rows of its sites, A, offsets c)
         self._batch: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        #: per factor: ``(key, the objects keyed, (h, P))`` of :meth:`_others_of_plate`
+        self._others: Dict[str, tuple] = {}
 
     def setup_plate_sites(self, like: torch.Tensor) -> None:
         """Register the sites (zero: ``q = prior``) and their running sums."""
@@ -102,10 +104,19 @@ class PlateSites:
     def _others_of_plate(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """The natural parameters ``(h, P)`` of every stored site of ``site`` but this
         minibatch's: the running sum less this minibatch's stored rows (eq. 11 over the whole
-        plate, whose other rows this step does not see)."""
-        total = pyro.param(self.sum_names[site]).detach()
-        h, P = self._rows_sum(site, pyro.param(self.site_names[site]))
-        return total[:, -1] - h, total[:, :-1] - P
+        plate, whose other rows this step does not see). Kept for the step's minibatch (its
+        record in ``_batch``, held) while both parameters are the same tensors, unedited."""
+        total, sites = stored(self.sum_names[site]), stored(self.site_names[site])
+        held = (self._batch[site], total, sites)
+        key = tuple((id(o), getattr(o, "_version", None)) for o in held)
+        hit = self._others.get(site)
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        h, P = self._rows_sum(site, sites)
+        t = total.detach()
+        out = (t[:, -1] - h, t[:, :-1] - P)
+        self._others = {**self._others, site: (key, held, out)}  # (rebound: see transaction)
+        return out
 
     def plate_extras(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """The natural parameters outside this step's rows, one pair per plate factor."""
@@ -118,7 +129,7 @@ class PlateSites:
             if f.site in self._batch:
                 h_out, P_out = self._others_of_plate(f.site)
                 h, P = self._rows_sum(f.site, new_sites[f.site])
-                pyro.param(self.sum_names[f.site]).copy_(
+                stored(self.sum_names[f.site]).copy_(
                     torch.cat([P_out + P, (h_out + h)[:, None]], 1)
                 )
 

@@ -1,0 +1,33 @@
+"""The ELBO terms no block owns: factors that depend on no latent (the engine adds them).
+
+A factor whose owner is ``CONSTANT`` (e.g. an observation with learnable parameters only) is
+a constant of ``q`` but part of the bound and of the hyperparameter gradients: its log-density
+at the step's trace, weighted as Pyro weighs it (scale and mask), enters the ELBO as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..messages.expectations import site_weight
+from ..model.analysis import CONSTANT, Analysis
+from ..model.factor_roles import minibatch_renames
+
+__all__ = ["constant_terms"]
+
+
+def constant_terms(analysis: Analysis, trace, reducer=None) -> torch.Tensor:
+    """``sum log p`` of the constant factors of ``trace`` (a data-parallel run: all ranks')."""
+    total = torch.zeros(())
+    owners = dict(analysis.owner)
+    for site, template in minibatch_renames(analysis, trace).items():
+        if template is not None:  # a sequential plate's site of this minibatch
+            owners.setdefault(site, owners[template])
+    for site, owner in owners.items():
+        if owner == CONSTANT and site in trace.nodes:  # (sequential minibatch sites vary)
+            node = trace.nodes[site]
+            lp = site_weight(node, node["fn"].log_prob(node["value"])).sum()
+            total = total.to(lp) + lp
+    shared = torch.zeros_like(total)
+    # (the rank's data in a data-parallel run)
+    return shared + total if reducer is None else reducer.combine(shared, total)
