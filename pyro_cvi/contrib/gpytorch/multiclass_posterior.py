@@ -28,6 +28,7 @@ one matrix product with the table of the ``M (M + 1) / 2`` distinct products
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -82,40 +83,60 @@ def shared_products(Phi: Tensor) -> Optional[Tensor]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _pack_index(K: int, M: int, device: torch.device) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Flat positions in a ``[K, M, K, M]`` array of the packed entries ``(q, p)``: class pairs
+    ``q = (l, k)``, ``l >= k`` (``torch.tril_indices``), entry pairs ``p = (i, j)``, ``i <= j``
+    (``torch.triu_indices``): ``(l, i, k, j)`` and ``(l, j, k, i)`` (the two copies in a
+    symmetric block), ``[pairs, M (M + 1) / 2]`` each; and the class and entry pairs."""
+    low = torch.tril_indices(K, K, device=device)
+    iu = torch.triu_indices(M, M, device=device)
+    lq, kq = low[0].unsqueeze(1), low[1].unsqueeze(1)
+    ij = ((lq * M + iu[0]) * K + kq) * M + iu[1]
+    ji = ((lq * M + iu[1]) * K + kq) * M + iu[0]
+    return ij, ji, low, iu
+
+
 def _shared_precision(Psi: Tensor, W: Tensor, K: int, M: int) -> Tensor:
     """``P = I + sum_n W_n (x) phi_n phi_n^T`` (``phi`` shared by the classes) as ``[K M, K M]``,
     its blocks ``(l, k)``, ``l >= k``, filled and those above the diagonal zero (the Cholesky
     factorisation reads the lower triangle only). Each block is symmetric, so the
-    ``K (K + 1) / 2`` blocks are one product ``Psi @ W_(lk) [N, K (K + 1) / 2]`` over the
-    ``M (M + 1) / 2`` distinct entries: half the multiplications of the general Gram."""
-    low = torch.tril_indices(K, K, device=W.device)
-    G = Psi @ W[:, low[0], low[1]]  # [M (M + 1) / 2, pairs]
-    iu = torch.triu_indices(M, M, device=W.device)
-    B = G.new_empty(G.shape[1], M, M)
-    B[:, iu[0], iu[1]] = G.mT
-    B[:, iu[1], iu[0]] = G.mT
-    P = G.new_zeros(K, M, K, M)
-    P[low[0], :, low[1], :] = B
+    ``K (K + 1) / 2`` blocks are one product ``W_(lk)^T Psi^T`` over the ``M (M + 1) / 2``
+    distinct entries (half the multiplications of the general Gram), written to both places."""
+    ij, ji, low, _ = _pack_index(K, M, W.device)
+    G = (Psi @ W[:, low[0], low[1]]).mT.reshape(-1)  # [pairs * M (M + 1) / 2]
+    P = G.new_zeros(K * M * K * M)
+    P.index_copy_(0, ji.reshape(-1), G)
+    P.index_copy_(0, ij.reshape(-1), G)
     P = P.view(K * M, K * M)
     P.diagonal().add_(1.0)
     return P
 
 
 def _shared_cov(Psi: Tensor, S_v: Tensor) -> Tensor:
-    """``Phi_n S_v Phi_n^T [N, K, K]`` (``phi`` shared): ``phi^T S_v[k, :, l, :] phi`` is the
-    product of ``Psi`` with the packed symmetric part of ``S_v[k, :, l, :]`` (off-diagonal
-    entries ``B_ij + B_ji``, diagonal ``B_ii``), one product for the ``K (K + 1) / 2`` pairs."""
+    """``Phi_n S_v Phi_n^T [N, K, K]`` (``phi`` shared): ``phi^T S_v[l, :, k, :] phi`` is the
+    product of ``Psi`` with the packed symmetric part of ``B = S_v[l, :, k, :]`` (entries
+    ``B_ij + B_ji``, ``i < j``, and ``B_ii``), one product for the ``K (K + 1) / 2`` pairs."""
     K, M = S_v.shape[:2]
-    low = torch.tril_indices(K, K, device=S_v.device)
-    B = S_v.permute(0, 2, 1, 3)[low[1], low[0]]  # [pairs, M, M]: S_v[k, :, l, :], k <= l
-    iu = torch.triu_indices(M, M, device=S_v.device)
-    Sp = (B + B.mT).reshape(-1, M * M).index_select(1, iu[0] * M + iu[1])
+    ij, ji, low, iu = _pack_index(K, M, S_v.device)
+    flat = S_v.reshape(-1)
+    Sp = flat.take(ij).add_(flat.take(ji))  # [pairs, M (M + 1) / 2]
     Sp[:, iu[0] == iu[1]] *= 0.5
     C = (Sp @ Psi).mT  # [N, pairs]
     cov = C.new_empty(C.shape[0], K, K)
     cov[:, low[0], low[1]] = C
     cov[:, low[1], low[0]] = C
     return cov
+
+
+def _factor(P: Tensor) -> Tensor:
+    """The Cholesky factor of ``P`` (lower triangle read); a finite diagonal with LAPACK's
+    success flag means every entry is finite (a NaN or infinity reaches the diagonal of its
+    row), so only a failure goes through the full checks and their error message."""
+    L, info = torch.linalg.cholesky_ex(P)
+    if int(info) == 0 and bool(torch.isfinite(L.diagonal()).all()):
+        return L
+    return safe_cholesky(P, "P = I + sum_n Phi_n^T W_n Phi_n")
 
 
 class MultiClassSitePosterior:
@@ -160,7 +181,7 @@ class MultiClassSitePosterior:
             eye = torch.eye(K * M, dtype=K_ZZ.dtype, device=K_ZZ.device)
             P = _coupled_gram(self.Phi, W).reshape(K * M, K * M) + eye
             P = 0.5 * (P + P.mT)
-        self.L_P = safe_cholesky(P, "P = I + sum_n Phi_n^T W_n Phi_n")
+        self.L_P = _factor(P)
         h = torch.einsum("kin,nk->ki", self.Phi, r).reshape(K * M, 1)
         self.m_v = torch.cholesky_solve(h, self.L_P).reshape(K, M)
         self._S_v = None
