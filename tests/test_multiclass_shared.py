@@ -159,3 +159,22 @@ def test_steps_with_the_products_table_equal_the_general_form(dtype, batch, monk
     assert float(runs[0][0][-1]) < float(runs[0][0][0])  # the steps did fit
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_precision_that_is_not_positive_definite_is_refused_by_name(dtype, shared):
+    """Sites whose ``W = -2 lam2`` is far from positive semidefinite make ``P`` indefinite (or
+    NaN sites make it non-finite): the factorisation fails with the error naming ``P``."""
+    from pyro_cvi.linalg import NotPositiveDefinite
+
+    K_ZZ, K_ZX, m0, lam1, lam2, _ = _problem(dtype, shared=shared)
+    L_Z, Phi = MultiClassSitePosterior.whitening(K_ZZ, K_ZX)
+    Psi = mp.shared_products(Phi)
+    assert (Psi is not None) == shared
+    eye = torch.eye(K, dtype=dtype)
+    for bad in (1e3 * eye.expand(N, K, K), torch.full_like(lam2, float("nan"))):
+        with pytest.raises(NotPositiveDefinite, match=r"P = I \+ sum_n"):
+            MultiClassSitePosterior(
+                K_ZZ, K_ZX, m0, lam1, bad.clone(), whitened=(L_Z, Phi), products=Psi
+            )
