@@ -22,7 +22,11 @@ every method, the hybrid loop):
 
 * ``cvi``: :class:`~pyro_cvi.contrib.gpytorch.MultiClassCVIStrategy` (shared inducing points,
   coupled sites) + ``MultiClassCVIOptimizer()`` with its defaults (step 0.8 with the -ELBO
-  guard, Monte Carlo site expectations with 64 common random draws per point), 15 steps;
+  guard, Monte Carlo site expectations with 64 common random draws per point), 15 steps.
+  The K kernels are a batch with equal (fixed) values and the inducing inputs are shared, so
+  every class has the same ``phi_n`` and the posterior takes its shared form (the Gram and the
+  marginals as one product each with the table of ``phi_ni phi_nj``); with ``--learn-hypers``
+  the kernels part after the first Adam step and the per-class form runs;
 * ``cvi-cubature``: the same with ``method="cubature"`` (the 18-point third-order rule): its
   own -ELBO and its fixed point under the common evaluator show the rule's bias at K = 10;
 * ``ngd``: GPyTorch ``IndependentMultitaskVariationalStrategy`` + ``NaturalVariationalDistribution``

@@ -165,23 +165,29 @@ def _monte_carlo(mean, cov, num_samples, generator, draws=None):
     Q, L = _contrast_sqrt(mean, cov)
     # L eps as one contraction, not [S, N] tiny matmuls (10x faster on the CPU)
     dh = torch.einsum("...ij,s...j->s...i", L, eps[..., : mean.shape[-1] - 1]) @ Q.mT
-    d = torch.cat([dh, -dh], 0)  # antithetic pairs
     m = mean.detach()
     p0, lse0 = m.softmax(-1), m.logsumexp(-1)
     H0 = _hess(p0)
-    eta = mean + d
+    graph = torch.is_grad_enabled() and (mean.requires_grad or dh.requires_grad)
+    if graph:
+        eta = mean + torch.cat([dh, -dh], 0)  # antithetic pairs
+    else:  # the same values, written in place (no concatenated and negated copies)
+        eta = dh.new_empty((2 * dh.shape[0],) + dh.shape[1:])
+        torch.add(m, dh, out=eta[: dh.shape[0]])
+        torch.sub(m, dh, out=eta[dh.shape[0] :])
     # value: E[taylor_2] in closed form + the Monte Carlo mean of (lse - taylor_2), with
     # d^T H(m) d = sum_k p_k d_k^2 - (p^T d)^2; the linear term p^T d cancels within each pair
     # and the quadratic one is the same for both draws of a pair (computed on one half)
     dp = (dh * p0).sum(-1)
     quad = 0.5 * ((dh * dh * p0).sum(-1) - dp * dp)
     top = eta.detach().amax(-1, keepdim=True)
-    e = (eta - top).exp()  # lse and the softmax from one exp
+    # lse and the softmax from one exp
+    e = (eta - top).exp() if graph else eta.sub_(top).exp_()
     total = e.sum(-1)
     lse = top.squeeze(-1) + total.log()
     resid = lse.mean(0) - lse0 - quad.mean(0)
     value = lse0 + 0.5 * (H0 * cov).sum((-2, -1)) + resid
-    p = (e / total.unsqueeze(-1)).detach()
+    p = (e / total.unsqueeze(-1)).detach() if graph else e.div_(total.unsqueeze(-1))
     pbar = p.mean(0)  # E[H] = diag(E p) - E[p p^T], without an [S, ..., K, K] intermediate
     outer = torch.einsum("s...k,s...l->...kl", p, p) / p.shape[0]
     return LSEMoments(value, pbar, torch.diag_embed(pbar) - outer)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from pyro_cvi.messages.softmax import lse_expectations
 
-from .multiclass_posterior import MultiClassSitePosterior
+from .multiclass_posterior import MultiClassSitePosterior, shared_products
 from .site_store import keys_equal, write_sites
 
 __all__ = [
@@ -213,14 +213,16 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         hyper, kc = [0] + key[1:], self._kernel_cache
         # reused without a graph only: a graph kept across site steps may have been freed
         if not (force or grad) and kc is not None and keys_equal(kc[0], hyper):
-            b, whitened = kc[1], kc[2]
+            b, whitened, products = kc[1], kc[2], kc[3]
         else:
             b = self._blocks()
             whitened = MultiClassSitePosterior.whitening(b["K_ZZ"], b["K_ZX"])
-            self._kernel_cache = (hyper, b, whitened)
+            products = shared_products(whitened[1])  # None with a graph or per-class phi
+            self._kernel_cache = (hyper, b, whitened, products)
         post = MultiClassSitePosterior(
-            b["K_ZZ"], b["K_ZX"], b["mean_X"], self.site_lam1, self.site_lam2, whitened=whitened
-        )
+            b["K_ZZ"], b["K_ZX"], b["mean_X"], self.site_lam1, self.site_lam2,
+            whitened=whitened, products=products,
+        )  # fmt: skip
         self._cache = (key, post, b, grad)
         return post, b
 
@@ -228,10 +230,11 @@ class MultiClassCVIStrategy(_VariationalStrategy):
         """Mean ``[n, K]`` and covariance ``[n, K, K]`` of q(f(x_n)) at the sites (no graph)."""
         with torch.no_grad():
             post, b = self.posterior()
-            Phi, mean, kxx = post.Phi, b["mean_X"], b["kxx"]
+            Phi, mean, kxx, Psi = post.Phi, b["mean_X"], b["kxx"], post.Psi
             if indices is not None:
                 Phi, mean, kxx = Phi[..., indices], mean[..., indices], kxx[..., indices]
-            m, S = post.predict(Phi, mean, kxx)
+                Psi = None if Psi is None else Psi[:, indices]
+            m, S = post.predict(Phi, mean, kxx, products=Psi)
             eye = torch.eye(self.num_classes, dtype=S.dtype, device=S.device)
         return m, S + self.jitter * eye
 
@@ -256,8 +259,9 @@ class MultiClassCVIStrategy(_VariationalStrategy):
     def forward(self, x: Tensor, **kwargs) -> MultitaskMultivariateNormal:
         post, b = self.posterior(force=self.training and torch.is_grad_enabled())
         sites = self.inducing_points if self.is_full else self.site_inputs
+        Psi = None
         if sites is not None and x.shape == sites.shape and torch.equal(x, sites):
-            Phi, mean_x, kxx = post.Phi, b["mean_X"], b["kxx"]
+            Phi, mean_x, kxx, Psi = post.Phi, b["mean_X"], b["kxx"], post.Psi
         else:
             Z = self._Z()
             M = Z.shape[-2]
@@ -266,7 +270,7 @@ class MultiClassCVIStrategy(_VariationalStrategy):
             Phi = post.whiten(cov[..., :M, M:].to_dense())
             mean_x = joint.mean.expand(self.num_classes, joint.mean.shape[-1])[..., M:]
             kxx = cov[..., M:, M:].diagonal(dim1=-2, dim2=-1)
-        mean, S = post.predict(Phi, mean_x, kxx)
+        mean, S = post.predict(Phi, mean_x, kxx, products=Psi)
         eye = torch.eye(self.num_classes, dtype=S.dtype, device=S.device)
         return MultitaskMultivariateNormal(
             mean, BlockDiagLinearOperator(S + self.jitter * eye), interleaved=True
