@@ -114,7 +114,9 @@ def cholesky(
     L, info = torch.linalg.cholesky_ex(M)
     failed = info != 0
     if jitter in ("none", "eps"):
-        failed = failed | ~torch.isfinite(L).flatten(-2).all(-1)
+        # L_jj = sqrt(M_jj - sum_k L_jk^2): a non-finite entry of row j reaches L_jj, so the
+        # diagonal is the whole check
+        failed = failed | ~torch.isfinite(L.diagonal(dim1=-2, dim2=-1)).all(-1)
     if not bool(failed.any()):
         return L
     eye = _eye_like(M)

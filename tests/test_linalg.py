@@ -121,6 +121,20 @@ def test_strict_rejects_a_non_finite_factor():
         cholesky(M, what="M")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [(0, 0), (3, 1), (5, 0), (5, 4), (5, 5)])
+def test_strict_rejects_a_non_finite_entry_anywhere_in_the_lower_triangle(dtype, bad, where):
+    K, *_ = _problem()
+    M = K.to(dtype).clone()
+    M[where] = bad
+    M = torch.stack([K.to(dtype), M])  # batched: only the second entry fails
+    with pytest.raises(NotPositiveDefinite, match="1 of 2 batch entries"):
+        cholesky(M, what="M")
+    with pytest.raises(NotPositiveDefinite):
+        cholesky(M, what="M", jitter="eps")
+
+
 def test_strict_is_exact_for_positive_definite_input():
     K, *_ = _problem()
     torch.testing.assert_close(cholesky(K), torch.linalg.cholesky(K), rtol=0, atol=0)
