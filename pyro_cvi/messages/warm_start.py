@@ -35,6 +35,7 @@ import torch
 from ..linear_gaussian import GaussianPrior
 from ..model import probes
 from .gaussian import FLAT_PRIOR_VAR
+from .softmax import LSEMoments, site_targets
 from .softmax_sites import SoftmaxRows, kron_factors, softmax_message, softmax_rows
 
 __all__ = ["prior_row_var", "prior_row_cov_blocks", "softmax_mode_start", "softmax_warm_start"]
@@ -210,31 +211,49 @@ def softmax_mode_start(prior: GaussianPrior, parts) -> Optional[list]:
     if m is None:
         return None
     out = []
-    for site, rows in parts:
-        eye = torch.eye(rows.K, dtype=m.dtype, device=m.device)
-        _, target = softmax_message(site, rows, m, POINT_MASS_VAR * eye.expand(rows.N, -1, -1))
-        if not bool(torch.isfinite(target).all()):
-            return None
-        out.append(target)
+    with torch.no_grad():
+        for _, rows in parts:
+            target = laplace_target(rows, m)
+            if not bool(torch.isfinite(target).all()):
+                return None
+            out.append(target)
     return out
+
+
+def laplace_target(rows: SoftmaxRows, m: torch.Tensor) -> torch.Tensor:
+    """The site ``[N, K, K + 1]`` of a softmax factor's second-order expansion at ``m`` (eq. 13
+    under a point mass, in the limit of zero variance): with ``eta_n = A_n m + c_n``,
+    ``p_n = softmax(eta_n)`` and ``H_n = diag(p_n) - p_n p_n^T``, ``lam2_n = -w_n n_n H_n / 2``
+    and ``lam1_n = w_n (y_n - n_n p_n) - 2 lam2_n eta_n``. Summed over ``n``, ``q``'s precision
+    is ``-hess L(m)`` and its mean ``m`` plus one Newton step."""
+    if rows.kron is not None:
+        X, G = rows.kron
+        eta = X @ m.reshape(X.shape[1], -1) @ G.mT + rows.c.reshape(rows.N, rows.K)
+    else:
+        eta = rows.mean(m)
+    p = eta.softmax(-1)
+    hess = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    _, lam1, lam2 = site_targets(rows.Y, rows.n, rows.weight, eta, LSEMoments(eta.logsumexp(-1), p, hess))
+    return torch.cat([lam1.unsqueeze(-1), lam2], -1)
 
 
 def softmax_starts(
     trace, softmax: list, prior: GaussianPrior, z_at, alone: bool
-) -> List[Tuple[str, torch.Tensor]]:
-    """``(site, start)`` of each softmax factor of a Gaussian block: where the block's only
-    likelihood factors are softmax factors with ``K > 2`` (``alone``), each site's point-mass
-    target at the mode (:func:`softmax_mode_start`: ``q`` = the Laplace approximation); else
-    the prior-mean rule of :func:`softmax_warm_start` (``K = 2`` keeps the binary path's start)."""
+) -> Tuple[List[Tuple[str, torch.Tensor]], bool]:
+    """``(site, start)`` of each softmax factor of a Gaussian block, and whether they are the
+    Laplace start: where the block's only likelihood factors are softmax factors with ``K > 2``
+    (``alone``), each site's expansion at the mode (:func:`softmax_mode_start`: ``q`` = the
+    Laplace approximation, its mean the mode); else the prior-mean rule of
+    :func:`softmax_warm_start` (``K = 2`` keeps the binary path's start)."""
     parts = [(trace.nodes[f.site], softmax_rows(trace.nodes[f.site], f, z_at)) for f in softmax]
     if parts and alone and all(r.K > 2 for _, r in parts):
         mode = softmax_mode_start(prior, parts)
         if mode is not None:
-            return [(f.site, target) for f, target in zip(softmax, mode)]
+            return [(f.site, target) for f, target in zip(softmax, mode)], True
     m0 = prior.loc.detach()
     out = []
     for f, (site, r) in zip(softmax, parts):
         target = softmax_warm_start(site, r, m0, prior_row_cov_blocks(prior, f.jacobian, r.K))
         if target is not None:
             out.append((f.site, target))
-    return out
+    return out, False
