@@ -28,6 +28,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..gaussian.sites import site_to_row_multivariate
 from ..model import probes
+from ..model.kron_probes import is_kron_product
 from ..model.records import SOFTMAX, centred_logits
 from ..model.tracing import unwrap
 from .softmax import lse_expectations, site_targets
@@ -161,8 +162,10 @@ def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch
     ``argmax``); ``G`` its row block, ``X`` its column scaled by it. ``A = X (x) G`` holds where
     ``|A - X (x) G| <= tol (1 + |A|)`` everywhere (:func:`~pyro_cvi.model.probes.rtol`; the
     scale is ``|A|``'s alone, so a structure this accepts also passes
-    :func:`~pyro_cvi.model.probes.close`) and the difference is finite. Both passes run over
-    chunks of points: no temporary of ``A``'s size (``A`` is ``N K x D K``)."""
+    :func:`~pyro_cvi.model.probes.close`) and the difference is finite; a product made by the
+    Jacobian probe (:func:`~pyro_cvi.model.kron_probes.is_kron_product`, unedited) skips that
+    check. Both passes run over chunks of points: no temporary of ``A``'s size (``A`` is
+    ``N K x D K``)."""
     R, Dz = A.shape
     if Dz % K or R % K or not R:
         return None
@@ -180,6 +183,8 @@ def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch
     A4 = A.reshape(N, K, Dx, K)  # (X and G keep A's graph, if any)
     G = A4[n0, :, d0, :]
     X = A4[:, k0, :, l0] / G[k0, l0]
+    if is_kron_product(A):  # made as one by the Jacobian probe: exact but for round-off
+        return X, G
     tol = probes.rtol(A.dtype)
     with torch.no_grad():
         Gd, Xd = G.detach(), X.detach()

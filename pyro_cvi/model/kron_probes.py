@@ -7,8 +7,25 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["kron_jacobian", "KRON_FEATURE_TRIES"]
+__all__ = ["kron_jacobian", "kron_product", "is_kron_product", "KRON_FEATURE_TRIES"]
+
+#: the dense products made by :func:`kron_product` (weakly held, by identity): their version
+_PRODUCTS = WeakTensorKeyDictionary()
+
+
+def kron_product(X: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``X (x) G``, remembered as one (:func:`is_kron_product`) while it is not edited."""
+    A = torch.kron(X, G)
+    _PRODUCTS[A] = A._version
+    return A
+
+
+def is_kron_product(A: torch.Tensor) -> bool:
+    """Whether ``A`` is, unedited, a product made by :func:`kron_product` (its factors then
+    need no entry-by-entry confirmation)."""
+    return _PRODUCTS.get(A) == A._version
 
 
 #: features tried for a nonzero column block before :func:`kron_jacobian` gives up
