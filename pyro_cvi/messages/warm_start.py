@@ -128,27 +128,48 @@ MODE_GTOL = 1e-2
 POINT_MASS_VAR = 5e-5
 
 
-def _neg_log_joint(prior: GaussianPrior, parts, m: torch.Tensor):
-    """``(-L(m), -grad L(m))``, ``-L = (m - m0)^T S0^-1 (m - m0) / 2 - sum_n w_n (y_n^T eta_n -
-    n_n lse(eta_n))``, ``eta_n = A_n m + c_n``; ``A = X (x) G`` as ``X M G^T`` (``O(N D K)``)."""
-    d = m - prior.loc.detach()
-    Pd = d / prior.var.detach() if prior.var is not None else prior.precision_matrix().detach() @ d
-    value, grad = 0.5 * (d * Pd).sum(), Pd.clone()
-    for _, rows in parts:
-        if rows.kron is not None:
-            X, G = rows.kron
-            eta = X @ m.reshape(X.shape[1], -1) @ G.mT + rows.c.reshape(rows.N, rows.K)
-        else:
-            eta = rows.mean(m)
-        lse = eta.logsumexp(-1)
-        wn = rows.weight * rows.n
-        value = value - (rows.weight * (rows.Y * eta).sum(-1) - wn * lse).sum()
-        R = rows.weight.unsqueeze(-1) * rows.Y - wn.unsqueeze(-1) * (eta - lse.unsqueeze(-1)).exp()
-        if rows.kron is not None:
-            grad = grad - (X.mT @ R @ G).reshape(-1)
-        else:
-            grad = grad - rows.A.mT @ R.reshape(-1)
-    return value, grad
+class _NegLogJoint:
+    """``m -> (-L(m), -grad L(m))``, ``-L = (m - m0)^T S0^-1 (m - m0) / 2 - sum_n w_n (y_n^T
+    eta_n - n_n lse(eta_n))``, ``eta_n = A_n m + c_n``; ``A = X (x) G`` as ``X M G^T``
+    (``O(N D K)``). The linear part ``sum_n w_n y_n^T eta_n = b^T m + const`` is summed once."""
+
+    def __init__(self, prior: GaussianPrior, parts) -> None:
+        self.m0 = prior.loc.detach()
+        self.var = None if prior.var is None else prior.var.detach()
+        self.P0 = prior.precision_matrix().detach() if self.var is None else None
+        self.parts = []
+        b, const = torch.zeros_like(self.m0), 0.0
+        for _, rows in parts:
+            Yw = rows.weight.unsqueeze(-1) * rows.Y
+            c = rows.c.reshape(rows.N, rows.K)
+            if rows.kron is not None:
+                X, G = rows.kron
+                b = b + (X.mT @ Yw @ G).reshape(-1)
+            else:
+                b = b + rows.A.mT @ Yw.reshape(-1)
+            const = const + (Yw * c).sum()
+            self.parts.append((rows, c, (rows.weight * rows.n).unsqueeze(-1)))
+        self.b, self.const = b, const
+
+    def __call__(self, m: torch.Tensor):
+        d = m - self.m0
+        Pd = d / self.var if self.var is not None else self.P0 @ d
+        value = 0.5 * (d * Pd).sum() - self.b @ m - self.const
+        grad = Pd - self.b
+        for rows, c, wn in self.parts:
+            if rows.kron is not None:
+                X, G = rows.kron
+                eta = X @ m.reshape(X.shape[1], -1) @ G.mT + c
+            else:
+                eta = rows.mean(m)
+            lse = eta.logsumexp(-1, keepdim=True)
+            value = value + (wn * lse).sum()
+            R = wn * (eta - lse).exp_()
+            if rows.kron is not None:
+                grad = grad + (X.mT @ R @ G).reshape(-1)
+            else:
+                grad = grad + rows.A.mT @ R.reshape(-1)
+        return value, grad
 
 
 def softmax_mode(prior: GaussianPrior, parts) -> Optional[torch.Tensor]:
@@ -159,7 +180,8 @@ def softmax_mode(prior: GaussianPrior, parts) -> Optional[torch.Tensor]:
     more, so a loose end is enough. ``None`` where it is not finite."""
     with torch.no_grad():
         m = prior.loc.detach().clone()
-        f, g = _neg_log_joint(prior, parts, m)
+        neg_log_joint = _NegLogJoint(prior, parts)
+        f, g = neg_log_joint(m)
         stop = MODE_GTOL * probes.rtol(m.dtype) * float(g.abs().max().clamp_min(1.0))
         S: list = []
         Yd: list = []
@@ -186,7 +208,7 @@ def softmax_mode(prior: GaussianPrior, parts) -> Optional[torch.Tensor]:
                 direction, slope = -g, -float(g @ g)
             t = 1.0
             for _ in range(40):
-                f_new, g_new = _neg_log_joint(prior, parts, m + t * direction)
+                f_new, g_new = neg_log_joint(m + t * direction)
                 if bool(torch.isfinite(f_new)) and float(f_new) <= float(f) + 1e-4 * t * slope:
                     break
                 t *= 0.5
