@@ -255,7 +255,8 @@ def laplace_target(rows: SoftmaxRows, m: torch.Tensor) -> torch.Tensor:
         eta = rows.mean(m)
     p = eta.softmax(-1)
     hess = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
-    _, lam1, lam2 = site_targets(rows.Y, rows.n, rows.weight, eta, LSEMoments(eta.logsumexp(-1), p, hess))
+    mom = LSEMoments(eta.logsumexp(-1), p, hess)
+    _, lam1, lam2 = site_targets(rows.Y, rows.n, rows.weight, eta, mom)
     return torch.cat([lam1.unsqueeze(-1), lam2], -1)
 
 
