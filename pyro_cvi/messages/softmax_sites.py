@@ -87,14 +87,15 @@ class SoftmaxRows:
         """The sites as a Bayesian-linear-regression contribution: ``(A_rot [N K, D], w [N K],
         b [N K], U [N, K, K], None)`` (rotated scalar rows, module docstring), or, when
         ``A = X (x) G`` (:attr:`kron`), no rows and the natural parameters ``(h, P)`` summed in
-        ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G``, ``h = sum_n x_n (x) G^T b_n``."""
+        ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G`` (its blocks ``i <= j`` only: the
+        ``(j, i)`` block equals the ``(i, j)`` one), ``h = sum_n x_n (x) G^T b_n``."""
         N, K = self.N, self.K
         W, b = site_to_row_multivariate(sites[..., 0], sites[..., 1:], self.c.reshape(N, K))
         if self.kron is not None:
             X, G = self.kron
             Dx = X.shape[1]
             GWG = (G.mT @ W @ G).reshape(N, K * K)
-            P = (_outer(X).mT @ GWG).reshape(Dx, Dx, K, K).permute(0, 2, 1, 3)
+            P = _from_pairs(_outer(X).mT @ GWG, Dx).reshape(Dx, Dx, K, K).permute(0, 2, 1, 3)
             h = X.mT @ (b @ G)
             none = self.A.new_zeros(0)
             return self.A[:0], none, none, None, (h.reshape(-1), P.reshape(Dx * K, Dx * K))
@@ -105,7 +106,8 @@ class SoftmaxRows:
 
     def cov_blocks(self, post, sl: slice, U: Optional[torch.Tensor]) -> torch.Tensor:
         """``Cov(eta_n) [N, K, K]`` under the solved ``post``: from the rotated rows' covariance
-        blocks (``U Cov(U^T A_n z) U^T``), or ``G (x_n^T (x) I) V (x_n (x) I) G^T``."""
+        blocks (``U Cov(U^T A_n z) U^T``), or ``G (x_n^T (x) I) V (x_n (x) I) G^T`` as
+        ``G (sum_{i <= j} x_ni x_nj (V_ij + [i < j] V_ji)) G^T`` (``V_ij``: ``K x K`` blocks)."""
         N, K = self.N, self.K
         if self.kron is None:
             cov = U @ post.row_cov_blocks(sl, K) @ U.mT
@@ -113,7 +115,9 @@ class SoftmaxRows:
             X, G = self.kron
             Dx = X.shape[1]
             V = post.covariance().reshape(Dx, K, Dx, K).permute(0, 2, 1, 3)
-            cov = G @ (_outer(X) @ V.reshape(Dx * Dx, K * K)).reshape(N, K, K) @ G.mT
+            i, j = _pairs(Dx, V.device)
+            Vp = V[i, j] + torch.where((i < j)[:, None, None], V[j, i], 0.0)  # [pairs, K, K]
+            cov = G @ (_outer(X) @ Vp.reshape(-1, K * K)).reshape(N, K, K) @ G.mT
         return 0.5 * (cov + cov.mT)
 
     def mean(self, loc: torch.Tensor) -> torch.Tensor:
@@ -121,13 +125,30 @@ class SoftmaxRows:
         return (self.A @ loc).reshape(self.N, self.K) + self.c.reshape(self.N, self.K)
 
 
+def _pairs(D: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The index pairs ``i <= j`` of a symmetric ``D x D`` matrix (row-major upper triangle)."""
+    i, j = torch.triu_indices(D, D, device=device)
+    return i, j
+
+
+def _from_pairs(S: torch.Tensor, D: int) -> torch.Tensor:
+    """``[D, D, ...]`` symmetric from its pairs ``i <= j`` (:func:`_pairs`) ``S [pairs, ...]``."""
+    i, j = _pairs(D, S.device)
+    out = S.new_zeros((D, D) + S.shape[1:])
+    out[j, i] = S
+    out[i, j] = S
+    return out
+
+
 def _outer(X: torch.Tensor) -> torch.Tensor:
-    """``[N, D * D]``: the rows' outer products ``x_n x_n^T``, flattened; kept per ``X`` (the
-    factor's constant design: one allocation of ``N D^2`` per fit, not per step)."""
+    """``[N, D (D + 1) / 2]``: the rows' outer products ``x_n x_n^T`` at the pairs ``i <= j``
+    (:func:`_pairs`: the products are symmetric, so half the work in the sums over ``n``);
+    kept per ``X`` (the factor's constant design: one allocation per fit, not per step)."""
     hit = _OUTER.get(X)
     if hit is not None and hit[0] == X._version:
         return hit[1]
-    out = (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(X.shape[0], -1)
+    i, j = _pairs(X.shape[1], X.device)
+    out = X[:, i] * X[:, j]
     if not X.requires_grad:
         _OUTER[X] = (X._version, out)
     return out
