@@ -159,7 +159,7 @@ class _NegLogJoint:
         for rows, c, wn in self.parts:
             if rows.kron is not None:
                 X, G = rows.kron
-                eta = X @ m.reshape(X.shape[1], -1) @ G.mT + c
+                eta = X @ (m.reshape(X.shape[1], -1) @ G.mT) + c
             else:
                 eta = rows.mean(m)
             lse = eta.logsumexp(-1, keepdim=True)
