@@ -63,3 +63,28 @@ def test_kronecker_natural_parameters_and_covariance_blocks_equal_the_dense_ones
     An = kron.A.double().reshape(N, K, D * K)
     torch.testing.assert_close(cov_kron.double(), An @ S @ An.mT, **tol)
     torch.testing.assert_close(cov_kron, cov_dense, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_a_probed_kronecker_product_keeps_its_factors_until_edited(dtype):
+    """The Jacobian probe's dense ``X (x) G`` gives its own factors (exact) and products
+    ``A v`` by them; once ``A`` is edited in place it is read entry by entry again (and
+    refused when it is no longer a product)."""
+    from pyro_cvi.messages.softmax_sites import kron_factors
+    from pyro_cvi.model.kron_probes import kron_factors_of, kron_product, matvec
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(9, 3, generator=g, dtype=F64).to(dtype)
+    G = torch.randn(4, 4, generator=g, dtype=F64).to(dtype)
+    A = kron_product(X, G)
+    assert kron_factors_of(A) == (X, G)
+    assert kron_factors(A, 4) == (X, G)
+    v = torch.randn(12, generator=g, dtype=F64).to(dtype)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == F64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(matvec(A, v), A @ v, **tol)
+    B = kron_product(X, G)
+    B[0, 0] += 1.0  # no longer a Kronecker product
+    assert kron_factors_of(B) is None
+    assert kron_factors(B, 4) is None
+    torch.testing.assert_close(matvec(B, v), B @ v, **tol)
+    assert kron_factors_of(A.clone()) is None  # (a copy is not known as one)

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..gaussian.sites import site_to_row_multivariate
 from ..model import probes
-from ..model.kron_probes import is_kron_product
+from ..model.kron_probes import kron_factors_of, matvec
 from ..model.records import SOFTMAX, centred_logits
 from ..model.tracing import unwrap
 from .softmax import lse_expectations, site_targets
@@ -121,7 +121,10 @@ class SoftmaxRows:
         return 0.5 * (cov + cov.mT)
 
     def mean(self, loc: torch.Tensor) -> torch.Tensor:
-        """``E eta_n = A_n m + c_n``, ``[N, K]``."""
+        """``E eta_n = A_n m + c_n``, ``[N, K]`` (``X M G^T + C`` for ``A = X (x) G``)."""
+        if self.kron is not None:
+            X, G = self.kron
+            return X @ (loc.reshape(X.shape[1], -1) @ G.mT) + self.c.reshape(self.N, self.K)
         return (self.A @ loc).reshape(self.N, self.K) + self.c.reshape(self.N, self.K)
 
 
@@ -183,12 +186,15 @@ def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch
     ``|A - X (x) G| <= tol (1 + |A|)`` everywhere (:func:`~pyro_cvi.model.probes.rtol`; the
     scale is ``|A|``'s alone, so a structure this accepts also passes
     :func:`~pyro_cvi.model.probes.close`) and the difference is finite; a product made by the
-    Jacobian probe (:func:`~pyro_cvi.model.kron_probes.is_kron_product`, unedited) skips that
-    check. Both passes run over chunks of points: no temporary of ``A``'s size (``A`` is
+    Jacobian probe (:func:`~pyro_cvi.model.kron_probes.kron_factors_of`, unedited) gives its
+    own factors. Both passes run over chunks of points: no temporary of ``A``'s size (``A`` is
     ``N K x D K``)."""
     R, Dz = A.shape
     if Dz % K or R % K or not R:
         return None
+    made = kron_factors_of(A)
+    if made is not None and made[1].shape == (K, K):  # made as one by the Jacobian probe
+        return made
     N, Dx = R // K, Dz // K
     A4 = A.detach().reshape(N, K, Dx, K)
     step = max(1, KRON_CHUNK // (K * Dz))  # points per chunk
@@ -203,8 +209,6 @@ def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch
     A4 = A.reshape(N, K, Dx, K)  # (X and G keep A's graph, if any)
     G = A4[n0, :, d0, :]
     X = A4[:, k0, :, l0] / G[k0, l0]
-    if is_kron_product(A):  # made as one by the Jacobian probe: exact but for round-off
-        return X, G
     tol = probes.rtol(A.dtype)
     with torch.no_grad():
         Gd, Xd = G.detach(), X.detach()
@@ -227,7 +231,7 @@ def softmax_rows(site, factor, z_at: torch.Tensor, A: Optional[torch.Tensor] = N
     K = eta.shape[-1]
     graph = A is not None
     A = factor.jacobian if A is None else A
-    c = (eta if graph else eta.detach()).reshape(-1) - A @ z_at.reshape(-1)
+    c = (eta if graph else eta.detach()).reshape(-1) - matvec(A, z_at.reshape(-1))
     Y, n, weight, const = _counts(site, base, K)
     return SoftmaxRows(A, c, K, Y, n, weight, const, kron_factors(A, K))
 

@@ -9,23 +9,34 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["kron_jacobian", "kron_product", "is_kron_product", "KRON_FEATURE_TRIES"]
+__all__ = ["kron_jacobian", "kron_product", "kron_factors_of", "matvec", "KRON_FEATURE_TRIES"]
 
 #: the dense products made by :func:`kron_product` (weakly held, by identity): their version
+#: and factors
 _PRODUCTS = WeakTensorKeyDictionary()
 
 
 def kron_product(X: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """``X (x) G``, remembered as one (:func:`is_kron_product`) while it is not edited."""
+    """``X (x) G``, remembered with its factors (:func:`kron_factors_of`)."""
     A = torch.kron(X, G)
-    _PRODUCTS[A] = A._version
+    _PRODUCTS[A] = (A._version, X, G)
     return A
 
 
-def is_kron_product(A: torch.Tensor) -> bool:
-    """Whether ``A`` is, unedited, a product made by :func:`kron_product` (its factors then
-    need no entry-by-entry confirmation)."""
-    return _PRODUCTS.get(A) == A._version
+def kron_factors_of(A: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(X, G)`` where ``A`` is, unedited, a product ``X (x) G`` made by :func:`kron_product`
+    (exact: no confirmation needed), else ``None``."""
+    hit = _PRODUCTS.get(A)
+    return hit[1:] if hit is not None and hit[0] == A._version else None
+
+
+def matvec(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``A v``; for a product of :func:`kron_product`, ``vec(X V G^T)`` (``O(N D' K)``)."""
+    kron = kron_factors_of(A)
+    if kron is None:
+        return A @ v
+    X, G = kron
+    return (X @ (v.reshape(X.shape[1], G.shape[1]) @ G.mT)).reshape(-1)
 
 
 #: features tried for a nonzero column block before :func:`kron_jacobian` gives up

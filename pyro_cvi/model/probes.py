@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .kron_probes import kron_jacobian, kron_product
+from .kron_probes import kron_jacobian, kron_product, matvec
 
 __all__ = [
     "jacobian",
@@ -32,7 +32,7 @@ def rtol(dtype: torch.dtype) -> float:
 
 def detached(t: torch.Tensor) -> torch.Tensor:
     """``t`` without its graph: ``t`` itself where it has none (its identity kept, and with it
-    what is known of it, e.g. :func:`~pyro_cvi.model.kron_probes.is_kron_product`)."""
+    what is known of it, e.g. :func:`~pyro_cvi.model.kron_probes.kron_factors_of`)."""
     return t.detach() if t.requires_grad else t
 
 
@@ -234,7 +234,7 @@ def affine_at(
             pred = f0.clone()
             for p, A in jacobians.items():
                 if p in dz:
-                    pred = pred + A @ dz[p].reshape(-1)
+                    pred = pred + matvec(A, dz[p].reshape(-1))
             if not close(f.reshape(-1), pred, tol):
                 return False
     return True
