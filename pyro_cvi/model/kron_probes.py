@@ -90,8 +90,12 @@ def kron_jacobian(
     k0, l0 = flat_g // Kz, flat_g % Kz
 
     def agrees(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> bool:
-        ok = (a - b).abs() <= tol * (1 + scale)
-        return bool(ok.all()) and bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+        # (``scale`` is a fresh temporary; a NaN or an infinity in ``a`` or ``b`` makes the
+        # difference NaN or infinite, above any finite bound, and the bound's sum is finite
+        # only where ``scale`` is, which bounds ``|b|``)
+        diff = (a - b).abs_()
+        bound = scale.add_(1.0).mul_(tol)
+        return bool((diff <= bound).all()) and bool(torch.isfinite(bound.sum()))
 
     x0, Ga = first[:, k0, l0] / G[k0, l0], G.abs()  # (a first check before D' more passes)
     if not agrees(first, x0[:, None, None] * G, x0.abs()[:, None, None] * Ga):
