@@ -531,7 +531,9 @@ def part_softmax(repeats: int, steps: int) -> tuple:
         "CVI()",
         f"converged predictive {runs[-1]['hist'][-1][2]:.4f} against MAP's plug-in "
         f"{target:.4f}; lowest on the way {min(scores):.4f} (a q not yet converged); the "
-        f"plug-in at q's mean: {runs[-1]['hist'][-1][3]:.4f} at the last step",
+        f"plug-in at q's mean: {runs[-1]['hist'][-1][3]:.4f} at the last step; after the "
+        f"first call the plug-in {runs[-1]['hist'][0][3]:.7f}, q's predictive "
+        f"{runs[-1]['hist'][0][2]:.4f}",
     )
     table.note(
         "MAP",
