@@ -88,3 +88,13 @@ def test_a_probed_kronecker_product_keeps_its_factors_until_edited(dtype):
     assert kron_factors(B, 4) is None
     torch.testing.assert_close(matvec(B, v), B @ v, **tol)
     assert kron_factors_of(A.clone()) is None  # (a copy is not known as one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_the_probed_product_is_torch_kron_bit_for_bit(dtype):
+    from pyro_cvi.model.kron_probes import kron_product
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(7, 3, generator=g, dtype=F64).to(dtype)
+    G = torch.randn(4, 5, generator=g, dtype=F64).to(dtype)
+    assert torch.equal(kron_product(X, G), torch.kron(X, G))

@@ -17,8 +17,10 @@ _PRODUCTS = WeakTensorKeyDictionary()
 
 
 def kron_product(X: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """``X (x) G``, remembered with its factors (:func:`kron_factors_of`)."""
-    A = torch.kron(X, G)
+    """``X (x) G``, remembered with its factors (:func:`kron_factors_of`). One broadcast
+    product (``torch.kron``'s entries, bit for bit, in about half its time)."""
+    (N, D), (K, L) = X.shape, G.shape
+    A = (X[:, None, :, None] * G[None, :, None, :]).reshape(N * K, D * L)
     _PRODUCTS[A] = (A._version, X, G)
     return A
 
