@@ -190,28 +190,26 @@ def softmax_mode(prior: GaussianPrior, parts) -> Optional[torch.Tensor]:
         stop = MODE_GTOL * probes.rtol(m.dtype) * float(g.abs().max().clamp_min(1.0))
         S: list = []
         Yd: list = []
-        rho: list = []  # 1 / (y^T s) of each pair
         for _ in range(MAX_MODE_ITERS):
             if not bool(torch.isfinite(f)) or float(g.abs().max()) <= stop:
                 break
             q = g.clone()
             alphas = []
-            for s_, y_, r in zip(reversed(S), reversed(Yd), reversed(rho)):
-                a = r * (s_ @ q)
+            for s_, y_ in zip(reversed(S), reversed(Yd)):
+                a = (s_ @ q) / (y_ @ s_)
                 alphas.append(a)
-                q.addcmul_(y_, a, value=-1.0)
+                q = q - a * y_
             if S:
                 q = q * ((S[-1] @ Yd[-1]) / (Yd[-1] @ Yd[-1]))
             else:  # the first step: unit length
                 q = q / q.norm().clamp_min(1e-30)
-            for s_, y_, r, a in zip(S, Yd, rho, reversed(alphas)):
-                q.addcmul_(s_, a - r * (y_ @ q))
+            for (s_, y_), a in zip(zip(S, Yd), reversed(alphas)):
+                q = q + s_ * (a - (y_ @ q) / (y_ @ s_))
             direction = -q
             slope = float(g @ direction)
             if slope >= 0:  # not a descent direction: restart from the gradient
                 S.clear()
                 Yd.clear()
-                rho.clear()
                 direction, slope = -g, -float(g @ g)
             t = 1.0
             for _ in range(40):
@@ -222,15 +220,12 @@ def softmax_mode(prior: GaussianPrior, parts) -> Optional[torch.Tensor]:
             else:
                 break
             s_, y_ = t * direction, g_new - g
-            sy = s_ @ y_
-            if float(sy) > 1e-12 * float(s_.norm() * y_.norm()):
+            if float(s_ @ y_) > 1e-12 * float(s_.norm() * y_.norm()):
                 S.append(s_)
                 Yd.append(y_)
-                rho.append(1.0 / sy)
                 if len(S) > MODE_HISTORY:
                     S.pop(0)
                     Yd.pop(0)
-                    rho.pop(0)
             m, f, g = m + s_, f_new, g_new
     return m if bool(torch.isfinite(m).all()) else None
 
