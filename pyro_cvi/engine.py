@@ -454,7 +454,9 @@ class Engine:
             ) from e
 
     def _step(self, ctx: StepContext, beta: float) -> None:
-        if self.options.schedule != "parallel" and any(b.sweeps for b in self.blocks):
+        if ctx.steps == 0 and self.blocks and all(b.start_is_step for b in self.blocks):
+            pass  # the start was the first step (the Laplace start): q stays there
+        elif self.options.schedule != "parallel" and any(b.sweeps for b in self.blocks):
             self._sweep(ctx, beta)
         else:
             for block in self.blocks:

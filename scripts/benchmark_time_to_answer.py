@@ -22,16 +22,21 @@ of one run count.
   clock; times to within 0.5 nat of the best -ELBO of any run and to within 1e-6 relative of the
   run's own last -ELBO.
 * ``softmax``: 10-class logistic regression of ``scripts/benchmark_multiclass_speed.py`` (5,000
-  training points, 41 features): the default ``CVI()``; ``q``'s test log-loss after every step
-  (its predictive by 256 fixed draws, outside the clock); times to the converged predictive
-  (within 1e-3 and 1e-4 nats of the run's last log-loss), to MAP's plug-in log-loss (which the
-  converged posterior predictive need not reach: it scores the average over ``q``, not the
-  mode), the same for the plug-in at ``q``'s mean (``softmax(X E_q W)``, scored as MAP's
-  is), and to a returned bound within 1e-6 relative of the last; MAP by scikit-learn's L-BFGS
-  beside it, and the Laplace posterior predictive at MAP (exact Hessian, 4,096 draws): on this
-  problem every Bayesian predictive measured (Laplace 0.265, the exact posterior by HMC 0.270,
-  Gaussian VI 0.270) scores worse than MAP's plug-in (0.263), so the time that counts is the
-  time to the converged predictive.
+  training points, 41 features), the default ``CVI()``. **The criterion** ("MAP's test log-loss
+  within 1 CPU s"): the time from ``AutoCVI(model)`` in a fresh process (set-up included) to
+  the first step after which the plug-in prediction at ``q``'s mean, ``softmax(X E_q W)`` (what
+  a user gets from ``guide.median()``), scores MAP's test log-loss (scikit-learn's L-BFGS mode,
+  within ``MAP_TOL`` = 1e-6 nats: its mode is exact to about 1e-8 nats of test log-loss, and
+  Newton's exact mode scores a few 1e-9 nats above it). The Laplace start makes the first call
+  leave ``q`` at the Laplace approximation, whose mean is the mode. Beside it: ``q``'s
+  posterior predictive after every step (256 fixed draws, outside the clock), the times to its
+  converged value (within 1e-3 and 1e-4 nats of the run's last) and to MAP's log-loss, and to a
+  returned bound within 1e-6 relative of the last. **No posterior predictive reaches MAP's
+  log-loss here**: the model is misspecified (synthetic clusters, a linear softmax) and MAP
+  over-confident in the wrong places, yet averaging over the posterior predicts worse still:
+  the Laplace predictive at MAP (exact Hessian, 4,096 draws, printed) scores 0.265, the exact
+  posterior by HMC 0.270 (``scripts/softmax_posterior_reference.py``), CVI's converged ``q``
+  0.270-0.271, against MAP's plug-in 0.263.
 
     python scripts/benchmark_time_to_answer.py --bayesnewton-python /path/to/venv/bin/python
     python scripts/benchmark_time_to_answer.py --quick   # T = 200, 1000; 1 repeat; results/quick/
@@ -57,6 +62,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 REL_TOL = 1e-6
 NAT_TOL = 0.5
+#: "MAP's test log-loss" is reached within this many nats (scikit-learn's mode is inexact)
+MAP_TOL = 1e-6
 #: the converged predictive: test log-loss within these many nats of the run's last
 PRED_TOLS = (1e-3, 1e-4)
 MARKOV_POINTS = 10
@@ -202,21 +209,21 @@ def child_softmax_map() -> dict:
 
     Xtr, ytr, Xte, yte = data()
     out = dict(import_cpu=import_cpu, **fit_map(Xtr, ytr, Xte, yte))
-    out["laplace_log_loss"] = laplace_log_loss(Xtr, ytr, Xte, yte)
+    out["laplace_log_loss"], out["newton_map_log_loss"] = laplace_log_loss(Xtr, ytr, Xte, yte)
     return out
 
 
-def laplace_log_loss(Xtr, ytr, Xte, yte, draws: int = 4096) -> float:
-    """The reference the criterion is read against (outside any clock): the test log-loss of
-    the Laplace posterior predictive, ``-mean log E softmax(x^T W)`` with ``W ~ N(W*, H^-1)``
-    (``W*`` the mode by Newton's method, ``H`` the exact ``410 x 410`` Hessian of the negative
-    log joint there) by ``draws`` fixed draws."""
+def laplace_log_loss(Xtr, ytr, Xte, yte, draws: int = 4096) -> tuple:
+    """References outside any clock: the test log-loss of the Laplace posterior predictive,
+    ``-mean log E softmax(x^T W)`` with ``W ~ N(W*, H^-1)`` (``W*`` the mode by Newton's
+    method, ``H`` the exact ``410 x 410`` Hessian of the negative log joint there) by ``draws``
+    fixed draws, and of the plug-in at ``W*`` (the exact MAP's)."""
     import torch
-    from softmax_posterior_reference import newton_map, predictive
+    from softmax_posterior_reference import newton_map, plugin, predictive
 
     w, H = newton_map(Xtr, ytr)
     L = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)))
-    return predictive(w, L, Xte, yte, draws)
+    return predictive(w, L, Xte, yte, draws), plugin(w.reshape(Xtr.shape[1], -1), Xte, yte)
 
 
 def run_child(argv: Sequence[str]) -> None:
@@ -478,7 +485,9 @@ def part_softmax(repeats: int, steps: int) -> tuple:
         runs.append(ours("softmax", steps=steps))
     target = mp["test_log_loss"]
     to_map = summarise(runs, [first_within(r["hist"], 2, lambda v: v <= target) for r in runs])
-    plug = summarise(runs, [first_within(r["hist"], 3, lambda v: v <= target) for r in runs])
+    plug = summarise(
+        runs, [first_within(r["hist"], 3, lambda v: v <= target + MAP_TOL) for r in runs]
+    )
     rel = summarise(runs, [to_rel(r["hist"], 1) for r in runs])
     pred = {tol: summarise(runs, [to_converged(r["hist"], 2, tol) for r in runs])
             for tol in PRED_TOLS}  # fmt: skip
@@ -487,19 +496,25 @@ def part_softmax(repeats: int, steps: int) -> tuple:
         [
             ("method", "MAP: scikit-learn L-BFGS; CVI(): AutoCVI with every default"),
             ("import s", "CPU s of the imports"),
-            ("first s", "CPU s of the first call (CVI(): set-up and one step; MAP: the fit)"),
+            (
+                "first s",
+                "CPU s of the first call (CVI(): set-up, the loss and the Laplace "
+                "start, which is the first step; MAP: the fit)",
+            ),
             ("ms/step", "median CPU ms of a later step"),
             ("pred 1e-3 s", "CPU s until q's test log-loss is within 1e-3 nats of its last"),
             ("pred 1e-4 s", "CPU s until q's test log-loss is within 1e-4 nats of its last"),
             ("to MAP s", "CPU s until q's test log-loss <= MAP's (steps)"),
-            ("plug-in to MAP s", "CPU s until the plug-in at q's mean scores <= MAP's (steps)"),
+            ("plug-in to MAP s", "CPU s until the plug-in at q's mean scores MAP's (steps)"),
+            ("plug-in 1st", "the plug-in at q's mean after the first call (test log-loss)"),
             ("1e-6 s", "CPU s until the returned -ELBO is within 1e-6 relative of the last"),
             ("test log-loss", "the last"),
         ],
     )
     table.add("MAP", f"{mp['import_cpu']:.3f}", f"{mp['cpu']:.3f}", "-", "-", "-", "-", "-",
-              "-", f"{target:.4f}")  # fmt: skip
-    table.add("Laplace", "-", "-", "-", "-", "-", "-", "-", "-", f"{mp['laplace_log_loss']:.4f}")
+              "-", "-", f"{target:.4f}")  # fmt: skip
+    table.add("Laplace", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+              f"{mp['laplace_log_loss']:.4f}")  # fmt: skip
     table.add(
         "CVI()", f"{to_map['import_cpu']:.3f}", f"{to_map['first_cpu']:.3f}",
         f"{1e3 * to_map['step_cpu']:.1f}",
@@ -507,6 +522,7 @@ def part_softmax(repeats: int, steps: int) -> tuple:
           for t in PRED_TOLS),
         f"{_fmt(to_map['to_answer'], '.3f')} ({_fmt(to_map['steps'], 'g')})",
         f"{_fmt(plug['to_answer'], '.3f')} ({_fmt(plug['steps'], 'g')})",
+        f"{runs[-1]['hist'][0][3]:.7f}",
         f"{_fmt(rel['to_answer'], '.3f')} ({_fmt(rel['steps'], 'g')})",
         f"{runs[-1]['hist'][-1][2]:.4f}",
     )  # fmt: skip
@@ -515,7 +531,14 @@ def part_softmax(repeats: int, steps: int) -> tuple:
         "CVI()",
         f"converged predictive {runs[-1]['hist'][-1][2]:.4f} against MAP's plug-in "
         f"{target:.4f}; lowest on the way {min(scores):.4f} (a q not yet converged); the "
-        f"plug-in at q's mean: {runs[-1]['hist'][-1][3]:.4f} at the last step",
+        f"plug-in at q's mean: {runs[-1]['hist'][-1][3]:.4f} at the last step; after the "
+        f"first call the plug-in {runs[-1]['hist'][0][3]:.7f}, q's predictive "
+        f"{runs[-1]['hist'][0][2]:.4f}",
+    )
+    table.note(
+        "MAP",
+        f"scikit-learn's mode {target:.9f}, Newton's exact mode "
+        f"{mp['newton_map_log_loss']:.9f}; reached: within {MAP_TOL:g} nats",
     )
     table.note(
         "Laplace",
@@ -587,10 +610,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         f"{payload['softmax']['map']['laplace_log_loss']:.4f}): "
                         "the converged predictive (1e-3 nats) "
                         + ("never reached" if c is None else f"in {c:.2f} CPU s")
-                        + ", MAP's test log-loss "
+                        + ", MAP's test log-loss by q's predictive "
                         + ("never reached" if t is None else f"in {t:.2f} CPU s")
-                        + ", by the plug-in at q's mean "
-                        + ("never" if u is None else f"in {u:.2f} CPU s"))  # fmt: skip
+                        + ", by the plug-in at q's mean (the criterion, target 1 CPU s) "
+                        + ("never" if u is None else f"in {u:.2f} CPU s, "
+                           + ("met" if u <= 1.0 else "not met")))  # fmt: skip
     payload["config"]["load_after"] = os.getloadavg()
     verdicts.append("load average (1, 5, 15 min) before {:.1f} {:.1f} {:.1f}, after {:.1f} {:.1f} "
                     "{:.1f}".format(*payload["config"]["load_before"],

@@ -131,6 +131,9 @@ class Block(abc.ABC):
     setup_traces: Tuple[str, ...] = ()
     #: whether :meth:`joint` of several of its sites is a Gaussian (``guide.joint_posterior``)
     gaussian_joint: bool = False
+    #: whether its start is its first step (the Laplace start of a softmax regression): the
+    #: first call then leaves ``q`` there, when every block's start is
+    start_is_step: bool = False
 
     @property
     def label(self) -> str:

@@ -156,7 +156,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
         prior's own moments give a row less curvature, its target there instead; softmax rows
         by the same rule (:mod:`~pyro_cvi.messages.warm_start`), except in a block whose only
         likelihood factors are softmax factors with ``K > 2``: there every site starts at its
-        point-mass target at the mode (``q`` = the Laplace approximation).
+        second-order expansion at the mode (``q`` = the Laplace approximation), and that start
+        is the first step (:attr:`start_is_step`).
         """
         prior = self._prior(trace)
         m0 = prior.loc.detach()
@@ -172,7 +173,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
         alone = self.options.reducer is None and all(
             f.kind in (PRIOR, SOFTMAX) for f in self.spec.factors
         )
-        for name, target in softmax_starts(trace, self.softmax, prior, self.z_at, alone):
+        starts, self.start_is_step = softmax_starts(trace, self.softmax, prior, self.z_at, alone)
+        for name, target in starts:
             sites[name].data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation

@@ -28,6 +28,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..gaussian.sites import site_to_row_multivariate
 from ..model import probes
+from ..model.kron_probes import kron_factors_of, matvec
 from ..model.records import SOFTMAX, centred_logits
 from ..model.tracing import unwrap
 from .softmax import lse_expectations, site_targets
@@ -86,14 +87,15 @@ class SoftmaxRows:
         """The sites as a Bayesian-linear-regression contribution: ``(A_rot [N K, D], w [N K],
         b [N K], U [N, K, K], None)`` (rotated scalar rows, module docstring), or, when
         ``A = X (x) G`` (:attr:`kron`), no rows and the natural parameters ``(h, P)`` summed in
-        ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G``, ``h = sum_n x_n (x) G^T b_n``."""
+        ``O(N D^2 K^2)``: ``P = sum_n x_n x_n^T (x) G^T W_n G`` (its blocks ``i <= j`` only: the
+        ``(j, i)`` block equals the ``(i, j)`` one), ``h = sum_n x_n (x) G^T b_n``."""
         N, K = self.N, self.K
         W, b = site_to_row_multivariate(sites[..., 0], sites[..., 1:], self.c.reshape(N, K))
         if self.kron is not None:
             X, G = self.kron
             Dx = X.shape[1]
             GWG = (G.mT @ W @ G).reshape(N, K * K)
-            P = (_outer(X).mT @ GWG).reshape(Dx, Dx, K, K).permute(0, 2, 1, 3)
+            P = _from_pairs(_outer(X).mT @ GWG, Dx).reshape(Dx, Dx, K, K).permute(0, 2, 1, 3)
             h = X.mT @ (b @ G)
             none = self.A.new_zeros(0)
             return self.A[:0], none, none, None, (h.reshape(-1), P.reshape(Dx * K, Dx * K))
@@ -104,7 +106,8 @@ class SoftmaxRows:
 
     def cov_blocks(self, post, sl: slice, U: Optional[torch.Tensor]) -> torch.Tensor:
         """``Cov(eta_n) [N, K, K]`` under the solved ``post``: from the rotated rows' covariance
-        blocks (``U Cov(U^T A_n z) U^T``), or ``G (x_n^T (x) I) V (x_n (x) I) G^T``."""
+        blocks (``U Cov(U^T A_n z) U^T``), or ``G (x_n^T (x) I) V (x_n (x) I) G^T`` as
+        ``G (sum_{i <= j} x_ni x_nj (V_ij + [i < j] V_ji)) G^T`` (``V_ij``: ``K x K`` blocks)."""
         N, K = self.N, self.K
         if self.kron is None:
             cov = U @ post.row_cov_blocks(sl, K) @ U.mT
@@ -112,21 +115,42 @@ class SoftmaxRows:
             X, G = self.kron
             Dx = X.shape[1]
             V = post.covariance().reshape(Dx, K, Dx, K).permute(0, 2, 1, 3)
-            cov = G @ (_outer(X) @ V.reshape(Dx * Dx, K * K)).reshape(N, K, K) @ G.mT
+            i, j = _pairs(Dx, V.device)
+            Vp = V[i, j] + torch.where((i < j)[:, None, None], V[j, i], 0.0)  # [pairs, K, K]
+            cov = G @ (_outer(X) @ Vp.reshape(-1, K * K)).reshape(N, K, K) @ G.mT
         return 0.5 * (cov + cov.mT)
 
     def mean(self, loc: torch.Tensor) -> torch.Tensor:
-        """``E eta_n = A_n m + c_n``, ``[N, K]``."""
+        """``E eta_n = A_n m + c_n``, ``[N, K]`` (``X M G^T + C`` for ``A = X (x) G``)."""
+        if self.kron is not None:
+            X, G = self.kron
+            return X @ (loc.reshape(X.shape[1], -1) @ G.mT) + self.c.reshape(self.N, self.K)
         return (self.A @ loc).reshape(self.N, self.K) + self.c.reshape(self.N, self.K)
 
 
+def _pairs(D: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The index pairs ``i <= j`` of a symmetric ``D x D`` matrix (row-major upper triangle)."""
+    i, j = torch.triu_indices(D, D, device=device)
+    return i, j
+
+
+def _from_pairs(S: torch.Tensor, D: int) -> torch.Tensor:
+    """``[D, D, ...]`` symmetric from its pairs ``i <= j`` (:func:`_pairs`) ``S [pairs, ...]``."""
+    i, j = _pairs(D, S.device)
+    out = S.new_zeros((D, D) + S.shape[1:])
+    out[j, i] = S
+    out[i, j] = S
+    return out
+
+
 def _outer(X: torch.Tensor) -> torch.Tensor:
-    """``[N, D * D]``: the rows' outer products ``x_n x_n^T``, flattened; kept per ``X`` (the
-    factor's constant design: one allocation of ``N D^2`` per fit, not per step)."""
+    """``[N, D (D + 1) / 2]``: the rows' outer products ``x_n x_n^T`` at the pairs ``i <= j``
+    (:func:`_pairs`: the products are symmetric, so half the work in the sums over ``n``);
+    kept per ``X`` (the factor's constant design: one allocation per fit, not per step)."""
     hit = _OUTER.get(X)
     if hit is not None and hit[0] == X._version:
         return hit[1]
-    out = (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(X.shape[0], -1)
+    out = torch.cat([X[:, i : i + 1] * X[:, i:] for i in range(X.shape[1])], 1)  # (pairs' order)
     if not X.requires_grad:
         _OUTER[X] = (X._version, out)
     return out
@@ -161,11 +185,16 @@ def _kron_factors(A: torch.Tensor, K: int) -> Optional[Tuple[torch.Tensor, torch
     ``argmax``); ``G`` its row block, ``X`` its column scaled by it. ``A = X (x) G`` holds where
     ``|A - X (x) G| <= tol (1 + |A|)`` everywhere (:func:`~pyro_cvi.model.probes.rtol`; the
     scale is ``|A|``'s alone, so a structure this accepts also passes
-    :func:`~pyro_cvi.model.probes.close`) and the difference is finite. Both passes run over
-    chunks of points: no temporary of ``A``'s size (``A`` is ``N K x D K``)."""
+    :func:`~pyro_cvi.model.probes.close`) and the difference is finite; a product made by the
+    Jacobian probe (:func:`~pyro_cvi.model.kron_probes.kron_factors_of`, unedited) gives its
+    own factors. Both passes run over chunks of points: no temporary of ``A``'s size (``A`` is
+    ``N K x D K``)."""
     R, Dz = A.shape
     if Dz % K or R % K or not R:
         return None
+    made = kron_factors_of(A)
+    if made is not None and made[1].shape == (K, K):  # made as one by the Jacobian probe
+        return made
     N, Dx = R // K, Dz // K
     A4 = A.detach().reshape(N, K, Dx, K)
     step = max(1, KRON_CHUNK // (K * Dz))  # points per chunk
@@ -202,7 +231,7 @@ def softmax_rows(site, factor, z_at: torch.Tensor, A: Optional[torch.Tensor] = N
     K = eta.shape[-1]
     graph = A is not None
     A = factor.jacobian if A is None else A
-    c = (eta if graph else eta.detach()).reshape(-1) - A @ z_at.reshape(-1)
+    c = (eta if graph else eta.detach()).reshape(-1) - matvec(A, z_at.reshape(-1))
     Y, n, weight, const = _counts(site, base, K)
     return SoftmaxRows(A, c, K, Y, n, weight, const, kron_factors(A, K))
 

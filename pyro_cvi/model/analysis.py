@@ -412,14 +412,14 @@ class Analysis:
         if structural and not probes.affine_graph(value, zs, row_constant):  # piecewise ops
             return None
         with torch.enable_grad():
-            jac = {n: probes.jacobian(value, leaves[n]).detach() for n in block.names}
+            jac = {n: probes.detached(probes.jacobian(value, leaves[n])) for n in block.names}
             params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
             dynamic = probes.depends_on_params(value, zs, params)
         for shrink in (1.0, 1e-2):  # smaller moves where exp(...) overflowed at the first
             runs = self._probes(block, shrink)
             moved = [(dz, read(unwrap(t.nodes[site]["fn"])[0])) for dz, t in runs]
             if moved and probes.affine_at(value.detach(), moved, jac):
-                return torch.cat([jac[n] for n in block.names], 1), dynamic
+                return probes.joined([jac[n] for n in block.names]), dynamic
             if all(bool(torch.isfinite(f).all()) for _, f in moved):
                 return None
 

@@ -7,8 +7,38 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["kron_jacobian", "KRON_FEATURE_TRIES"]
+__all__ = ["kron_jacobian", "kron_product", "kron_factors_of", "matvec", "KRON_FEATURE_TRIES"]
+
+#: the dense products made by :func:`kron_product` (weakly held, by identity): their version
+#: and factors
+_PRODUCTS = WeakTensorKeyDictionary()
+
+
+def kron_product(X: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``X (x) G``, remembered with its factors (:func:`kron_factors_of`). One broadcast
+    product (``torch.kron``'s entries, bit for bit, in about half its time)."""
+    (N, D), (K, L) = X.shape, G.shape
+    A = (X[:, None, :, None] * G[None, :, None, :]).reshape(N * K, D * L)
+    _PRODUCTS[A] = (A._version, X, G)
+    return A
+
+
+def kron_factors_of(A: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(X, G)`` where ``A`` is, unedited, a product ``X (x) G`` made by :func:`kron_product`
+    (exact: no confirmation needed), else ``None``."""
+    hit = _PRODUCTS.get(A)
+    return hit[1:] if hit is not None and hit[0] == A._version else None
+
+
+def matvec(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``A v``; for a product of :func:`kron_product`, ``vec(X V G^T)`` (``O(N D' K)``)."""
+    kron = kron_factors_of(A)
+    if kron is None:
+        return A @ v
+    X, G = kron
+    return (X @ (v.reshape(X.shape[1], G.shape[1]) @ G.mT)).reshape(-1)
 
 
 #: features tried for a nonzero column block before :func:`kron_jacobian` gives up
@@ -62,8 +92,12 @@ def kron_jacobian(
     k0, l0 = flat_g // Kz, flat_g % Kz
 
     def agrees(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> bool:
-        ok = (a - b).abs() <= tol * (1 + scale)
-        return bool(ok.all()) and bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+        # (``scale`` is a fresh temporary; a NaN or an infinity in ``a`` or ``b`` makes the
+        # difference NaN or infinite, above any finite bound, and the bound's sum is finite
+        # only where ``scale`` is, which bounds ``|b|``)
+        diff = (a - b).abs_()
+        bound = scale.add_(1.0).mul_(tol)
+        return bool((diff <= bound).all()) and bool(torch.isfinite(bound.sum()))
 
     x0, Ga = first[:, k0, l0] / G[k0, l0], G.abs()  # (a first check before D' more passes)
     if not agrees(first, x0[:, None, None] * G, x0.abs()[:, None, None] * Ga):

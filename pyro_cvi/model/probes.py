@@ -8,11 +8,11 @@ points and comparing with its Jacobian. All probes share one tolerance policy,
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .kron_probes import kron_jacobian
+from .kron_probes import kron_jacobian, kron_product, matvec
 
 __all__ = [
     "jacobian",
@@ -28,6 +28,17 @@ __all__ = [
 def rtol(dtype: torch.dtype) -> float:
     """The one relative tolerance of every probe: 1e-3 in reduced precision, 1e-6 in float64."""
     return 1e-3 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-6
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its graph: ``t`` itself where it has none (its identity kept, and with it
+    what is known of it, e.g. :func:`~pyro_cvi.model.kron_probes.kron_factors_of`)."""
+    return t.detach() if t.requires_grad else t
+
+
+def joined(parts: List[torch.Tensor]) -> torch.Tensor:
+    """The Jacobians of a block's latents side by side (one: itself, not a copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -70,7 +81,7 @@ def jacobian(
     if not cg and D > loop_below and R > loop_below:
         kron = kron_jacobian(out, z, rtol(out.dtype))
         if kron is not None:
-            return torch.kron(*kron)
+            return kron_product(*kron)
     flat = out.reshape(-1)
     rows = []
     if min(R, D) <= loop_below or D < R and D <= loop_columns:  # plain backward passes
@@ -223,7 +234,7 @@ def affine_at(
             pred = f0.clone()
             for p, A in jacobians.items():
                 if p in dz:
-                    pred = pred + A @ dz[p].reshape(-1)
+                    pred = pred + matvec(A, dz[p].reshape(-1))
             if not close(f.reshape(-1), pred, tol):
                 return False
     return True

@@ -301,6 +301,30 @@ def walk_prior(inc: Increments, base) -> LinearGaussianChain:
     return LinearGaussianChain(loc[0], torch.diag(var[0]), eye, loc[1:], torch.diag_embed(var[1:]))
 
 
+#: the margin over the tolerance of :func:`_spans_steps`'s early refusal (the full check decides
+#: anything closer)
+SPAN_MARGIN = 100.0
+
+
+def _spans_steps(spec: ChainSpec, flat: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the first element of ``flat`` clearly depends on two steps of the chain: its
+    gradient in the states (one backward pass, and the adjoint of :meth:`ChainSpec.lift`) has
+    entries above ``SPAN_MARGIN`` times the tolerance at two steps. A cheap early refusal
+    before the ``d + 2`` passes of :func:`observation_rows` (a softmax regression's weight
+    matrix, read as a random walk along either dim, is refused here)."""
+    (g,) = torch.autograd.grad(flat[0], x, retain_graph=True, allow_unused=True)
+    if g is None:
+        return False
+    dx = x.new_zeros(spec.length, spec.state_dim, requires_grad=True)
+    with torch.enable_grad():
+        (gs,) = torch.autograd.grad((spec.lift(dx, x) * g.detach()).sum(), dx, allow_unused=True)
+    if gs is None or not bool(torch.isfinite(gs).all()):
+        return False
+    per_step = gs.abs().amax(-1)
+    floor = SPAN_MARGIN * probes.rtol(x.dtype) * (1.0 + float(per_step.max()))
+    return int((per_step > floor).sum()) >= 2
+
+
 def observation_rows(
     spec: ChainSpec, value: torch.Tensor, leaves, create_graph: bool = False
 ) -> Tuple[torch.Tensor, ...]:
@@ -316,6 +340,8 @@ def observation_rows(
         H = probes.jacobian(flat, leaves[touched], create_graph=create_graph).reshape(R, d)
         return torch.full((R,), t, dtype=torch.long, device=flat.device), H
     x = leaves[spec.names[0]]
+    if _spans_steps(spec, flat, x):
+        raise ValueError("an element depends on more than one step")
     u = torch.zeros_like(flat, requires_grad=True)
     # (a scalar output, not grad_outputs=u: torch imports sympy for explicit grad_outputs)
     (vjp,) = torch.autograd.grad((flat * u).sum(), x, create_graph=True)
