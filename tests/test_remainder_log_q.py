@@ -105,15 +105,12 @@ def test_the_block_s_log_q_is_its_joint_s(dtype):
         pyro.set_rng_seed(0)
         guide = AutoCVI(_horseshoe, remainder=Remainder(covariance="full"))
         svi = SVI(_horseshoe, guide, CVI(), CVI_ELBO())
-        rem = None
-        losses = []
-        for t in range(8):
-            losses.append(svi.step(X, y))
-            if rem is None:
-                rem = guide.engine.kinds["remainder"][0]
-                assert rem.form == "full"
-                if patch:
-                    rem._log_q = lambda u: rem.joint_unconstrained().log_prob(u)
+        losses = [svi.step(X, y)]
+        rem = guide.engine.kinds["remainder"][0]
+        assert rem.form == "full"
+        if patch:
+            rem._log_q = lambda u: rem.joint_unconstrained().log_prob(u)
+        losses += [svi.step(X, y) for _ in range(7)]
         return rem, losses
 
     rem, losses = run(False)
