@@ -169,6 +169,23 @@ def test_price_up_to_hessian_max_dim_where_vectorised(dtype):
     assert not above.onedraw  # (a hierarchy: the signal-to-noise step)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_price_only_while_its_batched_pass_is_cheap(dtype):
+    """The same 42 coordinates on 100x the data: the graph's size grows with the data (its
+    span does not), ``D`` times it passes :data:`PRICE_MAX_WORK`, and the default takes the
+    gradient step (measured: Price 19x its cost a step there, 11 nats behind after 8 s)."""
+    small = _block(horseshoe, _horseshoe_data(20, dtype, n=200))
+    large = _block(horseshoe, _horseshoe_data(20, dtype, n=20000))
+    (s_span, s_size), (l_span, l_size) = (
+        rr.log_joint_graph(b.analysis, b.owned) for b in (small, large)
+    )
+    assert s_span == l_span <= rr.VECTORISED_MAX_SPAN
+    assert 60 <= l_size / s_size <= 100  # (the data's elements dominate the size)
+    assert 42 * s_size <= rr.PRICE_MAX_WORK < 42 * l_size
+    assert small.hessian and large.dim == 42 and not large.hessian and not large.onedraw
+    assert rr.log_joint_span(large.analysis, large.owned) == l_span
+
+
 def _bound(model, guide, args, draws=2000):
     from pyro.infer import Trace_ELBO
 
