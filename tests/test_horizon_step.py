@@ -212,6 +212,20 @@ def test_schedule_and_validation():
         Remainder(step="ivon")
 
 
+def test_default_schedule_ends_where_the_earlier_one_did():
+    """The default mean step starts at 0.2 of a Newton step and ends at 0.01 (the earlier
+    default's 0.1 x 0.1), the precision's rate 0.05 -> 0.0025; the plateau test's halvings
+    stop at the same floor."""
+    c = HorizonControl(Horizon())
+    assert c.step_sizes() == pytest.approx((0.05, 0.2))
+    c.t = 2000
+    assert c.step_sizes() == pytest.approx((0.0025, 0.01))
+    c.t, c.factor = 10, 1e-6
+    c.losses = [0.0] * 100
+    c._plateau()
+    assert c.factor == pytest.approx(0.05) and c.step_sizes()[1] == pytest.approx(0.01)
+
+
 def test_momentum_restarts_against_a_reversed_gradient():
     c = HorizonControl(Horizon(momentum=0.9))
     g = torch.tensor([1.0, 0.0])

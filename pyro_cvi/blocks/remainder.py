@@ -33,11 +33,7 @@ from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ReshapeTransform
 
 from ..context import StepContext
-from ..gaussian import (
-    diag_step,
-    lowrank_step,
-    tril_step,
-)
+from ..gaussian import diag_step, lowrank_step, tril_log_prob, tril_step
 from ..model.records import REMAINDER_OWNER
 from ..natgrad.control import NoiseControl
 from ..natgrad.horizon import Horizon
@@ -256,6 +252,9 @@ class RemainderBlock(Block):
 
     def _log_q(self, u: torch.Tensor) -> torch.Tensor:
         """``log q(u)`` at draws ``u`` (with their graph; none to the parameters)."""
+        if self.form == "full" and u.dim() == 2:  # (without building the distribution)
+            p = self._values()
+            return tril_log_prob(p[self.loc_name], p[self.role_names[0]], u)
         return self.joint_unconstrained().log_prob(u)
 
     def _covariance(self) -> torch.Tensor:

@@ -61,7 +61,8 @@ def _looped(block, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tenso
         values, logdet = block.unpack(draws[k])
         tr = run_model(ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
         sites = [s for s in block.owned if s in tr.nodes]
-        per.append(collapsed_log_prob(tr, sites) + logdet)
+        lp = collapsed_log_prob(tr, sites) if enum is not None else _site_sum(tr, sites)
+        per.append(lp + logdet)
     return torch.stack(per)
 
 
@@ -78,7 +79,7 @@ def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others):
         with pyro.validation_enabled(False):
             tr = run_model(ctx.model, {**fixed, **values}, ctx.args, ctx.kwargs, None)
             sites = [s for s in block.owned if s in tr.nodes]
-            return collapsed_log_prob(tr, sites) + logdet
+            return _site_sum(tr, sites) + logdet
 
     return torch.func.vmap(one, randomness="error")(draws)
 
@@ -108,6 +109,25 @@ def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others):
     if block.analysis.remainder_discrete:
         return collapsed_log_prob(tr, sites, "_cvi_particles") + logdet
     return _particle_sums(tr, sites, K, P) + logdet
+
+
+def _site_sum(tr: Trace, sites: Sequence[str]) -> torch.Tensor:
+    """``sum_a scale_a * mask_a * log p_a`` over ``sites`` of a trace with nothing summed out:
+    what :func:`collapsed_log_prob` contracts to there (the same terms, added in the same
+    order: grouped by their plates, each group in site order), without its packing."""
+    groups: dict = {}
+    for name in sites:
+        node = tr.nodes[name]
+        fn: Any = node["fn"]
+        lp = fn.log_prob(node["value"], *node["args"], **node["kwargs"])
+        lp = scale_and_mask(lp, node["scale"], node["mask"])
+        key = frozenset(f.name for f in node["cond_indep_stack"] if f.vectorized)
+        groups.setdefault(key, []).append(lp)
+    total = None
+    for terms in groups.values():
+        for t in terms:
+            total = t.sum() if total is None else total + t.sum()
+    return total if total is not None else torch.zeros(())
 
 
 def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int) -> torch.Tensor:

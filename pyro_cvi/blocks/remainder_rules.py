@@ -10,10 +10,11 @@ data-parallel run, the remainder admits nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from torch.distributions import constraints
+from torch.distributions import biject_to, constraints
 
 from ..context import Options
 from ..messages.gaussian import gradient_only
@@ -23,6 +24,7 @@ from .registry import register_admission
 __all__ = [
     "remainder_admits",
     "log_joint_span",
+    "log_joint_graph",
     "discrete_chain",
     "cheap_hessian",
     "price_beside",
@@ -30,6 +32,7 @@ __all__ = [
     "VectorisedLogJoint",
     "DEFAULT_HESSIAN_RULE",
     "VECTORISED_MAX_SPAN",
+    "PRICE_MAX_WORK",
     "LOWRANK_ONEDRAW_MOVE",
     "SCALED_HESSIAN_MAX_DIM",
 ]
@@ -87,7 +90,11 @@ class VectorisedLogJoint(DenseHessianRule):
        pharmacokinetic and Lotka-Volterra models);
     2. no summed-out discrete latent depends on another (:func:`discrete_chain`): a Markov
        chain of enumerated states (a ``pyro.markov`` loop) is contracted one step after
-       another, whatever each site's span.
+       another, whatever each site's span;
+    3. the batched pass's work, ``D`` times the *size* of the log joint's graph (the elements
+       of the tensors its operations hand back, :func:`log_joint_graph`), is at most
+       :data:`PRICE_MAX_WORK`: on small data the per-operation cost dominates and the ``D``
+       rows come almost free, on large data they cost ``D`` gradients' arithmetic.
 
     Opt in elsewhere with ``Remainder(curvature="hessian")``; opt out with
     ``Remainder(step=Horizon())`` or ``curvature="gradient"``.
@@ -97,7 +104,8 @@ class VectorisedLogJoint(DenseHessianRule):
         if discrete_chain(analysis):
             return False
         try:
-            return log_joint_span(analysis, owned) <= VECTORISED_MAX_SPAN
+            span, size = log_joint_graph(analysis, owned)
+            return span <= VECTORISED_MAX_SPAN and _dim(analysis) * size <= PRICE_MAX_WORK
         except (RuntimeError, ValueError, TypeError, KeyError, NotImplementedError):
             return True  # a trace that cannot be read back keeps them (as before)
 
@@ -106,6 +114,14 @@ class VectorisedLogJoint(DenseHessianRule):
 #: :class:`VectorisedLogJoint`; its measured spans are 12-21, a ``DiscreteHMM`` 87 at T = 40,
 #: 124 at 400, 159 at 4,000; a GARCH recursion over 120 returns 253)
 VECTORISED_MAX_SPAN = 192
+
+#: the most work (coordinates times graph elements, :class:`VectorisedLogJoint`) the default
+#: gives Price's batched Hessian pass. Measured (float32, one thread): the 42-coordinate
+#: horseshoe logistic regression on 200 points (59,808) steps at 1.5x the four-draw gradient
+#: step and reaches its bound in a fifth of the steps; on 2,000 points (437,808) at 4x, behind
+#: it for the first 2 CPU s, 1.5 nats ahead after 6; on 20,000 (4.2 million) at 19x, 11 nats
+#: behind after 8 CPU s. Every zoo model that takes Price is below 10^5
+PRICE_MAX_WORK = 2**20
 
 #: the rule :class:`~pyro_cvi.blocks.remainder.RemainderBlock` applies by default
 DEFAULT_HESSIAN_RULE: DenseHessianRule = VectorisedLogJoint()
@@ -128,21 +144,40 @@ def _log_joint(analysis, owned: Sequence[str]):
 def log_joint_span(analysis, owned: Sequence[str]) -> int:
     """The span of the owned factors' log joint: the number of autograd operations on the
     longest chain from a latent to it (0 where it does not depend on a latent)."""
+    return log_joint_graph(analysis, owned)[0]
+
+
+def log_joint_graph(analysis, owned: Sequence[str]) -> Tuple[int, int]:
+    """``(span, size)`` of the owned factors' log joint: the span (:func:`log_joint_span`)
+    and the number of elements of the tensors its autograd operations hand back (what a
+    backward pass through it touches)."""
     total = _log_joint(analysis, owned)
     if total is None or total.grad_fn is None:
-        return 0
+        return 0, 0
     span: Dict[Any, int] = {}
+    size = 0
     stack: List[Tuple[Any, bool]] = [(total.grad_fn, False)]
     while stack:  # post-order: a node's inputs before the node
         fn, ready = stack.pop()
         if ready:
+            if fn in span:
+                continue
             span[fn] = 1 + max((span[f] for f, _ in fn.next_functions if f is not None), default=0)
+            size += sum(math.prod(m.shape) for m in getattr(fn, "_input_metadata", ()))
         elif fn not in span:
             stack.append((fn, True))
             stack.extend(
                 (f, False) for f, _ in fn.next_functions if f is not None and f not in span
             )
-    return span[total.grad_fn]
+    return span[total.grad_fn], size
+
+
+def _dim(analysis) -> int:
+    """The remainder's coordinate count (its sites' unconstrained sizes)."""
+    return sum(
+        int(biject_to(analysis.structure.nodes[n]["fn"].support).inv(analysis.values[n]).numel())
+        for n in analysis.remainder
+    )
 
 
 def discrete_chain(analysis) -> bool:

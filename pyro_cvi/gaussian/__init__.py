@@ -30,6 +30,7 @@ from .conversions import (
     precision_from_scale_tril,
     scale_tril_from_precision,
     symmetrise,
+    tril_log_prob,
 )
 from .halving import MAX_HALVINGS, MAX_HALVINGS_SOLVE, halve_until_valid
 from .lowrank import lowrank_fisher_mv, lowrank_step
@@ -85,5 +86,6 @@ __all__ = [
     "site_to_row_multivariate",
     "stein_hessian",
     "symmetrise",
+    "tril_log_prob",
     "tril_step",
 ]

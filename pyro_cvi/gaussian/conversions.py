@@ -15,6 +15,7 @@ solve or ``cholesky_inverse`` and nothing is factorised twice. Batched over lead
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Tuple
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "precision_from_scale_tril",
     "scale_tril_from_precision",
     "symmetrise",
+    "tril_log_prob",
 ]
 
 
@@ -107,3 +109,13 @@ def log_partition(eta1: Tensor, chol_P: Tensor) -> Tensor:
     w: Tensor = torch.linalg.solve_triangular(chol_P, eta1.unsqueeze(-1), upper=False)
     w = w.squeeze(-1)
     return 0.5 * w.square().sum(-1) - chol_P.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+
+def tril_log_prob(m: Tensor, L: Tensor, u: Tensor) -> Tensor:
+    """``log N(u_k; m, L L^T) = -|L^-1 (u_k - m)|^2 / 2 - sum log diag L - D log(2 pi) / 2`` at
+    the rows ``u_k`` of ``u`` (``K x D``; ``m``, ``L`` unbatched): the operations of
+    ``MultivariateNormal(m, scale_tril=L).log_prob(u)``, so the same values bit for bit,
+    without constructing the distribution (its shape checks cost more than the solve)."""
+    M = torch.linalg.solve_triangular(L, (u - m).mT, upper=False).pow(2).sum(-2)
+    half_log_det = L.diagonal().log().sum(-1)
+    return -0.5 * (m.shape[-1] * math.log(2 * math.pi) + M) - half_log_det
