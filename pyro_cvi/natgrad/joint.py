@@ -27,8 +27,7 @@ from .prior import known_normal_prior
 #: ``Remainder(curvature="auto")`` uses dense Hessians (Price's theorem) up to this many
 #: coordinates where the log joint is vectorised (re-exported by :mod:`pyro_cvi.strategies`;
 #: the size already taken beside a kept precision). Their ``D`` rows are one batched backward
-#: pass: on the 42-coordinate horseshoe logistic regression a step costs 1.5x the four-draw
-#: gradient step and reaches AutoNormal + Adam's best bound in about 50 steps instead of 200-250
+#: pass; ``remainder_rules.PRICE_MAX_WORK`` bounds that pass's work
 HESSIAN_MAX_DIM = 64
 
 __all__ = [
