@@ -1,0 +1,78 @@
+"""Factors of a Markov chain whose Normal factors' parameters a discrete latent selects.
+
+For a loop ``x_0 ~ N(m0(s), P0(s))``, ``x_t ~ N(A_t(s) x_{t-1} + b_t(s), Q_t(s))`` with
+observations ``y_r ~ N(h_r(s)' x_{t_r} + c_r(s), R_r(s))`` and a global discrete ``s`` with a
+mean-field ``q(s)`` (Algorithm 2 under ``q(s) q(x)``), every factor's log density is linear in
+its natural parameters, so its expected log density under ``q(s)`` is
+
+    E_q(s)[log p(x | s)] = sum_k q(s = k) log p(x | s = k),                            (1)
+
+a Gaussian potential in ``x`` again: the chain's expected message (exact, VMP). The Markov block
+(:mod:`~pyro_cvi.blocks.regime_markov`) builds ``q(x)`` from (1) with a Kalman smoother; the mean
+field owns the factors' ELBO terms and sends ``q(s = k)`` the expected log density of each
+value,
+
+    f_k = E_q(x)[log N(v; mu_k, sigma_k^2)] = log N(E v; E mu_k, sigma_k^2)
+          - Var_q(v - mu_k) / (2 sigma_k^2),                                           (2)
+
+with ``v`` the factor's value (a state or data) and ``mu_k`` its loc, affine in the states;
+``Var_q`` reads the smoother's marginals and lag-one covariances (:class:`ChainNormal`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .records import CONJUGATE_ENUM, Factor
+
+__all__ = ["ChainNormal", "regime_chain_factor"]
+
+
+class ChainNormal:
+    """The mean field's pattern for (2), elementwise over the enumerated values and the
+    Normal's elements (the weights ``q(s = k)`` are applied by the mean field)."""
+
+    name = "Normal (chain, enumerated)"
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(names)
+
+    def elp(self, m):
+        base, v = m.base, m.x
+        resid = v - base.loc
+        jac = {p: m.jacobian("resid", p, resid) for p in self.names}
+        var = m.q.variance(jac).reshape(resid.shape)
+        return base.log_prob(v) - 0.5 * var / base.scale**2
+
+
+def regime_chain_factor(an, spec, block) -> Optional[Factor]:
+    """The record of factor ``spec`` (a transition or an observation of the chain of ``block``
+    reading the chain's regime latents) on ``block``: kind ``CONJUGATE_ENUM``, exact; marks
+    ``spec`` exact with :class:`ChainNormal` so the mean field computes (2) and its message to
+    ``q(s)``. ``None`` for a block that is no chain with regimes."""
+    chain = block.chain
+    if chain is None or not chain.regimes or not spec.discrete & set(chain.regimes):
+        return None
+    touched = [n for n in block.names if n in spec.continuous]
+    given = ", ".join(sorted(spec.discrete))
+    spec.exact, spec.pattern = True, ChainNormal(touched)
+    spec.reason = f"Normal given {given}"
+    if spec.site in block.names:
+        why = (
+            f"transition into {spec.site} given {given}: the expected natural parameters "
+            "sum_k q(s = k) eta_k in the chain prior (eq. 20, exact)"
+        )
+    else:
+        why = (
+            f"Normal observation of {touched[0]} given {given}: the expected natural "
+            "parameters sum_k q(s = k) eta_k as the step's information (eq. 20, exact)"
+        )
+    return Factor(
+        spec.site,
+        block.label,
+        CONJUGATE_ENUM,
+        why,
+        "loc",
+        enumerated=tuple(sorted(spec.discrete)),
+        enum_dims=an.enum_dims,
+    )
