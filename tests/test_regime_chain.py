@@ -87,8 +87,9 @@ def reference(y, iters=2000):
         L = sum(q * p[0] for q, p in zip(qs, parts))
         S = torch.linalg.inv(L)
         mu = S @ sum(q * p[1] for q, p in zip(qs, parts))
-        E = torch.stack([-0.5 * (torch.trace(Lk @ S) + mu @ Lk @ mu) + hk @ mu + ck
-                         for Lk, hk, ck in parts])
+        E = torch.stack(
+            [-0.5 * (torch.trace(Lk @ S) + mu @ Lk @ mu) + hk @ mu + ck for Lk, hk, ck in parts]
+        )
         new = torch.softmax(log_pi + E, 0)
         if torch.allclose(new, qs, rtol=0, atol=1e-15):
             break
@@ -147,7 +148,7 @@ def test_explain_names_the_messages():
     assert "x_0..x_7: q = Markov gaussian chain" in text
     assert "transition into x_3 given s: the expected natural parameters" in text
     assert "Normal observation of x_3 given s" in text
-    assert "the expected prior over q(s)" in text
+    assert "the expected prior over q(s) (eq. 20, exact; the default for a global unmarked" in text
     assert "s: exact expected from s, x_0, y_0, x_1" in text
 
 

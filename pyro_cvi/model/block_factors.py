@@ -32,7 +32,7 @@ from .records import (
     Factor,
     centred_logits,
 )
-from .regime_chain import regime_chain_factor
+from .regime_chain import RULE, regime_chain_factor
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -153,7 +153,7 @@ def chain_factor(an, site: str, block, base) -> Factor:
             chain_rules().prepare_loop(chain, tr, leaves, moved, label)
     why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
     if chain.regimes:  # (its transitions are read per value of the regimes every step)
-        why += f"; the expected prior over q({', '.join(chain.regimes)})"
+        why += f"; the expected prior over q({', '.join(chain.regimes)}) ({RULE})"
     if chain.increments is not None:
         why += "; " + chain.increments.describe(site)
     return Factor(site, label, PRIOR, why)

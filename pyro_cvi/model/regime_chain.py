@@ -25,7 +25,13 @@ from typing import Optional, Sequence
 
 from .records import CONJUGATE_ENUM, Factor
 
-__all__ = ["ChainNormal", "regime_chain_factor"]
+__all__ = ["ChainNormal", "RULE", "regime_chain_factor"]
+
+#: the default rule as explain() states it (scripts/benchmark_kalman_discrete.py measures it)
+RULE = (
+    "the default for a global unmarked discrete; marked for enumeration it stays summed out "
+    "in the remainder, AutoCVI(discrete='collapse') sums it out too"
+)
 
 
 class ChainNormal:
@@ -57,7 +63,12 @@ def regime_chain_factor(an, spec, block) -> Optional[Factor]:
     given = ", ".join(sorted(spec.discrete))
     spec.exact, spec.pattern = True, ChainNormal(touched)
     spec.reason = f"Normal given {given}"
-    if spec.site in block.names:
+    if spec.site == block.names[0]:
+        why = (
+            f"Markov prior given {given}: Kalman smoother, O(T d^3) ({chain.size_text}), "
+            f"the expected prior over q({given}) (eq. 20, exact; {RULE})"
+        )
+    elif spec.site in block.names:
         why = (
             f"transition into {spec.site} given {given}: the expected natural parameters "
             "sum_k q(s = k) eta_k in the chain prior (eq. 20, exact)"
