@@ -31,8 +31,9 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ..context import Options, StepContext
+from ..messages.gaussian import linear_predictor_message
 from ..model.analysis import BlockSpec
-from ..model.records import CONJUGATE_ENUM
+from ..model.records import CONJUGATE_ENUM, LINEAR_ENUM
 from ..model.tracing import run_model, unwrap
 from ..statespace.kalman import LinearGaussianChain, Marginals, smooth
 from ..statespace.posterior import SiteRows
@@ -71,11 +72,18 @@ class RegimeMarkovBlock(MarkovBlock):
         super().__init__(spec, prefix, owned, options)
         self.regimes = tuple(spec.chain.regimes)
         enum = [f for f in spec.factors if f.kind == CONJUGATE_ENUM]
-        self.enum_dims = enum[0].enum_dims if enum else None
+        read = [f for f in spec.factors if f.kind in (CONJUGATE_ENUM, LINEAR_ENUM)]
+        self.enum_dims = read[0].enum_dims
         self.regime_steps = [self.names.index(f.site) for f in enum if f.site in self.names]
         self.regime_obs = [f.site for f in enum if f.site not in self.names]
         self._obs_step: Dict[str, int] = {}
         self._extra: Optional[tuple] = None  # unary rows (t, H, w, b) of the expected message
+        # observations through a link that read s: one site per value and element, their
+        # nodes from the enumerated run, ``scale`` times q(s = k) (eqs. 13, 20, 30-31)
+        enum_sites = [f for f in spec.factors if f.kind == LINEAR_ENUM]
+        self.linear = self.linear + enum_sites
+        self.site_names.update({f.site: f"{prefix}.sites.{f.site}" for f in enum_sites})
+        self._nodes: Dict[str, dict] = {}
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """The sites start at zero (``q`` = the expected prior and the exact rows)."""
@@ -93,8 +101,14 @@ class RegimeMarkovBlock(MarkovBlock):
         with torch.enable_grad():
             tr = run_model(ctx.model, values, ctx.args, ctx.kwargs, self.enum_dims)
             (c,) = self.regimes
-            q = ctx.marginal(c).log_prob(tr.nodes[c]["value"]).exp().detach().reshape(-1)
+            q_full = ctx.marginal(c).log_prob(tr.nodes[c]["value"]).exp().detach()
+            q = q_full.reshape(-1)
             K = q.shape[0]
+            for f in self.linear:
+                if f.kind == LINEAR_ENUM:
+                    node = tr.nodes[f.site]
+                    prob = q_full.reshape(q_full.shape + (1,) * node["fn"].event_dim)
+                    self._nodes[f.site] = {**node, "scale": node["scale"] * prob}
             locs, vars_ = [], []
             for n in self.names:
                 fn = tr.nodes[n]["fn"]
@@ -177,18 +191,46 @@ class RegimeMarkovBlock(MarkovBlock):
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
         """The expected prior at the current ``q(s)``, the sites' rows, and the smoother."""
         self.prior = self._expected_prior(ctx)
-        tr, sites = ctx.trace, self._sites()
-        self.rows = [self._rows(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
+        sites = self._sites()
+        self.rows = [self._rows(self._node(ctx, f), f, sites[f.site].detach()) for f in self.linear]
         self._graph = None
         self.post = self._solve(self.rows)
         self._solved_for = None
         return self.prior
 
+    def _node(self, ctx: StepContext, f) -> dict:
+        """The trace node of linear-predictor factor ``f`` (enumerated, weighted by ``q(s)``)."""
+        return self._nodes[f.site] if f.kind == LINEAR_ENUM else ctx.trace.nodes[f.site]
+
     def elbo(self, ctx: StepContext, prior: LinearGaussianChain) -> torch.Tensor:
-        """The Markov block's ``log Z - E_q[log sites]`` less ``E_q[log p~_t]`` of the steps
-        whose factors the mean field owns (module docstring)."""
-        out = super().elbo(ctx, prior)
-        return out - self._expected_log_prior(self.regime_steps)
+        """``log Z - E_q[log sites]`` plus the owned observations' expected log densities,
+        less ``E_q[log p~_t]`` of the steps whose factors the mean field owns (module
+        docstring); with ``ctx.grads``, ``target - lambda_tilde`` goes into the sites' ``.grad``."""
+        post = self.post
+        sr = self._site_rows(self.rows)
+        f_mean, f_var = sr.moments(post.mean, post.cov)
+        elbo = post.log_z - sr.expected_log_sites(f_mean, f_var)
+        sites, i = self._sites(), 0
+        for f, r in zip(self.linear, self.rows):
+            sl = slice(i, i + r.c.shape[0])
+            i = sl.stop
+            value, target = linear_predictor_message(
+                self._node(ctx, f),
+                r,
+                f_mean[sl],
+                f_var[sl],
+                self.options.num_quad_points,
+                self.options.num_samples,
+            )
+            if f.site in self.owned:
+                elbo = elbo + value
+            if ctx.grads:
+                p = sites[f.site]
+                p.grad = target - p.detach()
+        h0 = self._init_h()
+        if h0 is not None and ctx.grads:
+            h0.grad = -h0.detach()
+        return elbo - self._expected_log_prior(self.regime_steps)
 
     def _expected_log_prior(self, steps: Sequence[int]) -> torch.Tensor:
         """``sum_t E_q[log p~_t(x_t | x_{t-1})]`` over ``steps`` (diagonal ``Q~``)."""

@@ -32,7 +32,7 @@ from .records import (
     Factor,
     centred_logits,
 )
-from .regime_chain import RULE, regime_chain_factor
+from .regime_chain import RULE, regime_chain_factor, regime_sites_factor
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -42,6 +42,7 @@ from .tracing import (
     linked_reader,
     rebuilds,
     subsample_values,
+    unwrap,
 )
 
 __all__ = [
@@ -207,7 +208,11 @@ def enumerated_factor(an, spec, block) -> Optional[Factor]:
     exact under the mean field between blocks (the loc is affine in them too). On a chain
     whose regime latents the factor reads: :func:`~.regime_chain.regime_chain_factor`."""
     if block.chain is not None and block.chain.regimes:
-        return regime_chain_factor(an, spec, block)
+        found = regime_chain_factor(an, spec, block)
+        if found is not None or not spec.discrete & set(block.chain.regimes):
+            return found
+        base = unwrap(an.leaf_trace()[0].nodes[spec.site]["fn"])[0]
+        return regime_sites_factor(an, spec, block, chain_factor(an, spec.site, block, base))
     loc = spec.roles.get("loc")
     if not (
         spec.exact

@@ -21,11 +21,13 @@ with ``v`` the factor's value (a state or data) and ``mu_k`` its loc, affine in 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
-from .records import CONJUGATE_ENUM, Factor
+from .discrete_glm import EnumeratedGLM
+from .records import CONJUGATE_ENUM, LINEAR_ENUM, Factor
 
-__all__ = ["ChainNormal", "RULE", "regime_chain_factor"]
+__all__ = ["ChainNormal", "RULE", "regime_chain_factor", "regime_sites_factor"]
 
 #: the default rule as explain() states it (scripts/benchmark_kalman_discrete.py measures it)
 RULE = (
@@ -51,6 +53,38 @@ class ChainNormal:
         return base.log_prob(v) - 0.5 * var / base.scale**2
 
 
+def _normal_loc(spec) -> bool:
+    """Whether ``spec`` is the mean field's exact Normal with an affine loc (scale given ``s``)."""
+    loc = spec.roles.get("loc")
+    return bool(
+        spec.exact
+        and spec.pattern is not None
+        and spec.pattern.name == "Normal"
+        and loc is not None
+        and loc.kind == "affine"
+    )
+
+
+def regime_sites_factor(an, spec, block, linear: Factor) -> Factor:
+    """An observation of the chain through a link, reading its regimes: ``linear`` (the chain's
+    linear-predictor record on the enumerated trace: one row per value of ``s`` and element)
+    as kind ``LINEAR_ENUM``, one site per row with target ``q(s = k)`` times the branch's
+    (eqs. 13, 20, 30-31); ``spec`` exact with
+    :class:`~pyro_cvi.model.discrete_glm.EnumeratedGLM` (the mean field's ``f_k``)."""
+    touched = [n for n in block.names if n in spec.continuous]
+    given = ", ".join(sorted(spec.discrete))
+    spec.exact, spec.pattern = True, EnumeratedGLM(linear.param, linear.link, touched)
+    spec.reason = f"{linear.reason.split(' (')[0]} given {given}"
+    why = f"{linear.reason} per value of {given}, weighted by q({given}) (eq. 20)"
+    return replace(
+        linear,
+        kind=LINEAR_ENUM,
+        reason=why,
+        enumerated=tuple(sorted(spec.discrete)),
+        enum_dims=an.enum_dims,
+    )
+
+
 def regime_chain_factor(an, spec, block) -> Optional[Factor]:
     """The record of factor ``spec`` (a transition or an observation of the chain of ``block``
     reading the chain's regime latents) on ``block``: kind ``CONJUGATE_ENUM``, exact; marks
@@ -59,6 +93,8 @@ def regime_chain_factor(an, spec, block) -> Optional[Factor]:
     chain = block.chain
     if chain is None or not chain.regimes or not spec.discrete & set(chain.regimes):
         return None
+    if spec.site not in block.names and not _normal_loc(spec):
+        return None  # (an observation through a link: regime_sites_factor)
     touched = [n for n in block.names if n in spec.continuous]
     given = ", ".join(sorted(spec.discrete))
     spec.exact, spec.pattern = True, ChainNormal(touched)

@@ -175,9 +175,9 @@ def _regime_candidates(an) -> set:
 
 def regimes_of(an, names: set, free: set) -> Optional[Tuple[str, ...]]:
     """The discrete parents ``s`` (of ``free``) of the loop ``names``' factors, or ``None``
-    where a factor reading one of them is not a plain Normal (a transition, or an observed
-    Normal without a mask): those chains keep the mean field. Only one regime latent, with no
-    parent of its own, is taken (the expected prior of one categorical ``q``)."""
+    where a factor reading one of them is neither a Normal transition nor an observation with
+    a linear-predictor parameter (no mask): those chains keep the mean field. Only one regime
+    latent, with no parent of its own, is taken (the expected prior of one categorical q)."""
     found = set()
     for site, deps in an.deps.items():
         if site in an.leaves or not (deps & names or site in names):
@@ -187,11 +187,11 @@ def regimes_of(an, names: set, free: set) -> Optional[Tuple[str, ...]]:
             continue
         node = an.structure.nodes[site]
         base, mask, _ = unwrap(node["fn"])
-        if not isinstance(base, torch.distributions.Normal) or mask is not None:
+        if mask is not None or node["mask"] is not None:
             return None
-        if site not in names and not node["is_observed"]:
+        if site in names and not isinstance(base, torch.distributions.Normal):
             return None
-        if node["mask"] is not None:
+        if site not in names and not (node["is_observed"] and linear_param(base) is not None):
             return None
         found |= hit
     if len(found) > 1 or any(an.deps.get(c) for c in found):
