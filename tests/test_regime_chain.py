@@ -161,3 +161,111 @@ def test_a_marked_regime_stays_summed_out():
     guide(y, mark=True)
     assert not any(isinstance(b, RegimeMarkovBlock) for b in guide.engine.blocks)
     assert "summed out exactly in the remainder" in guide.explain()
+
+
+# ---------------------------------------------------------------- other forms of the chain
+TV = 10
+
+
+def poisson_chain(y, obs_reads_s=False):
+    """Counts through ``exp``: the transition reads ``s`` (the observations keep their CVI
+    sites), or only the observations' offset does (one site per value, weighted by q(s))."""
+    a, q, c = y.new_tensor([0.9, 0.6]), y.new_tensor([0.2, 0.5]), y.new_tensor([0.0, 0.5])
+    s = pyro.sample("s", dist.Categorical(y.new_tensor([0.5, 0.5])))
+    x = pyro.sample("x_0", dist.Normal(y.new_zeros(()), 1.0))
+    for t in pyro.markov(range(TV)):
+        if t > 0:
+            if obs_reads_s:
+                x = pyro.sample(f"x_{t}", dist.Normal(0.9 * x, 0.5))
+            else:
+                x = pyro.sample(
+                    f"x_{t}", dist.Normal(Vindex(a)[..., s] * x, Vindex(q)[..., s].sqrt())
+                )
+        eta = x + Vindex(c)[..., s] if obs_reads_s else x
+        pyro.sample(f"y_{t}", dist.Poisson(torch.exp(eta)), obs=y[t])
+
+
+def vector_chain(y):
+    """A 2-d state, ``.to_event(1)``, the transition matrix and the noise selected by ``s``."""
+    A = y.new_tensor([[[0.9, 0.1], [0.0, 0.8]], [[0.5, 0.0], [0.2, 0.6]]])
+    q = y.new_tensor([[0.2, 0.3], [0.5, 0.4]])
+    s = pyro.sample("s", dist.Categorical(y.new_tensor([0.5, 0.5])))
+    x = pyro.sample("x_0", dist.Normal(y.new_zeros(2), 1.0).to_event(1))
+    for t in pyro.markov(range(TV)):
+        if t > 0:
+            loc = (Vindex(A)[..., s, :, :] @ x.unsqueeze(-1)).squeeze(-1)
+            x = pyro.sample(f"x_{t}", dist.Normal(loc, Vindex(q)[..., s, :].sqrt()).to_event(1))
+        pyro.sample(f"y_{t}", dist.Normal(x[..., 0] + x[..., 1], 0.5), obs=y[t])
+
+
+def _vdata(kind, dtype):
+    g = torch.Generator().manual_seed(0)
+    if kind == "vector":
+        return (0.5 * torch.randn(TV, generator=g, dtype=torch.float64).cumsum(0)).to(dtype)
+    return torch.poisson(torch.full((TV,), 2.0, dtype=torch.float64), generator=g).to(dtype)
+
+
+CASES = {
+    "poisson, transition reads s": (lambda y: poisson_chain(y), "poisson"),
+    "poisson, offset reads s": (lambda y: poisson_chain(y, True), "poisson"),
+    "2-d state": (vector_chain, "vector"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.slow) if "offset" in c else c  # (a minute each)
+        for c in CASES
+    ],
+)
+def test_other_forms_report_the_trace_elbo_of_their_guide(case, dtype):
+    model_, kind = CASES[case]
+    y = _vdata(kind, dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model_)
+    svi = SVI(model_, guide, CVI(), loss=CVI_ELBO())
+    losses = [svi.step(y) for _ in range(60)]
+    assert any(isinstance(b, RegimeMarkovBlock) for b in guide.engine.blocks)
+    assert abs(losses[-1] - losses[-2]) < (1e-6 if dtype == torch.float64 else 1e-3)
+    pyro.set_rng_seed(1)
+    elbo = Trace_ELBO(num_particles=50)
+    with torch.no_grad():
+        draws = torch.tensor([-elbo.loss(model_, guide, y) for _ in range(20)], dtype=torch.float64)
+    mean, se = float(draws.mean()), float(draws.std() / 20**0.5)
+    assert abs(-losses[-1] - mean) < 3 * se + 1e-3
+
+
+@pytest.mark.slow
+def test_offset_through_a_link_matches_the_joint_gaussian_block():
+    """Only the observations read ``s`` (``Poisson(exp(x_t + c[s]))``): the Kalman block's
+    fixed point is the mean-field optimum that a dense joint Gaussian over the states with the
+    same sites reaches (the chain's factors given to a Gaussian block by hand: the prior written
+    as one MVN site)."""
+    y = _vdata("poisson", torch.float64)
+
+    def dense(y):
+        c = y.new_tensor([0.0, 0.5])
+        s = pyro.sample("s", dist.Categorical(y.new_tensor([0.5, 0.5])))
+        L = torch.zeros(TV, TV, dtype=y.dtype)  # x_t = 0.9 x_{t-1} + e_t: x = L e
+        for t in range(TV):
+            for u in range(t + 1):
+                L[t, u] = 0.9 ** (t - u)
+        var = torch.full((TV,), 0.25, dtype=y.dtype)
+        var[0] = 1.0
+        cov = L @ torch.diag(var) @ L.T
+        x = pyro.sample("x", dist.MultivariateNormal(y.new_zeros(TV), cov))
+        eta = x + Vindex(c)[..., s].unsqueeze(-1)
+        pyro.sample("y", dist.Poisson(torch.exp(eta)).to_event(1), obs=y)
+
+    runs = {}
+    for name, m in (("chain", lambda y: poisson_chain(y, True)), ("dense", dense)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoCVI(m)
+        svi = SVI(m, guide, CVI(), loss=CVI_ELBO())
+        runs[name] = ([svi.step(y) for _ in range(100)][-1], guide)
+    assert any(isinstance(b, RegimeMarkovBlock) for b in runs["chain"][1].engine.blocks)
+    assert abs(runs["chain"][0] - runs["dense"][0]) < 1e-6
