@@ -269,3 +269,39 @@ def test_offset_through_a_link_matches_the_joint_gaussian_block():
         runs[name] = ([svi.step(y) for _ in range(100)][-1], guide)
     assert any(isinstance(b, RegimeMarkovBlock) for b in runs["chain"][1].engine.blocks)
     assert abs(runs["chain"][0] - runs["dense"][0]) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_long_run_is_finite_and_does_not_drift(dtype):
+    """The adaptive ``CVI()`` on the regime chain: 600 steps, every step counter moved on by
+    20,000 (``bench.long_runs``), 600 more; the last 500 steps' mean loss within 1 nat of the
+    best 500 consecutive steps'."""
+    from bench.long_runs import Stepper, _svi_counters, verdict
+
+    y = data(dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+    stepper = Stepper(lambda: svi.step(y), lambda: _svi_counters(svi), lambda: 0.0)
+    losses = [stepper.step() for _ in range(600)]
+    stepper.advance(20_000)
+    losses += [stepper.step() for _ in range(600)]
+    r = verdict(losses, window=500)
+    assert r["finite"] and r["gap"] <= 1.0, r
+
+
+def test_a_nonlinear_transition_given_s_is_refused_with_advice():
+    def bent(y):
+        a = y.new_tensor([0.9, 0.5])
+        s = pyro.sample("s", dist.Categorical(y.new_tensor(PI)))
+        x = pyro.sample("x_0", dist.Normal(y.new_zeros(()), 1.0))
+        for t in pyro.markov(range(T)):
+            if t > 0:
+                x = pyro.sample(f"x_{t}", dist.Normal(Vindex(a)[..., s] * torch.sin(x), 0.5))
+            pyro.sample(f"y_{t}", dist.Normal(x, 0.5), obs=y[t])
+
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match="site 'x_1'.*enumerate"):
+        AutoCVI(bent)(data(torch.float64))

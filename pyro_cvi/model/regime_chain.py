@@ -53,15 +53,18 @@ class ChainNormal:
         return base.log_prob(v) - 0.5 * var / base.scale**2
 
 
-def _normal_loc(spec) -> bool:
-    """Whether ``spec`` is the mean field's exact Normal with an affine loc (scale given ``s``)."""
-    loc = spec.roles.get("loc")
+def _normal_loc(spec, kinds=("affine",)) -> bool:
+    """Whether ``spec`` is the mean field's exact Normal with its loc of a kind in ``kinds``
+    (affine in the continuous latents, or constant for the first state) and a scale free of
+    them (both given ``s``)."""
+    loc, prec = spec.roles.get("loc"), spec.roles.get("precision")
     return bool(
         spec.exact
         and spec.pattern is not None
         and spec.pattern.name == "Normal"
         and loc is not None
-        and loc.kind == "affine"
+        and loc.kind in kinds
+        and (prec is None or prec.kind == "const")
     )
 
 
@@ -95,6 +98,14 @@ def regime_chain_factor(an, spec, block) -> Optional[Factor]:
         return None
     if spec.site not in block.names and not _normal_loc(spec):
         return None  # (an observation through a link: regime_sites_factor)
+    if spec.site in block.names and not _normal_loc(spec, ("affine", "const")):
+        raise ValueError(
+            f"site {spec.site!r}: a transition of the chain {block.label} that reads "
+            f"{', '.join(sorted(spec.discrete))} must be a Normal whose loc is affine in the "
+            "previous state and whose scale is free of the states, given each value; mark the "
+            "discrete site infer={'enumerate': 'parallel'} (or AutoCVI(discrete='collapse')) "
+            "to sum it out instead"
+        )
     touched = [n for n in block.names if n in spec.continuous]
     given = ", ".join(sorted(spec.discrete))
     spec.exact, spec.pattern = True, ChainNormal(touched)

@@ -196,6 +196,11 @@ def regimes_of(an, names: set, free: set) -> Optional[Tuple[str, ...]]:
         found |= hit
     if len(found) > 1 or any(an.deps.get(c) for c in found):
         return None
+    for n in names if found else ():  # (the block reads every step's Normal loc and scale)
+        node = an.structure.nodes[n]
+        plain = isinstance(unwrap(node["fn"])[0], torch.distributions.Normal)
+        if not plain or latent_weight(node) is not None:
+            return None
     return tuple(sorted(found))
 
 
