@@ -152,13 +152,14 @@ def test_explain_names_the_messages():
     assert "s: exact expected from s, x_0, y_0, x_1" in text
 
 
-def test_a_marked_regime_stays_summed_out():
-    """Marked for enumeration, ``s`` keeps its exact sum in the remainder (the collapsed bound
-    is at least the mean field's, docs/architecture.md)."""
+@pytest.mark.parametrize("how", ["marked", "collapse"])
+def test_a_marked_regime_stays_summed_out(how):
+    """Marked for enumeration (or ``discrete="collapse"``), ``s`` keeps its exact sum in the
+    remainder (the collapsed bound is at least the mean field's, docs/architecture.md)."""
     y = data(torch.float64)
     pyro.clear_param_store()
-    guide = AutoCVI(model)
-    guide(y, mark=True)
+    guide = AutoCVI(model, discrete="collapse") if how == "collapse" else AutoCVI(model)
+    guide(y, mark=how == "marked")
     assert not any(isinstance(b, RegimeMarkovBlock) for b in guide.engine.blocks)
     assert "summed out exactly in the remainder" in guide.explain()
 
