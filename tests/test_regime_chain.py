@@ -306,3 +306,21 @@ def test_a_nonlinear_transition_given_s_is_refused_with_advice():
     pyro.clear_param_store()
     with pytest.raises(ValueError, match="site 'x_1'.*enumerate"):
         AutoCVI(bent)(data(torch.float64))
+
+
+def test_learnable_parameters_of_a_step_without_s_are_refused_with_advice():
+    def learned(y):
+        a = pyro.param("a", y.new_tensor(0.8))
+        c = y.new_tensor([0.0, 0.5])
+        s = pyro.sample("s", dist.Categorical(y.new_tensor(PI)))
+        x = pyro.sample("x_0", dist.Normal(y.new_zeros(()), 1.0))
+        for t in pyro.markov(range(T)):
+            if t > 0:
+                x = pyro.sample(f"x_{t}", dist.Normal(a * x, 0.5))
+            pyro.sample(f"y_{t}", dist.Normal(x + Vindex(c)[..., s], 0.5), obs=y[t])
+
+    pyro.clear_param_store()
+    guide = AutoCVI(learned)
+    svi = SVI(learned, guide, CVI(), loss=CVI_ELBO())
+    with pytest.raises(ValueError, match="site 'x_1'.*learnable parameters"):
+        svi.step(data(torch.float64))

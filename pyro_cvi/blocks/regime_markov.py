@@ -84,6 +84,7 @@ class RegimeMarkovBlock(MarkovBlock):
         self.linear = self.linear + enum_sites
         self.site_names.update({f.site: f"{prefix}.sites.{f.site}" for f in enum_sites})
         self._nodes: Dict[str, dict] = {}
+        self._checked = False  # (learnable parameters in a step without s: _check_parameters)
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """The sites start at zero (``q`` = the expected prior and the exact rows)."""
@@ -115,12 +116,14 @@ class RegimeMarkovBlock(MarkovBlock):
                 base = unwrap(fn)[0]
                 shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape)
                 locs.append(_per_value(base.loc, shape, K, d))
-                vars_.append(_per_value(base.scale.detach() ** 2, shape, K, d))
+                vars_.append(_per_value(base.scale**2, shape, K, d))
+            if not self._checked:
+                self._check_parameters(tr, locs, vars_)
             loc = torch.stack(locs[1:])  # (T-1, K, d)
             A = _jacobian_rows(loc, [leaves[n] for n in self.names[:-1]]).detach()
             eta_u, J_u = self._observations(tr, leaves, q, K)
         x = torch.stack([leaves[n].detach().reshape(d) for n in self.names])
-        var = torch.stack(vars_)  # (T, K, d)
+        var = torch.stack(vars_).detach()  # (T, K, d)
         qk = q[:, None].to(x)
         P0 = (qk / var[0]).sum(0)
         m0 = (qk * locs[0].detach() / var[0]).sum(0) / P0
@@ -141,6 +144,33 @@ class RegimeMarkovBlock(MarkovBlock):
         bb = (V.transpose(-1, -2) @ eta_u[..., None]).reshape(-1)
         self._extra = (t, H, w, bb)
         return LinearGaussianChain(m0, torch.diag(1.0 / P0), At, bt, torch.diag_embed(1.0 / Pt))
+
+    def _check_parameters(self, tr, locs, vars_) -> None:
+        """Refuse a prior step that reads no regime but learnable parameters: its term is in
+        this block's ``log Z``, which carries no graph here (the steps that read ``s`` are the
+        mean field's, with their graph)."""
+        self._checked = True
+        params = [
+            n["value"]
+            for n in tr.nodes.values()
+            if n["type"] == "param" and n["value"].requires_grad
+        ]
+        if not params:
+            return
+        for t, n in enumerate(self.names):
+            if t in self.regime_steps:
+                continue
+            total = locs[t].sum() + vars_[t].sum()
+            if total.requires_grad:
+                grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+                if any(g is not None for g in grads):
+                    raise ValueError(
+                        f"site {n!r}: the chain {self.label} reads the discrete "
+                        f"{', '.join(self.regimes)}, and this step's prior learnable parameters "
+                        "without it: their gradient is not taken on this route; mark the discrete "
+                        "site infer={'enumerate': 'parallel'} (or AutoCVI(discrete='collapse')), "
+                        "or make the parameters fixed tensors"
+                    )
 
     def _observations(self, tr, leaves, q: torch.Tensor, K: int):
         """The unary information ``(eta (T, d), J (T, d, d))`` of the Normal observations that
