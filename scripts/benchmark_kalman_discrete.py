@@ -19,7 +19,7 @@ collapsed bound); both are lower bounds on ``log p(y)``, higher is better. CPU s
 reported loss is within 0.01 of the last. Prints a table and writes
 ``results/benchmark_kalman_discrete.json``::
 
-    PYTHONPATH=$PWD python scripts/benchmark_kalman_discrete.py [--seeds 3] [--T 100]
+    PYTHONPATH=$PWD python scripts/benchmark_kalman_discrete.py [--seeds 3] [--T 60]
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one seed, T = 30, 100 draws")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--T", type=int, default=100)
-    p.add_argument("--draws", type=int, default=400)
+    p.add_argument("--T", type=int, default=60)
+    p.add_argument("--draws", type=int, default=200)
     p.add_argument("--steps", type=int, default=40, help="steps of the default route")
     p.add_argument("--summed-steps", type=int, default=300)
     p.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES))
