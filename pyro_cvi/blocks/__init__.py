@@ -22,6 +22,7 @@ from .gaussian import GaussianBlock
 from .markov import MarkovBlock
 from .mean_field import MeanFieldBlock
 from .natural import NaturalBlock, init_messenger, initial_natural
+from .regime_markov import RegimeMarkovBlock
 from .registry import (
     BlockKind,
     Found,
@@ -45,6 +46,7 @@ __all__ = [
     "build_blocks",
     "GaussianBlock",
     "MarkovBlock",
+    "RegimeMarkovBlock",
     "MeanFieldBlock",
     "NaturalBlock",
     "RemainderBlock",

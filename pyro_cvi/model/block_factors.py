@@ -32,6 +32,7 @@ from .records import (
     Factor,
     centred_logits,
 )
+from .regime_chain import RULE, regime_chain_factor, regime_sites_factor
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -41,6 +42,7 @@ from .tracing import (
     linked_reader,
     rebuilds,
     subsample_values,
+    unwrap,
 )
 
 __all__ = [
@@ -147,10 +149,12 @@ def chain_factor(an, site: str, block, base) -> Factor:
         return Factor(site, label, LINEAR, why, name, rows[1], dyn, time_index=rows[0], link=link)
     if site != block.names[0]:
         return Factor(site, label, PRIOR, f"transition into {site}: in the chain prior")
-    if not chain.ssm and chain.increments is None:
+    if not chain.ssm and chain.increments is None and not chain.regimes:
         with torch.enable_grad():
             chain_rules().prepare_loop(chain, tr, leaves, moved, label)
     why = f"Markov prior: Kalman smoother, O(T d^3) ({chain.size_text})"
+    if chain.regimes:  # (its transitions are read per value of the regimes every step)
+        why += f"; the expected prior over q({', '.join(chain.regimes)}) ({RULE})"
     if chain.increments is not None:
         why += "; " + chain.increments.describe(site)
     return Factor(site, label, PRIOR, why)
@@ -201,7 +205,14 @@ def enumerated_factor(an, spec, block) -> Optional[Factor]:
     loc is affine in the block given the discrete values (the scale free of the block), the
     discrete parents in the mean field (not summed out or in the remainder), outside a
     subsampled plate, the block not a chain. Other continuous parents enter at their means,
-    exact under the mean field between blocks (the loc is affine in them too)."""
+    exact under the mean field between blocks (the loc is affine in them too). On a chain
+    whose regime latents the factor reads: :func:`~.regime_chain.regime_chain_factor`."""
+    if block.chain is not None and block.chain.regimes:
+        found = regime_chain_factor(an, spec, block)
+        if found is not None or not spec.discrete & set(block.chain.regimes):
+            return found
+        base = unwrap(an.leaf_trace()[0].nodes[spec.site]["fn"])[0]
+        return regime_sites_factor(an, spec, block, chain_factor(an, spec.site, block, base))
     loc = spec.roles.get("loc")
     if not (
         spec.exact

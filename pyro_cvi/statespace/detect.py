@@ -65,6 +65,9 @@ class ChainSpec:
     observations: Dict[str, tuple] = field(default_factory=dict)  # confirmed at detection
     #: a loop with a weighted prior (``poutine.scale``) that the Kalman block tempers
     weighted: bool = False
+    #: global discrete latents with a mean-field ``q`` that select the loop's Normal factors'
+    #: parameters (:func:`regimes_of`; the expected prior of :mod:`~pyro_cvi.blocks.regime_markov`)
+    regimes: Tuple[str, ...] = ()
 
     @property
     def size_text(self) -> str:
@@ -131,16 +134,17 @@ def find_chains(an) -> List[ChainSpec]:
     used = {c.names[0] for c in out}
     cand = [n for n in latents if n not in used and _normal_site(tr.nodes[n]["fn"])]
     cset = set(cand)
+    free = _regime_candidates(an)
     parent: Dict[str, str] = {}
     children: Dict[str, List[str]] = {n: [] for n in cand}
     for n in cand:
-        deps = an.deps.get(n, set())
+        deps = an.deps.get(n, set()) - free
         if len(deps) == 1 and next(iter(deps)) in cset:
             (p,) = deps
             parent[n] = p
             children[p].append(n)
     for root in cand:
-        if root in parent or an.deps.get(root):
+        if root in parent or an.deps.get(root, set()) - free:
             continue
         names, cur = [root], root
         while len(children[cur]) == 1:
@@ -151,22 +155,65 @@ def find_chains(an) -> List[ChainSpec]:
         shapes = {tuple(tr.nodes[m]["fn"].event_shape) for m in names}
         if len(shapes) != 1:
             continue
-        if _closed(an, set(names)):
+        regimes = regimes_of(an, set(names), free)
+        if regimes is not None and _closed(an, set(names), set(regimes)):
             d = int(torch.Size(shapes.pop()).numel())
-            out.append(ChainSpec(tuple(names), d, len(names), False))
+            out.append(ChainSpec(tuple(names), d, len(names), False, regimes=regimes))
     return out
 
 
-def _closed(an, names: set) -> bool:
-    """Every factor touching the chain depends on chain sites only, at most one besides its
-    own predecessor link (observations of one step)."""
+def _regime_candidates(an) -> set:
+    """The discrete latents that may select a loop's parameters: global (in no vectorised
+    plate), with a mean-field ``q`` (not summed out), unmarked for enumeration."""
+    out = set()
+    for c in an.discrete - an.collapsed:
+        site = an.structure.nodes[c]
+        if not any(f.vectorized for f in site["cond_indep_stack"]):
+            out.add(c)
+    return out
+
+
+def regimes_of(an, names: set, free: set) -> Optional[Tuple[str, ...]]:
+    """The discrete parents ``s`` (of ``free``) of the loop ``names``' factors, or ``None``
+    where a factor reading one of them is neither a Normal transition nor an observation with
+    a linear-predictor parameter (no mask): those chains keep the mean field. Only one regime
+    latent, with no parent of its own, is taken (the expected prior of one categorical q)."""
+    found = set()
+    for site, deps in an.deps.items():
+        if site in an.leaves or not (deps & names or site in names):
+            continue
+        hit = deps & free
+        if not hit:
+            continue
+        node = an.structure.nodes[site]
+        base, mask, _ = unwrap(node["fn"])
+        if mask is not None or node["mask"] is not None:
+            return None
+        if site in names and not isinstance(base, torch.distributions.Normal):
+            return None
+        if site not in names and not (node["is_observed"] and linear_param(base) is not None):
+            return None
+        found |= hit
+    if len(found) > 1 or any(an.deps.get(c) for c in found):
+        return None
+    for n in names if found else ():  # (the block reads every step's Normal loc and scale)
+        node = an.structure.nodes[n]
+        plain = isinstance(unwrap(node["fn"])[0], torch.distributions.Normal)
+        if not plain or latent_weight(node) is not None:
+            return None
+    return tuple(sorted(found))
+
+
+def _closed(an, names: set, regimes: set = frozenset()) -> bool:
+    """Every factor touching the chain depends on chain sites only (and its regimes), at most
+    one besides its own predecessor link (observations of one step)."""
     for site, deps in an.deps.items():
         if site in an.leaves:
             continue
         touch = deps & names
         if not touch or site in names:
             continue
-        if deps - names or len(touch) > 1:
+        if deps - names - regimes or len(touch) > 1:
             return False
     return True
 
