@@ -39,8 +39,10 @@ def gh(fn, m, s):
 def data(dtype, n=120, seed=0):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 1 + 0.9 * torch.randn(
-        n, generator=g, dtype=torch.float64
+    y = (
+        X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+        + 1
+        + 0.9 * torch.randn(n, generator=g, dtype=torch.float64)
     )
     return X.to(dtype), y.to(dtype)
 
@@ -225,7 +227,7 @@ def optimum(X, y):
 
     def value(p):
         m, s = p[0], p[1].exp()
-        ma, S = block_given(X, y, float(m), float(s))
+        ma, S = block_given(X, y, float(m.detach()), float(s.detach()))
         X64, y64 = X.double(), y.double()
         n = len(y64)
         F = torch.cat([torch.ones(n, 1, dtype=torch.float64), X64], 1)
@@ -266,14 +268,32 @@ def test_the_block_is_the_conjugate_regression_given_the_scale(dtype):
 
 
 @DTYPES
+def test_the_optimum_is_a_fixed_point(dtype):
+    """With ``q(log sigma)`` at the optimum of the mean-field ELBO, the block's update puts
+    ``q(a, b)`` at its optimum: the ELBO is the L-BFGS maximum."""
+    guide, svi, _, (X, y) = fit(HALFNORMAL, dtype, 3)
+    m_opt, s_opt, best = optimum(X, y)
+    rem = guide.engine.block_for("sigma")
+    assert rem.form == "full"
+    with torch.no_grad():
+        pyro.param(rem.loc_name).copy_(torch.tensor([m_opt], dtype=dtype))
+        pyro.param(rem.role_names[0]).copy_(torch.tensor([[s_opt]], dtype=dtype))
+    svi.evaluate_loss(X, y)
+    assert q_log_sigma(guide) == pytest.approx((m_opt, s_opt), rel=1e-6)
+    tol = 1e-6 if dtype == torch.float64 else 2e-3
+    assert abs(guide_elbo(guide, X, y) - best) < tol
+
+
+@DTYPES
 def test_the_fit_reaches_the_mean_field_optimum(dtype):
     guide, svi, losses, (X, y) = fit(HALFNORMAL, dtype, 200)
     m_opt, s_opt, best = optimum(X, y)
     svi.evaluate_loss(X, y)
     m, s = q_log_sigma(guide)
-    # the remainder's q moves by Monte Carlo natural-gradient steps: its noise is the slack
-    assert abs(m - m_opt) < 0.02 and abs(s - s_opt) / s_opt < 0.1, (m, m_opt, s, s_opt)
-    assert best - guide_elbo(guide, X, y) < 0.05
+    # the remainder's q moves by Monte Carlo natural-gradient steps whose ceiling decays once
+    # the losses stop improving beyond their noise: it stops within its noise of the optimum
+    assert abs(m - m_opt) < 0.05 and abs(s - s_opt) / s_opt < 0.2, (m, m_opt, s, s_opt)
+    assert 0 <= best - guide_elbo(guide, X, y) < 0.15
 
 
 @DTYPES

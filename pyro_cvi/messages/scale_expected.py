@@ -173,7 +173,7 @@ def _draws(ctx, factor, at, S: int):
 def _monte_carlo_rows(ctx, factor, at, z_at) -> RowBlock:
     info, R = factor.scale, factor.jacobian.shape[0]
     S = max(MIN_DRAWS, min(NUM_DRAWS, MAX_ELEMENTS // max(R, 1)))
-    if info.vectorise is False:
+    if info.vectorise is False or len(info.given) > 1:  # (one joint draw of q at a time)
         S = LOOPED_DRAWS
     values, stacked = _draws(ctx, factor, at, S)
     out = None
