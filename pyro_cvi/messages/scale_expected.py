@@ -20,6 +20,7 @@ from typing import Dict, Tuple
 
 import pyro
 import torch
+from pyro.distributions.util import broadcast_shape
 from torch.distributions import Independent, TransformedDistribution
 
 from ..model.scale_factor import log_affine
@@ -53,7 +54,7 @@ def _read(node, A, z_at) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     """``(weight, y, loc, scale)`` of the site, broadcast to one shape."""
     base = unwrap(node["fn"])[0]
     y = node["value"]
-    shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, y.shape)
+    shape = broadcast_shape(base.loc.shape, base.scale.shape, y.shape)
     loc = base.loc.detach().expand(shape)
     weight = _weight(node, loc)
     return weight, _flat_obs(node, loc, weight), loc, base.scale.detach().expand(shape)
@@ -88,13 +89,25 @@ def _closed_rows(ctx, factor, at, z_at):
     if moments is None:  # (not the remainder's log-normal: the draws instead)
         return None
     _, v = moments
+    marginal = ctx.marginal(z)
+    tr, names = ctx.trace, list(at)
     with torch.no_grad():
-        tr = run_model(ctx.model, _values(ctx, at, at_means=True), ctx.args, ctx.kwargs, None)
+        at_mean = marginal.transforms[0](marginal.base_dist.mean)
+        if not (
+            tr is not None
+            and factor.site in tr.nodes
+            and all(n in tr.nodes for n in names)
+            and torch.equal(
+                tr.nodes[z]["value"].detach(), at_mean.reshape(tr.nodes[z]["value"].shape)
+            )
+        ):  # (the step's trace is at the means: no model run)
+            tr = run_model(ctx.model, _values(ctx, at, at_means=True), ctx.args, ctx.kwargs, None)
+        z_tr = torch.cat([tr.nodes[n]["value"].detach().reshape(-1) for n in names])
         weight, y, loc, scale = _read(tr.nodes[factor.site], factor.jacobian, z_at)
     A = factor.jacobian
     e_prec = torch.exp(-2 * scale.reshape(-1).log() + 2 * beta.to(v) ** 2 * v[index])
     prec = weight.reshape(-1) * e_prec
-    c = loc.reshape(-1) - A @ z_at.reshape(-1)
+    c = loc.reshape(-1) - A @ z_tr.to(A)
     return RowBlock(A, prec, prec * (y.reshape(-1) - c), c)
 
 
@@ -130,7 +143,7 @@ def _batched(ctx, factor, values: Dict[str, torch.Tensor], stacked, S: int, z_at
         tr = run_model(particles, values, ctx.args, ctx.kwargs, None)
         node = tr.nodes[factor.site]
         base = unwrap(node["fn"])[0]
-        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
+        shape = broadcast_shape(base.loc.shape, base.scale.shape, node["value"].shape)
         dim = len(shape) - 1 - P
         if dim < 0 or shape[dim] != S:
             return None

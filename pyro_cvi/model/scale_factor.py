@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+from pyro.distributions.util import broadcast_shape
 from torch.distributions import biject_to
 from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform
 
@@ -105,7 +106,7 @@ def scale_factor(an, site: str, block) -> Optional[Factor]:
     if not others or others & bad or not others <= set(leaves):
         return None
     loc, scale = base.loc, base.scale
-    if loc.shape != torch.broadcast_shapes(loc.shape, scale.shape, y.shape):
+    if loc.shape != broadcast_shape(loc.shape, scale.shape, y.shape):
         return None
     with torch.enable_grad():
         if any(_grads(scale, {n: leaves[n] for n in names}).values()):
