@@ -244,7 +244,7 @@ def optimum(X, y):
         return v
 
     opt.step(closure)
-    m, s = float(p[0]), float(p[1].exp())
+    m, s = float(p[0].detach()), float(p[1].detach().exp())
     ma, S = block_given(X, y, m, s)
     return m, s, exact_elbo(X, y, ma, S, m, s)
 
