@@ -91,7 +91,7 @@ def test_the_coefficients_keep_their_exact_block():
     assert an.remainder == ["sigma"]
     text = guide.explain()
     assert "# b: q = gaussian (site form)" in text
-    assert "shared with the remainder; given sigma" in text
+    assert "scale given sigma: rows with E_q[1/scale^2] in closed form" in text
 
 
 @DTYPES

@@ -218,6 +218,10 @@ class Block(abc.ABC):
         # a factor with a record for one of the block's sites speaks for itself; a joint
         # block's records (latent: the block) only for sites that have none
         own = {f.site for f in records if f.latent in names}
+        # a factor with a record addressed to the block itself: that record's rule (another
+        # block's record of the same factor is that block's message)
+        mine = {f.site for f in records if f.latent == self.label}
+        others = {b.label for b in getattr(analysis, "blocks", ())} - {self.label}
         out: List[Incoming] = []
         for f in records:
             rule = MESSAGE_RULES.get(f.kind)
@@ -228,6 +232,8 @@ class Block(abc.ABC):
             elif (
                 f.latent not in analysis.latents
                 and f.site not in own
+                and (f.site not in mine or f.latent == self.label)
+                and f.latent not in others
                 and analysis.latents_of(f.site) & names
             ):
                 latent = self.label

@@ -41,6 +41,7 @@ from ..messages.gaussian import (
     linear_predictor_rows,
     warm_start_target,
 )
+from ..messages.scale_expected import expected_scale_rows
 from ..messages.softmax_sites import (
     SOFTMAX,
     SoftmaxRows,
@@ -51,7 +52,7 @@ from ..messages.warm_start import prior_row_var, softmax_starts
 from ..model.analysis import CONJUGATE, GENERAL, LINEAR, BlockSpec
 from ..model.gaussian_tree import plugin_expected_log_prob
 from ..model.probes import jacobian
-from ..model.records import PRIOR
+from ..model.records import CONJUGATE_SCALE, CONJUGATE_SCALE_MC, PRIOR
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .base import stored
@@ -66,6 +67,8 @@ from .rows import factor_rows, has_graph, same_rows, site_value
 from .site_form import SiteFormBlock
 
 __all__ = ["GaussianBlock", "block_prior"]
+
+EXPECTED_SCALE = (CONJUGATE_SCALE, CONJUGATE_SCALE_MC)  #: rows at E_q[1/s^2] (eq. 20)
 
 
 class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, SiteFormBlock):
@@ -191,8 +194,12 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
         sites = self._sites()
         rows, elbo_rows, graph_rows, graph_fns = [], [], [], {}
         for f in self.spec.factors:
-            if f.kind in ENUMERATED:  # rows per enumerated value (no graph: q(s) weighs)
-                rows.append(self.enumerated_rows(ctx, f))
+            if f.kind in ENUMERATED or f.kind in EXPECTED_SCALE:  # no graph: the q's weigh
+                rows.append(  # rows per enumerated value / rows at E_q[1/s^2]
+                    self.enumerated_rows(ctx, f)
+                    if f.kind in ENUMERATED
+                    else (None, expected_scale_rows(ctx, f, self.spec, self.z_at))
+                )
                 graph_rows += rows[-1:] if ctx.graph else []
                 continue
             if f.kind not in (CONJUGATE, LINEAR, SOFTMAX):

@@ -2,7 +2,8 @@
 
 * :func:`cross_factor`: a factor the block shares with the remainder gets a Bonnet/Price
   message under the remainder's ``q`` (Algorithm 2 between blocks; the remainder owns its
-  ELBO term).
+  ELBO term), or, a Normal conjugate to the block given its scale, rows with the expected
+  precision (:mod:`~pyro_cvi.model.scale_factor`).
 * :func:`plate_factor`: a linear predictor in a vectorised subsampled plate keeps one site per
   data point of the whole plate (the incremental form, :mod:`pyro_cvi.blocks.plate_sites`).
 * :func:`chain_factor`: a factor of a Markov block (the chain prior, or an observation affine in
@@ -33,6 +34,7 @@ from .records import (
     centred_logits,
 )
 from .regime_chain import RULE, regime_chain_factor, regime_sites_factor
+from .scale_factor import scale_factor
 from .structures import chain_rules
 from .tracing import (
     describe_link,
@@ -65,6 +67,10 @@ def cross_factor(an, site: str, inside: Set[str]) -> None:
     given = ", ".join(sorted(an.latents_of(site) & inside))
     for b in sorted(blocks):
         block = an.blocks[b]
+        expected = scale_factor(an, site, block)  # conjugate given the scale (eq. 20)
+        if expected is not None:
+            block.factors.append(expected)
+            continue
         why = f"shared with the remainder; given {given} drawn from its q: Bonnet/Price"
         plate = an.minibatch_plate(site)
         block.factors.append(Factor(site, block.label, GENERAL, why, plate=plate))

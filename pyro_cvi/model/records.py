@@ -26,6 +26,11 @@ CONJUGATE_ENUM = "conjugate (enumerated)"
 #: a GLM factor with discrete (mean-field) parents, its linked parameter affine in a Gaussian
 #: block given them: linear-predictor sites per enumerated value, weighted by ``q`` of the value
 LINEAR_ENUM = "linear-predictor (enumerated)"
+#: a Normal factor whose loc is affine in a Gaussian block and whose scale depends only on other
+#: blocks' latents: exact rows with ``1/sigma^2`` replaced by ``E_q[1/sigma^2]`` (eq. 20), in
+#: closed form (a log-normal scale) or averaged over many draws of the other blocks' ``q``
+CONJUGATE_SCALE = "conjugate (E 1/s^2)"
+CONJUGATE_SCALE_MC = "conjugate (MC 1/s^2)"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients
@@ -73,6 +78,9 @@ class Factor:
     #: left of which they are enumerated
     enumerated: Tuple[str, ...] = ()
     enum_dims: Optional[int] = None
+    #: a ``CONJUGATE_SCALE(_MC)`` factor's expected-scale set-up
+    #: (:class:`~pyro_cvi.model.scale_factor.ScaleInfo`)
+    scale: Optional[Any] = None
 
     @property
     def link_of(self) -> Tuple[Optional[str], Optional[str]]:
