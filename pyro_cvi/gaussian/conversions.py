@@ -116,6 +116,6 @@ def tril_log_prob(m: Tensor, L: Tensor, u: Tensor) -> Tensor:
     the rows ``u_k`` of ``u`` (``K x D``; ``m``, ``L`` unbatched): the operations of
     ``MultivariateNormal(m, scale_tril=L).log_prob(u)``, so the same values bit for bit,
     without constructing the distribution (its shape checks cost more than the solve)."""
-    M = torch.linalg.solve_triangular(L, (u - m).mT, upper=False).pow(2).sum(-2)
+    w: Tensor = torch.linalg.solve_triangular(L, (u - m).mT, upper=False)
     half_log_det = L.diagonal().log().sum(-1)
-    return -0.5 * (m.shape[-1] * math.log(2 * math.pi) + M) - half_log_det
+    return -0.5 * (m.shape[-1] * math.log(2 * math.pi) + w.pow(2).sum(-2)) - half_log_det
