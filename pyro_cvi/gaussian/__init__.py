@@ -19,6 +19,7 @@ and the GPyTorch optimizers.
 """
 
 from .conversions import (
+    centred_exp_mean,
     diagonal_moments_from_natural,
     diagonal_natural_from_moments,
     loc_from_natural,
@@ -87,5 +88,6 @@ __all__ = [
     "stein_hessian",
     "symmetrise",
     "tril_log_prob",
+    "centred_exp_mean",
     "tril_step",
 ]

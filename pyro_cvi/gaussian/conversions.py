@@ -15,7 +15,6 @@ solve or ``cholesky_inverse`` and nothing is factorised twice. Batched over lead
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Tuple
 
 import torch
@@ -34,7 +33,10 @@ __all__ = [
     "scale_tril_from_precision",
     "symmetrise",
     "tril_log_prob",
+    "centred_exp_mean",
 ]
+
+_LOG_2PI = 1.8378770664093453  # log(2 pi), as math.log(2 * math.pi)
 
 
 def symmetrise(M: Tensor) -> Tensor:
@@ -118,4 +120,11 @@ def tril_log_prob(m: Tensor, L: Tensor, u: Tensor) -> Tensor:
     without constructing the distribution (its shape checks cost more than the solve)."""
     w: Tensor = torch.linalg.solve_triangular(L, (u - m).mT, upper=False)
     half_log_det = L.diagonal().log().sum(-1)
-    return -0.5 * (m.shape[-1] * math.log(2 * math.pi) + w.pow(2).sum(-2)) - half_log_det
+    return -0.5 * (m.shape[-1] * _LOG_2PI + w.pow(2).sum(-2)) - half_log_det
+
+
+def centred_exp_mean(a: Tensor, var: Tensor) -> Tensor:
+    """``E[exp(a (u - m))] = exp(a^2 var / 2)`` for ``u ~ N(m, var)`` (the moment generating
+    function at ``a``): e.g. ``E[s^-2] = s(m)^-2 exp(2 beta^2 var)`` for ``log s`` affine in
+    ``u`` with slope ``beta``."""
+    return torch.exp(0.5 * a.square() * var)

@@ -23,6 +23,7 @@ import torch
 from pyro.distributions.util import broadcast_shape
 from torch.distributions import Independent, TransformedDistribution
 
+from ..gaussian import centred_exp_mean
 from ..model.scale_factor import log_affine
 from ..model.tracing import run_model, subsample_values, unwrap
 from .expected_natural import MAX_RELATIVE_SE
@@ -105,7 +106,7 @@ def _closed_rows(ctx, factor, at, z_at):
         z_tr = torch.cat([tr.nodes[n]["value"].detach().reshape(-1) for n in names])
         weight, y, loc, scale = _read(tr.nodes[factor.site], factor.jacobian, z_at)
     A = factor.jacobian
-    e_prec = torch.exp(-2 * scale.reshape(-1).log() + 2 * beta.to(v) ** 2 * v[index])
+    e_prec = scale.reshape(-1).pow(-2) * centred_exp_mean(-2 * beta.to(v), v[index])
     prec = weight.reshape(-1) * e_prec
     c = loc.reshape(-1) - A @ z_tr.to(A)
     return RowBlock(A, prec, prec * (y.reshape(-1) - c), c)
