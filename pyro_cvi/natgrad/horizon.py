@@ -58,14 +58,8 @@ class Horizon:
     :param momentum: the mean gradient's averaging rate ``beta1`` (0: none).
     :param horizon: steps over which both decay by a cosine to ``final`` of their start (they
         stay there after).
-    :param final: the fraction of ``lr`` and ``rho`` left at the horizon.
-
-    The defaults' mean step starts at a fifth of a Newton step and ends at a hundredth (the
-    end of the earlier ``lr = 0.1, final = 0.1``, so the same noise ball at the end): on the
-    13-8-3 wine network (139 coordinates, diagonal) the larger early step reaches
-    AutoNormal + Adam's best bound in 1.7-2.8 CPU s on five seeds, where the earlier one
-    stalled above it on one seed once the plateau test had halved its steps
-    (``scripts/benchmark_bnn.py``).
+    :param final: the fraction of ``lr`` and ``rho`` left at the horizon (the defaults' mean
+        step starts at a fifth of a Newton step and ends at a hundredth).
     :param warmup: steps over which the mean's step grows linearly to ``lr`` (the first
         steps' curvature is the initial guess's, and momentum would carry their error on).
     :param plateau: the steps of one slope test of the module docstring (0: the cosine alone).
