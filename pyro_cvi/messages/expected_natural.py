@@ -26,8 +26,9 @@ The message is weighted like the site's log-density (``poutine.scale``, masks).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyro
 import pyro.distributions as dist
@@ -207,24 +208,37 @@ def expected_natural(
         batched = None
     if batched is not None and an not in _VECTORISE:  # checked once against one run per draw
         looped = _looped(ctx, an, site, fam, draws[:2], shapes)
-        tol = 1e-4 if looped[0].dtype in (torch.float32, torch.float16) else 1e-9
-        if not all(
-            bool(torch.allclose(x[:2], y, rtol=tol, atol=tol)) for x, y in zip(batched, looped)
-        ):
+        if not batched_agrees(batched, looped):
             batched = None
     _VECTORISE[an] = batched is not None
     return None if batched is None else _summary(batched, fam, batch)
 
 
-def _draws(ctx, num_samples: int) -> List[Dict[str, torch.Tensor]]:
-    """``num_samples`` joint draws of ``q`` from a stream of their own, seeded by the global
-    random state without advancing it: the other messages see the draws they would see
-    without these (a fit is reproducible, and unchanged where no message is used)."""
+@contextlib.contextmanager
+def own_random_stream() -> Iterator[None]:
+    """A random stream of its own for the draws inside, seeded by the global random state
+    without advancing it: the other messages see the draws they would see without these (a
+    fit is reproducible, and unchanged where no message is used)."""
     state = torch.random.get_rng_state()
     w = torch.arange(1, state.numel() + 1, dtype=torch.int64)
     seed = int((state.to(torch.int64) * w).sum()) % (2**63 - 1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        yield
+
+
+def batched_agrees(batched: Sequence[torch.Tensor], looped: Sequence[torch.Tensor]) -> bool:
+    """Whether the first draws of a batched model run equal the same draws run one at a time
+    (the once-per-factor check that the model broadcasts over a particle plate)."""
+    tol = 1e-4 if looped[0].dtype in (torch.float32, torch.float16) else 1e-9
+    return all(
+        bool(torch.allclose(x[: len(y)], y, rtol=tol, atol=tol)) for x, y in zip(batched, looped)
+    )
+
+
+def _draws(ctx, num_samples: int) -> List[Dict[str, torch.Tensor]]:
+    """``num_samples`` joint draws of ``q`` (:func:`own_random_stream`)."""
+    with own_random_stream():
         return [ctx.sample_q() for _ in range(num_samples)]
 
 
