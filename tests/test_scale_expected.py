@@ -134,6 +134,16 @@ def test_monte_carlo_message_is_the_average_conjugate_message(dtype):
     assert torch.allclose(rows.b.double(), rows.w.double() * y.double(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_noisy_average_warns_once_per_factor_and_fit(dtype, monkeypatch):
+    import pyro_cvi.messages.scale_expected as scale_expected
+
+    monkeypatch.setattr(scale_expected, "MAX_RELATIVE_SE", 0.0)  # every average "too noisy"
+    with pytest.warns(RuntimeWarning, match="'obs': E_q") as record:
+        fit(UNIFORM, dtype, 5)
+    assert sum("E_q[1/scale^2]" in str(w.message) for w in record) == 1
+
+
 def grouped_model(X, y, group, mask):
     a = pyro.sample("a", dist.Normal(X.new_tensor(0.0), 10.0))
     b = pyro.sample("b", dist.Normal(X.new_zeros(3), 1.0).to_event(1))

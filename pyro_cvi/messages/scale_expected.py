@@ -26,7 +26,7 @@ from torch.distributions import Independent, TransformedDistribution
 from ..gaussian import centred_exp_mean
 from ..model.scale_factor import log_affine
 from ..model.tracing import run_model, subsample_values, unwrap
-from .expected_natural import MAX_RELATIVE_SE
+from .expected_natural import MAX_RELATIVE_SE, batched_agrees, own_random_stream
 from .gaussian import RowBlock, _flat_obs, _weight
 
 __all__ = ["expected_scale_rows", "NUM_DRAWS", "LOOPED_DRAWS"]
@@ -86,11 +86,11 @@ def _lognormal(marginal):
 
 def _closed_rows(ctx, factor, at, z_at):
     z, index, beta = factor.scale.closed
-    moments = _lognormal(ctx.marginal(z))
+    marginal = ctx.marginal(z)
+    moments = _lognormal(marginal)
     if moments is None:  # (not the remainder's log-normal: the draws instead)
         return None
     _, v = moments
-    marginal = ctx.marginal(z)
     tr, names = ctx.trace, list(at)
     with torch.no_grad():
         at_mean = marginal.transforms[0](marginal.base_dist.mean)
@@ -172,11 +172,7 @@ def _draws(ctx, factor, at, S: int):
     state without advancing it (as :mod:`~pyro_cvi.messages.expected_natural`'s)."""
     given = factor.scale.given
     values = _values(ctx, at, at_means=True)
-    state = torch.random.get_rng_state()
-    w = torch.arange(1, state.numel() + 1, dtype=torch.int64)
-    seed = int((state.to(torch.int64) * w).sum()) % (2**63 - 1)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
+    with own_random_stream(), torch.no_grad():
         if len(given) == 1:
             (n,) = given
             return values, {n: ctx.marginal(n).sample((S,)).reshape((S,) + values[n].shape)}
@@ -197,9 +193,7 @@ def _monte_carlo_rows(ctx, factor, at, z_at) -> RowBlock:
         except (RuntimeError, ValueError, IndexError, TypeError):
             out = None
         if out is not None and info.vectorise is None:  # checked once against a loop
-            loop = _looped(ctx, factor, values, stacked, 2, z_at)
-            tol = 1e-4 if loop[0].dtype in (torch.float32, torch.float16) else 1e-9
-            if not all(torch.allclose(x[:2], y, rtol=tol, atol=tol) for x, y in zip(out, loop)):
+            if not batched_agrees(out, _looped(ctx, factor, values, stacked, 2, z_at)):
                 out = None
         info.vectorise = out is not None
     if out is None:
@@ -208,7 +202,9 @@ def _monte_carlo_rows(ctx, factor, at, z_at) -> RowBlock:
     n = w.shape[0]
     mean = w.mean(0)
     se = w.std(0) / n**0.5
-    if not bool(torch.isfinite(mean).all()) or bool((se > MAX_RELATIVE_SE * mean.abs()).any()):
+    noisy = not bool(torch.isfinite(mean).all()) or bool((se > MAX_RELATIVE_SE * mean.abs()).any())
+    if noisy and not info.warned:
+        info.warned = True
         warnings.warn(
             f"factor {factor.site!r}: E_q[1/scale^2] averaged over {n} draws of q has a "
             f"relative standard error above {MAX_RELATIVE_SE} (heavy tails); the message is "

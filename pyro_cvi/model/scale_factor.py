@@ -56,6 +56,8 @@ class ScaleInfo:
     closed: Optional[Tuple[str, torch.Tensor, torch.Tensor]] = None
     #: whether the draws run as one batched model run (decided on the first message)
     vectorise: Optional[bool] = None
+    #: whether the heavy-tails warning was given (once per factor and fit)
+    warned: bool = False
 
 
 def log_affine(t) -> bool:
