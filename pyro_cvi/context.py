@@ -75,8 +75,13 @@ class StepContext:
     #: the variance of the loss's Monte Carlo part (``None``: the loss is exact), summed over
     #: the Monte Carlo estimators that ran (for the step control, :mod:`~pyro_cvi.step_control`)
     mc_var: Optional[float] = None
-    #: the ELBO value of the loss computed in this context (set by the engine)
+    #: the ELBO value of the loss computed in this context (set by the engine): the value the
+    #: step control decides on
     elbo: Optional[float] = None
+    #: what the reported loss adds to :attr:`elbo`: a block whose report is an estimate
+    #: independent of the step's draws (the remainder's report pairs) adds ``report - its own
+    #: term``, so that the step control's accept decision never selects the reported value
+    report_shift: float = 0.0
     #: the steps the guide has taken (its counter, saved in checkpoints)
     steps: int = 0
     #: the step's ceiling: the adaptive step's ``max_beta``, or the fixed step size

@@ -399,6 +399,7 @@ class Engine:
             comparable=not (subsample or self.minibatch),
             hybrid=self._has_params,
             warn=self._warn_backtrack,
+            decision=lambda elbo: self.pending.elbo,
         )
 
     def _warn_backtrack(self, beta: float, error) -> None:
@@ -416,6 +417,8 @@ class Engine:
         self.pending = ctx if grads else None
         self.last_mc_var = ctx.mc_var
         ctx.elbo = float(elbo.detach())
+        if ctx.report_shift:  # (a constant: the gradient is the decision's)
+            elbo = elbo + ctx.report_shift
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
 

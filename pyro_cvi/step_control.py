@@ -207,6 +207,7 @@ def controlled_evaluation(
     comparable: bool,
     hybrid: bool,
     warn: Callable[[float, Optional[BaseException]], None],
+    decision: Optional[Callable[[torch.Tensor], float]] = None,
 ) -> torch.Tensor:
     """The loss with backtracking (the module docstring): a point worse than the last accepted
     one (beyond its noise), non-finite, or numerically invalid is undone: the parameters are
@@ -219,10 +220,15 @@ def controlled_evaluation(
     :param comparable: losses of successive steps are comparable (no minibatches).
     :param hybrid: the model has hyperparameters that another optimiser moves.
     :param warn: ``(new beta, error or None) -> None``, told about an undone step.
+    :param decision: ``elbo -> float``, the value the decisions read (default: ``elbo``'s):
+        where the reported loss holds an estimate independent of the step's draws, the
+        decision reads the step's own estimate, so that accepting high estimates never
+        selects (biases) the reported one.
     """
+    value_of = decision if decision is not None else (lambda e: float(e.detach()))
     try:
         elbo, var = evaluate()
-        value = float(elbo.detach())
+        value = value_of(elbo)
         ok, error = control.accepts(value, var, comparable), None
     except (ValueError, RuntimeError, FloatingPointError) as e:
         if not is_numerical_error(e):
@@ -240,13 +246,13 @@ def controlled_evaluation(
         # hybrid: the hyperparameters moved too (the inner optimiser's step). If the old q is
         # no better than the new one at the new hyperparameters, the drop is theirs: keep the
         # CVI step (the loss reported is then the new point's, recomputed)
-        if value >= float(elbo.detach()) - control.tolerance(value, var):
+        if value >= value_of(elbo) - control.tolerance(value, var):
             restore(new)
             elbo, new_var = evaluate()
-            control.accepted(Snapshot(new, float(elbo.detach()), new_var), comparable)
+            control.accepted(Snapshot(new, value_of(elbo), new_var), comparable)
             return elbo
     warn(control.rejected(numerical=error is not None), error)
-    control.reevaluated(float(elbo.detach()), old_var)
+    control.reevaluated(value_of(elbo), old_var)
     return elbo
 
 

@@ -15,7 +15,9 @@ For each model and seed, float32, one torch thread, back to back in one process:
   ``1 / N``: the Bayesian posterior) at each learning rate of {0.03, 0.1, 0.3}, each for
   AutoCVI's budget; its Gaussian is written into an ``AutoNormal`` and scored as the others;
 * ``user_steps``: AutoCVI's defaults for 300 steps; the last reported loss against a fresh
-  estimate of the final ``q``'s bound (within 1 nat or 1%).
+  estimate of the final ``q``'s bound (within 1 nat or 1%): where the guide is the
+  remainder's joint Gaussian alone, 8,000 antithetic pairs through its batched log joint
+  (``sharp_estimate``, standard errors 0.02-0.15 nat here), else the estimator below.
 
 Every final guide is scored by one estimator: ``-ELBO`` from 400 draws of ``Trace_ELBO``
 (its standard error from the spread of 40 means of 10). *Time to reach* a bound: the CPU time
@@ -82,6 +84,34 @@ def _estimate(model, guide, args, n: int = 40, p: int = 10):
     with torch.no_grad():
         v = torch.tensor([elbo.loss(model, guide, *args) for _ in range(n)], dtype=torch.float64)
     return float(v.mean()), float(v.std() / math.sqrt(n))
+
+
+def _sharp_estimate(guide, args, pairs: int = 8000, chunk: int = 500):
+    """``-ELBO`` of a guide whose only block is the remainder's joint Gaussian, from
+    ``pairs`` antithetic pairs ``m +- L e`` through the block's batched log joint (``log p(x,
+    T(u)) + log |T'(u)| - log q(u)``, fresh draws of the global stream): ``(mean, se)`` from
+    the pairs' spread, or ``None`` for other guides. Sharper than :func:`_estimate` at the
+    same CPU (one batched run per ``chunk`` pairs)."""
+    eng = guide.engine
+    if len(eng.blocks) != 1 or not eng.kinds.get("remainder"):
+        return None
+    rem = eng.kinds["remainder"][0]
+    if rem.form == "lowrank":
+        return None
+    ctx = eng.context(args, {}, {}, False, False)
+    p = rem._values()
+    m, sc = p[rem.loc_name], p[rem.role_names[0]]
+    out = []
+    with torch.no_grad():
+        for k in range(0, pairs, chunk):
+            e = torch.randn(min(chunk, pairs - k), rem.dim, dtype=m.dtype)
+            e = torch.cat([e, -e])
+            u = m + (e @ sc.tril().mT if rem.form == "full" else sc * e)
+            per = (rem._log_joint(ctx, u, {}) - rem._log_q(u)).double()
+            n = per.shape[0] // 2
+            out.append(0.5 * (per[:n] + per[n:]))
+    v = torch.cat(out)
+    return float(-v.mean()), float(v.std() / math.sqrt(v.numel()))
 
 
 def _run(svi, args, budget: float):
@@ -193,7 +223,9 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs: int
     losses = [float(svi.step(*args)) for _ in range(steps)]
     ms = 1000 * (time.process_time() - t0) / steps
     est = _estimate(model, guide, args)
-    gap = losses[-1] - est[0]
+    sharp = _sharp_estimate(guide, args)
+    ref = sharp if sharp is not None else est
+    gap = losses[-1] - ref[0]
     return {
         "steps": steps,
         "report_pairs": report_pairs,
@@ -201,8 +233,9 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs: int
         "reported": losses[-1],
         "reported_mean10": sum(losses[-10:]) / 10,
         "estimate": est,
+        "sharp_estimate": sharp,
         "gap": gap,
-        "ok": abs(gap) <= max(TOL, 0.01 * abs(est[0])),
+        "ok": abs(gap) <= max(TOL, 0.01 * abs(ref[0])),
     }
 
 

@@ -210,9 +210,22 @@ class NoiseControl:
 @dataclass(frozen=True)
 class SignalToNoise:
     """The step of ``Remainder(step=...)`` controlled by :class:`NoiseControl` (the
-    signal-to-noise ratio of the whitened direction), ``particles`` draws per step."""
+    signal-to-noise ratio of the whitened direction), ``particles`` draws per step.
+
+    ``report_pairs``: under Price's Hessians with a vectorised log joint, the reported loss is
+    the mean of up to this many antithetic pairs ``m +- L e`` of forward-only draws (one
+    batched run, from a generator of the block's own: the step's draws and its accept
+    decisions are unchanged; :func:`pyro_cvi.natgrad.joint.add_report`), at most ``K D / 2``
+    (``K = particles``); 0: the step's own estimate."""
 
     particles: int = 4
+    report_pairs: int = 64
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.report_pairs, int) and self.report_pairs >= 0):
+            raise ValueError(
+                f"SignalToNoise(report_pairs={self.report_pairs!r}): a non-negative integer (pairs)"
+            )
 
     def control(self) -> NoiseControl:
         return NoiseControl()

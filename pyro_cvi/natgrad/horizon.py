@@ -66,9 +66,10 @@ class Horizon:
     :param particles: reparameterised draws per step.
     :param report_pairs: antithetic pairs ``m +- L e_j`` of forward-only draws for the reported
         loss, run in the gradient draw's batched model run (from a generator of the block's
-        own, so that the step's draws are unchanged): the loss is their mean, unbiased for the
-        current ``q``'s bound, its odd Taylor terms cancelled in each pair (0: the gradient
-        draw's own estimate).
+        own, so that the step's draws are unchanged): the reported loss is their mean, unbiased
+        for the current ``q``'s bound, its odd Taylor terms cancelled in each pair, and
+        independent of the step control's accept decision, which reads the gradient draw's
+        estimate (0: the gradient draw's own estimate).
     """
 
     lr: float = 0.2

@@ -42,9 +42,11 @@ __all__ = [
     "onedraw_messages",
     "onedraw_step",
     "price_messages",
+    "add_report",
     "paired_report",
     "prior_split",
     "report_generator",
+    "report_pairs",
 ]
 
 
@@ -112,15 +114,13 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     log_q = -0.5 * eps.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
     per_t = f + prior - log_q
     elbo = per_t.mean()
+    ctx.add_mc_samples(per_t)
     if n > 0:
         with torch.no_grad():
             const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
             pairs = paired_report(block, p, u2, f2, e2, const)
-        # the value is the pairs' mean; the gradient (for the model's parameters) the draw's
-        elbo = elbo + (pairs.mean() - elbo.detach())
-        ctx.add_mc_samples(pairs)
-    else:
-        ctx.add_mc_samples(per_t)
+        # the reported value is the pairs' mean, the step control's decision the draw's
+        ctx.report_shift += float(pairs.mean()) - float(per_t.detach().mean())
     if ctx.grads:
         record = getattr(block.control, "record", None)
         if record is not None:  # the step schedule's plateau test (natgrad/horizon.py)
@@ -141,6 +141,35 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
             gm, G = onedraw_diag(sc, eps, g, p0, c)
         return elbo, {block.loc_name: gm, "G": G}
     return elbo, None
+
+
+def report_pairs(block, K: int) -> int:
+    """The report's antithetic pairs of a block under Price's Hessians or the gradient step:
+    the rule's ``report_pairs`` where the log joint is vectorised (one batched forward run),
+    at most ``K D / 2`` (their ``2 n`` forward draws cost no more than the ``K D`` backward
+    rows of the dense Hessians), none for the gradient step (its ``K`` draws cost about
+    ``K`` model runs: the report's would cost more than the step)."""
+    n = getattr(block.rule, "report_pairs", 0)
+    if n <= 0 or not block.hessian or block.vectorise is None or block.vectorise is False:
+        return 0
+    return min(n, (K * block.dim) // 2)
+
+
+def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> None:
+    """Report the mean of ``n`` antithetic pairs ``u = m +- L e`` (the block's own generator,
+    one forward-only batched run of the log joint) in place of the step's estimate ``elbo``
+    (:attr:`~pyro_cvi.context.StepContext.report_shift`): each pair's mean of ``f(u) +
+    E_q[log prior] - log prior(u) - log q(u)`` is unbiased for the current ``q``'s bound, its
+    odd Taylor terms cancelled; the pairs are independent of the step's draws and so of the
+    step control's accept decision, which reads the step's estimate."""
+    m, sc = p[block.loc_name], p[block.role_names[0]]
+    with torch.no_grad():
+        e = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block))
+        e = torch.cat([e, -e]).to(m.device)
+        u = m + (e @ sc.tril().mT if block.form == "full" else sc * e)
+        per = log_joint(u) + prior_split(block, p, u) - log_q(u)
+        pairs = 0.5 * (per[:n] + per[n:])
+    ctx.report_shift += float(pairs.mean()) - float(elbo.detach())
 
 
 def report_generator(block) -> torch.Generator:
@@ -206,8 +235,9 @@ def price_messages(block, ctx, p, log_joint, log_q, K: int):
     S^-1 / 2`` from the gradient ``g`` and Hessian ``H`` of ``log p(T(u)) + log|T'(u)|`` at
     the draws (the mean's with the control variate ``S^-1 (u - m)``, zero in expectation).
     The precision's target ``-E[H]`` is exact at once where the posterior is Gaussian in
-    ``u``, whatever ``q``: a Newton step (variational online Newton). Returns ``(elbo,
-    grads or None)`` (see :func:`onedraw_messages`)."""
+    ``u``, whatever ``q``: a Newton step (variational online Newton). The reported loss is
+    :func:`add_report`'s (where :func:`report_pairs` gives pairs). Returns ``(elbo, grads or
+    None)`` (see :func:`onedraw_messages`)."""
     m, L = p[block.loc_name], p[block.role_names[0]]
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     u = (m + eps @ L.mT).requires_grad_(True)
@@ -215,6 +245,9 @@ def price_messages(block, ctx, p, log_joint, log_q, K: int):
     per_t = f - log_q(u)
     elbo = per_t.mean()
     ctx.add_mc_samples(per_t)
+    n = report_pairs(block, K)
+    if n > 0:  # the reported loss: independent antithetic pairs
+        add_report(block, ctx, p, log_joint, log_q, elbo, n)
     if ctx.grads:
         (g,) = torch.autograd.grad(f.sum(), u, create_graph=True, allow_unused=True)
         g = torch.zeros_like(u) if g is None else g
