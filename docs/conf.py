@@ -117,6 +117,7 @@ PUBLIC_PACKAGES = [
 ]
 PUBLIC_MODULES = [
     "pyro_cvi.methods.bound_check",
+    "pyro_cvi.methods.restarts",
     "pyro_cvi.contrib.pyro_gp",
     "pyro_cvi.checkpoints.checkpoint",
     "pyro_cvi.scale.distributed",
