@@ -92,3 +92,72 @@ def test_the_cholesky_gradient_is_the_public_call(dtype):
         S2 = (L @ L.T).detach().requires_grad_(True)
         (gS,) = torch.autograd.grad(torch.linalg.cholesky(S2), S2, gL.tril())
     assert torch.equal(ours, 0.5 * (gS + gS.T))
+
+
+def _hmm_runs(dtype, draw=None):
+    """Model runs of ``AutoCVI``'s set-up on the zoo's HMM (12 steps, Dirichlet and Beta rows
+    selected by the hidden state), the first loss and the analysis; with ``draw``, every run
+    also calls ``draw(())`` (a random value the model does not use)."""
+    import pyro
+    from pyro.infer import SVI
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from zoo import ZOO
+
+    from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+
+    e = ZOO["hmm"]
+    model, kwargs = e.build(dtype)
+    data = e.data(dtype)
+    calls = [0]
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        if draw is not None:
+            draw(())
+        return model(*args, **kw)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(counted, **kwargs)
+    loss = SVI(counted, guide, CVI(), CVI_ELBO()).step(*data.args, **data.kwargs)
+    return calls[0], loss, guide.engine.analysis
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_identity_probes_share_their_tagged_runs(dtype, monkeypatch):
+    """Every factor of the HMM reads ``probs_x[x]`` or ``probs_y[x]``: the identity probes tag
+    each Dirichlet / Beta latent twice, and those runs are shared by all its factors (4 runs,
+    not 2 per factor): the same classification and the same first loss, bit for bit, as with
+    every factor running its own."""
+    from pyro_cvi.model import factor_roles
+
+    runs, loss, an = _hmm_runs(dtype)
+
+    def own_runs(an, site, pattern, name, p):
+        return lambda z: factor_roles._param_reader(an, site, pattern, name)({p: z})
+
+    monkeypatch.setattr(factor_roles, "_tagged_reader", own_runs)
+    runs_own, loss_own, an_own = _hmm_runs(dtype)
+    factors = sum(1 for n in an.structure.nodes if n.startswith(("x_", "y_")))
+    assert runs_own - runs >= 2 * factors - 4
+    assert an.explain() == an_own.explain()
+    assert loss == loss_own
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tagged_run_that_draws_is_not_reused(dtype, monkeypatch):
+    """A model that draws from torch's random stream (a value it does not use) runs once per
+    tag and factor, as with every factor running its own: the same runs, the same loss."""
+    from pyro_cvi.model import factor_roles
+
+    draw = torch.rand
+    runs, loss, _ = _hmm_runs(dtype, draw)
+
+    def own_runs(an, site, pattern, name, p):
+        return lambda z: factor_roles._param_reader(an, site, pattern, name)({p: z})
+
+    monkeypatch.setattr(factor_roles, "_tagged_reader", own_runs)
+    runs_own, loss_own, _ = _hmm_runs(dtype, draw)
+    assert runs == runs_own
+    assert loss == loss_own
