@@ -77,7 +77,7 @@ def bonnet_mean_gradient(g: Tensor, u: Tensor, m: Tensor, P: Tensor) -> Tensor:
     return (g + (u - m) @ P).mean(0)
 
 
-def _batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Tensor]]:
+def _batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Tensor], ...]:
     """``torch.autograd.grad(g, u, cotangents, retain_graph=True, is_grads_batched=True,
     allow_unused=True)``: the same batched engine call, without the public function's check of
     the cotangents' shapes (right here by construction), whose first use in a process imports
@@ -87,16 +87,25 @@ def _batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Ten
         from torch._vmap_internals import _vmap
         from torch.autograd.graph import _engine_run_backward
     except ImportError:
-        _vmap = None
-    if _vmap is None or cotangents.shape[1:] != g.shape or cotangents.dtype != g.dtype:
-        return torch.autograd.grad(
-            g, u, cotangents, retain_graph=True, is_grads_batched=True, allow_unused=True
-        )
+        return _public_batched_vjp(g, u, cotangents)
+    if cotangents.shape[1:] != g.shape or cotangents.dtype != g.dtype:
+        return _public_batched_vjp(g, u, cotangents)
 
-    def vjp(cotangent):
-        return _engine_run_backward((g,), cotangent, True, False, (u,), True, accumulate_grad=False)
+    def vjp(cotangent: Tuple[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        out = _engine_run_backward((g,), cotangent, True, False, (u,), True, accumulate_grad=False)
+        return tuple(out)
 
-    return _vmap(vjp, 0, 0, allow_none_pass_through=True)((cotangents,))
+    rows: Tuple[Optional[Tensor], ...] = _vmap(vjp, 0, 0, allow_none_pass_through=True)(
+        (cotangents,)
+    )
+    return rows
+
+
+def _public_batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Tensor], ...]:
+    rows: Tuple[Optional[Tensor], ...] = torch.autograd.grad(
+        g, u, cotangents, retain_graph=True, is_grads_batched=True, allow_unused=True
+    )
+    return rows
 
 
 def expected_hessian(g: Tensor, u: Tensor) -> Tensor:
