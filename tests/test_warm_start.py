@@ -235,3 +235,45 @@ def test_a_newton_step_that_overshoots_becomes_the_laplace_start(dtype):
     reference = _laplace_neg_elbo(X, y, s0)
     assert losses[0] == pytest.approx(reference, rel=1e-4 if dtype == torch.float32 else 1e-6)
     assert min(losses) <= losses[0] + 1e-6 and max(losses) <= losses[0] * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["bernoulli", "poisson", "binomial"])
+def test_the_laplace_start_reads_the_likelihood_at_a_point(dtype, family):
+    """The Laplace start's log joint reads each factor at a point, once: the sum of the site's
+    weighted ``log_prob`` at ``eta = f + c`` (computed here with the distribution itself, a
+    mask and a scale included), and what the zero-variance quadrature gave."""
+    from pyro_cvi.messages.gaussian import (
+        RowBlock,
+        linear_predictor_point_value,
+        linear_predictor_value,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    N, D = 40, 3
+    X = torch.randn(N, D, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(D, generator=g, dtype=torch.float64).to(dtype)
+    c = 0.3 * torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+    mask = torch.arange(N) % 5 != 0
+    make = {
+        "bernoulli": lambda eta: dist.Bernoulli(logits=eta),
+        "poisson": lambda eta: dist.Poisson(torch.exp(eta)),
+        "binomial": lambda eta: dist.Binomial(total_count=7, logits=eta),
+    }[family]
+    y = make(X @ w + c).sample()
+
+    def model():
+        with pyro.plate("data", N), pyro.poutine.scale(scale=2.5), pyro.poutine.mask(mask=mask):
+            pyro.sample("y", make(X @ w + c), obs=y)
+
+    site = pyro.poutine.trace(model).get_trace().nodes["y"]
+    zero = torch.zeros(N, dtype=dtype)
+    rows = RowBlock(X, zero, zero, c)
+    m = 0.5 * torch.randn(D, generator=g, dtype=torch.float64).to(dtype)
+    f = X @ m
+    expected = 2.5 * (make(f + c).log_prob(y) * mask).sum()
+    got = linear_predictor_point_value(site, rows, f)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert float(got) == pytest.approx(float(expected), rel=rtol)
+    quad = linear_predictor_value(site, rows, f, torch.zeros_like(f))
+    assert float(got) == pytest.approx(float(quad), rel=rtol)

@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from ..linear_gaussian import GaussianPrior
-from ..messages.gaussian import linear_predictor_value, warm_start_target
+from ..messages.gaussian import linear_predictor_point_value, warm_start_target
 from ..update import MAX_HALVINGS_SOLVE
 
 __all__ = ["LaplaceStart"]
@@ -47,7 +47,7 @@ def _log_joint(block, trace, m: torch.Tensor) -> torch.Tensor:
             total = total + (r.b * f - 0.5 * r.w * f * f).sum()
         else:
             site = trace.nodes[name]
-            total = total + linear_predictor_value(site, r, f, torch.zeros_like(f))
+            total = total + linear_predictor_point_value(site, r, f)
     return total.detach()
 
 

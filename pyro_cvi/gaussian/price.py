@@ -77,6 +77,37 @@ def bonnet_mean_gradient(g: Tensor, u: Tensor, m: Tensor, P: Tensor) -> Tensor:
     return (g + (u - m) @ P).mean(0)
 
 
+def _batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Tensor], ...]:
+    """``torch.autograd.grad(g, u, cotangents, retain_graph=True, is_grads_batched=True,
+    allow_unused=True)``: the same batched engine call, without the public function's check of
+    the cotangents' shapes (right here by construction), whose first use in a process imports
+    sympy (0.4-0.5 CPU s, most of a small model's first step). The public call where torch's
+    internals differ."""
+    try:
+        from torch._vmap_internals import _vmap
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:
+        return _public_batched_vjp(g, u, cotangents)
+    if cotangents.shape[1:] != g.shape or cotangents.dtype != g.dtype:
+        return _public_batched_vjp(g, u, cotangents)
+
+    def vjp(cotangent: Tuple[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        out = _engine_run_backward((g,), cotangent, True, False, (u,), True, accumulate_grad=False)
+        return tuple(out)
+
+    rows: Tuple[Optional[Tensor], ...] = _vmap(vjp, 0, 0, allow_none_pass_through=True)(
+        (cotangents,)
+    )
+    return rows
+
+
+def _public_batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Tensor], ...]:
+    rows: Tuple[Optional[Tensor], ...] = torch.autograd.grad(
+        g, u, cotangents, retain_graph=True, is_grads_batched=True, allow_unused=True
+    )
+    return rows
+
+
 def expected_hessian(g: Tensor, u: Tensor) -> Tensor:
     """``E[hess f]`` over draws ``u [K, D]`` from ``g = grad f(u) [K, D]`` (with its graph to
     ``u``; ``f`` a sum over the draws of one term per draw): the exact Hessian that Price's
@@ -89,14 +120,7 @@ def expected_hessian(g: Tensor, u: Tensor) -> Tensor:
         return u.new_zeros(D, D)
     eye = torch.eye(D, dtype=g.dtype, device=g.device)
     try:
-        (rows,) = torch.autograd.grad(
-            g,
-            u,
-            eye[:, None, :].expand(D, K, D),
-            retain_graph=True,
-            is_grads_batched=True,
-            allow_unused=True,
-        )
+        (rows,) = _batched_vjp(g, u, eye[:, None, :].expand(D, K, D))
     except (RuntimeError, NotImplementedError):
         rows = None
     else:

@@ -100,7 +100,9 @@ def chol_grad_to_cov_grad(L: torch.Tensor, gL: torch.Tensor) -> torch.Tensor:
     with torch.enable_grad():
         S = (L @ L.transpose(-1, -2)).detach().requires_grad_(True)
         Lc = torch.linalg.cholesky(S)
-        (gS,) = torch.autograd.grad(Lc, S, gL.tril())
+        # (a scalar output, not grad_outputs: torch imports sympy for explicit grad_outputs;
+        # the cotangent reaching Lc is gL.tril() exactly either way)
+        (gS,) = torch.autograd.grad((Lc * gL.tril()).sum(), S)
     return 0.5 * (gS + gS.transpose(-1, -2))
 
 

@@ -16,6 +16,7 @@ their means and the block at its fixed point ``z_at``; ``A`` by autograd there.
 from __future__ import annotations
 
 import torch
+from pyro.distributions.util import broadcast_shape
 
 from ..context import StepContext
 from ..model.probes import jacobian
@@ -40,7 +41,8 @@ def enumerated_normal_rows(ctx: StepContext, factor, spec, z_at: torch.Tensor) -
         site = tr.nodes[factor.site]
         base = unwrap(site["fn"])[0]
         y = site["value"]
-        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, y.shape)
+        # (pyro's pure-Python broadcast: torch.broadcast_shapes imports sympy on first use)
+        shape = torch.Size(broadcast_shape(base.loc.shape, base.scale.shape, y.shape))
         loc = base.loc.expand(shape)
         A = torch.cat([jacobian(loc, leaves[n]) for n in names], 1)
     loc = loc.detach()

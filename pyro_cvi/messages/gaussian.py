@@ -30,6 +30,7 @@ __all__ = [
     "linear_predictor_rows",
     "linear_predictor_message",
     "linear_predictor_value",
+    "linear_predictor_point_value",
     "general_gaussian_message",
     "poisson_expectation",
     "gradient_gaussian_message",
@@ -220,6 +221,20 @@ def linear_predictor_value(
     if closed is not None:
         return closed(weight, y, mean, var)[0].sum()
     return expected_log_prob(log_prob, mean, var, num_points).sum()
+
+
+def linear_predictor_point_value(site, rows: RowBlock, f: torch.Tensor) -> torch.Tensor:
+    """``sum log p(y | eta)`` at ``eta = f + c`` (a point mass: :func:`linear_predictor_value`
+    at zero variance, without the quadrature's ``K`` equal nodes), no graph kept."""
+    base, _, _ = unwrap(site["fn"])
+    _, eta_now, _ = linear_param(base, rows.param, rows.link)
+    weight = _weight(site, eta_now)
+    y = _flat_obs(site, eta_now, weight)
+    eta = (f + rows.c).reshape(eta_now.shape).detach()
+    closed = _closed_form(base, rows)
+    if closed is not None:
+        return closed(weight, y, eta, torch.zeros_like(eta))[0].sum().detach()
+    return (weight * with_param(base, eta, rows.param, rows.link).log_prob(y)).sum().detach()
 
 
 def _closed_form(base, rows: RowBlock):

@@ -124,6 +124,26 @@ def _param_reader(an, site_name: str, pattern: cp.Pattern, name: str):
     return read
 
 
+def _tagged_reader(an, site_name: str, pattern: cp.Pattern, name: str, p: str):
+    """:func:`_param_reader` at ``{p: z}`` for the identity probes, whose tags are the same for
+    every factor of ``p``: each tagged run is kept (in ``an.probe_cache``) and read by all of
+    them, where it drew nothing from torch's random stream (a run that draws is not reused)."""
+
+    def read(z: torch.Tensor):
+        key = ("identity", p, z.dtype, tuple(z.shape), z.detach().cpu().numpy().tobytes())
+        kept = an.probe_cache.get(key)
+        if kept is None:
+            state = torch.get_rng_state()
+            trace = an.run(**{p: z})
+            if torch.equal(state, torch.get_rng_state()):
+                an.probe_cache[key] = [trace]
+        else:
+            trace = kept[0]
+        return pattern.read(unwrap(trace.nodes[site_name]["fn"])[0], name)
+
+    return read
+
+
 def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
     """The role of parameter ``name`` (value ``t``, latent parents ``pdeps``), or why none."""
     if not pdeps:
@@ -157,8 +177,9 @@ def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
         (p,) = pdeps
         if isinstance(pf[p], fams):
             z0 = an.ref[p]
+            tagged = _tagged_reader(an, spec.site, spec.pattern, name, p)
             idx, why = cp.find_identity_index(
-                lambda z: read({p: z}), z0.shape, pf[p].vector_valued, z0.dtype, z0.device, tol
+                tagged, z0.shape, pf[p].vector_valued, z0.dtype, z0.device, tol
             )
             if idx is None:
                 return why

@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
+from pyro.distributions.util import broadcast_shape
 from pyro.infer.enum import config_enumerate
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.trace_struct import Trace
@@ -183,8 +184,8 @@ def latent_weight(site) -> Optional[torch.Tensor]:
         weight = torch.tensor(0.0) if weight is None else weight * 0
     elif m is not None and m is not True:
         weight = m.double() if weight is None else weight * m
-    if weight is not None:
-        weight = weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
+    if weight is not None:  # (pyro's broadcast: torch.broadcast_shapes imports sympy)
+        weight = weight.expand(broadcast_shape(weight.shape, fn.batch_shape))
         extra = weight.dim() - len(fn.batch_shape)
         if extra > 0:  # a weight with more dims than the site's batch: Trace_ELBO sums them
             weight = weight.sum(tuple(range(extra)))
@@ -195,7 +196,7 @@ def latent_weight(site) -> Optional[torch.Tensor]:
             if k is not None and k is not True:
                 k = torch.as_tensor(k).to(torch.float64)
                 weight = k if weight is None else weight * k
-                weight = weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
+                weight = weight.expand(broadcast_shape(weight.shape, fn.batch_shape))
             fn = fn.base_dist
         elif isinstance(fn, torch.distributions.Independent):
             if weight is not None:
@@ -208,7 +209,7 @@ def latent_weight(site) -> Optional[torch.Tensor]:
             break
     if weight is None or bool((weight == 1).all()):
         return None
-    return weight.expand(torch.broadcast_shapes(weight.shape, fn.batch_shape))
+    return weight.expand(broadcast_shape(weight.shape, fn.batch_shape))
 
 
 def _identity(x):
