@@ -81,6 +81,25 @@ def test_the_batched_hessian_rows_are_the_public_calls(K, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_another_torchs_private_signature_falls_back_to_the_public_call(dtype, monkeypatch):
+    import torch.autograd.graph as graph
+
+    def changed(*args, **kwargs):
+        raise TypeError("_engine_run_backward() got an unexpected keyword argument")
+
+    monkeypatch.setattr(graph, "_engine_run_backward", changed)
+    u = torch.randn(4, 3, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    u.requires_grad_(True)
+    (g,) = torch.autograd.grad((u.sin() * u).sum(), u, create_graph=True)
+    E = torch.eye(3, dtype=dtype)[:, None, :].expand(3, 4, 3)
+    (ours,) = _batched_vjp(g, u, E)
+    (public,) = torch.autograd.grad(
+        g, u, E, retain_graph=True, is_grads_batched=True, allow_unused=True
+    )
+    assert torch.equal(ours, public)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_cholesky_gradient_is_the_public_call(dtype):
     g0 = torch.Generator().manual_seed(3)
     A = torch.randn(6, 6, dtype=torch.float64, generator=g0)

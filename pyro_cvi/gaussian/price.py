@@ -95,9 +95,12 @@ def _batched_vjp(g: Tensor, u: Tensor, cotangents: Tensor) -> Tuple[Optional[Ten
         out = _engine_run_backward((g,), cotangent, True, False, (u,), True, accumulate_grad=False)
         return tuple(out)
 
-    rows: Tuple[Optional[Tensor], ...] = _vmap(vjp, 0, 0, allow_none_pass_through=True)(
-        (cotangents,)
-    )
+    try:
+        rows: Tuple[Optional[Tensor], ...] = _vmap(vjp, 0, 0, allow_none_pass_through=True)(
+            (cotangents,)
+        )
+    except TypeError:  # (another torch's private signatures; the graph is retained)
+        return _public_batched_vjp(g, u, cotangents)
     return rows
 
 
