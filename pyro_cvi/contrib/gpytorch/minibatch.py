@@ -19,12 +19,12 @@ sites); the batch costs O(B M^2) as before.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .posterior import SiteSums, site_sums
+from .posterior import SiteSums, _site_precisions, site_sums
 
 __all__ = ["SVIScaling", "SiteMemoryScaling", "SiteScalingForm"]
 
@@ -128,9 +128,17 @@ class SiteMemoryScaling(SVIScaling):
     :param warmup: steps with ``beta = 1`` whose targets are not kept. Default 3.
     """
 
-    def __init__(self, c: float = 3.0, warmup: int = 3):
+    def __init__(self, c: float = 3.0, warmup: int = 3, refresh: bool = True):
         super().__init__(c, warmup)
+        self.refresh = bool(refresh)
         self._state: Optional[dict] = None
+        self._batch: Optional[tuple] = None
+
+    def observe(self, y: Tensor, var: Tensor, gradient: Callable) -> None:
+        """The batch of the coming :meth:`apply` (called by ``CVIOptimizer.step``): its targets
+        ``y``, its marginal variances under the current q, and ``gradient(m, v, y)``, the
+        expected log-likelihood's gradient in the mean at ``q(f_n) = N(m_n, v_n)``."""
+        self._batch = (y.detach(), var.detach(), gradient)
 
     def _start(self, strategy) -> dict:
         """State from the strategy's current sites: all of them the eq. 14 part, none kept."""
@@ -139,9 +147,33 @@ class SiteMemoryScaling(SVIScaling):
             "e": (l1.clone(), l2.clone()),
             "mem": (torch.zeros_like(l1), torch.zeros_like(l2)),
             "kept": torch.zeros(l1.shape, dtype=torch.bool, device=l1.device),
+            "var": torch.full_like(l1, float("nan")),
+            "y": None,
             "version": None,
             "sums": None,
         }
+
+    def _refresh(self, strategy, st: dict, indices: Tensor, mem: tuple, kept: Tensor) -> bool:
+        """Overwrite ``mem[0]`` (the kept ``lam1``) of every kept point outside the batch by its
+        target at q's current mean and the variance of its last visit (class docstring); store
+        the batch's labels and variances. Whether anything was refreshed."""
+        batch, self._batch = self._batch, None
+        if not self.refresh or batch is None or batch[0].shape != indices.shape:
+            return False
+        y, var, gradient = batch
+        st["var"][indices] = var.to(st["var"])
+        if st["y"] is None:
+            st["y"] = torch.zeros(kept.shape, dtype=y.dtype, device=y.device)
+        st["y"][indices] = y
+        due = kept & torch.isfinite(st["var"])
+        due[indices] = False  # the batch's targets are already at the current q
+        if not bool(due.any()):
+            return False
+        rows = due.nonzero().squeeze(-1)
+        mean = strategy.site_means()[rows]
+        gm = gradient(mean, st["var"][rows], st["y"][rows]).to(mem[0])
+        mem[0][rows] = gm - 2.0 * mem[1][rows] * mean
+        return True
 
     def state_dict(self) -> dict:
         """The step count and the memory (``e``, the kept targets, which points are kept),
@@ -152,6 +184,8 @@ class SiteMemoryScaling(SVIScaling):
             state["e"] = tuple(v.detach().clone() for v in st["e"])
             state["mem"] = tuple(v.detach().clone() for v in st["mem"])
             state["kept"] = st["kept"].clone()
+            state["var"] = st["var"].detach().clone()
+            state["y"] = None if st["y"] is None else st["y"].clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -171,6 +205,8 @@ class SiteMemoryScaling(SVIScaling):
             "e": tuple(v.clone() for v in e),
             "mem": tuple(v.clone() for v in mem),
             "kept": kept.clone().bool(),
+            "var": state["var"].clone() if "var" in state else torch.full_like(e[0], float("nan")),
+            "y": None if state.get("y") is None else state["y"].clone(),
             "version": _ADOPT,
             "sums": None,
         }
@@ -190,6 +226,8 @@ class SiteMemoryScaling(SVIScaling):
             st["e"] = tuple(v.to(like) for v in st["e"])
             st["mem"] = tuple(v.to(like) for v in st["mem"])
             st["kept"] = st["kept"].to(like.device)
+            st["var"] = st["var"].to(like)
+            st["y"] = None if st["y"] is None else st["y"].to(like.device)
         if st is None or st["version"] != strategy.site_version:
             st = self._start(strategy)  # first step, or the sites were set by someone else
         t = self.num_steps
@@ -201,6 +239,7 @@ class SiteMemoryScaling(SVIScaling):
         m1, m2, kept = st["mem"][0].clone(), st["mem"][1].clone(), st["kept"].clone()
         if t >= self.warmup:
             m1[indices], m2[indices], kept[indices] = g1, g2, True
+        refreshed = self._refresh(strategy, st, indices, (m1, m2), kept)
         a = 1.0 - float(kept.sum()) / kept.numel()
         k = kept.to(m1)
         lam1, lam2 = k * m1 + a * e1, (k * m2 + a * e2).clamp_max(0.0)
@@ -211,12 +250,15 @@ class SiteMemoryScaling(SVIScaling):
             (st["kept"].to(m1), k),
             (st["e"], (e1, e2)),
             1.0 - beta,
+            refreshed,
         )
         strategy.write_sites_with_sums(lam1, lam2, parts, a)
         self._state = {
             "e": (e1, e2),
             "mem": (m1, m2),
             "kept": kept,
+            "var": st["var"],
+            "y": st["y"],
             "version": strategy.site_version,
             "sums": parts,
         }
@@ -257,11 +299,22 @@ class SiteScalingForm:
             sums.scale(float(factor))
             sums.version = self._site_version
 
-    def site_parts_sums(self, previous, indices, mem: tuple, kept: tuple, e: tuple, decay: float):
+    def site_parts_sums(
+        self,
+        previous,
+        indices,
+        mem: tuple,
+        kept: tuple,
+        e: tuple,
+        decay: float,
+        linear_changed: bool = False,
+    ):
         """The running sums of the two parts of :class:`SiteMemoryScaling`'s sites, ``sum_K
         phi g phi^T`` (kept memory) and ``sum_n phi e phi^T``, updated by the batch (O(B M^2))
         when ``previous`` belongs to the current ``Phi``, recomputed otherwise (O(N M^2));
-        ``None`` when the form keeps no running sums (full form, autograd on)."""
+        ``None`` when the form keeps no running sums (full form, autograd on).
+        ``linear_changed``: the kept ``lam1`` changed outside the batch too (a refresh), so the
+        kept linear sum ``sum_K phi r`` is recomputed (O(N M))."""
         sums = self._fresh_sums()
         if sums is None:
             return None
@@ -286,8 +339,20 @@ class SiteScalingForm:
             m0,
         )
         S_k, s_k = previous["k"][0] + d_k[0], previous["k"][1] + d_k[1]
+        if linear_changed:
+            w = _site_precisions(k_new * m_new[1])
+            s_k = sums.Phi @ (k_new * m_new[0] - w * sums.prior_mean_X)
         S_e, s_e = previous["e"][0] * decay + d_e[0], previous["e"][1] * decay + d_e[1]
         return {"phi": sums.Phi, "k": (S_k, s_k), "e": (S_e, s_e)}
+
+    def site_means(self) -> Tensor:
+        """The means of q(f_n) at every site's input, no graph: ``m0 + Phi^T m_v`` (O(N M)) for
+        the sparse form, q's mean for the full form."""
+        with torch.no_grad():
+            post, extras = self._posterior()
+            if self.is_full:
+                return post.mean
+            return extras["prior_mean_X"] + post.Phi.mT @ post.m_v
 
     def _fresh_sums(self) -> Optional[SiteSums]:
         """The sparse form's running sums, current for the present sites, or ``None``."""

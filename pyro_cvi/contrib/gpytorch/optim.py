@@ -38,10 +38,8 @@ from __future__ import annotations
 from typing import Any, List, Optional, Union
 
 import torch
-from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import BernoulliLikelihood, Likelihood
 from gpytorch.models import ApproximateGP
-from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from pyro_cvi.messages.quadrature import site_natural_params
@@ -50,7 +48,7 @@ from pyro_cvi.step_control import Snapshot, StepControl
 from pyro_cvi.update import cvi_update
 
 from .inducing import mean_param_targets
-from .likelihoods import LogisticBernoulliLikelihood, binary_labels
+from .likelihoods import LogisticBernoulliLikelihood, binary_labels, site_gradients
 from .minibatch import SiteMemoryScaling, SVIScaling
 from .strategy import CVIVariationalStrategy
 
@@ -257,20 +255,10 @@ class CVIOptimizer:
         mean, var = s.site_marginals(indices)
         y = y.to(device=mean.device)
 
-        m = mean.clone().requires_grad_(True)
-        v = var.clone().requires_grad_(True)
-        with torch.enable_grad():
-            dist = MultivariateNormal(m, DiagLinearOperator(v))
-            ell = self.likelihood.expected_log_prob(y, dist, **kwargs)
-            if ell.shape != m.shape:
-                raise ValueError(
-                    f"likelihood.expected_log_prob returned shape {tuple(ell.shape)} for "
-                    f"{m.shape[-1]} points; CVIOptimizer supports one-dimensional likelihoods."
-                )
-            gm, gv = torch.autograd.grad(ell.sum(), (m, v), allow_unused=True)
-        gm = torch.zeros_like(mean) if gm is None else gm
-        gv = torch.zeros_like(var) if gv is None else gv
-        ell = ell.detach()
+        ell, gm, gv = site_gradients(self.likelihood, y, mean, var, **kwargs)
+        if indices is not None and isinstance(self.minibatch, SiteMemoryScaling):
+            grad = lambda m, v, y: site_gradients(self.likelihood, y, m, v, **kwargs)[1]  # noqa
+            self.minibatch.observe(y, var, grad)  # what refreshes the kept targets
         finite = bool(
             torch.isfinite(gm).all() and torch.isfinite(gv).all() and torch.isfinite(ell).all()
         )
