@@ -1,10 +1,10 @@
-"""``SiteMemoryScaling(refresh=True)`` (the default): after each minibatch step every kept
-point outside the batch has its site's linear part re-targeted at q's current mean and the
-variance of its last visit, ``lam1_n = df/dm (m_n, v_n) - 2 g2_n m_n``, with the curvature
-``g2_n`` of that visit kept. Checked against closed forms (a Poisson likelihood with log link),
-a Gaussian likelihood (whose targets do not depend on q: the refresh changes nothing), the
-running sums against sums from scratch, a memory saved before refreshing existed, and the gap
-to the full-batch optimum."""
+"""``SiteMemoryScaling(refresh=True)`` (the default): after each minibatch step every kept point
+outside the batch whose mean moved by more than ``refresh_tol`` standard deviations has its
+site's linear part re-targeted at q's current mean and the variance of its last visit, ``lam1_n
+= df/dm (m_n, v_n) - 2 g2_n m_n``, with the curvature ``g2_n`` of that visit kept. Checked
+against closed forms (a Poisson likelihood with log link), a Gaussian likelihood (whose targets
+do not depend on q: the refresh changes nothing), the running sums against sums from scratch, a
+memory saved before refreshing existed, and the gap to the full-batch optimum."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_the_kept_linear_parts_are_the_targets_at_the_current_mean(dtype):
     is the closed-form curvature at that visit; a point of the batch holds its own target."""
     X, counts, _, _ = data(dtype=dtype)
     model, lik = GP(X).to(dtype), PoissonLog()
-    opt = CVIOptimizer(model, lik, minibatch=SiteMemoryScaling(warmup=1))
+    opt = CVIOptimizer(model, lik, minibatch=SiteMemoryScaling(warmup=1, refresh_tol=0.0))
     s = model.variational_strategy
     visit_var = torch.full_like(counts, float("nan"))
     visit_g2 = torch.zeros_like(counts)
@@ -119,6 +119,30 @@ def test_the_refresh_changes_nothing_when_the_targets_do_not_depend_on_q(dtype):
     for (a_mean, a_cov), (b_mean, b_cov) in zip(*runs):
         torch.testing.assert_close(a_mean, b_mean, **tol)
         torch.testing.assert_close(a_cov, b_cov, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tolerance_above_every_move_is_the_rule_without_refresh(dtype):
+    """``refresh_tol`` gates the refresh: a tolerance no mean move reaches gives the same q as
+    ``refresh=False`` (1e-10, f64); ``refresh_tol=0`` another q; a negative one is refused."""
+    X, _, labels, _ = data(dtype=dtype)
+    lik = gpytorch.likelihoods.BernoulliLikelihood()
+    qs = []
+    for rule in (
+        SiteMemoryScaling(warmup=1, refresh_tol=1e9),
+        SiteMemoryScaling(warmup=1, refresh=False),
+        SiteMemoryScaling(warmup=1, refresh_tol=0.0),
+    ):
+        model = GP(X).to(dtype)
+        opt = CVIOptimizer(model, lik, minibatch=rule)
+        for idx in batches(X.shape[0], 30, 7, seed=6):
+            opt.step(X[idx], labels[idx], indices=idx)
+        qs.append(q_u(model))
+    for a, b in zip(qs[0], qs[1]):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    assert (qs[2][0] - qs[1][0]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="refresh_tol"):
+        SiteMemoryScaling(refresh_tol=-1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .posterior import SiteSums, _site_precisions, site_sums
+from .posterior import SiteSums, site_sums
 
 __all__ = ["SVIScaling", "SiteMemoryScaling", "SiteScalingForm"]
 
@@ -148,17 +148,21 @@ class SiteMemoryScaling(SVIScaling):
         (above). Default ``True``; ``False`` is the rule without it.
     """
 
-    def __init__(self, c: float = 5.0, warmup: int = 2, refresh: bool = True):
+    def __init__(
+        self, c: float = 5.0, warmup: int = 2, refresh: bool = True, refresh_tol: float = 0.1
+    ):
         super().__init__(c, warmup)
-        self.refresh = bool(refresh)
+        if not float(refresh_tol) >= 0:
+            raise ValueError(f"SiteMemoryScaling: refresh_tol must be >= 0, got {refresh_tol}")
+        self.refresh, self.refresh_tol = bool(refresh), float(refresh_tol)
         self._state: Optional[dict] = None
         self._batch: Optional[tuple] = None
 
-    def observe(self, y: Tensor, var: Tensor, gradient: Callable) -> None:
+    def observe(self, y: Tensor, mean: Tensor, var: Tensor, gradient: Callable) -> None:
         """The batch of the coming :meth:`apply` (called by ``CVIOptimizer.step``): its targets
-        ``y``, its marginal variances under the current q, and ``gradient(m, v, y)``, the
-        expected log-likelihood's gradient in the mean at ``q(f_n) = N(m_n, v_n)``."""
-        self._batch = (y.detach(), var.detach(), gradient)
+        ``y``, its marginal means and variances under the current q, and ``gradient(m, v, y)``,
+        the expected log-likelihood's gradient in the mean at ``q(f_n) = N(m_n, v_n)``."""
+        self._batch = (y.detach(), mean.detach(), var.detach(), gradient)
 
     def _start(self, strategy) -> dict:
         """State from the strategy's current sites: all of them the eq. 14 part, none kept."""
@@ -168,32 +172,43 @@ class SiteMemoryScaling(SVIScaling):
             "mem": (torch.zeros_like(l1), torch.zeros_like(l2)),
             "kept": torch.zeros(l1.shape, dtype=torch.bool, device=l1.device),
             "var": torch.full_like(l1, float("nan")),
+            "mref": torch.full_like(l1, float("nan")),
             "y": None,
             "version": None,
             "sums": None,
         }
 
-    def _refresh(self, strategy, st: dict, indices: Tensor, mem: tuple, kept: Tensor) -> bool:
-        """Overwrite ``mem[0]`` (the kept ``lam1``) of every kept point outside the batch by its
-        target at q's current mean and the variance of its last visit (class docstring); store
-        the batch's labels and variances. Whether anything was refreshed."""
+    def _refresh(self, strategy, st: dict, indices: Tensor, mem: tuple, kept: Tensor):
+        """Overwrite ``mem[0]`` (the kept ``lam1``) of the kept points outside the batch whose
+        mean moved by more than ``refresh_tol`` standard deviations since their linear part
+        was taken by its target at q's current mean and the variance of their last visit
+        (class docstring); store the batch's labels, means and variances. The refreshed rows
+        and the change of their ``lam1``, or ``None``."""
         batch, self._batch = self._batch, None
         if not self.refresh or batch is None or batch[0].shape != indices.shape:
-            return False
-        y, var, gradient = batch
+            return None
+        y, mean_b, var, gradient = batch
         st["var"][indices] = var.to(st["var"])
+        st["mref"][indices] = mean_b.to(st["mref"])
         if st["y"] is None:
             st["y"] = torch.zeros(kept.shape, dtype=y.dtype, device=y.device)
         st["y"][indices] = y
         due = kept & torch.isfinite(st["var"])
         due[indices] = False  # the batch's targets are already at the current q
         if not bool(due.any()):
-            return False
+            return None
+        mean = strategy.site_means()
+        near = (mean - st["mref"]).abs() <= self.refresh_tol * st["var"].clamp_min(0).sqrt()
+        due &= ~near  # (a NaN reference mean: refreshed)
+        if not bool(due.any()):
+            return None
         rows = due.nonzero().squeeze(-1)
-        mean = strategy.site_means()[rows]
+        mean = mean[rows]
         gm = gradient(mean, st["var"][rows], st["y"][rows]).to(mem[0])
-        mem[0][rows] = gm - 2.0 * mem[1][rows] * mean
-        return True
+        new = gm - 2.0 * mem[1][rows] * mean
+        delta = new - mem[0][rows]
+        mem[0][rows], st["mref"][rows] = new, mean.to(st["mref"])
+        return rows, delta
 
     def state_dict(self) -> dict:
         """The step count and the memory (``e``, the kept targets, which points are kept),
@@ -205,6 +220,7 @@ class SiteMemoryScaling(SVIScaling):
             state["mem"] = tuple(v.detach().clone() for v in st["mem"])
             state["kept"] = st["kept"].clone()
             state["var"] = st["var"].detach().clone()
+            state["mref"] = st["mref"].detach().clone()
             state["y"] = None if st["y"] is None else st["y"].clone()
         return state
 
@@ -226,6 +242,9 @@ class SiteMemoryScaling(SVIScaling):
             "mem": tuple(v.clone() for v in mem),
             "kept": kept.clone().bool(),
             "var": state["var"].clone() if "var" in state else torch.full_like(e[0], float("nan")),
+            "mref": state["mref"].clone()
+            if "mref" in state
+            else torch.full_like(e[0], float("nan")),
             "y": None if state.get("y") is None else state["y"].clone(),
             "version": _ADOPT,
             "sums": None,
@@ -246,7 +265,7 @@ class SiteMemoryScaling(SVIScaling):
             st["e"] = tuple(v.to(like) for v in st["e"])
             st["mem"] = tuple(v.to(like) for v in st["mem"])
             st["kept"] = st["kept"].to(like.device)
-            st["var"] = st["var"].to(like)
+            st["var"], st["mref"] = st["var"].to(like), st["mref"].to(like)
             st["y"] = None if st["y"] is None else st["y"].to(like.device)
         if st is None or st["version"] != strategy.site_version:
             st = self._start(strategy)  # first step, or the sites were set by someone else
@@ -278,6 +297,7 @@ class SiteMemoryScaling(SVIScaling):
             "mem": (m1, m2),
             "kept": kept,
             "var": st["var"],
+            "mref": st["mref"],
             "y": st["y"],
             "version": strategy.site_version,
             "sums": parts,
@@ -327,14 +347,15 @@ class SiteScalingForm:
         kept: tuple,
         e: tuple,
         decay: float,
-        linear_changed: bool = False,
+        linear_rows: Optional[tuple] = None,
     ):
         """The running sums of the two parts of :class:`SiteMemoryScaling`'s sites, ``sum_K
         phi g phi^T`` (kept memory) and ``sum_n phi e phi^T``, updated by the batch (O(B M^2))
         when ``previous`` belongs to the current ``Phi``, recomputed otherwise (O(N M^2));
         ``None`` when the form keeps no running sums (full form, autograd on).
-        ``linear_changed``: the kept ``lam1`` changed outside the batch too (a refresh), so the
-        kept linear sum ``sum_K phi r`` is recomputed (O(N M))."""
+        ``linear_rows``: ``(rows, change)``, kept ``lam1`` changed outside the batch too (a
+        refresh; their precisions unchanged), added to the kept linear sum ``sum_K phi r``
+        (O(|rows| M))."""
         sums = self._fresh_sums()
         if sums is None:
             return None
@@ -359,9 +380,8 @@ class SiteScalingForm:
             m0,
         )
         S_k, s_k = previous["k"][0] + d_k[0], previous["k"][1] + d_k[1]
-        if linear_changed:
-            w = _site_precisions(k_new * m_new[1])
-            s_k = sums.Phi @ (k_new * m_new[0] - w * sums.prior_mean_X)
+        if linear_rows is not None:
+            s_k = s_k + sums.Phi[..., linear_rows[0]] @ linear_rows[1]
         S_e, s_e = previous["e"][0] * decay + d_e[0], previous["e"][1] * decay + d_e[1]
         return {"phi": sums.Phi, "k": (S_k, s_k), "e": (S_e, s_e)}
 

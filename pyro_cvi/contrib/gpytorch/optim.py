@@ -258,7 +258,7 @@ class CVIOptimizer:
         ell, gm, gv = site_gradients(self.likelihood, y, mean, var, **kwargs)
         if indices is not None and isinstance(self.minibatch, SiteMemoryScaling):
             grad = lambda m, v, y: site_gradients(self.likelihood, y, m, v, **kwargs)[1]  # noqa
-            self.minibatch.observe(y, var, grad)  # what refreshes the kept targets
+            self.minibatch.observe(y, mean, var, grad)  # what refreshes the kept targets
         finite = bool(
             torch.isfinite(gm).all() and torch.isfinite(gv).all() and torch.isfinite(ell).all()
         )
