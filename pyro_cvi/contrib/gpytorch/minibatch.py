@@ -117,39 +117,43 @@ class SiteMemoryScaling(SVIScaling):
     of the hyperparameters recomputes them, O(N M^2), once.
 
     **Refresh** (``refresh=True``, the default). A kept target is stale: it was taken at the q
-    of its point's last visit. Its curvature changes slowly with q, its linear part does not
-    (the mean moves most in the first epochs). With ``g_n = (d_n - 2 c_n m_n, c_n)`` for
-    ``d_n = df/dm``, ``c_n = df/dv`` of ``f = E_q[log p(y_n | f_n)]`` (eqs. 30-31), every kept
-    point outside the batch gets, after each step, the linear part at q's current mean ``m_n``
-    and the variance ``v_n`` of its last visit, with that visit's curvature kept::
+    of its point's last visit, and q's mean moves most in the first epochs. With ``g_n = (d_n -
+    2 c_n m_n, c_n)`` for ``d_n = df/dm``, ``c_n = df/dv`` of ``f = E_q[log p(y_n | f_n)]``
+    (eqs. 30-31), a kept point outside the batch whose mean moved by more than ``refresh_tol``
+    of its standard deviation since its linear part was taken gets, after each step, the linear
+    part at q's current mean ``m_n`` and the variance ``v_n`` of its last visit, that visit's
+    curvature kept::
 
         g1_n <- d_n(m_n, v_n) - 2 c_n m_n,      g2_n = c_n  (unchanged).
 
-    The means of all N points are ``m0 + Phi^T m_v``, O(N M); the gradients one expected
-    log-likelihood over the kept points; the kept linear sum ``Phi r`` O(N M) again. The
-    precision sums change only at the batch's rows, so a step stays O(B M^2 + N M). This is
-    the full-batch CVI step for the linear parts (every site's ``g1`` at the current q up to
-    the stale variance) with the precisions of the memory: a Gaussian likelihood's targets do
-    not depend on q and are unchanged; the fixed point is the full-batch one as before.
+    (Linearised in ``m_n`` this is the old ``g1_n``: the site is the expected log-likelihood's
+    local quadratic, and only its non-quadratic part moves it.) The means of all N points are
+    ``m0 + Phi^T m_v``, O(N M); the gradients one expected log-likelihood over the refreshed
+    points; the kept linear sum ``Phi r`` changes by their rows, O(R M); the precision sums
+    change at the batch's rows only. A Gaussian likelihood's targets do not depend on q and are
+    unchanged; the fixed point is the full-batch one as before.
 
-    On ``scripts/benchmark_sparse_minibatch.py`` (N = 20,000, M = 200, B = 1,024, 30 steps)
-    the defaults (c = 3, warm-up 3) end 4.2-6.4 nats above the full-batch optimum over ten
-    orders of the batches (mean 4.9; four of the ten above 5), against 3.8-5.4 for c = 1.5,
-    warm-up 4 over six orders, 3.3-6.9 for c = 3, warm-up 4 and 3.7-7.4 for warm-up 5 over
-    ten, 5.1-6.4 for c = 5 and 6.9-7.5 for warm-up 2 on the four worst orders (so no setting
-    of the two is below 5 on every order), 7.6-8.7 for :class:`SVIScaling` alone and 40-43
-    for the batch's sites moved alone.
+    On ``scripts/benchmark_sparse_minibatch.py`` (N = 20,000, M = 200, B = 1,024, 30 steps,
+    Bernoulli) the defaults (c = 5, warm-up 2, refresh, tolerance 0.3) end 2.1-4.3 nats above
+    the full-batch optimum over ten orders of the batches (mean 2.8; 1.7-2.6 on ten further
+    orders at tolerance 0.1), tolerance 0 (every kept point, every step) 1.9-4.2. Without the
+    refresh, the earlier defaults (c = 3, warm-up 3) end 4.2-6.4 (mean 4.9; four of the ten
+    above 5; no setting of the two was below 5 on every order), :class:`SVIScaling` alone
+    7.6-8.7 and the batch's sites moved alone 40-43.
 
-    :param c: eq. 14's averaging window (:class:`SVIScaling`). Default 5 (3 before the
+    :param c: eq. 14's averaging window (:class:`SVIScaling`). Default 5 (3 without the
         refresh).
-    :param warmup: steps with ``beta = 1`` whose targets are not kept. Default 2 (3 before
-        the refresh: refreshed targets from the early steps are worth keeping sooner).
+    :param warmup: steps with ``beta = 1`` whose targets are not kept. Default 2 (3 without
+        the refresh: refreshed early targets are worth keeping sooner).
     :param refresh: re-target the kept linear parts at q's current mean after each step
         (above). Default ``True``; ``False`` is the rule without it.
+    :param refresh_tol: a kept point is refreshed when its mean moved by more than this many
+        standard deviations (of its last visit) since its linear part was taken; ``0``: every
+        kept point at every step. Default 0.3.
     """
 
     def __init__(
-        self, c: float = 5.0, warmup: int = 2, refresh: bool = True, refresh_tol: float = 0.1
+        self, c: float = 5.0, warmup: int = 2, refresh: bool = True, refresh_tol: float = 0.3
     ):
         super().__init__(c, warmup)
         if not float(refresh_tol) >= 0:
