@@ -92,11 +92,11 @@ class CVIOptimizer:
         steps on the data sites by eq. 14 of Khan & Lin 2017 (every site decayed, the batch's
         targets scaled by ``N / B``), or
         :class:`~pyro_cvi.contrib.gpytorch.minibatch.SiteMemoryScaling` (each point's latest
-        target, eq. 14 for the share not yet seen); ``"auto"`` (default):
+        target, refreshed at q's mean; eq. 14 for the share not yet seen); ``"auto"``:
         ``SiteMemoryScaling()`` where the data-site form runs in one process, else ``None``;
         ``None``: the batch's sites move towards their targets (``step_size``) and the others
         are kept (after 30 steps of the benchmark 40-43 nats from the full-batch optimum,
-        against 4.3-5.0 for the memory). Full-batch steps are the same either way.
+        against 2.1-4.3 for the memory). Full-batch steps are the same either way.
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
         :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
