@@ -129,7 +129,7 @@ class SiteMemoryScaling(SVIScaling):
     (Linearised in ``m_n`` this is the old ``g1_n``: the site is the expected log-likelihood's
     local quadratic, and only its non-quadratic part moves it.) The means of all N points are
     ``m0 + Phi^T m_v``, O(N M); the gradients one expected log-likelihood over the refreshed
-    points; the kept linear sum ``Phi r`` changes by their rows, O(R M); the precision sums
+    points; the kept linear sum ``Phi r`` changes by their rows, O(N M); the precision sums
     change at the batch's rows only. A Gaussian likelihood's targets do not depend on q and are
     unchanged; the fixed point is the full-batch one as before.
 
@@ -359,7 +359,7 @@ class SiteScalingForm:
         ``None`` when the form keeps no running sums (full form, autograd on).
         ``linear_rows``: ``(rows, change)``, kept ``lam1`` changed outside the batch too (a
         refresh; their precisions unchanged), added to the kept linear sum ``sum_K phi r``
-        (O(|rows| M))."""
+        (O(N M))."""
         sums = self._fresh_sums()
         if sums is None:
             return None
@@ -384,8 +384,10 @@ class SiteScalingForm:
             m0,
         )
         S_k, s_k = previous["k"][0] + d_k[0], previous["k"][1] + d_k[1]
-        if linear_rows is not None:
-            s_k = s_k + sums.Phi[..., linear_rows[0]] @ linear_rows[1]
+        if linear_rows is not None:  # one product with Phi (a column gather costs more)
+            change = torch.zeros_like(sums.prior_mean_X)
+            change[..., linear_rows[0]] = linear_rows[1]
+            s_k = s_k + sums.Phi @ change
         S_e, s_e = previous["e"][0] * decay + d_e[0], previous["e"][1] * decay + d_e[1]
         return {"phi": sums.Phi, "k": (S_k, s_k), "e": (S_e, s_e)}
 
