@@ -219,3 +219,23 @@ def test_the_refresh_ends_closer_to_the_full_batch_optimum(dtype):
                 gaps[refresh].append(float(CVIOptimizer(model, lik).step(X, y)) - optimum)
     assert sum(gaps[True]) < sum(gaps[False]) and max(gaps[True]) < max(gaps[False]), gaps
     assert sum(gaps[True]) / 3 < 1.0, gaps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_steps_with_likelihood_keywords_do_not_refresh(dtype):
+    """Keyword arguments of ``step`` go to the likelihood for the batch's points and may be per
+    point, so such a step refreshes nothing (no visit is recorded) and equals the rule without
+    the refresh."""
+    X, counts, _, _ = data(dtype=dtype)
+    qs = []
+    for refresh in (True, False):
+        model = GP(X).to(dtype)
+        rule = SiteMemoryScaling(warmup=1, refresh=refresh, refresh_tol=0.0)
+        opt = CVIOptimizer(model, PoissonLog(), minibatch=rule)
+        for idx in batches(X.shape[0], 30, 5, seed=7):
+            opt.step(X[idx], counts[idx], indices=idx, unused_option=1.0)
+        qs.append(q_u(model))
+        if refresh:
+            assert not bool(torch.isfinite(rule.state_dict()["var"]).any())
+    for a, b in zip(*qs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

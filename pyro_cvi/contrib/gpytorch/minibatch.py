@@ -146,7 +146,9 @@ class SiteMemoryScaling(SVIScaling):
     :param warmup: steps with ``beta = 1`` whose targets are not kept. Default 2 (3 without
         the refresh: refreshed early targets are worth keeping sooner).
     :param refresh: re-target the kept linear parts at q's current mean after each step
-        (above). Default ``True``; ``False`` is the rule without it.
+        (above). Default ``True``; ``False`` is the rule without it. Steps given likelihood
+        keyword arguments (``step(x, y, indices=..., **kwargs)``, which may be per point) do
+        not refresh: the other points' arguments are unknown.
     :param refresh_tol: a kept point is refreshed when its mean moved by more than this many
         standard deviations (of its last visit) since its linear part was taken; ``0``: every
         kept point at every step. Default 0.3.
