@@ -124,7 +124,11 @@ class SiteMemoryScaling(SVIScaling):
     part at q's current mean ``m_n`` and the variance ``v_n`` of its last visit, that visit's
     curvature kept::
 
-        g1_n <- d_n(m_n, v_n) - 2 c_n m_n,      g2_n = c_n  (unchanged).
+        g1_n <- d_n(m_n, v_n) - 2 c_n m_n,      g2_n = c_n  (unchanged),
+
+    unless the curvature at ``(m_n, v_n)`` exceeds :attr:`GROWTH` (2) times the kept ``c_n``
+    (too little curvature for the fresh gradient would overshoot: a Poisson GP's grows like
+    ``exp(m)``); such a point keeps its site until its next visit.
 
     (Linearised in ``m_n`` this is the old ``g1_n``: the site is the expected log-likelihood's
     local quadratic, and only its non-quadratic part moves it.) The means of all N points are
@@ -154,6 +158,10 @@ class SiteMemoryScaling(SVIScaling):
         kept point at every step. Default 0.3.
     """
 
+    #: a kept point is refreshed only while its curvature at the current mean is at most this
+    #: multiple of its kept one (else its kept site, consistent if stale, stays)
+    GROWTH = 2.0
+
     def __init__(
         self, c: float = 5.0, warmup: int = 2, refresh: bool = True, refresh_tol: float = 0.3
     ):
@@ -167,7 +175,8 @@ class SiteMemoryScaling(SVIScaling):
     def observe(self, y: Tensor, mean: Tensor, var: Tensor, gradient: Callable) -> None:
         """The batch of the coming :meth:`apply` (called by ``CVIOptimizer.step``): its targets
         ``y``, its marginal means and variances under the current q, and ``gradient(m, v, y)``,
-        the expected log-likelihood's gradient in the mean at ``q(f_n) = N(m_n, v_n)``."""
+        the expected log-likelihood's gradients in the mean and the variance at
+        ``q(f_n) = N(m_n, v_n)``."""
         self._batch = (y.detach(), mean.detach(), var.detach(), gradient)
 
     def _start(self, strategy) -> dict:
@@ -210,8 +219,15 @@ class SiteMemoryScaling(SVIScaling):
             return None
         rows = due.nonzero().squeeze(-1)
         mean = mean[rows]
-        gm = gradient(mean, st["var"][rows], st["y"][rows]).to(mem[0])
-        new = gm - 2.0 * mem[1][rows] * mean
+        gm, gv = gradient(mean, st["var"][rows], st["y"][rows])
+        # the kept curvature must not understate the new one by more than GROWTH: a Newton step
+        # with too little curvature overshoots (a Poisson GP's grows like exp(m))
+        keep = gv.to(mem[1]).clamp_max(0.0) >= self.GROWTH * mem[1][rows]
+        if not bool(keep.all()):
+            rows, mean, gm = rows[keep], mean[keep], gm[keep]
+            if rows.numel() == 0:
+                return None
+        new = gm.to(mem[0]) - 2.0 * mem[1][rows] * mean
         delta = new - mem[0][rows]
         mem[0][rows], st["mref"][rows] = new, mean.to(st["mref"])
         return rows, delta

@@ -257,7 +257,7 @@ class CVIOptimizer:
 
         ell, gm, gv = site_gradients(self.likelihood, y, mean, var, **kwargs)
         if indices is not None and not kwargs and isinstance(self.minibatch, SiteMemoryScaling):
-            grad = lambda m, v, y: site_gradients(self.likelihood, y, m, v)[1]  # noqa: E731
+            grad = lambda m, v, y: site_gradients(self.likelihood, y, m, v)[1:]  # noqa: E731
             self.minibatch.observe(y, mean, var, grad)  # what refreshes the kept targets
         finite = bool(
             torch.isfinite(gm).all() and torch.isfinite(gv).all() and torch.isfinite(ell).all()
