@@ -96,7 +96,7 @@ class CVIOptimizer:
         ``SiteMemoryScaling()`` where the data-site form runs in one process, else ``None``;
         ``None``: the batch's sites move towards their targets (``step_size``) and the others
         are kept (after 30 steps of the benchmark 40-43 nats from the full-batch optimum,
-        against 2.1-4.3 for the memory). Full-batch steps are the same either way.
+        against 2.1-4.4 for the memory). Full-batch steps are the same either way.
     :param process_group: data-parallel CVI over ``torch.distributed`` (sparse form only):
         :data:`~pyro_cvi.scale.distributed.WORLD` or a group; ``None`` (default) keeps the
         strategy's own setting (one process unless it was given one). Every rank passes its
