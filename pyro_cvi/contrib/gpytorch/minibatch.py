@@ -143,8 +143,8 @@ class SiteMemoryScaling(SVIScaling):
     2.1-4.3 and, at tolerance 0 (every kept point, every step), 1.9-4.2. Without the refresh,
     the earlier defaults (c = 3, warm-up 3) end 4.2-6.4 (mean 4.9; four of the ten above 5; no
     setting of the two was below 5 on every order), :class:`SVIScaling` alone 7.6-8.7 and the
-    batch's sites moved alone 40-43. On ten further orders, not used to choose the settings
-    (before the guard): 1.8-2.6 against 3.5-5.2.
+    batch's sites moved alone 40-43. On ten further orders, not used to choose the settings:
+    1.8-2.6 against 3.5-5.2.
 
     :param c: eq. 14's averaging window (:class:`SVIScaling`). Default 5 (3 without the
         refresh).
