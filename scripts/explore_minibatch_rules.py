@@ -106,7 +106,10 @@ class Candidate(SVIScaling):
 
 
 RULES = {
-    "SiteMemoryScaling(c=3, warm-up 3) [default]": lambda: SiteMemoryScaling(),
+    "SiteMemoryScaling(c=3, warm-up 3, no refresh) [earlier default]": lambda: SiteMemoryScaling(
+        3.0, warmup=3, refresh=False
+    ),
+    "SiteMemoryScaling() [default: c=5, warm-up 2, refresh]": lambda: SiteMemoryScaling(),
     "scaled, warm-up 0": lambda: Candidate("scaled", 0),
     "scaled, warm-up 2": lambda: Candidate("scaled", 2),
     "scaled, warm-up 3": lambda: Candidate("scaled", 3),

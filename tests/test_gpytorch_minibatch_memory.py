@@ -260,7 +260,7 @@ def test_the_default_rule_is_the_memory_on_the_data_site_form(dtype):
         opt = CVIOptimizer(model, lik, minibatch=rule)
         if rule == "auto":
             assert isinstance(opt.minibatch, SiteMemoryScaling)
-            assert (opt.minibatch.c, opt.minibatch.warmup) == (3.0, 3)
+            assert (opt.minibatch.c, opt.minibatch.warmup, opt.minibatch.refresh) == (5.0, 2, True)
         for idx in batches:
             opt.step(X[idx], y[idx], indices=idx)
         qs.append(q_u(model))

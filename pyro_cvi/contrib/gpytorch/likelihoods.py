@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from gpytorch.distributions import MultivariateNormal, base_distributions
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
+from linear_operator.operators import DiagLinearOperator
 from numpy.polynomial.laguerre import laggauss
 from torch import Tensor
 
@@ -39,7 +40,31 @@ __all__ = [
     "binary_labels",
     "logistic_expected_log_prob",
     "logistic_expected_prob",
+    "site_gradients",
 ]
+
+
+def site_gradients(
+    likelihood: Any, y: Tensor, mean: Tensor, var: Tensor, **kwargs: Any
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``f_n = E_q[log p(y_n | f_n)]`` under ``q(f_n) = N(mean_n, var_n)`` by
+    ``likelihood.expected_log_prob`` and its gradients ``df/dm``, ``df/dv`` by autograd (zeros
+    where the likelihood does not read them): ``(f, df/dm, df/dv)``, all detached. A likelihood
+    that does not return one value per point is a ``ValueError``."""
+    m = mean.detach().clone().requires_grad_(True)
+    v = var.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        q = MultivariateNormal(m, DiagLinearOperator(v))
+        ell = likelihood.expected_log_prob(y, q, **kwargs)
+        if ell.shape != m.shape:
+            raise ValueError(
+                f"likelihood.expected_log_prob returned shape {tuple(ell.shape)} for "
+                f"{m.shape[-1]} points; CVIOptimizer supports one-dimensional likelihoods."
+            )
+        gm, gv = torch.autograd.grad(ell.sum(), (m, v), allow_unused=True)
+    gm = torch.zeros_like(mean) if gm is None else gm
+    gv = torch.zeros_like(var) if gv is None else gv
+    return ell.detach(), gm, gv
 
 
 def binary_labels(y: Tensor, what: str) -> Tensor:
