@@ -291,6 +291,7 @@ class Engine:
             ctx.subsample, exclude, at_means
         )
         ctx.marginal = lambda name: self.block_for(name).marginal(name)
+        ctx.block_for = self.block_for
         ctx.retrace = lambda: self._trace(ctx)
         ctx.report = self._report
         state = self._model_state(args, kwargs)

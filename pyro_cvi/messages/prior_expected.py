@@ -1,0 +1,63 @@
+"""The expected prior of a Gaussian block latent whose loc and scale live in the remainder.
+
+For ``theta ~ Normal(loc, s)`` with ``loc = c + G u`` and ``log s = d + H u`` in the
+remainder's unconstrained coordinates ``u`` (:mod:`~pyro_cvi.model.prior_factor`), under
+``q(u) = N(m, S)`` and per row (``g``, ``h`` its coefficients):
+
+    E[1/s^2]   = exp(-2 (d + h'm) + 2 h'S h),
+    E[loc/s^2] = (c + g'm - 2 g'S h) E[1/s^2]
+
+(``E[x e^{a'u}] = (E[x] + cov(x, a'u)) E[e^{a'u}]`` for jointly Gaussian ``x, u``). The block's
+prior for that latent is then ``N(E[loc/s^2] / E[1/s^2], 1 / E[1/s^2])``: its natural
+parameters are the expected ones (eq. 20), exact given the remainder's ``q``; in a
+linear-Gaussian tree (``loc = A z + c``, ``z`` the block) the conditional's precision is
+``E[1/s^2]`` and its offset ``E[c/s^2] / E[1/s^2]``.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+__all__ = ["expected_prior", "expected_prior_moments"]
+
+
+def expected_prior_moments(
+    info, m: torch.Tensor, S: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(E[1/s^2], E[loc/s^2])`` per row of the prior :class:`PriorInfo` ``info`` under
+    ``N(m, S)`` on the given latents' stacked unconstrained values (their order in ``info``)."""
+    G = torch.cat([info.G[x] for x in info.given], 1).to(m)
+    H = torch.cat([info.H[x] for x in info.given], 1).to(m)
+    du = m - torch.cat([info.u0[x] for x in info.given]).to(m)
+    loc = info.loc0.to(m) + G @ du
+    log_s = info.log_scale0.to(m) + H @ du
+    HS = H @ S
+    var = (HS * H).sum(1)
+    cov = (HS * G).sum(1)
+    e_prec = torch.exp(-2 * log_s + 2 * var)
+    return e_prec, (loc - 2 * cov) * e_prec
+
+
+def expected_prior(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(w, c)`` per row of ``factor``'s latent's conditional prior (kind ``CONJUGATE_PRIOR``):
+    its precision ``E[1/s^2]`` and its loc's offset ``E[c/s^2] / E[1/s^2]`` (the block's own
+    part of the loc, ``A z``, stays the tree's) at the current ``q`` of the remainder that
+    holds the latents its loc and scale read."""
+    info = factor.scale
+    blocks = {id(ctx.block_for(x)): ctx.block_for(x) for x in info.given}
+    (rem,) = blocks.values() if len(blocks) == 1 else (None,)
+    if rem is None or not hasattr(rem, "joint_unconstrained"):
+        raise RuntimeError(
+            f"the prior of {factor.site!r} reads {', '.join(info.given)}, which are not all in "
+            "the remainder's joint Gaussian; drop "
+            f"families={{{factor.site!r}: 'gaussian'}} to fit {factor.site!r} jointly with them"
+        )
+    q = rem.joint_unconstrained()
+    starts = {s.name: (s.start, s.size) for s in rem.sites}
+    idx = torch.cat([torch.arange(starts[x][0], starts[x][0] + starts[x][1]) for x in info.given])
+    m = q.loc.detach()[idx]
+    S = q.covariance_matrix.detach()[idx][:, idx]
+    e_prec, e_loc = expected_prior_moments(info, m, S)
+    return e_prec, e_loc / e_prec
