@@ -75,20 +75,23 @@ def _components(an, nodes: Set[str]) -> Dict[str, str]:
     return {n: find(n) for n in nodes}
 
 
-def _seeds(an, moves) -> Set[str]:
+def _seeds(an, moves, own: Set[str] = frozenset()) -> Set[str]:
     """Latents with a general (Monte Carlo) factor; ``moves(D)``: whether a Gaussian block of
     ``D`` coordinates with a general factor moves (small blocks keep their exact rows and
-    Price's dense Hessian messages)."""
+    Price's dense Hessian messages). A block with a latent the user named ``"gaussian"``
+    (``own``) whose general factors are all Gaussian-linear given the others is no seed: they
+    become exact expected messages beside the remainder."""
     seeds = set()
     for name, info in an.latents.items():
         if info.form == NATURAL and any(f.kind in (GENERAL, COLLAPSED) for f in info.factors):
             seeds.add(name)
     for block in an.blocks:
-        if (
-            block.chain is None
-            and moves(block.dim)
-            and any(f.kind == GENERAL and f.plate is None for f in block.factors)
-        ):
+        general = [f for f in block.factors if f.kind == GENERAL and f.plate is None]
+        if block.chain is None and moves(block.dim) and general:
+            if set(block.names) & own and all(
+                conjugate_given_others(an, f.site, block.names) for f in general
+            ):
+                continue
             seeds.update(block.names)
     return seeds
 
@@ -133,7 +136,7 @@ def _block_names(an, name: str) -> Set[str]:
 
 
 def _remainder_sets(an, chosen: Set[str], moves, own: Set[str]):
-    seeds = _seeds(an, moves)
+    seeds = _seeds(an, moves, own)
     precisions = _precision_candidates(an, seeds)
     seeds -= set(precisions)
     if not seeds:
@@ -244,8 +247,8 @@ def _kept_blocks(an, seeds: Set[str], moves, own: Set[str] = frozenset()) -> Set
     kept = set()
     for block in an.blocks:
         names = set(block.names)
-        if block.chain is not None or names & seeds or moves(block.dim):
-            continue
+        if block.chain is not None or names & seeds or (moves(block.dim) and not names & own):
+            continue  # (a named block's shared factors must all be Gaussian-linear, below)
         if any(
             an.latents_of(n) - names and not (n in own and prior_applies(an, n, block) is not None)
             for n in block.names
