@@ -148,7 +148,8 @@ def prior_factor(an, site: str, block) -> Optional[Factor]:
         return None
     given = ", ".join(info.given)
     why = (
-        f"Normal prior of {site}, loc and log scale affine in the unconstrained {given}: "
-        f"N(E[loc/s^2] / E[1/s^2], 1 / E[1/s^2]) in closed form under the remainder's q (eq. 20)"
+        f"Normal prior of {site}, log scale affine in the unconstrained {given}: precision "
+        f"E[1/s^2], offset E[c/s^2] / E[1/s^2] in closed form under the remainder's q (eq. 20; "
+        f"named families={{{site!r}: 'gaussian'}}: mean field, the default is the joint)"
     )
     return Factor(site, block.label, CONJUGATE_PRIOR, why, scale=info)
