@@ -12,15 +12,28 @@ prior for that latent is then ``N(E[loc/s^2] / E[1/s^2], 1 / E[1/s^2])``: its na
 parameters are the expected ones (eq. 20), exact given the remainder's ``q``; in a
 linear-Gaussian tree (``loc = A z + c``, ``z`` the block) the conditional's precision is
 ``E[1/s^2]`` and its offset ``E[c/s^2] / E[1/s^2]``.
+
+The remainder's side of the same factor (its ELBO term and its message to ``u``) is
+Rao-Blackwellised over the block's ``q(theta) = N(m_theta, v_theta)`` per coordinate
+(:func:`expected_log_prior`):
+
+    E_q(theta)[log N(theta; loc, s)] = log N(m_theta; loc, s) - v_theta / (2 s^2),
+
+exact in ``theta`` where the loc does not read the block, so that the remainder's gradient in
+``u`` carries no draw of ``theta``.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
+from pyro.distributions.util import sum_rightmost
 
-__all__ = ["expected_prior", "expected_prior_moments"]
+from ..model.records import CONJUGATE_PRIOR
+from ..model.tracing import unwrap
+
+__all__ = ["block_moments", "expected_log_prior", "expected_prior", "expected_prior_moments"]
 
 
 def expected_prior_moments(
@@ -61,3 +74,48 @@ def expected_prior(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
     S = q.covariance_matrix.detach()[idx][:, idx]
     e_prec, e_loc = expected_prior_moments(info, m, S)
     return e_prec, e_loc / e_prec
+
+
+def expected_log_prior(fn, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``E[log fn(theta)]`` under ``theta ~ N(mean, var)`` elementwise (independent
+    coordinates), for a site's Normal ``fn`` whose parameters are free of ``theta``:
+    ``log N(mean; loc, s) - var / (2 s^2)``, summed over its event dims as ``fn.log_prob``."""
+    base, mask, ndims = unwrap(fn)
+    lp = base.log_prob(mean) - var / (2 * base.scale**2)
+    if mask is not None:
+        lp = torch.where(mask, lp, lp.new_zeros(()))
+    return sum_rightmost(lp, ndims)
+
+
+def block_moments(an, ctx, owned) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """``{site: (mean, variance)}`` of the block's ``q`` (detached, the site's shape) for each
+    site in ``owned`` whose prior is an expected-prior factor (kind ``CONJUGATE_PRIOR``) with a
+    loc free of the block: the remainder reads those priors at :func:`expected_log_prior`."""
+    out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    if ctx is None or ctx.marginal is None or an.remainder_discrete:
+        return out
+    owned = set(owned)
+    for block in an.blocks:
+        for f in block.factors:
+            if f.kind != CONJUGATE_PRIOR or f.site not in owned or f.scale.reads_block:
+                continue
+            moments = _mean_var(ctx.marginal(f.site), an.values[f.site].shape)
+            if moments is not None:
+                out[f.site] = moments
+    return out
+
+
+def _mean_var(d, shape) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(d, torch.distributions.TransformedDistribution):
+        if not all(
+            isinstance(t, torch.distributions.transforms.ReshapeTransform) for t in d.transforms
+        ):
+            return None
+        d = d.base_dist
+    if isinstance(d, torch.distributions.Normal):
+        mean, var = d.loc, d.scale**2
+    elif isinstance(d, torch.distributions.MultivariateNormal):
+        mean, var = d.loc, d.covariance_matrix.diagonal(dim1=-2, dim2=-1)
+    else:
+        return None
+    return mean.detach().reshape(shape), var.detach().reshape(shape)
