@@ -31,7 +31,7 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (the owned factors, the discrete
     latents summed out): one batched model run (a particle plate, else ``vmap``; the first
     that agrees with one run per draw at the first step is kept), else one run per draw."""
-    mo = rao_blackwellised(block, ctx)
+    mo = rao_blackwellised(block, ctx, others)
     if block.vectorise is not None:
         if block.vectorise is not False:
             try:
@@ -58,12 +58,13 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     return looped
 
 
-def rao_blackwellised(block, ctx: StepContext) -> dict:
+def rao_blackwellised(block, ctx: StepContext, others) -> dict:
     """``{site: (mean, variance)}`` of the block latents whose prior the remainder owns as an
     expected-prior factor: their log-density is read as ``E_q(theta)[log N(theta; loc(u),
     s(u))]`` in closed form (:func:`~pyro_cvi.messages.prior_expected.expected_log_prior`),
-    the block's moments held fixed, instead of at a draw of ``theta``."""
-    return block_moments(block.analysis, ctx, block.owned)
+    the block's moments held fixed, instead of at a draw of ``theta`` (``others``: the draws
+    of the other blocks' latents the run reads)."""
+    return block_moments(block.analysis, ctx, block.owned, others)
 
 
 def _log_prob(node, name: str, moments) -> torch.Tensor:

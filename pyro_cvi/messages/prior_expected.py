@@ -25,7 +25,7 @@ exact in ``theta`` where the loc does not read the block, so that the remainder'
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 from pyro.distributions.util import sum_rightmost
@@ -87,35 +87,42 @@ def expected_log_prior(fn, mean: torch.Tensor, var: torch.Tensor) -> torch.Tenso
     return sum_rightmost(lp, ndims)
 
 
-def block_moments(an, ctx, owned) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """``{site: (mean, variance)}`` of the block's ``q`` (detached, the site's shape) for each
-    site in ``owned`` whose prior is an expected-prior factor (kind ``CONJUGATE_PRIOR``) with a
-    loc free of the block: the remainder reads those priors at :func:`expected_log_prior`."""
+def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """``{site: (mean, variance)}`` (detached, the site's shape) for each site in ``owned``
+    whose prior is an expected-prior factor (kind ``CONJUGATE_PRIOR``): the remainder reads
+    those priors at :func:`expected_log_prior`. Where the loc reads the block (``loc = A z + c``,
+    a tree member), the moments are those of ``theta - A z`` under the block's joint ``q``,
+    shifted by ``A z`` at ``others``' draw of ``z`` (the run's loc holds it), so that the
+    expectation is ``log N(E[theta - A z]; c, s) - Var[theta - A z] / (2 s^2)``."""
     out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-    if ctx is None or ctx.marginal is None or an.remainder_discrete:
+    if ctx is None or ctx.block_for is None or an.remainder_discrete:
         return out
     owned = set(owned)
-    for block in an.blocks:
-        for f in block.factors:
-            if f.kind != CONJUGATE_PRIOR or f.site not in owned or f.scale.reads_block:
+    for spec in an.blocks:
+        for f in spec.factors:
+            if f.kind != CONJUGATE_PRIOR or f.site not in owned:
                 continue
-            moments = _mean_var(ctx.marginal(f.site), an.values[f.site].shape)
+            moments = _residual_moments(ctx.block_for(f.site), f.site, f.scale, others)
             if moments is not None:
-                out[f.site] = moments
+                shape = an.values[f.site].shape
+                out[f.site] = (moments[0].reshape(shape), moments[1].reshape(shape))
     return out
 
 
-def _mean_var(d, shape) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    if isinstance(d, torch.distributions.TransformedDistribution):
-        if not all(
-            isinstance(t, torch.distributions.transforms.ReshapeTransform) for t in d.transforms
-        ):
-            return None
-        d = d.base_dist
-    if isinstance(d, torch.distributions.Normal):
-        mean, var = d.loc, d.scale**2
-    elif isinstance(d, torch.distributions.MultivariateNormal):
-        mean, var = d.loc, d.covariance_matrix.diagonal(dim1=-2, dim2=-1)
-    else:
+def _residual_moments(block, site: str, info, others):
+    if not hasattr(block, "joint"):
         return None
-    return mean.detach().reshape(shape), var.detach().reshape(shape)
+    inside = info.inside if info.reads_block else ()
+    if inside and not all(n in others for n in inside):
+        return None
+    q = block.joint([site, *inside])
+    m, V = q.loc.detach(), q.covariance_matrix.detach()
+    R = m.numel() - sum(int(others[n].numel()) for n in inside)
+    if not inside:
+        return m, V.diagonal()
+    A = info.A.to(m)
+    B = torch.cat([torch.eye(R, dtype=m.dtype, device=m.device), -A], 1)
+    z = torch.cat([others[n].detach().reshape(-1) for n in inside]).to(m)
+    mean = B @ m + A @ z
+    var = ((B @ V) * B).sum(1)
+    return mean, var

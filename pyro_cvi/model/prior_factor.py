@@ -56,6 +56,10 @@ class PriorInfo:
     H: Dict[str, torch.Tensor]
     #: whether the loc reads the block (a tree member)
     reads_block: bool = False
+    #: the block's other latents the loc reads and its coefficients ``A`` on their stacked
+    #: flattened values (``(R, size)``; the remainder's Rao-Blackwellised side reads them)
+    inside: Tuple[str, ...] = ()
+    A: Optional[torch.Tensor] = None
 
 
 def prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
@@ -123,7 +127,8 @@ def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
     G = dict(zip(order, J[:R, :U].detach().split(sizes, dim=1)))
     H = dict(zip(order, J[R:, :U].detach().split(sizes, dim=1)))
     reads_block = bool((Jz[:R] != 0).any()) if inside else False
-    return PriorInfo(order, u0, loc0.detach(), out0[R:].detach(), G, H, reads_block)
+    A = Jz[:R].detach() if reads_block else None
+    return PriorInfo(order, u0, loc0.detach(), out0[R:].detach(), G, H, reads_block, inside, A)
 
 
 def prior_applies(an, name: str, block) -> Optional[PriorInfo]:
