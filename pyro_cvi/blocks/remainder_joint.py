@@ -74,7 +74,7 @@ def _log_prob(node, name: str, moments) -> torch.Tensor:
     return fn.log_prob(node["value"], *node["args"], **node["kwargs"])
 
 
-def _looped(block, ctx: StepContext, draws: torch.Tensor, others, mo) -> torch.Tensor:
+def _looped(block, ctx: StepContext, draws: torch.Tensor, others, mo=None) -> torch.Tensor:
     per = []
     enum = block.analysis.enum_dims if block.analysis.remainder_discrete else None
     for k in range(draws.shape[0]):
@@ -86,7 +86,7 @@ def _looped(block, ctx: StepContext, draws: torch.Tensor, others, mo) -> torch.T
     return torch.stack(per)
 
 
-def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others, mo):
+def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others, mo=None):
     """One draw's log joint mapped over the draws by ``torch.func.vmap`` (Pyro's argument
     checks, data-dependent branches, are off inside; a model that draws random numbers of its
     own is refused)."""
@@ -104,7 +104,7 @@ def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others, mo):
     return torch.func.vmap(one, randomness="error")(draws)
 
 
-def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others, mo):
+def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others, mo=None):
     K, P = draws.shape[0], block.analysis.plate_dims
     values, logdet = {}, draws.new_zeros(K)
     for s in block.sites:
