@@ -127,8 +127,12 @@ def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
     G = dict(zip(order, J[:R, :U].detach().split(sizes, dim=1)))
     H = dict(zip(order, J[R:, :U].detach().split(sizes, dim=1)))
     reads_block = bool((Jz[:R] != 0).any()) if inside else False
-    A = Jz[:R].detach() if reads_block else None
-    return PriorInfo(order, u0, loc0.detach(), out0[R:].detach(), G, H, reads_block, inside, A)
+    A, read = None, ()
+    if reads_block:  # (only the block latents the loc reads: their coefficients)
+        parts = Jz[:R].detach().split(zsizes, dim=1)
+        keep = [i for i, a in enumerate(parts) if bool((a != 0).any())]
+        read, A = tuple(inside[i] for i in keep), torch.cat([parts[i] for i in keep], 1)
+    return PriorInfo(order, u0, loc0.detach(), out0[R:].detach(), G, H, reads_block, read, A)
 
 
 def prior_applies(an, name: str, block) -> Optional[PriorInfo]:
