@@ -274,3 +274,40 @@ def test_the_reported_loss_has_no_variance_from_the_prior_draws(dtype):
         reported = torch.tensor([svi.evaluate_loss(sigma, y) for _ in range(200)])
         trace = torch.tensor([Trace_ELBO().loss(schools, guide, sigma, y) for _ in range(200)])
     assert float(reported.std()) < 0.5 * float(trace.std()), (reported.std(), trace.std())
+
+
+def walk(sigma, y):
+    """A random walk with a latent step scale, ``x = cumsum(eps)`` (the prior's loc free of
+    the block: the remainder reads ``eps``' marginal moments)."""
+    step = pyro.sample("step", dist.LogNormal(y.new_tensor(-1.0), 1.0))
+    with pyro.plate("time", y.shape[0]):
+        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), step))
+    with pyro.plate("obs_time", y.shape[0]):
+        pyro.sample("obs", dist.Normal(eps.cumsum(-1), sigma), obs=y)
+
+
+@DTYPES
+def test_a_walk_loss_against_trace_elbo(dtype):
+    """The reported loss of the random walk (``eps`` named, its step scale in the remainder)
+    against ``Trace_ELBO`` of the same guide, within 3 standard errors."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    g = torch.Generator().manual_seed(5)
+    y = (0.3 * torch.randn(20, generator=g, dtype=torch.float64)).cumsum(0).to(dtype)
+    sigma = torch.tensor(0.4, dtype=dtype)
+    guide = AutoCVI(walk, families={"eps": "gaussian"})
+    svi = SVI(walk, guide, CVI(), CVI_ELBO())
+    for _ in range(60):
+        svi.step(sigma, y)
+    assert CONJUGATE_PRIOR in guide.explain()
+    assert guide.engine.analysis.remainder == ["step"]
+    with torch.no_grad():
+        reported = torch.tensor(
+            [svi.evaluate_loss(sigma, y) for _ in range(400)], dtype=torch.float64
+        )
+        trace = torch.tensor(
+            [Trace_ELBO(num_particles=200).loss(walk, guide, sigma, y) for _ in range(10)],
+            dtype=torch.float64,
+        )
+    se = math.hypot(reported.std() / math.sqrt(400), trace.std() / math.sqrt(10))
+    assert abs(float(reported.mean() - trace.mean())) < 3 * se + 1e-3, (reported.mean(), se)
