@@ -61,6 +61,8 @@ class StepContext:
     sample_q: Optional[Callable] = None
     #: ``name -> Distribution``: the current ``q`` of latent ``name`` (its block's marginal)
     marginal: Optional[Callable] = None
+    #: ``name -> Block``: the block that holds latent ``name`` (its joint ``q``)
+    block_for: Optional[Callable] = None
     #: ``() -> trace``: the model traced again at the current q (the sequential schedule)
     retrace: Optional[Callable] = None
     #: ``StepReport -> None``: counts (and warns about) a step taken inside the loss

@@ -128,17 +128,18 @@ class Engine:
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options
-        an = Analysis(
-            self.model,
-            args,
-            kwargs,
-            prototype_trace,
-            o.covariance,
-            o.families,
-            o.discrete,
-            own_leaves=self.own_leaves,
-            **analysis_options(o),  # (what the kinds admit: blocks/registry.py)
-        )
+        with torch.enable_grad():  # (its probes differentiate, also under evaluate_loss)
+            an = Analysis(
+                self.model,
+                args,
+                kwargs,
+                prototype_trace,
+                o.covariance,
+                o.families,
+                o.discrete,
+                own_leaves=self.own_leaves,
+                **analysis_options(o),  # (what the kinds admit: blocks/registry.py)
+            )
         self.analysis = an
         self.data_key = data_key(args, kwargs) + closure_key(self.model)
         self._data_held = (args, kwargs)  # (the key's identities stay unique while held)
@@ -291,6 +292,7 @@ class Engine:
             ctx.subsample, exclude, at_means
         )
         ctx.marginal = lambda name: self.block_for(name).marginal(name)
+        ctx.block_for = self.block_for
         ctx.retrace = lambda: self._trace(ctx)
         ctx.report = self._report
         state = self._model_state(args, kwargs)

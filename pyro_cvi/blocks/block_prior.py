@@ -10,22 +10,39 @@ from typing import List, Optional
 import torch
 
 from ..linear_gaussian import GaussianPrior
+from ..messages.prior_expected import expected_prior
 from ..model.analysis import BlockSpec
 from ..model.gaussian_tree import tree_prior
+from ..model.records import CONJUGATE_PRIOR
 from ..model.tracing import latent_weight, unwrap
 
-__all__ = ["block_prior", "temper"]
+__all__ = ["block_prior", "expected_in", "temper"]
 
 
-def block_prior(spec: BlockSpec, trace) -> GaussianPrior:
-    """The joint Normal/MVN prior of a block's sites, read off a trace of the model."""
+def block_prior(spec: BlockSpec, trace, ctx=None) -> GaussianPrior:
+    """The joint Normal/MVN prior of a block's sites, read off a trace of the model; with a
+    step context ``ctx``, a tree member whose prior reads the remainder (``CONJUGATE_PRIOR``)
+    at its expected natural parameters under the remainder's ``q``
+    (:mod:`~pyro_cvi.messages.prior_expected`)."""
     if spec.prior_rows:  # a linear-Gaussian tree: the joint prior in information form
-        return tree_prior(spec, trace, _gaussian_prior)
+        expected = None
+        if ctx is not None and ctx.block_for is not None:
+            expected = {f.site: expected_prior(ctx, f) for f in spec.factors if expected_in(f)}
+        return tree_prior(spec, trace, _gaussian_prior, expected)
     parts = [
         _gaussian_prior(trace.nodes[n]["fn"], k, latent_weight(trace.nodes[n]))
         for n, k in zip(spec.names, spec.sizes)
     ]
     return parts[0] if len(parts) == 1 else _block_diag(parts)
+
+
+def expected_in(spec_or_factor) -> bool:
+    """Whether a block (its spec) or a factor has a prior read at expected natural parameters
+    (it moves with the remainder's ``q``: no refresh is skipped)."""
+    factors = getattr(spec_or_factor, "factors", None)
+    if factors is None:
+        return spec_or_factor.kind == CONJUGATE_PRIOR
+    return any(f.kind == CONJUGATE_PRIOR for f in factors)
 
 
 def _gaussian_prior(fn, D: int, weight: Optional[torch.Tensor] = None) -> GaussianPrior:

@@ -56,7 +56,7 @@ from ..model.records import CONJUGATE_SCALE, CONJUGATE_SCALE_MC, PRIOR
 from ..model.tracing import linked_reader, subsample_values, trace_model, unwrap
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, cvi_update, damped_step, targets_from_grads
 from .base import stored
-from .block_prior import block_prior
+from .block_prior import block_prior, expected_in
 from .enumerated_sites import ENUMERATED, EnumeratedSites
 from .hidden_draws import draw_weight, undamped_targets
 from .init_start import InitLocStart
@@ -181,8 +181,8 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
             sites[name].data.copy_(target)
 
     # ------------------------------------------------------------------ conjugate computation
-    def _prior(self, trace) -> GaussianPrior:
-        return block_prior(self.spec, trace)
+    def _prior(self, trace, ctx: Optional[StepContext] = None) -> GaussianPrior:
+        return block_prior(self.spec, trace, ctx)  # (expected priors at ctx's q)
 
     def refresh(self, ctx: StepContext) -> GaussianPrior:
         """Rebuild ``eta`` (prior and conjugate rows) and the site rows from the step's trace,
@@ -190,7 +190,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
         tr = ctx.trace
         if tr is self._refreshed_from:  # the same trace (a static model): nothing changed
             return self.prior
-        prior = self._prior(tr)
+        prior = self._prior(tr, ctx)
         sites = self._sites()
         rows, elbo_rows, graph_rows, graph_fns = [], [], [], {}
         for f in self.spec.factors:
@@ -236,7 +236,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
             self.post = self._graph[3].detached()
         elif not same:
             self.post = self._solve()
-        self._refreshed_from = tr if not prior.loc.requires_grad else None
+        self._refreshed_from = None if prior.loc.requires_grad or expected_in(self.spec) else tr
         return prior
 
     def _jacobian(self, f, ctx: StepContext, create_graph: bool = False) -> torch.Tensor:

@@ -3,7 +3,9 @@
 summed out (Pyro's TraceEnum contraction), the other blocks' latents at ``others`` (their
 draws from ``q``, for factors shared with exact blocks). One model run with a particle plate
 left of the model's plates when the model broadcasts over it (checked once against one run per
-draw), else one run per draw."""
+draw), else one run per draw. The prior of a block latent read at expected natural parameters
+(kind ``conjugate (E prior)``) enters Rao-Blackwellised over the block's ``q``
+(:func:`rao_blackwellised`), not at the block's draw."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from pyro.poutine.trace_struct import Trace
 
 from ..context import StepContext
 from ..messages.collapsed import collapsed_log_prob
+from ..messages.prior_expected import block_moments, expected_log_prior
 from ..model.tracing import run_model
 
-__all__ = ["remainder_log_joint"]
+__all__ = ["rao_blackwellised", "remainder_log_joint"]
 
 
 _REFUSED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
@@ -28,22 +31,23 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (the owned factors, the discrete
     latents summed out): one batched model run (a particle plate, else ``vmap``; the first
     that agrees with one run per draw at the first step is kept), else one run per draw."""
+    mo = rao_blackwellised(block, ctx, others)
     if block.vectorise is not None:
         if block.vectorise is not False:
             try:
-                out = block.vectorise(block, ctx, draws, others)
+                out = block.vectorise(block, ctx, draws, others, mo)
             except _REFUSED:
                 out = None
             if out is not None:
                 return out
             block.vectorise = False  # (a model whose path changed with the values)
-        return _looped(block, ctx, draws, others)
-    looped = _looped(block, ctx, draws, others)
+        return _looped(block, ctx, draws, others, mo)
+    looped = _looped(block, ctx, draws, others, mo)
     tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
     block.vectorise = False
     for way in (_vectorised, _vmapped):
         try:
-            found = way(block, ctx, draws, others)
+            found = way(block, ctx, draws, others, mo)
         except _REFUSED:
             found = None
         if found is not None and bool(
@@ -54,19 +58,35 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     return looped
 
 
-def _looped(block, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
+def rao_blackwellised(block, ctx: StepContext, others) -> dict:
+    """``{site: (mean, variance)}`` of the block latents whose prior the remainder owns as an
+    expected-prior factor: their log-density is read as ``E_q(theta)[log N(theta; loc(u),
+    s(u))]`` in closed form (:func:`~pyro_cvi.messages.prior_expected.expected_log_prior`),
+    the block's moments held fixed, instead of at a draw of ``theta`` (``others``: the draws
+    of the other blocks' latents the run reads)."""
+    return block_moments(block.analysis, ctx, block.owned, others)
+
+
+def _log_prob(node, name: str, moments) -> torch.Tensor:
+    fn: Any = node["fn"]
+    if name in moments:
+        return expected_log_prior(fn, *moments[name])
+    return fn.log_prob(node["value"], *node["args"], **node["kwargs"])
+
+
+def _looped(block, ctx: StepContext, draws: torch.Tensor, others, mo=None) -> torch.Tensor:
     per = []
     enum = block.analysis.enum_dims if block.analysis.remainder_discrete else None
     for k in range(draws.shape[0]):
         values, logdet = block.unpack(draws[k])
         tr = run_model(ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
         sites = [s for s in block.owned if s in tr.nodes]
-        lp = collapsed_log_prob(tr, sites) if enum is not None else _site_sum(tr, sites)
+        lp = collapsed_log_prob(tr, sites) if enum is not None else _site_sum(tr, sites, mo)
         per.append(lp + logdet)
     return torch.stack(per)
 
 
-def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others):
+def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others, mo=None):
     """One draw's log joint mapped over the draws by ``torch.func.vmap`` (Pyro's argument
     checks, data-dependent branches, are off inside; a model that draws random numbers of its
     own is refused)."""
@@ -79,12 +99,12 @@ def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others):
         with pyro.validation_enabled(False):
             tr = run_model(ctx.model, {**fixed, **values}, ctx.args, ctx.kwargs, None)
             sites = [s for s in block.owned if s in tr.nodes]
-            return _site_sum(tr, sites) + logdet
+            return _site_sum(tr, sites, mo) + logdet
 
     return torch.func.vmap(one, randomness="error")(draws)
 
 
-def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others):
+def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others, mo=None):
     K, P = draws.shape[0], block.analysis.plate_dims
     values, logdet = {}, draws.new_zeros(K)
     for s in block.sites:
@@ -108,18 +128,17 @@ def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others):
             return None
     if block.analysis.remainder_discrete:
         return collapsed_log_prob(tr, sites, "_cvi_particles") + logdet
-    return _particle_sums(tr, sites, K, P) + logdet
+    return _particle_sums(tr, sites, K, P, mo) + logdet
 
 
-def _site_sum(tr: Trace, sites: Sequence[str]) -> torch.Tensor:
+def _site_sum(tr: Trace, sites: Sequence[str], moments=None) -> torch.Tensor:
     """``sum_a scale_a * mask_a * log p_a`` over ``sites`` of a trace with nothing summed out:
     what :func:`collapsed_log_prob` contracts to there (the same terms, added in the same
     order: grouped by their plates, each group in site order), without its packing."""
     groups: dict = {}
     for name in sites:
         node = tr.nodes[name]
-        fn: Any = node["fn"]
-        lp = fn.log_prob(node["value"], *node["args"], **node["kwargs"])
+        lp = _log_prob(node, name, moments or {})
         lp = scale_and_mask(lp, node["scale"], node["mask"])
         key = frozenset(f.name for f in node["cond_indep_stack"] if f.vectorized)
         groups.setdefault(key, []).append(lp)
@@ -130,14 +149,13 @@ def _site_sum(tr: Trace, sites: Sequence[str]) -> torch.Tensor:
     return total if total is not None else torch.zeros(())
 
 
-def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int) -> torch.Tensor:
+def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int, moments=None) -> torch.Tensor:
     """``sum_a scale_a * mask_a * log p_a`` per particle, without enumeration: the sum that
     :func:`collapsed_log_prob` contracts to when nothing is summed out, taken directly."""
     total = None
     for name in sites:  # (each has the particle dim: checked by the caller)
         node = tr.nodes[name]
-        fn: Any = node["fn"]
-        lp = scale_and_mask(fn.log_prob(node["value"]), node["scale"], node["mask"])
+        lp = scale_and_mask(_log_prob(node, name, moments or {}), node["scale"], node["mask"])
         lp = lp.movedim(lp.dim() - 1 - P, 0)
         lp = lp.expand((K,) + lp.shape[1:]).reshape(K, -1).sum(-1)
         total = lp if total is None else total + lp

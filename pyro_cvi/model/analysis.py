@@ -215,7 +215,7 @@ class Analysis:
         self.regroup()
         if remainder:
             chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
-            apply_remainder(self, *remainder_sets(self, chosen, remainder))
+            apply_remainder(self, *remainder_sets(self, chosen, remainder, families))
 
     def regroup(self) -> None:
         """Group the Gaussian blocks and classify every factor (again, after latents moved)."""

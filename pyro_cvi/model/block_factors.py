@@ -22,6 +22,7 @@ import pyro.poutine
 import torch
 
 from . import probes
+from .prior_factor import prior_factor
 from .records import (
     CONJUGATE_ENUM,
     CONJUGATE_MC,
@@ -67,7 +68,9 @@ def cross_factor(an, site: str, inside: Set[str]) -> None:
     given = ", ".join(sorted(an.latents_of(site) & inside))
     for b in sorted(blocks):
         block = an.blocks[b]
-        expected = scale_factor(an, site, block)  # conjugate given the scale (eq. 20)
+        expected = prior_factor(an, site, block)  # a block latent's prior given its scale
+        if expected is None:
+            expected = scale_factor(an, site, block)  # conjugate given the scale (eq. 20)
         if expected is not None:
             block.factors.append(expected)
             continue

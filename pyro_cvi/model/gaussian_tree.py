@@ -17,7 +17,7 @@ off autograd and confirmed at the block's probe runs (:func:`group`).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Set
+from typing import Callable, Dict, Optional, Set
 
 import torch
 
@@ -83,7 +83,7 @@ def prunable(an, cand: Set[str]) -> Set[str]:
     return out
 
 
-def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
+def joint_prior_information(spec, trace, roots: Dict[str, tuple], expected=None):
     """``(P, h, plugin, (log_norm, weighted))`` of a block's joint prior (module docstring).
     ``roots``:
     ``name -> (P_r, m_r)`` of the members with a latent-free prior; ``spec.prior_rows``:
@@ -93,7 +93,9 @@ def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
     field estimates, and whose Monte Carlo messages the scale's latents get). A member with a
     weight ``k`` (``poutine.scale`` / ``mask``: :func:`~pyro_cvi.model.tracing.latent_weight`)
     contributes ``k`` times its conditional: ``w -> k w`` and ``n = k log(w / 2 pi) / 2``;
-    the last item is ``(sum n, whether any member is weighted)``."""
+    the last item is ``(sum n, whether any member is weighted)``. ``expected``:
+    ``name -> (w, c)`` of members whose conditional is read at its expected natural
+    parameters instead (:mod:`~pyro_cvi.messages.prior_expected`)."""
     like = next(iter(roots.values()))[0] if roots else next(iter(spec.prior_rows.values()))
     D = spec.dim
     P = like.new_zeros(D, D)
@@ -116,6 +118,9 @@ def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
         base = unwrap(fn)[0]
         loc = base.loc.detach().expand(fn.shape()).reshape(-1).to(like)
         w = (base.scale.detach() ** -2).expand(fn.shape()).reshape(-1).to(like)
+        if expected and n in expected:  # (E_q[1/s^2], E_q[c/s^2] / E_q[1/s^2]): loc = A z + c
+            w, c_at = (t.to(like) for t in expected[n])
+            loc = c_at + A @ z
         weight = latent_weight(trace.nodes[n])
         kw = like.new_ones(()) if weight is None else weight.to(like).reshape(-1)
         weighted = weighted or weight is not None
@@ -132,10 +137,11 @@ def joint_prior_information(spec, trace, roots: Dict[str, tuple]):
     return P, h, plugin, (log_norm, weighted)
 
 
-def tree_prior(spec, trace, root_prior: Callable):
+def tree_prior(spec, trace, root_prior: Callable, expected: Optional[Dict] = None):
     """The block's joint prior (a ``GaussianPrior`` in precision form) from
     :func:`joint_prior_information`; ``root_prior(fn, k, weight)`` reads a latent-free member's
-    prior. Its plug-in conditionals ride along as ``prior.plugin``."""
+    prior. Its plug-in conditionals ride along as ``prior.plugin``; ``expected``: see
+    :func:`joint_prior_information`."""
     roots, parts = {}, []
     for n, k in zip(spec.names, spec.sizes):
         if n not in spec.prior_rows:
@@ -143,7 +149,7 @@ def tree_prior(spec, trace, root_prior: Callable):
             p = root_prior(node["fn"], k, latent_weight(node))
             roots[n] = (p.precision_matrix(), p.loc)
             parts.append(p)
-    P, h, plugin, (rows, weighted) = joint_prior_information(spec, trace, roots)
+    P, h, plugin, (rows, weighted) = joint_prior_information(spec, trace, roots, expected)
     log_norm = None
     if weighted or any(p.log_norm is not None for p in parts):
         log_norm = rows + sum(p.normaliser() for p in parts)

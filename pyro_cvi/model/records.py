@@ -31,6 +31,10 @@ LINEAR_ENUM = "linear-predictor (enumerated)"
 #: closed form (a log-normal scale) or averaged over many draws of the other blocks' ``q``
 CONJUGATE_SCALE = "conjugate (E 1/s^2)"
 CONJUGATE_SCALE_MC = "conjugate (MC 1/s^2)"
+#: the Normal prior of a Gaussian block latent whose loc and scale are other blocks' latents
+#: (``theta ~ Normal(mu, tau)`` beside the remainder): the prior at ``E_q[1/s^2]`` and
+#: ``E_q[loc/s^2]`` in closed form (eq. 20, :mod:`~pyro_cvi.model.prior_factor`)
+CONJUGATE_PRIOR = "conjugate (E prior)"
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients

@@ -42,13 +42,14 @@ the user chose (``AutoCVI(families=...)``, other than ``"gaussian"``), or a data
 
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..families.gamma import Gamma
 from . import conjugate_pairs as cp
 from . import probes
+from .prior_factor import prior_applies
 from .records import COLLAPSED, GENERAL, NATGRAD, NATURAL, REMAINDER, SITE, Factor
 from .tracing import is_random, unwrap
 
@@ -74,20 +75,23 @@ def _components(an, nodes: Set[str]) -> Dict[str, str]:
     return {n: find(n) for n in nodes}
 
 
-def _seeds(an, moves) -> Set[str]:
+def _seeds(an, moves, own: Set[str] = frozenset()) -> Set[str]:
     """Latents with a general (Monte Carlo) factor; ``moves(D)``: whether a Gaussian block of
     ``D`` coordinates with a general factor moves (small blocks keep their exact rows and
-    Price's dense Hessian messages)."""
+    Price's dense Hessian messages). A block with a latent the user named ``"gaussian"``
+    (``own``) whose general factors are all Gaussian-linear given the others is no seed: they
+    become exact expected messages beside the remainder."""
     seeds = set()
     for name, info in an.latents.items():
         if info.form == NATURAL and any(f.kind in (GENERAL, COLLAPSED) for f in info.factors):
             seeds.add(name)
     for block in an.blocks:
-        if (
-            block.chain is None
-            and moves(block.dim)
-            and any(f.kind == GENERAL and f.plate is None for f in block.factors)
-        ):
+        general = [f for f in block.factors if f.kind == GENERAL and f.plate is None]
+        if block.chain is None and moves(block.dim) and general:
+            if set(block.names) & own and all(
+                conjugate_given_others(an, f.site, block.names) for f in general
+            ):
+                continue
             seeds.update(block.names)
     return seeds
 
@@ -101,19 +105,45 @@ def _blocked(an, name: str, chosen: Set[str]) -> bool:
     return any(f.name in an.minibatch_plates for f in frames)
 
 
-def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Dict[str, List[str]]]:
+def remainder_sets(
+    an, chosen: Set[str], moves, families: Optional[Dict[str, str]] = None
+) -> Tuple[List[str], Set[str], Dict[str, List[str]]]:
     """``(continuous latents of the remainder in model order, discrete latents it sums out,
     {Gamma precision kept beside it: its factors with Monte Carlo expected messages})``.
 
     ``chosen``: latents whose family the user fixed (they and their components stay out);
-    ``moves(D)``: whether a Gaussian block of ``D`` coordinates with a general factor joins."""
-    seeds = _seeds(an, moves)
+    ``moves(D)``: whether a Gaussian block of ``D`` coordinates with a general factor joins;
+    ``families``: the user's ``AutoCVI(families=...)``; a latent named ``"gaussian"`` whose
+    Normal prior reads remainder latents keeps its exact block beside the remainder (the
+    prior's expected message, :mod:`~pyro_cvi.model.prior_factor`) where it applies."""
+    own = {n for n, f in (families or {}).items() if f == "gaussian"}
+    while True:
+        out, kept = _remainder_sets(an, chosen, moves, own)
+        members = set(out[0])
+        late = {  # a kept prior's parents must all end in the remainder (its closed form)
+            n for n in kept & own if an.latents_of(n) - _block_names(an, n) - members
+        }
+        if not late:
+            return out
+        own -= late
+
+
+def _block_names(an, name: str) -> Set[str]:
+    info = an.latents.get(name)
+    if info is None or info.block is None:
+        return {name}
+    return set(an.blocks[info.block].names)
+
+
+def _remainder_sets(an, chosen: Set[str], moves, own: Set[str]):
+    seeds = _seeds(an, moves, own)
     precisions = _precision_candidates(an, seeds)
     seeds -= set(precisions)
     if not seeds:
-        return [], set(), {}
+        return ([], set(), {}), set()
     nodes = {n for n in an.values if n not in an.leaves}
-    comp = _components(an, nodes - _kept_blocks(an, seeds, moves) - set(precisions))
+    kept_blocks = _kept_blocks(an, seeds, moves, own)
+    comp = _components(an, nodes - kept_blocks - set(precisions))
     roots = {comp[s] for s in seeds}
     if any(comp.get(n) in roots for n in an.discrete):  # such a component takes its Gaussian
         comp = _components(an, nodes)  # blocks in (the module docstring)
@@ -136,7 +166,7 @@ def remainder_sets(an, chosen: Set[str], moves) -> Tuple[List[str], Set[str], Di
         for z, sites in precisions.items()
         if all(an.latents_of(s) - {z} <= members for s in sites)
     }
-    return continuous, discrete, kept
+    return (continuous, discrete, kept), kept_blocks
 
 
 def prior_in_family(an, name: str) -> bool:
@@ -207,18 +237,22 @@ def precision_given_others(an, site: str, z: str) -> bool:
     return cp.check_monomial(precision, an.ref[z], probes.rtol(an.ref[z].dtype)) is None
 
 
-def _kept_blocks(an, seeds: Set[str], moves) -> Set[str]:
+def _kept_blocks(an, seeds: Set[str], moves, own: Set[str] = frozenset()) -> Set[str]:
     """Members of the Gaussian site blocks that stay exact beside the remainder (Algorithm 2:
     messages under the other blocks' ``q``): no seed, no Markov chain, a prior free of outside
-    latents, few enough coordinates for Price's dense Hessian (exact given the outside
-    latents), and every factor it shares with outside latents Gaussian-linear given them
-    (:func:`conjugate_given_others`)."""
+    latents (or, for a latent in ``own``, a Normal prior affine in them,
+    :func:`~pyro_cvi.model.prior_factor.prior_applies`), few enough coordinates for Price's dense
+    Hessian (exact given the outside latents), and every factor it shares with outside latents
+    Gaussian-linear given them (:func:`conjugate_given_others`)."""
     kept = set()
     for block in an.blocks:
         names = set(block.names)
-        if block.chain is not None or names & seeds or moves(block.dim):
-            continue
-        if any(an.latents_of(n) - names for n in block.names):
+        if block.chain is not None or names & seeds or (moves(block.dim) and not names & own):
+            continue  # (a named block's shared factors must all be Gaussian-linear, below)
+        if any(
+            an.latents_of(n) - names and not (n in own and prior_applies(an, n, block) is not None)
+            for n in block.names
+        ):
             continue
         shared = [
             site

@@ -1,0 +1,128 @@
+"""The expected prior of a Gaussian block latent whose loc and scale live in the remainder.
+
+For ``theta ~ Normal(loc, s)`` with ``loc = c + G u`` and ``log s = d + H u`` in the
+remainder's unconstrained coordinates ``u`` (:mod:`~pyro_cvi.model.prior_factor`), under
+``q(u) = N(m, S)`` and per row (``g``, ``h`` its coefficients):
+
+    E[1/s^2]   = exp(-2 (d + h'm) + 2 h'S h),
+    E[loc/s^2] = (c + g'm - 2 g'S h) E[1/s^2]
+
+(``E[x e^{a'u}] = (E[x] + cov(x, a'u)) E[e^{a'u}]`` for jointly Gaussian ``x, u``). The block's
+prior for that latent is then ``N(E[loc/s^2] / E[1/s^2], 1 / E[1/s^2])``: its natural
+parameters are the expected ones (eq. 20), exact given the remainder's ``q``; in a
+linear-Gaussian tree (``loc = A z + c``, ``z`` the block) the conditional's precision is
+``E[1/s^2]`` and its offset ``E[c/s^2] / E[1/s^2]``.
+
+The remainder's side of the same factor (its ELBO term and its message to ``u``) is
+Rao-Blackwellised over the block's ``q(theta) = N(m_theta, v_theta)`` per coordinate
+(:func:`expected_log_prior`):
+
+    E_q(theta)[log N(theta; loc, s)] = log N(m_theta; loc, s) - v_theta / (2 s^2),
+
+exact in ``theta`` where the loc does not read the block, so that the remainder's gradient in
+``u`` carries no draw of ``theta``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from pyro.distributions.util import sum_rightmost
+
+from ..model.records import CONJUGATE_PRIOR
+from ..model.tracing import unwrap
+
+__all__ = ["block_moments", "expected_log_prior", "expected_prior", "expected_prior_moments"]
+
+
+def expected_prior_moments(
+    info, m: torch.Tensor, S: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(E[1/s^2], E[loc/s^2])`` per row of the prior :class:`PriorInfo` ``info`` under
+    ``N(m, S)`` on the given latents' stacked unconstrained values (their order in ``info``)."""
+    G = torch.cat([info.G[x] for x in info.given], 1).to(m)
+    H = torch.cat([info.H[x] for x in info.given], 1).to(m)
+    du = m - torch.cat([info.u0[x] for x in info.given]).to(m)
+    loc = info.loc0.to(m) + G @ du
+    log_s = info.log_scale0.to(m) + H @ du
+    HS = H @ S
+    var = (HS * H).sum(1)
+    cov = (HS * G).sum(1)
+    e_prec = torch.exp(-2 * log_s + 2 * var)
+    return e_prec, (loc - 2 * cov) * e_prec
+
+
+def expected_prior(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(w, c)`` per row of ``factor``'s latent's conditional prior (kind ``CONJUGATE_PRIOR``):
+    its precision ``E[1/s^2]`` and its loc's offset ``E[c/s^2] / E[1/s^2]`` (the block's own
+    part of the loc, ``A z``, stays the tree's) at the current ``q`` of the remainder that
+    holds the latents its loc and scale read."""
+    info = factor.scale
+    blocks = {id(ctx.block_for(x)): ctx.block_for(x) for x in info.given}
+    (rem,) = blocks.values() if len(blocks) == 1 else (None,)
+    if rem is None or not hasattr(rem, "joint_unconstrained"):
+        raise RuntimeError(
+            f"the prior of {factor.site!r} reads {', '.join(info.given)}, which are not all in "
+            "the remainder's joint Gaussian; drop "
+            f"families={{{factor.site!r}: 'gaussian'}} to fit {factor.site!r} jointly with them"
+        )
+    q = rem.joint_unconstrained()
+    starts = {s.name: (s.start, s.size) for s in rem.sites}
+    idx = torch.cat([torch.arange(starts[x][0], starts[x][0] + starts[x][1]) for x in info.given])
+    m = q.loc.detach()[idx]
+    S = q.covariance_matrix.detach()[idx][:, idx]
+    e_prec, e_loc = expected_prior_moments(info, m, S)
+    return e_prec, e_loc / e_prec
+
+
+def expected_log_prior(fn, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``E[log fn(theta)]`` under ``theta ~ N(mean, var)`` elementwise (independent
+    coordinates), for a site's Normal ``fn`` whose parameters are free of ``theta``:
+    ``log N(mean; loc, s) - var / (2 s^2)``, summed over its event dims as ``fn.log_prob``."""
+    base, mask, ndims = unwrap(fn)
+    lp = base.log_prob(mean) - var / (2 * base.scale**2)
+    if mask is not None:
+        lp = torch.where(mask, lp, lp.new_zeros(()))
+    return sum_rightmost(lp, ndims)
+
+
+def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """``{site: (mean, variance)}`` (detached, the site's shape) for each site in ``owned``
+    whose prior is an expected-prior factor (kind ``CONJUGATE_PRIOR``): the remainder reads
+    those priors at :func:`expected_log_prior`. Where the loc reads the block (``loc = A z + c``,
+    a tree member), the moments are those of ``theta - A z`` under the block's joint ``q``,
+    shifted by ``A z`` at ``others``' draw of ``z`` (the run's loc holds it), so that the
+    expectation is ``log N(E[theta - A z]; c, s) - Var[theta - A z] / (2 s^2)``."""
+    out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    if ctx is None or ctx.block_for is None or an.remainder_discrete:
+        return out
+    owned = set(owned)
+    for spec in an.blocks:
+        for f in spec.factors:
+            if f.kind != CONJUGATE_PRIOR or f.site not in owned:
+                continue
+            moments = _residual_moments(ctx.block_for(f.site), f.site, f.scale, others)
+            if moments is not None:
+                shape = an.values[f.site].shape
+                out[f.site] = (moments[0].reshape(shape), moments[1].reshape(shape))
+    return out
+
+
+def _residual_moments(block, site: str, info, others):
+    if not hasattr(block, "joint"):
+        return None
+    inside = info.inside if info.reads_block else ()
+    if inside and not all(n in others for n in inside):
+        return None
+    q = block.joint([site, *inside])
+    m, V = q.loc.detach(), q.covariance_matrix.detach()
+    R = m.numel() - sum(int(others[n].numel()) for n in inside)
+    if not inside:
+        return m, V.diagonal()
+    A = info.A.to(m)
+    B = torch.cat([torch.eye(R, dtype=m.dtype, device=m.device), -A], 1)
+    z = torch.cat([others[n].detach().reshape(-1) for n in inside]).to(m)
+    mean = B @ m + A @ z
+    var = ((B @ V) * B).sum(1)
+    return mean, var

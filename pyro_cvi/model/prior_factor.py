@@ -1,0 +1,164 @@
+"""The prior of a Gaussian block latent whose loc and scale live in the remainder (eq. 20).
+
+``theta ~ Normal(loc, s)`` with ``loc`` and ``s`` free of the block and read from other latents
+``x`` (a hierarchical ``theta_j ~ Normal(mu, tau)``, a random walk's increments under a latent
+step scale) is, for every value of ``x``, Gaussian in ``theta``; under a ``q`` that factorises
+between the block and the remainder its expected log-density is
+
+    E_q[log p] = -E[1/s^2] theta^2 / 2 + E[loc / s^2] theta + const,
+
+so the block's prior becomes ``N(E[loc/s^2] / E[1/s^2], 1 / E[1/s^2])`` per coordinate (the
+exact expected natural parameter, VMP). The expectations are in closed form where ``loc`` is
+affine and ``log s`` is affine in the remainder's unconstrained coordinates ``u`` (``mu`` real,
+``tau`` positive through ``exp``): with ``q(u) = N(m, S)``, ``loc = c + G u`` and
+``log s = d + H u`` per row,
+
+    E[1/s^2] = exp(-2 (d + H m) + 2 h' S h),   E[loc/s^2] = (c + G m - 2 g' S h) E[1/s^2]
+
+(``g, h``: the row's coefficients). :func:`prior_info` finds ``G`` and ``H`` by autograd at the
+reference values and confirms them at a random move (probing);
+:mod:`~pyro_cvi.messages.prior_expected` evaluates the message. Applied where the user names the
+latent in ``AutoCVI(families={name: "gaussian"})`` (docs/architecture.md, "Mean field or a
+joint Gaussian"); by default such latents share the remainder's joint Gaussian, which keeps
+the funnel's correlation between ``theta`` and ``log tau``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from torch.distributions import biject_to
+
+from . import probes
+from .records import CONJUGATE_PRIOR, Factor
+from .tracing import latent_weight, unwrap
+
+__all__ = ["PriorInfo", "prior_applies", "prior_factor", "prior_info"]
+
+
+@dataclass
+class PriorInfo:
+    """What the expected-prior message needs at run time: ``loc = A z + c0 + G (u - u0)`` and
+    ``log s = log_scale0 + H (u - u0)`` over the given latents' unconstrained values ``u``
+    (``A z``: the block's own part of the loc, a linear-Gaussian tree's, read by the block)."""
+
+    #: the latents the prior reads (model order)
+    given: Tuple[str, ...]
+    #: their flattened unconstrained values at the reference point
+    u0: Dict[str, torch.Tensor]
+    #: the loc's offset at ``u0`` without its block part, and the log scale at ``u0``
+    loc0: torch.Tensor
+    log_scale0: torch.Tensor
+    #: ``{latent: (R, size)}`` coefficients of the loc and of the log scale
+    G: Dict[str, torch.Tensor]
+    H: Dict[str, torch.Tensor]
+    #: whether the loc reads the block (a tree member)
+    reads_block: bool = False
+    #: the block's other latents the loc reads and its coefficients ``A`` on their stacked
+    #: flattened values (``(R, size)``; the remainder's Rao-Blackwellised side reads them)
+    inside: Tuple[str, ...] = ()
+    A: Optional[torch.Tensor] = None
+
+
+def prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
+    """The affine set-up of latent ``name``'s Normal prior in the unconstrained values of the
+    latents outside the block ``names`` it reads, or ``None`` where it does not apply (not a
+    Normal, a weighted or subsampled site, a scale reaching the block, discrete or summed-out
+    parents, loc and log scale not jointly affine in those values and the block's)."""
+    cache = an.__dict__.setdefault("_prior_infos", {})
+    key = (name, tuple(names))
+    if key not in cache:
+        cache[key] = _prior_info(an, name, names)
+    return cache[key]
+
+
+def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
+    tr, leaves = an.leaf_trace()
+    if name not in leaves or name in an.random_sites or an.minibatch_plate(name) is not None:
+        return None
+    node = tr.nodes[name]
+    if latent_weight(node) is not None:
+        return None
+    base = unwrap(node["fn"])[0]
+    if type(base).__name__ != "Normal" or not isinstance(base, torch.distributions.Normal):
+        return None
+    given = an.latents_of(name) - set(names)
+    bad = an.collapsed | an.remainder_discrete | set(an.discrete)
+    if not given or given & bad or not given <= set(leaves):
+        return None
+    order = tuple(n for n in an.values if n in given)
+    inside = tuple(n for n in names if n != name and n in leaves)
+    ts = {x: biject_to(an.structure.nodes[x]["fn"].support) for x in order}
+    u0 = {x: ts[x].inv(an.ref[x].detach()).reshape(-1) for x in order}
+    z0 = [an.ref[n].detach().reshape(-1) for n in inside]
+    sizes = [u0[x].numel() for x in order]
+    zsizes = [t.numel() for t in z0]
+    shape = node["fn"].shape()
+    U = sum(sizes)
+
+    def read(flat: torch.Tensor) -> torch.Tensor:
+        parts = dict(zip(order + inside, flat.split(sizes + zsizes)))
+        values = {x: ts[x](parts[x].reshape(an.ref[x].shape)) for x in order}
+        values.update({n: parts[n].reshape(an.ref[n].shape) for n in inside})
+        b = unwrap(an.run(**values).nodes[name]["fn"])[0]
+        loc = torch.as_tensor(b.loc).expand(shape).reshape(-1)
+        log_scale = torch.as_tensor(b.scale).expand(shape).log().reshape(-1)
+        return torch.cat([loc, log_scale])
+
+    flat0 = torch.cat([u0[x] for x in order] + z0)
+    with torch.enable_grad():
+        J = torch.autograd.functional.jacobian(read, flat0.clone())
+    with torch.no_grad():
+        out0 = read(flat0)
+        g = torch.Generator().manual_seed(7)
+        d = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+        out1 = read(flat0 + d)
+    R = out0.numel() // 2
+    if R != int(shape.numel()) or not bool(torch.isfinite(J).all()):
+        return None
+    if not probes.close(out1, out0 + J @ d, probes.rtol(flat0.dtype)):
+        return None  # not jointly affine (a coefficient moving with another latent)
+    Jz = J[:, U:]
+    if bool((Jz[R:] != 0).any()):
+        return None  # the scale reads the block: not conjugate to it
+    loc0 = out0[:R] - (Jz[:R] @ flat0[U:] if inside else 0)
+    G = dict(zip(order, J[:R, :U].detach().split(sizes, dim=1)))
+    H = dict(zip(order, J[R:, :U].detach().split(sizes, dim=1)))
+    reads_block = bool((Jz[:R] != 0).any()) if inside else False
+    A, read = None, ()
+    if reads_block:  # (only the block latents the loc reads: their coefficients)
+        parts = Jz[:R].detach().split(zsizes, dim=1)
+        keep = [i for i, a in enumerate(parts) if bool((a != 0).any())]
+        read, A = tuple(inside[i] for i in keep), torch.cat([parts[i] for i in keep], 1)
+    return PriorInfo(order, u0, loc0.detach(), out0[R:].detach(), G, H, reads_block, read, A)
+
+
+def prior_applies(an, name: str, block) -> Optional[PriorInfo]:
+    """:func:`prior_info` where the block can take it: a member of its linear-Gaussian tree
+    with a latent scale (the block reads its conditional, and the plug-in's part of the
+    block's ELBO is taken out, :func:`~pyro_cvi.model.gaussian_tree.tree_prior`)."""
+    if block.chain is not None:
+        return None
+    info = prior_info(an, name, block.names)
+    if info is None or name not in block.prior_rows or name not in block.scale_latent:
+        return None  # (a tree member with a latent scale: the block reads its conditional)
+    return info
+
+
+def prior_factor(an, site: str, block) -> Optional[Factor]:
+    """The expected-prior message of block latent ``site``'s own prior (see the module
+    docstring), or ``None`` where it does not apply."""
+    if site not in block.names:
+        return None
+    info = prior_applies(an, site, block)
+    if info is None:
+        return None
+    given = ", ".join(info.given)
+    why = (
+        f"Normal prior of {site}, log scale affine in the unconstrained {given}: precision "
+        f"E[1/s^2], offset E[c/s^2] / E[1/s^2] in closed form under the remainder's q (eq. 20; "
+        f"named families={{{site!r}: 'gaussian'}}: mean field, the default is the joint)"
+    )
+    return Factor(site, block.label, CONJUGATE_PRIOR, why, scale=info)

@@ -1,0 +1,232 @@
+"""Mean field against the joint Gaussian for block latents whose prior scale is a latent.
+
+A hierarchical ``theta_j ~ Normal(mu, tau)`` (or a random walk's increments under a latent step
+scale) with ``tau`` in the remainder. Two ways, both ``AutoCVI`` + ``CVI()``:
+
+* ``joint`` (the default, main f6790a0's classification): ``theta`` (and its block) share the
+  remainder's one joint Gaussian with ``tau``, which keeps their posterior correlation (the
+  funnel);
+* ``mean field`` (``AutoCVI(families={"theta": "gaussian"})``): ``theta``'s block stays exact
+  beside the remainder and reads its prior at ``E_q[1/tau^2]`` in closed form
+  (``model/prior_factor.py``); ``q(theta) q(tau)``.
+
+On the zoo's models with such latents and on two client-style models with many groups, both
+dtypes, in one process, the two ways alternating. Every guide is scored by ``Trace_ELBO``
+(``--eval-particles`` x 5 draws, not timed); "to 0.5" is the CPU time until a checkpoint's
+estimate is within 0.5 nat of the run's final one.
+
+Usage::
+
+    python scripts/benchmark_prior_messages.py --quick
+    python scripts/benchmark_prior_messages.py --out results/benchmark_prior_messages.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bench.reporting import Table, fmt, write_results  # noqa: E402
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
+
+#: zoo model -> the latents named for the mean field
+ZOO_MODELS = {
+    "eight_schools_centered": ["theta"],
+    "radon_varying_slope": ["a", "b"],
+    "varying_intercept_poisson": ["a"],
+    "hierarchical_logistic": ["alpha"],
+    "local_level": ["eps"],
+    "stochastic_volatility": ["increments"],
+}
+
+
+def many_schools(sigma, y):
+    """150 groups of 4 Normal observations (known scale), ``theta_j ~ Normal(mu, tau)``."""
+    mu = pyro.sample("mu", dist.Normal(sigma.new_tensor(0.0), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(sigma.new_tensor(2.0)))
+    with pyro.plate("groups", y.shape[0]):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        with pyro.plate("obs_per_group", y.shape[1]):
+            pyro.sample("obs", dist.Normal(theta, sigma), obs=y.T)
+
+
+def many_schools_data(dtype):
+    g = torch.Generator().manual_seed(3)
+    theta = 1.0 + 0.7 * torch.randn(150, generator=g, dtype=torch.float64)
+    y = theta[:, None] + torch.randn(150, 4, generator=g, dtype=torch.float64)
+    return (torch.tensor(1.0, dtype=dtype), y.to(dtype)), {}
+
+
+def grouped_regression(group, x, y, num_groups: int):
+    """60 groups of 10 points, varying intercepts, a common slope, a latent noise scale."""
+    mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_tensor(1.0)))
+    b = pyro.sample("b", dist.Normal(x.new_tensor(0.0), 2.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(x.new_tensor(1.0)))
+    with pyro.plate("groups", num_groups):
+        a = pyro.sample("a", dist.Normal(mu, tau))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Normal(a[group] + b * x, sigma), obs=y)
+
+
+def grouped_regression_data(dtype):
+    g = torch.Generator().manual_seed(4)
+    J, n = 60, 600
+    a = 0.5 + 0.4 * torch.randn(J, generator=g, dtype=torch.float64)
+    group = torch.arange(n) % J
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    y = a[group] + 0.8 * x + 0.6 * torch.randn(n, generator=g, dtype=torch.float64)
+    return (group, x.to(dtype), y.to(dtype), J), {}
+
+
+CLIENTS = {
+    "many_schools": (many_schools, many_schools_data, ["theta"], 300),
+    "grouped_regression": (grouped_regression, grouped_regression_data, ["a"], 300),
+}
+
+
+def entry(name, dtype):
+    """``(model, kwargs for AutoCVI, args, kwargs, named latents, steps)``."""
+    if name in CLIENTS:
+        model, data, named, steps = CLIENTS[name]
+        args, kwargs = data(dtype)
+        return model, {}, args, kwargs, named, steps
+    from zoo import ZOO
+
+    e = ZOO[name]
+    model, guide_kwargs = e.build(dtype)
+    d = e.data(dtype)
+    return model, guide_kwargs, d.args, d.kwargs, ZOO_MODELS[name], e.steps
+
+
+def score(model, guide, args, kwargs, particles, repeats=1):
+    with torch.no_grad():
+        v = [
+            Trace_ELBO(num_particles=particles).loss(model, guide, *args, **kwargs)
+            for _ in range(repeats)
+        ]
+    t = torch.tensor(v, dtype=torch.float64)
+    se = float(t.std() / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+    return float(t.mean()), se
+
+
+def run(name, dtype, way, particles, quick):
+    model, guide_kwargs, args, kwargs, named, steps = entry(name, dtype)
+    steps = min(steps, 100) if quick else steps
+    every = max(1, steps // 15)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    families = {n: "gaussian" for n in named} if way == "mean field" else None
+    guide = AutoCVI(model, families=families, **guide_kwargs)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    cpu, curve = 0.0, []
+    for i in range(1, steps + 1):
+        t = time.process_time()
+        svi.step(*args, **kwargs)
+        cpu += time.process_time() - t
+        if i % every == 0 and i < steps:
+            curve.append((cpu, score(model, guide, args, kwargs, max(10, particles // 5))[0]))
+    bound, se = score(model, guide, args, kwargs, particles, repeats=5)
+    curve.append((cpu, bound))
+    remainder = list(guide.engine.analysis.remainder)
+    kept = any("conjugate (E prior)" in line for line in guide.explain().splitlines())
+    return {
+        "bound": bound,
+        "se": se,
+        "cpu": cpu,
+        "to_0_5": next(t for t, v in curve if v <= bound + 0.5),
+        "remainder": remainder,
+        "expected_prior": kept,
+        "curve": curve,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="two models, float64, 100 steps")
+    p.add_argument("--out", default="results/benchmark_prior_messages.json")
+    p.add_argument("--eval-particles", type=int, default=400)
+    p.add_argument("--models", nargs="*", default=None)
+    p.add_argument("--dtypes", nargs="*", default=["float64", "float32"])
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    names = args.models or (
+        ["eight_schools_centered", "many_schools"]
+        if args.quick
+        else list(ZOO_MODELS) + list(CLIENTS)
+    )
+    dtypes = ["float64"] if args.quick else args.dtypes
+    particles = 100 if args.quick else args.eval_particles
+    table = Table(
+        "Mean field (an exact block beside the remainder) against the joint Gaussian",
+        [
+            ("model", "zoo or client model (-f32: float32)"),
+            ("way", "joint: the default; mean field: families={named: 'gaussian'}"),
+            ("-ELBO", "final Trace_ELBO estimate (5 x eval particles) +- SE"),
+            ("CPU s", "CPU seconds of the fit (one thread; scoring not timed)"),
+            ("to 0.5", "CPU seconds until a checkpoint is within 0.5 nat of the final bound"),
+            ("remainder", "the remainder's latents"),
+        ],
+    )
+    payload = {"eval_particles": particles, "rows": {}}
+    for name in names:
+        for dt in dtypes:
+            dtype = getattr(torch, dt)
+            key = name + ("-f32" if dtype == torch.float32 else "")
+            rec = {
+                way: run(name, dtype, way, particles, args.quick) for way in ("joint", "mean field")
+            }
+            payload["rows"][key] = rec
+            for way, r in rec.items():
+                table.add(
+                    key, way, f"{r['bound']:.3f} +- {r['se']:.3f}", fmt(r["cpu"], ".2f"),
+                    fmt(r["to_0_5"], ".2f"), ", ".join(r["remainder"]),
+                )  # fmt: skip
+    table.print()
+    better, same, worse = [], [], []
+    for key, rec in payload["rows"].items():
+        j, m = rec["joint"], rec["mean field"]
+        slack = max(0.5, 0.005 * abs(j["bound"])) + 3 * math.hypot(j["se"], m["se"])
+        d = m["bound"] - j["bound"]
+        (worse if d > slack else better if d < -slack else same).append(f"{key} ({d:+.2f})")
+    line = (
+        "Verdict: mean field beside the remainder against the joint (the default): "
+        f"worse on {len(worse)} ({', '.join(worse) or '-'}), same on {len(same)}"
+        f" ({', '.join(same) or '-'}), better on {len(better)} ({', '.join(better) or '-'}); "
+        + (
+            "the joint stays the default (the rule in docs/architecture.md)."
+            if worse or not better
+            else "mean field is never worse here."
+        )
+    )
+    print(line)
+    cmd = "python scripts/benchmark_prior_messages.py" + (" --quick" if args.quick else "")
+    write_results(
+        args.out,
+        payload,
+        title="Mean field against the joint for latents with a latent prior scale",
+        verdict=line,
+        tables=[table],
+        command=cmd,
+        quick=args.quick,
+    )
+
+
+if __name__ == "__main__":
+    main()
