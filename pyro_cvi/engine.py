@@ -419,8 +419,7 @@ class Engine:
         self.pending = ctx if grads else None
         self.last_mc_var = ctx.mc_var
         ctx.elbo = float(elbo.detach())
-        if ctx.report_shift:  # (a constant: the gradient is the decision's)
-            elbo = elbo + ctx.report_shift
+        elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
 
