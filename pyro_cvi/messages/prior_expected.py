@@ -30,6 +30,7 @@ from typing import Dict, Tuple
 import torch
 from pyro.distributions.util import sum_rightmost
 
+from ..gaussian import centred_exp_mean
 from ..model.records import CONJUGATE_PRIOR
 from ..model.tracing import unwrap
 
@@ -49,7 +50,7 @@ def expected_prior_moments(
     HS = H @ S
     var = (HS * H).sum(1)
     cov = (HS * G).sum(1)
-    e_prec = torch.exp(-2 * log_s + 2 * var)
+    e_prec = torch.exp(-2 * log_s) * centred_exp_mean(var.new_tensor(-2.0), var)
     return e_prec, (loc - 2 * cov) * e_prec
 
 
