@@ -210,7 +210,8 @@ def test_a_remainder_model_runs_its_check_trace_only_on_change(dtype):
     before = next(runs)
     for _ in range(4):
         svi.step(y)
-    assert next(runs) - before == 4 + 1  # one batched run of the draws per step, no trace
+    # per step one batched run of the draws and one of the report's antithetic pairs, no trace
+    assert next(runs) - before == 4 * 2 + 1
     flags["extra"] = True
     with pytest.raises(ValueError, match=r"added \['v'\]"):
         svi.step(y)

@@ -101,7 +101,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
     if n > 0:
-        e2 = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block))
+        e2 = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block, ctx))
         e2 = torch.cat([e2, -e2]).to(m.device)
         u2 = (m + (e2 @ sc.mT if full else sc * e2)).detach()
         f_all = log_joint(torch.cat([u, u2]))
@@ -143,6 +143,10 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     return elbo, None
 
 
+#: the report's base seed (its draws are the block's own, see :func:`report_generator`)
+REPORT_SEED = 0x5EED
+
+
 def report_pairs(block, K: int) -> int:
     """The report's antithetic pairs of a block under Price's Hessians or the gradient step:
     the rule's ``report_pairs`` where the log joint is vectorised (one batched forward run),
@@ -164,7 +168,7 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
     step control's accept decision, which reads the step's estimate."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
     with torch.no_grad():
-        e = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block))
+        e = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block, ctx))
         e = torch.cat([e, -e]).to(m.device)
         u = m + (e @ sc.tril().mT if block.form == "full" else sc * e)
         per = log_joint(u) + prior_split(block, p, u) - log_q(u)
@@ -172,13 +176,16 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
     ctx.report_shift += float(pairs.mean()) - float(elbo.detach())
 
 
-def report_generator(block) -> torch.Generator:
-    """The block's own generator for the report's draws (seeded once): the step's draws come
-    from the user's stream, as without a report."""
-    gen = getattr(block, "_report_generator", None)
-    if gen is None:
-        gen = block._report_generator = torch.Generator().manual_seed(0)
-    return gen
+def report_generator(block, ctx) -> torch.Generator:
+    """A generator of the block's own for the report's draws (the step's draws come from the
+    user's stream, as without a report), seeded by the guide's step counter and the report's
+    count within that step: a run resumed from a checkpoint (which holds the counter) draws
+    the same pairs as the uninterrupted run; evaluations within one step draw fresh ones."""
+    steps = int(getattr(ctx, "steps", 0) or 0)
+    last, k = getattr(block, "_report_count", (None, 0))
+    k = k + 1 if last == steps else 0
+    block._report_count = (steps, k)
+    return torch.Generator().manual_seed(REPORT_SEED + 1_000_003 * steps + k)
 
 
 def paired_report(block, p, u2, f2, e2, const) -> torch.Tensor:
