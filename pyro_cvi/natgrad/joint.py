@@ -43,6 +43,7 @@ __all__ = [
     "onedraw_step",
     "price_messages",
     "add_report",
+    "antithetic_draws",
     "paired_report",
     "prior_split",
     "report_generator",
@@ -101,9 +102,8 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
     if n > 0:
-        e2 = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block, ctx))
-        e2 = torch.cat([e2, -e2]).to(m.device)
-        u2 = (m + (e2 @ sc.mT if full else sc * e2)).detach()
+        e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
+        u2 = u2.detach()
         f_all = log_joint(torch.cat([u, u2]))
         f, f2 = f_all[:K], f_all[K:].detach()
     else:
@@ -168,12 +168,19 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
     step control's accept decision, which reads the step's estimate."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
     with torch.no_grad():
-        e = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block, ctx))
-        e = torch.cat([e, -e]).to(m.device)
-        u = m + (e @ sc.tril().mT if block.form == "full" else sc * e)
+        full = block.form == "full"
+        _, u = antithetic_draws(block, ctx, m, sc.tril() if full else sc, n, full)
         per = log_joint(u) + prior_split(block, p, u) - log_q(u)
         pairs = 0.5 * (per[:n] + per[n:])
     ctx.report_shift += float(pairs.mean()) - float(elbo.detach())
+
+
+def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
+    """``(e, u)``: ``n`` antithetic pairs ``e = [e_j; -e_j]`` from :func:`report_generator` and
+    ``u = m + L e`` (``L = scale``, lower triangular where ``full``, else its diagonal)."""
+    e = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block, ctx))
+    e = torch.cat([e, -e]).to(m.device)
+    return e, m + (e @ scale.mT if full else scale * e)
 
 
 def report_generator(block, ctx) -> torch.Generator:
