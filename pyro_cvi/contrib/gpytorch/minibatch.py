@@ -137,14 +137,8 @@ class SiteMemoryScaling(SVIScaling):
     change at the batch's rows only. A Gaussian likelihood's targets do not depend on q and are
     unchanged; the fixed point is the full-batch one as before.
 
-    On ``scripts/benchmark_sparse_minibatch.py`` (N = 20,000, M = 200, B = 1,024, 30 steps,
-    Bernoulli) the defaults (c = 5, warm-up 2, refresh, tolerance 0.3) end 2.1-4.4 nats above
-    the full-batch optimum over ten orders of the batches (mean 2.8); before the curvature guard
-    2.1-4.3 and, at tolerance 0 (every kept point, every step), 1.9-4.2. Without the refresh,
-    the earlier defaults (c = 3, warm-up 3) end 4.2-6.4 (mean 4.9; four of the ten above 5; no
-    setting of the two was below 5 on every order), :class:`SVIScaling` alone 7.6-8.7 and the
-    batch's sites moved alone 40-43. On ten further orders, not used to choose the settings:
-    1.8-2.6 against 3.5-5.2.
+    The settings' measured gaps to the full-batch optimum are in ``docs/gp_results.md``
+    (``scripts/benchmark_sparse_minibatch.py``).
 
     :param c: eq. 14's averaging window (:class:`SVIScaling`). Default 5 (3 without the
         refresh).
