@@ -66,3 +66,68 @@ def test_a_long_markov_gp_chain_equals_the_tree(lag_one, dtype):
     b = smooth(chain, eta, J, lag_one=lag_one, method=kalman.TREE)
     _assert_same(a, b, dtype)
     assert (a.cross is None) == (not lag_one)
+
+
+def _general_problem(T, d, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    A = 0.9 * torch.eye(d, dtype=D64) + 0.05 * torch.randn(T - 1, d, d, generator=g, dtype=D64)
+    chain = LinearGaussianChain(
+        torch.randn(d, generator=g, dtype=D64),
+        torch.eye(d, dtype=D64),
+        A,
+        0.1 * torch.randn(T - 1, d, generator=g, dtype=D64),
+        0.2 * torch.eye(d, dtype=D64).expand(T - 1, d, d),
+    )
+    eta = torch.randn(T, d, generator=g, dtype=D64)
+    J = torch.diag_embed(torch.rand(T, d, generator=g, dtype=D64) + 0.1)
+    cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    return cast, eta.to(dtype), J.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("lag_one", [False, True])
+@pytest.mark.parametrize("kind", ["gp", "d1", "d2"])
+def test_smooth_without_graph_equals_the_sequential_strategy_bit_for_bit(kind, lag_one, dtype):
+    """``smooth``'s own path for the scalar pass (its output laid out without the tensor
+    strategies' reshaping) returns the numbers ``method=SEQUENTIAL`` returns, bit for bit, in the
+    same dtypes and shapes, without graph; a chain whose covariance is kept (all sites zero)
+    still gets the prior's closed form."""
+    for T in (1, 2, 3, 60):
+        if kind == "gp":
+            chain, eta, J = _gp_problem(T, seed=T, dtype=dtype)
+        else:
+            chain, eta, J = _general_problem(T, 1 if kind == "d1" else 2, seed=T, dtype=dtype)
+        assert kalman.choose_smoother(T, eta.shape[-1]) is kalman.SEQUENTIAL
+        a = smooth(chain, eta, J, lag_one=lag_one)
+        b = smooth(chain, eta, J, lag_one=lag_one, method=kalman.SEQUENTIAL)
+        for x, y in [(a.log_z, b.log_z), (a.mean, b.mean), (a.cov, b.cov), (a.cross, b.cross)]:
+            if y is None:
+                assert x is None
+                continue
+            assert x.dtype == y.dtype == dtype and x.shape == y.shape and not x.requires_grad
+            assert torch.equal(x, y)
+        if T > 1:  # the same problem through the tree, to the dtype's rounding
+            _assert_same(a, smooth(chain, eta, J, lag_one=lag_one, method=kalman.TREE), dtype)
+    gp = MarkovGP(torch.arange(30, dtype=D64), Matern32(4.0, 1.5)).chain
+    gp = LinearGaussianChain(*(t.to(dtype) for t in gp.tensors()))
+    zero, J0 = torch.zeros(30, 2, dtype=dtype), torch.zeros(30, 2, 2, dtype=dtype)
+    prior = smooth(gp, zero, J0, lag_one=lag_one)
+    closed = kalman._stationary_prior(gp, zero, J0)
+    if dtype == D64:  # (float32's rounding of A P0 A' + Q misses the closed form's 1e-12)
+        assert closed is not None and prior.log_z.item() == 0.0
+        assert torch.equal(prior.cov, gp.P0.expand(30, 2, 2))  # (exact)
+    else:
+        assert closed is None
+        same = smooth(gp, zero, J0, lag_one=lag_one, method=kalman.SEQUENTIAL)
+        assert torch.equal(prior.cov, same.cov) and torch.equal(prior.mean, same.mean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+def test_smooth_without_graph_still_rejects_a_q_that_is_not_positive_definite(dtype):
+    """A site with negative curvature beyond the prior's (``1 + P J <= 0``): the pass hands the
+    problem on and ``smooth`` raises ``NotPositiveDefinite``, as with the strategy named."""
+    chain, eta, J = _gp_problem(20, seed=3, dtype=dtype)
+    J[7, 0, 0] = -50.0
+    for method in (None, kalman.SEQUENTIAL):
+        with pytest.raises(kalman.NotPositiveDefinite):
+            smooth(chain, eta, J, method=method)

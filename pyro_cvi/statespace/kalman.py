@@ -288,9 +288,15 @@ def smooth(
     ``method``: :data:`TREE`, :data:`SCAN` or :data:`SEQUENTIAL` (same numbers); default by
     :func:`choose_smoother`.
     """
+    strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
+    if strategy is SEQUENTIAL and not keep_graph and method is None:
+        fast = SEQUENTIAL.marginals(chain, eta, J, lag_one)
+        if fast is not None:
+            if fast[0] is None:
+                raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
+            return Marginals(*fast)
     if not keep_graph:
         chain, eta, J = chain.detach(), eta.detach(), J.detach()
-    strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
     out = None if keep_graph or method is not None else _stationary_prior(chain, eta, J)
     with torch.set_grad_enabled(keep_graph):
         log_z, m, S, X = out if out is not None else strategy(chain, eta, J, lag_one)

@@ -45,15 +45,18 @@ class _Fail(Exception):
 def applies(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> bool:
     """Whether the scalar pass can take the problem: one chain (no batch dims) of ``d <= 2``
     on the CPU, without autograd."""
-    d = eta.shape[-1]
+    return _shaped(chain, eta, J) and not torch.is_grad_enabled()
+
+
+def _shaped(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> bool:
+    """One chain (no batch dims) of ``d <= 2`` on the CPU."""
     return (
-        d <= 2
+        eta.shape[-1] <= 2
         and eta.dim() == 2
         and J.dim() == 3
         and chain.A.dim() == 3
         and chain.m0.dim() == 1
         and eta.device.type == "cpu"
-        and not torch.is_grad_enabled()
     )
 
 
@@ -184,8 +187,9 @@ def _pass_1(m0, P0, trans, sites, lag_one: bool):
 
 
 def _pass_2(m0, P0, trans, sites, lag_one: bool = True) -> Tuple[float, array.array]:
-    """``d = 2``, every product written out: ``log Z`` and one flat row of nine floats per step,
-    last step first: the smoothed ``(m0, m1, p00, p01, p11)`` of ``x_t`` and, with ``lag_one``,
+    """``d = 2``, every product written out: ``log Z`` and one flat row of ten floats per step,
+    last step first: the smoothed ``(m0, m1, p00, p01, p01, p11)`` of ``x_t`` (the covariance as
+    its four entries, row-major) and, with ``lag_one``,
     ``Cov(x_{t+1}, x_t)`` as ``(x00, x01, x10, x11)`` (zero at the last step, and without)."""
     forward = _forward_2_first if isinstance(sites, OnFirst) else _forward_2
     return _backward_2(*forward(m0, P0, trans, sites), lag_one)
@@ -286,7 +290,7 @@ def _backward_2(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float,
     of ``x_{T-1}``, its smoothed ones): ``G = P^f A' P_{t+1}^-1 = C' P_{t+1}^-1``."""
     s0, s1, s00, s01, s11 = last
     z = 0.0
-    out: List[float] = [s0, s1, s00, s01, s11, z, z, z, z]
+    out: List[float] = [s0, s1, s00, s01, s01, s11, z, z, z, z]
     push = out.extend  # (one flat list: a tuple's floats are copied in C)
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
         det = n00 * n11 - n01 * n01
@@ -308,7 +312,7 @@ def _backward_2(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float,
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
-        push((s0, s1, s00, s01, s11, x00, x01, x10, x11))
+        push((s0, s1, s00, s01, s01, s11, x00, x01, x10, x11))
     return log_z, array.array("d", out)
 
 
@@ -342,12 +346,57 @@ class SequentialSmoother:
             cross = torch.tensor(X, **like).reshape(T, 1, 1) if lag_one else None
         else:
             log_z, flat = _pass_2(*rows, lag_one)
-            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 9).flip(0).to(**like)
+            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 10).flip(0).to(**like)
             m = v[:, :2].unsqueeze(-1)
-            S = v[:, [2, 3, 3, 4]].reshape(T, 2, 2)
+            S = v[:, 2:6].reshape(T, 2, 2)
             # row t holds Cov(x_{t+1}, x_t); the smoother's t holds Cov(x_t, x_{t-1})
-            cross = v[:, 5:].roll(1, 0).reshape(T, 2, 2) if lag_one else None
-        lz = torch.tensor(log_z, **like)
-        if not math.isfinite(log_z) or lz.dtype != torch.float64:
-            check_log_z(lz)
-        return lz, m, S, cross
+            cross = v[:, 6:].roll(1, 0).reshape(T, 2, 2) if lag_one else None
+        return _log_z(log_z, like), m, S, cross
+
+    def marginals(self, chain: LinearGaussianChain, eta, J, lag_one: bool) -> Optional[tuple]:
+        """``smooth``'s no-graph result in its layout, ``(mean (T, d), cov (T, d, d), log Z,
+        Cov(x_t, x_{t-1}) (T - 1, d, d) or None)``, its covariances checked (``None`` in the
+        first slot: one is not finite or a variance is not positive), without the tensor
+        operations that reshape, symmetrise and detach a tensor strategy's output (the pass's
+        covariances are symmetric by construction, its outputs new tensors without graph).
+        ``None`` where ``smooth``'s general path decides: a problem the pass does not take, a
+        failed pass (the tensor strategy), sites that are all zero (the stationary prior)."""
+        if not _shaped(chain, eta, J):
+            return None
+        T, d = eta.shape[-2], eta.shape[-1]
+        rows = _rows(chain, eta, J, d)
+        if _no_sites(rows[3]):
+            return None
+        like = dict(dtype=eta.dtype, device=eta.device)
+        try:
+            if d == 1:
+                log_z, ms, Ps, X = _pass_1(*rows, lag_one)
+                mean = torch.tensor(ms, **like).reshape(T, 1)
+                cov = torch.tensor(Ps, **like).reshape(T, 1, 1)
+                var = cov.view(T, 1)
+                cross = torch.tensor(X[1:], **like).reshape(T - 1, 1, 1) if lag_one else None
+            else:
+                log_z, flat = _pass_2(*rows, lag_one)
+                v = torch.frombuffer(flat, dtype=torch.float64).view(T, 10).flip(0).to(**like)
+                mean, cov, var = v[:, :2], v[:, 2:6].reshape(T, 2, 2), v[:, 2:6:3]
+                # row t holds Cov(x_{t+1}, x_t): the smoother's Cov(x_t, x_{t-1}), t >= 1
+                cross = v[:-1, 6:].reshape(T - 1, 2, 2) if lag_one else None
+        except _Fail:
+            return None
+        if not bool(torch.isfinite(cov).all()) or bool((var <= 0).any()):
+            return None, None, None, None
+        return mean, cov, _log_z(log_z, like), cross
+
+
+def _no_sites(sites: Sites) -> bool:
+    """Whether every ``eta_t`` and ``J_t`` is zero (a NaN counts as a site)."""
+    if isinstance(sites, OnFirst):
+        return not any(sites.e) and not any(sites.j)
+    return not any(map(any, sites))
+
+
+def _log_z(log_z: float, like: dict) -> torch.Tensor:
+    lz = torch.tensor(log_z, **like)
+    if not math.isfinite(log_z) or lz.dtype != torch.float64:
+        check_log_z(lz)
+    return lz
