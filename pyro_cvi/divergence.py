@@ -92,7 +92,7 @@ class Monitor:
         return reason
 
 
-def watch(engine, beta: float, elbo: Optional[float], var: Optional[float], label: str) -> None:
+def watch(engine, beta: float, elbo: Optional[float], var: Optional[float], label: object) -> None:
     """Feed the step's ELBO to the engine's monitor; warn once if it oscillates or diverges."""
     if elbo is None:
         return

@@ -216,7 +216,7 @@ class CVI(PyroOptim):
             for engine in engines.values():
                 pending = engine.pending_loss()  # (comparable losses only)
                 if pending is not None:
-                    watch(engine, beta, pending[0], pending[1], str(engine.step_labels()))
+                    watch(engine, beta, pending[0], pending[1], _Labels(engine))
                 engine.step(beta)
             self.gaussians.step(groups, lambda control: (beta, None))
         reducers = {id(r): r for r in (e.reducer for e in engines.values()) if r}
@@ -287,6 +287,21 @@ class CVI(PyroOptim):
         self.optim_objs.clear()  # the restored parameters get their optimizers afresh,
         self.grad_clip.clear()  # from the state set here
         super().set_state(state_dict)
+
+
+class _Labels:
+    """An engine's step labels as text, formatted only where a warning prints them."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __str__(self) -> str:
+        return str(self.engine.step_labels())
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:

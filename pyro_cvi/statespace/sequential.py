@@ -63,15 +63,19 @@ def _shaped(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor) -> b
 def _rows(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, d: int):
     """Python lists: the prior's start, the transitions ``[A | b | Q]`` and the sites ``[eta |
     J]``, one flat row per step (float64)."""
-    f64 = torch.float64
     T = eta.shape[0]
     trans = _TRANSITIONS.rows(chain, T - 1, d)
     sites: Sites
     if d == 2 and _first_coordinate(eta, J):
-        sites = OnFirst(eta[:, 0].to(f64).tolist(), J[:, 0, 0].to(f64).tolist())
+        sites = OnFirst(_f64(eta[:, 0]).tolist(), _f64(J[:, 0, 0]).tolist())
     else:
-        sites = torch.cat([eta.to(f64), J.to(f64).reshape(T, d * d)], 1).tolist()
-    return chain.m0.to(f64).tolist(), chain.P0.to(f64).reshape(-1).tolist(), trans, sites
+        sites = torch.cat([_f64(eta), _f64(J).reshape(T, d * d)], 1).tolist()
+    return _f64(chain.m0).tolist(), _f64(chain.P0).reshape(-1).tolist(), trans, sites
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64 (itself when it is: no operation)."""
+    return x if x.dtype == torch.float64 else x.to(torch.float64)
 
 
 class _LastTransitions:
@@ -377,7 +381,8 @@ class SequentialSmoother:
                 cross = torch.tensor(X[1:], **like).reshape(T - 1, 1, 1) if lag_one else None
             else:
                 log_z, flat = _pass_2(*rows, lag_one)
-                v = torch.frombuffer(flat, dtype=torch.float64).view(T, 10).flip(0).to(**like)
+                v = torch.frombuffer(flat, dtype=torch.float64).view(T, 10).flip(0)
+                v = v if like["dtype"] == torch.float64 else v.to(**like)
                 mean, cov, var = v[:, :2], v[:, 2:6].reshape(T, 2, 2), v[:, 2:6:3]
                 # row t holds Cov(x_{t+1}, x_t): the smoother's Cov(x_t, x_{t-1}), t >= 1
                 cross = v[:-1, 6:].reshape(T - 1, 2, 2) if lag_one else None
