@@ -289,8 +289,10 @@ def smooth(
     :func:`choose_smoother`.
     """
     strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
-    if strategy is SEQUENTIAL and not keep_graph and method is None:
-        fast = SEQUENTIAL.marginals(chain, eta, J, lag_one)
+    # (a strategy with its own no-graph output, the scalar pass: its result as it is)
+    own = getattr(strategy, "marginals", None) if not keep_graph and method is None else None
+    if own is not None:
+        fast = own(chain, eta, J, lag_one)
         if fast is not None:
             if fast[0] is None:
                 raise NotPositiveDefinite("q is not positive definite: a marginal variance <= 0")
