@@ -131,3 +131,31 @@ def test_smooth_without_graph_still_rejects_a_q_that_is_not_positive_definite(dt
     for method in (None, kalman.SEQUENTIAL):
         with pytest.raises(kalman.NotPositiveDefinite):
             smooth(chain, eta, J, method=method)
+
+
+def _outcome(f):
+    try:
+        out = f()
+    except kalman.NotPositiveDefinite as e:
+        return ("raised", str(e))
+    return ("value", out.log_z, out.mean, out.cov)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("where", ["eta", "J"])
+@pytest.mark.parametrize("value", [1e12, 1e30, 1e250, -1e300, float("inf"), float("nan")])
+def test_smooth_without_graph_fails_as_the_sequential_strategy_does(value, where, dtype):
+    """Extreme or non-finite sites (a large precision, one that overflows, NaN): ``smooth``'s
+    own path for the scalar pass returns the same numbers, or raises the same
+    ``NotPositiveDefinite`` with the same message, as ``method=SEQUENTIAL``."""
+    chain, eta, J = _gp_problem(20, seed=4, dtype=D64)
+    (eta[7, :1] if where == "eta" else J[7, 0, :1]).fill_(value)
+    chain = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+    eta, J = eta.to(dtype), J.to(dtype)
+    a = _outcome(lambda: smooth(chain, eta, J))
+    b = _outcome(lambda: smooth(chain, eta, J, method=kalman.SEQUENTIAL))
+    assert a[0] == b[0]
+    if a[0] == "raised":
+        assert a[1] == b[1]
+    else:
+        assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))

@@ -388,9 +388,10 @@ class SequentialSmoother:
                 cross = v[:-1, 6:].reshape(T - 1, 2, 2) if lag_one else None
         except _Fail:
             return None
+        lz = _log_z(log_z, like)  # (checked first, as after a strategy)
         if not bool(torch.isfinite(cov).all()) or bool((var <= 0).any()):
             return None, None, None, None
-        return mean, cov, _log_z(log_z, like), cross
+        return mean, cov, lz, cross
 
 
 def _no_sites(sites: Sites) -> bool:
