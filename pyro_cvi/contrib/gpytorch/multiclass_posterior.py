@@ -24,6 +24,17 @@ When the classes share ``phi_n`` (one kernel, or equal ones, and shared inducing
 phi_n^T`` is symmetric, and both the Gram and the marginals ``phi_n^T S_v[k, l] phi_n`` are
 one matrix product with the table of the ``M (M + 1) / 2`` distinct products
 ``phi_ni phi_nj`` (``O(N K^2 M^2 / 4)`` each, half the general count).
+
+Softmax sites ignore a common shift of the classes: ``E[H] 1 = 0`` and ``1^T (y - E p) = 0``,
+so ``W_n 1 = 0`` and ``1^T r_n = 0`` (and so for every convex combination of targets). In the
+orthonormal basis ``(1 / sqrt(K), B)`` of the classes (``B``: :func:`contrast_basis`), with
+``phi`` shared, ``P`` is then block diagonal: the common part keeps its prior ``N(0, I)`` and
+only the contrasts are solved, ``P_r = I + sum_n (B^T W_n B) (x) phi_n phi_n^T`` of size
+``(K - 1) M`` (at ``K = 10``: 0.73 of the factorisations, 0.82 of the Gram and the marginals),
+``m_v = B m_r``, ``S_v = (B (x) I) P_r^-1 (B (x) I)^T + (1 1^T / K) (x) I``,
+``Cov f(x_n) = B (phi_n^T P_r^-1 phi_n) B^T + |phi_n|^2 1 1^T / K + diag(k_nn - |phi_n|^2)``
+and the KL is that of the contrasts. The test is exact up to round-off (64 K eps relative);
+other sites take the full solve.
 """
 
 from __future__ import annotations
