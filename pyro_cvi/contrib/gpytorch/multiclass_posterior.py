@@ -294,7 +294,11 @@ class MultiClassSitePosterior:
         ``diag(k(x, x))``."""
         mean = prior_mean_x.mT + torch.einsum("kin,ki->nk", Phi_x, self.m_v)
         K, M, n = self.K, self.M, Phi_x.shape[-1]
-        reduced = self.B is not None and products is not None
+        reduced = (
+            self.B is not None
+            and products is not None
+            and not (torch.is_grad_enabled() and Phi_x.requires_grad)
+        )
         S_v = self.S_r() if reduced else self.S_v()
         graph = torch.is_grad_enabled() and (Phi_x.requires_grad or S_v.requires_grad)
         # |phi_xk|^2; without a graph by a reduction (no [K, M, n] temporary)
@@ -302,9 +306,8 @@ class MultiClassSitePosterior:
         prior_part = (kxx_diag - sq).clamp_min(0)  # [K, n]
         if self.is_prior:
             return mean, torch.diag_embed((prior_part + sq).mT)
-        if products is not None and not graph and self.B is not None:
-            # B C_n B^T + |phi_n|^2 1 1^T / K, C_n = phi_n^T S_r phi_n (the contrasts)
-            C = self.B @ _shared_cov(products, self.S_r()) @ self.B.mT
+        if reduced:  # B C_n B^T + |phi_n|^2 1 1^T / K, C_n = phi_n^T S_r phi_n (the contrasts)
+            C = self.B @ _shared_cov(products, S_v) @ self.B.mT
             common = (sq[0] / K)[:, None, None].expand(n, K, K)
             return mean, C + common + torch.diag_embed(prior_part.mT)
         if products is not None and not graph:
