@@ -73,11 +73,8 @@ class MultiClassCVIOptimizer:
         q by one ``M x M`` eigendecomposition, no ``K M x K M`` factorisation) that the first
         full-batch step from empty sites runs instead of its damped coupled step, when the
         classes share ``phi`` (one kernel, shared inducing inputs); the sites it ends at are
-        that step's update. Default ``(0.3, 0.5)``: on digits (N = 898, M = 100, K = 10,
-        200-draw evaluator) the -ELBO after two steps (this start and one coupled step) is
-        516.9 / 531.0 / 527.4 on seeds 0/1/2 against 531.5 / 543.5 / 542.1 with the damped
-        first step (optima 512.0 / 526.2 / 522.3), 581.3 against 584.4 at outputscale 3 and
-        983.4 against 986.6 at outputscale 1, lengthscale 4 (seed 0). ``()``: the damped
+        that step's update. Default ``(0.3, 0.5)``; its measured effect on the path to the
+        optimum (the fixed point is the same) is in ``docs/gp_results.md``. ``()``: the damped
         coupled first step (``first_step_size``) always.
     :param seed: seed of the Monte Carlo draws (the same at every step).
     """
