@@ -24,6 +24,17 @@ When the classes share ``phi_n`` (one kernel, or equal ones, and shared inducing
 phi_n^T`` is symmetric, and both the Gram and the marginals ``phi_n^T S_v[k, l] phi_n`` are
 one matrix product with the table of the ``M (M + 1) / 2`` distinct products
 ``phi_ni phi_nj`` (``O(N K^2 M^2 / 4)`` each, half the general count).
+
+Softmax sites ignore a common shift of the classes: ``E[H] 1 = 0`` and ``1^T (y - E p) = 0``,
+so ``W_n 1 = 0`` and ``1^T r_n = 0`` (and so for every convex combination of targets). In the
+orthonormal basis ``(1 / sqrt(K), B)`` of the classes (``B``: :func:`contrast_basis`), with
+``phi`` shared, ``P`` is then block diagonal: the common part keeps its prior ``N(0, I)`` and
+only the contrasts are solved, ``P_r = I + sum_n (B^T W_n B) (x) phi_n phi_n^T`` of size
+``(K - 1) M`` (at ``K = 10``: 0.73 of the factorisations, 0.82 of the Gram and the marginals),
+``m_v = B m_r``, ``S_v = (B (x) I) P_r^-1 (B (x) I)^T + (1 1^T / K) (x) I``,
+``Cov f(x_n) = B (phi_n^T P_r^-1 phi_n) B^T + |phi_n|^2 1 1^T / K + diag(k_nn - |phi_n|^2)``
+and the KL is that of the contrasts. The test is exact up to round-off (64 K eps relative);
+other sites take the full solve.
 """
 
 from __future__ import annotations
@@ -129,6 +140,30 @@ def _shared_cov(Psi: Tensor, S_v: Tensor) -> Tensor:
     return cov
 
 
+@functools.lru_cache(maxsize=8)
+def contrast_basis(K: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``B [K, K - 1]``: orthonormal columns spanning the vectors orthogonal to ``1`` (the
+    Helmert contrasts, column ``j``: ``(1, .., 1, -j, 0, ..) / sqrt(j (j + 1))``)."""
+    B = torch.zeros(K, K - 1, dtype=torch.float64)
+    for j in range(1, K):
+        B[:j, j - 1] = 1.0
+        B[j, j - 1] = -float(j)
+        B[:, j - 1] /= (j * (j + 1)) ** 0.5
+    return B.to(dtype=dtype, device=device)
+
+
+def _ignore_common_shift(W: Tensor, r: Tensor) -> bool:
+    """Whether every site ignores a common shift of the K classes up to round-off: ``W_n 1 =
+    0`` and ``1^T r_n = 0`` (softmax sites: ``E[H] 1 = 0``, ``1^T (y - E p) = 0``; their convex
+    combinations too). Then ``P`` is block diagonal in the basis ``(1 / sqrt(K), B)``: the
+    common part keeps its prior ``N(0, I)`` and only the ``(K - 1) M`` contrasts are solved."""
+    tol = 64 * W.shape[-1] * torch.finfo(W.dtype).eps
+    w_scale, r_scale = float(W.abs().amax()), float(r.abs().amax())
+    return bool(W.sum(-1).abs().amax() <= tol * w_scale) and bool(
+        r.sum(-1).abs().amax() <= tol * r_scale
+    )
+
+
 def _factor(P: Tensor) -> Tensor:
     """The Cholesky factor of ``P`` (lower triangle read); a finite diagonal with LAPACK's
     success flag means every entry is finite (a NaN or infinity reaches the diagonal of its
@@ -166,6 +201,9 @@ class MultiClassSitePosterior:
         self.L_Z, self.Phi = whitened  # [K, M, M], [K, M, N]
         #: ``Psi`` of :func:`shared_products` (``phi`` shared by the classes), or ``None``
         self.Psi = products
+        #: ``contrast_basis`` where the sites ignore a common shift of the classes, else None
+        self.B: Optional[Tensor] = None
+        self._S_r: Optional[Tensor] = None
         #: every site empty (the first step): q = prior, ``P = I``, no Gram and no solve
         self.is_prior = not (bool(lam1.any()) or bool(lam2.any()))
         if self.is_prior:
@@ -175,7 +213,16 @@ class MultiClassSitePosterior:
             return
         W = -(lam2 + lam2.mT)
         r = lam1 - (W @ prior_mean_X.mT.unsqueeze(-1)).squeeze(-1)  # [N, K]
-        if self.Psi is not None and not (torch.is_grad_enabled() and W.requires_grad):
+        shared = self.Psi is not None and not (torch.is_grad_enabled() and W.requires_grad)
+        if shared and _ignore_common_shift(W, r):
+            B = self.B = contrast_basis(K, W.dtype, W.device)
+            self.L_P = _factor(_shared_precision(self.Psi, B.mT @ W @ B, K - 1, M))
+            h = (self.Phi[0] @ (r @ B)).mT.reshape((K - 1) * M, 1)
+            self._m_r = torch.cholesky_solve(h, self.L_P).reshape(K - 1, M)
+            self.m_v = B @ self._m_r
+            self._S_v = self._S_r = None
+            return
+        if shared:
             P = _shared_precision(self.Psi, W, K, M)
         else:
             eye = torch.eye(K * M, dtype=K_ZZ.dtype, device=K_ZZ.device)
@@ -190,6 +237,17 @@ class MultiClassSitePosterior:
     def whitening(K_ZZ: Tensor, K_ZX: Tensor) -> Tuple[Tensor, Tensor]:
         """``L_Z`` (``L_Z L_Z^T = K_ZZ``) and ``Phi = L_Z^-1 K_ZX``: the part of q that depends on
         the kernel only (a caller may reuse it while the hyperparameters are unchanged)."""
+        K = K_ZZ.shape[0]
+        graph = torch.is_grad_enabled() and (K_ZZ.requires_grad or K_ZX.requires_grad)
+        if (
+            K > 1
+            and not graph
+            and all(  # one kernel: one factorisation and solve (bitwise equal)
+                torch.equal(K_ZZ[0], K_ZZ[k]) and torch.equal(K_ZX[0], K_ZX[k]) for k in range(1, K)
+            )
+        ):
+            L_Z, Phi = MultiClassSitePosterior.whitening(K_ZZ[:1], K_ZX[:1])
+            return L_Z.expand_as(K_ZZ), Phi.expand_as(K_ZX)
         L_Z = safe_cholesky(K_ZZ, "K_ZZ (the inducing-point kernel matrices)")
         return L_Z, torch.linalg.solve_triangular(L_Z, K_ZX, upper=False)
 
@@ -201,8 +259,21 @@ class MultiClassSitePosterior:
         """``Cov(v) = P^-1`` as ``[K, M, K, M]`` (computed once)."""
         if self._S_v is None:
             K, M = self.K, self.M
-            self._S_v = torch.cholesky_inverse(self.L_P).reshape(K, M, K, M)
+            if self.B is None:
+                self._S_v = torch.cholesky_inverse(self.L_P).reshape(K, M, K, M)
+            else:  # (B (x) I) S_r (B (x) I)^T + (1 1^T / K) (x) I
+                S = torch.einsum("ka,aibj,lb->kilj", self.B, self.S_r(), self.B)
+                eye = torch.eye(M, dtype=S.dtype, device=S.device)
+                self._S_v = S + (eye / K).expand(K, K, M, M).transpose(1, 2)
         return self._S_v
+
+    def S_r(self) -> Tensor:
+        """``P_r^-1 [K - 1, M, K - 1, M]``, the covariance of the contrasts ``B^T v`` (only where
+        the sites ignore a common shift of the classes: ``B`` is set)."""
+        if self._S_r is None:
+            K, M = self.K - 1, self.M
+            self._S_r = torch.cholesky_inverse(self.L_P).reshape(K, M, K, M)
+        return self._S_r
 
     def predict(
         self,
@@ -223,13 +294,22 @@ class MultiClassSitePosterior:
         ``diag(k(x, x))``."""
         mean = prior_mean_x.mT + torch.einsum("kin,ki->nk", Phi_x, self.m_v)
         K, M, n = self.K, self.M, Phi_x.shape[-1]
-        S_v = self.S_v()
+        reduced = (
+            self.B is not None
+            and products is not None
+            and not (torch.is_grad_enabled() and Phi_x.requires_grad)
+        )
+        S_v = self.S_r() if reduced else self.S_v()
         graph = torch.is_grad_enabled() and (Phi_x.requires_grad or S_v.requires_grad)
         # |phi_xk|^2; without a graph by a reduction (no [K, M, n] temporary)
         sq = Phi_x.pow(2).sum(-2) if graph else torch.linalg.vector_norm(Phi_x, dim=-2).square()
         prior_part = (kxx_diag - sq).clamp_min(0)  # [K, n]
         if self.is_prior:
             return mean, torch.diag_embed((prior_part + sq).mT)
+        if reduced:  # B C_n B^T + |phi_n|^2 1 1^T / K, C_n = phi_n^T S_r phi_n (the contrasts)
+            C = self.B @ _shared_cov(products, S_v) @ self.B.mT
+            common = (sq[0] / K)[:, None, None].expand(n, K, K)
+            return mean, C + common + torch.diag_embed(prior_part.mT)
         if products is not None and not graph:
             return mean, _shared_cov(products, S_v) + torch.diag_embed(prior_part.mT)
         c = max(1, min(n, CHUNK_ELEMENTS // (K * M) if chunk is None else int(chunk)))
@@ -255,13 +335,18 @@ class MultiClassSitePosterior:
     def kl(self) -> Tensor:
         """``KL[q(v) || N(0, I)] = KL[q(u) || p(u)]`` in closed form."""
         D = self.L_P.shape[-1]
-        trace = self.S_v().reshape(D, D).diagonal().sum()  # tr P^-1 (S_v serves predict too)
+        if self.B is not None:  # the common shift keeps its prior: KL of the contrasts only
+            trace = self.S_r().reshape(D, D).diagonal().sum()
+            m2 = self._m_r.pow(2).sum()
+        else:
+            trace = self.S_v().reshape(D, D).diagonal().sum()  # tr P^-1 (S_v serves predict)
+            m2 = self.m_v.pow(2).sum()
         logdet = 2.0 * self.L_P.diagonal().log().sum()
-        return 0.5 * (trace + self.m_v.pow(2).sum() - D + logdet)
+        return 0.5 * (trace + m2 - D + logdet)
 
     def q_u(self, prior_mean_Z: Tensor) -> Tuple[Tensor, Tensor]:
         """Mean ``[K, M]`` and joint covariance ``[K M, K M]`` of ``u`` (classes coupled)."""
         mean = prior_mean_Z + (self.L_Z @ self.m_v.unsqueeze(-1)).squeeze(-1)
-        D = self.L_P.shape[-1]
+        D = self.K * self.M
         cov = torch.einsum("kab,kblc,lcd->kald", self.L_Z, self.S_v(), self.L_Z.mT)
         return mean, cov.reshape(D, D)
