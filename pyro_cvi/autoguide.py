@@ -35,7 +35,6 @@ from .blocks.summaries import Summaries
 from .context import Options
 from .divergence import check_loss
 from .engine import Engine
-from .families import FAMILY_NAMES
 from .guide_state import (
     GuideState,
     Unsampled,
@@ -54,6 +53,7 @@ from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .methods.bound_check import BoundChecked, check_setup_draws
 from .methods.guide_list import step_inside_pyro_elbo
+from .model.records import SITE_CHOICES
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
@@ -180,10 +180,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
                 f"schedule must be 'parallel', 'sequential' or a list of latent site names, "
                 f"got {schedule!r}"
             )
-        bad = {k: v for k, v in (families or {}).items() if v not in FAMILY_NAMES}
+        bad = {k: v for k, v in (families or {}).items() if v not in SITE_CHOICES}
         if bad:
             raise ValueError(
-                f"AutoCVI(families={bad}): unknown family name; use one of {FAMILY_NAMES}"
+                f"AutoCVI(families={bad}): unknown family name; use one of {SITE_CHOICES}"
             )
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")
