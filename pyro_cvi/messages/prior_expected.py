@@ -157,7 +157,9 @@ def shared_moments(ctx, site: str, parts, others):
     shift = var = None
     for spec, f in parts:
         block, A = ctx.block_for(spec.names[0]), f.jacobian
-        if A is None or not hasattr(block, "joint") or not all(n in others for n in spec.names):
+        if A is None or getattr(f, "dynamic", False) or not hasattr(block, "joint"):
+            return None  # (rows that move with the parameters: the draw's term stays)
+        if not all(n in others for n in spec.names):
             return None
         if A.shape[0] != shape.numel():
             return None
