@@ -17,10 +17,12 @@ affine and ``log s`` is affine in the remainder's unconstrained coordinates ``u`
 
 (``g, h``: the row's coefficients). :func:`prior_info` finds ``G`` and ``H`` by autograd at the
 reference values and confirms them at a random move (probing);
-:mod:`~pyro_cvi.messages.prior_expected` evaluates the message. Applied where the user names the
-latent in ``AutoCVI(families={name: "gaussian"})`` (docs/architecture.md, "Mean field or a
-joint Gaussian"); by default such latents share the remainder's joint Gaussian, which keeps
-the funnel's correlation between ``theta`` and ``log tau``.
+:mod:`~pyro_cvi.messages.prior_expected` evaluates the message. Applied by default where the
+remainder's joint Gaussian would otherwise hold more than :data:`JOINT_MAX_DIM` coordinates,
+and where the user names the latent in ``AutoCVI(families={name: "gaussian"})``; elsewhere (or
+named ``"joint"``) such latents share the remainder's joint Gaussian, which keeps the funnel's
+correlation between ``theta`` and ``log tau`` (docs/architecture.md, "Mean field or a joint
+Gaussian"; :func:`~pyro_cvi.model.remainder.remainder_sets`).
 """
 
 from __future__ import annotations
