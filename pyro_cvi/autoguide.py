@@ -35,7 +35,6 @@ from .blocks.summaries import Summaries
 from .context import Options
 from .divergence import check_loss
 from .engine import Engine
-from .families import FAMILY_NAMES
 from .guide_state import (
     GuideState,
     Unsampled,
@@ -54,6 +53,7 @@ from .messages.collapsed import check_mode, sample_posterior
 from .messages.softmax import METHODS
 from .methods.bound_check import BoundChecked, check_setup_draws
 from .methods.guide_list import step_inside_pyro_elbo
+from .model.records import SITE_CHOICES
 from .model.tracing import subsample_values, trace_model
 from .model.validation import data_shapes, explained
 from .scale.distributed import as_reducer
@@ -92,13 +92,13 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         factors and ``step_size=1``, ``"sequential"`` is CAVI and the ELBO never decreases.
     :param init_loc_fn: optional Pyro init strategy (e.g. ``init_to_value``) for natural-form
         sites: ``q`` starts with its mean there instead of at the prior (to break symmetries).
-    :param families: ``{site: name}`` to choose a site's ``q`` family: ``"gaussian"`` puts a
-        Gaussian on the unconstrained space of ``biject_to(support)`` (on ``log sigma`` for a
-        positive site instead of the native Gamma; ``theta ~ Normal(mu, tau)`` with ``tau`` in
-        the remainder keeps an exact block beside it); ``"gaussian_diag"`` keeps a real site
-        out of any joint Gaussian block (its own mean-field Gaussian; the rule that chooses:
-        docs/architecture.md, "Mean field or a joint Gaussian"); a native name (``"gamma"``,
-        ``"beta"``, ...) must match the support. ``explain()`` names the fallback sites.
+    :param families: ``{site: name}``: ``"gaussian"`` puts a Gaussian on the unconstrained
+        space of ``biject_to(support)`` (``log sigma`` for a positive site instead of a Gamma;
+        ``theta ~ Normal(mu, tau)``, ``tau`` in the remainder: an exact block beside it, which
+        ``"joint"`` forbids: by default the joint up to 64 coordinates); ``"gaussian_diag"``
+        keeps a real site out of any joint Gaussian block (the rules: docs/architecture.md,
+        "Mean field or a joint Gaussian"); a native name (``"gamma"``, ``"beta"``, ...) must
+        match the support. ``explain()`` names the fallback sites.
     :param vectorize_particles: draw the ``num_general_samples`` Monte Carlo samples of the
         natural-form sites in one model run, with a particle dim left of the model's plates.
     :param discrete: ``"auto"`` (default) sums out exactly, as ``TraceEnum_ELBO`` does, the
@@ -180,10 +180,10 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
                 f"schedule must be 'parallel', 'sequential' or a list of latent site names, "
                 f"got {schedule!r}"
             )
-        bad = {k: v for k, v in (families or {}).items() if v not in FAMILY_NAMES}
+        bad = {k: v for k, v in (families or {}).items() if v not in SITE_CHOICES}
         if bad:
             raise ValueError(
-                f"AutoCVI(families={bad}): unknown family name; use one of {FAMILY_NAMES}"
+                f"AutoCVI(families={bad}): unknown family name; use one of {SITE_CHOICES}"
             )
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}")

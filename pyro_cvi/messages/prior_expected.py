@@ -20,7 +20,14 @@ Rao-Blackwellised over the block's ``q(theta) = N(m_theta, v_theta)`` per coordi
     E_q(theta)[log N(theta; loc, s)] = log N(m_theta; loc, s) - v_theta / (2 s^2),
 
 exact in ``theta`` where the loc does not read the block, so that the remainder's gradient in
-``u`` carries no draw of ``theta``.
+``u`` carries no draw of ``theta``. An observation shared with the block in the same way,
+``y ~ Normal(A theta + c(u), s(u))`` with ``A`` free of every latent (the block's
+expected-scale rows), is read as
+
+    E_q(theta)[log N(y; A theta + c, s)] = log N(y; A m + c, s) - diag(A V A') / (2 s^2)
+
+(:func:`shared_moments`: the run's loc holds ``A theta`` at a draw, so the value passed is
+``y + A (theta - m)``).
 """
 
 from __future__ import annotations
@@ -31,10 +38,16 @@ import torch
 from pyro.distributions.util import sum_rightmost
 
 from ..gaussian import centred_exp_mean
-from ..model.records import CONJUGATE_PRIOR
+from ..model.records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC
 from ..model.tracing import unwrap
 
-__all__ = ["block_moments", "expected_log_prior", "expected_prior", "expected_prior_moments"]
+__all__ = [
+    "block_moments",
+    "expected_log_prior",
+    "expected_prior",
+    "expected_prior_moments",
+    "shared_moments",
+]
 
 
 def expected_prior_moments(
@@ -89,25 +102,76 @@ def expected_log_prior(fn, mean: torch.Tensor, var: torch.Tensor) -> torch.Tenso
 
 
 def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """``{site: (mean, variance)}`` (detached, the site's shape) for each site in ``owned``
-    whose prior is an expected-prior factor (kind ``CONJUGATE_PRIOR``): the remainder reads
-    those priors at :func:`expected_log_prior`. Where the loc reads the block (``loc = A z + c``,
-    a tree member), the moments are those of ``theta - A z`` under the block's joint ``q``,
-    shifted by ``A z`` at ``others``' draw of ``z`` (the run's loc holds it), so that the
-    expectation is ``log N(E[theta - A z]; c, s) - Var[theta - A z] / (2 s^2)``."""
+    """``{site: (mean, variance)}`` (detached) for each site in ``owned`` that the remainder
+    reads Rao-Blackwellised over exact blocks' ``q`` at :func:`expected_log_prior`:
+
+    * a prior that is an expected-prior factor (kind ``CONJUGATE_PRIOR``): the moments of the
+      latent (the site's shape). Where the loc reads the block (``loc = A z + c``, a tree
+      member), those of ``theta - A z`` under the block's joint ``q``, shifted by ``A z`` at
+      ``others``' draw of ``z`` (the run's loc holds it), so that the expectation is
+      ``log N(E[theta - A z]; c, s) - Var[theta - A z] / (2 s^2)``;
+    * an observed Normal shared with exact blocks as their expected-scale rows (kinds
+      ``CONJUGATE_SCALE``, ``CONJUGATE_SCALE_MC``: ``y ~ Normal(sum_b A_b z_b + c, s)``, ``A_b``
+      free of every latent, ``s`` and ``c`` of the remainder), :func:`shared_moments`."""
     out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
     if ctx is None or ctx.block_for is None or an.remainder_discrete:
         return out
     owned = set(owned)
+    shared: Dict[str, list] = {}
     for spec in an.blocks:
         for f in spec.factors:
-            if f.kind != CONJUGATE_PRIOR or f.site not in owned:
+            if f.site not in owned:
+                continue
+            if f.kind in (CONJUGATE_SCALE, CONJUGATE_SCALE_MC):
+                shared.setdefault(f.site, []).append((spec, f))
+            if f.kind != CONJUGATE_PRIOR:
                 continue
             moments = _residual_moments(ctx.block_for(f.site), f.site, f.scale, others)
             if moments is not None:
                 shape = an.values[f.site].shape
                 out[f.site] = (moments[0].reshape(shape), moments[1].reshape(shape))
+    for site, parts in shared.items():
+        moments = shared_moments(ctx, site, parts, others)
+        if moments is not None:
+            out[site] = moments
     return out
+
+
+def shared_moments(ctx, site: str, parts, others):
+    """``(y + sum_b A_b (z_b - m_b), sum_b diag(A_b V_b A_b'))`` of observed Normal ``site``,
+    read with the blocks' latents ``z_b`` at ``others``' draws (``parts``: ``(block spec, its
+    factor record)`` with the rows ``A_b``), in the site's broadcast shape, or ``None``: then
+    the run's ``log N(y; A z + c, s)`` at :func:`expected_log_prior` is
+
+        log N(y; sum_b A_b m_b + c, s) - sum_b diag(A_b V_b A_b') / (2 s^2)
+        = E_q(z)[log N(y; A z + c, s)]
+
+    under the blocks' ``q(z_b) = N(m_b, V_b)`` (independent of each other and of the
+    remainder), free of the draws. ``y``: the step's trace's value (the data of this step)."""
+    tr = ctx.trace
+    if tr is None or site not in tr.nodes:
+        return None
+    y = tr.nodes[site]["value"].detach()
+    base = unwrap(tr.nodes[site]["fn"])[0]
+    shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, y.shape)
+    shift = var = None
+    for spec, f in parts:
+        block, A = ctx.block_for(spec.names[0]), f.jacobian
+        if A is None or getattr(f, "dynamic", False) or not hasattr(block, "joint"):
+            return None  # (rows that move with the parameters: the draw's term stays)
+        if not all(n in others for n in spec.names):
+            return None
+        if A.shape[0] != shape.numel():
+            return None
+        q = block.joint(list(spec.names))
+        m, V = q.loc.detach(), q.covariance_matrix.detach()
+        A = A.to(m)
+        z = torch.cat([others[n].detach().reshape(-1) for n in spec.names]).to(m)
+        d, v = A @ (z - m), ((A @ V) * A).sum(1)
+        shift, var = (d, v) if shift is None else (shift + d, var + v)
+    if shift is None:
+        return None
+    return y.expand(shape) + shift.reshape(shape), var.reshape(shape)
 
 
 def _residual_moments(block, site: str, info, others):

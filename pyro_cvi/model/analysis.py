@@ -214,7 +214,7 @@ class Analysis:
         self.scaled_gaussians: List[str] = []
         self.regroup()
         if remainder:
-            chosen = {n for n, f in (families or {}).items() if f != "gaussian"}
+            chosen = {n for n, f in (families or {}).items() if f not in ("gaussian", "joint")}
             apply_remainder(self, *remainder_sets(self, chosen, remainder, families))
 
     def regroup(self) -> None:

@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Set
 
 from ..families import choose_families
 from .factor_roles import FactorSpec
+from .records import PLACEMENTS
 
 __all__ = [
     "MODES",
@@ -114,7 +115,18 @@ def infinite_support_error(name: str, fn) -> ValueError:
 def families_summing_marked(proto, names: List[str], covariance, overrides, mode: str):
     """:func:`~pyro_cvi.families.choose_families`, where an enumerable site that no family
     covers is summed out (counted discrete) with ``"collapse"``, or with ``"auto"`` when the
-    model marks it for enumeration."""
+    model marks it for enumeration. A latent placed ``"joint"`` keeps the family it would have
+    unnamed (:data:`~pyro_cvi.model.records.PLACEMENTS`); it must be a real latent."""
+    placed = {n for n, f in (overrides or {}).items() if f in PLACEMENTS}
+    overrides = {n: f for n, f in (overrides or {}).items() if n not in placed}
+    for n in sorted(placed):
+        fn = proto.nodes[n]["fn"] if n in names else None
+        if fn is None or fn.support.is_discrete:
+            raise ValueError(
+                f"AutoCVI(families={{{n!r}: 'joint'}}): 'joint' places a continuous latent site "
+                f"in the remainder's joint Gaussian; {n!r} is "
+                + ("discrete" if fn is not None else f"not a latent site (latent sites: {names})")
+            )
     out = choose_families(proto, names, covariance, overrides, mode == "collapse")
     families, fallback, discrete, unsupported = out
     for n in list(unsupported) if mode == "auto" else []:

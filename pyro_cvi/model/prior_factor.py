@@ -17,10 +17,12 @@ affine and ``log s`` is affine in the remainder's unconstrained coordinates ``u`
 
 (``g, h``: the row's coefficients). :func:`prior_info` finds ``G`` and ``H`` by autograd at the
 reference values and confirms them at a random move (probing);
-:mod:`~pyro_cvi.messages.prior_expected` evaluates the message. Applied where the user names the
-latent in ``AutoCVI(families={name: "gaussian"})`` (docs/architecture.md, "Mean field or a
-joint Gaussian"); by default such latents share the remainder's joint Gaussian, which keeps
-the funnel's correlation between ``theta`` and ``log tau``.
+:mod:`~pyro_cvi.messages.prior_expected` evaluates the message. Applied by default where the
+remainder's joint Gaussian would otherwise hold more than :data:`JOINT_MAX_DIM` coordinates,
+and where the user names the latent in ``AutoCVI(families={name: "gaussian"})``; elsewhere (or
+named ``"joint"``) such latents share the remainder's joint Gaussian, which keeps the funnel's
+correlation between ``theta`` and ``log tau`` (docs/architecture.md, "Mean field or a joint
+Gaussian"; :func:`~pyro_cvi.model.remainder.remainder_sets`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from . import probes
 from .records import CONJUGATE_PRIOR, Factor
 from .tracing import latent_weight, unwrap
 
-__all__ = ["PriorInfo", "prior_applies", "prior_factor", "prior_info"]
+__all__ = ["JOINT_MAX_DIM", "PriorInfo", "prior_applies", "prior_factor", "prior_info"]
+
+#: the most unconstrained coordinates the remainder's joint Gaussian holds while a block latent
+#: whose Normal prior reads it (``theta_j ~ Normal(mu, tau)``, :func:`prior_applies`) stays in
+#: it by default: Price's dense Hessians of a remainder whose scales set its members' curvature
+#: (``blocks.remainder_rules.SCALED_HESSIAN_MAX_DIM``); beyond it the joint is stepped on one
+#: draw's gradient and such latents keep their exact block beside it (mean field)
+JOINT_MAX_DIM = 64
 
 
 @dataclass
@@ -156,9 +165,17 @@ def prior_factor(an, site: str, block) -> Optional[Factor]:
     if info is None:
         return None
     given = ", ".join(info.given)
+    size = getattr(an, "prior_rule", {}).get(site, "named")
+    if size == "named":
+        rule = f"named families={{{site!r}: 'gaussian'}}: mean field"
+    else:  # (the structural default, model/remainder.remainder_sets)
+        rule = (
+            f"mean field by default: the joint would hold {size} coordinates, more than "
+            f"{JOINT_MAX_DIM}; families={{{site!r}: 'joint'}} keeps the joint"
+        )
     why = (
         f"Normal prior of {site}, log scale affine in the unconstrained {given}: precision "
         f"E[1/s^2], offset E[c/s^2] / E[1/s^2] in closed form under the remainder's q (eq. 20; "
-        f"named families={{{site!r}: 'gaussian'}}: mean field, the default is the joint)"
+        f"{rule})"
     )
     return Factor(site, block.label, CONJUGATE_PRIOR, why, scale=info)

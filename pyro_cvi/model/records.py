@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..families import ExponentialFamily
+from ..families import FAMILY_NAMES, ExponentialFamily
 
 # kinds of (factor, latent) pairs
 PRIOR = "conjugate prior"
@@ -35,6 +35,12 @@ CONJUGATE_SCALE_MC = "conjugate (MC 1/s^2)"
 #: (``theta ~ Normal(mu, tau)`` beside the remainder): the prior at ``E_q[1/s^2]`` and
 #: ``E_q[loc/s^2]`` in closed form (eq. 20, :mod:`~pyro_cvi.model.prior_factor`)
 CONJUGATE_PRIOR = "conjugate (E prior)"
+#: ``AutoCVI(families={site: name})`` names that place a latent without choosing its family:
+#: ``"joint"`` keeps a block latent whose prior reads the remainder in its joint Gaussian
+#: (:func:`~pyro_cvi.model.remainder.remainder_sets`)
+PLACEMENTS = ("joint",)
+#: every name ``AutoCVI(families=...)`` accepts
+SITE_CHOICES = tuple(FAMILY_NAMES) + PLACEMENTS
 LEAF = "leaf"
 COLLAPSED = "collapsed"
 NATGRAD = "natural-gradient"  # a factor of the remainder: reparameterised natural gradients

@@ -45,15 +45,23 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
+from torch.distributions import biject_to
 
 from ..families.gamma import Gamma
 from . import conjugate_pairs as cp
 from . import probes
-from .prior_factor import prior_applies
+from .prior_factor import JOINT_MAX_DIM, prior_applies
 from .records import COLLAPSED, GENERAL, NATGRAD, NATURAL, REMAINDER, SITE, Factor
 from .tracing import is_random, unwrap
 
-__all__ = ["remainder_sets", "apply_remainder", "remainder_sites", "remainder_factor"]
+__all__ = [
+    "JOINT_MAX_DIM",
+    "joint_dim",
+    "remainder_sets",
+    "apply_remainder",
+    "remainder_sites",
+    "remainder_factor",
+]
 
 
 def _components(an, nodes: Set[str]) -> Dict[str, str]:
@@ -113,19 +121,52 @@ def remainder_sets(
 
     ``chosen``: latents whose family the user fixed (they and their components stay out);
     ``moves(D)``: whether a Gaussian block of ``D`` coordinates with a general factor joins;
-    ``families``: the user's ``AutoCVI(families=...)``; a latent named ``"gaussian"`` whose
-    Normal prior reads remainder latents keeps its exact block beside the remainder (the
-    prior's expected message, :mod:`~pyro_cvi.model.prior_factor`) where it applies."""
-    own = {n for n, f in (families or {}).items() if f == "gaussian"}
+    ``families``: the user's ``AutoCVI(families=...)``. A block latent whose Normal prior reads
+    remainder latents (:mod:`~pyro_cvi.model.prior_factor`) keeps its exact block beside the
+    remainder (mean field, the prior's expected message) where the user names it
+    ``"gaussian"``, or, unless the user names it ``"joint"``, where the joint Gaussian would
+    otherwise hold more than :data:`JOINT_MAX_DIM` coordinates; else it shares the joint.
+    ``an.prior_rule`` records, per latent that took the block, ``"named"`` or the joint's size."""
+    named = {n for n, f in (families or {}).items() if f == "gaussian"}
+    joint = {n for n, f in (families or {}).items() if f == "joint"}
+    out, own = _settle(an, chosen, moves, named)
+    an.prior_rule = {n: "named" for n in own}
+    size = joint_dim(an, out[0])
+    auto = _prior_candidates(an) - named - joint if size > JOINT_MAX_DIM else set()
+    if not auto:
+        return out
+    out, own = _settle(an, chosen, moves, named | auto)
+    an.prior_rule = {n: "named" if n in named else size for n in own}
+    return out
+
+
+def _settle(an, chosen: Set[str], moves, own: Set[str]):
+    """:func:`_remainder_sets` with the block latents ``own`` whose prior's parents all end in
+    the remainder (its closed form); ``(its result, those latents)``."""
     while True:
         out, kept = _remainder_sets(an, chosen, moves, own)
         members = set(out[0])
-        late = {  # a kept prior's parents must all end in the remainder (its closed form)
-            n for n in kept & own if an.latents_of(n) - _block_names(an, n) - members
-        }
+        late = {n for n in kept & own if an.latents_of(n) - _block_names(an, n) - members}
         if not late:
-            return out
-        own -= late
+            return out, kept & own
+        own = own - late
+
+
+def _prior_candidates(an) -> Set[str]:
+    """Block latents whose Normal prior reads latents outside their block in the affine way
+    :func:`~pyro_cvi.model.prior_factor.prior_applies` takes."""
+    return {
+        n
+        for block in an.blocks
+        for n in block.names
+        if an.latents_of(n) - set(block.names) and prior_applies(an, n, block) is not None
+    }
+
+
+def joint_dim(an, names: List[str]) -> int:
+    """The unconstrained coordinates of latents ``names`` (the remainder's joint Gaussian)."""
+    nodes = an.structure.nodes
+    return sum(int(biject_to(nodes[n]["fn"].support).inv(an.values[n]).numel()) for n in names)
 
 
 def _block_names(an, name: str) -> Set[str]:
