@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, Sequence
 
+import pyro
 import torch
 
 from ..gaussian.onedraw import (
@@ -21,6 +22,7 @@ from ..gaussian.onedraw import (
     onedraw_tril_step,
 )
 from ..gaussian.price import bonnet_mean_gradient, expected_hessian, price_precision_gradient
+from ..model.signature import closure_key, data_key
 from .control import NoiseControl, SignalToNoise
 from .prior import known_normal_prior
 
@@ -47,7 +49,9 @@ __all__ = [
     "paired_report",
     "prior_split",
     "report_generator",
+    "report_key",
     "report_pairs",
+    "tracked_report",
 ]
 
 
@@ -101,11 +105,20 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     # runs once per draw, or before the batched run is checked)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
+    tracked = tracked_report(block) if n >= 2 else None
+    key = prev = None
+    if tracked is not None:
+        key = report_key(block, ctx)
+        prev = tracked.previous(key)
     if n > 0:
         e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
         u2 = u2.detach()
-        f_all = log_joint(torch.cat([u, u2]))
-        f, f2 = f_all[:K], f_all[K:].detach()
+        parts = [u, u2]
+        if prev is not None:  # the same pairs at the previous q (common random numbers)
+            sp = prev[block.role_names[0]]
+            parts.append(prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2))
+        f_all = log_joint(torch.cat(parts))
+        f, f2 = f_all[:K], f_all[K : K + 2 * n].detach()
     else:
         f = log_joint(u)
     prior = prior_split(block, p, u)
@@ -119,8 +132,20 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
         with torch.no_grad():
             const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
             pairs = paired_report(block, p, u2, f2, e2, const)
-        # the reported value is the pairs' mean, the step control's decision the draw's
-        ctx.report_shift += float(pairs.mean()) - float(per_t.detach().mean())
+            value = float(pairs.mean())
+            if tracked is not None:
+                before = None
+                if prev is not None:
+                    sp = prev[block.role_names[0]]
+                    c0 = (sp.diagonal() if full else sp).abs().log().sum()
+                    c0 = c0 + 0.5 * block.dim * math.log(2 * math.pi)
+                    f3 = f_all[K + 2 * n :].detach()
+                    u3 = prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2)
+                    before = paired_report(block, prev, u3, f3, e2, c0)
+                value = tracked.update(key, p, pairs, before)
+        # the reported value is the pairs' (or their tracked) mean, the step control's
+        # decision the draw's
+        ctx.report_shift += value - float(per_t.detach().mean())
     if ctx.grads:
         record = getattr(block.control, "record", None)
         if record is not None:  # the step schedule's plateau test (natgrad/horizon.py)
@@ -141,6 +166,32 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
             gm, G = onedraw_diag(sc, eps, g, p0, c)
         return elbo, {block.loc_name: gm, "G": G}
     return elbo, None
+
+
+def tracked_report(block):
+    """The block's :class:`~pyro_cvi.natgrad.horizon.TrackedReport` where its rule asks for one
+    (``report_track``) and the log joint is the block's alone (no other block's ``q`` in it),
+    else ``None``."""
+    if not getattr(block.rule, "report_track", False) or not getattr(block, "_alone", False):
+        return None
+    return getattr(block.control, "tracked", None)
+
+
+def report_key(block, ctx):
+    """What the log joint reads besides ``u``: the data (the arguments' identities, versions
+    and shapes, and the model's closure tensors) and the model's parameters in Pyro's param
+    store (outside the guide's own, by name prefix); ``None`` under a minibatch (each step
+    another log joint: the tracked report restarts)."""
+    if ctx.subsample:
+        return None
+    prefix = block.loc_name.split(".", 1)[0] + "."
+    store = pyro.get_param_store()
+    params = tuple(
+        (name, id(v), v._version)
+        for name, v in store.named_parameters()
+        if not name.startswith(prefix)
+    )
+    return data_key(ctx.args, ctx.kwargs) + closure_key(ctx.model) + params
 
 
 #: the report's base seed (its draws are the block's own, see :func:`report_generator`)
