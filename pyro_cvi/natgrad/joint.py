@@ -102,7 +102,11 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     dz = eps @ sc.mT if full else sc * eps
     u = (m + dz).requires_grad_(True)
     # the report's pairs ride in the gradient draw's batched model run (none where the model
-    # runs once per draw, or before the batched run is checked)
+    # runs once per draw); a batched run not yet checked is checked on the draw first, so
+    # that the first step after a checkpoint's load reports as the uninterrupted run did
+    f = rest = None
+    if getattr(block.rule, "report_pairs", 0) > 0 and block.vectorise is None:
+        f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
     tracked = tracked_report(block) if n >= 2 else None
@@ -112,14 +116,16 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
         prev = tracked.previous(key)
     if n > 0:
         e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
-        u2 = u2.detach()
-        parts = [u, u2]
+        parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             sp = prev[block.role_names[0]]
             parts.append(prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2))
-        f_all = log_joint(torch.cat(parts))
-        f, f2 = f_all[:K], f_all[K : K + 2 * n].detach()
-    else:
+        if f is None:
+            f_all = log_joint(torch.cat([u] + parts))
+            f, rest = f_all[:K], f_all[K:].detach()
+        else:
+            rest = log_joint(torch.cat(parts)).detach()
+    elif f is None:
         f = log_joint(u)
     prior = prior_split(block, p, u)
     # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
@@ -131,7 +137,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     if n > 0:
         with torch.no_grad():
             const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
-            pairs = paired_report(block, p, u2, f2, e2, const)
+            pairs = paired_report(block, p, parts[0], rest[: 2 * n], e2, const)
             value = float(pairs.mean())
             if tracked is not None:
                 before = None
@@ -139,9 +145,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
                     sp = prev[block.role_names[0]]
                     c0 = (sp.diagonal() if full else sp).abs().log().sum()
                     c0 = c0 + 0.5 * block.dim * math.log(2 * math.pi)
-                    f3 = f_all[K + 2 * n :].detach()
-                    u3 = prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2)
-                    before = paired_report(block, prev, u3, f3, e2, c0)
+                    before = paired_report(block, prev, parts[1], rest[2 * n :], e2, c0)
                 value = tracked.update(key, p, pairs, before)
         # the reported value is the pairs' (or their tracked) mean, the step control's
         # decision the draw's

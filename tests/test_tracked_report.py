@@ -1,0 +1,205 @@
+"""The one-draw remainder's reported loss tracked with common random numbers
+(``Horizon(report_pairs=n, report_track=True)``, :class:`pyro_cvi.natgrad.horizon.TrackedReport`)
+on the 13-8-3 wine classifier (139 latents, the diagonal one-draw step):
+
+* the recursion ``R_t = (1 - b)(R_{t-1} + D_t) + b F_t`` by hand, its restarts (another key,
+  a value that is not finite) and its weight ``b`` read from earlier steps only;
+* the step is the same: the report's pairs come from the block's own generator, so ``q``
+  after 20 steps equals ``q`` without a report (to rounding: one batched model run);
+* unbiased for the current ``q`` at several step counts: over runs that share the trajectory
+  (the report's seed changed, the step's draws not), the mean report equals an independent
+  estimate of the same ``q``'s bound within 3 standard errors (``Trace_ELBO`` at the end),
+  with a spread below that of the same pairs' untracked mean and far below one draw's;
+* a run resumed from a checkpoint reports what the uninterrupted one does, bit for bit.
+"""
+
+import math
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
+from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from pyro_cvi.natgrad import joint
+from pyro_cvi.natgrad.horizon import TrackedReport
+
+pytest.importorskip("sklearn")
+from bench.bnn_models import WineBNN, wine_data  # noqa: E402
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype(request):
+    """The network's ``Normal(0, 1)`` priors take torch's default dtype: the test's."""
+    old = torch.get_default_dtype()
+    spec = getattr(request.node, "callspec", None)
+    torch.set_default_dtype(spec.params.get("dtype", old) if spec else old)
+    yield
+    torch.set_default_dtype(old)
+
+
+def _setup(dtype, rule: Horizon, seed: int = 0):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    X, y = wine_data(dtype)
+    model = WineBNN().to(dtype)
+    guide = AutoCVI(model, remainder=Remainder(step=rule))
+    optim = CVI()
+    return model, guide, optim, SVI(model, guide, optim, CVI_ELBO()), (X, y)
+
+
+def _block(guide):
+    (block,) = [b for b in guide.engine.blocks if b.kind == "remainder"]
+    return block
+
+
+def _bound(guide, args, pairs: int = 4000):
+    """``(-ELBO, its se, one pair's sd, one draw's sd)`` of the current ``q`` from ``pairs``
+    antithetic pairs through the block's batched log joint (the global stream's draws)."""
+    block = _block(guide)
+    ctx = guide.engine.context(args, {}, {}, False, False)
+    p = block._values()
+    m, sc = p[block.loc_name], p[block.role_names[0]]
+    with torch.no_grad():
+        e = torch.randn(pairs, block.dim, dtype=m.dtype)
+        u = m + sc * torch.cat([e, -e])
+        per = (block._log_joint(ctx, u, {}) - block._log_q(u)).double()
+    pair = 0.5 * (per[:pairs] + per[pairs:])
+    return (
+        float(-pair.mean()),
+        float(pair.std() / math.sqrt(pairs)),
+        float(pair.std()),
+        float(per.std()),
+    )
+
+
+def test_the_recursion_by_hand():
+    r = TrackedReport()
+    q0, q1 = {"m": torch.zeros(2)}, {"m": torch.ones(2)}
+    assert r.previous("k") is None
+    f0 = torch.tensor([1.0, 3.0, 2.0])
+    assert r.update("k", q0, f0, None) == pytest.approx(2.0)  # R_0 = F_0
+    assert torch.equal(r.previous("k")["m"], q0["m"])
+    assert r.previous("other data") is None  # another log joint: restart
+    # no variance of D yet: b = 1, the fresh mean
+    f1, before = torch.tensor([2.0, 4.0, 6.0]), torch.tensor([1.9, 4.2, 5.8])
+    assert r.update("k", q1, f1, before) == pytest.approx(4.0)
+    var_f = 1.0 + 0.1 * (4.0 - 1.0)  # the running variances of earlier steps
+    b = math.sqrt(float((f1 - before).var()) / var_f)
+    assert 0.1 < b < 0.3
+    f2, before2 = torch.tensor([5.0, 4.0, 3.0]), torch.tensor([4.0, 4.5, 3.5])
+    want = (1 - b) * (4.0 + float((f2 - before2).mean())) + b * 4.0
+    assert r.update("k", q1, f2, before2) == pytest.approx(want)
+    # a value that is not finite restarts it
+    assert r.update("k", q1, torch.tensor([1.0, math.inf, 2.0]), before2) == math.inf
+    assert r.previous("k") is None
+    # a loaded state continues on the data of the first evaluation after the load
+    s = TrackedReport()
+    s.update("k", q0, f0, None)
+    t = TrackedReport()
+    t.load(s.state())
+    assert torch.equal(t.previous("new process")["m"], q0["m"])
+    assert t.previous("yet other data") is None
+
+
+def test_the_weight_on_the_fresh_estimate_is_small_where_q_stays():
+    """At a fixed ``q`` (``D = 0``) ``b`` falls to its floor: the report averages over steps,
+    and its spread over many steps is that of about ``2 / B_MIN`` fresh estimates."""
+    gen = torch.Generator().manual_seed(0)
+    q = {"m": torch.zeros(1)}
+    values = []
+    for _ in range(200):
+        r = TrackedReport()
+        f = torch.randn(4, generator=gen, dtype=torch.float64)
+        r.update("k", q, f, None)
+        for _ in range(150):
+            f = torch.randn(4, generator=gen, dtype=torch.float64)
+            v = r.update("k", q, f, f.clone())
+        values.append(v)
+    v = torch.tensor(values)
+    # one fresh mean of 4 has sd 0.5; the tracked report's is near sqrt(b / (2 - b)) of it
+    b = TrackedReport.B_MIN
+    assert abs(float(v.mean())) < 3 * float(v.std()) / math.sqrt(200)
+    assert float(v.std()) < 0.5 * math.sqrt(b / (2 - b)) * 1.6, float(v.std())
+
+
+@DTYPES
+def test_the_tracked_report_leaves_the_steps_as_they_were(dtype):
+    *_, svi, args = _setup(dtype, Horizon(report_pairs=16))
+    tracked = [float(svi.step(*args)) for _ in range(20)]
+    a = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    *_, svi, args = _setup(dtype, Horizon(report_pairs=0))
+    without = [float(svi.step(*args)) for _ in range(20)]
+    b = dict(pyro.get_param_store().items())
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    for n in a:
+        assert torch.allclose(a[n], b[n].detach(), rtol=tol, atol=tol), n
+    assert tracked[-1] != without[-1]
+
+
+@DTYPES
+def test_a_resumed_run_reports_what_the_uninterrupted_one_does(dtype, tmp_path):
+    rule = Horizon(report_pairs=16)
+    model, guide, optim, svi, args = _setup(dtype, rule)
+    for _ in range(6):
+        svi.step(*args)
+    assert _block(guide).control.tracked.value is not None
+    save_checkpoint(tmp_path / "run.pt", optim, guide)
+    uninterrupted = [svi.step(*args) for _ in range(6)]
+    model, guide, optim, svi, args = _setup(dtype, rule, seed=123)
+    load_checkpoint(tmp_path / "run.pt", optim, guide)
+    svi = SVI(model, guide, optim, CVI_ELBO())
+    resumed = [svi.step(*args) for _ in range(6)]
+    assert resumed == uninterrupted
+    assert len(set(uninterrupted)) > 1
+
+
+def _reports(dtype, runs: int, at, track: bool = True):
+    """The reported loss at the step counts ``at`` over ``runs`` runs that share the
+    trajectory (only the report's seed differs), and the last ``q``'s bound."""
+    out = torch.zeros(runs, len(at), dtype=torch.float64)
+    bounds = []
+    seed = joint.REPORT_SEED
+    try:
+        for r in range(runs):
+            joint.REPORT_SEED = seed + 7919 * r
+            model, guide, _, svi, args = _setup(dtype, Horizon(report_pairs=16, report_track=track))
+            for t in range(1, max(at) + 1):
+                loss = float(svi.step(*args))
+                if t in at:
+                    out[r, at.index(t)] = loss
+                    if r == 0:
+                        pyro.set_rng_seed(10_000 + t)
+                        bounds.append(_bound(guide, args))
+                        pyro.set_rng_seed(20_000 + t)
+    finally:
+        joint.REPORT_SEED = seed
+    return out, bounds, (model, guide, args)
+
+
+@pytest.mark.slow
+@DTYPES
+def test_the_tracked_report_is_the_current_bound_with_a_small_spread(dtype):
+    at = [10, 60, 150]
+    runs = 16
+    reports, bounds, (model, guide, args) = _reports(dtype, runs, at)
+    for j, (bound, se, *_) in enumerate(bounds):
+        col = reports[:, j]
+        err = math.sqrt(float(col.var()) / runs + se**2)
+        assert abs(float(col.mean()) - bound) < 3 * err, (at[j], float(col.mean()), bound, err)
+    # at the end, against Trace_ELBO of the same q
+    with torch.no_grad():
+        est = torch.tensor(
+            [Trace_ELBO(num_particles=10).loss(model, guide, *args) for _ in range(60)],
+            dtype=torch.float64,
+        )
+    last = reports[:, -1]
+    se = math.sqrt(float(last.var()) / runs + float(est.var()) / 60)
+    assert abs(float(last.mean() - est.mean())) < 3 * se, (last.mean(), est.mean(), se)
+    # the spread: below the same 16 pairs' untracked mean's, far below one draw's
+    _, _, pair_sd, draw_sd = bounds[-1]
+    assert float(last.std()) < 0.6 * pair_sd / 4, (float(last.std()), pair_sd / 4)
+    assert float(last.std()) < 0.1 * draw_sd, (float(last.std()), draw_sd)
