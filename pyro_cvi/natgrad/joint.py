@@ -101,12 +101,10 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     dz = eps @ sc.mT if full else sc * eps
     u = (m + dz).requires_grad_(True)
-    # the report's pairs ride in the gradient draw's batched model run (none where the model
-    # runs once per draw); a batched run not yet checked is checked on the draw first, so
-    # that the first step after a checkpoint's load reports as the uninterrupted run did
-    f = rest = None
-    if getattr(block.rule, "report_pairs", 0) > 0 and block.vectorise is None:
-        f = log_joint(u)
+    # the report's pairs run in a forward-only batched model run of their own (none where the
+    # model runs once per draw, or before the batched run is checked on the step's draw); a
+    # backward pass through the draw's run does not cross them
+    f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
     tracked = tracked_report(block) if n >= 2 else None
@@ -120,13 +118,8 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             sp = prev[block.role_names[0]]
             parts.append(prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2))
-        if f is None:
-            f_all = log_joint(torch.cat([u] + parts))
-            f, rest = f_all[:K], f_all[K:].detach()
-        else:
-            rest = log_joint(torch.cat(parts)).detach()
-    elif f is None:
-        f = log_joint(u)
+        with torch.no_grad():
+            rest = log_joint(torch.cat(parts))
     prior = prior_split(block, p, u)
     # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
     logdet = (sc.diagonal() if full else sc).abs().log().sum()
