@@ -1,5 +1,5 @@
 """The one-draw remainder's reported loss tracked with common random numbers
-(``Horizon(report_pairs=n, report_track=True)``, :class:`pyro_cvi.natgrad.horizon.TrackedReport`)
+(``Horizon(report_pairs=n, report_track=True)``, :class:`pyro_cvi.natgrad.report.TrackedReport`)
 on the 13-8-3 wine classifier (139 latents, the diagonal one-draw step):
 
 * the recursion ``R_t = (1 - b)(R_{t-1} + D_t) + b F_t`` by hand, its restarts (another key,
@@ -24,7 +24,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
 from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 from pyro_cvi.natgrad import joint
-from pyro_cvi.natgrad.horizon import TrackedReport
+from pyro_cvi.natgrad.report import TrackedReport
 
 pytest.importorskip("sklearn")
 from bench.bnn_models import WineBNN, wine_data  # noqa: E402

@@ -166,7 +166,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
 
 
 def tracked_report(block):
-    """The block's :class:`~pyro_cvi.natgrad.horizon.TrackedReport` where its rule asks for one
+    """The block's :class:`~pyro_cvi.natgrad.report.TrackedReport` where its rule asks for one
     (``report_track``) and the log joint is the block's alone (no other block's ``q`` in it),
     else ``None``."""
     if not getattr(block.rule, "report_track", False) or not getattr(block, "_alone", False):
@@ -213,14 +213,36 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
     (:attr:`~pyro_cvi.context.StepContext.report_shift`): each pair's mean of ``f(u) +
     E_q[log prior] - log prior(u) - log q(u)`` is unbiased for the current ``q``'s bound, its
     odd Taylor terms cancelled; the pairs are independent of the step's draws and so of the
-    step control's accept decision, which reads the step's estimate."""
+    step control's accept decision, which reads the step's estimate. Where the rule tracks
+    (``report_track``), the same pairs also run at the previous ``q`` and the report is
+    :class:`~pyro_cvi.natgrad.report.TrackedReport`'s."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
+    full = block.form == "full"
+    tracked = tracked_report(block) if n >= 2 else None
+    key = prev = None
+    if tracked is not None:
+        key = report_key(block, ctx)
+        prev = tracked.previous(key)
     with torch.no_grad():
-        full = block.form == "full"
-        _, u = antithetic_draws(block, ctx, m, sc.tril() if full else sc, n, full)
-        per = log_joint(u) + prior_split(block, p, u) - log_q(u)
+        e, u = antithetic_draws(block, ctx, m, sc.tril() if full else sc, n, full)
+        rows = [u]
+        if prev is not None:
+            sp = prev[block.role_names[0]]
+            sp = sp.tril() if full else sp
+            rows.append(prev[block.loc_name] + (e @ sp.mT if full else sp * e))
+        f = log_joint(torch.cat(rows))
+        per = f[: 2 * n] + prior_split(block, p, u) - log_q(u)
         pairs = 0.5 * (per[:n] + per[n:])
-    ctx.report_shift += float(pairs.mean()) - float(elbo.detach())
+        value = float(pairs.mean())
+        if tracked is not None:
+            before = None
+            if prev is not None:
+                logdet = (sp.diagonal() if full else sp).abs().log().sum()
+                lq = -0.5 * e.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
+                per = f[2 * n :] + prior_split(block, prev, rows[1]) - lq
+                before = 0.5 * (per[:n] + per[n:])
+            value = tracked.update(key, p, pairs, before)
+    ctx.report_shift += value - float(elbo.detach())
 
 
 def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
