@@ -41,6 +41,7 @@ The JSON is rewritten after every row, so that an interrupted run keeps the rows
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -59,7 +60,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench.bnn_models import MODELS, NETWORKS, ODE_MODELS, mlp_twin  # noqa: E402
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder  # noqa: E402
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, strategies  # noqa: E402
 
 #: AutoCVI's CPU budget per model (seconds); Adam gets 3x per learning rate
 BUDGET = {
@@ -222,13 +223,16 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None
     ``Horizon(report_pairs=...)``): the last reported loss (and the mean of the last 10)
     against a fresh estimate of the bound of the final ``q``, and the CPU per step."""
     _fresh(seed)
-    remainder = (
-        "auto" if report_pairs is None else Remainder(step=Horizon(report_pairs=report_pairs))
-    )
-    guide = AutoCVI(model, remainder=remainder)
+    guide = AutoCVI(model)
     svi = SVI(model, guide, CVI(), CVI_ELBO())
+    if report_pairs is not None:  # the default rule's own Horizon step (its q), with pairs
+        strategies.Horizon = functools.partial(Horizon, report_pairs=report_pairs)
     t0 = time.process_time()
-    losses = [float(svi.step(*args)) for _ in range(steps - 1)]
+    try:
+        losses = [float(svi.step(*args))]
+    finally:
+        strategies.Horizon = Horizon
+    losses += [float(svi.step(*args)) for _ in range(steps - 2)]
     cpu = time.process_time() - t0
     state = torch.get_rng_state()  # (the last step draws what it would have)
     evaluated = _sharp_estimate(guide, args)  # the q that the last step's loss is of
