@@ -167,9 +167,12 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
 
 def tracked_report(block):
     """The block's :class:`~pyro_cvi.natgrad.report.TrackedReport` where its rule asks for one
-    (``report_track``) and the log joint is the block's alone (no other block's ``q`` in it),
-    else ``None``."""
-    if not getattr(block.rule, "report_track", False) or not getattr(block, "_alone", False):
+    (``report_track``) and the log joint is the block's alone (every latent of the model is
+    one of its ``names``: no other block's ``q`` in it), else ``None``."""
+    if not getattr(block.rule, "report_track", False):
+        return None
+    analysis = getattr(block, "analysis", None)
+    if analysis is None or not set(analysis.values) <= set(block.names):
         return None
     return getattr(block.control, "tracked", None)
 
