@@ -120,6 +120,38 @@ def test_the_recursion_by_hand():
     assert t.previous("yet other data") is None
 
 
+def test_the_key_sees_the_data_the_model_parameters_and_a_minibatch():
+    """The tracked report restarts where the log joint may have changed: another data tensor
+    or one written in place, a model parameter moved; never for the guide's own parameters."""
+    from types import SimpleNamespace
+
+    pyro.clear_param_store()
+    x = torch.zeros(3)
+
+    def model(x):
+        return pyro.param("w", torch.ones(1))
+
+    block = SimpleNamespace(loc_name="AutoCVI.remainder.loc")
+    ctx = SimpleNamespace(subsample={}, args=(x,), kwargs={}, model=model)
+    pyro.param("AutoCVI.remainder.loc", torch.zeros(2))
+    model(x)
+    key = joint.report_key(block, ctx)
+    assert key is not None and joint.report_key(block, ctx) == key
+    with torch.no_grad():  # the guide's own parameters move every step
+        pyro.param("AutoCVI.remainder.loc").unconstrained().add_(1.0)
+    assert joint.report_key(block, ctx) == key
+    with torch.no_grad():
+        pyro.param("w").unconstrained().add_(1.0)  # a model parameter moved
+    moved = joint.report_key(block, ctx)
+    assert moved != key
+    x.add_(1.0)  # the data written in place
+    assert joint.report_key(block, ctx) != moved
+    other = SimpleNamespace(subsample={}, args=(x.clone(),), kwargs={}, model=model)
+    assert joint.report_key(block, other) != joint.report_key(block, ctx)
+    minibatch = SimpleNamespace(subsample={"N": torch.arange(2)}, args=(x,), kwargs={})
+    assert joint.report_key(block, minibatch) is None
+
+
 def test_the_weight_on_the_fresh_estimate_is_small_where_q_stays():
     """At a fixed ``q`` (``D = 0``) ``b`` falls to its floor: the report averages over steps,
     and its spread over many steps is that of about ``2 / B_MIN`` fresh estimates."""
