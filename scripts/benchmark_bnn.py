@@ -41,7 +41,7 @@ The JSON is rewritten after every row, so that an interrupted run keeps the rows
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import math
 import platform
@@ -225,13 +225,21 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None
     _fresh(seed)
     guide = AutoCVI(model)
     svi = SVI(model, guide, CVI(), CVI_ELBO())
+    choose = strategies.Remainder.choose_step
     if report_pairs is not None:  # the default rule's own Horizon step (its q), with pairs
-        strategies.Horizon = functools.partial(Horizon, report_pairs=report_pairs)
+
+        def with_pairs(self, hierarchical):
+            step = choose(self, hierarchical)
+            if isinstance(step, Horizon):
+                step = dataclasses.replace(step, report_pairs=report_pairs)
+            return step
+
+        strategies.Remainder.choose_step = with_pairs
     t0 = time.process_time()
     try:
         losses = [float(svi.step(*args))]
     finally:
-        strategies.Horizon = Horizon
+        strategies.Remainder.choose_step = choose
     losses += [float(svi.step(*args)) for _ in range(steps - 2)]
     cpu = time.process_time() - t0
     state = torch.get_rng_state()  # (the last step draws what it would have)
