@@ -286,3 +286,27 @@ def test_the_tracked_report_is_the_current_bound_with_a_small_spread(dtype, rule
     untracked = pair_sd / math.sqrt(pairs)
     assert float(last.std()) < untracked, (float(last.std()), untracked)
     assert float(last.std()) < 0.1 * draw_sd, (float(last.std()), draw_sd)
+
+
+def test_no_tracking_where_another_block_is_in_the_log_joint():
+    """A remainder beside another block reads that block's draws: its log joint moves with
+    the other ``q`` between steps, so its report is not tracked."""
+    import pyro.distributions as dist
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("N", len(y)):
+            pyro.sample("y", dist.Normal(x @ w, s), obs=y)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(20, 2)
+    y = x @ torch.tensor([1.0, -1.0]) + 0.3 * torch.randn(20)
+    guide = AutoCVI(model, remainder=Remainder(step=Horizon(report_pairs=4)))
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    block = _block(guide)
+    assert len(guide.engine.blocks) > 1 and list(block.names) == ["s"]
+    assert joint.tracked_report(block) is None and block.control.tracked.value is None
