@@ -17,7 +17,12 @@ For each model and seed, float32, one torch thread, back to back in one process:
 * ``user_steps``: AutoCVI's defaults for 300 steps; the last reported loss against a fresh
   estimate of the final ``q``'s bound (within 1 nat or 1%): where the guide is the
   remainder's joint Gaussian alone, 8,000 antithetic pairs through its batched log joint
-  (``sharp_estimate``, standard errors 0.02-0.15 nat here), else the estimator below.
+  (``sharp_estimate``, standard errors 0.02-0.15 nat here), else the estimator below; and
+  against the bound of the ``q`` that last loss was evaluated at (``gap_evaluated``: SVI
+  returns the loss before its step). On the one-draw models the one-draw step without a
+  report runs beside it with 16 tracked pairs (``user_steps_pairs``,
+  ``Horizon(report_pairs=16)``), alternating ``--repeats`` times (``ms_pairs`` /
+  ``ms_default``: the pairs' and the default's CPU per step).
 
 Every final guide is scored by one estimator: ``-ELBO`` from 400 draws of ``Trace_ELBO``
 (its standard error from the spread of 40 means of 10). *Time to reach* a bound: the CPU time
@@ -36,6 +41,7 @@ The JSON is rewritten after every row, so that an interrupted run keeps the rows
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -54,7 +60,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench.bnn_models import MODELS, NETWORKS, ODE_MODELS, mlp_twin  # noqa: E402
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder  # noqa: E402
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, strategies  # noqa: E402
 
 #: AutoCVI's CPU budget per model (seconds); Adam gets 3x per learning rate
 BUDGET = {
@@ -71,10 +77,11 @@ IVON_LRS = (0.03, 0.1, 0.3)
 IVON_BETA2 = 0.999
 #: the step count a user picks: the reported loss there is compared with a fresh bound
 USER_STEPS = 300
-#: the models whose remainder takes the one-draw step by default, and the report's pairs
-#: measured there beside the default (``Horizon(report_pairs=REPORT_PAIRS)``)
+#: the models whose remainder takes the one-draw step by default; the tracked report of
+#: ``Horizon(report_pairs=REPORT_PAIRS)`` is measured there beside the default (no pairs: the
+#: draw's own estimate), alternating
 ONEDRAW = ("bnn_wine", "bnn_digits")
-REPORT_PAIRS = 4
+REPORT_PAIRS = 16
 WINDOW = 50
 TOL = 1.0
 
@@ -211,21 +218,42 @@ def run_ivon(name, model, args, budget, seed, lr):
     return {"estimate": _estimate(model, guide, args), "steps": len(losses), "lr": lr}
 
 
-def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs: int = 0):
+def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None):
     """AutoCVI's defaults for ``steps`` steps (with ``report_pairs``: the one-draw step's
     ``Horizon(report_pairs=...)``): the last reported loss (and the mean of the last 10)
     against a fresh estimate of the bound of the final ``q``, and the CPU per step."""
     _fresh(seed)
-    remainder = Remainder(step=Horizon(report_pairs=report_pairs)) if report_pairs else "auto"
-    guide = AutoCVI(model, remainder=remainder)
+    guide = AutoCVI(model)
     svi = SVI(model, guide, CVI(), CVI_ELBO())
+    choose = strategies.Remainder.choose_step
+    if report_pairs is not None:  # the default rule's own Horizon step (its q), with pairs
+
+        def with_pairs(self, hierarchical):
+            step = choose(self, hierarchical)
+            if isinstance(step, Horizon):
+                step = dataclasses.replace(step, report_pairs=report_pairs)
+            return step
+
+        strategies.Remainder.choose_step = with_pairs
     t0 = time.process_time()
-    losses = [float(svi.step(*args)) for _ in range(steps)]
-    ms = 1000 * (time.process_time() - t0) / steps
+    try:
+        losses = [float(svi.step(*args))]
+    finally:
+        strategies.Remainder.choose_step = choose
+    losses += [float(svi.step(*args)) for _ in range(steps - 2)]
+    cpu = time.process_time() - t0
+    state = torch.get_rng_state()  # (the last step draws what it would have)
+    evaluated = _sharp_estimate(guide, args)  # the q that the last step's loss is of
+    torch.set_rng_state(state)
+    t0 = time.process_time()
+    losses.append(float(svi.step(*args)))
+    ms = 1000 * (cpu + time.process_time() - t0) / steps
     est = _estimate(model, guide, args)
     sharp = _sharp_estimate(guide, args)
     ref = sharp if sharp is not None else est
     gap = losses[-1] - ref[0]
+    # the last loss is that of the q before the last step (SVI's convention); its gap there
+    gap_evaluated = None if evaluated is None else losses[-1] - evaluated[0]
     return {
         "steps": steps,
         "report_pairs": report_pairs,
@@ -236,6 +264,8 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs: int
         "sharp_estimate": sharp,
         "gap": gap,
         "ok": abs(gap) <= max(TOL, 0.01 * abs(ref[0])),
+        "sharp_estimate_evaluated": evaluated,
+        "gap_evaluated": gap_evaluated,
     }
 
 
@@ -273,9 +303,9 @@ def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
                 row["ivon_all"] = {str(r["lr"]): r["estimate"][0] for r in ivs}
             except ImportError:
                 row["ivon"] = "ivon-opt not installed"
-        row["user_steps"] = run_user_steps(model, args, seed)
-        if name in ONEDRAW:
+        if name in ONEDRAW:  # (before the default: the first of the pair pays no warm-up)
             row["user_steps_pairs"] = run_user_steps(model, args, seed, report_pairs=REPORT_PAIRS)
+        row["user_steps"] = run_user_steps(model, args, seed)
         rows.append(row)
         _print_row(row)
         if done is not None:
@@ -369,7 +399,10 @@ def verdict(rows, odes) -> list:
             lines.append(
                 f"verdict {name}: AutoCVI no worse than IVON at equal CPU in {ok}/{len(ivs)}"
             )
-        for key, how in (("user_steps", ""), ("user_steps_pairs", f" ({REPORT_PAIRS} pairs)")):
+        for key, how in (
+            ("user_steps", ""),
+            ("user_steps_pairs", f" ({REPORT_PAIRS} tracked report pairs)"),
+        ):
             us = [r[key] for r in rs if key in r]
             if us:
                 ok = sum(u["ok"] for u in us)
@@ -397,6 +430,12 @@ def main(argv=None):
         "--user-steps-only",
         action="store_true",
         help="only the 300-step reported-loss rows (default and paired report), no ODEs",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --user-steps-only: runs of each, alternating (their CPU per step)",
     )
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -433,9 +472,14 @@ def main(argv=None):
             for seed in range(a.first_seed, a.first_seed + seeds):
                 model, args = make(), data(torch.float32)
                 row = {"model": name, "seed": seed}
-                row["user_steps"] = run_user_steps(model, args, seed)
-                if name in ONEDRAW:
-                    row["user_steps_pairs"] = run_user_steps(model, args, seed, 300, REPORT_PAIRS)
+                for _ in range(a.repeats):  # alternating: the report's cost against none
+                    if name in ONEDRAW:
+                        us = run_user_steps(model, args, seed, 300, REPORT_PAIRS)
+                        row.setdefault("user_steps_pairs", us)
+                        row.setdefault("ms_pairs", []).append(us["ms_per_step"])
+                    us = run_user_steps(model, args, seed)
+                    row.setdefault("user_steps", us)
+                    row.setdefault("ms_default", []).append(us["ms_per_step"])
                 print(json.dumps(row), flush=True)
                 keep(row)
             continue

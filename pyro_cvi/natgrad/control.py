@@ -49,6 +49,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .report import TrackedReport
+
 __all__ = ["NoiseControl", "ScoreCoefficient", "SignalToNoise"]
 
 # ``grow ** t`` is only needed until the warm-up reaches the ceiling (a few steps): bounded
@@ -156,6 +158,8 @@ class NoiseControl:
     t: int = 0
     #: the score control variate's coefficient (concentration families)
     score: ScoreCoefficient = field(default_factory=ScoreCoefficient)
+    #: the reported loss's running estimate (``SignalToNoise(report_track=True)``)
+    tracked: TrackedReport = field(default_factory=TrackedReport)
 
     def _size(self, r: _Ratio) -> float:
         ceiling = self.ceiling * self.decayed
@@ -195,6 +199,7 @@ class NoiseControl:
             "prec": (self.prec.mean, self.prec.sq, self.prec.t),
             "mean": (self.mean.mean, self.mean.sq, self.mean.t),
             "score": (self.score.xy, self.score.yy, self.score.xx, self.score.t),
+            "tracked": self.tracked.state(),
         }
 
     def load(self, state: Dict) -> None:
@@ -205,6 +210,8 @@ class NoiseControl:
         self.mean.mean, self.mean.sq, self.mean.t = state["mean"]
         if "score" in state:
             self.score.xy, self.score.yy, self.score.xx, self.score.t = state["score"]
+        self.tracked = TrackedReport()
+        self.tracked.load(state.get("tracked"))
 
 
 @dataclass(frozen=True)
@@ -216,10 +223,13 @@ class SignalToNoise:
     the mean of up to this many antithetic pairs ``m +- L e`` of forward-only draws (one
     batched run, from a generator of the block's own: the step's draws and its accept
     decisions are unchanged; :func:`pyro_cvi.natgrad.joint.add_report`), at most ``K D / 2``
-    (``K = particles``); 0: the step's own estimate."""
+    (``K = particles``); 0: the step's own estimate. ``report_track``: the same pairs also
+    run at the previous ``q`` and the report is
+    :class:`~pyro_cvi.natgrad.report.TrackedReport`'s (the control's ``tracked``)."""
 
     particles: int = 4
     report_pairs: int = 64
+    report_track: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.report_pairs, int) and self.report_pairs >= 0):

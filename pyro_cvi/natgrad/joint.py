@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, Sequence
 
+import pyro
 import torch
 
 from ..gaussian.onedraw import (
@@ -21,6 +22,7 @@ from ..gaussian.onedraw import (
     onedraw_tril_step,
 )
 from ..gaussian.price import bonnet_mean_gradient, expected_hessian, price_precision_gradient
+from ..model.signature import closure_key, data_key
 from .control import NoiseControl, SignalToNoise
 from .prior import known_normal_prior
 
@@ -47,7 +49,9 @@ __all__ = [
     "paired_report",
     "prior_split",
     "report_generator",
+    "report_key",
     "report_pairs",
+    "tracked_report",
 ]
 
 
@@ -97,17 +101,25 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     dz = eps @ sc.mT if full else sc * eps
     u = (m + dz).requires_grad_(True)
-    # the report's pairs ride in the gradient draw's batched model run (none where the model
-    # runs once per draw, or before the batched run is checked)
+    # the report's pairs run in a forward-only batched model run of their own (none where the
+    # model runs once per draw, or before the batched run is checked on the step's draw); a
+    # backward pass through the draw's run does not cross them
+    f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
+    tracked = tracked_report(block) if n >= 2 else None
+    key = prev = None
+    if tracked is not None:
+        key = report_key(block, ctx)
+        prev = tracked.previous(key)
     if n > 0:
         e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
-        u2 = u2.detach()
-        f_all = log_joint(torch.cat([u, u2]))
-        f, f2 = f_all[:K], f_all[K:].detach()
-    else:
-        f = log_joint(u)
+        parts = [u2.detach()]
+        if prev is not None:  # the same pairs at the previous q (common random numbers)
+            sp = prev[block.role_names[0]]
+            parts.append(prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2))
+        with torch.no_grad():
+            rest = log_joint(torch.cat(parts))
     prior = prior_split(block, p, u)
     # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
     logdet = (sc.diagonal() if full else sc).abs().log().sum()
@@ -118,9 +130,19 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     if n > 0:
         with torch.no_grad():
             const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
-            pairs = paired_report(block, p, u2, f2, e2, const)
-        # the reported value is the pairs' mean, the step control's decision the draw's
-        ctx.report_shift += float(pairs.mean()) - float(per_t.detach().mean())
+            pairs = paired_report(block, p, parts[0], rest[: 2 * n], e2, const)
+            value = float(pairs.mean())
+            if tracked is not None:
+                before = None
+                if prev is not None:
+                    sp = prev[block.role_names[0]]
+                    c0 = (sp.diagonal() if full else sp).abs().log().sum()
+                    c0 = c0 + 0.5 * block.dim * math.log(2 * math.pi)
+                    before = paired_report(block, prev, parts[1], rest[2 * n :], e2, c0)
+                value = tracked.update(key, p, pairs, before)
+        # the reported value is the pairs' (or their tracked) mean, the step control's
+        # decision the draw's
+        ctx.report_shift += value - float(per_t.detach().mean())
     if ctx.grads:
         record = getattr(block.control, "record", None)
         if record is not None:  # the step schedule's plateau test (natgrad/horizon.py)
@@ -141,6 +163,35 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
             gm, G = onedraw_diag(sc, eps, g, p0, c)
         return elbo, {block.loc_name: gm, "G": G}
     return elbo, None
+
+
+def tracked_report(block):
+    """The block's :class:`~pyro_cvi.natgrad.report.TrackedReport` where its rule asks for one
+    (``report_track``) and the log joint is the block's alone (every latent of the model is
+    one of its ``names``: no other block's ``q`` in it), else ``None``."""
+    if not getattr(block.rule, "report_track", False):
+        return None
+    analysis = getattr(block, "analysis", None)
+    if analysis is None or not set(analysis.values) <= set(block.names):
+        return None
+    return getattr(block.control, "tracked", None)
+
+
+def report_key(block, ctx):
+    """What the log joint reads besides ``u``: the data (the arguments' identities, versions
+    and shapes, and the model's closure tensors) and the model's parameters in Pyro's param
+    store (outside the guide's own, by name prefix); ``None`` under a minibatch (each step
+    another log joint: the tracked report restarts)."""
+    if ctx.subsample:
+        return None
+    prefix = block.loc_name.split(".", 1)[0] + "."
+    store = pyro.get_param_store()
+    params = tuple(
+        (name, id(v), v._version)
+        for name, v in store.named_parameters()
+        if not name.startswith(prefix)
+    )
+    return data_key(ctx.args, ctx.kwargs) + closure_key(ctx.model) + params
 
 
 #: the report's base seed (its draws are the block's own, see :func:`report_generator`)
@@ -165,14 +216,36 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
     (:attr:`~pyro_cvi.context.StepContext.report_shift`): each pair's mean of ``f(u) +
     E_q[log prior] - log prior(u) - log q(u)`` is unbiased for the current ``q``'s bound, its
     odd Taylor terms cancelled; the pairs are independent of the step's draws and so of the
-    step control's accept decision, which reads the step's estimate."""
+    step control's accept decision, which reads the step's estimate. Where the rule tracks
+    (``report_track``), the same pairs also run at the previous ``q`` and the report is
+    :class:`~pyro_cvi.natgrad.report.TrackedReport`'s."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
+    full = block.form == "full"
+    tracked = tracked_report(block) if n >= 2 else None
+    key = prev = None
+    if tracked is not None:
+        key = report_key(block, ctx)
+        prev = tracked.previous(key)
     with torch.no_grad():
-        full = block.form == "full"
-        _, u = antithetic_draws(block, ctx, m, sc.tril() if full else sc, n, full)
-        per = log_joint(u) + prior_split(block, p, u) - log_q(u)
+        e, u = antithetic_draws(block, ctx, m, sc.tril() if full else sc, n, full)
+        rows = [u]
+        if prev is not None:
+            sp = prev[block.role_names[0]]
+            sp = sp.tril() if full else sp
+            rows.append(prev[block.loc_name] + (e @ sp.mT if full else sp * e))
+        f = log_joint(torch.cat(rows))
+        per = f[: 2 * n] + prior_split(block, p, u) - log_q(u)
         pairs = 0.5 * (per[:n] + per[n:])
-    ctx.report_shift += float(pairs.mean()) - float(elbo.detach())
+        value = float(pairs.mean())
+        if tracked is not None:
+            before = None
+            if prev is not None:
+                logdet = (sp.diagonal() if full else sp).abs().log().sum()
+                lq = -0.5 * e.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
+                per = f[2 * n :] + prior_split(block, prev, rows[1]) - lq
+                before = 0.5 * (per[:n] + per[n:])
+            value = tracked.update(key, p, pairs, before)
+    ctx.report_shift += value - float(elbo.detach())
 
 
 def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
