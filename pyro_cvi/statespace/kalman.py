@@ -247,7 +247,10 @@ class TreeScalarSmoother:
         if not _sequential.applies(chain, eta, J):
             return TREE(chain, eta, J, lag_one)
         levels: List = []
-        el = reduce(time_major(chain, eta, J, eta.shape[-2] <= PACK_BELOW), levels, self.top)
+        T, d = eta.shape[-2], eta.shape[-1]
+        packed = T <= PACK_BELOW
+        first = not packed and d == 2 and _sequential._first_coordinate(eta, J)
+        el = reduce(time_major(chain, eta, J, packed, first), levels, self.top)
         el = soa.pack(el)
         top = _sequential.reduced(el)
         if top is None:
