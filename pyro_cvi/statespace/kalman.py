@@ -285,8 +285,9 @@ SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
 SCAN_MIN_T = 4
 #: The longest chain, per state dimension, for which the scalar sequential pass
 #: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
-#: operation's fixed cost is paid per step.
-SEQUENTIAL_MAX_T = {1: 3000, 2: 3000}
+#: operation's fixed cost is paid per step; longer chains of these ``d`` take the tree with a
+#: scalar top (:class:`TreeScalarSmoother`).
+SEQUENTIAL_MAX_T = {1: 1500, 2: 1700}
 
 
 def tensor_smoother(T: int, d: int):
