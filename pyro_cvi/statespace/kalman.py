@@ -287,7 +287,7 @@ SCAN_MIN_T = 4
 #: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
 #: operation's fixed cost is paid per step; longer chains of these ``d`` take the tree with a
 #: scalar top (:class:`TreeScalarSmoother`).
-SEQUENTIAL_MAX_T = {1: 1500, 2: 1700}
+SEQUENTIAL_MAX_T = {1: 2000, 2: 2200}
 
 
 def tensor_smoother(T: int, d: int):
