@@ -284,9 +284,12 @@ class ScanSmoother:
 SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
 SCAN_MIN_T = 4
 #: The longest chain, per state dimension, for which the scalar sequential pass
-#: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
-#: operation's fixed cost is paid per step; longer chains of these ``d`` take the tree with a
-#: scalar top (:class:`TreeScalarSmoother`).
+#: (:mod:`.sequential`) is the faster: below it no tensor operation's fixed cost is paid per
+#: step; longer chains of these ``d`` take the tree with a scalar top
+#: (:class:`TreeScalarSmoother`). Set where a Markov-GP CVI step (sites on the first
+#: coordinate, one transition, the pass's own output path: ``scripts/compare_markov_step.py``)
+#: is as fast with either; sites on the whole state cross earlier (``d = 2``: near 700 steps
+#: in ``scripts/benchmark_kalman.py``).
 SEQUENTIAL_MAX_T = {1: 2000, 2: 2200}
 
 
