@@ -1,11 +1,14 @@
 """The exact Kalman smoothers side by side: the reduction tree with its explicit descent
 (``kalman.TREE``), the associative scans (``kalman.SCAN``, Sarkka & Garcia-Fernandez 2021) and,
-for ``d <= 2``, the scalar sequential pass (``kalman.SEQUENTIAL``).
+for ``d <= 2``, the scalar sequential pass (``kalman.SEQUENTIAL``) and the tree with a scalar top
+(``kalman.TREE_SCALAR``).
 
 Per state dimension ``d`` and chain length ``T``: the median process CPU time of one
 ``smooth(..., lag_one=True)`` (one thread, float64, random stable chain and sites), each method,
 their ratio, and which one :func:`~pyro_cvi.statespace.kalman.choose_smoother` picks. The rules
-``kalman.SCAN_MAX_T`` and ``kalman.SEQUENTIAL_MAX_T`` are set from this table.
+``kalman.SCAN_MAX_T`` and ``kalman.SEQUENTIAL_MAX_T`` are set from this table (the sites here are
+full, the scalar pass's general form: a Gaussian process observed through ``f = x_0`` takes its
+third-of-the-operations form, so its crossing with the tree with a scalar top lies later).
 
     PYTHONPATH=. python scripts/benchmark_kalman.py
     PYTHONPATH=. python scripts/benchmark_kalman.py --quick      # d = 1, 2; T <= 1000
@@ -75,6 +78,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             ("scan ms", "kalman.SCAN"),
             ("scan/tree", "below 1: the scan is faster"),
             ("seq ms", "kalman.SEQUENTIAL (d <= 2)"),
+            ("tree-scalar ms", "kalman.TREE_SCALAR (d <= 2)"),
             ("chosen", "kalman.choose_smoother(T, d)"),
         ],
     )
@@ -85,21 +89,25 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 continue
             chain, eta, J = problem(T, d)
             ms = {}
-            for m in (kalman.TREE, kalman.SCAN) + ((kalman.SEQUENTIAL,) if d <= 2 else ()):
-                ms[m.name] = 1e3 * cpu_per_call(
+            small = (kalman.SEQUENTIAL, kalman.TREE_SCALAR) if d <= 2 else ()
+            for m in (kalman.TREE, kalman.SCAN) + small:
+                name = "tree_scalar" if m is kalman.TREE_SCALAR else m.name
+                ms[name] = 1e3 * cpu_per_call(
                     lambda c=chain, e=eta, j=J, m=m: kalman.smooth(c, e, j, lag_one=True, method=m),
                     args.budget,
                 )
-            chosen = kalman.choose_smoother(T, d).name
+            chosen = kalman.choose_smoother(T, d)
+            chosen = "tree_scalar" if chosen is kalman.TREE_SCALAR else chosen.name
             ratio = ms["scan"] / ms["tree"]
-            seq = ms.get("sequential")
+            seq, top = ms.get("sequential"), ms.get("tree_scalar")
             rows.append(
                 dict(d=d, T=T, tree_ms=ms["tree"], scan_ms=ms["scan"], sequential_ms=seq,
-                     chosen=chosen)
+                     tree_scalar_ms=top, chosen=chosen)
             )  # fmt: skip
             table.add(
                 d, T, f"{ms['tree']:.3f}", f"{ms['scan']:.3f}", f"{ratio:.2f}",
-                "-" if seq is None else f"{seq:.3f}", chosen,
+                "-" if seq is None else f"{seq:.3f}", "-" if top is None else f"{top:.3f}",
+                chosen,
             )  # fmt: skip
             said = ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
             print(f"d={d} T={T}: {said}", flush=True)
@@ -109,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         for r in rows
         if r["chosen"]
         != min(
-            (k for k in ("tree", "scan", "sequential") if r[k + "_ms"] is not None),
+            (k for k in ("tree", "scan", "sequential", "tree_scalar") if r[k + "_ms"] is not None),
             key=lambda k: r[k + "_ms"],
         )
     ]

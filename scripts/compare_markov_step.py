@@ -88,16 +88,21 @@ def main(argv: Optional[List[str]] = None) -> dict:
             seq_old.SequentialSmoother(K.tensor_smoother),
             old_max,
             {k: getattr(post_old.SiteRows, k) for k in names},
+            # (a revision without the tree's scalar top: the tree past the scalar pass)
+            getattr(K, "TREE_SCALAR", None) if "TREE_SCALAR" in kal_old else K.TREE,
         ),
         "after": (
             K.SEQUENTIAL,
             dict(K.SEQUENTIAL_MAX_T),
             {k: getattr(P.SiteRows, k) for k in names},
+            getattr(K, "TREE_SCALAR", None),
         ),
     }
 
     def use(side: str) -> None:
-        seq, rule, methods = sides[side]
+        seq, rule, methods, long = sides[side]
+        if long is not None:
+            K.TREE_SCALAR = long
         K.SEQUENTIAL = seq
         K.SEQUENTIAL_MAX_T.clear()
         K.SEQUENTIAL_MAX_T.update(rule)

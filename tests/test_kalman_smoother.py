@@ -165,7 +165,13 @@ def _sequential(chain, eta, J):
     return log_z, stack(ms), stack(Ps), stack(cross) if cross else eta.new_zeros(0, d, d)
 
 
-METHODS = [kalman.TREE, kalman.SCAN, kalman.SEQUENTIAL]
+METHODS = [
+    kalman.TREE,
+    kalman.SCAN,
+    kalman.SEQUENTIAL,
+    kalman.TREE_SCALAR,
+    kalman.TreeScalarSmoother(4),
+]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
@@ -245,7 +251,8 @@ def test_the_scan_raises_on_an_indefinite_q():
 
 
 def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
-    assert kalman.choose_smoother(10**6, 2) is kalman.TREE
+    assert kalman.choose_smoother(10**6, 2) is kalman.TREE_SCALAR
+    assert kalman.choose_smoother(10**6, 3) is kalman.TREE
     assert kalman.choose_smoother(64, 8) is kalman.TREE
     assert kalman.tensor_smoother(1, 1) is kalman.TREE
     for d, T in kalman.SCAN_MAX_T.items():
@@ -257,7 +264,7 @@ def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
     for d, T in kalman.SEQUENTIAL_MAX_T.items():
         assert kalman.choose_smoother(1, d) is kalman.SEQUENTIAL
         assert kalman.choose_smoother(T, d) is kalman.SEQUENTIAL
-        assert kalman.choose_smoother(T + 1, d) is kalman.tensor_smoother(T + 1, d)
+        assert kalman.choose_smoother(T + 1, d) is kalman.TREE_SCALAR
 
 
 @pytest.mark.parametrize("d", [1, 2])
@@ -288,6 +295,52 @@ def test_the_sequential_pass_hands_batched_and_differentiable_problems_on(d, mon
     assert not entered
     smooth(chain, eta.detach(), J, method=kalman.SEQUENTIAL)
     assert entered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [1, 2])
+def test_the_tree_with_a_scalar_top_equals_the_tree(d, dtype, monkeypatch):
+    """The tree's long levels, the scalar pass on the chain of a level's end states and the
+    tree's descent: the tree's numbers on a long chain (GP-like sites on the first coordinate
+    and full ones), the pass entered; batched and differentiable problems and a failed pass
+    take the tree."""
+    from pyro_cvi.statespace import sequential
+
+    calls = []
+    real = sequential.reduced
+    monkeypatch.setattr(sequential, "reduced", lambda el: calls.append(1) or real(el))
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == D64 else dict(rtol=1e-3, atol=1e-3)
+    method = kalman.TreeScalarSmoother(100)
+    for T, first in [(3001, True), (1234, False), (101, False), (1, False)]:
+        chain, eta, J = _chain(T, d, seed=T)
+        if first:
+            eta[:, 1:], J[:, 1:, :], J[:, :, 1:] = 0.0, 0.0, 0.0
+        cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
+        eta, J = eta.to(dtype), J.to(dtype)
+        a = smooth(cast, eta, J, lag_one=True, method=method)
+        b = smooth(chain, eta.double(), J.double(), lag_one=True, method=kalman.TREE)
+        for x, y in [(a.log_z, b.log_z), (a.mean, b.mean), (a.cov, b.cov), (a.cross, b.cross)]:
+            assert x.dtype == dtype and x.shape == y.shape
+            torch.testing.assert_close(x.double(), y, **tol)
+    assert len(calls) == 4
+    chain, eta, J = _chain(300, d, seed=5, batch=(3,))
+    a = smooth(chain, eta, J, lag_one=True, method=method)
+    b = smooth(chain, eta, J, lag_one=True, method=kalman.TREE)
+    torch.testing.assert_close(a.cov, b.cov, rtol=1e-12, atol=1e-12)
+    chain, eta, J = _chain(300, d, seed=6)
+    eta = eta.clone().requires_grad_(True)
+    post = smooth(chain, eta, J, keep_graph=True, method=method)
+    (g,) = torch.autograd.grad(post.log_z, eta)
+    torch.testing.assert_close(g, post.mean.detach(), rtol=1e-10, atol=1e-10)  # dlogZ/deta = E x
+    assert len(calls) == 4
+    monkeypatch.setattr(sequential, "reduced", lambda el: calls.append(1))
+    a = smooth(chain, eta.detach(), J, lag_one=True, method=method)
+    b = smooth(chain, eta.detach(), J, lag_one=True, method=kalman.TREE)
+    torch.testing.assert_close(a.cov, b.cov, rtol=0, atol=0)
+    torch.testing.assert_close(a.log_z, b.log_z, rtol=0, atol=0)
+    assert len(calls) == 5
+    with pytest.raises(NotPositiveDefinite):
+        smooth(chain, eta.detach(), -50.0 * J, method=method)
 
 
 @pytest.mark.parametrize("d", [1, 2])

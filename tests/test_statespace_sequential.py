@@ -68,6 +68,18 @@ def test_a_long_markov_gp_chain_equals_the_tree(lag_one, dtype):
     assert (a.cross is None) == (not lag_one)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
+def test_a_longer_markov_gp_chain_takes_the_tree_with_a_scalar_top(dtype):
+    """Past the scalar pass's rule, a GP chain (sites on the first coordinate: the tree's
+    leaves for them) takes the tree with a scalar top: ``q`` equal to the tree's."""
+    T = 2 * kalman.PACK_BELOW + 3
+    assert kalman.choose_smoother(T, 2) is kalman.TREE_SCALAR
+    chain, eta, J = _gp_problem(T, seed=4, dtype=dtype)
+    a = smooth(chain, eta, J, lag_one=True)
+    b = smooth(chain, eta, J, lag_one=True, method=kalman.TREE)
+    _assert_same(a, b, dtype)
+
+
 def _general_problem(T, d, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     A = 0.9 * torch.eye(d, dtype=D64) + 0.05 * torch.randn(T - 1, d, d, generator=g, dtype=D64)

@@ -3,7 +3,8 @@
 * :mod:`.kalman`: the conjugate computation (log-normaliser by a parallel reduction, smoothed
   marginals and lag-one covariances by an explicit pass back down the tree, sampling),
   O(T d^3); :mod:`.soa`: its small-matrix algebra on long stacks; :mod:`.scan`: the
-  associative scans; :mod:`.sequential`: one scalar pass for short chains of ``d <= 2``;
+  associative scans; :mod:`.sequential`: one scalar pass for short chains of ``d <= 2``, and
+  for the top of the tree of longer ones;
 * :mod:`.kernels_sde`: Matern-1/2, 3/2, 5/2 kernels (and sums) as SDEs;
 * :mod:`.distribution`: ``LinearGaussianSSM``, ``MarkovGP`` and ``markov_gp`` for Pyro models;
 * :mod:`.detect`: how the analysis recognises chains (also ``pyro.markov`` loops);

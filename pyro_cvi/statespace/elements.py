@@ -98,12 +98,41 @@ def leaf(A, b, C, eta, J) -> Element:
     return W, mv(Minv, add(b, mv(C, eta))), P1, e, mm(Wt, mm(J, A)), g
 
 
+def leaf_first(A, b, C, e, j) -> Element:
+    """:func:`leaf` (arrays, ``d = 2``) for a site on the first coordinate only (``eta = (e,
+    0)``, ``J = diag(j, 0)``): ``det(I + C J) = s = 1 + c00 j``, ``M = [[1/s, 0], [-c10 j/s,
+    1]]``, ``r = (e - j b0, 0)`` and ``W' J A = j w w'``-like outer products of the first rows
+    (``w = W_0.``, ``a = A_0.``): ``e_out = r0 w``, ``J_out = j w a'``; a third of the
+    operations."""
+    (a00, a01), (a10, a11) = A
+    b0, b1 = b
+    (c00, c01), (c10, c11) = C
+    s = torch.addcmul(torch.ones_like(j), c00, j)
+    rs = s.reciprocal()
+    k1 = c10 * rs
+    u = j * k1  # c10 j / s
+    P1 = [[c00 * rs, c01 * rs], [k1, torch.addcmul(c11, u, c01, value=-1.0)]]
+    w0, w1 = a00 * rs, a01 * rs
+    W = [[w0, w1], [torch.addcmul(a10, u, a00, value=-1.0), torch.addcmul(a11, u, a01, value=-1.0)]]
+    z0 = torch.addcmul(b0, c00, e)
+    mean = [z0 * rs, torch.addcmul(torch.addcmul(b1, c10, e), u, z0, value=-1.0)]
+    r0 = torch.addcmul(e, j, b0, value=-1.0)
+    quad = b0 * torch.addcmul(e, j, b0, value=-0.5)
+    quad = torch.addcmul(quad, r0 * r0, P1[0][0], value=0.5)
+    jw0, jw1 = j * w0, j * w1
+    J = [[jw0 * a00, jw0 * a01], [jw1 * a00, jw1 * a01]]
+    return W, mean, P1, [r0 * w0, r0 * w1], J, _log_det_g(s, quad)
+
+
 def _half(v):
     return soa.tree_map(lambda t: 0.5 * t, v)
 
 
-def time_major(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, packed: bool):
-    """The leaves (transition then site, per step), time first: ``(T, *B, ...)``."""
+def time_major(
+    chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, packed: bool, first=False
+):
+    """The leaves (transition then site, per step), time first: ``(T, *B, ...)``; ``first``
+    (arrays, ``d = 2``): every site on the first coordinate (:func:`leaf_first`)."""
     A, b, C = chain.all_steps()
     # (pyro's pure-Python broadcast: torch.broadcast_shapes imports sympy, 0.6 s, on first use)
     batch = torch.Size(broadcast_shape(A.shape[:-3], eta.shape[:-2], J.shape[:-3]))
@@ -118,6 +147,10 @@ def time_major(chain: LinearGaussianChain, eta: torch.Tensor, J: torch.Tensor, p
     if packed:
         return leaf(mat(A), vec(b), mat(C), vec(eta), mat(J))
     m, v = soa.to_arrays_mat, soa.to_arrays_vec
+    if first:
+        return leaf_first(
+            m(mat(A)), v(vec(b)), m(mat(C)), eta[..., 0].movedim(-1, 0), J[..., 0, 0].movedim(-1, 0)
+        )
     return leaf(m(mat(A)), v(vec(b)), m(mat(C)), v(vec(eta)), m(mat(J)))
 
 

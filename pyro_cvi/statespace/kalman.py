@@ -149,11 +149,11 @@ def _to_arrays(X):
     return soa.to_arrays_vec(m), soa.to_arrays_mat(S), soa.to_arrays_mat(X)
 
 
-def reduce(el: Element, levels: Optional[List] = None) -> Element:
+def reduce(el: Element, levels: Optional[List] = None, stop: int = 1) -> Element:
     """The ordered product of all elements by pairwise (tree) reduction: log2(T) levels; an
     odd last element is carried up. With ``levels`` (a list), what the backward pass needs is
-    appended per level."""
-    while el[5].shape[0] > 1:
+    appended per level. With ``stop``, the level with at most ``stop`` elements."""
+    while el[5].shape[0] > stop:
         n = el[5].shape[0]
         if n <= PACK_BELOW and not soa.is_packed(el[1]):
             el = soa.pack(el)
@@ -166,11 +166,9 @@ def reduce(el: Element, levels: Optional[List] = None) -> Element:
     return el
 
 
-def _descend(levels: List, root: Element):
-    """The smoothed ``(mean, cov, Cov(x_t, x_{t-1}))`` of every leaf's end state, packed."""
-    root = soa.pack(root)
-    A, b, C = root[:3]  # the root's start is the dummy x_{-1}: A = 0, the law of x_{T-1}
-    state = (b, C, torch.zeros_like(C))
+def _descend(levels: List, state):
+    """The smoothed ``(mean, cov, Cov(x_t, x_{t-1}))`` of every leaf's end state, packed, from
+    those of the end states of the top level's elements (``state``, packed)."""
     for (Ap, bp, Cp), (W, nu, P1, ARP1), odd in reversed(levels):
         if not soa.is_packed(W) and soa.is_packed(state[0]):
             state = _to_arrays(state)
@@ -229,8 +227,44 @@ class TreeSmoother:
         root = soa.pack(reduce(el, levels))
         log_z = root[5][0]
         check_log_z(log_z)
-        m, S, X = _descend(levels, root)
+        A, b, C = root[:3]  # the root's start is the dummy x_{-1}: A = 0, the law of x_{T-1}
+        m, S, X = _descend(levels, (b, C, torch.zeros_like(C)))
         return log_z, m, S, X
+
+
+class TreeScalarSmoother:
+    """The tree's long levels, then the scalar pass (:mod:`.sequential`) on the chain of the
+    end states of the level with at most ``top`` elements (:func:`.sequential.reduced`), then
+    the tree's descent from its marginals: the tree's short levels, where per-op overhead is all
+    the time, become one pass of scalar arithmetic. Problems the pass does not take (batched,
+    differentiable, GPU, ``d > 2``) and a failed pass take the tree."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self.name = f"tree-scalar-{top}"
+
+    def __call__(self, chain: LinearGaussianChain, eta, J, lag_one: bool):
+        if not _sequential.applies(chain, eta, J):
+            return TREE(chain, eta, J, lag_one)
+        levels: List = []
+        T, d = eta.shape[-2], eta.shape[-1]
+        packed = T <= PACK_BELOW
+        first = not packed and d == 2 and _sequential._first_coordinate(eta, J)
+        el = reduce(time_major(chain, eta, J, packed, first), levels, self.top)
+        el = soa.pack(el)
+        top = _sequential.reduced(el)
+        if top is None:
+            root = soa.pack(reduce(el, levels))
+            check_log_z(root[5][0])
+            state = (root[1], root[2], torch.zeros_like(root[2]))
+        else:
+            like = dict(dtype=eta.dtype, device=eta.device)
+            log_z = torch.tensor(top[0], **like)
+            check_log_z(log_z)
+            state = tuple(t.to(**like) for t in top[1:])
+            root = (None,) * 5 + (log_z.reshape(1),)
+        m, S, X = _descend(levels, state)
+        return root[5][0], m, S, X
 
 
 class ScanSmoother:
@@ -250,9 +284,14 @@ class ScanSmoother:
 SCAN_MAX_T = {1: 800, 2: 400, 3: 128, 4: 32, 5: 24, 6: 16}
 SCAN_MIN_T = 4
 #: The longest chain, per state dimension, for which the scalar sequential pass
-#: (:mod:`.sequential`) is the faster (measured as ``SCAN_MAX_T``): below it no tensor
-#: operation's fixed cost is paid per step.
-SEQUENTIAL_MAX_T = {1: 3000, 2: 3000}
+#: (:mod:`.sequential`) is the faster: below it no tensor operation's fixed cost is paid per
+#: step; longer chains of these ``d`` take the tree with a scalar top
+#: (:class:`TreeScalarSmoother`). ``d = 2``: where a Markov-GP CVI step (sites on the first
+#: coordinate, one transition, the pass's own output path: ``scripts/compare_markov_step.py``)
+#: is as fast with either; sites on the whole state cross earlier (near 700 steps in
+#: ``scripts/benchmark_kalman.py``). ``d = 1``: the crossing in ``benchmark_kalman.py``
+#: (1000-1500 steps) moved up a little for the pass's own output path.
+SEQUENTIAL_MAX_T = {1: 1400, 2: 2200}
 
 
 def tensor_smoother(T: int, d: int):
@@ -262,13 +301,17 @@ def tensor_smoother(T: int, d: int):
 
 TREE, SCAN = TreeSmoother(), ScanSmoother()
 SEQUENTIAL = _sequential.SequentialSmoother(tensor_smoother)
+#: The top level's size for :class:`TreeScalarSmoother` (measured as ``SCAN_MAX_T``).
+TREE_SCALAR = TreeScalarSmoother(320)
 
 
 def choose_smoother(T: int, d: int):
     """The fastest exact smoother for a chain of ``T`` steps of dimension ``d``: the scalar
     pass for short chains of ``d <= 2`` (which hands batched, differentiable or GPU problems to
     :func:`tensor_smoother`), else the tree or the scan."""
-    return SEQUENTIAL if T <= SEQUENTIAL_MAX_T.get(d, 0) else tensor_smoother(T, d)
+    if T <= SEQUENTIAL_MAX_T.get(d, 0):
+        return SEQUENTIAL
+    return TREE_SCALAR if d in SEQUENTIAL_MAX_T else tensor_smoother(T, d)
 
 
 def smooth(

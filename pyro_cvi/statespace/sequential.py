@@ -406,3 +406,37 @@ def _log_z(log_z: float, like: dict) -> torch.Tensor:
     if not math.isfinite(log_z) or lz.dtype != torch.float64:
         check_log_z(lz)
     return lz
+
+
+def reduced(el: tuple) -> Optional[Tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The scalar pass on the chain of a reduction level's end states (:mod:`.kalman`'s tree,
+    stopped early): packed elements ``(A, b, C, e, J, g)`` over ``n`` spans, element ``k`` the
+    kernel ``exp(g_k + e_k' x - x' J_k x / 2) N(y; A_k x + b_k, C_k)`` from the end state
+    ``x = y_{k-1}`` of span ``k - 1`` to its own ``y_k`` (span 0 starts at the dummy
+    ``x_{-1}``: ``A_0 = 0``, ``e_0 = 0``, ``J_0 = 0``). That is a chain ``y_0 ~ N(b_0, C_0)``,
+    ``y_k | y_{k-1} ~ N(A_k y_{k-1} + b_k, C_k)`` with the site ``(e_{k+1}, J_{k+1})`` on
+    ``y_k`` (none on the last), and ``log Z = sum_k g_k + log Z(chain)``. Returns ``(log Z,
+    means (n, d, 1), covariances (n, d, d), Cov(y_k, y_{k-1}) (n, d, d), zero at 0)`` in
+    float64 (the descent below needs the lag-one covariances), or ``None`` where a step's
+    determinant is not positive (the tree decides)."""
+    A, b, C, e, J, g = el
+    n, d = A.shape[0], A.shape[-1]
+    f = torch.float64
+    A, b, C, e, J = (_f64(t).reshape(n, -1) for t in (A, b, C, e, J))
+    trans = torch.cat([A[1:], b[1:], C[1:]], 1).tolist()
+    sites = torch.cat([torch.cat([e[1:], J[1:]], 1), torch.zeros(1, d + d * d, dtype=f)], 0)
+    m0, P0 = b[0].tolist(), C[0].tolist()
+    try:
+        if d == 1:
+            log_z, ms, Ps, X = _pass_1(m0, P0, trans, sites.tolist(), True)
+            m, S = torch.tensor(ms, dtype=f), torch.tensor(Ps, dtype=f)
+            cross = torch.tensor(X, dtype=f).reshape(n, 1, 1)
+        else:
+            log_z, flat = _pass_2(m0, P0, trans, sites.tolist(), True)
+            v = torch.frombuffer(flat, dtype=f).view(n, 10).flip(0)
+            m, S = v[:, :2], v[:, 2:6]
+            cross = v[:, 6:].roll(1, 0).reshape(n, 2, 2)  # row t: Cov(y_{t+1}, y_t)
+    except _Fail:
+        return None
+    log_z += float(_f64(g).sum())
+    return log_z, m.reshape(n, d, 1), S.reshape(n, d, d), cross
