@@ -16,7 +16,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyro
 import torch
-from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
 from ..context import StepContext
@@ -32,6 +31,7 @@ from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 from .base import Block, BlockInit, Incoming, StepReport, stored
+from .exchangeable import ExchangeableStart
 from .marginals import discrete_mode
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
@@ -227,14 +227,15 @@ def _prior_natural(fam, fn) -> Optional[Params]:
 
 def init_messenger(init_loc_fn):
     """A ``pyro.poutine`` InitMessenger for ``init_loc_fn`` that leaves discrete sites to
-    their prior (Pyro's init strategies cannot place a discrete value)."""
+    their prior (Pyro's init strategies cannot place a discrete value), with label-symmetric
+    components started apart (:class:`~pyro_cvi.blocks.exchangeable.ExchangeableStart`)."""
 
     def init_fn(site):
         if site["fn"].support.is_discrete:
             return site["fn"].sample().detach()
         return init_loc_fn(site)
 
-    return InitMessenger(init_fn)
+    return ExchangeableStart(init_fn)
 
 
 def initial_natural(
