@@ -16,11 +16,15 @@ dimensions (the last event dimension, or a plate's) when
 * its start comes from a generic strategy (``value._pyro_custom_init is False``; a user's
   ``init_to_value`` is kept),
 * its prior is univariate with equal parameters along that dimension (i.i.d. components),
-* and the model's log joint at the start is unchanged by a cyclic relabelling of that
-  dimension: ``log p(x) == log p(roll(x))`` for a start ``x`` with distinct components, the
-  other qualifying sites held equal along theirs and the discrete latents summed out
-  (``TraceEnum_ELBO``), up to ``sqrt(eps) (1 + |log p|)``. A regression's coefficients with an
-  i.i.d. prior fail this test (the data tell them apart) and keep their start.
+* the model's log joint at the start is unchanged by a cyclic relabelling of that dimension:
+  ``log p(x) == log p(roll(x))`` for a start ``x`` with distinct components, the other
+  sites at their starts and the discrete latents summed out
+  (``TraceEnum_ELBO``), up to ``tol = sqrt(eps) (1 + |log p|)``. A regression's coefficients
+  with an i.i.d. prior fail this test (the data tell them apart) and keep their start;
+* and the data see the site at the start: moving it from tied components to ``x`` changes
+  the log joint by more than its own prior term (by over ``10 tol``). A network's hidden
+  units at an all-zero start are symmetric only because nothing downstream reads them yet
+  (a neural network's, a factor model's weights), and keep their start.
 
 Its components then start at the prior's ``K``-point quantization, component ``k`` at the
 marginal's quantile ``(k - 1/2) / K`` (``icdf`` where it exists, else from 4,096 prior draws on
@@ -133,10 +137,23 @@ def _log_joint(model, values: Dict[str, torch.Tensor], args, kwargs, nesting: in
         return -float(elbo.loss(enum, lambda *a, **k: None, *args, **kwargs))
 
 
+def _own_prior(model, values: Dict[str, torch.Tensor], name: str, args, kwargs) -> float:
+    """The site ``name``'s own prior term ``log p(x_name | parents)`` at ``values``."""
+    with torch.no_grad(), pyro.poutine.block():
+        tr = pyro.poutine.trace(pyro.poutine.condition(model, data=values)).get_trace(
+            *args, **kwargs
+        )
+    site = tr.nodes[name]
+    return float(site["fn"].log_prob(site["value"]).sum())
+
+
 def symmetric_starts(model, init_fn: Callable, args, kwargs) -> Dict[str, torch.Tensor]:
     """The quantized starts of the label-symmetric sites (module docstring), by name."""
-    with torch.random.fork_rng(devices=[]), pyro.poutine.block():
-        trace = pyro.poutine.trace(InitMessenger(init_fn)(model)).get_trace(*args, **kwargs)
+    try:
+        with torch.random.fork_rng(devices=[]), pyro.poutine.block():
+            trace = pyro.poutine.trace(InitMessenger(init_fn)(model)).get_trace(*args, **kwargs)
+    except Exception:  # (the start itself fails: the caller's own run reports it)
+        return {}
     cands = _candidates(trace)
     if not cands:
         return {}
@@ -147,9 +164,6 @@ def symmetric_starts(model, init_fn: Callable, args, kwargs) -> Dict[str, torch.
         and not s["is_observed"]
         and not getattr(getattr(s["fn"], "support", None), "is_discrete", True)
     }
-    held = dict(values)
-    for name, d, start in cands:  # the others equal along their dimension in the test
-        held[name] = start.narrow(d, start.shape[d] // 2, 1).expand_as(start)
     nesting = max(
         [-f.dim for s in trace.nodes.values() if s["type"] == "sample"
          for f in s["cond_indep_stack"] if f.dim is not None] + [0]
@@ -158,17 +172,22 @@ def symmetric_starts(model, init_fn: Callable, args, kwargs) -> Dict[str, torch.
     for name, d, start in cands:
         if name in out:
             continue
-        test = dict(held)
-        test[name] = start
+        test = dict(values)
+        test[name] = start.narrow(d, start.shape[d] // 2, 1).expand_as(start)  # (tied)
         try:
             with torch.random.fork_rng(devices=[]):
+                lp_held = _log_joint(model, test, args, kwargs, nesting)
+                prior_held = _own_prior(model, test, name, args, kwargs)
+                test[name] = start
                 lp = _log_joint(model, test, args, kwargs, nesting)
+                prior = _own_prior(model, test, name, args, kwargs)
                 test[name] = start.roll(1, d)
                 lp_rolled = _log_joint(model, test, args, kwargs, nesting)
         except Exception:  # a model the test cannot sum: no symmetry claimed
             continue
-        eps = torch.finfo(start.dtype).eps
-        if math.isfinite(lp) and abs(lp - lp_rolled) <= math.sqrt(eps) * (1 + abs(lp)):
+        tol = math.sqrt(torch.finfo(start.dtype).eps) * (1 + abs(lp))
+        seen = abs((lp - lp_held) - (prior - prior_held)) > 10 * tol
+        if math.isfinite(lp) and seen and abs(lp - lp_rolled) <= tol:
             start._pyro_custom_init = False
             out[name] = start
     return out
