@@ -16,6 +16,9 @@ dimensions (the last event dimension, or a plate's) when
 * its start comes from a generic strategy (``value._pyro_custom_init is False``; a user's
   ``init_to_value`` is kept),
 * its prior is univariate with equal parameters along that dimension (i.i.d. components),
+* the dimension's size ``K`` is a number of states the model sums over (an enumerable
+  latent's support, a ``DiscreteHMM``'s states, a ``MixtureSameFamily``'s components): the
+  components are what the states index,
 * the model's log joint at the start is unchanged by a cyclic relabelling of that dimension:
   ``log p(x) == log p(roll(x))`` for a start ``x`` with distinct components, the other
   sites at their starts and the discrete latents summed out
@@ -38,9 +41,11 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import InitMessenger
 
@@ -98,9 +103,9 @@ def quantized_start(base, dim: int, like: torch.Tensor) -> Optional[torch.Tensor
     return out
 
 
-def _candidates(trace) -> List[Tuple[str, int, torch.Tensor]]:
-    """``(name, dim of the value, quantized start)`` of every site and dimension whose start
-    is generic and whose prior is i.i.d. along it."""
+def _candidates(trace) -> List[Tuple[str, int, Any, torch.Tensor]]:
+    """``(name, dim of the value, univariate prior, start)`` of every site and dimension whose
+    start is generic and whose prior is i.i.d. along it."""
     out = []
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"] or not hasattr(site["fn"], "support"):
@@ -121,9 +126,32 @@ def _candidates(trace) -> List[Tuple[str, int, torch.Tensor]]:
             if -d > value.dim() or value.shape[d] < 2:
                 continue
             base = _iid_base(fn, d)
-            start = None if base is None else quantized_start(base, d, value)
-            if start is not None:
-                out.append((name, d, start))
+            if base is not None:
+                out.append((name, d, base, value))
+    return out
+
+
+def _state_counts(trace) -> set:
+    """The numbers of states the model sums or enumerates over: the support sizes of its
+    enumerable latents, a ``DiscreteHMM``'s states, a ``MixtureSameFamily``'s components."""
+    out = set()
+    for site in trace.nodes.values():
+        if site["type"] != "sample" or not hasattr(site["fn"], "support"):
+            continue
+        fn = site["fn"]
+        while isinstance(
+            fn, (torch.distributions.Independent, pyro.distributions.MaskedDistribution)
+        ):
+            fn = fn.base_dist
+        if isinstance(fn, dist.DiscreteHMM):
+            out.add(int(fn.initial_logits.shape[-1]))
+        elif isinstance(fn, torch.distributions.MixtureSameFamily):
+            out.add(int(fn.mixture_distribution.logits.shape[-1]))
+        elif not site["is_observed"] and getattr(fn, "has_enumerate_support", False):
+            try:
+                out.add(int(fn.enumerate_support(expand=False).shape[0]))
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
     return out
 
 
@@ -147,6 +175,18 @@ def _own_prior(model, values: Dict[str, torch.Tensor], name: str, args, kwargs) 
     return float(site["fn"].log_prob(site["value"]).sum())
 
 
+#: model -> {(site, dim, shape, argument ids): label-symmetric?}: the test once per model and data
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weakref_able(model) -> bool:
+    try:
+        weakref.ref(model)
+    except TypeError:
+        return False
+    return True
+
+
 def symmetric_starts(model, init_fn: Callable, args, kwargs) -> Dict[str, torch.Tensor]:
     """The quantized starts of the label-symmetric sites (module docstring), by name."""
     try:
@@ -155,6 +195,11 @@ def symmetric_starts(model, init_fn: Callable, args, kwargs) -> Dict[str, torch.
     except Exception:  # (the start itself fails: the caller's own run reports it)
         return {}
     cands = _candidates(trace)
+    if cands:  # (components are labels only where states index them)
+        states = _state_counts(trace)
+        cands = [(n, d, b, v) for n, d, b, v in cands if v.shape[d] in states]
+    cands = [(n, d, quantized_start(b, d, v)) for n, d, b, v in cands]
+    cands = [(n, d, x) for n, d, x in cands if x is not None]
     if not cands:
         return {}
     values = {
@@ -169,25 +214,38 @@ def symmetric_starts(model, init_fn: Callable, args, kwargs) -> Dict[str, torch.
          for f in s["cond_indep_stack"] if f.dim is not None] + [0]
     )  # fmt: skip
     out: Dict[str, torch.Tensor] = {}
+    known = _VERDICTS.setdefault(model, {}) if _weakref_able(model) else {}
     for name, d, start in cands:
         if name in out:
             continue
+        key = (name, d, tuple(start.shape), start.dtype, tuple(id(a) for a in args))
+        if key in known:  # (the same model and data: the engine's several start traces)
+            if known[key]:
+                start._pyro_custom_init = False
+                out[name] = start
+            continue
+        known[key] = False
         test = dict(values)
         test[name] = start.narrow(d, start.shape[d] // 2, 1).expand_as(start)  # (tied)
         try:
             with torch.random.fork_rng(devices=[]):
-                lp_held = _log_joint(model, test, args, kwargs, nesting)
-                prior_held = _own_prior(model, test, name, args, kwargs)
+                tied = test[name]
                 test[name] = start
                 lp = _log_joint(model, test, args, kwargs, nesting)
                 prior = _own_prior(model, test, name, args, kwargs)
                 test[name] = start.roll(1, d)
                 lp_rolled = _log_joint(model, test, args, kwargs, nesting)
+                tol = math.sqrt(torch.finfo(start.dtype).eps) * (1 + abs(lp))
+                if not (math.isfinite(lp) and abs(lp - lp_rolled) <= tol):
+                    continue
+                test[name] = tied
+                lp_held = _log_joint(model, test, args, kwargs, nesting)
+                prior_held = _own_prior(model, test, name, args, kwargs)
         except Exception:  # a model the test cannot sum: no symmetry claimed
             continue
-        tol = math.sqrt(torch.finfo(start.dtype).eps) * (1 + abs(lp))
         seen = abs((lp - lp_held) - (prior - prior_held)) > 10 * tol
-        if math.isfinite(lp) and seen and abs(lp - lp_rolled) <= tol:
+        if seen:
+            known[key] = True
             start._pyro_custom_init = False
             out[name] = start
     return out
