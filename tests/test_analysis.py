@@ -133,13 +133,12 @@ def test_setup_runs_the_model_a_small_fixed_number_of_times():
     svi.step(X, y)
     # prototype, analysis, one run at moved values (dependencies autograd does not record),
     # three probe runs (two random moves and a reflection through zero, shared by the block's
-    # factors), the start at init_loc_fn's values and its side run testing i.i.d. components
-    # for label symmetry (``blocks.exchangeable``: ``w``'s coordinates, told apart by the data),
+    # factors), the start at init_loc_fn's values,
     # initial q; the model has no learnable parameter, so its trace at the block's fixed point
     # is reused, and each step runs it once more only to see a change of its structure
-    assert len(calls) == 10
+    assert len(calls) == 9
     svi.step(X, y)
-    assert len(calls) == 11
+    assert len(calls) == 10
     Xc = X.clone()
     svi.step(Xc, y)  # new data: analysed and traced again, once
     n = len(calls)

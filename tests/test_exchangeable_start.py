@@ -1,5 +1,6 @@
-"""Label-symmetric components start apart (``pyro_cvi.blocks.exchangeable``): a mixture's and an
-HMM's component parameters under Pyro's generic starts go to the prior's K-point quantization
+"""Label-symmetric components start apart (``blocks.exchangeable.init_apart``, opt-in): a
+mixture's and an HMM's component parameters under Pyro's generic starts go to the prior's K-point
+quantization
 (checked against the prior's closed-form CDF and quantile function); sites whose relabelling
 the data see, sites the data do not see yet, and a user's own values keep their start, drawn
 from torch's random stream exactly as without the test."""
@@ -19,6 +20,7 @@ from pyro.infer.autoguide.initialization import (
 )
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+from pyro_cvi.blocks.exchangeable import init_apart
 from pyro_cvi.blocks.natural import init_messenger
 
 DTYPES = [torch.float32, torch.float64]
@@ -58,7 +60,7 @@ def network(x, y):
 
 def _starts(model, init, *args):
     pyro.set_rng_seed(0)
-    tr = pyro.poutine.trace(init_messenger(init)(model)).get_trace(*args)
+    tr = pyro.poutine.trace(init_messenger(init_apart(init))(model)).get_trace(*args)
     return {n: s["value"] for n, s in tr.nodes.items() if s["type"] == "sample"}
 
 
@@ -119,6 +121,14 @@ def test_hidden_units_nothing_reads_yet_keep_their_start(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_without_init_apart_the_start_is_pyros(dtype):
+    y = _hmm_data(dtype)
+    pyro.set_rng_seed(0)
+    tr = pyro.poutine.trace(init_messenger(init_to_median)(hmm_exp)).get_trace(y)
+    assert torch.equal(tr.nodes["rates"]["value"], _plain(hmm_exp, init_to_median, y)["rates"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_users_own_values_are_kept(dtype):
     y = _hmm_data(dtype)
     given = torch.tensor([1.0, 1.0, 1.0], dtype=dtype)
@@ -133,7 +143,7 @@ def test_autocvi_starts_the_mixture_apart_and_finds_both_components(dtype):
     y = (torch.where(c, -2.0, 2.5) + torch.randn(200, generator=g, dtype=torch.float64)).to(dtype)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = AutoCVI(mixture)
+    guide = AutoCVI(mixture, init_loc_fn=init_apart(init_to_median))
     svi = SVI(mixture, guide, CVI(), CVI_ELBO())
     for _ in range(100):
         svi.step(y)

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyro
 import torch
+from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.ops.tensor_utils import periodic_repeat
 
 from ..context import StepContext
@@ -227,15 +228,18 @@ def _prior_natural(fam, fn) -> Optional[Params]:
 
 def init_messenger(init_loc_fn):
     """A ``pyro.poutine`` InitMessenger for ``init_loc_fn`` that leaves discrete sites to
-    their prior (Pyro's init strategies cannot place a discrete value), with label-symmetric
-    components started apart (:class:`~pyro_cvi.blocks.exchangeable.ExchangeableStart`)."""
+    their prior (Pyro's init strategies cannot place a discrete value); with
+    :func:`~pyro_cvi.blocks.exchangeable.init_apart` (opt-in), label-symmetric components
+    start apart (:class:`~pyro_cvi.blocks.exchangeable.ExchangeableStart`)."""
 
     def init_fn(site):
         if site["fn"].support.is_discrete:
             return site["fn"].sample().detach()
         return init_loc_fn(site)
 
-    return ExchangeableStart(init_fn)
+    if getattr(init_loc_fn, "spread_exchangeable", False):
+        return ExchangeableStart(init_fn)
+    return InitMessenger(init_fn)
 
 
 def initial_natural(
