@@ -32,6 +32,7 @@ from ..model.explain import SITES
 from ..model.tracing import unwrap
 from ..update import StepCounts, damped_step, targets_from_grads
 from .base import Block, BlockInit, Incoming, StepReport, stored
+from .exchangeable import ExchangeableStart
 from .marginals import discrete_mode
 
 __all__ = ["NaturalBlock", "initial_natural", "init_messenger"]
@@ -227,13 +228,17 @@ def _prior_natural(fam, fn) -> Optional[Params]:
 
 def init_messenger(init_loc_fn):
     """A ``pyro.poutine`` InitMessenger for ``init_loc_fn`` that leaves discrete sites to
-    their prior (Pyro's init strategies cannot place a discrete value)."""
+    their prior (Pyro's init strategies cannot place a discrete value); with
+    :func:`~pyro_cvi.blocks.exchangeable.init_apart` (opt-in), label-symmetric components
+    start apart (:class:`~pyro_cvi.blocks.exchangeable.ExchangeableStart`)."""
 
     def init_fn(site):
         if site["fn"].support.is_discrete:
             return site["fn"].sample().detach()
         return init_loc_fn(site)
 
+    if getattr(init_loc_fn, "spread_exchangeable", False):
+        return ExchangeableStart(init_fn)
     return InitMessenger(init_fn)
 
 
