@@ -126,9 +126,13 @@ def test_a_latent_step_scale_gives_the_remainder_price_hessians(dtype):
     guide, losses = _fit(lambda y: local_level(y, "logit"), _walk(dtype, True), 2)
     assert guide.engine.analysis.scaled_gaussians == []
     assert _remainder_block(guide).hessian
-    guide, losses = _fit(lambda y: local_level(y, "logit"), _walk(dtype, True, 70), 2)
+    # (71 coordinates: ``eps`` keeps its exact block by default, the joint where it is named)
+    logit = lambda y: local_level(y, "logit")  # noqa: E731
+    guide, losses = _fit(logit, _walk(dtype, True, 70), 2, families={"eps": "joint"})
     assert guide.engine.analysis.scaled_gaussians == []
     assert not _remainder_block(guide).hessian
+    guide, losses = _fit(logit, _walk(dtype, True, 70), 2)
+    assert "eps" not in _remainder_block(guide).names and _remainder_block(guide).hessian
 
 
 @pytest.mark.slow

@@ -180,3 +180,21 @@ def test_a_tagged_run_that_draws_is_not_reused(dtype, monkeypatch):
     runs_own, loss_own, _ = _hmm_runs(dtype, draw)
     assert runs == runs_own
     assert loss == loss_own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_a_gaussian_blocks_draw_is_the_multivariate_normals_bit_for_bit(dtype):
+    """``mvn_draw`` (no distribution built: no sympy) takes the same draws from torch's stream
+    as ``MultivariateNormal(loc, scale_tril=L).sample()``."""
+    import pyro.distributions as dist
+
+    from pyro_cvi.gaussian import mvn_draw
+
+    g = torch.Generator().manual_seed(1)
+    A = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    L = torch.linalg.cholesky(A @ A.T + 6 * torch.eye(6, dtype=torch.float64)).to(dtype)
+    m = torch.randn(6, generator=g, dtype=torch.float64).to(dtype)
+    torch.manual_seed(7)
+    want = dist.MultivariateNormal(m, scale_tril=L).sample()
+    torch.manual_seed(7)
+    assert torch.equal(mvn_draw(m, L), want)

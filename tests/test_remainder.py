@@ -270,22 +270,29 @@ def test_remainder_beats_the_mean_field_on_a_hierarchical_model():
 @DTYPES
 def test_stochastic_volatility_with_the_defaults_fits(dtype):
     """NumPyro's stochastic volatility written the Pyro way (a latent step scale, 150
-    increments, returns ``Normal(0, exp(cumsum / 2))``): 151 unconstrained coordinates, one
-    full-covariance remainder by default. It fits without a divergence, and its bound
-    (Trace_ELBO of the same guide) ends below the 200 nats where the low-rank form had climbed
-    past 1,000 (and ``CVI()`` on AutoNormal overflows)."""
+    increments, returns ``Normal(0, exp(cumsum / 2))``): 151 unconstrained coordinates, so the
+    increments keep their exact block beside the step scale's remainder by default (the joint
+    would hold more than 64), and a full-covariance remainder where the joint is named. Each
+    fits without a divergence, and its bound (Trace_ELBO of the same guide) ends below the 200
+    nats where the low-rank form had climbed past 1,000 (and ``CVI()`` on AutoNormal
+    overflows)."""
     from zoo import clients
 
     (returns,) = clients.stochastic_volatility_data(dtype).args
     model = clients.stochastic_volatility
-    guide = AutoCVI(model)
-    svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
-    losses = [svi.step(returns) for _ in range(100)]
-    assert all(math.isfinite(v) for v in losses)
-    assert guide.engine.block_for("increments").form == "full"
-    with torch.no_grad():
-        bound = sum(Trace_ELBO(num_particles=50).loss(model, guide, returns) for _ in range(4)) / 4
-    assert bound < 200.0, bound
+    for families in (None, {"increments": "joint"}):
+        pyro.clear_param_store()
+        guide = AutoCVI(model, families=families)
+        svi = SVI(model, guide, CVI(), loss=CVI_ELBO())
+        losses = [svi.step(returns) for _ in range(100)]
+        assert all(math.isfinite(v) for v in losses)
+        block = guide.engine.block_for("increments")
+        assert (getattr(block, "form", None) == "full") == (families is not None)
+        assert "step_scale" not in block.names or families is not None
+        with torch.no_grad():
+            elbo = Trace_ELBO(num_particles=50)
+            bound = sum(elbo.loss(model, guide, returns) for _ in range(4)) / 4
+        assert bound < 200.0, (families, bound)
 
 
 # ------------------------------------------------------------------------------------------------

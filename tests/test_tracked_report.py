@@ -19,6 +19,7 @@ numpyro's BNN regression (21 latents, full; ``SignalToNoise(report_pairs=64)``):
 """
 
 import math
+import types
 
 import pyro
 import pytest
@@ -309,4 +310,20 @@ def test_no_tracking_where_another_block_is_in_the_log_joint():
         svi.step(x, y)
     block = _block(guide)
     assert len(guide.engine.blocks) > 1 and list(block.names) == ["s"]
-    assert joint.tracked_report(block) is None and block.control.tracked.value is None
+    stepping = types.SimpleNamespace(grads=True)
+    assert joint.tracked_report(block, stepping) is None and block.control.tracked.value is None
+
+
+@DTYPES
+def test_an_evaluation_outside_a_step_reports_fresh_pairs_and_leaves_the_tracker(dtype):
+    """``svi.evaluate_loss`` at a fixed ``q``: independent fresh estimates (their spread that of
+    the pairs, not the tracker's), the tracker untouched."""
+    _, guide, _, svi, args = _setup(dtype, Horizon(report_pairs=16))
+    for _ in range(5):
+        svi.step(*args)
+    tracked = _block(guide).control.tracked
+    before = (tracked.value, tracked.var_f, tracked.var_d)
+    values = [svi.evaluate_loss(*args) for _ in range(12)]
+    assert (tracked.value, tracked.var_f, tracked.var_d) == before
+    assert len(set(values)) == len(values)
+    assert joint.tracked_report(_block(guide), types.SimpleNamespace(grads=False)) is None

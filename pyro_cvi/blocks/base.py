@@ -268,6 +268,10 @@ class Block(abc.ABC):
             return self.marginal(names[0])
         raise ValueError(f"block {self.label!r} has no joint q over {names}")
 
+    def joint_sample(self) -> torch.Tensor:
+        """One draw of the whole block's joint ``q`` (flattened, concatenated)."""
+        return self.joint().sample()
+
     def mean_values(self) -> Dict[str, torch.Tensor]:
         """``E_q`` of each of the block's sites (default: its marginal's mean)."""
         return {n: self.marginal(n).mean.detach() for n in self.names}

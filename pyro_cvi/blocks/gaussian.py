@@ -14,12 +14,12 @@ The natural parameters are ``lambda = eta + sum_f lambda_tilde_f`` (Theorem 1, e
   by default, :mod:`~pyro_cvi.messages.gaussian`);
 * with ``init_loc_fn``, a start offset ``h0`` (:mod:`~pyro_cvi.blocks.init_start`).
 
-The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or
-dual form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store;
-``.grad`` holds ``target - lambda_tilde`` after the loss, and :meth:`step` applies eq. 12 with the
-step policy of :mod:`~pyro_cvi.update`. Hyperparameters: where the prior or the rows depend on
-the model's parameters (``A(theta)``, ``c(theta)``, a Normal scale) the loss's ``q`` is solved
-with graph (:mod:`~pyro_cvi.blocks.rows`), so its gradient is that of the ELBO at fixed sites.
+The conjugate computation (step 4 of Algorithm 1) is a Bayesian linear regression in primal or dual
+form (:func:`~pyro_cvi.linear_gaussian.solve`). Parameters live in Pyro's param store; ``.grad``
+holds ``target - lambda_tilde`` after the loss, and :meth:`step` applies eq. 12 with the step policy
+of :mod:`~pyro_cvi.update`. Hyperparameters: where the prior or the rows depend on the model's
+parameters (``A(theta)``, ``c(theta)``, a Normal scale) the loss's ``q`` is solved with graph
+(:mod:`~pyro_cvi.blocks.rows`), so its gradient is that of the ELBO at fixed sites.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import pyro.distributions as dist
 import torch
 
 from ..context import Options, StepContext
+from ..gaussian import mvn_draw
 from ..gaussian.retraction import retraction_target
 from ..gaussian.sites import site_to_row
 from ..linear_gaussian import GaussianPosterior, GaussianPrior, NotPositiveDefinite, solve
@@ -110,7 +111,6 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
         #: and something depends on them), for the differentiable ELBO; ``None`` otherwise
         self._graph: Optional[Tuple[GaussianPrior, list, dict]] = None
 
-    # ------------------------------------------------------------------ parameters
     def param_names(self) -> List[str]:
         return (
             list(self.site_names.values())
@@ -180,7 +180,6 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
         for name, target in starts:
             sites[name].data.copy_(target)
 
-    # ------------------------------------------------------------------ conjugate computation
     def _prior(self, trace, ctx: Optional[StepContext] = None) -> GaussianPrior:
         return block_prior(self.spec, trace, ctx)  # (expected priors at ctx's q)
 
@@ -302,7 +301,6 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
             i += blk[0].shape[0]
         return post
 
-    # ------------------------------------------------------------------ ELBO and targets
     def elbo(self, ctx: StepContext, prior: GaussianPrior) -> torch.Tensor:
         """``-KL(q || prior)`` plus the owned factors' expected log-densities; with
         ``ctx.grads``, writes the natural gradients ``target - lambda_tilde`` into ``.grad``.
@@ -389,7 +387,6 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
 
         return f
 
-    # ------------------------------------------------------------------ the step
     def step_sites(self, beta: float) -> StepCounts:
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, general, h0 = self._sites(), self._general(), self._init_h()
@@ -453,17 +450,20 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
             self._sync_rows()
             self.post = self._solve()
 
-    # ------------------------------------------------------------------ q
     def joint(self, names: Optional[Sequence[str]] = None) -> dist.MultivariateNormal:
         """``q`` of the concatenated flattened values of ``names`` (default: the whole block)."""
         post = self.post
         if names is None or tuple(names) == self.names:
             return dist.MultivariateNormal(post.loc, scale_tril=post.scale_tril())
-        idx = torch.cat([self._index(n) for n in names])
+        idx = torch.cat([self.index_of(n) for n in names])
         cov = post.covariance()[idx][:, idx]
         return dist.MultivariateNormal(post.loc[idx], covariance_matrix=cov)
 
-    def _index(self, name: str) -> torch.Tensor:
+    def joint_sample(self) -> torch.Tensor:
+        """``joint().sample()`` bit for bit, without building the distribution (sympy, once)."""
+        return mvn_draw(self.post.loc, self.post.scale_tril())
+
+    def index_of(self, name: str) -> torch.Tensor:
         i = self.names.index(name)
         start = sum(self.spec.sizes[:i])
         return torch.arange(start, start + self.spec.sizes[i], device=self.post.loc.device)

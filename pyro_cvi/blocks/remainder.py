@@ -257,7 +257,8 @@ class RemainderBlock(Block):
             return tril_log_prob(p[self.loc_name], p[self.role_names[0]], u)
         return self.joint_unconstrained().log_prob(u)
 
-    def _covariance(self) -> torch.Tensor:
+    def covariance(self) -> torch.Tensor:
+        """``q(u)``'s covariance over the packed unconstrained values (any form)."""
         p = self._values()
         if self.form == "full":
             L = p[self.role_names[0]]
@@ -406,7 +407,7 @@ class RemainderBlock(Block):
         if self.form == "full":
             L = pyro.param(self.role_names[0]).detach()
             return dist.MultivariateNormal(loc, scale_tril=L)
-        return dist.MultivariateNormal(loc, covariance_matrix=self._covariance())
+        return dist.MultivariateNormal(loc, covariance_matrix=self.covariance())
 
     def _site(self, name: str) -> _Site:
         for s in self.sites:
@@ -420,7 +421,7 @@ class RemainderBlock(Block):
         s = self._site(name)
         sl = slice(s.start, s.start + s.size)
         loc = pyro.param(self.loc_name).detach()[sl]
-        cov = self._covariance()[sl, sl]
+        cov = self.covariance()[sl, sl]
         if s.real:  # a real site: its Gaussian, as a Gaussian block's
             if len(s.shape) == 0:
                 return dist.Normal(loc[0], cov[0, 0].sqrt())

@@ -92,7 +92,7 @@ class SiteFormBlock(Block):
             return {}
         if at_means:
             return {n: v.detach() for n, v in self.mean_values().items()}
-        return self.spec.split(self.joint().sample().detach())
+        return self.spec.split(self.joint_sample().detach())
 
     # ------------------------------------------------------------------ the guide's methods
     def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:

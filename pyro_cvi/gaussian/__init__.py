@@ -27,6 +27,7 @@ from .conversions import (
     mean_params,
     moments_from_mean_params,
     moments_from_natural,
+    mvn_draw,
     natural_from_moments,
     precision_from_scale_tril,
     scale_tril_from_precision,
@@ -89,5 +90,6 @@ __all__ = [
     "symmetrise",
     "tril_log_prob",
     "centred_exp_mean",
+    "mvn_draw",
     "tril_step",
 ]

@@ -128,3 +128,12 @@ def centred_exp_mean(a: Tensor, var: Tensor) -> Tensor:
     function at ``a``): e.g. ``E[s^-2] = s(m)^-2 exp(2 beta^2 var)`` for ``log s`` affine in
     ``u`` with slope ``beta``."""
     return torch.exp(0.5 * a.square() * var)
+
+
+def mvn_draw(loc: torch.Tensor, scale_tril: torch.Tensor) -> torch.Tensor:
+    """One draw ``loc + L e``, ``e ~ N(0, I)``: ``MultivariateNormal(loc, scale_tril=L).sample()``
+    bit for bit (the same draws from torch's stream), without building the distribution (whose
+    shape check imports sympy the first time in a process)."""
+    with torch.no_grad():
+        e = torch.empty(loc.shape, dtype=loc.dtype, device=loc.device).normal_()
+        return loc + torch.matmul(scale_tril, e.unsqueeze(-1)).squeeze(-1)

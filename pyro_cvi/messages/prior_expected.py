@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+import pyro
 import torch
 from pyro.distributions.util import sum_rightmost
 
@@ -81,11 +82,13 @@ def expected_prior(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
             "the remainder's joint Gaussian; drop "
             f"families={{{factor.site!r}: 'gaussian'}} to fit {factor.site!r} jointly with them"
         )
-    q = rem.joint_unconstrained()
+    # the moments without a MultivariateNormal (its broadcast check imports sympy once)
+    with torch.no_grad():
+        loc, cov = pyro.param(rem.loc_name).detach(), rem.covariance()
     starts = {s.name: (s.start, s.size) for s in rem.sites}
     idx = torch.cat([torch.arange(starts[x][0], starts[x][0] + starts[x][1]) for x in info.given])
-    m = q.loc.detach()[idx]
-    S = q.covariance_matrix.detach()[idx][:, idx]
+    m = loc[idx]
+    S = cov[idx][:, idx]
     e_prec, e_loc = expected_prior_moments(info, m, S)
     return e_prec, e_loc / e_prec
 
@@ -163,8 +166,7 @@ def shared_moments(ctx, site: str, parts, others):
             return None
         if A.shape[0] != shape.numel():
             return None
-        q = block.joint(list(spec.names))
-        m, V = q.loc.detach(), q.covariance_matrix.detach()
+        m, V = _joint_moments(block, list(spec.names))
         A = A.to(m)
         z = torch.cat([others[n].detach().reshape(-1) for n in spec.names]).to(m)
         d, v = A @ (z - m), ((A @ V) * A).sum(1)
@@ -174,14 +176,28 @@ def shared_moments(ctx, site: str, parts, others):
     return y.expand(shape) + shift.reshape(shape), var.reshape(shape)
 
 
+def _joint_moments(block, names) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, covariance)`` (detached) of ``block``'s joint ``q`` over ``names``: read from a
+    Gaussian block's posterior where it has one (no ``MultivariateNormal`` built: its shape
+    check imports sympy once a process; the same numbers), else from ``block.joint``."""
+    post, index_of = getattr(block, "post", None), getattr(block, "index_of", None)
+    if index_of is None or not hasattr(post, "scale_tril"):
+        q = block.joint(names)
+        return q.loc.detach(), q.covariance_matrix.detach()
+    if tuple(names) == tuple(block.names):
+        L = post.scale_tril()
+        return post.loc.detach(), torch.matmul(L, L.mT).detach()
+    idx = torch.cat([index_of(n) for n in names])
+    return post.loc[idx].detach(), post.covariance()[idx][:, idx].detach()
+
+
 def _residual_moments(block, site: str, info, others):
     if not hasattr(block, "joint"):
         return None
     inside = info.inside if info.reads_block else ()
     if inside and not all(n in others for n in inside):
         return None
-    q = block.joint([site, *inside])
-    m, V = q.loc.detach(), q.covariance_matrix.detach()
+    m, V = _joint_moments(block, [site, *inside])
     R = m.numel() - sum(int(others[n].numel()) for n in inside)
     if not inside:
         return m, V.diagonal()

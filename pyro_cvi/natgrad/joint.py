@@ -107,7 +107,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
-    tracked = tracked_report(block) if n >= 2 else None
+    tracked = tracked_report(block, ctx) if n >= 2 else None
     key = prev = None
     if tracked is not None:
         key = report_key(block, ctx)
@@ -165,11 +165,13 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     return elbo, None
 
 
-def tracked_report(block):
+def tracked_report(block, ctx):
     """The block's :class:`~pyro_cvi.natgrad.report.TrackedReport` where its rule asks for one
-    (``report_track``) and the log joint is the block's alone (every latent of the model is
+    (``report_track``), the evaluation is a step's (``ctx.grads``: an evaluation outside a step,
+    e.g. ``svi.evaluate_loss``, reports fresh pairs, independent of earlier reports, and leaves
+    the tracker as it was) and the log joint is the block's alone (every latent of the model is
     one of its ``names``: no other block's ``q`` in it), else ``None``."""
-    if not getattr(block.rule, "report_track", False):
+    if not getattr(block.rule, "report_track", False) or not ctx.grads:
         return None
     analysis = getattr(block, "analysis", None)
     if analysis is None or not set(analysis.values) <= set(block.names):
@@ -221,7 +223,7 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
     :class:`~pyro_cvi.natgrad.report.TrackedReport`'s."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
     full = block.form == "full"
-    tracked = tracked_report(block) if n >= 2 else None
+    tracked = tracked_report(block, ctx) if n >= 2 else None
     key = prev = None
     if tracked is not None:
         key = report_key(block, ctx)
