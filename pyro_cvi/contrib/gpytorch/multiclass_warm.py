@@ -3,14 +3,14 @@
 From empty sites (q = the prior) the coupled step of
 :class:`~pyro_cvi.contrib.gpytorch.multiclass_optim.MultiClassCVIOptimizer` sees the prior's
 wide marginals and has to be damped. When the K classes share ``phi_n`` (one kernel, shared
-inducing inputs), sites whose curvature is one matrix up to a scale per point,
+inducing inputs), sites whose curvature is one matrix up to a scale per point::
 
     W_n = -2 lam2_n = w_n C,   C = I - 1 1^T / K   (w_n >= 0; the softmax's E[H] has C's null
                                                      vector 1),
 
 keep the precision a Kronecker product, ``P = I + C (x) G_w``, ``G_w = sum_n w_n phi_n phi_n^T
 = U diag(l) U^T`` (one ``M x M`` eigendecomposition), so q is in closed form without the
-``K M x K M`` Gram and its factorisation:
+``K M x K M`` Gram and its factorisation::
 
     P^-1 = (1 1^T / K) (x) I + C (x) A,   A = (I + G_w)^-1 = U diag(d) U^T,  d = 1 / (1 + l),
     m_v = A (H - hbar 1^T) + hbar 1^T,    H = [h_1 .. h_K] = sum_n phi_n r_n^T,
