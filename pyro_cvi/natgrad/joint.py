@@ -116,8 +116,8 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
         e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
         parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
-            sp = prev[block.role_names[0]]
-            parts.append(prev[block.loc_name] + (e2 @ sp.mT if full else sp * e2))
+            u_prev, logdet_prev = _at_previous(block, prev, e2, full)
+            parts.append(u_prev)
         with torch.no_grad():
             rest = log_joint(torch.cat(parts))
     prior = prior_split(block, p, u)
@@ -135,9 +135,7 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
             if tracked is not None:
                 before = None
                 if prev is not None:
-                    sp = prev[block.role_names[0]]
-                    c0 = (sp.diagonal() if full else sp).abs().log().sum()
-                    c0 = c0 + 0.5 * block.dim * math.log(2 * math.pi)
+                    c0 = logdet_prev + 0.5 * block.dim * math.log(2 * math.pi)
                     before = paired_report(block, prev, parts[1], rest[2 * n :], e2, c0)
                 value = tracked.update(key, p, pairs, before)
         # the reported value is the pairs' (or their tracked) mean, the step control's
@@ -232,9 +230,8 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
         e, u = antithetic_draws(block, ctx, m, sc.tril() if full else sc, n, full)
         rows = [u]
         if prev is not None:
-            sp = prev[block.role_names[0]]
-            sp = sp.tril() if full else sp
-            rows.append(prev[block.loc_name] + (e @ sp.mT if full else sp * e))
+            u_prev, logdet = _at_previous(block, prev, e, full, tril=True)
+            rows.append(u_prev)
         f = log_joint(torch.cat(rows))
         per = f[: 2 * n] + prior_split(block, p, u) - log_q(u)
         pairs = 0.5 * (per[:n] + per[n:])
@@ -242,12 +239,19 @@ def add_report(block, ctx, p, log_joint, log_q, elbo: torch.Tensor, n: int) -> N
         if tracked is not None:
             before = None
             if prev is not None:
-                logdet = (sp.diagonal() if full else sp).abs().log().sum()
                 lq = -0.5 * e.pow(2).sum(-1) - logdet - 0.5 * block.dim * math.log(2 * math.pi)
                 per = f[2 * n :] + prior_split(block, prev, rows[1]) - lq
                 before = 0.5 * (per[:n] + per[n:])
             value = tracked.update(key, p, pairs, before)
     ctx.report_shift += value - float(elbo.detach())
+
+
+def _at_previous(block, prev, e: torch.Tensor, full: bool, tril: bool = False):
+    """The pairs ``e`` at the previous ``q`` (parameters ``prev``): ``(m' + L' e, log |L'|)``."""
+    sp = prev[block.role_names[0]]
+    sp = sp.tril() if full and tril else sp
+    u = prev[block.loc_name] + (e @ sp.mT if full else sp * e)
+    return u, (sp.diagonal() if full else sp).abs().log().sum()
 
 
 def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
