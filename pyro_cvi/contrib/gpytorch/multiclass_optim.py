@@ -51,23 +51,16 @@ class MultiClassCVIOptimizer:
 
     :param likelihood: ``SoftmaxLikelihood(mixing_weights=False)`` or
         :class:`CategoricalLogitsLikelihood` (the site expectations use ``method`` either way).
-    :param step_size: the largest ``beta`` in (0, 1]. Default 0.8: on digits (N = 898, M = 100)
-        the guarded iteration is within 0.5 nat of its optimum after 5 steps at 0.8 and after
-        7 at 1.0 (one step undone); ``1.0`` is safe too (the guard), only slower there.
+    :param step_size: the largest ``beta`` in (0, 1]. Default 0.8; ``1.0`` is safe too (the
+        guard). The measurements behind the defaults are in ``docs/gp_results.md``.
     :param method: ``"cubature"``, ``"mc"`` or ``"bound"``; ``None``: cubature at K = 2, Monte
         Carlo (``num_samples`` draws per point, common random numbers) for K >= 3.
-    :param num_samples: Monte Carlo draws per point (antithetic pairs). Default 64: on digits
-        (N = 898, M = 100, K = 10) six steps end at -ELBO 512.1 with 64 draws, 512.0 with 100
-        and 511.8 with 200 (a 1,000-draw evaluator), the trajectory is the same to 1 nat from
-        the second step on, and the estimator's share of a step's cost falls with the draws.
+    :param num_samples: Monte Carlo draws per point (antithetic pairs). Default 64.
     :param adaptive: the guard (backtracking on the -ELBO); ``False``: a fixed ``beta``.
     :param first_step_size: the largest ``beta`` of a full-batch step from empty sites (q = the
         prior). The targets computed at the prior see its large marginal variances (E[H] of the
         softmax is small there), so a full step commits to sites far from the fixed point.
-        Default 0.3: on digits (N = 898, M = 100, K = 10, 1,000-draw evaluator) the -ELBO after
-        two steps is 531.8 against 557.8 with 0.8 first (outputscale 10), 584.4 against 590.9
-        (outputscale 3), 986.6 against 983.7 (outputscale 1, lengthscale 4); by the fourth
-        step they agree within 0.3 nat. ``None``: no separate first step.
+        Default 0.3. ``None``: no separate first step.
     :param warm_start: the step sizes of a start in the tied-curvature family
         (:mod:`~pyro_cvi.contrib.gpytorch.multiclass_warm`: sites ``W_n = w_n (I - 1 1^T / K)``,
         q by one ``M x M`` eigendecomposition, no ``K M x K M`` factorisation) that the first
