@@ -194,6 +194,37 @@ def run_adam(model, args, budget, lr: float, draws: int, median: bool) -> Dict:
     return rows if isinstance(budget, (list, tuple)) else rows[0]
 
 
+TRACE_AT = (25, 50, 100, 150, 200, 300, 450, 600, 900, 1200, 1800, 2400, 3600)
+
+
+def trace(model, args, what: str, steps: int, draws: int, seed: int) -> list:
+    """One long fit (``default``, ``decay`` or ``adam<lr>``), its bound, rates and CPU at the
+    steps of ``TRACE_AT``: where along the way each fit is (a mode, or a path through one)."""
+    from pyro_cvi import CVI, CVI_ELBO, AutoCVI
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    if what.startswith("adam"):
+        guide = AutoNormal(model, init_loc_fn=init_to_median)
+        svi = SVI(model, guide, Adam({"lr": float(what[4:])}), Trace_ELBO())
+    else:
+        guide = AutoCVI(model, init_loc_fn=init_to_median)
+        opt = CVI(step_size=hold_then_decay) if what == "decay" else CVI()
+        svi = SVI(model, guide, opt, CVI_ELBO())
+    cpu, out = 0.0, []
+    for i in range(1, steps + 1):
+        t0 = time.process_time()
+        svi.step(*args)
+        cpu += time.process_time() - t0
+        if i in TRACE_AT:
+            est, se = bound(model, guide, args, draws)
+            out.append({"fit": what, "step": i, "cpu": cpu, "bound": est, "se": se,
+                        "rates": _rates(model, guide, args)})  # fmt: skip
+            print(f"{what} step {i} cpu {cpu:.1f} bound {est:.2f}+-{se:.2f} "
+                  f"{[round(r, 3) for r in out[-1]['rates']]}", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -228,9 +259,35 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "results" / "benchmark_hmm_exp.json"))
     p.add_argument("--quick", action="store_true", help="ordered, float64, seed 0, 30 steps")
     p.add_argument("--merge", nargs="+", help="merge these records into --out (no runs)")
+    p.add_argument(
+        "--trace",
+        nargs="+",
+        help="long fits (default, decay, adam0.01, ...) of the first model, dtype and seed for"
+        " --steps steps, their bounds along the way",
+    )
     a = p.parse_args()
     if a.merge:
         return merge(a.merge, a.out)
+    if a.trace:  # long fits of one model, dtype and seed, their bounds along the way
+        torch.set_num_threads(1)
+        name, dt, seed = a.models.split(",")[0], a.dtypes[0], a.seeds[0]
+        model, T, _, rates = MODELS[name]
+        args = (simulate(T, seed, getattr(torch, dt), rates),)
+        rows = [r for what in a.trace for r in trace(model, args, what, a.steps, a.draws, seed)]
+        command = (
+            f"PYTHONPATH=$PWD python scripts/benchmark_hmm_exp.py --models {name} --dtypes {dt}"
+            f" --seeds {seed} --steps {a.steps} --trace {' '.join(a.trace)}"
+        )
+        verdict = "; ".join(
+            f"{w} at step {r['step']}: {r['bound']:.2f}"
+            for w in a.trace
+            for r in [[x for x in rows if x["fit"] == w][-1]]
+        )
+        print(verdict)
+        title = "HMM with exponential emissions: bounds along long fits"
+        data = {"meta": {"command": command}, "rows": rows}
+        v = f"Verdict: {verdict}"
+        return write_results(a.out, data, title=title, verdict=v, command=command, quick=a.quick)
     if a.quick:
         a.models, a.dtypes, a.seeds, a.steps, a.lrs, a.draws = (
             "ordered",
