@@ -118,9 +118,8 @@ class RemainderBlock(Block):
         self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
         # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too;
         # so does a latent scale of members Gaussian given the others (a random walk's step)
-        scaled = bool(getattr(analysis, "precisions", {})) or bool(
-            getattr(analysis, "scaled_gaussians", ())
-        )
+        an = analysis
+        scaled = bool(getattr(an, "precisions", {}) or getattr(an, "scaled_gaussians", ()))
         self.rule = strategy.choose_step(hierarchical(analysis, self.names) or scaled)
         self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
