@@ -37,6 +37,7 @@ from .divergence import check_loss
 from .engine import Engine
 from .guide_state import (
     GuideState,
+    StoredShapes,
     Unsampled,
     bind_parameters,
     check_prefix,
@@ -260,14 +261,13 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
             self.check_bound(*args, num_particles=self.check_at_setup, **kwargs)
 
     def _build_engine(self, args, kwargs) -> None:
-        """Analyse the model and set up the blocks; parameters this guide already holds (a
-        restored or copied guide) are put into the param store first and kept."""
+        """Analyse the model and set up the blocks (a restored or copied guide's kept)."""
         sync_parameters(self)
         self.engine = Engine(self.model, self._pyro_name, self.options)
         self.engine.counts = self.counts
         self.engine.warnings = self.warning_log
         sub = self.draw_subsample(args, kwargs)
-        with poutine.block():  # set-up runs the model: hide it from an outer trace (a guide's)
+        with poutine.block(), StoredShapes(self.param_prefix):  # (hidden from an outer trace)
             self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
         bind_parameters(self, self.engine.param_names() + [self.engine.steps_name])
 

@@ -60,6 +60,7 @@ __all__ = [
     "rng_preserved",
     "picklable",
     "Unsampled",
+    "StoredShapes",
 ]
 
 _BOUND = "_cvi_bound"  # the module attribute listing the bound store names
@@ -427,3 +428,36 @@ def claim_prefix(guide: Any) -> None:
     _CLAIMS[prefix].append(weakref.ref(guide))
     for listener in list(_SETUP_LISTENERS):
         listener(guide)
+
+
+class StoredShapes(Messenger):
+    """A guide's set-up that finds one of its parameters (``prefix.*``) already in Pyro's param
+    store with another shape or dtype than its own start: a ``ValueError`` naming it. The store's
+    value wins where it fits (Pyro's rule: a guide built again resumes from the store), but one
+    of another shape was left by a guide of another model under the same prefix (two models fitted
+    one after another), and would fail later in torch's words. The start is computed only for
+    such a parameter, without moving the random stream."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix + "."
+
+    def _pyro_param(self, msg) -> None:
+        name, *init = msg["args"]
+        store = pyro.get_param_store()
+        if not init or not name.startswith(self.prefix) or name not in store:
+            return
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            start = init[0]() if callable(init[0]) else init[0]
+            held = store[name]
+        if not (torch.is_tensor(start) and torch.is_tensor(held)):
+            return
+        if held.shape != start.shape or (held.is_floating_point() and held.dtype != start.dtype):
+            raise ValueError(
+                f"AutoCVI: parameter {name!r} is in Pyro's param store with shape "
+                f"{tuple(held.shape)} ({held.dtype}), but this guide's model needs "
+                f"{tuple(start.shape)} ({start.dtype}): it was left there by a guide of another "
+                f"model under the same prefix {self.prefix[:-1]!r}. Call pyro.clear_param_store() "
+                "before fitting another model, or give this guide its own prefix "
+                f"(AutoCVI(model, prefix='{self.prefix[:-1]}_2'))."
+            )

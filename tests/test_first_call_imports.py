@@ -20,8 +20,19 @@ DTYPES = [torch.float32, torch.float64]
 ROOT = Path(__file__).resolve().parents[1]
 
 #: models whose first steps take each path: the remainder's Price Hessian (batched
-#: cotangents), the Cholesky factor's gradient, a subsampled plate's latent weight
-MODELS = ["eight_schools_centered", "stochastic_volatility", "subsampled_logistic"]
+#: cotangents), the Cholesky factor's gradient, a subsampled plate's latent weight, an
+#: unconstrained Gaussian family's shapes (an interval's affine map), the bilinear check and
+#: its power-of-Gamma law, the remainder's marginal through an affine map, an observation
+#: shared with an exact block
+MODELS = [
+    "eight_schools_centered",
+    "stochastic_volatility",
+    "subsampled_logistic",
+    "bayesian_regression",
+    "ppca",
+    "linear_regression",
+    "eight_schools_noncentered",
+]
 
 _CHILD = r"""
 import sys, warnings
@@ -198,3 +209,79 @@ def test_a_gaussian_blocks_draw_is_the_multivariate_normals_bit_for_bit(dtype):
     want = dist.MultivariateNormal(m, scale_tril=L).sample()
     torch.manual_seed(7)
     assert torch.equal(mvn_draw(m, L), want)
+
+
+def _transforms(dtype):
+    """Maps whose shape arithmetic torch does by ``torch.broadcast_shapes``, alone, composed,
+    made independent, and ones without it (returned as they are)."""
+    from torch.distributions import biject_to, constraints
+    from torch.distributions import transforms as T
+
+    loc = torch.tensor([0.5, -1.0, 2.0], dtype=dtype)
+    scale = torch.tensor([2.0, 0.5, 3.0], dtype=dtype)
+    return [
+        biject_to(constraints.interval(-1.0, 3.0)),
+        biject_to(constraints.greater_than(2.0)),
+        T.AffineTransform(loc, scale),
+        T.AffineTransform(loc, scale, event_dim=1),
+        T.PowerTransform(torch.tensor(0.5, dtype=dtype)),
+        T.IndependentTransform(T.AffineTransform(loc, scale), 1),
+        T.ComposeTransform([T.ExpTransform(), T.AffineTransform(loc[:, None], 2.0)]),
+        biject_to(constraints.positive),
+        biject_to(constraints.simplex),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (3,), (4, 3), (2, 1, 3)])
+def test_the_sympy_free_maps_are_torchs(shape, dtype):
+    from torch.distributions import transforms as T
+
+    from pyro_cvi.families.shapes import broadcast_shapes, sympy_free
+
+    g = torch.Generator().manual_seed(len(shape))
+    for t in _transforms(dtype):
+        ours = sympy_free(t)
+        if isinstance(t, T.IndependentTransform):  # (no __eq__ of its own: its map's)
+            assert ours.base_transform == t.base_transform
+        else:
+            assert ours == t
+        try:
+            want = t.forward_shape(torch.Size(shape))
+        except (RuntimeError, ValueError):
+            with pytest.raises((RuntimeError, ValueError)):
+                ours.forward_shape(torch.Size(shape))
+            continue
+        assert ours.forward_shape(torch.Size(shape)) == want
+        assert ours.inverse_shape(want) == t.inverse_shape(want)
+        same = dict(rtol=0, atol=0, equal_nan=True)  # (bit for bit)
+        x = torch.rand(want if want else (), generator=g, dtype=dtype) + 0.5
+        u = torch.randn(shape, generator=g, dtype=dtype) if not t.domain.event_dim else None
+        if u is not None and tuple(u.shape) == tuple(t.inverse_shape(want)):
+            torch.testing.assert_close(ours(u), t(u), **same)
+            ld = ours.log_abs_det_jacobian(u, t(u))
+            torch.testing.assert_close(ld, t.log_abs_det_jacobian(u, t(u)), **same)
+        torch.testing.assert_close(ours.inv(x), t.inv(x), **same)
+        assert ours.with_cache(1).forward_shape(torch.Size(shape)) == want
+    for a, b in [((), (3,)), ((4, 1), (3,)), ((2, 1, 3), (4, 1)), ((5,), (1,))]:
+        assert broadcast_shapes(a, b) == torch.broadcast_shapes(a, b)
+    with pytest.raises(ValueError):
+        broadcast_shapes((2,), (3,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_transformed_distribution_on_the_sympy_free_map_is_torchs(dtype):
+    import pyro.distributions as dist
+    from torch.distributions import biject_to, constraints
+
+    from pyro_cvi.families.shapes import sympy_free
+
+    t = biject_to(constraints.interval(-1.0, 3.0))
+    base = dist.Normal(torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype))
+    a, b = (
+        dist.TransformedDistribution(base, [t]),
+        dist.TransformedDistribution(base, [sympy_free(t)]),
+    )
+    assert a.batch_shape == b.batch_shape and a.event_shape == b.event_shape
+    x = torch.tensor([-0.5, 0.0, 1.0, 2.5], dtype=dtype)
+    assert torch.equal(a.log_prob(x), b.log_prob(x))

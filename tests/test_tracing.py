@@ -135,3 +135,53 @@ def test_trace_model_conditions_on_values():
     assert tr.nodes["w2"]["value"].item() == 0.5
     tr = trace_model(_model, {}, (x,), {})  # no values: an ordinary trace
     assert not tr.nodes["w"]["is_observed"]
+
+
+def _candidate_cases(dtype):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 3, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(3, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    s = torch.rand(6, generator=g, dtype=torch.float64).to(dtype).add(0.5).requires_grad_(True)
+    eta = X @ w
+    return (
+        w,
+        s,
+        [
+            # (distribution, its (parameter, link) readings, the dependence checks they take:
+            # one per tensor; the earlier code took 2, 2, 4, 3, 4, 6 with the same readings)
+            (dist.Bernoulli(logits=eta), [("logits", None)], 1),  # (was 2 passes)
+            (dist.Poisson(eta.exp()), [("rate", None), ("rate", "softplus"), ("rate", "sqrt")], 2),
+            (dist.Normal(eta, 1.0), [("loc", None)], 2),
+            (
+                dist.Normal(0.0, eta.exp()),
+                [("scale", "exp"), ("scale", "softplus"), ("scale", "sqrt")],
+                2,
+            ),
+            (dist.Normal(eta, s), [("loc", None)], 2),
+            (dist.StudentT(3.0, eta, eta.exp()), [], 3),
+        ],
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_candidates_take_one_backward_pass_per_tensor_and_remember(dtype, monkeypatch):
+    from pyro_cvi.model import tracing
+
+    calls = []
+    real = tracing._depends
+    monkeypatch.setattr(tracing, "_depends", lambda v, zs: calls.append(1) or real(v, zs))
+    w, s, cases = _candidate_cases(dtype)
+    for fn, want, passes in cases:
+        calls.clear()
+        assert tracing.linear_candidates(fn, [w]) == want
+        assert len(calls) == passes
+        calls.clear()  # asked again of the same distribution and leaves: no pass
+        assert tracing.linear_candidates(fn, [w]) == want and not calls
+        # other leaves: asked afresh (the scale's own leaf touches one parameter)
+        if fn.__class__ is dist.Normal and fn.scale is s:
+            assert tracing.linear_candidates(fn, [s]) == [
+                ("scale", "exp"),
+                ("scale", "softplus"),
+                ("scale", "sqrt"),
+            ]
+            assert calls

@@ -11,6 +11,8 @@ import torch
 from torch.distributions import constraints
 from torch.distributions.transforms import PowerTransform, Transform
 
+from ..families.shapes import sympy_free
+
 __all__ = ["Columns", "PowerOfGamma"]
 
 
@@ -62,7 +64,9 @@ class PowerOfGamma(dist.TransformedDistribution):
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, p: float, validate_args=None):
         super().__init__(
-            dist.Gamma(a, b), [PowerTransform(a.new_tensor(p))], validate_args=validate_args
+            dist.Gamma(a, b),
+            [sympy_free(PowerTransform(a.new_tensor(p)))],
+            validate_args=validate_args,
         )
         self.a, self.b, self.p = a, b, p
 

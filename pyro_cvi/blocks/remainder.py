@@ -33,6 +33,7 @@ from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ReshapeTransform
 
 from ..context import StepContext
+from ..families.shapes import broadcast_shapes, sympy_free
 from ..gaussian import diag_step, lowrank_step, tril_log_prob, tril_step
 from ..model.records import REMAINDER_OWNER
 from ..natgrad.control import NoiseControl
@@ -117,9 +118,8 @@ class RemainderBlock(Block):
         self.prior_loc, self.prior_prec = known_priors(analysis, self.sites, self.dim)
         # a Gamma precision kept beside it scales its likelihood from outside: a hierarchy too;
         # so does a latent scale of members Gaussian given the others (a random walk's step)
-        scaled = bool(getattr(analysis, "precisions", {})) or bool(
-            getattr(analysis, "scaled_gaussians", ())
-        )
+        an = analysis
+        scaled = bool(getattr(an, "precisions", {}) or getattr(an, "scaled_gaussians", ()))
         self.rule = strategy.choose_step(hierarchical(analysis, self.names) or scaled)
         self.form = strategy.form(self.dim, self.rule)
         self.rank = strategy.rank or max(1, math.ceil(math.sqrt(self.dim)))
@@ -434,7 +434,7 @@ class RemainderBlock(Block):
         base = dist.Normal(loc.reshape(s.ushape), sd.reshape(s.ushape))
         if udim:
             base = base.to_event(udim)
-        return standard_posterior(dist.TransformedDistribution(base, [s.transform]))
+        return standard_posterior(dist.TransformedDistribution(base, [sympy_free(s.transform)]))
 
     def guide_sample(self, name: str, draw: GuideDraw) -> Dict[str, torch.Tensor]:
         """One auxiliary joint draw of ``u``, then each site a ``Delta`` with the log-Jacobian
@@ -449,7 +449,7 @@ class RemainderBlock(Block):
         for s in self.sites:
             # broadcast against the site's own plate dims, as AutoContinuous unpacks
             udim = s.event_dim + len(s.ushape) - len(s.shape)
-            shape = torch.broadcast_shapes(s.ushape, batch + (1,) * udim)
+            shape = broadcast_shapes(s.ushape, batch + (1,) * udim)
             x = u[..., s.start : s.start + s.size].reshape(shape)
             z = s.transform(x)
             ld = s.transform.inv.log_abs_det_jacobian(z, x)

@@ -25,6 +25,7 @@ from torch.distributions import Distribution, biject_to, constraints
 
 from .base import ExponentialFamily, Params
 from .gaussian import Gaussian
+from .shapes import sympy_free
 
 __all__ = ["UnconstrainedGaussian"]
 
@@ -38,7 +39,8 @@ class UnconstrainedGaussian(ExponentialFamily):
     def __init__(self, support: constraints.Constraint, event_shape: Sequence[int] = ()):
         super().__init__(event_shape)
         self.support = support
-        self.transform = biject_to(support)
+        # (the same map, its shape arithmetic free of sympy: families/shapes.py)
+        self.transform = sympy_free(biject_to(support))
         unconstrained = self.transform.inverse_shape(torch.Size(event_shape))
         self.event_dim_u = self.transform.domain.event_dim
         self.u_shape = torch.Size(unconstrained[len(unconstrained) - self.event_dim_u :])

@@ -36,7 +36,7 @@ from typing import Dict, Tuple
 
 import pyro
 import torch
-from pyro.distributions.util import sum_rightmost
+from pyro.distributions.util import broadcast_shape, sum_rightmost
 
 from ..gaussian import centred_exp_mean
 from ..model.records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC
@@ -156,7 +156,7 @@ def shared_moments(ctx, site: str, parts, others):
         return None
     y = tr.nodes[site]["value"].detach()
     base = unwrap(tr.nodes[site]["fn"])[0]
-    shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, y.shape)
+    shape = torch.Size(broadcast_shape(base.loc.shape, base.scale.shape, y.shape))  # (no sympy)
     shift = var = None
     for spec, f in parts:
         block, A = ctx.block_for(spec.names[0]), f.jacobian

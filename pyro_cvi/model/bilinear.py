@@ -32,6 +32,7 @@ from typing import List, Optional, Set, Tuple
 import torch
 from torch.distributions import constraints
 
+from ..families.shapes import broadcast_shapes
 from . import probes
 from .records import CONJUGATE, GENERAL, PRIOR, Factor
 from .tracing import is_random, unwrap
@@ -176,9 +177,9 @@ def _check(an, site: str, z: str, W: str, mu: Optional[str], tau: str) -> Option
         return None
     t0 = an.values[tau]
     try:
-        if torch.broadcast_shapes(t0.shape, (N, D)) != (N, D):
+        if broadcast_shapes(t0.shape, (N, D)) != (N, D):
             return None
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         return None
     rtol = probes.rtol(X.dtype)
     g = torch.Generator().manual_seed(4321)

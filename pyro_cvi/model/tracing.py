@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import operator
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pyro.distributions as dist
@@ -330,20 +332,58 @@ def _depends(value, zs) -> bool:
     return any(g is not None for g in gs)
 
 
+class _Depends:
+    """:func:`_depends` on the leaves ``zs``, one backward pass per tensor asked (a registered
+    parameter read again as a constructor argument, ``logits``, is the same tensor)."""
+
+    __slots__ = ("zs", "seen")
+
+    def __init__(self, zs):
+        self.zs, self.seen = zs, {}
+
+    def __call__(self, value) -> bool:
+        key = id(value)
+        if key not in self.seen:  # (value held beside its answer: the id stays its own)
+            self.seen[key] = (value, _depends(value, self.zs))
+        return self.seen[key][1]
+
+
+#: the last answer of :func:`linear_candidates` per distribution object, with its leaves: the
+#: random-walk check and the classification ask the same of the same leaf trace
+_CANDIDATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def linear_candidates(base, zs) -> List[Tuple[str, Optional[str]]]:
     """The ``(parameter, link)`` readings to probe for a factor on the autograd leaves ``zs``
     (``link`` ``None``: the registered likelihood's own). The registered one first, where its
     other parameters are free of ``zs`` and it depends on them; then, where exactly one
     constructor parameter depends on ``zs``, that parameter through every link of its
     support (:data:`LINKS`). Empty when two parameters depend on ``zs``."""
+    zs = list(zs)
+    try:
+        known = _CANDIDATES.get(base)
+    except TypeError:  # (an unhashable distribution: no memory)
+        known = None
+    if known is not None and len(known[0]) == len(zs) and all(map(operator.is_, known[0], zs)):
+        return list(known[1])
+    out = _linear_candidates(base, zs)
+    try:
+        _CANDIDATES[base] = (zs, tuple(out))
+    except TypeError:
+        pass
+    return out
+
+
+def _linear_candidates(base, zs) -> List[Tuple[str, Optional[str]]]:
+    depends = _Depends(zs)
     out: List[Tuple[str, Optional[str]]] = []
     cls = _registered(base)
     if cls is not None:
         name, value, others = linear_param(base)
-        if _depends(value, zs) and not any(_depends(v, zs) for v in others.values()):
+        if depends(value) and not any(depends(v) for v in others.values()):
             out.append((name, None))
     pairs = link_candidates(base)
-    touched = {p for p in _constructor_args(base) if _depends(getattr(base, p), zs)}
+    touched = {p for p in _constructor_args(base) if depends(getattr(base, p))}
     if len(touched) != 1:
         return out
     registered = None
