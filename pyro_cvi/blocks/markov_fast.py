@@ -18,6 +18,7 @@ scalar pass's length, a failed pass) takes the general path, which decides as be
 
 from __future__ import annotations
 
+from operator import is_
 from typing import Any, Optional, Tuple
 
 import torch
@@ -85,8 +86,8 @@ class FastPath:
     """One Markov block's caches for the short path (module docstring)."""
 
     def __init__(self) -> None:
-        #: ``(prior, its tensors' versions, transition rows)`` of the last prior solved
-        self._prior: Optional[Tuple[LinearGaussianChain, tuple, Any]] = None
+        #: ``(the prior's tensors, their versions, transition rows)`` of the last prior solved
+        self._prior: Optional[Tuple[tuple, tuple, Any]] = None
         self._plans: dict = {}
 
     def solve(self, prior: LinearGaussianChain, sr: SiteRows) -> Optional[Marginals]:
@@ -102,15 +103,15 @@ class FastPath:
         return None if out is None else Marginals(*out)
 
     def _rows(self, prior: LinearGaussianChain):
-        tensors = prior.tensors()
+        tensors = prior.tensors()  # (a chain object may be rebuilt around the same tensors)
         versions = tuple(t._version for t in tensors)
         hit = self._prior
-        if hit is not None and hit[0] is prior and hit[1] == versions:
+        if hit is not None and hit[1] == versions and all(map(is_, hit[0], tensors)):
             return hit[2]
         if not first_sites.applies(prior):
             return None
         rows = first_sites.transitions(prior)
-        self._prior = (prior, versions, rows)
+        self._prior = (tensors, versions, rows)
         return rows
 
     def message(self, site, rows: RowBlock, f_mean, f_var, num_points: int, num_samples):
