@@ -30,6 +30,7 @@ from ..messages.gaussian import (
     _flat_obs,
     _weight,
     linear_predictor_message,
+    poisson_expectation,
 )
 from ..model.tracing import has_learnable_params, linear_param, unwrap
 from ..statespace import first_sites
@@ -53,12 +54,17 @@ def on_first(t: torch.Tensor, H: torch.Tensor, length: int) -> bool:
 
 class MessagePlan:
     """What a factor's closed-form message reads from its trace site, once: the shape of its
-    linear predictor, the weights and observations (masked entries zero), the expectation."""
+    linear predictor, the weights and observations (masked entries zero), the expectation.
+    A Poisson factor with unit weights keeps ``log y!`` too, and its expectation
+    (:func:`~pyro_cvi.messages.gaussian.poisson_expectation`) drops the unit weights: the same
+    numbers (``1 * x = x``)."""
 
-    __slots__ = ("shape", "weight", "y", "closed")
+    __slots__ = ("shape", "flat", "weight", "y", "closed", "log_y_factorial")
 
-    def __init__(self, shape, weight, y, closed):
+    def __init__(self, shape, weight, y, closed, log_y_factorial=None):
         self.shape, self.weight, self.y, self.closed = shape, weight, y, closed
+        self.flat = len(shape) == 1  # (the rows' own layout: no reshapes)
+        self.log_y_factorial = log_y_factorial
 
     @staticmethod
     def build(site, rows: RowBlock) -> Optional[MessagePlan]:
@@ -72,14 +78,27 @@ class MessagePlan:
         if not bool(torch.isfinite(eta_now).all()):
             return None  # (the general path's ``eta - eta.detach()`` is then not zero)
         weight = _weight(site, eta_now)
-        return MessagePlan(eta_now.shape, weight, _flat_obs(site, eta_now, weight), closed)
+        y = _flat_obs(site, eta_now, weight)
+        lgy = None
+        if closed is poisson_expectation and bool((weight == 1).all()):
+            lgy = torch.lgamma(y + 1)
+        return MessagePlan(eta_now.shape, weight, y, closed, lgy)
 
     def message(self, rows: RowBlock, f_mean: torch.Tensor, f_var: torch.Tensor):
         """:func:`~pyro_cvi.messages.gaussian.linear_predictor_message`'s ``(value, target)``."""
-        mean = (f_mean + rows.c).reshape(self.shape)
-        f, gm, gv = self.closed(self.weight, self.y, mean, f_var.reshape(self.shape))
+        mean, var = f_mean + rows.c, f_var
+        if not self.flat:
+            mean, var = mean.reshape(self.shape), var.reshape(self.shape)
+        if self.log_y_factorial is not None:
+            y = self.y
+            rate = torch.exp(mean + 0.5 * var)
+            f, gm, gv = y * mean - rate - self.log_y_factorial, y - rate, -0.5 * rate
+        else:
+            f, gm, gv = self.closed(self.weight, self.y, mean, var)
         lam1, lam2 = site_natural_params(mean, gm, gv)
-        return f.sum(), torch.stack([lam1.reshape(-1), lam2.reshape(-1)], -1)
+        if not self.flat:
+            lam1, lam2 = lam1.reshape(-1), lam2.reshape(-1)
+        return f.sum(), torch.stack([lam1, lam2], -1)
 
 
 class FastPath:
