@@ -253,3 +253,29 @@ def test_one_conjugate_step_is_the_dense_posterior(dtype):
     assert torch.allclose(q.variance[:, 0].double(), var, rtol=0, atol=tol)
     evidence = dist.MultivariateNormal(torch.zeros(T, dtype=torch.float64), S).log_prob(y.double())
     assert abs(out[-1][0] + evidence.item()) < (1e-8 if dtype == torch.float64 else 2e-3)
+
+
+@DTYPES
+def test_a_start_offset_keeps_the_general_path(monkeypatch, dtype):
+    """``init_loc_fn`` gives the block a start offset (extra rows): the smoother's short path
+    and the whole-rows read are left, and the fit is the general one."""
+    from pyro.infer.autoguide.initialization import init_to_value
+
+    t, y = counts(30, dtype)
+    init = init_to_value(values={"x": torch.full((30, 2), 0.1, dtype=dtype)})
+
+    def fit(off):
+        with monkeypatch.context() as m:
+            c = Counter(m, off=off)
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            model = gp_model()
+            guide = AutoCVI(model, init_loc_fn=init)
+            svi = SVI(model, guide, CVI(step_size=1.0), loss=CVI_ELBO())
+            losses = [svi.step(t, y) for _ in range(5)]
+            return losses, pyro.param("AutoCVI.sites.y").detach().clone(), c.solved
+
+    a, sa, _ = fit(False)
+    b, sb, _ = fit(True)
+    assert a == b and torch.equal(sa, sb)
+    assert torch.isfinite(torch.tensor(a)).all()

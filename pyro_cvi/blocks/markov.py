@@ -303,7 +303,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         if self.chain.weighted:  # a tempered prior: the constant of N^c = N(S / c) (detect)
             shift = detect.tempered_constant(self.chain, tr)
             elbo = elbo + (shift if ctx.graph else shift.detach())
-        sites, i, one = self._sites(), 0, len(self.rows) == 1
+        sites, i = self._sites(), 0
+        one = len(self.rows) == 1 and self.rows[0].c.shape[0] == f_mean.shape[0]  # (no h0 rows)
         for f, r, rg in zip(self.linear, self.rows, graph_rows):
             R = r.c.shape[0]
             sl = slice(i, i + R)
