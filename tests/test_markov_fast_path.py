@@ -107,7 +107,7 @@ def test_short_path_is_the_general_path_bit_for_bit(monkeypatch, dtype, kernel, 
     with monkeypatch.context() as m:
         c = Counter(m)
         fast, _ = run(gp_model(kernel), t, y)
-        assert c.solved >= 6 and c.planned >= 6  # (every step took it)
+        assert c.solved >= 6 and c.planned >= 4  # (every step took it; the plan from the second)
     with monkeypatch.context() as m:
         c = Counter(m, off=True)
         general, _ = run(gp_model(kernel), t, y)

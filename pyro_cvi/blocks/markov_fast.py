@@ -8,7 +8,8 @@ The same numbers as the general path of :mod:`.markov` (bit for bit), from less 
   the prior is the same object with the same tensors (identity and version counters; the
   cache holds them, so no identity is reused);
 * the factor's message reads its likelihood's weights, observations and closed-form
-  expectation once per trace and offsets (:class:`MessagePlan`), where the expectation is in
+  expectation once per trace and offsets (:class:`MessagePlan`, from their second step: a
+  trace that changes every step keeps the general message), where the expectation is in
   closed form, the linear predictor has no graph and is finite, and no Monte Carlo is asked;
 * ``E_q[f_t]``, ``Var_q[f_t]`` are read off the marginals (``f_t = x_{t,0}``).
 
@@ -38,6 +39,8 @@ from ..statespace.kalman import SEQUENTIAL_MAX_T, LinearGaussianChain, Marginals
 from ..statespace.posterior import SiteRows
 
 __all__ = ["on_first", "FastPath", "MessagePlan"]
+
+_UNREAD = object()  # (a site seen once: its plan is read when it is seen again)
 
 
 def on_first(t: torch.Tensor, H: torch.Tensor, length: int) -> bool:
@@ -138,12 +141,15 @@ class FastPath:
         :func:`~pyro_cvi.messages.gaussian.linear_predictor_message`."""
         plan = None
         if num_samples is None:  # (kept with the site and offsets it was read for)
-            hit = self._plans.get(site["name"])
-            if hit is not None and hit[0] is site and hit[1] is rows.c:
-                plan = hit[2]
-            else:
+            name = site["name"]
+            hit = self._plans.get(name)
+            if hit is None or hit[0] is not site or hit[1] is not rows.c:
+                self._plans[name] = (site, rows.c, _UNREAD)  # (read if they come again:
+            elif hit[2] is _UNREAD:  # a trace that changes every step never pays for it)
                 plan = MessagePlan.build(site, rows)
-                self._plans[site["name"]] = (site, rows.c, plan)
+                self._plans[name] = (site, rows.c, plan)
+            else:
+                plan = hit[2]
         if plan is None:
             return linear_predictor_message(site, rows, f_mean, f_var, num_points, num_samples)
         return plan.message(rows, f_mean, f_var)
