@@ -41,6 +41,7 @@ from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .base import stored
 from .init_start import ChainInitStart
+from .markov_fast import FastPath, on_first
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
@@ -71,6 +72,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         #: rows is never changed in place: a new one is built for new sites)
         self._kept_rows: Optional[tuple] = None
         self._steps_kept: Optional[tuple] = None  # (:meth:`_steps_and_coefficients`)
+        self._fast = FastPath()  # (the short path of a GP observed through x_{t,0})
         self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
@@ -147,10 +149,14 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             return kept[1]
         extra = self.init_rows(h0.detach() if h0 is not None else None)
         if extra is None:
-            t, H, flag = self._steps_and_coefficients(rows)
-            w, b = (torch.cat([getattr(r, k) for r in rows]) for k in "wb")
+            t, H, flag, first = self._steps_and_coefficients(rows)
+            if len(rows) == 1:  # (one factor: its rows as they are, not a copy)
+                w, b = rows[0].w, rows[0].b
+            else:
+                w, b = (torch.cat([getattr(r, k) for r in rows]) for k in "wb")
             sr = SiteRows(t, H, w, b, self.chain.length)
             sr.__dict__["_one_per_step"] = flag
+            sr.__dict__["_on_first"] = first
             self._kept_rows = (rows, sr)
             return sr
         parts = [(f.time_index, r.A.to(self.z_at), r.w, r.b) for f, r in zip(self.linear, rows)]
@@ -159,9 +165,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         return SiteRows(t, H.to(self.z_at), w, b, self.chain.length)
 
     def _steps_and_coefficients(self, rows: Sequence[RowBlock]) -> tuple:
-        """The steps ``t`` and coefficients ``H`` of all factors' rows, and whether there is
-        one row per step in order (:meth:`SiteRows.one_per_step`); kept while the factors'
-        step indices and the rows' coefficients are the same tensors, unedited."""
+        """The steps ``t`` and coefficients ``H`` of all factors' rows, whether there is one
+        row per step in order (:meth:`SiteRows.one_per_step`) and whether each is on the
+        first coordinate (:func:`~.markov_fast.on_first`); kept while the factors' step
+        indices and the rows' coefficients are the same tensors, unedited."""
         held = tuple(f.time_index for f in self.linear) + tuple(r.A for r in rows)
         key = tuple((id(o), o._version) for o in held) + (self.z_at.dtype,)
         hit = self._steps_kept
@@ -170,16 +177,21 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         t = torch.cat([f.time_index for f in self.linear])
         H = torch.cat([r.A.to(self.z_at) for r in rows]).to(self.z_at)
         flag = SiteRows(t, H, H[:, 0], H[:, 0], self.chain.length).one_per_step()
-        self._steps_kept = (key, held, (t, H, flag))
-        return t, H, flag
+        first = flag and on_first(t, H, self.chain.length)
+        self._steps_kept = (key, held, (t, H, flag, first))
+        return t, H, flag, first
 
     def _solve(
         self, rows: Sequence[RowBlock], keep_graph: bool = False, h0: Any = ...
     ) -> Marginals:
         sr = self._site_rows(rows, h0)
+        inc = self.chain.increments
+        if not keep_graph and inc is None and sr.__dict__.get("_on_first"):
+            post = self._fast.solve(self.prior, sr)
+            if post is not None:
+                return post
         eta, J = sr.information()
         prior = self.prior if keep_graph else self.prior.detach()
-        inc = self.chain.increments
         post = smooth(prior, eta, J, keep_graph=keep_graph, lag_one=inc is not None)
         if inc is not None:  # the block's z are the increments eps = diff(x)
             post.to_z = inc.increments
@@ -278,7 +290,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         log-densities; with ``ctx.grads``, ``target - lambda_tilde`` goes into ``.grad``."""
         post, tr = self.post, ctx.trace
         sr = self._site_rows(self.rows)
-        f_mean, f_var = sr.moments(post.mean, post.cov)
+        if sr.__dict__.get("_on_first"):  # f_t = x_{t,0}
+            f_mean, f_var = post.mean[:, 0], post.cov[:, 0, 0]
+        else:
+            f_mean, f_var = sr.moments(post.mean, post.cov)
         graph_rows, valued, g_mean, g_var = self.rows, post, f_mean, f_var
         if self._graph is not None:  # the same numbers, with their graph
             graph_rows, valued = self._graph
@@ -289,15 +304,17 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             shift = detect.tempered_constant(self.chain, tr)
             elbo = elbo + (shift if ctx.graph else shift.detach())
         sites, i = self._sites(), 0
+        one = len(self.rows) == 1 and self.rows[0].c.shape[0] == f_mean.shape[0]  # (no h0 rows)
         for f, r, rg in zip(self.linear, self.rows, graph_rows):
             R = r.c.shape[0]
             sl = slice(i, i + R)
             i += R
-            value, target = linear_predictor_message(
+            message = self._fast.message if self._graph is None else linear_predictor_message
+            value, target = message(
                 tr.nodes[f.site],
                 r,
-                f_mean[sl],
-                f_var[sl],
+                f_mean if one else f_mean[sl],
+                f_var if one else f_var[sl],
                 self.options.num_quad_points,
                 self.options.num_samples,
             )
@@ -333,16 +350,24 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
                 out.append(RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c, *r.link_of))
             return out
 
-        def valid(new) -> torch.Tensor:
+        def solves(new) -> bool:
             try:
                 solved["rows"] = rows_for(new[:n])
                 solved["post"] = self._solve(solved["rows"], h0=new[n] if h0 is not None else None)
-                ok = True
+                return True
             except NotPositiveDefinite:
-                ok = False
-            return torch.tensor(ok, device=old[0].device)
+                return False
 
-        new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
+        def valid(new) -> torch.Tensor:
+            return torch.tensor(solves(new), device=old[0].device)
+
+        first = None
+        if len(old) == 1:  # (damped_step's first candidate, taken where q is valid)
+            first = (old[0] + beta * (target[0] - old[0]),)
+        if first is not None and solves(first):
+            new, counts = first, StepCounts(0, 0)
+        else:
+            new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
         with torch.no_grad():

@@ -1,0 +1,159 @@
+"""The scalar pass of :mod:`.sequential` for a Gaussian process observed through its first
+state coordinate, fed by its rows directly.
+
+A Markov GP's sites sit on ``f_t = x_{t,0}``: ``eta_t = (e_t, 0)``, ``J_t = diag(j_t, 0)`` with
+one row ``exp(e_t f_t - j_t f_t^2 / 2)`` per step. Given those rows (``e``, ``j``: ``(T,)``) and
+the prior's transition rows (:func:`transitions`, kept by the caller while the prior is
+unchanged), :func:`marginals` returns what :meth:`.sequential.SequentialSmoother.marginals`
+returns for ``(eta, J)`` without lag-one covariances, bit for bit (the same floating-point
+operations in the same order), without gathering ``eta`` and ``J``, testing that they lie on the
+first coordinate, or comparing the prior with the last one seen. The filter reads one repeated
+transition ``[A | b | Q]`` from locals, and the smoother writes six numbers per step (no lag-one
+slots). Where it does not finish (a non-positive determinant, ``log Z`` or a covariance not
+finite, a variance not positive, no sites at all) it returns ``None`` and the caller's general
+path decides, as before.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from .elements import LinearGaussianChain
+from .sequential import (
+    OnFirst,
+    Transitions,
+    _Fail,
+    _forward_2_first,
+    _log_z,
+    _pass_1,
+    _Repeated,
+    _transition_rows,
+)
+
+__all__ = ["applies", "transitions", "marginals"]
+
+
+def applies(chain: LinearGaussianChain) -> bool:
+    """One chain (no batch dims) of ``d <= 2`` on the CPU, without a graph."""
+    return (
+        chain.A.dim() == 3
+        and chain.m0.dim() == 1
+        and chain.m0.shape[-1] <= 2
+        and chain.A.device.type == "cpu"
+        and not chain.requires_grad()
+    )
+
+
+def transitions(chain: LinearGaussianChain) -> Tuple[List[float], List[float], Transitions]:
+    """The prior's start ``m0``, ``P0`` and its transition rows, as :mod:`.sequential` reads
+    them (float64 lists; one row when every step's is the same)."""
+    f64 = torch.float64
+    d = chain.m0.shape[-1]
+    trans = _transition_rows(chain, chain.length - 1, d)
+    return chain.m0.to(f64).tolist(), chain.P0.to(f64).reshape(-1).tolist(), trans
+
+
+def marginals(
+    rows: Tuple[List[float], List[float], Transitions], e: torch.Tensor, j: torch.Tensor
+) -> Optional[tuple]:
+    """``(mean (T, d), cov (T, d, d), log Z, None)`` of the chain with sites ``exp(e_t x_{t,0} -
+    j_t x_{t,0}^2 / 2)`` (``e``, ``j``: ``(T,)``, in the dtype of the result), as
+    ``smooth(chain, eta, J)`` gives them; ``None`` where that is for the general path to decide
+    (module docstring)."""
+    m0, P0, trans = rows
+    T, d = e.shape[0], len(m0)
+    like = dict(dtype=e.dtype, device=e.device)
+    es, js = _f64(e).tolist(), _f64(j).tolist()
+    if not any(es) and not any(js):
+        return None  # (the stationary prior's shortcut is the general path's)
+    try:
+        if d == 1:
+            log_z, ms, Ps, _ = _pass_1(m0, P0, trans, list(zip(es, js)), False)
+            mean = torch.tensor(ms, **like).reshape(T, 1)
+            cov = torch.tensor(Ps, **like).reshape(T, 1, 1)
+            var = cov.view(T, 1)
+        else:
+            if isinstance(trans, _Repeated):
+                fw = _forward_repeated(m0, P0, trans.row, es, js)
+            else:
+                fw = _forward_2_first(m0, P0, trans, OnFirst(es, js))
+            log_z, flat = _backward(*fw)
+            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 6).flip(0)
+            v = v if like["dtype"] == torch.float64 else v.to(**like)
+            mean, cov, var = v[:, :2], v[:, 2:6].reshape(T, 2, 2), v[:, 2:6:3]
+    except _Fail:
+        return None
+    if not math.isfinite(log_z):
+        return None
+    lz = _log_z(log_z, like)
+    if not bool(torch.isfinite(cov).all()) or bool((var <= 0).any()):
+        return None
+    return mean, cov, lz, None
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.to(torch.float64)
+
+
+def _forward_repeated(m0, P0, row, es, js):
+    """:func:`.sequential._forward_2_first` with one transition row for every step, read into
+    locals once (the same operations)."""
+    m0_, m1_ = m0
+    p00, p01, _, p11 = P0
+    p01 = 0.5 * (p01 + P0[2])
+    log_z = 0.0
+    steps: List[Tuple[float, ...]] = []
+    push = steps.append
+    log = math.log
+    a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
+    last = len(es) - 1
+    for t, (e, j) in enumerate(zip(es, js)):
+        s = 1.0 + p00 * j
+        if not s > 0.0:
+            raise _Fail
+        jm = j * m0_
+        r = e - jm
+        k0, k1 = p00 / s, p01 / s
+        log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
+        m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
+        p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
+        if t == last:
+            break
+        c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # C = A P^f
+        c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11
+        n0, n1 = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
+        n00 = c00 * a00 + c01 * a01 + q00  # P_{t+1} = C A' + Q
+        n01 = c00 * a10 + c01 * a11 + q01
+        n11 = c10 * a10 + c11 * a11 + q11
+        push((m0_, m1_, p00, p01, p11, c00, c01, c10, c11, n0, n1, n00, n01, n11))
+        m0_, m1_, p00, p01, p11 = n0, n1, n00, n01, n11
+    return log_z, steps, (m0_, m1_, p00, p01, p11)
+
+
+def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
+    """:func:`.sequential._backward_2` without lag-one covariances: six floats per step, last
+    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations)."""
+    s0, s1, s00, s01, s11 = last
+    out: List[float] = [s0, s1, s00, s01, s01, s11]
+    push = out.extend
+    for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
+        det = n00 * n11 - n01 * n01
+        if not det > 0.0:
+            raise _Fail
+        i00, i01, i11 = n11 / det, -n01 / det, n00 / det  # P_{t+1}^-1
+        g00, g01 = c00 * i00 + c10 * i01, c00 * i01 + c10 * i11  # G = C' P_{t+1}^-1
+        g10, g11 = c01 * i00 + c11 * i01, c01 * i01 + c11 * i11
+        d0, d1 = s0 - n0, s1 - n1
+        D00, D01, D11 = s00 - n00, s01 - n01, s11 - n11
+        h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
+        h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
+        s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
+        s00 = f00 + h00 * g00 + h01 * g01
+        s01 = f01 + h00 * g10 + h01 * g11
+        s11 = f11 + h10 * g10 + h11 * g11
+        push((s0, s1, s00, s01, s01, s11))
+    return log_z, array.array("d", out)
