@@ -10,10 +10,14 @@ For each model and seed, float32, one torch thread, back to back in one process:
 * ``autocvi``: ``SVI(model, AutoCVI(model), CVI(), CVI_ELBO())`` for ``budget`` CPU seconds;
 * ``adam``: ``AutoNormal`` + Adam at each learning rate of {0.01, 0.03, 0.1}, each given 3x
   that budget; Adam's best bound is the lowest final estimate over the three;
-* ``ivon`` (the networks whose latents all have ``Normal(0, 1)`` priors, if ``ivon-opt`` is
-  installed): ``ivon.IVON`` on the same network as an ``nn.Module`` (``ess = N``, weight decay
-  ``1 / N``: the Bayesian posterior) at each learning rate of {0.03, 0.1, 0.3}, each for
-  AutoCVI's budget; its Gaussian is written into an ``AutoNormal`` and scored as the others;
+* ``ivon`` (if ``ivon-opt`` is installed; ``scripts/bench/ivon_runner.py``): ``ivon.IVON`` at
+  each learning rate of {0.03, 0.1, 0.3} (``--ivon-lrs``), each for AutoCVI's budget, one draw
+  a step, its step size annealed to 0 by a cosine over the budget (``--ivon-schedule``),
+  ``hess_init`` 1 and ``beta2`` 0.999 (``--ivon-hess-init``, ``--ivon-beta2``): on the networks
+  the same network as an ``nn.Module`` (``ess = N``, weight decay ``1 / N``: prior precision
+  1, the Bayesian posterior), on the other models Pyro's potential energy over the
+  unconstrained latents (``ess`` = the number of observations, the prior in the loss); its
+  Gaussian is written into an ``AutoNormal`` and scored as the others;
 * ``user_steps``: AutoCVI's defaults for 300 steps; the last reported loss against a fresh
   estimate of the final ``q``'s bound (within 1 nat or 1%): where the guide is the
   remainder's joint Gaussian alone, 8,000 antithetic pairs through its batched log joint
@@ -44,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -58,7 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench.bnn_models import MODELS, NETWORKS, ODE_MODELS, mlp_twin  # noqa: E402
+from bench.bnn_models import MODELS, ODE_MODELS  # noqa: E402
+from bench.ivon_runner import IVON_DEFAULTS, run_ivon  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, strategies  # noqa: E402
 
@@ -72,9 +78,6 @@ BUDGET = {
 }
 LRS = (0.01, 0.03, 0.1)
 IVON_LRS = (0.03, 0.1, 0.3)
-#: IVON's Hessian averaging rate: its default 1 - 1e-5 remembers ~1e5 steps and leaves the
-#: variances at their initial value over the runs here (a bound above 300 nats on wine)
-IVON_BETA2 = 0.999
 #: the step count a user picks: the reported loss there is compared with a fresh bound
 USER_STEPS = 300
 #: the models whose remainder takes the one-draw step by default; the tracked report of
@@ -172,52 +175,6 @@ def run_adam(model, args, budget, seed, lr, guide_cls=AutoNormal):
     return {"times": times, "losses": losses, "estimate": _estimate(model, guide, args), "lr": lr}
 
 
-def run_ivon(name, model, args, budget, seed, lr):
-    """IVON (``ivon-opt``) on the network as an ``nn.Module`` (the Bayesian posterior: loss =
-    mean negative log likelihood, ``ess = N``, weight decay = prior precision / N), for
-    ``budget`` CPU seconds; its Gaussian is written into an ``AutoNormal`` and scored."""
-    import ivon
-
-    X, y = args
-    N = X.shape[0]
-    torch.manual_seed(seed)
-    net = mlp_twin(NETWORKS[name]).to(X.dtype)
-    opt = ivon.IVON(
-        net.parameters(), lr=lr, ess=N, weight_decay=1.0 / N, hess_init=1.0, beta2=IVON_BETA2
-    )
-    times, losses = [], []
-    t0 = time.process_time()
-    while True:
-        with opt.sampled_params(train=True):
-            loss = torch.nn.functional.cross_entropy(net(X), y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = time.process_time() - t0
-        times.append(t)
-        losses.append(loss.item() * N)  # the sampled NLL, not a bound: for the curve only
-        if t >= budget:
-            break
-    # the Gaussian of IVON: mean = params, sd = 1 / sqrt(ess (hess + weight decay))
-    _fresh(seed)
-    guide = AutoNormal(model)
-    guide(X, y)
-    hess = opt.param_groups[0]["hess"]
-    sd = (1.0 / (N * (hess + 1.0 / N))).sqrt()
-    store = pyro.get_param_store()
-    k = 0
-    with torch.no_grad():
-        for pname, p in net.named_parameters():
-            idx, kind = pname.split(".")
-            site = f"l{int(idx) // 2 + 1}.{kind}"
-            n = p.numel()
-            # (the store's item assignment takes the constrained value)
-            store[f"AutoNormal.locs.{site}"] = p.detach().clone()
-            store[f"AutoNormal.scales.{site}"] = sd[k : k + n].reshape(p.shape).to(p).clone()
-            k += n
-    return {"estimate": _estimate(model, guide, args), "steps": len(losses), "lr": lr}
-
-
 def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None):
     """AutoCVI's defaults for ``steps`` steps (with ``report_pairs``: the one-draw step's
     ``Horizon(report_pairs=...)``): the last reported loss (and the mean of the last 10)
@@ -269,7 +226,17 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None
     }
 
 
-def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
+def bench_model(
+    name,
+    seeds,
+    scale,
+    with_ivon,
+    first=0,
+    done=None,
+    ivon_cfg=None,
+    ivon_lrs=IVON_LRS,
+    user_steps=True,
+):
     make, data = MODELS[name]
     args = data(torch.float32)
     budget = BUDGET[name] * scale
@@ -295,17 +262,24 @@ def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
             "adam_ms_per_step": 1000 * best["times"][-1] / len(best["times"]),
             "autocvi_time_to_adam_best": time_to_reach(cvi["times"], cvi["losses"], target),
             "adam_time_to_adam_best": time_to_reach(best["times"], best["losses"], target),
+            "load": os.getloadavg(),
         }
-        if with_ivon and name in NETWORKS:
+        if with_ivon:
             try:
-                ivs = [run_ivon(name, model, args, budget, seed, lr) for lr in IVON_LRS]
+                n_obs = args[-1].shape[0]
+                ivs = [
+                    run_ivon(name, model, args, budget, seed, lr, n_obs, _estimate, ivon_cfg)
+                    for lr in ivon_lrs
+                ]
                 row["ivon"] = min(ivs, key=lambda r: r["estimate"][0])
                 row["ivon_all"] = {str(r["lr"]): r["estimate"][0] for r in ivs}
+                row["ivon_steps"] = {str(r["lr"]): r["steps"] for r in ivs}
             except ImportError:
                 row["ivon"] = "ivon-opt not installed"
-        if name in ONEDRAW:  # (before the default: the first of the pair pays no warm-up)
+        if user_steps and name in ONEDRAW:  # (before the default: the first pays no warm-up)
             row["user_steps_pairs"] = run_user_steps(model, args, seed, report_pairs=REPORT_PAIRS)
-        row["user_steps"] = run_user_steps(model, args, seed)
+        if user_steps:
+            row["user_steps"] = run_user_steps(model, args, seed)
         rows.append(row)
         _print_row(row)
         if done is not None:
@@ -361,10 +335,16 @@ def _print_row(r):
         f"(lr {r['adam_best_lr']}, {r['adam_ms_per_step']:.1f} ms/step)  time to Adam's best: "
         f"AutoCVI {_fmt(r['autocvi_time_to_adam_best'])} s, Adam "
         f"{_fmt(r['adam_time_to_adam_best'])} s"
-        + (f"  IVON {r['ivon']['estimate'][0]:8.2f}" if isinstance(r.get("ivon"), dict) else "")
+        + (
+            f"  IVON {r['ivon']['estimate'][0]:8.2f} (lr {r['ivon']['lr']})"
+            if isinstance(r.get("ivon"), dict)
+            else ""
+        )
         + (
             f"  at {r['user_steps']['steps']} steps: reported {r['user_steps']['reported']:.2f},"
             f" bound {r['user_steps']['estimate'][0]:.2f}"
+            if "user_steps" in r
+            else ""
         ),
         flush=True,
     )
@@ -425,6 +405,21 @@ def main(argv=None):
     ap.add_argument("--ode", default=",".join(ODE_MODELS))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ivon", action="store_true")
+    ap.add_argument(
+        "--ivon-lrs",
+        default=",".join(map(str, IVON_LRS)),
+        help="IVON's learning rates (its best bound is kept)",
+    )
+    ap.add_argument("--ivon-hess-init", type=float, default=IVON_DEFAULTS["hess_init"])
+    ap.add_argument("--ivon-beta2", type=float, default=IVON_DEFAULTS["beta2"])
+    ap.add_argument(
+        "--ivon-schedule", choices=("cosine", "constant"), default=IVON_DEFAULTS["schedule"]
+    )
+    ap.add_argument(
+        "--no-user-steps",
+        action="store_true",
+        help="leave out the 300-step reported-loss rows (the timed and IVON rows only)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--user-steps-only",
@@ -457,7 +452,10 @@ def main(argv=None):
         rows.append(row)
         save()
 
+    ivon_cfg = {"hess_init": a.ivon_hess_init, "beta2": a.ivon_beta2, "schedule": a.ivon_schedule}
+    ivon_lrs = tuple(float(v) for v in a.ivon_lrs.split(","))
     meta = {
+        "ivon": None if a.no_ivon else {**IVON_DEFAULTS, **ivon_cfg, "lrs": ivon_lrs},
         "torch": torch.__version__,
         "pyro": pyro.__version__,
         "python": platform.python_version(),
@@ -465,6 +463,8 @@ def main(argv=None):
         "dtype": "float32",
         "tolerance_nats": TOL,
         "window": WINDOW,
+        "command": " ".join(sys.argv),
+        "load_at_start": os.getloadavg(),
     }
     for name in [m for m in a.models.split(",") if m]:
         if a.user_steps_only:
@@ -483,7 +483,17 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
                 keep(row)
             continue
-        bench_model(name, seeds, scale, not a.no_ivon, a.first_seed, keep)
+        bench_model(
+            name,
+            seeds,
+            scale,
+            not a.no_ivon,
+            a.first_seed,
+            keep,
+            ivon_cfg,
+            ivon_lrs,
+            not a.no_user_steps,
+        )
     for n in [n for n in a.ode.split(",") if n and not a.user_steps_only]:
         odes.append(bench_ode(n, 10 if a.quick else 30))
         save()
