@@ -48,8 +48,9 @@ def _cosine(opt, lr0: float, frac: float) -> None:
         g["lr"] = lr0 * 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
 
 
-def _loop(opt, closure, budget: float, lr0: float, schedule: str):
-    """IVON steps (one draw each) for ``budget`` CPU seconds: ``(steps, last losses)``."""
+def _loop(opt, closure, budget: float, lr0: float, schedule: str, max_steps=None):
+    """IVON steps (one draw each) for ``budget`` CPU seconds, or ``max_steps`` steps (the
+    schedule then reads the step count): ``(steps, last losses, CPU seconds)``."""
     losses = []
     t0 = time.process_time()
     steps = 0
@@ -62,10 +63,10 @@ def _loop(opt, closure, budget: float, lr0: float, schedule: str):
         steps += 1
         losses.append(float(loss.detach()))
         t = time.process_time() - t0
-        if t >= budget:
-            return steps, losses[-50:]
+        if (max_steps is None and t >= budget) or steps == max_steps:
+            return steps, losses[-50:], t
         if schedule == "cosine":
-            _cosine(opt, lr0, t / budget)
+            _cosine(opt, lr0, t / budget if max_steps is None else steps / max_steps)
 
 
 def _scored_guide(model, args, seed, locs: Dict[str, torch.Tensor], sds: Dict[str, torch.Tensor]):
@@ -107,9 +108,11 @@ def run_ivon(
     n_obs: int,
     estimate,
     cfg: Optional[dict] = None,
+    max_steps: Optional[int] = None,
 ) -> dict:
-    """IVON on ``model`` for ``budget`` CPU seconds at learning rate ``lr`` (settings ``cfg``
-    over :data:`IVON_DEFAULTS`), its Gaussian scored by ``estimate(model, guide, args)``."""
+    """IVON on ``model`` for ``budget`` CPU seconds (or ``max_steps`` steps) at learning rate
+    ``lr`` (settings ``cfg`` over :data:`IVON_DEFAULTS`), its Gaussian scored by
+    ``estimate(model, guide, args)``."""
     cfg = {**IVON_DEFAULTS, **(cfg or {})}
     torch.manual_seed(seed)
     if name in NETWORKS:
@@ -121,7 +124,7 @@ def run_ivon(
         def closure():
             return torch.nn.functional.cross_entropy(net(X), y)
 
-        steps, last = _loop(opt, closure, budget, lr, cfg["schedule"])
+        steps, last, cpu = _loop(opt, closure, budget, lr, cfg["schedule"], max_steps)
         sd = (1.0 / (N * (opt.param_groups[0]["hess"] + 1.0 / N))).sqrt()
         locs, sds, k = {}, {}, 0
         for pname, p in net.named_parameters():
@@ -152,7 +155,7 @@ def run_ivon(
         def closure():
             return potential_fn(unflat(flat)) / n_obs
 
-        steps, last = _loop(opt, closure, budget, lr, cfg["schedule"])
+        steps, last, cpu = _loop(opt, closure, budget, lr, cfg["schedule"], max_steps)
         sd = (1.0 / (n_obs * opt.param_groups[0]["hess"])).sqrt()
         locs, sds = unflat(flat.detach()), unflat(sd)
         how = "potential energy, ess = number of observations, weight decay 0"
@@ -161,6 +164,7 @@ def run_ivon(
     return {
         "estimate": est,
         "steps": steps,
+        "cpu_s": cpu,
         "lr": lr,
         "settings": cfg,
         "how": how,
