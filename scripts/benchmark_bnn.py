@@ -356,6 +356,36 @@ def _no_worse(a, b) -> bool:
     return a[0] <= b[0] + 2.0 * math.hypot(a[1], b[1])
 
 
+def table(rows) -> list:
+    """One line per timed row: CPU seconds to Adam's best bound (AutoCVI, Adam, their
+    ratio), the final bounds (AutoCVI, Adam's best, IVON's best) and the verdicts."""
+    head = (
+        f"{'model':22s} {'seed':>4s} {'t AutoCVI':>9s} {'t Adam':>8s} {'ratio':>6s} "
+        f"{'AutoCVI':>16s} {'Adam best':>9s} {'IVON best':>16s} {'half':>5s} {'>=IVON':>6s}"
+    )
+    lines = [head]
+    for r in rows:
+        if "autocvi_time_to_adam_best" not in r:
+            continue
+        a, b = r["autocvi_time_to_adam_best"], r["adam_time_to_adam_best"]
+        ratio = "-" if a is None or b is None else f"{a / b:.2f}"
+        half = a is not None and (b is None or a <= 0.5 * b)
+        est = r["autocvi"]["estimate"]
+        iv = r.get("ivon")
+        ivs = (
+            f"{iv['estimate'][0]:8.2f} +- {iv['estimate'][1]:.2f}" if isinstance(iv, dict) else "-"
+        )
+        vs = (
+            "-" if not isinstance(iv, dict) else ("yes" if _no_worse(est, iv["estimate"]) else "NO")
+        )
+        lines.append(
+            f"{r['model']:22s} {r['seed']:4d} {_fmt(a):>9s} {_fmt(b):>8s} {ratio:>6s} "
+            f"{est[0]:8.2f} +- {est[1]:.2f} {r['adam_best']:9.2f} {ivs:>16s} "
+            f"{'yes' if half else 'NO':>5s} {vs:>6s}"
+        )
+    return lines
+
+
 def verdict(rows, odes) -> list:
     """Lines per model: in how many seeds AutoCVI reached Adam's best bound in at most half
     of the time Adam took, was no worse than IVON's best (of three learning rates) at equal
@@ -420,6 +450,13 @@ def main(argv=None):
         action="store_true",
         help="leave out the 300-step reported-loss rows (the timed and IVON rows only)",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="JSON files of runs (e.g. one process per seed): their rows merged into --out, "
+        "the table and verdicts printed, nothing run",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--user-steps-only",
@@ -466,6 +503,17 @@ def main(argv=None):
         "command": " ".join(sys.argv),
         "load_at_start": os.getloadavg(),
     }
+    if a.merge:
+        parts = [json.loads(Path(f).read_text()) for f in a.merge]
+        rows = [r for part in parts for r in part["rows"]]
+        rows.sort(key=lambda r: (list(MODELS).index(r["model"]), r["seed"]))
+        meta = {**meta, "merged": {f: part["meta"] for f, part in zip(a.merge, parts)}}
+        meta["verdict"] = verdict(rows, [])
+        for line in table(rows) + meta["verdict"]:
+            print(line)
+        save()
+        print(f"wrote {out}")
+        return
     for name in [m for m in a.models.split(",") if m]:
         if a.user_steps_only:
             make, data = MODELS[name]
@@ -497,7 +545,7 @@ def main(argv=None):
     for n in [n for n in a.ode.split(",") if n and not a.user_steps_only]:
         odes.append(bench_ode(n, 10 if a.quick else 30))
         save()
-    for line in verdict(rows, odes):
+    for line in table(rows) + verdict(rows, odes):
         print(line)
     save()
     print(f"wrote {out}")
