@@ -236,6 +236,7 @@ def bench_model(
     ivon_cfg=None,
     ivon_lrs=IVON_LRS,
     user_steps=True,
+    adam_lrs=LRS,
 ):
     make, data = MODELS[name]
     args = data(torch.float32)
@@ -244,9 +245,6 @@ def bench_model(
     for seed in range(first, first + seeds):
         model = make()
         cvi = run_autocvi(model, args, budget, seed)
-        adams = [run_adam(model, args, 3 * budget, seed, lr) for lr in LRS]
-        best = min(adams, key=lambda r: r["estimate"][0])
-        target = best["estimate"][0]
         row = {
             "model": name,
             "seed": seed,
@@ -254,16 +252,25 @@ def bench_model(
             "autocvi": {k: v for k, v in cvi.items() if k not in ("times", "losses")},
             "autocvi_steps": len(cvi["losses"]),
             "autocvi_ms_per_step": 1000 * cvi["times"][-1] / len(cvi["times"]),
-            "adam": {
-                str(r["lr"]): {"estimate": r["estimate"], "steps": len(r["losses"])} for r in adams
-            },
-            "adam_best_lr": best["lr"],
-            "adam_best": target,
-            "adam_ms_per_step": 1000 * best["times"][-1] / len(best["times"]),
-            "autocvi_time_to_adam_best": time_to_reach(cvi["times"], cvi["losses"], target),
-            "adam_time_to_adam_best": time_to_reach(best["times"], best["losses"], target),
             "load": os.getloadavg(),
         }
+        adams = [run_adam(model, args, 3 * budget, seed, lr) for lr in adam_lrs]
+        if adams:  # (without Adam: AutoCVI beside IVON only)
+            best = min(adams, key=lambda r: r["estimate"][0])
+            target = best["estimate"][0]
+            row.update(
+                {
+                    "adam": {
+                        str(r["lr"]): {"estimate": r["estimate"], "steps": len(r["losses"])}
+                        for r in adams
+                    },
+                    "adam_best_lr": best["lr"],
+                    "adam_best": target,
+                    "adam_ms_per_step": 1000 * best["times"][-1] / len(best["times"]),
+                    "autocvi_time_to_adam_best": time_to_reach(cvi["times"], cvi["losses"], target),
+                    "adam_time_to_adam_best": time_to_reach(best["times"], best["losses"], target),
+                }
+            )
         if with_ivon:
             try:
                 n_obs = args[-1].shape[0]
@@ -328,13 +335,19 @@ def _fmt(x):
 
 
 def _print_row(r):
+    timed = "autocvi_time_to_adam_best" in r
     print(
         f"{r['model']:22s} seed {r['seed']}  AutoCVI {r['autocvi']['estimate'][0]:8.2f} "
         f"({r['autocvi'].get('step', '-')}, {r['autocvi'].get('form', '-')}, "
-        f"{r['autocvi_ms_per_step']:.1f} ms/step)  Adam best {r['adam_best']:8.2f} "
-        f"(lr {r['adam_best_lr']}, {r['adam_ms_per_step']:.1f} ms/step)  time to Adam's best: "
-        f"AutoCVI {_fmt(r['autocvi_time_to_adam_best'])} s, Adam "
-        f"{_fmt(r['adam_time_to_adam_best'])} s"
+        f"{r['autocvi_ms_per_step']:.1f} ms/step)"
+        + (
+            f"  Adam best {r['adam_best']:8.2f} "
+            f"(lr {r['adam_best_lr']}, {r['adam_ms_per_step']:.1f} ms/step)  time to Adam's "
+            f"best: AutoCVI {_fmt(r['autocvi_time_to_adam_best'])} s, Adam "
+            f"{_fmt(r['adam_time_to_adam_best'])} s"
+            if timed
+            else ""
+        )
         + (
             f"  IVON {r['ivon']['estimate'][0]:8.2f} (lr {r['ivon']['lr']})"
             if isinstance(r.get("ivon"), dict)
@@ -365,11 +378,15 @@ def table(rows) -> list:
     )
     lines = [head]
     for r in rows:
-        if "autocvi_time_to_adam_best" not in r:
+        if "autocvi" not in r:
             continue
-        a, b = r["autocvi_time_to_adam_best"], r["adam_time_to_adam_best"]
+        timed = "autocvi_time_to_adam_best" in r
+        a, b = r.get("autocvi_time_to_adam_best"), r.get("adam_time_to_adam_best")
         ratio = "-" if a is None or b is None else f"{a / b:.2f}"
-        half = a is not None and (b is None or a <= 0.5 * b)
+        half = (
+            "-" if not timed else ("yes" if a is not None and (b is None or a <= 0.5 * b) else "NO")
+        )
+        adam = f"{r['adam_best']:9.2f}" if timed else "-"
         est = r["autocvi"]["estimate"]
         iv = r.get("ivon")
         ivs = (
@@ -379,9 +396,9 @@ def table(rows) -> list:
             "-" if not isinstance(iv, dict) else ("yes" if _no_worse(est, iv["estimate"]) else "NO")
         )
         lines.append(
-            f"{r['model']:22s} {r['seed']:4d} {_fmt(a):>9s} {_fmt(b):>8s} {ratio:>6s} "
-            f"{est[0]:8.2f} +- {est[1]:.2f} {r['adam_best']:9.2f} {ivs:>16s} "
-            f"{'yes' if half else 'NO':>5s} {vs:>6s}"
+            f"{r['model']:22s} {r['seed']:4d} {_fmt(a) if timed else '-':>9s} "
+            f"{_fmt(b) if timed else '-':>8s} {ratio:>6s} "
+            f"{est[0]:8.2f} +- {est[1]:.2f} {adam:>9s} {ivs:>16s} {half:>5s} {vs:>6s}"
         )
     return lines
 
@@ -435,6 +452,11 @@ def main(argv=None):
     ap.add_argument("--ode", default=",".join(ODE_MODELS))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ivon", action="store_true")
+    ap.add_argument(
+        "--adam-lrs",
+        default=",".join(map(str, LRS)),
+        help="Adam's learning rates; '' for none (AutoCVI beside IVON only, no timed row)",
+    )
     ap.add_argument(
         "--ivon-lrs",
         default=",".join(map(str, IVON_LRS)),
@@ -541,6 +563,7 @@ def main(argv=None):
             ivon_cfg,
             ivon_lrs,
             not a.no_user_steps,
+            tuple(float(v) for v in a.adam_lrs.split(",") if v),
         )
     for n in [n for n in a.ode.split(",") if n and not a.user_steps_only]:
         odes.append(bench_ode(n, 10 if a.quick else 30))

@@ -69,6 +69,16 @@ def _loop(opt, closure, budget: float, lr0: float, schedule: str, max_steps=None
             _cosine(opt, lr0, t / budget if max_steps is None else steps / max_steps)
 
 
+def _diverged(lr, cfg, steps, err) -> dict:
+    return {
+        "estimate": (math.inf, 0.0),
+        "steps": steps,
+        "lr": lr,
+        "settings": cfg,
+        "diverged": err,
+    }
+
+
 def _scored_guide(model, args, seed, locs: Dict[str, torch.Tensor], sds: Dict[str, torch.Tensor]):
     """An ``AutoNormal`` of ``model`` holding the unconstrained ``locs`` and ``sds``."""
     pyro.clear_param_store()
@@ -124,7 +134,10 @@ def run_ivon(
         def closure():
             return torch.nn.functional.cross_entropy(net(X), y)
 
-        steps, last, cpu = _loop(opt, closure, budget, lr, cfg["schedule"], max_steps)
+        try:
+            steps, last, cpu = _loop(opt, closure, budget, lr, cfg["schedule"], max_steps)
+        except (ValueError, RuntimeError) as e:  # a non-finite draw: diverged, never the best
+            return _diverged(lr, cfg, opt.current_step, str(e)[:200])
         sd = (1.0 / (N * (opt.param_groups[0]["hess"] + 1.0 / N))).sqrt()
         locs, sds, k = {}, {}, 0
         for pname, p in net.named_parameters():
@@ -155,10 +168,15 @@ def run_ivon(
         def closure():
             return potential_fn(unflat(flat)) / n_obs
 
-        steps, last, cpu = _loop(opt, closure, budget, lr, cfg["schedule"], max_steps)
+        try:
+            steps, last, cpu = _loop(opt, closure, budget, lr, cfg["schedule"], max_steps)
+        except (ValueError, RuntimeError) as e:  # a non-finite draw: diverged, never the best
+            return _diverged(lr, cfg, opt.current_step, str(e)[:200])
         sd = (1.0 / (n_obs * opt.param_groups[0]["hess"])).sqrt()
         locs, sds = unflat(flat.detach()), unflat(sd)
         how = "potential energy, ess = number of observations, weight decay 0"
+    if not all(bool(torch.isfinite(v).all()) for v in [*locs.values(), *sds.values()]):
+        return _diverged(lr, cfg, steps, "non-finite mean or variance")
     guide = _scored_guide(model, args, seed, locs, sds)
     est = estimate(model, guide, args)
     return {
