@@ -10,10 +10,14 @@ For each model and seed, float32, one torch thread, back to back in one process:
 * ``autocvi``: ``SVI(model, AutoCVI(model), CVI(), CVI_ELBO())`` for ``budget`` CPU seconds;
 * ``adam``: ``AutoNormal`` + Adam at each learning rate of {0.01, 0.03, 0.1}, each given 3x
   that budget; Adam's best bound is the lowest final estimate over the three;
-* ``ivon`` (the networks whose latents all have ``Normal(0, 1)`` priors, if ``ivon-opt`` is
-  installed): ``ivon.IVON`` on the same network as an ``nn.Module`` (``ess = N``, weight decay
-  ``1 / N``: the Bayesian posterior) at each learning rate of {0.03, 0.1, 0.3}, each for
-  AutoCVI's budget; its Gaussian is written into an ``AutoNormal`` and scored as the others;
+* ``ivon`` (if ``ivon-opt`` is installed; ``scripts/bench/ivon_runner.py``): ``ivon.IVON`` at
+  each learning rate of {0.03, 0.1, 0.3} (``--ivon-lrs``), each for AutoCVI's budget, one draw
+  a step, its step size annealed to 0 by a cosine over the budget (``--ivon-schedule``),
+  ``hess_init`` 1 and ``beta2`` 0.999 (``--ivon-hess-init``, ``--ivon-beta2``): on the networks
+  the same network as an ``nn.Module`` (``ess = N``, weight decay ``1 / N``: prior precision
+  1, the Bayesian posterior), on the other models Pyro's potential energy over the
+  unconstrained latents (``ess`` = the number of observations, the prior in the loss); its
+  Gaussian is written into an ``AutoNormal`` and scored as the others;
 * ``user_steps``: AutoCVI's defaults for 300 steps; the last reported loss against a fresh
   estimate of the final ``q``'s bound (within 1 nat or 1%): where the guide is the
   remainder's joint Gaussian alone, 8,000 antithetic pairs through its batched log joint
@@ -44,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -58,7 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench.bnn_models import MODELS, NETWORKS, ODE_MODELS, mlp_twin  # noqa: E402
+from bench.bnn_models import MODELS, ODE_MODELS  # noqa: E402
+from bench.ivon_runner import IVON_DEFAULTS, run_ivon  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, strategies  # noqa: E402
 
@@ -72,9 +78,6 @@ BUDGET = {
 }
 LRS = (0.01, 0.03, 0.1)
 IVON_LRS = (0.03, 0.1, 0.3)
-#: IVON's Hessian averaging rate: its default 1 - 1e-5 remembers ~1e5 steps and leaves the
-#: variances at their initial value over the runs here (a bound above 300 nats on wine)
-IVON_BETA2 = 0.999
 #: the step count a user picks: the reported loss there is compared with a fresh bound
 USER_STEPS = 300
 #: the models whose remainder takes the one-draw step by default; the tracked report of
@@ -172,52 +175,6 @@ def run_adam(model, args, budget, seed, lr, guide_cls=AutoNormal):
     return {"times": times, "losses": losses, "estimate": _estimate(model, guide, args), "lr": lr}
 
 
-def run_ivon(name, model, args, budget, seed, lr):
-    """IVON (``ivon-opt``) on the network as an ``nn.Module`` (the Bayesian posterior: loss =
-    mean negative log likelihood, ``ess = N``, weight decay = prior precision / N), for
-    ``budget`` CPU seconds; its Gaussian is written into an ``AutoNormal`` and scored."""
-    import ivon
-
-    X, y = args
-    N = X.shape[0]
-    torch.manual_seed(seed)
-    net = mlp_twin(NETWORKS[name]).to(X.dtype)
-    opt = ivon.IVON(
-        net.parameters(), lr=lr, ess=N, weight_decay=1.0 / N, hess_init=1.0, beta2=IVON_BETA2
-    )
-    times, losses = [], []
-    t0 = time.process_time()
-    while True:
-        with opt.sampled_params(train=True):
-            loss = torch.nn.functional.cross_entropy(net(X), y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = time.process_time() - t0
-        times.append(t)
-        losses.append(loss.item() * N)  # the sampled NLL, not a bound: for the curve only
-        if t >= budget:
-            break
-    # the Gaussian of IVON: mean = params, sd = 1 / sqrt(ess (hess + weight decay))
-    _fresh(seed)
-    guide = AutoNormal(model)
-    guide(X, y)
-    hess = opt.param_groups[0]["hess"]
-    sd = (1.0 / (N * (hess + 1.0 / N))).sqrt()
-    store = pyro.get_param_store()
-    k = 0
-    with torch.no_grad():
-        for pname, p in net.named_parameters():
-            idx, kind = pname.split(".")
-            site = f"l{int(idx) // 2 + 1}.{kind}"
-            n = p.numel()
-            # (the store's item assignment takes the constrained value)
-            store[f"AutoNormal.locs.{site}"] = p.detach().clone()
-            store[f"AutoNormal.scales.{site}"] = sd[k : k + n].reshape(p.shape).to(p).clone()
-            k += n
-    return {"estimate": _estimate(model, guide, args), "steps": len(losses), "lr": lr}
-
-
 def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None):
     """AutoCVI's defaults for ``steps`` steps (with ``report_pairs``: the one-draw step's
     ``Horizon(report_pairs=...)``): the last reported loss (and the mean of the last 10)
@@ -269,7 +226,18 @@ def run_user_steps(model, args, seed, steps: int = USER_STEPS, report_pairs=None
     }
 
 
-def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
+def bench_model(
+    name,
+    seeds,
+    scale,
+    with_ivon,
+    first=0,
+    done=None,
+    ivon_cfg=None,
+    ivon_lrs=IVON_LRS,
+    user_steps=True,
+    adam_lrs=LRS,
+):
     make, data = MODELS[name]
     args = data(torch.float32)
     budget = BUDGET[name] * scale
@@ -277,9 +245,6 @@ def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
     for seed in range(first, first + seeds):
         model = make()
         cvi = run_autocvi(model, args, budget, seed)
-        adams = [run_adam(model, args, 3 * budget, seed, lr) for lr in LRS]
-        best = min(adams, key=lambda r: r["estimate"][0])
-        target = best["estimate"][0]
         row = {
             "model": name,
             "seed": seed,
@@ -287,25 +252,41 @@ def bench_model(name, seeds, scale, with_ivon, first=0, done=None):
             "autocvi": {k: v for k, v in cvi.items() if k not in ("times", "losses")},
             "autocvi_steps": len(cvi["losses"]),
             "autocvi_ms_per_step": 1000 * cvi["times"][-1] / len(cvi["times"]),
-            "adam": {
-                str(r["lr"]): {"estimate": r["estimate"], "steps": len(r["losses"])} for r in adams
-            },
-            "adam_best_lr": best["lr"],
-            "adam_best": target,
-            "adam_ms_per_step": 1000 * best["times"][-1] / len(best["times"]),
-            "autocvi_time_to_adam_best": time_to_reach(cvi["times"], cvi["losses"], target),
-            "adam_time_to_adam_best": time_to_reach(best["times"], best["losses"], target),
+            "load": os.getloadavg(),
         }
-        if with_ivon and name in NETWORKS:
+        adams = [run_adam(model, args, 3 * budget, seed, lr) for lr in adam_lrs]
+        if adams:  # (without Adam: AutoCVI beside IVON only)
+            best = min(adams, key=lambda r: r["estimate"][0])
+            target = best["estimate"][0]
+            row.update(
+                {
+                    "adam": {
+                        str(r["lr"]): {"estimate": r["estimate"], "steps": len(r["losses"])}
+                        for r in adams
+                    },
+                    "adam_best_lr": best["lr"],
+                    "adam_best": target,
+                    "adam_ms_per_step": 1000 * best["times"][-1] / len(best["times"]),
+                    "autocvi_time_to_adam_best": time_to_reach(cvi["times"], cvi["losses"], target),
+                    "adam_time_to_adam_best": time_to_reach(best["times"], best["losses"], target),
+                }
+            )
+        if with_ivon:
             try:
-                ivs = [run_ivon(name, model, args, budget, seed, lr) for lr in IVON_LRS]
+                n_obs = args[-1].shape[0]
+                ivs = [
+                    run_ivon(name, model, args, budget, seed, lr, n_obs, _estimate, ivon_cfg)
+                    for lr in ivon_lrs
+                ]
                 row["ivon"] = min(ivs, key=lambda r: r["estimate"][0])
                 row["ivon_all"] = {str(r["lr"]): r["estimate"][0] for r in ivs}
+                row["ivon_steps"] = {str(r["lr"]): r["steps"] for r in ivs}
             except ImportError:
                 row["ivon"] = "ivon-opt not installed"
-        if name in ONEDRAW:  # (before the default: the first of the pair pays no warm-up)
+        if user_steps and name in ONEDRAW:  # (before the default: the first pays no warm-up)
             row["user_steps_pairs"] = run_user_steps(model, args, seed, report_pairs=REPORT_PAIRS)
-        row["user_steps"] = run_user_steps(model, args, seed)
+        if user_steps:
+            row["user_steps"] = run_user_steps(model, args, seed)
         rows.append(row)
         _print_row(row)
         if done is not None:
@@ -354,17 +335,29 @@ def _fmt(x):
 
 
 def _print_row(r):
+    timed = "autocvi_time_to_adam_best" in r
     print(
         f"{r['model']:22s} seed {r['seed']}  AutoCVI {r['autocvi']['estimate'][0]:8.2f} "
         f"({r['autocvi'].get('step', '-')}, {r['autocvi'].get('form', '-')}, "
-        f"{r['autocvi_ms_per_step']:.1f} ms/step)  Adam best {r['adam_best']:8.2f} "
-        f"(lr {r['adam_best_lr']}, {r['adam_ms_per_step']:.1f} ms/step)  time to Adam's best: "
-        f"AutoCVI {_fmt(r['autocvi_time_to_adam_best'])} s, Adam "
-        f"{_fmt(r['adam_time_to_adam_best'])} s"
-        + (f"  IVON {r['ivon']['estimate'][0]:8.2f}" if isinstance(r.get("ivon"), dict) else "")
+        f"{r['autocvi_ms_per_step']:.1f} ms/step)"
+        + (
+            f"  Adam best {r['adam_best']:8.2f} "
+            f"(lr {r['adam_best_lr']}, {r['adam_ms_per_step']:.1f} ms/step)  time to Adam's "
+            f"best: AutoCVI {_fmt(r['autocvi_time_to_adam_best'])} s, Adam "
+            f"{_fmt(r['adam_time_to_adam_best'])} s"
+            if timed
+            else ""
+        )
+        + (
+            f"  IVON {r['ivon']['estimate'][0]:8.2f} (lr {r['ivon']['lr']})"
+            if isinstance(r.get("ivon"), dict)
+            else ""
+        )
         + (
             f"  at {r['user_steps']['steps']} steps: reported {r['user_steps']['reported']:.2f},"
             f" bound {r['user_steps']['estimate'][0]:.2f}"
+            if "user_steps" in r
+            else ""
         ),
         flush=True,
     )
@@ -374,6 +367,40 @@ def _no_worse(a, b) -> bool:
     """``a`` no worse than ``b`` (both ``(-ELBO, its standard error)``) beyond two standard
     errors of their difference."""
     return a[0] <= b[0] + 2.0 * math.hypot(a[1], b[1])
+
+
+def table(rows) -> list:
+    """One line per timed row: CPU seconds to Adam's best bound (AutoCVI, Adam, their
+    ratio), the final bounds (AutoCVI, Adam's best, IVON's best) and the verdicts."""
+    head = (
+        f"{'model':22s} {'seed':>4s} {'t AutoCVI':>9s} {'t Adam':>8s} {'ratio':>6s} "
+        f"{'AutoCVI':>16s} {'Adam best':>9s} {'IVON best':>16s} {'half':>5s} {'>=IVON':>6s}"
+    )
+    lines = [head]
+    for r in rows:
+        if "autocvi" not in r:
+            continue
+        timed = "autocvi_time_to_adam_best" in r
+        a, b = r.get("autocvi_time_to_adam_best"), r.get("adam_time_to_adam_best")
+        ratio = "-" if a is None or b is None else f"{a / b:.2f}"
+        half = (
+            "-" if not timed else ("yes" if a is not None and (b is None or a <= 0.5 * b) else "NO")
+        )
+        adam = f"{r['adam_best']:9.2f}" if timed else "-"
+        est = r["autocvi"]["estimate"]
+        iv = r.get("ivon")
+        ivs = (
+            f"{iv['estimate'][0]:8.2f} +- {iv['estimate'][1]:.2f}" if isinstance(iv, dict) else "-"
+        )
+        vs = (
+            "-" if not isinstance(iv, dict) else ("yes" if _no_worse(est, iv["estimate"]) else "NO")
+        )
+        lines.append(
+            f"{r['model']:22s} {r['seed']:4d} {_fmt(a) if timed else '-':>9s} "
+            f"{_fmt(b) if timed else '-':>8s} {ratio:>6s} "
+            f"{est[0]:8.2f} +- {est[1]:.2f} {adam:>9s} {ivs:>16s} {half:>5s} {vs:>6s}"
+        )
+    return lines
 
 
 def verdict(rows, odes) -> list:
@@ -425,6 +452,33 @@ def main(argv=None):
     ap.add_argument("--ode", default=",".join(ODE_MODELS))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ivon", action="store_true")
+    ap.add_argument(
+        "--adam-lrs",
+        default=",".join(map(str, LRS)),
+        help="Adam's learning rates; '' for none (AutoCVI beside IVON only, no timed row)",
+    )
+    ap.add_argument(
+        "--ivon-lrs",
+        default=",".join(map(str, IVON_LRS)),
+        help="IVON's learning rates (its best bound is kept)",
+    )
+    ap.add_argument("--ivon-hess-init", type=float, default=IVON_DEFAULTS["hess_init"])
+    ap.add_argument("--ivon-beta2", type=float, default=IVON_DEFAULTS["beta2"])
+    ap.add_argument(
+        "--ivon-schedule", choices=("cosine", "constant"), default=IVON_DEFAULTS["schedule"]
+    )
+    ap.add_argument(
+        "--no-user-steps",
+        action="store_true",
+        help="leave out the 300-step reported-loss rows (the timed and IVON rows only)",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="JSON files of runs (e.g. one process per seed): their rows merged into --out, "
+        "the table and verdicts printed, nothing run",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--user-steps-only",
@@ -457,7 +511,10 @@ def main(argv=None):
         rows.append(row)
         save()
 
+    ivon_cfg = {"hess_init": a.ivon_hess_init, "beta2": a.ivon_beta2, "schedule": a.ivon_schedule}
+    ivon_lrs = tuple(float(v) for v in a.ivon_lrs.split(","))
     meta = {
+        "ivon": None if a.no_ivon else {**IVON_DEFAULTS, **ivon_cfg, "lrs": ivon_lrs},
         "torch": torch.__version__,
         "pyro": pyro.__version__,
         "python": platform.python_version(),
@@ -465,7 +522,20 @@ def main(argv=None):
         "dtype": "float32",
         "tolerance_nats": TOL,
         "window": WINDOW,
+        "command": " ".join(sys.argv),
+        "load_at_start": os.getloadavg(),
     }
+    if a.merge:
+        parts = [json.loads(Path(f).read_text()) for f in a.merge]
+        rows = [r for part in parts for r in part["rows"]]
+        rows.sort(key=lambda r: (list(MODELS).index(r["model"]), r["seed"]))
+        meta = {**meta, "merged": {f: part["meta"] for f, part in zip(a.merge, parts)}}
+        meta["verdict"] = verdict(rows, [])
+        for line in table(rows) + meta["verdict"]:
+            print(line)
+        save()
+        print(f"wrote {out}")
+        return
     for name in [m for m in a.models.split(",") if m]:
         if a.user_steps_only:
             make, data = MODELS[name]
@@ -483,11 +553,22 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
                 keep(row)
             continue
-        bench_model(name, seeds, scale, not a.no_ivon, a.first_seed, keep)
+        bench_model(
+            name,
+            seeds,
+            scale,
+            not a.no_ivon,
+            a.first_seed,
+            keep,
+            ivon_cfg,
+            ivon_lrs,
+            not a.no_user_steps,
+            tuple(float(v) for v in a.adam_lrs.split(",") if v),
+        )
     for n in [n for n in a.ode.split(",") if n and not a.user_steps_only]:
         odes.append(bench_ode(n, 10 if a.quick else 30))
         save()
-    for line in verdict(rows, odes):
+    for line in table(rows) + verdict(rows, odes):
         print(line)
     save()
     print(f"wrote {out}")
