@@ -65,12 +65,13 @@ def _bound(guide, args, pairs: int):
 
 @DTYPES
 def test_the_report_leaves_the_steps_as_they_were(dtype):
-    guide, _, _, with_pairs = _fit(dtype, 64, 30)
+    # (a seed whose 30 steps include backtracks in both dtypes: the decisions are compared too)
+    guide, _, _, with_pairs = _fit(dtype, 64, 30, seed=2)
     block = _block(guide)
     assert block.hessian and block.vectorise and report_pairs(block, 4) == 42
     a = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
     backtracks = guide.num_backtracks
-    guide, _, _, without = _fit(dtype, 0, 30)
+    guide, _, _, without = _fit(dtype, 0, 30, seed=2)
     assert report_pairs(_block(guide), 4) == 0
     b = dict(pyro.get_param_store().items())
     assert a.keys() == b.keys()
