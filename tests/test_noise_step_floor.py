@@ -23,6 +23,7 @@ from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.natgrad.control import NoiseControl
+from pyro_cvi.step_control import Snapshot, StepControl
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 NODES, WEIGHTS = numpy.polynomial.hermite_e.hermegauss(80)
@@ -140,3 +141,49 @@ def test_the_step_does_not_freeze_and_stops_at_the_optimum(dtype, seed):
         d.mean(),
         se,
     )
+
+
+def _rejection_rate(pool: float, trials: int = 4000, k: int = 4) -> float:
+    """The share of steps rejected on noise alone: every estimate the mean of ``k`` standard
+    normal draws at one fixed point, with its variance estimate ``s^2 / k``."""
+    g = torch.Generator().manual_seed(0)
+    c = StepControl(pool=pool)
+    c.start(stochastic=True)
+    draws = torch.randn(trials + 1, k, generator=g, dtype=F64)
+    mean, var = draws.mean(-1), draws.var(-1) / k
+    c.accepted(Snapshot({}, float(mean[0]), float(var[0])), comparable=True)
+    rejected = 0
+    for i in range(1, trials + 1):
+        if c.accepts(float(mean[i]), float(var[i]), comparable=True):
+            c.accepted(Snapshot({}, float(mean[i]), float(var[i])), comparable=True)
+        else:
+            rejected += 1
+    return rejected / trials
+
+
+def test_the_tolerance_reads_the_pooled_variance():
+    """Noise alone at a fixed point, each accepted estimate the next comparison's: with
+    ``z = 2`` and the true variance a fresh pair of estimates is rejected with probability
+    ``Phi(-2) = 2.3%`` (more here: the accepted values are selected high); with the pooled
+    variance (about 9 estimates) 4.8% of the steps are, with each evaluation's own 4-draw
+    estimate (``pool=0``, the earlier rule) 21%."""
+    pooled, single = _rejection_rate(0.2), _rejection_rate(0.0)
+    assert 0.01 < pooled < 0.06, pooled
+    assert single > 0.15, single
+    # the pooled value is the bias-corrected exponential average of the accepted estimates
+    c = StepControl(pool=0.5)
+    c.start(stochastic=True)
+    assert c.pooled_var() is None
+    c.accepted(Snapshot({}, -10.0, 1.0), comparable=True)
+    assert c.pooled_var() == pytest.approx(1.0)
+    c.accepted(Snapshot({}, -10.0, 4.0), comparable=True)
+    assert c.pooled_var() == pytest.approx((0.25 * 1.0 + 0.5 * 4.0) / 0.75)
+    assert c.tolerance(-10.0, 1e-6) == pytest.approx(
+        2.0 * math.sqrt(2.0 * c.pooled_var()) + 1e-9 * 10.0, rel=1e-6
+    )
+    c.accepted(Snapshot({}, -10.0, 9.0), comparable=False)  # another minibatch: not pooled
+    assert c.pooled_var() == pytest.approx((0.25 * 1.0 + 0.5 * 4.0) / 0.75)
+    # (a resume carries it)
+    d = StepControl(pool=0.5)
+    d.load(c.state())
+    assert d.pooled_var() == c.pooled_var()
