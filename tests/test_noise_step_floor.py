@@ -134,7 +134,7 @@ def test_the_step_does_not_freeze_and_stops_at_the_optimum(dtype, seed):
     floor = NoiseControl().min_ceiling * NoiseControl().min_ratio
     assert min(sizes) >= floor / 3, (min(sizes), floor)
     svi.evaluate_loss(X, y)
-    assert 0 <= best - guide_elbo(guide, F, y) < 0.01
+    assert -1e-4 <= best - guide_elbo(guide, F, y) < 0.01  # (the reference: to ~1e-5)
     d = torch.tensor(diffs, dtype=F64)
     se = float(d.std() / math.sqrt(len(d)))
     assert abs(float(d.mean())) < 3 * se + (1e-3 if dtype == torch.float32 else 1e-9), (
@@ -187,3 +187,31 @@ def test_the_tolerance_reads_the_pooled_variance():
     d = StepControl(pool=0.5)
     d.load(c.state())
     assert d.pooled_var() == c.pooled_var()
+
+
+@pytest.mark.slow
+@DTYPES
+def test_a_long_run_keeps_its_step_and_the_optimum(dtype):
+    """500 steps, every step counter moved on by 20,000 (``bench.long_runs``), 500 more:
+    finite, no drift, the step above a third of its floor, at the optimum within 0.01 nat."""
+    from bench.long_runs import Stepper, _svi_counters, verdict
+
+    X, y = data(dtype)
+    F = design(X)
+    _, _, best = optimum(F, y)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoCVI(model)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(X, y) for _ in range(500)]
+    stepper = Stepper(lambda: svi.step(X, y), lambda: _svi_counters(svi), lambda: 0.0)
+    stepper.advance(20_000)
+    sizes = []
+    for _ in range(500):
+        losses.append(stepper.step())
+        sizes.append(min(guide.engine.block_for("sigma").control.step_sizes()))
+    r = verdict(losses, window=400)
+    assert r["finite"] and r["gap"] <= 1.0, r
+    assert min(sizes) >= NoiseControl().min_ceiling * NoiseControl().min_ratio / 3, min(sizes)
+    svi.evaluate_loss(X, y)
+    assert -1e-4 <= best - guide_elbo(guide, F, y) < 0.01
