@@ -12,9 +12,16 @@ makes the step safe, in the spirit of a trust region on the ELBO ``L``:
     distribution parameter outside its constraint);
   - ``L_t < L_{t-1} - tol``: with an exact loss (closed forms, quadrature) ``tol`` is
     round-off, so an exact -ELBO never increases over accepted steps; with Monte Carlo terms
-    ``tol = z * sqrt(min(se_t, se_{t-1})^2 + se_{t-1}^2)`` from the estimators' standard errors
-    (``z = 2``), so noise alone rarely triggers it, while a step into a region where the
-    estimator's variance explodes gets no wider tolerance than the accepted point had.
+    ``tol = z * sqrt(2 v)`` (``z = 2``) with ``v`` the pooled variance of the accepted points'
+    estimates (an exponential average over about ``1 / pool`` of them, bias-corrected), so noise
+    alone rarely triggers it, while a step into a region where the estimator's variance
+    explodes gets no wider tolerance than the accepted points had. One evaluation's own
+    variance estimate is too noisy to set it: from ``K`` draws it is ``v chi2_{K-1} / (K - 1)``
+    (``K = 4``: below a quarter of ``v`` one time in seven), and a tolerance read from it
+    rejected about one step in eight on noise alone (a rate ``z = 2`` puts at 2%), each
+    rejection cutting ``beta`` and, through it, the ceiling of blocks with a noise control of
+    their own (the remainder's step froze near ``1e-3`` on regressions with a half-normal
+    noise scale).
 
 * **Hyperparameters** (hybrid models: the inner optimiser moves the model's ``pyro.param``
   values between two losses): before a drop is blamed on the CVI step, the old ``q`` is
@@ -96,6 +103,8 @@ class StepControl:
     decay: float = 0.8
     min_ceiling: float = 0.1
     min_beta: float = 1e-4
+    #: the averaging rate of the pooled variance of the accepted Monte Carlo estimates
+    pool: float = 0.2
     #: relative tolerance of an exact loss (default: 100 float64 epsilons, at least 1e-9)
     rel_tol: Optional[float] = None
     beta: Optional[float] = None
@@ -105,6 +114,9 @@ class StepControl:
     t: int = 0
     _flat: int = field(default=0, repr=False)
     _in_row: int = field(default=0, repr=False)
+    #: the pooled variance's unnormalised average and its normaliser (bias correction)
+    _var_sum: float = field(default=0.0, repr=False)
+    _var_w: float = field(default=0.0, repr=False)
 
     def start(self, stochastic: bool) -> None:
         if self.beta is None:
@@ -127,12 +139,24 @@ class StepControl:
             rel = max(1e-9, 100.0 * torch.finfo(torch.float64).eps)
         tol = rel * max(1.0, abs(prev.elbo))
         if var is not None or prev.var is not None:
-            # the new point's variance counts no more than the accepted one's: a step into a
-            # region where the estimator explodes must not buy itself a wider tolerance
+            pooled = self.pooled_var()
+            if pooled is not None:
+                # the new point's variance counts as the accepted points': a step into a
+                # region where the estimator explodes must not buy itself a wider tolerance
+                return tol + self.z * math.sqrt(2.0 * pooled)
             v_prev = prev.var or 0.0
             v_new = v_prev if var is None else min(var, v_prev if prev.var is not None else var)
             tol += self.z * math.sqrt(v_new + v_prev)
         return tol
+
+    def pooled_var(self) -> Optional[float]:
+        """The pooled variance of the accepted points' Monte Carlo estimates, or ``None``."""
+        return self._var_sum / self._var_w if self._var_w > 0 else None
+
+    def _pool(self, var: Optional[float]) -> None:
+        if var is not None and math.isfinite(var) and var >= 0:
+            self._var_sum = (1.0 - self.pool) * self._var_sum + self.pool * var
+            self._var_w = (1.0 - self.pool) * self._var_w + self.pool
 
     def accepts(self, elbo: float, var: Optional[float], comparable: bool) -> bool:
         """Whether the point just evaluated is kept (``False``: undo the last step)."""
@@ -149,6 +173,8 @@ class StepControl:
     def accepted(self, snapshot: Snapshot, comparable: bool) -> None:
         """Record an accepted point and grow ``beta`` (and decay the ceiling under noise)."""
         prev, stochastic = self.snapshot, snapshot.var is not None
+        if comparable:
+            self._pool(snapshot.var)
         if prev is not None and comparable and stochastic:
             noise = self.z * math.sqrt(snapshot.var + (prev.var or 0.0))
             self._flat = self._flat + 1 if abs(snapshot.elbo - prev.elbo) < noise else 0
@@ -185,7 +211,7 @@ class StepControl:
 
     def state(self) -> Dict:
         """Everything an exact resume needs (for :mod:`pyro_cvi.checkpoints.checkpoint`)."""
-        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat", "_in_row")
+        keys = ("beta", "ceiling", "t", "num_backtracks", "_flat", "_in_row", "_var_sum", "_var_w")
         out = {k: getattr(self, k) for k in keys}
         snap = self.snapshot
         out["snapshot"] = None if snap is None else (dict(snap.values), snap.elbo, snap.var)

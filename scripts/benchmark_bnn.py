@@ -444,6 +444,18 @@ def verdict(rows, odes) -> list:
     return lines
 
 
+def with_horizon_options(options: dict) -> None:
+    """Every AutoCVI run of this process: the default rule's :class:`Horizon` step with
+    ``options`` replaced (other steps as they are)."""
+    choose = strategies.Remainder.choose_step
+
+    def replaced(self, hierarchical):
+        step = choose(self, hierarchical)
+        return dataclasses.replace(step, **options) if isinstance(step, Horizon) else step
+
+    strategies.Remainder.choose_step = replaced
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
@@ -491,8 +503,15 @@ def main(argv=None):
         default=1,
         help="with --user-steps-only: runs of each, alternating (their CPU per step)",
     )
+    ap.add_argument(
+        "--horizon-options",
+        default="",
+        help="JSON fields replaced in the default rule's Horizon step, e.g. '{\"horizon\": 300}'",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.horizon_options:
+        with_horizon_options(json.loads(a.horizon_options))
     scale = 1.0 / 3 if a.quick else 1.0
     seeds = 1 if a.quick else a.seeds
     out = (
@@ -524,6 +543,7 @@ def main(argv=None):
         "window": WINDOW,
         "command": " ".join(sys.argv),
         "load_at_start": os.getloadavg(),
+        "horizon_options": a.horizon_options or None,
     }
     if a.merge:
         parts = [json.loads(Path(f).read_text()) for f in a.merge]

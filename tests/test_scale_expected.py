@@ -303,7 +303,9 @@ def test_the_fit_reaches_the_mean_field_optimum(dtype):
     # the remainder's q moves by Monte Carlo natural-gradient steps whose ceiling decays once
     # the losses stop improving beyond their noise: it stops within its noise of the optimum
     assert abs(m - m_opt) < 0.05 and abs(s - s_opt) / s_opt < 0.2, (m, m_opt, s, s_opt)
-    assert 0 <= best - guide_elbo(guide, X, y) < 0.15
+    # (the L-BFGS reference stops within about 1e-4 nat of the maximum: a fit at the optimum
+    # may be above it by that much)
+    assert -1e-4 <= best - guide_elbo(guide, X, y) < 0.15
 
 
 @DTYPES

@@ -162,7 +162,10 @@ class NoiseControl:
     tracked: TrackedReport = field(default_factory=TrackedReport)
 
     def _size(self, r: _Ratio) -> float:
-        ceiling = self.ceiling * self.decayed
+        # the smaller of the two caps, not their product: the engine's ceiling falls after
+        # steps its accept test rejected, on the same noise that decays ``decayed``; the
+        # product counted it twice and froze the step (``0.05 * 0.05 * 0.3``)
+        ceiling = min(self.ceiling, self.decayed)
         # the warm-up saturates at the ceiling: the exponent is bounded so it never overflows
         warm = min(ceiling, self.start * self.grow ** min(self.t, _WARM_STEPS))
         return min(warm, ceiling * min(1.0, max(self.min_ratio, r.ratio())))
