@@ -19,7 +19,7 @@ each grid point; ``-log p(y)`` is the bound no ``-ELBO`` can beat.
 Usage::
 
     python scripts/benchmark_scaled_chain.py --quick
-    python scripts/benchmark_scaled_chain.py --lengths 100 300 1000 --out results/benchmark_scaled_chain.json
+    python scripts/benchmark_scaled_chain.py --out results/benchmark_scaled_chain.json
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from torch.distributions import biject_to
 from ..context import Options, StepContext
 from ..messages.chain_expected import ChainRows, chain_moments, expected_precisions
 from ..messages.prior_expected import remainder_moments
+from ..model import probes
 from ..model.analysis import BlockSpec
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
@@ -182,8 +183,7 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
 
 
 def probes_params(value, zs, params) -> bool:
-    from ..model import probes
-
+    """Whether ``value``'s coefficients in ``zs`` move with learnable ``params``."""
     return (
         torch.is_tensor(value)
         and value.requires_grad
@@ -204,8 +204,6 @@ def _log_scales(tr, sites: Sequence[str]) -> torch.Tensor:
 def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
     """The log scales of the shared factors, affine in the scales' unconstrained values
     (finite differences, confirmed at a random move), and the observations' rows."""
-    from ..model import probes
-
     tr, leaves = an.leaf_trace()
     steps = [n for n in names if _reads(unwrap(tr.nodes[n]["fn"])[0].scale, leaves)]
     sites = steps + list(obs)
