@@ -35,6 +35,7 @@ from .registry import (
     unregister_kind,
 )
 from .remainder import RemainderBlock
+from .scaled_markov import ScaledMarkovBlock  # noqa: F401  (a chain beside its scales)
 from .site_form import SiteFormBlock
 
 __all__ = [

@@ -47,6 +47,7 @@ __all__ = [
     "expected_log_prior",
     "expected_prior",
     "expected_prior_moments",
+    "remainder_moments",
     "shared_moments",
 ]
 
@@ -74,23 +75,29 @@ def expected_prior(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
     part of the loc, ``A z``, stays the tree's) at the current ``q`` of the remainder that
     holds the latents its loc and scale read."""
     info = factor.scale
-    blocks = {id(ctx.block_for(x)): ctx.block_for(x) for x in info.given}
+    m, S = remainder_moments(ctx, info.given, f"the prior of {factor.site!r}", factor.site)
+    e_prec, e_loc = expected_prior_moments(info, m, S)
+    return e_prec, e_loc / e_prec
+
+
+def remainder_moments(ctx, given, what: str, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(m, S)`` (detached) of the remainder's joint Gaussian over the stacked unconstrained
+    values of latents ``given`` (in that order); refused by name where they are not all in
+    one remainder (``what`` reads them; ``site``: the latent a user would name)."""
+    blocks = {id(ctx.block_for(x)): ctx.block_for(x) for x in given}
     (rem,) = blocks.values() if len(blocks) == 1 else (None,)
     if rem is None or not hasattr(rem, "joint_unconstrained"):
         raise RuntimeError(
-            f"the prior of {factor.site!r} reads {', '.join(info.given)}, which are not all in "
-            "the remainder's joint Gaussian; drop "
-            f"families={{{factor.site!r}: 'gaussian'}} to fit {factor.site!r} jointly with them"
+            f"{what} reads {', '.join(given)}, which are not all in the remainder's joint "
+            f"Gaussian; drop families={{{site!r}: 'gaussian'}} (or name it 'joint') to fit "
+            f"{site!r} jointly with them"
         )
     # the moments without a MultivariateNormal (its broadcast check imports sympy once)
     with torch.no_grad():
         loc, cov = pyro.param(rem.loc_name).detach(), rem.covariance()
     starts = {s.name: (s.start, s.size) for s in rem.sites}
-    idx = torch.cat([torch.arange(starts[x][0], starts[x][0] + starts[x][1]) for x in info.given])
-    m = loc[idx]
-    S = cov[idx][:, idx]
-    e_prec, e_loc = expected_prior_moments(info, m, S)
-    return e_prec, e_loc / e_prec
+    idx = torch.cat([torch.arange(starts[x][0], starts[x][0] + starts[x][1]) for x in given])
+    return loc[idx], cov[idx][:, idx]
 
 
 def expected_log_prior(fn, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -122,6 +129,10 @@ def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch
     owned = set(owned)
     shared: Dict[str, list] = {}
     for spec in an.blocks:
+        chain = ctx.block_for(spec.names[0]) if spec.chain is not None else None
+        if hasattr(chain, "expected_moments"):  # (a chain at its expected precisions)
+            out.update(chain.expected_moments(ctx, owned, others))
+            continue
         for f in spec.factors:
             if f.site not in owned:
                 continue

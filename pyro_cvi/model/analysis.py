@@ -118,6 +118,7 @@ class Analysis:
         own_leaves: bool = False,
     ):
         self.model, self.args, self.kwargs = model, args, kwargs
+        self.placed = (families, remainder)  # (AutoCVI's families and remainder: chain finders)
         proto = prototype_trace
         self.values: Dict[str, torch.Tensor] = {
             n: s["value"].detach() for n, s in proto.iter_stochastic_nodes() if is_random(s)
@@ -198,9 +199,8 @@ class Analysis:
         self.probe_cache: Dict[object, list] = {}
         #: per subsampled plate: whether its minibatch is the same in every run (block_factors)
         self.fixed_subsamples: Dict[str, bool] = {}
-        #: the latents of the remainder's joint Gaussian (model order) and the discrete ones it
-        #: sums out (:mod:`~pyro_cvi.model.remainder`)
-        self.remainder: List[str] = []
+        #: the remainder's latents (model order; a kept chain's scales at once), discrete summed
+        self.remainder: List[str] = [z for c in self.chains for z in getattr(c, "scales", ())]
         self.remainder_discrete: Set[str] = set()
         #: Gamma precisions kept beside the remainder: ``{latent: its Normal factors}``
         self.precisions: Dict[str, List[str]] = {}

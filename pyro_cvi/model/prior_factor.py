@@ -34,10 +34,17 @@ import torch
 from torch.distributions import biject_to
 
 from . import probes
-from .records import CONJUGATE_PRIOR, Factor
+from .records import CONJUGATE_PRIOR, CONJUGATE_SCALE, Factor
 from .tracing import latent_weight, unwrap
 
-__all__ = ["JOINT_MAX_DIM", "PriorInfo", "prior_applies", "prior_factor", "prior_info"]
+__all__ = [
+    "JOINT_MAX_DIM",
+    "PriorInfo",
+    "chain_expected_factor",
+    "prior_applies",
+    "prior_factor",
+    "prior_info",
+]
 
 #: the most unconstrained coordinates the remainder's joint Gaussian holds while a block latent
 #: whose Normal prior reads it (``theta_j ~ Normal(mu, tau)``, :func:`prior_applies`) stays in
@@ -159,6 +166,8 @@ def prior_applies(an, name: str, block) -> Optional[PriorInfo]:
 def prior_factor(an, site: str, block) -> Optional[Factor]:
     """The expected-prior message of block latent ``site``'s own prior (see the module
     docstring), or ``None`` where it does not apply."""
+    if block.chain is not None:
+        return chain_expected_factor(site, block)
     if site not in block.names:
         return None
     info = prior_applies(an, site, block)
@@ -179,3 +188,28 @@ def prior_factor(an, site: str, block) -> Optional[Factor]:
         f"{rule})"
     )
     return Factor(site, block.label, CONJUGATE_PRIOR, why, scale=info)
+
+
+def chain_expected_factor(site: str, block) -> Optional[Factor]:
+    """The record of a factor of a Kalman chain whose scale reads the remainder (a transition
+    or an observation, :mod:`~pyro_cvi.blocks.scaled_markov`): the chain reads it at its
+    expected precision ``E[1/s^2]`` in closed form, the remainder Rao-Blackwellised over the
+    smoother's marginals; ``None`` for any other chain factor."""
+    chain = block.chain
+    shared = getattr(chain, "shared", {})
+    if site not in shared:
+        return None
+    given = ", ".join(chain.scales)
+    rule = f"; {chain.rule}" if site == block.names[0] or site == next(iter(shared)) else ""
+    if site in block.names:
+        what = "x_0's prior" if shared[site] == 0 else "transition"
+        why = (
+            f"{what} into {site} given {given}: N(a x_(t-1) + b, 1 / E[1/s^2]) in the Kalman "
+            f"prior, E[1/s^2] in closed form under the remainder's q (eq. 20){rule}"
+        )
+        return Factor(site, block.label, CONJUGATE_PRIOR, why)
+    why = (
+        f"Normal observation of {block.names[shared[site]]} given {given}: the expected row "
+        f"(h, E[1/s^2], E[1/s^2] (y - c)) in the smoother's information (eq. 20){rule}"
+    )
+    return Factor(site, block.label, CONJUGATE_SCALE, why, "loc")

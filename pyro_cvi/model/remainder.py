@@ -177,13 +177,16 @@ def _block_names(an, name: str) -> Set[str]:
 
 
 def _remainder_sets(an, chosen: Set[str], moves, own: Set[str]):
-    seeds = _seeds(an, moves, own)
+    scaled = [b.chain for b in an.blocks if getattr(b.chain, "scales", ())]
+    seeds = _seeds(an, moves, own) | {z for c in scaled for z in c.scales}
     precisions = _precision_candidates(an, seeds)
     seeds -= set(precisions)
     if not seeds:
         return ([], set(), {}), set()
     nodes = {n for n in an.values if n not in an.leaves}
-    kept_blocks = _kept_blocks(an, seeds, moves, own)
+    # a chain whose scales the remainder holds keeps its Kalman block beside it (its
+    # expected messages, blocks/scaled_markov.py)
+    kept_blocks = _kept_blocks(an, seeds, moves, own) | {n for c in scaled for n in c.names}
     comp = _components(an, nodes - kept_blocks - set(precisions))
     roots = {comp[s] for s in seeds}
     if any(comp.get(n) in roots for n in an.discrete):  # such a component takes its Gaussian

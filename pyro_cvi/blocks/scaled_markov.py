@@ -1,0 +1,373 @@
+"""A Kalman chain whose step and observation scales are latents of the remainder (eq. 20).
+
+A ``pyro.markov`` loop ``x_t ~ Normal(a_t x_{t-1} + b_t, s_t(u))`` observed as
+``y_r ~ Normal(h_r x_{t_r} + c_r, s_r(u))``, with the scales reading latents ``u`` outside the
+chain (``sigma_level``, ``sigma_obs``) and nothing else reading the states, is, for every value
+of ``u``, a linear-Gaussian chain; under ``q(x) q(u)`` its expected log-density is the same
+chain with every precision ``1/s^2`` replaced by ``E_q[1/s^2]`` (and a constant of ``x``):
+
+    E_q(u)[log N(v; m(x), s(u))] = -E_q[1/s^2] (v - m(x))^2 / 2 + const.
+
+So the chain keeps its Kalman block (:class:`ScaledMarkovBlock`): the transitions
+``N(a_t x_{t-1} + b_t, 1 / E[1/s_t^2])`` go into the smoother's prior and each observation's
+expected row ``(h_r, w_r = E[1/s_r^2], w_r (y_r - c_r))`` into its information, so one
+smoother pass is the exact VMP update of ``q(x)`` given ``q(u)``. With ``log s = L0 + H (u -
+u0)`` affine in the remainder's unconstrained coordinates (found by finite differences at
+set-up and confirmed at a random move) and ``q(u) = N(m, S)``,
+
+    E[1/s^2] = exp(-2 (L0 + H (m - u0)) + 2 diag(H S H'))
+
+(:func:`~pyro_cvi.messages.chain_expected.expected_precisions`). The remainder owns these
+factors and reads them Rao-Blackwellised over ``q(x)``: ``E[(x_t - a_t x_{t-1} - b_t)^2]``
+from the smoother's marginals and lag-one covariances
+(:func:`~pyro_cvi.messages.chain_expected.chain_moments`).
+
+Taken (:func:`find_scaled_chains`) where the remainder's joint Gaussian would otherwise hold
+more than :data:`~pyro_cvi.model.prior_factor.JOINT_MAX_DIM` coordinates (the chain's and its
+scales'), or where a chain site is named ``AutoCVI(families={site: "gaussian"})``; a chain site
+named ``"joint"`` keeps the whole chain in the joint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributions import biject_to
+
+from ..context import Options, StepContext
+from ..messages.chain_expected import ChainRows, chain_moments, expected_precisions
+from ..messages.prior_expected import remainder_moments
+from ..model import probes
+from ..model.analysis import BlockSpec
+from ..model.prior_factor import JOINT_MAX_DIM
+from ..model.structures import register_chain_finder
+from ..model.tracing import unwrap
+from ..statespace import detect
+from ..statespace.kalman import LinearGaussianChain, Marginals, smooth
+from ..statespace.posterior import SiteRows
+from .markov import MarkovBlock
+from .registry import register_block_kind
+
+__all__ = ["ScaledChainSpec", "ScaledMarkovBlock", "find_scaled_chains"]
+
+#: the move of the unconstrained scale coordinates that finds ``H`` (exact: affine)
+_STEP = 0.5
+
+
+@dataclass
+class ScaledChainSpec(detect.ChainSpec):
+    """A loop whose factors' scales read latents outside it (:func:`find_scaled_chains`)."""
+
+    #: the latents the scales read (model order) and the set-up rows (``None``: not yet)
+    scales: Tuple[str, ...] = ()
+    rows: Optional[ChainRows] = None
+    #: the rule that took the chain, as explain() states it
+    rule: str = ""
+    shared: Dict[str, int] = field(default_factory=dict)
+
+
+def _plain_normal(node) -> bool:
+    base, mask, _ = unwrap(node["fn"])
+    return (
+        isinstance(base, torch.distributions.Normal)
+        and mask is None
+        and node["mask"] is None
+        and node["scale"] == 1.0
+        and not len(node["fn"].batch_shape)
+        and len(node["fn"].event_shape) <= 1
+    )
+
+
+def _reads(value, leaves: Dict[str, torch.Tensor]) -> set:
+    if not (torch.is_tensor(value) and value.requires_grad):
+        return set()
+    with torch.enable_grad():
+        gs = torch.autograd.grad(
+            value.sum(), list(leaves.values()), allow_unused=True, retain_graph=True
+        )
+    return {n for n, g in zip(leaves, gs) if g is not None and bool(g.ne(0).any())}
+
+
+def find_scaled_chains(an, used: set) -> List[ScaledChainSpec]:
+    """``pyro.markov`` loops of Normal sites whose locs read their predecessor only and whose
+    scales (and their observations') read latents outside the chain (module docstring), where
+    the rule takes them; the others are left to the remainder's joint."""
+    families, remainder = getattr(an, "placed", (None, None))
+    if remainder is None:
+        return []
+    tr, leaves = an.leaf_trace()
+    nodes = an.structure.nodes
+    cont = [n for n in an.values if n in an.continuous and n in leaves and n not in used]
+    cand = {n for n in cont if _plain_normal(nodes[n]) and not an.deps.get(n, set()) & an.discrete}
+    loc_of, scale_of = {}, {}
+    for n in cand:
+        base = unwrap(tr.nodes[n]["fn"])[0]
+        loc_of[n], scale_of[n] = _reads(base.loc, leaves), _reads(base.scale, leaves)
+    parent = {n: next(iter(loc_of[n])) for n in cand if len(loc_of[n]) == 1 and loc_of[n] <= cand}
+    children: Dict[str, List[str]] = {n: [] for n in cand}
+    for n, p in parent.items():
+        children[p].append(n)
+    out = []
+    for root in [n for n in an.values if n in cand and not loc_of[n]]:
+        names = [root]
+        while len(children[names[-1]]) == 1:
+            names.append(children[names[-1]][0])
+        if len(names) < detect.MIN_LOOP_LENGTH or children[names[-1]]:
+            continue
+        spec = _scaled_chain(an, tuple(names), scale_of, families or {})
+        if spec is not None:
+            out.append(spec)
+    return out
+
+
+def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
+    tr, leaves = an.leaf_trace()
+    chain = set(names)
+    scales = set().union(*(scale_of[n] for n in names))
+    if scales & chain or len({tuple(an.structure.nodes[n]["fn"].event_shape) for n in names}) > 1:
+        return None
+    obs = {}
+    for site, deps in an.deps.items():
+        touch = deps & chain
+        if site in chain or not touch:
+            continue
+        node = tr.nodes[site]
+        if site in an.latents or not node["is_observed"] or len(touch) != 1:
+            return None
+        base, mask, _ = unwrap(node["fn"])
+        if not isinstance(base, torch.distributions.Normal) or mask is not None:
+            return None
+        if node["mask"] is not None or node["scale"] != 1.0 or an.minibatch_plate(site):
+            return None
+        if _reads(base.loc, leaves) != touch or _reads(base.scale, leaves) & chain:
+            return None
+        read = deps - chain
+        if read & (an.discrete | an.collapsed) or not read <= set(leaves):
+            return None
+        scales |= read
+        obs[site] = names.index(next(iter(touch)))
+    if not scales or scales & (an.discrete | an.collapsed | set(an.leaves)):
+        return None
+    params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
+    zs = [leaves[n] for n in names]
+    for site in list(names) + list(obs):
+        base = unwrap(tr.nodes[site]["fn"])[0]
+        if any(probes_params(v, zs, params) for v in (base.loc, base.scale)):
+            return None  # (coefficients that move with parameters: the joint takes them)
+    order = tuple(n for n in an.values if n in scales)
+    d = int(torch.Size(an.structure.nodes[names[0]]["fn"].event_shape).numel())
+    size = len(names) * d + sum(
+        int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel()) for z in order
+    )
+    placed = {families.get(n) for n in names}
+    if "joint" in placed:
+        return None
+    if "gaussian" in placed:
+        rule = "named families={...: 'gaussian'} on a chain site"
+    elif size > JOINT_MAX_DIM:
+        rule = (
+            f"the default: the joint would hold {size} coordinates, more than {JOINT_MAX_DIM}; "
+            "families={site: 'joint'} on a chain site keeps the joint"
+        )
+    else:
+        return None
+    rows = _setup_rows(an, names, obs, order)
+    if rows is None:
+        return None
+    spec = ScaledChainSpec(names, d, len(names), False, scales=order, rows=rows, rule=rule)
+    spec.shared = {**{n: t for t, n in enumerate(names) if scale_of[n]}, **obs}
+    return spec
+
+
+def probes_params(value, zs, params) -> bool:
+    """Whether ``value``'s coefficients in ``zs`` move with learnable ``params``."""
+    return (
+        torch.is_tensor(value)
+        and value.requires_grad
+        and probes.depends_on_params(value, zs, params)
+    )
+
+
+def _log_scales(tr, sites: Sequence[str]) -> torch.Tensor:
+    parts = []
+    for s in sites:
+        node = tr.nodes[s]
+        base = unwrap(node["fn"])[0]
+        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
+        parts.append(torch.as_tensor(base.scale).detach().expand(shape).reshape(-1).log())
+    return torch.cat(parts)
+
+
+def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
+    """The log scales of the shared factors, affine in the scales' unconstrained values
+    (finite differences, confirmed at a random move), and the observations' rows."""
+    tr, leaves = an.leaf_trace()
+    steps = [n for n in names if _reads(unwrap(tr.nodes[n]["fn"])[0].scale, leaves)]
+    sites = steps + list(obs)
+    ts = {z: biject_to(an.structure.nodes[z]["fn"].support) for z in order}
+    u0 = {z: ts[z].inv(an.ref[z].detach()).reshape(-1) for z in order}
+    flat0 = torch.cat([u0[z] for z in order])
+    sizes = [u0[z].numel() for z in order]
+
+    def read(flat):
+        parts = dict(zip(order, flat.split(sizes)))
+        vals = {z: ts[z](parts[z].reshape(an.ref[z].shape)) for z in order}
+        with torch.no_grad():
+            return _log_scales(an.run(**vals), sites)
+
+    L0 = read(flat0)
+    cols = []
+    for i in range(flat0.numel()):
+        e = torch.zeros_like(flat0)
+        e[i] = _STEP
+        cols.append((read(flat0 + e) - L0) / _STEP)
+    H = torch.stack(cols, 1)
+    g = torch.Generator().manual_seed(11)
+    dlt = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+    if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
+        return None  # log scale not affine in the unconstrained scales
+    # observations: y_r ~ N(h_r x_t + c_r, s_r): h by autograd, c at the reference
+    obs_t, obs_h, obs_c = [], [], []
+    d = int(torch.Size(an.structure.nodes[names[0]]["fn"].event_shape).numel())
+    for site, t in obs.items():
+        node = tr.nodes[site]
+        base = unwrap(node["fn"])[0]
+        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
+        loc = base.loc.expand(shape).reshape(-1)
+        x = leaves[names[t]]
+        with torch.enable_grad():
+            h = probes.jacobian(loc, x).detach().reshape(loc.numel(), d)
+        xt = x.detach().reshape(d)
+        obs_t.append(torch.full((loc.numel(),), t, dtype=torch.long))
+        obs_h.append(h)
+        obs_c.append(loc.detach() - h @ xt)
+    sizes_of = [int(_log_scales(tr, [s]).numel()) for s in sites]
+    return ChainRows(
+        given=order,
+        u0=flat0.detach(),
+        L0=L0.detach(),
+        H=H.detach(),
+        steps=tuple(names.index(n) for n in steps),
+        obs=tuple(obs),
+        obs_t=torch.cat(obs_t) if obs_t else torch.zeros(0, dtype=torch.long),
+        obs_h=torch.cat(obs_h) if obs_h else flat0.new_zeros(0, d),
+        obs_c=torch.cat(obs_c) if obs_c else flat0.new_zeros(0),
+        sizes=tuple(sizes_of),
+    )
+
+
+class ScaledMarkovBlock(MarkovBlock):
+    """Kalman-smoother CVI of a chain at its expected precisions (module docstring)."""
+
+    def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
+        super().__init__(spec, prefix, owned, options)
+        self.scaled = spec.chain.rows
+        self._extra: Optional[tuple] = None
+
+    def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
+        """The sites of the other observations start at zero."""
+
+    def _expected(self, ctx: StepContext) -> LinearGaussianChain:
+        """The chain at ``E_q[1/s^2]`` of the remainder's current ``q`` and the observations'
+        expected rows (:attr:`_extra`)."""
+        rows = self.scaled
+        m, S = remainder_moments(ctx, rows.given, f"the chain {self.label}", self.names[0])
+        w = expected_precisions(rows, m, S)
+        base = detect.chain_prior(self.chain, ctx.trace)
+        z = self.z_at
+        d = self.chain.state_dim
+        P0, Q = base.P0.detach().to(z), base.Q.detach().to(z).clone()
+        i = 0
+        for t in rows.steps:
+            wt = w[i : i + d].to(z)
+            i += d
+            if t == 0:
+                P0 = torch.diag(1.0 / wt)
+            else:
+                Q[t - 1] = torch.diag(1.0 / wt)
+        wo = w[i:].to(z)
+        y = torch.cat(
+            [ctx.trace.nodes[s]["value"].detach().reshape(-1) for s in rows.obs] or [z.new_zeros(0)]
+        ).to(z)
+        if wo.numel() != y.numel():
+            y = torch.cat(
+                [
+                    ctx.trace.nodes[s]["value"].detach().expand(n).reshape(-1)
+                    for s, n in zip(rows.obs, rows.sizes[len(rows.steps) :])
+                ]
+            ).to(z)
+        self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * (y - rows.obs_c.to(z)))
+        m0, A, b = (t.detach().to(z) for t in (base.m0, base.A, base.b))
+        return LinearGaussianChain(m0, P0, A, b, Q)
+
+    def _site_rows(self, rows, h0=...) -> SiteRows:
+        h0 = self._init_h() if h0 is ... else h0
+        z = self.z_at
+        parts = [(f.time_index, r.A.to(z), r.w, r.b) for f, r in zip(self.linear, rows)]
+        start = self.init_rows(h0.detach() if h0 is not None else None)
+        if start is not None:
+            parts.append(start)
+        if self._extra is not None:
+            parts.append(self._extra)
+        t, H, w, b = (torch.cat([p[k] for p in parts]) for k in range(4))
+        return SiteRows(t, H.to(z), w, b, self.chain.length)
+
+    def _solve(self, rows, keep_graph: bool = False, h0=...) -> Marginals:
+        eta, J = self._site_rows(rows, h0).information()
+        return smooth(self.prior.detach(), eta, J, keep_graph=False, lag_one=True)
+
+    def refresh(self, ctx: StepContext) -> LinearGaussianChain:
+        """The expected chain at the current ``q(u)``, the sites' rows, and the smoother."""
+        self.prior = self._expected(ctx)
+        sites = self._sites()
+        tr = ctx.trace
+        self.rows = [self._rows(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
+        self._graph = None
+        self.post = self._solve(self.rows)
+        self._solved_for = None
+        return self.prior
+
+    def elbo(self, ctx: StepContext, prior: LinearGaussianChain) -> torch.Tensor:
+        """``H(q) + E_q[log p]`` of the steps this block owns: ``log Z - E_q[log sites]``
+        (the expected rows included) less ``E_q[log p~_t]`` of the steps the remainder owns."""
+        elbo = super().elbo(ctx, prior)
+        steps = [t for t in self.scaled.steps if self.names[t] not in self.owned]
+        return elbo - self._expected_log_prior(steps)
+
+    def _expected_log_prior(self, steps: Sequence[int]) -> torch.Tensor:
+        """``sum_t E_q[log p~_t(x_t | x_{t-1})]`` over ``steps`` (diagonal ``Q~``)."""
+        post, p = self.post, self.prior
+        m, S = post.mean, post.cov
+        total = m.new_zeros(())
+        if 0 in steps:
+            prec = 1.0 / torch.diagonal(p.P0)
+            r = m[0] - p.m0
+            second = r * r + torch.diagonal(S[0])
+            total = total + (-0.5 * torch.log(2 * math.pi / prec) - 0.5 * prec * second).sum()
+        t = torch.tensor([s for s in steps if s > 0], dtype=torch.long)
+        if t.numel():
+            A, b = p.A[t - 1], p.b[t - 1]
+            prec = 1.0 / torch.diagonal(p.Q[t - 1], dim1=-2, dim2=-1)
+            r = m[t] - (A @ m[t - 1].unsqueeze(-1)).squeeze(-1) - b
+            X = post.cross[t - 1]
+            C = S[t] - A @ X.mT - X @ A.mT + A @ S[t - 1] @ A.mT
+            second = r * r + torch.diagonal(C, dim1=-2, dim2=-1)
+            total = total + (-0.5 * torch.log(2 * math.pi / prec) - 0.5 * prec * second).sum()
+        return total
+
+    def expected_moments(self, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        """``{site: (mean, variance)}`` of the shared factors in ``sites`` for the remainder's
+        Rao-Blackwellised read (:func:`~pyro_cvi.messages.chain_expected.chain_moments`)."""
+        if self.post is None or self.post.cross is None or self.prior is None:
+            return {}
+        return chain_moments(self, ctx, sites, others)
+
+
+register_block_kind(
+    lambda spec: spec.chain is not None and isinstance(spec.chain, ScaledChainSpec),
+    ScaledMarkovBlock,
+)
+register_chain_finder(find_scaled_chains)

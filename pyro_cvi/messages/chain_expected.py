@@ -1,0 +1,110 @@
+"""Expected messages between a Kalman chain and the remainder that holds its scales (eq. 20).
+
+For the chain's factors ``v ~ Normal(m(x), s(u))`` (transitions and observations) with
+``log s = L0 + H (u - u0)`` in the remainder's unconstrained coordinates and ``q(u) = N(m, S)``:
+
+* the chain's message is the factor at its expected precision (:func:`expected_precisions`)
+
+      E[1/s^2] = exp(-2 (L0 + H (m - u0))) E[exp(-2 H (u - m))]
+               = exp(-2 (L0 + H (m - u0)) + 2 diag(H S H'));
+
+* the remainder's side reads each factor Rao-Blackwellised over the chain's ``q(x)``
+  (:func:`chain_moments`): with ``r = v - m(x)`` affine in one step or two adjacent ones,
+
+      E_q(x)[log N(v; m(x), s)] = log N(E[r]; 0, s) - Var_q(r) / (2 s^2),
+
+  ``Var_q(x_t - A x_{t-1}) = S_t - A X_t' - X_t A' + A S_{t-1} A'`` from the smoother's
+  marginals ``S_t`` and lag-one covariances ``X_t = Cov(x_t, x_{t-1})``; the run's loc holds the
+  states at a draw, so the value passed is ``E[r] + loc``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+from ..gaussian import centred_exp_mean
+from ..model.tracing import unwrap
+
+__all__ = ["ChainRows", "chain_moments", "expected_precisions"]
+
+
+@dataclass
+class ChainRows:
+    """The set-up of a chain's factors that read the remainder (see the module docstring)."""
+
+    #: the remainder latents the scales read (model order) and their unconstrained values
+    given: Tuple[str, ...]
+    u0: torch.Tensor
+    #: log scales at ``u0`` of every shared element (transitions' ``d`` per step, then the
+    #: observations' elements) and their coefficients ``(R, U)``
+    L0: torch.Tensor
+    H: torch.Tensor
+    #: the steps whose transition (or, step 0, prior) reads the scales
+    steps: Tuple[int, ...]
+    #: the observations, their rows' steps, coefficients ``h (R_obs, d)`` and offsets ``c``
+    obs: Tuple[str, ...]
+    obs_t: torch.Tensor
+    obs_h: torch.Tensor
+    obs_c: torch.Tensor
+    #: elements per shared site (the steps', then the observations')
+    sizes: Tuple[int, ...] = ()
+
+
+def expected_precisions(rows: ChainRows, m: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``E_q[1/s^2]`` of every shared element under ``q(u) = N(m, S)`` (module docstring)."""
+    H = rows.H.to(m)
+    log_s = rows.L0.to(m) + H @ (m - rows.u0.to(m))
+    var = ((H @ S) * H).sum(1)
+    return torch.exp(-2 * log_s) * centred_exp_mean(var.new_tensor(-2.0), var)
+
+
+def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """``{site: (mean, variance)}`` of the chain's shared factors among ``sites`` read by the
+    remainder at ``expected_log_prior`` (module docstring), with the states at ``others``'
+    draws; a factor whose draw is missing is left out (its term stays the draw's)."""
+    rows, post, prior = block.scaled, block.post, block.prior
+    names, shapes = block.names, block.spec.shapes
+    m, S = post.mean.detach(), post.cov.detach()
+    d = m.shape[-1]
+    out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    sites = set(sites)
+    steps = [t for t in rows.steps if names[t] in sites]
+    if 0 in steps:
+        out[names[0]] = (m[0].reshape(shapes[0]), torch.diagonal(S[0]).reshape(shapes[0]))
+    later = [t for t in steps if t > 0 and names[t - 1] in others]
+    if later:
+        t = torch.tensor(later, dtype=torch.long, device=m.device)
+        A = prior.A[t - 1].detach().to(m)
+        X = post.cross[t - 1].detach()
+        C = S[t] - A @ X.mT - X @ A.mT + A @ S[t - 1] @ A.mT
+        prev = torch.stack([others[names[s - 1]].detach().reshape(d) for s in later]).to(m)
+        mean = m[t] + (A @ (prev - m[t - 1]).unsqueeze(-1)).squeeze(-1)
+        var = torch.diagonal(C, dim1=-2, dim2=-1)
+        for i, s in enumerate(later):
+            out[names[s]] = (mean[i].reshape(shapes[s]), var[i].reshape(shapes[s]))
+    if ctx is None or ctx.trace is None:
+        return out
+    start = 0
+    for j, site in enumerate(rows.obs):
+        k = rows.sizes[len(rows.steps) + j]
+        sl = slice(start, start + k)
+        start += k
+        if site not in sites or site not in ctx.trace.nodes:
+            continue
+        ts = rows.obs_t[sl]
+        t = int(ts[0])
+        cur = others.get(names[t])
+        if cur is None or not bool((ts == t).all()):
+            continue
+        h = rows.obs_h[sl].to(m)
+        node = ctx.trace.nodes[site]
+        base = unwrap(node["fn"])[0]
+        y = node["value"].detach()
+        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, y.shape)
+        shift = h @ (cur.detach().reshape(d).to(m) - m[t])
+        var = ((h @ S[t]) * h).sum(-1)
+        out[site] = (y.expand(shape) + shift.reshape(shape), var.reshape(shape))
+    return out
