@@ -45,7 +45,7 @@ from .markov_fast import FastPath, on_first
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
-__all__ = ["MarkovBlock"]
+__all__ = ["ExpectedPriorMarkovBlock", "MarkovBlock"]
 
 
 class MarkovBlock(ChainInitStart, SiteFormBlock):
@@ -431,6 +431,31 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
 
     def mean_values(self) -> Dict[str, torch.Tensor]:
         return self.spec.split(self.post.loc)
+
+
+class ExpectedPriorMarkovBlock(MarkovBlock):
+    """A Markov block whose prior and extra unary rows are expected messages of other blocks
+    (Algorithm 2, eq. 20): a subclass's ``refresh`` sets ``self.prior`` (the expected chain)
+    and ``self._extra = (t, H, w, b)`` (rows of factors read in expectation); the smoother
+    reads the sites' rows beside them, with lag-one covariances."""
+
+    _extra: Optional[tuple] = None
+
+    def _site_rows(self, rows, h0: Any = ...) -> SiteRows:
+        h0 = self._init_h() if h0 is ... else h0
+        z = self.z_at
+        parts = [(f.time_index, r.A.to(z), r.w, r.b) for f, r in zip(self.linear, rows)]
+        start = self.init_rows(h0.detach() if h0 is not None else None)
+        if start is not None:
+            parts.append(start)
+        if self._extra is not None:
+            parts.append(self._extra)
+        t, H, w, b = (torch.cat([p[k] for p in parts]) for k in range(4))
+        return SiteRows(t, H.to(z), w, b, self.chain.length)
+
+    def _solve(self, rows, keep_graph: bool = False, h0: Any = ...) -> Marginals:
+        eta, J = self._site_rows(rows, h0).information()
+        return smooth(self.prior.detach(), eta, J, keep_graph=False, lag_one=True)
 
 
 register_block_kind(lambda spec: spec.chain is not None, MarkovBlock, fallback=True)

@@ -35,9 +35,8 @@ from ..messages.gaussian import linear_predictor_message
 from ..model.analysis import BlockSpec
 from ..model.records import CONJUGATE_ENUM, LINEAR_ENUM
 from ..model.tracing import run_model, unwrap
-from ..statespace.kalman import LinearGaussianChain, Marginals, smooth
-from ..statespace.posterior import SiteRows
-from .markov import MarkovBlock
+from ..statespace.kalman import LinearGaussianChain
+from .markov import ExpectedPriorMarkovBlock
 from .registry import register_block_kind
 
 __all__ = ["RegimeMarkovBlock"]
@@ -65,7 +64,7 @@ def _jacobian_rows(loc: torch.Tensor, leaves: Sequence[torch.Tensor]) -> torch.T
     return out
 
 
-class RegimeMarkovBlock(MarkovBlock):
+class RegimeMarkovBlock(ExpectedPriorMarkovBlock):
     """Kalman-smoother CVI of a chain with regime latents (see the module docstring)."""
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
@@ -202,22 +201,6 @@ class RegimeMarkovBlock(MarkovBlock):
         return eta, J
 
     # ------------------------------------------------------------------ the smoother
-    def _site_rows(self, rows, h0=...) -> SiteRows:
-        h0 = self._init_h() if h0 is ... else h0
-        z = self.z_at
-        parts = [(f.time_index, r.A.to(z), r.w, r.b) for f, r in zip(self.linear, rows)]
-        start = self.init_rows(h0.detach() if h0 is not None else None)
-        if start is not None:
-            parts.append(start)
-        if self._extra is not None:
-            parts.append(self._extra)
-        t, H, w, b = (torch.cat([p[k] for p in parts]) for k in range(4))
-        return SiteRows(t, H.to(z), w, b, self.chain.length)
-
-    def _solve(self, rows, keep_graph: bool = False, h0=...) -> Marginals:
-        eta, J = self._site_rows(rows, h0).information()
-        return smooth(self.prior.detach(), eta, J, keep_graph=False, lag_one=True)
-
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
         """The expected prior at the current ``q(s)``, the sites' rows, and the smoother."""
         self.prior = self._expected_prior(ctx)

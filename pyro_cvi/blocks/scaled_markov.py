@@ -46,9 +46,8 @@ from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
 from ..statespace import detect
-from ..statespace.kalman import LinearGaussianChain, Marginals, smooth
-from ..statespace.posterior import SiteRows
-from .markov import MarkovBlock
+from ..statespace.kalman import LinearGaussianChain
+from .markov import ExpectedPriorMarkovBlock
 from .registry import register_block_kind
 
 __all__ = ["ScaledChainSpec", "ScaledMarkovBlock", "find_scaled_chains"]
@@ -259,7 +258,7 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
     )
 
 
-class ScaledMarkovBlock(MarkovBlock):
+class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
     """Kalman-smoother CVI of a chain at its expected precisions (module docstring)."""
 
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
@@ -302,22 +301,6 @@ class ScaledMarkovBlock(MarkovBlock):
         self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * (y - rows.obs_c.to(z)))
         m0, A, b = (t.detach().to(z) for t in (base.m0, base.A, base.b))
         return LinearGaussianChain(m0, P0, A, b, Q)
-
-    def _site_rows(self, rows, h0=...) -> SiteRows:
-        h0 = self._init_h() if h0 is ... else h0
-        z = self.z_at
-        parts = [(f.time_index, r.A.to(z), r.w, r.b) for f, r in zip(self.linear, rows)]
-        start = self.init_rows(h0.detach() if h0 is not None else None)
-        if start is not None:
-            parts.append(start)
-        if self._extra is not None:
-            parts.append(self._extra)
-        t, H, w, b = (torch.cat([p[k] for p in parts]) for k in range(4))
-        return SiteRows(t, H.to(z), w, b, self.chain.length)
-
-    def _solve(self, rows, keep_graph: bool = False, h0=...) -> Marginals:
-        eta, J = self._site_rows(rows, h0).information()
-        return smooth(self.prior.detach(), eta, J, keep_graph=False, lag_one=True)
 
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
         """The expected chain at the current ``q(u)``, the sites' rows, and the smoother."""
