@@ -123,9 +123,10 @@ def test_zoo_loss_is_the_bound(name):
 @pytest.mark.parametrize("name", ALL_BOUNDS)
 def test_zoo_loss_is_the_bound_in_both_dtypes(name, dtype):
     """After some steps of the defaults (``q`` away from the prior, where Monte Carlo
-    estimates are heavy-tailed), no NaN, and the loss ``svi.step`` returns is within three
+    estimates are heavy-tailed), no NaN, and the loss ``svi.step`` returns is within four
     standard errors of a large-sample Trace_ELBO / TraceEnum_ELBO estimate of the same guide,
-    in float32 as in float64."""
+    in float32 as in float64 (four, not three: over its ~66 rows a 3-SE test fails by chance in
+    about one run of the suite in six; at 4 SE in about one in 250)."""
     entry = ZOO[name]
     data, guide, svi, losses = fit(entry, STEPS.get(name, 20), dtype)
     assert all(math.isfinite(v) for v in losses), losses
@@ -135,5 +136,5 @@ def test_zoo_loss_is_the_bound_in_both_dtypes(name, dtype):
     elbo = referee(model, guide, data)
     M = {"hmm": 6, "gaussian_mixture": 40}.get(name, 30)
     assert_loss_is_bound(
-        model, guide, svi, data.args, M=M, P=10, kwargs=data.kwargs, referee=elbo, z=3.0
+        model, guide, svi, data.args, M=M, P=10, kwargs=data.kwargs, referee=elbo, z=4.0
     )
