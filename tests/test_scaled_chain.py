@@ -119,6 +119,7 @@ def test_the_chain_is_the_exact_posterior_at_the_expected_precisions(dtype):
     assert torch.allclose(post.cross[:, 0, 0].double(), lag, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 @DTYPES
 def test_the_reported_loss_against_trace_elbo(dtype):
     """The chain's ELBO (entropy and its own prior) and the remainder's Rao-Blackwellised
@@ -136,6 +137,7 @@ def test_the_reported_loss_against_trace_elbo(dtype):
     assert abs(float(reported.mean() - trace.mean())) < tol, (reported.mean(), trace.mean(), se)
 
 
+@pytest.mark.slow
 @DTYPES
 def test_the_rule_at_the_boundary_and_the_overrides(dtype):
     """``T + 2`` coordinates: the joint at ``JOINT_MAX_DIM``, the Kalman block one beyond;
