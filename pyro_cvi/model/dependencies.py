@@ -16,7 +16,7 @@ from pyro.poutine.trace_struct import Trace
 
 from . import probes
 from .probes import MODEL_ERRORS
-from .tracing import float_params, is_random, latent_weight, run_model, trace_model
+from .tracing import LOG_PROB_KEY, float_params, is_random, latent_weight, run_model, trace_model
 
 __all__ = [
     "discover",
@@ -296,12 +296,16 @@ def _site_moved(site, other, latent: bool) -> bool:
 
 
 def _log_prob(site) -> Optional[torch.Tensor]:
-    """The site's log density at its value, where it has a graph (else ``None``)."""
+    """The site's log density at its value, where it has a graph (else ``None``); kept,
+    detached, under :data:`~.tracing.LOG_PROB_KEY` for the density checks."""
     try:
         lp = site["fn"].log_prob(site["value"])
     except MODEL_ERRORS:  # (a density that cannot be evaluated here: its parameters decide)
         return None
-    return lp if torch.is_tensor(lp) and lp.requires_grad else None
+    if not torch.is_tensor(lp):
+        return None
+    site[LOG_PROB_KEY] = lp.detach()
+    return lp if lp.requires_grad else None
 
 
 class RngWatch:

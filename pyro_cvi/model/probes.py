@@ -144,13 +144,24 @@ def jacobian(
 
 
 def _matvec_jacobian(out: torch.Tensor, z: torch.Tensor) -> Optional[torch.Tensor]:
-    """``d (X z) / dz = X``, read off autograd's record when ``out`` is exactly one
+    """``d (X z) / dz = X`` (a copy), read off autograd's record when ``out`` is exactly one
     matrix-vector product of a matrix that needs no gradient with the leaf ``z`` (the usual
     linear predictor ``X @ w``): no backward passes. ``None`` for anything else."""
+    X = matvec_matrix(out, z)
+    return None if X is None else X.detach().clone()
+
+
+def matvec_matrix(
+    out: torch.Tensor, z: torch.Tensor, views: bool = False
+) -> Optional[torch.Tensor]:
+    """The matrix ``X`` itself (not a copy: read it, do not keep it) where ``out`` is exactly
+    ``X @ z`` (:func:`_matvec_jacobian`), else ``None``. With ``views``, also through a view
+    of a vector as itself (``reshape(-1)`` of a vector)."""
     fn = out.grad_fn
-    while type(fn).__name__ == "ExpandBackward0" and tuple(fn._saved_self_sym_sizes) == tuple(
+    identity = ("ExpandBackward0", "ViewBackward0") if views else ("ExpandBackward0",)
+    while type(fn).__name__ in identity and tuple(fn._saved_self_sym_sizes) == tuple(
         out.shape
-    ):  # an expand to the same shape (a plate's broadcast): the identity
+    ):  # an expand to the same shape (a plate's broadcast), a vector as itself: the identity
         fn = fn.next_functions[0][0]
     if fn is None or type(fn).__name__ != "MvBackward0" or z.dim() != 1:
         return None
@@ -160,7 +171,7 @@ def _matvec_jacobian(out: torch.Tensor, z: torch.Tensor) -> Optional[torch.Tenso
     X = fn._saved_self
     if X.shape != (out.numel(), z.numel()):
         return None
-    return X.detach().clone()
+    return X
 
 
 #: what a model (or a density) raises on values it refuses; anything else (an interrupt, an

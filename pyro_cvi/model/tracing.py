@@ -18,6 +18,7 @@ from pyro.poutine.trace_struct import Trace
 from . import probes
 
 __all__ = [
+    "LOG_PROB_KEY",
     "trace_model",
     "DeferredTrace",
     "run_model",
@@ -39,6 +40,12 @@ __all__ = [
     "linked_reader",
     "no_link_reason",
 ]
+
+
+#: a site's ``fn.log_prob(value)`` (detached) where the analysis took it on its structure trace
+#: (:func:`~pyro_cvi.model.dependencies.continuous_dependencies`), read once by the density
+#: checks of :mod:`~pyro_cvi.model.validation` instead of evaluating it again
+LOG_PROB_KEY = "_cvi_log_prob"
 
 
 def trace_model(model: Callable, values: Dict[str, torch.Tensor], args, kwargs) -> Trace:

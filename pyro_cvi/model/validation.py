@@ -19,7 +19,7 @@ import torch
 from pyro.distributions import constraints
 from pyro.poutine.trace_struct import Trace
 
-from .tracing import is_random, linear_param, unwrap
+from .tracing import LOG_PROB_KEY, is_random, linear_param, unwrap
 
 __all__ = [
     "check_analysis",
@@ -39,11 +39,7 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
     that no distribution refuses: the loss would be ``nan``)."""
     _refuse_latent_units(analysis.structure, analysis.values)
     check_observations(analysis.structure, structure)
-    bad_args = [
-        (n, a)
-        for n, a in _data_tensors(args, kwargs or {})
-        if a.is_floating_point() and not bool(torch.isfinite(a).all())
-    ]
+    bad_args = [(n, a) for n, a in _data_tensors(args, kwargs or {}) if not all_finite(a)]
     if not bad_args:
         _check_densities(analysis.structure, structure)
         return
@@ -77,6 +73,18 @@ def check_analysis(analysis, structure, args=(), kwargs=None) -> None:
                 "non-finite inputs."
             )
     _check_densities(analysis.structure, structure)
+
+
+def all_finite(a: torch.Tensor) -> bool:
+    """Whether every element of a floating tensor is finite (integers: always). A finite sum
+    proves it (an ``inf`` or ``nan`` element makes the sum ``inf`` or ``nan``), at the cost of
+    one reduction; a sum that is not finite (one of them, or an overflow) is checked element
+    by element."""
+    if not a.is_floating_point():
+        return True
+    if a.layout == torch.strided and a.numel() and bool(torch.isfinite(a.sum())):
+        return True
+    return bool(torch.isfinite(a).all())
 
 
 def _refuse_latent_units(trace: Trace, latents) -> None:
@@ -444,6 +452,7 @@ def _check_densities(trace: Trace, structure) -> None:
     log-density is not finite at the analysis point (e.g. a Beta observation of exactly 0 or 1,
     on the edge of its support): errors naming the site and the fix."""
     for name, site in trace.nodes.items():
+        cached = site.pop(LOG_PROB_KEY, None)  # (the dependency search's, where it took one)
         if not is_random(site) or name not in structure:
             continue
         base = unwrap(site["fn"])[0]
@@ -459,7 +468,7 @@ def _check_densities(trace: Trace, structure) -> None:
         if not torch.is_tensor(v) or not v.is_floating_point():
             continue
         try:
-            lp = site["fn"].log_prob(v).detach()
+            lp = site["fn"].log_prob(v).detach() if cached is None else cached
         except (ValueError, RuntimeError, NotImplementedError):
             continue
         bad = _masked(~torch.isfinite(lp), site["mask"])

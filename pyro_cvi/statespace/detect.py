@@ -355,11 +355,16 @@ SPAN_MARGIN = 100.0
 
 def _spans_steps(spec: ChainSpec, flat: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether the first element of ``flat`` clearly depends on two steps of the chain: its
-    gradient in the states (one backward pass, and the adjoint of :meth:`ChainSpec.lift`) has
+    gradient in the states (one backward pass, none for ``X @ x``: ``X``'s first row; and the
+    adjoint of :meth:`ChainSpec.lift`) has
     entries above ``SPAN_MARGIN`` times the tolerance at two steps. A cheap early refusal
     before the ``d + 2`` passes of :func:`observation_rows` (a softmax regression's weight
     matrix, read as a random walk along either dim, is refused here)."""
-    (g,) = torch.autograd.grad(flat[0], x, retain_graph=True, allow_unused=True)
+    X = probes.matvec_matrix(flat, x, views=True)  # flat = X @ x: its first row, as it is
+    if X is not None:
+        g = X[0].reshape(x.shape)
+    else:
+        (g,) = torch.autograd.grad(flat[0], x, retain_graph=True, allow_unused=True)
     if g is None:
         return False
     dx = x.new_zeros(spec.length, spec.state_dim, requires_grad=True)
