@@ -45,9 +45,9 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     """``|a - b| <= tol * (1 + max(|a|, |b|))`` elementwise, and both finite."""
     if a.shape != b.shape:
         a, b = torch.broadcast_tensors(a, b)
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+    scale = 1.0 + torch.maximum(a.abs(), b.abs())  # (not finite where either is not: NaN kept)
+    if not bool(torch.isfinite(scale).all()):
         return False
-    scale = 1.0 + torch.maximum(a.abs(), b.abs())
     return bool(((a - b).abs() <= tol * scale).all())
 
 
