@@ -20,7 +20,9 @@ of one run count.
   CVI loop of ``bench.baselines.plain_cvi_logreg`` (step 1, from ``q`` = prior and from the Newton
   start). ``q`` is scored after every step by the exact -ELBO (32-point Gauss-Hermite) outside the
   clock; times to within 0.5 nat of the best -ELBO of any run and to within 1e-6 relative of the
-  run's own last -ELBO.
+  run's own last -ELBO. ``--checkout PATH`` adds the two ``AutoCVI`` rows of another
+  checkout's ``pyro_cvi`` (a before/after in one period); the rows run interleaved, one
+  repeat of every row after another.
 * ``softmax``: 10-class logistic regression of ``scripts/benchmark_multiclass_speed.py`` (5,000
   training points, 41 features), the default ``CVI()``. **The criterion** ("MAP's test log-loss
   within 1 CPU s"): the time from ``AutoCVI(model)`` in a fresh process (set-up included) to
@@ -256,27 +258,30 @@ def run_child(argv: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
+def _env(tree: Path = ROOT) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(HERE), env.get("PYTHONPATH", "")])
     return env
 
 
-def spawn(args: List[str], python: str = sys.executable, timeout: int = 1800) -> dict:
+def spawn(
+    args: List[str], python: str = sys.executable, timeout: int = 1800, tree: Path = ROOT
+) -> dict:
+    """Run a child (``tree``: the checkout whose ``pyro_cvi`` it imports) and read its JSON."""
     out = subprocess.run(
-        [python, *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT
+        [python, *args], capture_output=True, text=True, timeout=timeout, env=_env(tree), cwd=ROOT
     )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:3])} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def ours(kind: str, **kw: Any) -> dict:
+def ours(kind: str, tree: Path = ROOT, **kw: Any) -> dict:
     args = [str(Path(__file__).resolve()), "--child", kind]
     for k, v in kw.items():
         args += [f"--{k}", str(v)]
-    return spawn(args)
+    return spawn(args, tree=tree)
 
 
 def bayesnewton(python: str, T: int, steps: int) -> dict:
@@ -413,22 +418,27 @@ def part_markov(Ts: List[int], repeats: int, python: Optional[str]) -> tuple:
     return rows, table
 
 
-def part_a1a(repeats: int) -> tuple:
+def part_a1a(repeats: int, checkout: Optional[str] = None) -> tuple:
     from bench.reporting import Table
 
     configs = [
-        ("AutoCVI default", "a1a", "default"),
-        ("AutoCVI step 1", "a1a", "step1"),
-        ("plain step 1", "a1a-plain", "prior"),
-        ("plain (Newton start) step 1", "a1a-plain", "newton"),
+        ("AutoCVI default", "a1a", "default", ROOT),
+        ("AutoCVI step 1", "a1a", "step1", ROOT),
+        ("plain step 1", "a1a-plain", "prior", ROOT),
+        ("plain (Newton start) step 1", "a1a-plain", "newton", ROOT),
     ]
+    if checkout:  # the same rows from another checkout's pyro_cvi, in the same period
+        other = Path(checkout).resolve()
+        configs[2:2] = [
+            ("AutoCVI default (checkout)", "a1a", "default", other),
+            ("AutoCVI step 1 (checkout)", "a1a", "step1", other),
+        ]
     steps = 30
-    raw: Dict[str, List[dict]] = {}
-    for label, kind, variant in configs:
-        raw[label] = []
-        for _ in range(repeats):
+    raw: Dict[str, List[dict]] = {label: [] for label, *_ in configs}
+    for _ in range(repeats):  # interleaved: a change of load hits every row alike
+        for label, kind, variant, tree in configs:
             print(f"a1a: {label} ...", flush=True)
-            raw[label].append(ours(kind, variant=variant, steps=steps))
+            raw[label].append(ours(kind, tree, variant=variant, steps=steps))
     best = min(h[2] for runs in raw.values() for r in runs for h in r["hist"])
     res: Dict[str, Any] = {"best_neg_elbo": best}
     table = Table(
@@ -459,11 +469,11 @@ def part_a1a(repeats: int) -> tuple:
     best_plain = min(plain, key=lambda k: res[k]["near"]["to_answer"]) if plain else None
     res["best_plain"] = best_plain
     ratios = {}
-    for label in ("AutoCVI default", "AutoCVI step 1"):
+    for label in [k for k in raw if k.startswith("AutoCVI")]:
         a = res[label]["near"]["to_answer"]
         if best_plain and a is not None:
             ratios[f"{label} / {best_plain}, to 0.5 nat"] = a / res[best_plain]["near"]["to_answer"]
-        same = "plain step 1" if label.endswith("step 1") else best_plain
+        same = "plain step 1" if "step 1" in label else best_plain
         b_rel = res[same]["rel"]["to_answer"] if same else None
         if res[label]["rel"]["to_answer"] is not None and b_rel:
             ratios[f"{label} / {same}, to 1e-6"] = res[label]["rel"]["to_answer"] / b_rel
@@ -568,6 +578,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--bayesnewton-python", default=None, help="interpreter with BayesNewton")
     ap.add_argument("--parts", nargs="+", default=["markov", "a1a", "softmax"])
     ap.add_argument("--softmax-steps", type=int, default=16)
+    ap.add_argument(
+        "--checkout", default=None, help="a1a: another checkout's AutoCVI rows, interleaved"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -594,7 +607,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         f"{PER_STEP_NEAR}x at T <= {NEAR_UP_TO}, ahead beyond): "
                         + (", ".join(r) if r else "BayesNewton not run"))  # fmt: skip
     if "a1a" in args.parts:
-        payload["a1a"], table = part_a1a(repeats)
+        payload["a1a"], table = part_a1a(repeats, args.checkout)
         tables.append(table)
         verdicts.append(
             "a1a: " + "; ".join(f"{k} = {v:.2f}x" for k, v in payload["a1a"]["ratios"].items())
