@@ -41,7 +41,7 @@ from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .base import stored
 from .init_start import ChainInitStart
-from .markov_fast import FastPath, on_first
+from .markov_fast import FastPath, expected_log_sites, on_first, site_rows
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
@@ -290,7 +290,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         log-densities; with ``ctx.grads``, ``target - lambda_tilde`` goes into ``.grad``."""
         post, tr = self.post, ctx.trace
         sr = self._site_rows(self.rows)
-        if sr.__dict__.get("_on_first"):  # f_t = x_{t,0}
+        on_first = sr.__dict__.get("_on_first")
+        if on_first:  # f_t = x_{t,0}
             f_mean, f_var = post.mean[:, 0], post.cov[:, 0, 0]
         else:
             f_mean, f_var = sr.moments(post.mean, post.cov)
@@ -299,7 +300,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             graph_rows, valued = self._graph
             sr = self._site_rows(graph_rows)
             g_mean, g_var = sr.moments(valued.mean, valued.cov)
-        elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
+        if on_first and self._graph is None:
+            elbo = valued.log_z - expected_log_sites(sr, g_mean, g_var)
+        else:
+            elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
         if self.chain.weighted:  # a tempered prior: the constant of N^c = N(S / c) (detect)
             shift = detect.tempered_constant(self.chain, tr)
             elbo = elbo + (shift if ctx.graph else shift.detach())
@@ -345,10 +349,9 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         n = len(sites)  # (then the start offset)
 
         def rows_for(new):
-            out = []
-            for r, s in zip(self.rows, new):
-                out.append(RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c, *r.link_of))
-            return out
+            return [
+                RowBlock(r.A, *site_rows(s, r.c), r.c, *r.link_of) for r, s in zip(self.rows, new)
+            ]
 
         def solves(new) -> bool:
             try:
@@ -363,7 +366,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
 
         first = None
         if len(old) == 1:  # (damped_step's first candidate, taken where q is valid)
-            first = (old[0] + beta * (target[0] - old[0]),)
+            delta = target[0] - old[0]
+            first = (old[0] + (delta if beta == 1.0 else beta * delta),)  # (1 * x is x)
         if first is not None and solves(first):
             new, counts = first, StepCounts(0, 0)
         else:

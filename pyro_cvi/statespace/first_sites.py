@@ -83,7 +83,12 @@ def marginals(
                 fw = _forward_2_first(m0, P0, trans, OnFirst(es, js))
             log_z, flat = _backward(*fw)
             v = torch.frombuffer(flat, dtype=torch.float64).view(T, 6).flip(0)
-            v = v if like["dtype"] == torch.float64 else v.to(**like)
+            if like["dtype"] == torch.float64:
+                c4 = v.narrow(1, 2, 4)  # (p00, p01, p01, p11 per step)
+                if not math.isfinite(log_z) or not _valid(c4):
+                    return None
+                return v.narrow(1, 0, 2), c4.view(T, 2, 2), _log_z(log_z, like), None
+            v = v.to(**like)
             mean, cov, var = v[:, :2], v[:, 2:6].reshape(T, 2, 2), v[:, 2:6:3]
     except _Fail:
         return None
@@ -93,6 +98,12 @@ def marginals(
     if not bool(torch.isfinite(cov).all()) or bool((var <= 0).any()):
         return None
     return mean, cov, lz, None
+
+
+def _valid(c4: torch.Tensor) -> bool:
+    """Whether the covariances ``(T, 4)`` are finite (their sum is: an overflowing sum only
+    sends the rare case to the general path) with positive variances (a NaN is not)."""
+    return math.isfinite(float(c4.sum())) and float(c4[:, ::3].min()) > 0.0
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
