@@ -283,9 +283,8 @@ class Engine:
         return out
 
     def context(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> StepContext:
-        ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
-        ctx.graph = grads or graph
-        ctx.data_key = self.data_key
+        kw = dict(grads=grads, graph=grads or graph, data_key=self.data_key)
+        ctx = StepContext(self.model, args, kwargs, dict(subsample), **kw)
         store = pyro.get_param_store()
         ctx.steps = int(store[self.steps_name]) if self.steps_name in store else 0
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
@@ -419,7 +418,8 @@ class Engine:
         self.pending = ctx if grads else None
         self.last_mc_var = ctx.mc_var
         ctx.elbo = float(elbo.detach())
-        elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
+        if ctx.report_shift or ctx.elbo == 0.0:  # (x + 0.0 is x but for x = -0.0)
+            elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
 

@@ -73,6 +73,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         self._kept_rows: Optional[tuple] = None
         self._steps_kept: Optional[tuple] = None  # (:meth:`_steps_and_coefficients`)
         self._fast = FastPath()  # (the short path of a GP observed through x_{t,0})
+        self._refreshed: Optional[tuple] = None  # (refresh's context and sites, for elbo)
         self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
@@ -260,9 +261,11 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         self.prior = self._chain_prior(tr, ctx, leafy)
         H = self._coefficients(ctx, leafy) if dynamic else {}
         sites = self._sites()
+        self._refreshed = (ctx, sites)  # (the same loss's elbo reads them next)
         obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
         moving = self.prior.requires_grad() or bool(H)
-        if moving or (tr, self._versions(sites)) != self._solved_for or not self._same_rows(obs):
+        solved_for = (tr, self._versions(sites))  # (nothing below changes the sites)
+        if moving or solved_for != self._solved_for or not self._same_rows(obs):
             self.rows = [self._rows(*o) for o in obs]
         graph_rows = (  # (a plain row with offsets kept without graph is its own graph row)
             [
@@ -279,9 +282,9 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             g = self._solve(graph_rows, keep_graph=True)
             self._graph = (graph_rows, g)
             self.post = Marginals(g.mean.detach(), g.cov.detach(), g.log_z.detach())
-        elif moving or self.post is None or (tr, self._versions(sites)) != self._solved_for:
+        elif moving or self.post is None or solved_for != self._solved_for:
             self.post = self._solve(self.rows)
-        self._solved_for = (tr, self._versions(sites)) if not moving else None
+        self._solved_for = solved_for if not moving else None
         return self.prior
 
     # ------------------------------------------------------------------ ELBO and targets
@@ -307,7 +310,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         if self.chain.weighted:  # a tempered prior: the constant of N^c = N(S / c) (detect)
             shift = detect.tempered_constant(self.chain, tr)
             elbo = elbo + (shift if ctx.graph else shift.detach())
-        sites, i = self._sites(), 0
+        hit, self._refreshed, i = self._refreshed, None, 0
+        sites = hit[1] if hit is not None and hit[0] is ctx else self._sites()
         one = len(self.rows) == 1 and self.rows[0].c.shape[0] == f_mean.shape[0]  # (no h0 rows)
         for f, r, rg in zip(self.linear, self.rows, graph_rows):
             R = r.c.shape[0]

@@ -122,7 +122,7 @@ def _forward_repeated(m0, P0, row, es, js):
     log = math.log
     a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
     last = len(es) - 1
-    for t, (e, j) in enumerate(zip(es, js)):
+    for e, j in zip(es[:last], js[:last]):  # (the last step's update follows the loop)
         s = 1.0 + p00 * j
         if not s > 0.0:
             raise _Fail
@@ -132,8 +132,6 @@ def _forward_repeated(m0, P0, row, es, js):
         log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
         m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
         p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
-        if t == last:
-            break
         c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # C = A P^f
         c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11
         n0, n1 = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
@@ -142,6 +140,16 @@ def _forward_repeated(m0, P0, row, es, js):
         n11 = c10 * a10 + c11 * a11 + q11
         push((m0_, m1_, p00, p01, p11, c00, c01, c10, c11, n0, n1, n00, n01, n11))
         m0_, m1_, p00, p01, p11 = n0, n1, n00, n01, n11
+    e, j = es[last], js[last]  # (the loop's update, once more)
+    s = 1.0 + p00 * j
+    if not s > 0.0:
+        raise _Fail
+    jm = j * m0_
+    r = e - jm
+    k0, k1 = p00 / s, p01 / s
+    log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
+    m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
+    p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
     return log_z, steps, (m0_, m1_, p00, p01, p11)
 
 
