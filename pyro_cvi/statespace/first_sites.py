@@ -102,8 +102,8 @@ def marginals(
 
 def _valid(c4: torch.Tensor) -> bool:
     """Whether the covariances ``(T, 4)`` are finite (their sum is: an overflowing sum only
-    sends the rare case to the general path) with positive variances (a NaN is not)."""
-    return math.isfinite(float(c4.sum())) and float(c4[:, ::3].min()) > 0.0
+    sends the rare case to the general path; :func:`_backward` checked the variances)."""
+    return math.isfinite(float(c4.sum()))
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +155,11 @@ def _forward_repeated(m0, P0, row, es, js):
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
     """:func:`.sequential._backward_2` without lag-one covariances: six floats per step, last
-    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations)."""
+    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations); :class:`_Fail` where
+    a variance is not positive (or NaN)."""
     s0, s1, s00, s01, s11 = last
+    if not (s00 > 0.0 and s11 > 0.0):
+        raise _Fail
     out: List[float] = [s0, s1, s00, s01, s01, s11]
     push = out.extend
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
@@ -174,5 +177,7 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
+        if not (s00 > 0.0 and s11 > 0.0):
+            raise _Fail
         push((s0, s1, s00, s01, s01, s11))
     return log_z, array.array("d", out)
