@@ -345,7 +345,11 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, h0 = self._sites(), self._init_h()
         params = list(sites.values()) + ([h0] if h0 is not None else [])
-        pair = targets_from_grads(params) if params else None
+        if len(params) == 1 and params[0].grad is not None:  # (targets_from_grads, inlined)
+            o = params[0].detach()
+            pair = (o,), (o + params[0].grad,)
+        else:
+            pair = targets_from_grads(params) if params else None
         if pair is None:
             return StepCounts()
         old, target = pair
