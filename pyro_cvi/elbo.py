@@ -77,13 +77,15 @@ class CVI_ELBO(ELBO):
                     "torch optimizer of your choice"
                 )
         try:
-            loss = -cvi_guide.elbo(args, kwargs, grads=True)
+            elbo = cvi_guide.elbo(args, kwargs, grads=True)
         except BaseException as e:  # data-parallel: the other ranks raise too, not wait
             tell_ranks(getattr(cvi_guide, "reducer", None), e)
             raise
         try:
-            if loss.requires_grad:
-                loss.backward()
+            if not elbo.requires_grad:
+                return -float(elbo)  # (-x is exact: the same number as float(-x))
+            loss = -elbo
+            loss.backward()
             return float(loss.detach())
         except BaseException:  # the step's transaction is rolled back (an interrupt, too)
             abort([cvi_guide.engine])

@@ -50,6 +50,7 @@ from .step_control import (
 from .update import StepCounts, register_owner
 
 __all__ = ["Engine"]
+_ONE = torch.ones((), dtype=torch.float64)  # (the step counter's increment: no Python 1 wrapped)
 
 
 class Engine:
@@ -283,11 +284,9 @@ class Engine:
         return out
 
     def context(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> StepContext:
-        ctx = StepContext(self.model, args, kwargs, dict(subsample), grads=grads)
-        ctx.graph = grads or graph
-        ctx.data_key = self.data_key
-        store = pyro.get_param_store()
-        ctx.steps = int(store[self.steps_name]) if self.steps_name in store else 0
+        kw = dict(grads=grads, graph=grads or graph, data_key=self.data_key)
+        ctx = StepContext(self.model, args, kwargs, dict(subsample), **kw)
+        ctx.steps = int(stored(self.steps_name)) if self.steps_name in pyro.get_param_store() else 0
         ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
             ctx.subsample, exclude, at_means
         )
@@ -419,7 +418,8 @@ class Engine:
         self.pending = ctx if grads else None
         self.last_mc_var = ctx.mc_var
         ctx.elbo = float(elbo.detach())
-        elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
+        if ctx.report_shift or ctx.elbo == 0.0:  # (x + 0.0 is x but for x = -0.0)
+            elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
         # without learnable parameters in the model there is nothing to back-propagate into
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
 
@@ -467,7 +467,7 @@ class Engine:
                 for report in block.step(beta, ctx):
                     self._report(report)
         with torch.no_grad():
-            stored(self.steps_name).add_(1)
+            stored(self.steps_name).add_(_ONE)
 
     def sequential_order(self) -> List[str]:
         """Order of the sequential schedule: the user's list, or reverse model order."""

@@ -161,12 +161,14 @@ class CVI(PyroOptim):
     ) -> List[Any]:
         engines: Dict[int, NaturalGradientOwner] = {}
         others: List[torch.Tensor] = []
+        owned: List[torch.Tensor] = []
         for p in params:
             engine = owner_of(p)  # the CVI engine that owns p (metadata on the parameter)
             if engine is None:
                 others.append(p)
             else:
                 engines[id(engine)] = engine
+                owned.append(p)
         groups, others = self.gaussians.split(others)
         gp = self.gp_hyperparameters if self._gp_rate else None
         self.last_rules = _rules(engines.values(), groups, others, gp)
@@ -219,6 +221,8 @@ class CVI(PyroOptim):
                     watch(engine, beta, pending[0], pending[1], _Labels(engine))
                 engine.step(beta)
             self.gaussians.step(groups, lambda control: (beta, None))
+        for p in owned:  # consumed by the steps (SVI then has no gradient of theirs to zero)
+            p.grad = None
         reducers = {id(r): r for r in (e.reducer for e in engines.values()) if r}
         for reducer in reducers.values():  # data-parallel: the full-data gradients
             reducer.status()  # every rank's step ends here: a failure anywhere is seen by all

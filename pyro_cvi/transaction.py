@@ -18,8 +18,7 @@ by the engine (a loss evaluated without a step, e.g. ``svi.evaluate_loss``, keep
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import pyro
 import torch
@@ -62,10 +61,9 @@ class Transaction:
             objs += [o for b in engine.blocks for o in b.state_objects()]
             if engine.control is not None:
                 objs.append(engine.control)
-            with torch.no_grad():
-                for n in engine.param_names() + [engine.steps_name]:
-                    if n in store:
-                        self.params[n] = _unconstrained(n).detach().clone()
+            for n in engine.param_names() + [engine.steps_name]:
+                if n in store:  # (a detached clone records no graph, also with grad mode on)
+                    self.params[n] = _unconstrained(n).detach().clone()
         self.mementos = list({id(o): _Memento(o) for o in objs}.values())
 
     def rollback(self) -> None:
@@ -105,22 +103,39 @@ def commit(engines: Iterable) -> None:
         _OPEN.pop(e, None)
 
 
-@contextmanager
-def rolled_back(guide, keep_open: bool = False) -> Iterator[Transaction]:
-    """Run a loss evaluation as a transaction: on any exception (``KeyboardInterrupt``
-    included) the guide is rolled back and the exception re-raised. With ``keep_open`` the
-    snapshot stays open for the optimizer's update (:func:`commit` or :func:`abort`)."""
-    txn = Transaction(guide)
-    try:
-        yield txn
-        if keep_open and guide.engine is not None:
-            keep(guide.engine, txn)
-    except BaseException as e:
-        txn.rollback()
+class rolled_back:
+    """``with rolled_back(guide, keep_open=False) as txn:`` runs a loss evaluation as a
+    transaction: on any exception (``KeyboardInterrupt`` included) the guide is rolled back
+    and the exception re-raised. With ``keep_open`` the snapshot stays open for the
+    optimizer's update (:func:`commit` or :func:`abort`). (A class, not a generator: it is
+    entered once per step.)"""
+
+    __slots__ = ("guide", "keep_open", "txn")
+
+    def __init__(self, guide, keep_open: bool = False):
+        self.guide, self.keep_open = guide, keep_open
+
+    def __enter__(self) -> Transaction:
+        self.txn = Transaction(self.guide)
+        return self.txn
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if kind is None:
+            try:
+                if self.keep_open and self.guide.engine is not None:
+                    keep(self.guide.engine, self.txn)
+                return False
+            except BaseException as error:  # (an interrupt here, too)
+                self._undo(error)
+                raise
+        self._undo(e)
+        return False  # (re-raised)
+
+    def _undo(self, e: BaseException) -> None:
+        self.txn.rollback()
         after = getattr(e, "after_rollback", None)  # e.g. back to the best q (divergence.py)
         if callable(after):
             after()
-        raise
 
 
 def abort(engines: Iterable) -> None:

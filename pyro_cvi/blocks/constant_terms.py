@@ -18,6 +18,8 @@ __all__ = ["constant_terms"]
 
 def constant_terms(analysis: Analysis, trace, reducer=None) -> torch.Tensor:
     """``sum log p`` of the constant factors of ``trace`` (a data-parallel run: all ranks')."""
+    if reducer is None and CONSTANT not in analysis.owner.values():
+        return torch.zeros(())  # (none, in any minibatch: a sequential site's template is one)
     total = torch.zeros(())
     owners = dict(analysis.owner)
     for site, template in minibatch_renames(analysis, trace).items():

@@ -41,7 +41,7 @@ from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .base import stored
 from .init_start import ChainInitStart
-from .markov_fast import FastPath, on_first
+from .markov_fast import FastPath, expected_log_sites, on_first, site_rows
 from .registry import register_block_kind
 from .site_form import SiteFormBlock
 
@@ -73,6 +73,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         self._kept_rows: Optional[tuple] = None
         self._steps_kept: Optional[tuple] = None  # (:meth:`_steps_and_coefficients`)
         self._fast = FastPath()  # (the short path of a GP observed through x_{t,0})
+        self._refreshed: Optional[tuple] = None  # (refresh's context and sites, for elbo)
         self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
@@ -260,9 +261,11 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         self.prior = self._chain_prior(tr, ctx, leafy)
         H = self._coefficients(ctx, leafy) if dynamic else {}
         sites = self._sites()
+        self._refreshed = (ctx, sites)  # (the same loss's elbo reads them next)
         obs = [(tr.nodes[f.site], f, sites[f.site].detach()) for f in self.linear]
         moving = self.prior.requires_grad() or bool(H)
-        if moving or (tr, self._versions(sites)) != self._solved_for or not self._same_rows(obs):
+        solved_for = (tr, self._versions(sites))  # (nothing below changes the sites)
+        if moving or solved_for != self._solved_for or not self._same_rows(obs):
             self.rows = [self._rows(*o) for o in obs]
         graph_rows = (  # (a plain row with offsets kept without graph is its own graph row)
             [
@@ -279,9 +282,9 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             g = self._solve(graph_rows, keep_graph=True)
             self._graph = (graph_rows, g)
             self.post = Marginals(g.mean.detach(), g.cov.detach(), g.log_z.detach())
-        elif moving or self.post is None or (tr, self._versions(sites)) != self._solved_for:
+        elif moving or self.post is None or solved_for != self._solved_for:
             self.post = self._solve(self.rows)
-        self._solved_for = (tr, self._versions(sites)) if not moving else None
+        self._solved_for = solved_for if not moving else None
         return self.prior
 
     # ------------------------------------------------------------------ ELBO and targets
@@ -290,7 +293,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         log-densities; with ``ctx.grads``, ``target - lambda_tilde`` goes into ``.grad``."""
         post, tr = self.post, ctx.trace
         sr = self._site_rows(self.rows)
-        if sr.__dict__.get("_on_first"):  # f_t = x_{t,0}
+        on_first = sr.__dict__.get("_on_first")
+        if on_first:  # f_t = x_{t,0}
             f_mean, f_var = post.mean[:, 0], post.cov[:, 0, 0]
         else:
             f_mean, f_var = sr.moments(post.mean, post.cov)
@@ -299,11 +303,15 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             graph_rows, valued = self._graph
             sr = self._site_rows(graph_rows)
             g_mean, g_var = sr.moments(valued.mean, valued.cov)
-        elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
+        if on_first and self._graph is None:
+            elbo = valued.log_z - expected_log_sites(sr, g_mean, g_var)
+        else:
+            elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
         if self.chain.weighted:  # a tempered prior: the constant of N^c = N(S / c) (detect)
             shift = detect.tempered_constant(self.chain, tr)
             elbo = elbo + (shift if ctx.graph else shift.detach())
-        sites, i = self._sites(), 0
+        hit, self._refreshed, i = self._refreshed, None, 0
+        sites = hit[1] if hit is not None and hit[0] is ctx else self._sites()
         one = len(self.rows) == 1 and self.rows[0].c.shape[0] == f_mean.shape[0]  # (no h0 rows)
         for f, r, rg in zip(self.linear, self.rows, graph_rows):
             R = r.c.shape[0]
@@ -337,7 +345,11 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         """``lambda_tilde <- lambda_tilde + beta * grad`` (eq. 12), shrunk until q is valid."""
         sites, h0 = self._sites(), self._init_h()
         params = list(sites.values()) + ([h0] if h0 is not None else [])
-        pair = targets_from_grads(params) if params else None
+        if len(params) == 1 and params[0].grad is not None:  # (targets_from_grads, inlined)
+            o = params[0].detach()
+            pair = (o,), (o + params[0].grad,)
+        else:
+            pair = targets_from_grads(params) if params else None
         if pair is None:
             return StepCounts()
         old, target = pair
@@ -345,10 +357,9 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         n = len(sites)  # (then the start offset)
 
         def rows_for(new):
-            out = []
-            for r, s in zip(self.rows, new):
-                out.append(RowBlock(r.A, *site_to_row(s[:, 0], s[:, 1], r.c), r.c, *r.link_of))
-            return out
+            return [
+                RowBlock(r.A, *site_rows(s, r.c), r.c, *r.link_of) for r, s in zip(self.rows, new)
+            ]
 
         def solves(new) -> bool:
             try:
@@ -363,7 +374,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
 
         first = None
         if len(old) == 1:  # (damped_step's first candidate, taken where q is valid)
-            first = (old[0] + beta * (target[0] - old[0]),)
+            delta = target[0] - old[0]
+            first = (old[0] + (delta if beta == 1.0 else beta * delta),)  # (1 * x is x)
         if first is not None and solves(first):
             new, counts = first, StepCounts(0, 0)
         else:

@@ -38,9 +38,28 @@ from ..statespace import first_sites
 from ..statespace.kalman import SEQUENTIAL_MAX_T, LinearGaussianChain, Marginals
 from ..statespace.posterior import SiteRows
 
-__all__ = ["on_first", "FastPath", "MessagePlan"]
+__all__ = ["on_first", "FastPath", "MessagePlan", "expected_log_sites", "site_rows"]
 
 _UNREAD = object()  # (a site seen once: its plan is read when it is seen again)
+
+# the constants of the short path's element-wise arithmetic as 0-dim tensors: the same numbers
+# as Python's (a CPU scalar operand is read in the other operand's dtype either way), without
+# wrapping a Python number into a tensor at every operation
+_HALF, _NEG_HALF, _TWO = (torch.tensor(v, dtype=torch.float64) for v in (0.5, -0.5, 2.0))
+
+
+def expected_log_sites(sr: SiteRows, f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
+    """:meth:`~pyro_cvi.statespace.posterior.SiteRows.expected_log_sites`, the same operations
+    (``f**2`` is ``f * f`` in torch's kernel)."""
+    return (sr.b * f_mean - _HALF * sr.w * (f_var + f_mean * f_mean)).sum()
+
+
+def site_rows(sites: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~pyro_cvi.gaussian.sites.site_to_row` of sites ``(R, 2)``: ``-2 lam2`` is
+    ``-(2 lam2)`` bit for bit, so ``2 lam2`` is taken once."""
+    lam1, lam2 = sites.unbind(-1)
+    two_lam2 = _TWO * lam2
+    return -two_lam2, lam1 + two_lam2 * c
 
 
 def on_first(t: torch.Tensor, H: torch.Tensor, length: int) -> bool:
@@ -92,13 +111,14 @@ class MessagePlan:
         mean, var = f_mean + rows.c, f_var
         if not self.flat:
             mean, var = mean.reshape(self.shape), var.reshape(self.shape)
-        if self.log_y_factorial is not None:
+        if self.log_y_factorial is not None:  # (site_natural_params inlined: the same ops)
             y = self.y
-            rate = torch.exp(mean + 0.5 * var)
-            f, gm, gv = y * mean - rate - self.log_y_factorial, y - rate, -0.5 * rate
+            rate = torch.exp(mean + _HALF * var)
+            f, gm, gv = y * mean - rate - self.log_y_factorial, y - rate, _NEG_HALF * rate
+            lam1, lam2 = gm - _TWO * gv * mean, gv
         else:
             f, gm, gv = self.closed(self.weight, self.y, mean, var)
-        lam1, lam2 = site_natural_params(mean, gm, gv)
+            lam1, lam2 = site_natural_params(mean, gm, gv)
         if not self.flat:
             lam1, lam2 = lam1.reshape(-1), lam2.reshape(-1)
         return f.sum(), torch.stack([lam1, lam2], -1)

@@ -83,7 +83,12 @@ def marginals(
                 fw = _forward_2_first(m0, P0, trans, OnFirst(es, js))
             log_z, flat = _backward(*fw)
             v = torch.frombuffer(flat, dtype=torch.float64).view(T, 6).flip(0)
-            v = v if like["dtype"] == torch.float64 else v.to(**like)
+            if like["dtype"] == torch.float64:
+                c4 = v.narrow(1, 2, 4)  # (p00, p01, p01, p11 per step)
+                if not math.isfinite(log_z) or not _valid(c4):
+                    return None
+                return v.narrow(1, 0, 2), c4.view(T, 2, 2), _log_z(log_z, like), None
+            v = v.to(**like)
             mean, cov, var = v[:, :2], v[:, 2:6].reshape(T, 2, 2), v[:, 2:6:3]
     except _Fail:
         return None
@@ -93,6 +98,12 @@ def marginals(
     if not bool(torch.isfinite(cov).all()) or bool((var <= 0).any()):
         return None
     return mean, cov, lz, None
+
+
+def _valid(c4: torch.Tensor) -> bool:
+    """Whether the covariances ``(T, 4)`` are finite (their sum is: an overflowing sum only
+    sends the rare case to the general path; :func:`_backward` checked the variances)."""
+    return math.isfinite(float(c4.sum()))
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +122,7 @@ def _forward_repeated(m0, P0, row, es, js):
     log = math.log
     a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
     last = len(es) - 1
-    for t, (e, j) in enumerate(zip(es, js)):
+    for e, j in zip(es[:last], js[:last]):  # (the last step's update follows the loop)
         s = 1.0 + p00 * j
         if not s > 0.0:
             raise _Fail
@@ -121,8 +132,6 @@ def _forward_repeated(m0, P0, row, es, js):
         log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
         m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
         p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
-        if t == last:
-            break
         c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # C = A P^f
         c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11
         n0, n1 = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
@@ -131,13 +140,26 @@ def _forward_repeated(m0, P0, row, es, js):
         n11 = c10 * a10 + c11 * a11 + q11
         push((m0_, m1_, p00, p01, p11, c00, c01, c10, c11, n0, n1, n00, n01, n11))
         m0_, m1_, p00, p01, p11 = n0, n1, n00, n01, n11
+    e, j = es[last], js[last]  # (the loop's update, once more)
+    s = 1.0 + p00 * j
+    if not s > 0.0:
+        raise _Fail
+    jm = j * m0_
+    r = e - jm
+    k0, k1 = p00 / s, p01 / s
+    log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
+    m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
+    p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
     return log_z, steps, (m0_, m1_, p00, p01, p11)
 
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
     """:func:`.sequential._backward_2` without lag-one covariances: six floats per step, last
-    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations)."""
+    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations); :class:`_Fail` where
+    a variance is not positive (or NaN)."""
     s0, s1, s00, s01, s11 = last
+    if not (s00 > 0.0 and s11 > 0.0):
+        raise _Fail
     out: List[float] = [s0, s1, s00, s01, s01, s11]
     push = out.extend
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
@@ -155,5 +177,7 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
         s11 = f11 + h10 * g10 + h11 * g11
+        if not (s00 > 0.0 and s11 > 0.0):
+            raise _Fail
         push((s0, s1, s00, s01, s01, s11))
     return log_z, array.array("d", out)

@@ -402,9 +402,10 @@ def _no_sites(sites: Sites) -> bool:
 
 
 def _log_z(log_z: float, like: dict) -> torch.Tensor:
-    lz = torch.tensor(log_z, **like)
-    if not math.isfinite(log_z) or lz.dtype != torch.float64:
-        check_log_z(lz)
+    if like["dtype"] == torch.float64 and math.isfinite(log_z):
+        return torch.scalar_tensor(log_z, **like)  # (exact, and cheaper than torch.tensor)
+    lz = torch.tensor(log_z, **like)  # (a narrower dtype may round it to inf: checked)
+    check_log_z(lz)
     return lz
 
 
