@@ -124,12 +124,26 @@ def _sharp_estimate(guide, args, pairs: int = 8000, chunk: int = 500):
     return float(-v.mean()), float(v.std() / math.sqrt(v.numel()))
 
 
-def _run(svi, args, budget: float):
-    """Steps for ``budget`` CPU seconds: ``(cpu times, losses)``."""
+class Diverged(Exception):
+    """A baseline's step failed on non-finite parameters; ``times``/``losses`` so far."""
+
+    def __init__(self, times, losses, error: Exception):
+        super().__init__(str(error).splitlines()[0])
+        self.times, self.losses = times, losses
+
+
+def _run(svi, args, budget: float, baseline: bool = False):
+    """Steps for ``budget`` CPU seconds: ``(cpu times, losses)``. A ``baseline`` run whose
+    step fails on non-finite values (Adam at too large a rate) raises :class:`Diverged`."""
     times, losses = [], []
     t0 = time.process_time()
     while True:
-        loss = svi.step(*args)
+        try:
+            loss = svi.step(*args)
+        except (ValueError, RuntimeError) as e:
+            if not baseline:
+                raise
+            raise Diverged(times, losses, e) from e
         t = time.process_time() - t0
         times.append(t)
         losses.append(float(loss))
@@ -171,7 +185,18 @@ def run_adam(model, args, budget, seed, lr, guide_cls=AutoNormal):
     _fresh(seed)
     guide = guide_cls(model)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
-    times, losses = _run(svi, args, budget)
+    try:
+        times, losses = _run(svi, args, budget, baseline=True)
+    except Diverged as e:  # never the best: its bound is +inf
+        times = e.times or [budget]
+        losses = e.losses or [math.inf]
+        return {
+            "times": times,
+            "losses": losses,
+            "estimate": (math.inf, 0.0),
+            "lr": lr,
+            "diverged": str(e),
+        }
     return {"times": times, "losses": losses, "estimate": _estimate(model, guide, args), "lr": lr}
 
 
@@ -261,7 +286,11 @@ def bench_model(
             row.update(
                 {
                     "adam": {
-                        str(r["lr"]): {"estimate": r["estimate"], "steps": len(r["losses"])}
+                        str(r["lr"]): {
+                            "estimate": r["estimate"],
+                            "steps": len(r["losses"]),
+                            **({"diverged": r["diverged"]} if "diverged" in r else {}),
+                        }
                         for r in adams
                     },
                     "adam_best_lr": best["lr"],
