@@ -44,7 +44,7 @@ from ..model import probes
 from ..model.analysis import BlockSpec
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
-from ..model.tracing import unwrap
+from ..model.tracing import DeferredTrace, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
@@ -265,9 +265,46 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         super().__init__(spec, prefix, owned, options)
         self.scaled = spec.chain.rows
         self._extra: Optional[tuple] = None
+        self._fixed_for: Optional[tuple] = None
+        self._elements: Optional[tuple] = None
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """The sites of the other observations start at zero."""
+
+    def _fixed(self, ctx: StepContext) -> tuple:
+        """The chain's prior and the observations' values read off the step's trace, kept
+        while the model reads what it read (the engine then defers the trace: a step that
+        reads nothing else runs no model for this block). ``A``, ``b``, ``m0`` are free of
+        the latents and parameters (:func:`find_scaled_chains` checked it); ``Q`` and the
+        observations' scales are the expected ones (:meth:`_expected`)."""
+        tr = ctx.trace
+        if self._fixed_for is not None and (
+            isinstance(tr, DeferredTrace) or tr is self._fixed_for[0]
+        ):
+            return self._fixed_for[1]
+        rows = self.scaled
+        p = detect.chain_prior(self.chain, tr)
+        z = self.z_at
+        parts, shapes = [], []
+        for site in rows.obs:
+            node = tr.nodes[site]
+            fn, v = unwrap(node["fn"])[0], node["value"].detach()
+            parts.append(v)
+            shapes.append(torch.broadcast_shapes(fn.loc.shape, fn.scale.shape, v.shape))
+        flat = [v.expand(sh).reshape(-1) for v, sh in zip(parts, shapes)]
+        y = torch.cat(flat or [z.new_zeros(0)]).to(z)
+        fixed = (
+            tuple(t.detach().to(z) for t in (p.m0, p.P0, p.A, p.b, p.Q)),
+            y - rows.obs_c.to(z),
+            {site: (v, sh) for site, v, sh in zip(rows.obs, parts, shapes)},
+        )
+        self._fixed_for = (tr, fixed)
+        return fixed
+
+    def observed(self, ctx: StepContext) -> Dict[str, Tuple[torch.Tensor, torch.Size]]:
+        """``{site: (value, shape)}`` of the observations that read the chain (the value and
+        the shape its loc and scale broadcast to)."""
+        return self._fixed(ctx)[2]
 
     def _expected(self, ctx: StepContext) -> LinearGaussianChain:
         """The chain at ``E_q[1/s^2]`` of the remainder's current ``q`` and the observations'
@@ -275,31 +312,20 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         rows = self.scaled
         m, S = remainder_moments(ctx, rows.given, f"the chain {self.label}", self.names[0])
         w = expected_precisions(rows, m, S)
-        base = detect.chain_prior(self.chain, ctx.trace)
+        (m0, P0, A, b, Q), resid, _ = self._fixed(ctx)
         z = self.z_at
         d = self.chain.state_dim
-        P0, Q = base.P0.detach().to(z), base.Q.detach().to(z).clone()
-        i = 0
-        for t in rows.steps:
-            wt = w[i : i + d].to(z)
-            i += d
-            if t == 0:
-                P0 = torch.diag(1.0 / wt)
-            else:
-                Q[t - 1] = torch.diag(1.0 / wt)
-        wo = w[i:].to(z)
-        y = torch.cat(
-            [ctx.trace.nodes[s]["value"].detach().reshape(-1) for s in rows.obs] or [z.new_zeros(0)]
-        ).to(z)
-        if wo.numel() != y.numel():
-            y = torch.cat(
-                [
-                    ctx.trace.nodes[s]["value"].detach().expand(n).reshape(-1)
-                    for s, n in zip(rows.obs, rows.sizes[len(rows.steps) :])
-                ]
-            ).to(z)
-        self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * (y - rows.obs_c.to(z)))
-        m0, A, b = (t.detach().to(z) for t in (base.m0, base.A, base.b))
+        n = len(rows.steps) * d
+        ws = w[:n].to(z).reshape(-1, d)
+        Q = Q.clone()
+        steps = torch.tensor(rows.steps, dtype=torch.long)
+        later = steps > 0
+        if bool(later.any()):
+            Q[steps[later] - 1] = torch.diag_embed(1.0 / ws[later])
+        if not bool(later.all()):
+            P0 = torch.diag(1.0 / ws[~later][0])
+        wo = w[n:].to(z)
+        self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * resid)
         return LinearGaussianChain(m0, P0, A, b, Q)
 
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
@@ -340,6 +366,53 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             second = r * r + torch.diagonal(C, dim1=-2, dim2=-1)
             total = total + (-0.5 * torch.log(2 * math.pi / prec) - 0.5 * prec * second).sum()
         return total
+
+    def shared_second_moments(self, owned) -> Optional[Tuple[set, torch.Tensor, torch.Tensor]]:
+        """``(sites, keep, E_q(x)[r_e^2])`` of the shared elements whose sites are in
+        ``owned`` (``keep``: their indices in the rows' element order; ``r = v - m(x)``, the
+        factor's residual: ``E[r]^2 + Var_q(r)`` from the smoother's marginals and lag-one
+        covariances), or ``None`` before the first smoother pass."""
+        post, p, rows = self.post, self.prior, self.scaled
+        if post is None or post.cross is None or p is None or self._fixed_for is None:
+            return None
+        if self._elements is None:
+            sites = [self.names[t] for t in rows.steps] + list(rows.obs)
+            self._elements = (
+                sites,
+                torch.repeat_interleave(torch.arange(len(sites)), torch.tensor(rows.sizes)),
+            )
+        sites, which = self._elements
+        mine = torch.tensor([n in owned for n in sites], dtype=torch.bool)
+        if not bool(mine.any()):
+            return None
+        m, S = post.mean, post.cov
+        d = m.shape[-1]
+        parts = []
+        t = torch.tensor(rows.steps, dtype=torch.long)
+        if t.numel():
+            first = t == 0
+            r = m.new_zeros(t.numel(), d)
+            v = m.new_zeros(t.numel(), d)
+            if bool(first.any()):
+                r[first] = m[0] - p.m0
+                v[first] = torch.diagonal(S[0])
+            later = t[~first]
+            if later.numel():
+                A, b = p.A[later - 1], p.b[later - 1]
+                X = post.cross[later - 1]
+                C = S[later] - A @ X.mT - X @ A.mT + A @ S[later - 1] @ A.mT
+                r[~first] = m[later] - (A @ m[later - 1].unsqueeze(-1)).squeeze(-1) - b
+                v[~first] = torch.diagonal(C, dim1=-2, dim2=-1)
+            parts.append((r * r + v).reshape(-1))
+        if rows.obs:
+            h = rows.obs_h.to(m)
+            ot = rows.obs_t
+            r = self._fixed_for[1][1] - (h * m[ot]).sum(-1)
+            v = ((h.unsqueeze(-2) @ S[ot]).squeeze(-2) * h).sum(-1)
+            parts.append(r * r + v)
+        e = torch.cat(parts).detach()
+        keep = mine[which]
+        return {n for n, k in zip(sites, mine.tolist()) if k}, keep, e[keep]
 
     def expected_moments(self, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """``{site: (mean, variance)}`` of the shared factors in ``sites`` for the remainder's
