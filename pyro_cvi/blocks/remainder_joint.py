@@ -5,7 +5,9 @@ draws from ``q``, for factors shared with exact blocks). One model run with a pa
 left of the model's plates when the model broadcasts over it (checked once against one run per
 draw), else one run per draw. The prior of a block latent read at expected natural parameters
 (kind ``conjugate (E prior)``) enters Rao-Blackwellised over the block's ``q``
-(:func:`rao_blackwellised`), not at the block's draw."""
+(:func:`rao_blackwellised`), not at the block's draw; the factors a chain at its expected
+precisions shares with the remainder enter in one closed-form expression of the draws
+(:func:`~pyro_cvi.messages.chain_expected.chain_log_factors`), not evaluated in the run."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     skip, closed = chain_log_factors(block.analysis, ctx, block.owned, draws, block.sites)
     mo = block_moments(block.analysis, ctx, set(block.owned) - skip, others)
     mo[_SKIP] = skip
-    return _sums(block, ctx, draws, others, mo) + closed
+    out = _sums(block, ctx, draws, others, mo)
+    return out + closed if skip else out
 
 
 def _sums(block, ctx: StepContext, draws: torch.Tensor, others, mo) -> torch.Tensor:
