@@ -34,17 +34,24 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import pyro
 import torch
 from torch.distributions import biject_to
 
 from ..context import Options, StepContext
-from ..messages.chain_expected import ChainRows, chain_moments, expected_precisions
+from ..messages.chain_expected import (
+    MC_DRAWS,
+    ChainRows,
+    chain_moments,
+    expected_precisions,
+    monte_carlo_precisions,
+)
 from ..messages.prior_expected import remainder_moments
 from ..model import probes
 from ..model.analysis import BlockSpec
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
-from ..model.tracing import DeferredTrace, unwrap
+from ..model.tracing import DeferredTrace, trace_model, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
@@ -176,6 +183,11 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
     rows = _setup_rows(an, names, obs, order)
     if rows is None:
         return None
+    if rows.read is not None:
+        rule += (
+            f"; E[1/s^2] by Monte Carlo over q(u) ({MC_DRAWS} draws a step): log s is not "
+            "affine in the scales' unconstrained values"
+        )
     spec = ScaledChainSpec(names, d, len(names), False, scales=order, rows=rows, rule=rule)
     spec.shared = {**{n: t for t, n in enumerate(names) if scale_of[n]}, **obs}
     return spec
@@ -226,8 +238,22 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
     H = torch.stack(cols, 1)
     g = torch.Generator().manual_seed(11)
     dlt = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+    batched = None
     if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
-        return None  # log scale not affine in the unconstrained scales
+        # log s not affine in the unconstrained scales: E[1/s^2] by Monte Carlo over q(u),
+        # where one batched run reads the scales at many draws (else the joint takes it)
+        batched = _batched_read(an, order, ts, u0, sites)
+        moves = flat0 + 0.3 * torch.randn(3, flat0.numel(), generator=g, dtype=torch.float64).to(
+            flat0
+        )
+        try:
+            ok = probes.close(
+                batched(moves), torch.stack([read(v) for v in moves]), probes.rtol(flat0.dtype)
+            )
+        except _REFUSED:
+            ok = False
+        if not ok:
+            return None
     # observations: y_r ~ N(h_r x_t + c_r, s_r): h by autograd, c at the reference
     obs_t, obs_h, obs_c = [], [], []
     d = int(torch.Size(an.structure.nodes[names[0]]["fn"].event_shape).numel())
@@ -255,7 +281,46 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
         obs_h=torch.cat(obs_h) if obs_h else flat0.new_zeros(0, d),
         obs_c=torch.cat(obs_c) if obs_c else flat0.new_zeros(0),
         sizes=tuple(sizes_of),
+        read=batched,
     )
+
+
+_REFUSED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
+
+
+def _batched_read(an, order, ts, u0, sites):
+    """``(K, U) -> (K, R)``: the log scales of ``sites`` at a batch of the scales'
+    unconstrained values, one model run in a particle plate left of the model's plates."""
+    P = an.plate_dims
+    sizes = [u0[z].numel() for z in order]
+
+    def particles(*args, **kwargs):
+        with pyro.plate("_cvi_particles", particles.K, dim=-1 - P):
+            return an.model(*args, **kwargs)
+
+    def batched(flat: torch.Tensor) -> torch.Tensor:
+        K = particles.K = flat.shape[0]
+        vals = {}
+        for z, part in zip(order, flat.split(sizes, -1)):
+            ref, fn = an.ref[z], an.structure.nodes[z]["fn"]
+            v = ts[z](part.reshape((K,) + ts[z].inv(ref).shape))
+            vals[z] = v.reshape((K,) + (1,) * (P - (ref.dim() - fn.event_dim)) + ref.shape)
+        with torch.no_grad():
+            tr = trace_model(
+                particles, {**an.fixed, **an.subsample, **an.ref, **vals}, an.args, an.kwargs
+            )
+        out = []
+        for site in sites:
+            node = tr.nodes[site]
+            base = unwrap(node["fn"])[0]
+            shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
+            if not len(shape) or shape[0] != K:
+                raise ValueError(f"site {site!r}: the scale does not broadcast over the draws")
+            out.append(torch.as_tensor(base.scale).expand(shape).reshape(K, -1).log())
+        return torch.cat(out, -1)
+
+    particles.K = 1
+    return batched
 
 
 class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
@@ -267,6 +332,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         self._extra: Optional[tuple] = None
         self._fixed_for: Optional[tuple] = None
         self._elements: Optional[tuple] = None
+        self._generator: Optional[torch.Generator] = None
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """The sites of the other observations start at zero."""
@@ -311,7 +377,12 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         expected rows (:attr:`_extra`)."""
         rows = self.scaled
         m, S = remainder_moments(ctx, rows.given, f"the chain {self.label}", self.names[0])
-        w = expected_precisions(rows, m, S)
+        if rows.read is None:
+            w = expected_precisions(rows, m, S)
+        else:
+            if self._generator is None:
+                self._generator = torch.Generator().manual_seed(self.spec.index)
+            w = monte_carlo_precisions(rows, m, S, self._generator)
         (m0, P0, A, b, Q), resid, _ = self._fixed(ctx)
         z = self.z_at
         d = self.chain.state_dim

@@ -22,13 +22,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from ..gaussian import centred_exp_mean
 
-__all__ = ["ChainRows", "chain_log_factors", "chain_moments", "expected_precisions"]
+__all__ = [
+    "ChainRows",
+    "chain_log_factors",
+    "chain_moments",
+    "expected_precisions",
+    "monte_carlo_precisions",
+]
+
+#: the draws of ``u`` per step of a Monte Carlo expected precision
+MC_DRAWS = 256
 
 
 @dataclass
@@ -51,6 +60,11 @@ class ChainRows:
     obs_c: torch.Tensor
     #: elements per shared site (the steps', then the observations')
     sizes: Tuple[int, ...] = ()
+    #: where ``log s`` is not affine in ``u``: ``(K, U) -> (K, R)``, the log scales of every
+    #: shared element at a batch of unconstrained values (one batched model run); ``L0`` and
+    #: ``H`` are then unused and ``E[1/s^2]`` is a Monte Carlo average
+    #: (:func:`monte_carlo_precisions`)
+    read: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def expected_precisions(rows: ChainRows, m: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -59,6 +73,23 @@ def expected_precisions(rows: ChainRows, m: torch.Tensor, S: torch.Tensor) -> to
     log_s = rows.L0.to(m) + H @ (m - rows.u0.to(m))
     var = ((H @ S) * H).sum(1)
     return torch.exp(-2 * log_s) * centred_exp_mean(var.new_tensor(-2.0), var)
+
+
+def monte_carlo_precisions(
+    rows: ChainRows, m: torch.Tensor, S: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """``E_q[1/s^2]`` of every shared element under ``q(u) = N(m, S)`` where ``log s`` is not
+    affine in ``u`` (``s = softplus(u)``, ``exp(u) + c``): the average of the natural parameter
+    ``exp(-2 log s(u_k))`` over :data:`MC_DRAWS` draws ``u_k = m + L e_k`` (antithetic pairs
+    ``+-e_k``; one batched evaluation of :attr:`ChainRows.read`), unbiased for the expected
+    natural parameter of eq. 20."""
+    half = MC_DRAWS // 2
+    e = torch.randn(half, m.numel(), generator=generator, dtype=torch.float64).to(m)
+    e = torch.cat([e, -e])
+    L = torch.linalg.cholesky(S + 1e-12 * torch.eye(m.numel(), dtype=m.dtype))
+    assert rows.read is not None
+    log_s = rows.read(m + e @ L.mT)
+    return torch.exp(-2 * log_s).mean(0)
 
 
 def chain_log_factors(an, ctx, owned, draws: torch.Tensor, sites) -> Tuple[set, torch.Tensor]:
@@ -82,7 +113,7 @@ def chain_log_factors(an, ctx, owned, draws: torch.Tensor, sites) -> Tuple[set, 
             continue
         found = chain.shared_second_moments(owned)
         rows = chain.scaled
-        if found is None or not set(rows.given) <= set(index):
+        if found is None or rows.read is not None or not set(rows.given) <= set(index):
             continue
         names, keep, e = found
         cols = torch.cat([torch.arange(index[z][0], index[z][0] + index[z][1]) for z in rows.given])
