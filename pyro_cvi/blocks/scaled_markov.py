@@ -17,9 +17,11 @@ set-up and confirmed at a random move) and ``q(u) = N(m, S)``,
 
     E[1/s^2] = exp(-2 (L0 + H (m - u0)) + 2 diag(H S H'))
 
-(:func:`~pyro_cvi.messages.chain_expected.expected_precisions`). The remainder owns these
-factors and reads them Rao-Blackwellised over ``q(x)``: ``E[(x_t - a_t x_{t-1} - b_t)^2]``
-from the smoother's marginals and lag-one covariances
+(:func:`~pyro_cvi.messages.chain_expected.expected_precisions`); where ``log s`` is not affine,
+its Monte Carlo average over draws of ``q(u)``, the scales read at all draws by one batched
+model run (:func:`~pyro_cvi.messages.chain_expected.monte_carlo_precisions`). The remainder
+owns these factors and reads them Rao-Blackwellised over ``q(x)``:
+``E[(x_t - a_t x_{t-1} - b_t)^2]`` from the smoother's marginals and lag-one covariances
 (:func:`~pyro_cvi.messages.chain_expected.chain_moments`).
 
 Taken (:func:`find_scaled_chains`) where the remainder's joint Gaussian would otherwise hold
