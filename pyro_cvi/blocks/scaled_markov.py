@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import pyro
 import torch
 from torch.distributions import biject_to
 
@@ -44,6 +43,7 @@ from ..context import Options, StepContext
 from ..messages.chain_expected import (
     MC_DRAWS,
     ChainRows,
+    batched_log_scales,
     chain_moments,
     expected_precisions,
     monte_carlo_precisions,
@@ -53,7 +53,7 @@ from ..model import probes
 from ..model.analysis import BlockSpec
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
-from ..model.tracing import DeferredTrace, trace_model, unwrap
+from ..model.tracing import DeferredTrace, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
@@ -244,7 +244,7 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
     if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
         # log s not affine in the unconstrained scales: E[1/s^2] by Monte Carlo over q(u),
         # where one batched run reads the scales at many draws (else the joint takes it)
-        batched = _batched_read(an, order, ts, u0, sites)
+        batched = batched_log_scales(an, order, ts, u0, sites)
         moves = flat0 + 0.3 * torch.randn(3, flat0.numel(), generator=g, dtype=torch.float64).to(
             flat0
         )
@@ -252,7 +252,7 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
             ok = probes.close(
                 batched(moves), torch.stack([read(v) for v in moves]), probes.rtol(flat0.dtype)
             )
-        except _REFUSED:
+        except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
             ok = False
         if not ok:
             return None
@@ -285,44 +285,6 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
         sizes=tuple(sizes_of),
         read=batched,
     )
-
-
-_REFUSED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
-
-
-def _batched_read(an, order, ts, u0, sites):
-    """``(K, U) -> (K, R)``: the log scales of ``sites`` at a batch of the scales'
-    unconstrained values, one model run in a particle plate left of the model's plates."""
-    P = an.plate_dims
-    sizes = [u0[z].numel() for z in order]
-
-    def particles(*args, **kwargs):
-        with pyro.plate("_cvi_particles", particles.K, dim=-1 - P):
-            return an.model(*args, **kwargs)
-
-    def batched(flat: torch.Tensor) -> torch.Tensor:
-        K = particles.K = flat.shape[0]
-        vals = {}
-        for z, part in zip(order, flat.split(sizes, -1)):
-            ref, fn = an.ref[z], an.structure.nodes[z]["fn"]
-            v = ts[z](part.reshape((K,) + ts[z].inv(ref).shape))
-            vals[z] = v.reshape((K,) + (1,) * (P - (ref.dim() - fn.event_dim)) + ref.shape)
-        with torch.no_grad():
-            tr = trace_model(
-                particles, {**an.fixed, **an.subsample, **an.ref, **vals}, an.args, an.kwargs
-            )
-        out = []
-        for site in sites:
-            node = tr.nodes[site]
-            base = unwrap(node["fn"])[0]
-            shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
-            if not len(shape) or shape[0] != K:
-                raise ValueError(f"site {site!r}: the scale does not broadcast over the draws")
-            out.append(torch.as_tensor(base.scale).expand(shape).reshape(K, -1).log())
-        return torch.cat(out, -1)
-
-    particles.K = 1
-    return batched
 
 
 class ScaledMarkovBlock(ExpectedPriorMarkovBlock):

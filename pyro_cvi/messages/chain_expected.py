@@ -24,12 +24,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
+import pyro
 import torch
 
 from ..gaussian import centred_exp_mean
+from ..model.tracing import trace_model, unwrap
 
 __all__ = [
     "ChainRows",
+    "batched_log_scales",
     "chain_log_factors",
     "chain_moments",
     "expected_precisions",
@@ -171,3 +174,38 @@ def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, to
         var = ((h @ S[t]) * h).sum(-1)
         out[site] = (y.expand(shape) + shift.reshape(shape), var.reshape(shape))
     return out
+
+
+def batched_log_scales(an, order, ts, u0, sites):
+    """``(K, U) -> (K, R)``: the log scales of ``sites`` at a batch of the scales'
+    unconstrained values, one model run in a particle plate left of the model's plates."""
+    P = an.plate_dims
+    sizes = [u0[z].numel() for z in order]
+
+    def particles(*args, **kwargs):
+        with pyro.plate("_cvi_particles", particles.K, dim=-1 - P):
+            return an.model(*args, **kwargs)
+
+    def batched(flat: torch.Tensor) -> torch.Tensor:
+        K = particles.K = flat.shape[0]
+        vals = {}
+        for z, part in zip(order, flat.split(sizes, -1)):
+            ref, fn = an.ref[z], an.structure.nodes[z]["fn"]
+            v = ts[z](part.reshape((K,) + ts[z].inv(ref).shape))
+            vals[z] = v.reshape((K,) + (1,) * (P - (ref.dim() - fn.event_dim)) + ref.shape)
+        with torch.no_grad():
+            tr = trace_model(
+                particles, {**an.fixed, **an.subsample, **an.ref, **vals}, an.args, an.kwargs
+            )
+        out = []
+        for site in sites:
+            node = tr.nodes[site]
+            base = unwrap(node["fn"])[0]
+            shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
+            if not len(shape) or shape[0] != K:
+                raise ValueError(f"site {site!r}: the scale does not broadcast over the draws")
+            out.append(torch.as_tensor(base.scale).expand(shape).reshape(K, -1).log())
+        return torch.cat(out, -1)
+
+    particles.K = 1
+    return batched
