@@ -5,7 +5,9 @@ draws from ``q``, for factors shared with exact blocks). One model run with a pa
 left of the model's plates when the model broadcasts over it (checked once against one run per
 draw), else one run per draw. The prior of a block latent read at expected natural parameters
 (kind ``conjugate (E prior)``) enters Rao-Blackwellised over the block's ``q``
-(:func:`rao_blackwellised`), not at the block's draw."""
+(:func:`rao_blackwellised`), not at the block's draw; the factors a chain at its expected
+precisions shares with the remainder enter in one closed-form expression of the draws
+(:func:`~pyro_cvi.messages.chain_expected.chain_log_factors`), not evaluated in the run."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.poutine.trace_struct import Trace
 
 from ..context import StepContext
+from ..messages.chain_expected import chain_log_factors
 from ..messages.collapsed import collapsed_log_prob
 from ..messages.prior_expected import block_moments, expected_log_prior
 from ..model.tracing import run_model
@@ -31,7 +34,14 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (the owned factors, the discrete
     latents summed out): one batched model run (a particle plate, else ``vmap``; the first
     that agrees with one run per draw at the first step is kept), else one run per draw."""
-    mo = rao_blackwellised(block, ctx, others)
+    skip, closed = chain_log_factors(block.analysis, ctx, block.owned, draws, block.sites)
+    mo = block_moments(block.analysis, ctx, set(block.owned) - skip, others)
+    mo[_SKIP] = skip
+    out = _sums(block, ctx, draws, others, mo)
+    return out + closed if skip else out
+
+
+def _sums(block, ctx: StepContext, draws: torch.Tensor, others, mo) -> torch.Tensor:
     if block.vectorise is not None:
         if block.vectorise is not False:
             try:
@@ -67,6 +77,15 @@ def rao_blackwellised(block, ctx: StepContext, others) -> dict:
     return block_moments(block.analysis, ctx, block.owned, others)
 
 
+#: the key of the sites a closed form took (:func:`chain_log_factors`) in the moments' dict
+_SKIP = "_cvi_closed_form"
+
+
+def _owned(block, tr: Trace, mo) -> list:
+    skip = (mo or {}).get(_SKIP, ())
+    return [s for s in block.owned if s in tr.nodes and s not in skip]
+
+
 def _log_prob(node, name: str, moments) -> torch.Tensor:
     fn: Any = node["fn"]
     if name in moments:
@@ -80,7 +99,7 @@ def _looped(block, ctx: StepContext, draws: torch.Tensor, others, mo=None) -> to
     for k in range(draws.shape[0]):
         values, logdet = block.unpack(draws[k])
         tr = run_model(ctx.model, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
-        sites = [s for s in block.owned if s in tr.nodes]
+        sites = _owned(block, tr, mo)
         lp = collapsed_log_prob(tr, sites) if enum is not None else _site_sum(tr, sites, mo)
         per.append(lp + logdet)
     return torch.stack(per)
@@ -98,7 +117,7 @@ def _vmapped(block, ctx: StepContext, draws: torch.Tensor, others, mo=None):
         values, logdet = block.unpack(u)
         with pyro.validation_enabled(False):
             tr = run_model(ctx.model, {**fixed, **values}, ctx.args, ctx.kwargs, None)
-            sites = [s for s in block.owned if s in tr.nodes]
+            sites = _owned(block, tr, mo)
             return _site_sum(tr, sites, mo) + logdet
 
     return torch.func.vmap(one, randomness="error")(draws)
@@ -121,7 +140,7 @@ def _vectorised(block, ctx: StepContext, draws: torch.Tensor, others, mo=None):
 
     enum = P + 1 if block.analysis.remainder_discrete else None
     tr = run_model(particles, {**others, **values, **ctx.subsample}, ctx.args, ctx.kwargs, enum)
-    sites = [s for s in block.owned if s in tr.nodes]
+    sites = _owned(block, tr, mo)
     for name in sites:
         shape = tr.nodes[name]["fn"].batch_shape
         if len(shape) < P + 1 or shape[len(shape) - 1 - P] != K:

@@ -17,9 +17,11 @@ set-up and confirmed at a random move) and ``q(u) = N(m, S)``,
 
     E[1/s^2] = exp(-2 (L0 + H (m - u0)) + 2 diag(H S H'))
 
-(:func:`~pyro_cvi.messages.chain_expected.expected_precisions`). The remainder owns these
-factors and reads them Rao-Blackwellised over ``q(x)``: ``E[(x_t - a_t x_{t-1} - b_t)^2]``
-from the smoother's marginals and lag-one covariances
+(:func:`~pyro_cvi.messages.chain_expected.expected_precisions`); where ``log s`` is not affine,
+its Monte Carlo average over draws of ``q(u)``, the scales read at all draws by one batched
+model run (:func:`~pyro_cvi.messages.chain_expected.monte_carlo_precisions`). The remainder
+owns these factors and reads them Rao-Blackwellised over ``q(x)``:
+``E[(x_t - a_t x_{t-1} - b_t)^2]`` from the smoother's marginals and lag-one covariances
 (:func:`~pyro_cvi.messages.chain_expected.chain_moments`).
 
 Taken (:func:`find_scaled_chains`) where the remainder's joint Gaussian would otherwise hold
@@ -38,13 +40,20 @@ import torch
 from torch.distributions import biject_to
 
 from ..context import Options, StepContext
-from ..messages.chain_expected import ChainRows, chain_moments, expected_precisions
+from ..messages.chain_expected import (
+    MC_DRAWS,
+    ChainRows,
+    batched_log_scales,
+    chain_moments,
+    expected_precisions,
+    monte_carlo_precisions,
+)
 from ..messages.prior_expected import remainder_moments
 from ..model import probes
 from ..model.analysis import BlockSpec
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
-from ..model.tracing import unwrap
+from ..model.tracing import DeferredTrace, unwrap
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
@@ -176,6 +185,11 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
     rows = _setup_rows(an, names, obs, order)
     if rows is None:
         return None
+    if rows.read is not None:
+        rule += (
+            f"; E[1/s^2] by Monte Carlo over q(u) ({MC_DRAWS} draws a step): log s is not "
+            "affine in the scales' unconstrained values"
+        )
     spec = ScaledChainSpec(names, d, len(names), False, scales=order, rows=rows, rule=rule)
     spec.shared = {**{n: t for t, n in enumerate(names) if scale_of[n]}, **obs}
     return spec
@@ -226,8 +240,22 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
     H = torch.stack(cols, 1)
     g = torch.Generator().manual_seed(11)
     dlt = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+    batched = None
     if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
-        return None  # log scale not affine in the unconstrained scales
+        # log s not affine in the unconstrained scales: E[1/s^2] by Monte Carlo over q(u),
+        # where one batched run reads the scales at many draws (else the joint takes it)
+        batched = batched_log_scales(an, order, ts, u0, sites)
+        moves = flat0 + 0.3 * torch.randn(3, flat0.numel(), generator=g, dtype=torch.float64).to(
+            flat0
+        )
+        try:
+            ok = probes.close(
+                batched(moves), torch.stack([read(v) for v in moves]), probes.rtol(flat0.dtype)
+            )
+        except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
+            ok = False
+        if not ok:
+            return None
     # observations: y_r ~ N(h_r x_t + c_r, s_r): h by autograd, c at the reference
     obs_t, obs_h, obs_c = [], [], []
     d = int(torch.Size(an.structure.nodes[names[0]]["fn"].event_shape).numel())
@@ -255,6 +283,7 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
         obs_h=torch.cat(obs_h) if obs_h else flat0.new_zeros(0, d),
         obs_c=torch.cat(obs_c) if obs_c else flat0.new_zeros(0),
         sizes=tuple(sizes_of),
+        read=batched,
     )
 
 
@@ -265,41 +294,73 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         super().__init__(spec, prefix, owned, options)
         self.scaled = spec.chain.rows
         self._extra: Optional[tuple] = None
+        self._fixed_for: Optional[tuple] = None
+        self._elements: Optional[tuple] = None
+        self._generator: Optional[torch.Generator] = None
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """The sites of the other observations start at zero."""
+
+    def _fixed(self, ctx: StepContext) -> tuple:
+        """The chain's prior and the observations' values read off the step's trace, kept
+        while the model reads what it read (the engine then defers the trace: a step that
+        reads nothing else runs no model for this block). ``A``, ``b``, ``m0`` are free of
+        the latents and parameters (:func:`find_scaled_chains` checked it); ``Q`` and the
+        observations' scales are the expected ones (:meth:`_expected`)."""
+        tr = ctx.trace
+        if self._fixed_for is not None and (
+            isinstance(tr, DeferredTrace) or tr is self._fixed_for[0]
+        ):
+            return self._fixed_for[1]
+        rows = self.scaled
+        p = detect.chain_prior(self.chain, tr)
+        z = self.z_at
+        parts, shapes = [], []
+        for site in rows.obs:
+            node = tr.nodes[site]
+            fn, v = unwrap(node["fn"])[0], node["value"].detach()
+            parts.append(v)
+            shapes.append(torch.broadcast_shapes(fn.loc.shape, fn.scale.shape, v.shape))
+        flat = [v.expand(sh).reshape(-1) for v, sh in zip(parts, shapes)]
+        y = torch.cat(flat or [z.new_zeros(0)]).to(z)
+        fixed = (
+            tuple(t.detach().to(z) for t in (p.m0, p.P0, p.A, p.b, p.Q)),
+            y - rows.obs_c.to(z),
+            {site: (v, sh) for site, v, sh in zip(rows.obs, parts, shapes)},
+        )
+        self._fixed_for = (tr, fixed)
+        return fixed
+
+    def observed(self, ctx: StepContext) -> Dict[str, Tuple[torch.Tensor, torch.Size]]:
+        """``{site: (value, shape)}`` of the observations that read the chain (the value and
+        the shape its loc and scale broadcast to)."""
+        return self._fixed(ctx)[2]
 
     def _expected(self, ctx: StepContext) -> LinearGaussianChain:
         """The chain at ``E_q[1/s^2]`` of the remainder's current ``q`` and the observations'
         expected rows (:attr:`_extra`)."""
         rows = self.scaled
         m, S = remainder_moments(ctx, rows.given, f"the chain {self.label}", self.names[0])
-        w = expected_precisions(rows, m, S)
-        base = detect.chain_prior(self.chain, ctx.trace)
+        if rows.read is None:
+            w = expected_precisions(rows, m, S)
+        else:
+            if self._generator is None:
+                self._generator = torch.Generator().manual_seed(self.spec.index)
+            w = monte_carlo_precisions(rows, m, S, self._generator)
+        (m0, P0, A, b, Q), resid, _ = self._fixed(ctx)
         z = self.z_at
         d = self.chain.state_dim
-        P0, Q = base.P0.detach().to(z), base.Q.detach().to(z).clone()
-        i = 0
-        for t in rows.steps:
-            wt = w[i : i + d].to(z)
-            i += d
-            if t == 0:
-                P0 = torch.diag(1.0 / wt)
-            else:
-                Q[t - 1] = torch.diag(1.0 / wt)
-        wo = w[i:].to(z)
-        y = torch.cat(
-            [ctx.trace.nodes[s]["value"].detach().reshape(-1) for s in rows.obs] or [z.new_zeros(0)]
-        ).to(z)
-        if wo.numel() != y.numel():
-            y = torch.cat(
-                [
-                    ctx.trace.nodes[s]["value"].detach().expand(n).reshape(-1)
-                    for s, n in zip(rows.obs, rows.sizes[len(rows.steps) :])
-                ]
-            ).to(z)
-        self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * (y - rows.obs_c.to(z)))
-        m0, A, b = (t.detach().to(z) for t in (base.m0, base.A, base.b))
+        n = len(rows.steps) * d
+        ws = w[:n].to(z).reshape(-1, d)
+        Q = Q.clone()
+        steps = torch.tensor(rows.steps, dtype=torch.long)
+        later = steps > 0
+        if bool(later.any()):
+            Q[steps[later] - 1] = torch.diag_embed(1.0 / ws[later])
+        if not bool(later.all()):
+            P0 = torch.diag(1.0 / ws[~later][0])
+        wo = w[n:].to(z)
+        self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * resid)
         return LinearGaussianChain(m0, P0, A, b, Q)
 
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
@@ -340,6 +401,53 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             second = r * r + torch.diagonal(C, dim1=-2, dim2=-1)
             total = total + (-0.5 * torch.log(2 * math.pi / prec) - 0.5 * prec * second).sum()
         return total
+
+    def shared_second_moments(self, owned) -> Optional[Tuple[set, torch.Tensor, torch.Tensor]]:
+        """``(sites, keep, E_q(x)[r_e^2])`` of the shared elements whose sites are in
+        ``owned`` (``keep``: their indices in the rows' element order; ``r = v - m(x)``, the
+        factor's residual: ``E[r]^2 + Var_q(r)`` from the smoother's marginals and lag-one
+        covariances), or ``None`` before the first smoother pass."""
+        post, p, rows = self.post, self.prior, self.scaled
+        if post is None or post.cross is None or p is None or self._fixed_for is None:
+            return None
+        if self._elements is None:
+            sites = [self.names[t] for t in rows.steps] + list(rows.obs)
+            self._elements = (
+                sites,
+                torch.repeat_interleave(torch.arange(len(sites)), torch.tensor(rows.sizes)),
+            )
+        sites, which = self._elements
+        mine = torch.tensor([n in owned for n in sites], dtype=torch.bool)
+        if not bool(mine.any()):
+            return None
+        m, S = post.mean, post.cov
+        d = m.shape[-1]
+        parts = []
+        t = torch.tensor(rows.steps, dtype=torch.long)
+        if t.numel():
+            first = t == 0
+            r = m.new_zeros(t.numel(), d)
+            v = m.new_zeros(t.numel(), d)
+            if bool(first.any()):
+                r[first] = m[0] - p.m0
+                v[first] = torch.diagonal(S[0])
+            later = t[~first]
+            if later.numel():
+                A, b = p.A[later - 1], p.b[later - 1]
+                X = post.cross[later - 1]
+                C = S[later] - A @ X.mT - X @ A.mT + A @ S[later - 1] @ A.mT
+                r[~first] = m[later] - (A @ m[later - 1].unsqueeze(-1)).squeeze(-1) - b
+                v[~first] = torch.diagonal(C, dim1=-2, dim2=-1)
+            parts.append((r * r + v).reshape(-1))
+        if rows.obs:
+            h = rows.obs_h.to(m)
+            ot = rows.obs_t
+            r = self._fixed_for[1][1] - (h * m[ot]).sum(-1)
+            v = ((h.unsqueeze(-2) @ S[ot]).squeeze(-2) * h).sum(-1)
+            parts.append(r * r + v)
+        e = torch.cat(parts).detach()
+        keep = mine[which]
+        return {n for n, k in zip(sites, mine.tolist()) if k}, keep, e[keep]
 
     def expected_moments(self, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """``{site: (mean, variance)}`` of the shared factors in ``sites`` for the remainder's

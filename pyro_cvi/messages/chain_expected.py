@@ -20,15 +20,27 @@ For the chain's factors ``v ~ Normal(m(x), s(u))`` (transitions and observations
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
+import pyro
 import torch
 
 from ..gaussian import centred_exp_mean
-from ..model.tracing import unwrap
+from ..model.tracing import trace_model, unwrap
 
-__all__ = ["ChainRows", "chain_moments", "expected_precisions"]
+__all__ = [
+    "ChainRows",
+    "batched_log_scales",
+    "chain_log_factors",
+    "chain_moments",
+    "expected_precisions",
+    "monte_carlo_precisions",
+]
+
+#: the draws of ``u`` per step of a Monte Carlo expected precision
+MC_DRAWS = 256
 
 
 @dataclass
@@ -51,6 +63,11 @@ class ChainRows:
     obs_c: torch.Tensor
     #: elements per shared site (the steps', then the observations')
     sizes: Tuple[int, ...] = ()
+    #: where ``log s`` is not affine in ``u``: ``(K, U) -> (K, R)``, the log scales of every
+    #: shared element at a batch of unconstrained values (one batched model run); ``L0`` and
+    #: ``H`` are then unused and ``E[1/s^2]`` is a Monte Carlo average
+    #: (:func:`monte_carlo_precisions`)
+    read: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def expected_precisions(rows: ChainRows, m: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -59,6 +76,57 @@ def expected_precisions(rows: ChainRows, m: torch.Tensor, S: torch.Tensor) -> to
     log_s = rows.L0.to(m) + H @ (m - rows.u0.to(m))
     var = ((H @ S) * H).sum(1)
     return torch.exp(-2 * log_s) * centred_exp_mean(var.new_tensor(-2.0), var)
+
+
+def monte_carlo_precisions(
+    rows: ChainRows, m: torch.Tensor, S: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """``E_q[1/s^2]`` of every shared element under ``q(u) = N(m, S)`` where ``log s`` is not
+    affine in ``u`` (``s = softplus(u)``, ``exp(u) + c``): the average of the natural parameter
+    ``exp(-2 log s(u_k))`` over :data:`MC_DRAWS` draws ``u_k = m + L e_k`` (antithetic pairs
+    ``+-e_k``; one batched evaluation of :attr:`ChainRows.read`), unbiased for the expected
+    natural parameter of eq. 20."""
+    half = MC_DRAWS // 2
+    e = torch.randn(half, m.numel(), generator=generator, dtype=torch.float64).to(m)
+    e = torch.cat([e, -e])
+    L = torch.linalg.cholesky(S + 1e-12 * torch.eye(m.numel(), dtype=m.dtype))
+    assert rows.read is not None
+    log_s = rows.read(m + e @ L.mT)
+    return torch.exp(-2 * log_s).mean(0)
+
+
+def chain_log_factors(an, ctx, owned, draws: torch.Tensor, sites) -> Tuple[set, torch.Tensor]:
+    """The shared factors of every chain at its expected precisions that the remainder owns,
+    read Rao-Blackwellised over the chain's ``q(x)`` in closed form at each of the remainder's
+    draws ``u_k`` (rows ``(K, U)``; ``sites``: its sites with ``name``, ``start``, ``size``):
+
+        sum_e -log s_e(u_k) - log(2 pi) / 2 - E_q(x)[r_e^2] exp(-2 log s_e(u_k)) / 2,
+
+    ``log s_e = L0_e + H_e (u_k - u0)``, one vectorised expression instead of a model run's
+    factor per site. Returns the sites covered and the ``(K,)`` sums (``(set(), 0)``: none)."""
+    covered: set = set()
+    total = draws.new_zeros(draws.shape[0])
+    if ctx is None or ctx.block_for is None or an.remainder_discrete:
+        return covered, total
+    owned = set(owned)
+    index = {s.name: (s.start, s.size) for s in sites}
+    for spec in an.blocks:
+        chain = ctx.block_for(spec.names[0]) if spec.chain is not None else None
+        if not hasattr(chain, "shared_second_moments"):
+            continue
+        found = chain.shared_second_moments(owned)
+        rows = chain.scaled
+        if found is None or rows.read is not None or not set(rows.given) <= set(index):
+            continue
+        names, keep, e = found
+        cols = torch.cat([torch.arange(index[z][0], index[z][0] + index[z][1]) for z in rows.given])
+        u = draws[:, cols] - rows.u0.to(draws)
+        H = rows.H.to(draws)[keep]
+        log_s = rows.L0.to(draws)[keep] + u @ H.mT
+        lp = -log_s - 0.5 * math.log(2 * math.pi) - 0.5 * e.to(draws) * torch.exp(-2 * log_s)
+        total = total + lp.sum(-1)
+        covered |= names
+    return covered, total
 
 
 def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
@@ -87,12 +155,13 @@ def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, to
             out[names[s]] = (mean[i].reshape(shapes[s]), var[i].reshape(shapes[s]))
     if ctx is None or ctx.trace is None:
         return out
+    observed = block.observed(ctx)
     start = 0
     for j, site in enumerate(rows.obs):
         k = rows.sizes[len(rows.steps) + j]
         sl = slice(start, start + k)
         start += k
-        if site not in sites or site not in ctx.trace.nodes:
+        if site not in sites or site not in observed:
             continue
         ts = rows.obs_t[sl]
         t = int(ts[0])
@@ -100,11 +169,43 @@ def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, to
         if cur is None or not bool((ts == t).all()):
             continue
         h = rows.obs_h[sl].to(m)
-        node = ctx.trace.nodes[site]
-        base = unwrap(node["fn"])[0]
-        y = node["value"].detach()
-        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, y.shape)
+        y, shape = observed[site]
         shift = h @ (cur.detach().reshape(d).to(m) - m[t])
         var = ((h @ S[t]) * h).sum(-1)
         out[site] = (y.expand(shape) + shift.reshape(shape), var.reshape(shape))
     return out
+
+
+def batched_log_scales(an, order, ts, u0, sites):
+    """``(K, U) -> (K, R)``: the log scales of ``sites`` at a batch of the scales'
+    unconstrained values, one model run in a particle plate left of the model's plates."""
+    P = an.plate_dims
+    sizes = [u0[z].numel() for z in order]
+
+    def particles(*args, **kwargs):
+        with pyro.plate("_cvi_particles", particles.K, dim=-1 - P):
+            return an.model(*args, **kwargs)
+
+    def batched(flat: torch.Tensor) -> torch.Tensor:
+        K = particles.K = flat.shape[0]
+        vals = {}
+        for z, part in zip(order, flat.split(sizes, -1)):
+            ref, fn = an.ref[z], an.structure.nodes[z]["fn"]
+            v = ts[z](part.reshape((K,) + ts[z].inv(ref).shape))
+            vals[z] = v.reshape((K,) + (1,) * (P - (ref.dim() - fn.event_dim)) + ref.shape)
+        with torch.no_grad():
+            tr = trace_model(
+                particles, {**an.fixed, **an.subsample, **an.ref, **vals}, an.args, an.kwargs
+            )
+        out = []
+        for site in sites:
+            node = tr.nodes[site]
+            base = unwrap(node["fn"])[0]
+            shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
+            if not len(shape) or shape[0] != K:
+                raise ValueError(f"site {site!r}: the scale does not broadcast over the draws")
+            out.append(torch.as_tensor(base.scale).expand(shape).reshape(K, -1).log())
+        return torch.cat(out, -1)
+
+    particles.K = 1
+    return batched

@@ -34,7 +34,7 @@ import torch
 from torch.distributions import biject_to
 
 from . import probes
-from .records import CONJUGATE_PRIOR, CONJUGATE_SCALE, Factor
+from .records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC, Factor
 from .tracing import latent_weight, unwrap
 
 __all__ = [
@@ -201,15 +201,18 @@ def chain_expected_factor(site: str, block) -> Optional[Factor]:
         return None
     given = ", ".join(chain.scales)
     rule = f"; {chain.rule}" if site == block.names[0] or site == next(iter(shared)) else ""
+    mc = getattr(chain.rows, "read", None) is not None  # (log s not affine: Monte Carlo)
+    how = "by Monte Carlo over" if mc else "in closed form under"
     if site in block.names:
         what = "x_0's prior" if shared[site] == 0 else "transition"
         why = (
             f"{what} into {site} given {given}: N(a x_(t-1) + b, 1 / E[1/s^2]) in the Kalman "
-            f"prior, E[1/s^2] in closed form under the remainder's q (eq. 20){rule}"
+            f"prior, E[1/s^2] {how} the remainder's q (eq. 20){rule}"
         )
         return Factor(site, block.label, CONJUGATE_PRIOR, why)
     why = (
         f"Normal observation of {block.names[shared[site]]} given {given}: the expected row "
-        f"(h, E[1/s^2], E[1/s^2] (y - c)) in the smoother's information (eq. 20){rule}"
+        f"(h, E[1/s^2], E[1/s^2] (y - c)) in the smoother's information, E[1/s^2] {how} the "
+        f"remainder's q (eq. 20){rule}"
     )
-    return Factor(site, block.label, CONJUGATE_SCALE, why, "loc")
+    return Factor(site, block.label, CONJUGATE_SCALE_MC if mc else CONJUGATE_SCALE, why, "loc")
