@@ -35,8 +35,8 @@ def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) ->
     latents summed out): one batched model run (a particle plate, else ``vmap``; the first
     that agrees with one run per draw at the first step is kept), else one run per draw."""
     skip, closed = chain_log_factors(block.analysis, ctx, block.owned, draws, block.sites)
-    mo = block_moments(block.analysis, ctx, set(block.owned) - skip, others)
-    mo[_SKIP] = skip
+    mo = _Moments(block_moments(block.analysis, ctx, set(block.owned) - skip, others))
+    mo.skip = skip
     out = _sums(block, ctx, draws, others, mo)
     return out + closed if skip else out
 
@@ -77,12 +77,15 @@ def rao_blackwellised(block, ctx: StepContext, others) -> dict:
     return block_moments(block.analysis, ctx, block.owned, others)
 
 
-#: the key of the sites a closed form took (:func:`chain_log_factors`) in the moments' dict
-_SKIP = "_cvi_closed_form"
+class _Moments(dict):
+    """``{site: (mean, variance)}`` of :func:`rao_blackwellised`, and ``skip``: the sites a
+    closed form took (:func:`chain_log_factors`), left out of the run's sums."""
+
+    skip: frozenset = frozenset()
 
 
 def _owned(block, tr: Trace, mo) -> list:
-    skip = (mo or {}).get(_SKIP, ())
+    skip = getattr(mo, "skip", ())
     return [s for s in block.owned if s in tr.nodes and s not in skip]
 
 
