@@ -188,9 +188,11 @@ def exact_level(y: torch.Tensor, n: int = 120) -> float:
 
 
 @pytest.mark.slow
-@DTYPES
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["f32"])
 def test_twenty_thousand_steps_of_the_chain_path(dtype):
-    """20,000 steps of the Kalman block beside its scales (named ``'gaussian'`` at T = 20):
+    """20,000 steps of the Kalman block beside its scales (named ``'gaussian'`` at T = 20), in
+    float32, where rounding accumulates first (float64 takes the same path in the fits above;
+    each dtype costs ~7 CPU minutes here):
     every reported loss finite, the last 2,000 steps' mean within 0.3 nats of the mean over
     steps 8,000-10,000 (no drift), and the bound (``Trace_ELBO``) between ``-log p(y)`` (the
     exact grid answer) less 3 SE and ``-log p(y) + 3`` nats (mean field between the chain and
