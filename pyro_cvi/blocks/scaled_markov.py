@@ -293,6 +293,8 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
     def __init__(self, spec: BlockSpec, prefix: str, owned: Sequence[str], options: Options):
         super().__init__(spec, prefix, owned, options)
         self.scaled = spec.chain.rows
+        #: the steps whose transitions are scaled (``0``: the start), as an index
+        self._steps = torch.tensor(self.scaled.steps, dtype=torch.long)
         self._extra: Optional[tuple] = None
         self._fixed_for: Optional[tuple] = None
         self._elements: Optional[tuple] = None
@@ -353,7 +355,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         n = len(rows.steps) * d
         ws = w[:n].to(z).reshape(-1, d)
         Q = Q.clone()
-        steps = torch.tensor(rows.steps, dtype=torch.long)
+        steps = self._steps
         later = steps > 0
         if bool(later.any()):
             Q[steps[later] - 1] = torch.diag_embed(1.0 / ws[later])
@@ -423,7 +425,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         m, S = post.mean, post.cov
         d = m.shape[-1]
         parts = []
-        t = torch.tensor(rows.steps, dtype=torch.long)
+        t = self._steps
         if t.numel():
             first = t == 0
             r = m.new_zeros(t.numel(), d)

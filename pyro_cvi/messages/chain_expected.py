@@ -28,6 +28,7 @@ import pyro
 import torch
 
 from ..gaussian import centred_exp_mean
+from ..linalg import cholesky
 from ..model.tracing import trace_model, unwrap
 
 __all__ = [
@@ -89,7 +90,7 @@ def monte_carlo_precisions(
     half = MC_DRAWS // 2
     e = torch.randn(half, m.numel(), generator=generator, dtype=torch.float64).to(m)
     e = torch.cat([e, -e])
-    L = torch.linalg.cholesky(S + 1e-12 * torch.eye(m.numel(), dtype=m.dtype))
+    L = cholesky(S, jitter="grow", what="the covariance of q(u) of the chain's scales")
     assert rows.read is not None
     log_s = rows.read(m + e @ L.mT)
     return torch.exp(-2 * log_s).mean(0)
