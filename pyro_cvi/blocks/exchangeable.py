@@ -84,7 +84,7 @@ def quantized_start(base, dim: int, like: torch.Tensor) -> Optional[torch.Tensor
     """The prior's ``K``-point quantization along ``dim`` (module docstring), shaped as
     ``like``; ``None`` where it is not finite or not in the support."""
     K = like.shape[dim]
-    probs = (torch.arange(K, dtype=torch.float64) + 0.5) / K
+    probs = (torch.arange(K, dtype=torch.float64, device=like.device) + 0.5) / K
     shape = [1] * len(base.batch_shape)
     shape[dim] = K
     with torch.no_grad():
@@ -96,7 +96,12 @@ def quantized_start(base, dim: int, like: torch.Tensor) -> Optional[torch.Tensor
                 torch.manual_seed(0)
                 draws = base.sample((SPREAD_DRAWS,)).to(torch.float64)
             q = torch.quantile(draws, probs, dim=0)  # (K, *batch): every quantile everywhere
-            idx = torch.arange(K).reshape(shape).expand(base.batch_shape).unsqueeze(0)
+            idx = (
+                torch.arange(K, device=q.device)
+                .reshape(shape)
+                .expand(base.batch_shape)
+                .unsqueeze(0)
+            )
             out = q.gather(0, idx).squeeze(0)  # component k at quantile k
         out = torch.broadcast_to(out.to(like), like.shape).clone()
     if not bool(torch.isfinite(out).all()) or not bool(base.support.check(out).all()):

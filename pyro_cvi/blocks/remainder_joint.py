@@ -22,6 +22,7 @@ from ..context import StepContext
 from ..messages.chain_expected import chain_log_factors
 from ..messages.collapsed import collapsed_log_prob
 from ..messages.prior_expected import block_moments, expected_log_prior
+from ..model.index_guard import checked_indexing
 from ..model.tracing import run_model
 
 __all__ = ["rao_blackwellised", "remainder_log_joint"]
@@ -57,7 +58,8 @@ def _sums(block, ctx: StepContext, draws: torch.Tensor, others, mo) -> torch.Ten
     block.vectorise = False
     for way in (_vectorised, _vmapped):
         try:
-            found = way(block, ctx, draws, others, mo)
+            with checked_indexing(draws.device, trial=way is _vectorised):
+                found = way(block, ctx, draws, others, mo)
         except _REFUSED:
             found = None
         if found is not None and bool(
@@ -171,7 +173,7 @@ def _site_sum(tr: Trace, sites: Sequence[str], moments=None) -> torch.Tensor:
     return total if total is not None else torch.zeros(())
 
 
-def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int, moments=None) -> torch.Tensor:
+def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int, moments=None):
     """``sum_a scale_a * mask_a * log p_a`` per particle, without enumeration: the sum that
     :func:`collapsed_log_prob` contracts to when nothing is summed out, taken directly."""
     total = None
@@ -181,4 +183,4 @@ def _particle_sums(tr: Trace, sites: Sequence[str], K: int, P: int, moments=None
         lp = lp.movedim(lp.dim() - 1 - P, 0)
         lp = lp.expand((K,) + lp.shape[1:]).reshape(K, -1).sum(-1)
         total = lp if total is None else total + lp
-    return total if total is not None else torch.zeros(K)
+    return total if total is not None else 0.0  # (nothing owned: the log-determinants alone)

@@ -51,6 +51,7 @@ from ..messages.chain_expected import (
 from ..messages.prior_expected import remainder_moments
 from ..model import probes
 from ..model.analysis import BlockSpec
+from ..model.index_guard import checked_indexing
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import DeferredTrace, unwrap
@@ -239,18 +240,22 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
         cols.append((read(flat0 + e) - L0) / _STEP)
     H = torch.stack(cols, 1)
     g = torch.Generator().manual_seed(11)
-    dlt = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+    dlt = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64, device=g.device).to(
+        flat0
+    )
     batched = None
     if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
         # log s not affine in the unconstrained scales: E[1/s^2] by Monte Carlo over q(u),
         # where one batched run reads the scales at many draws (else the joint takes it)
         batched = batched_log_scales(an, order, ts, u0, sites)
-        moves = flat0 + 0.3 * torch.randn(3, flat0.numel(), generator=g, dtype=torch.float64).to(
-            flat0
-        )
+        moves = flat0 + 0.3 * torch.randn(
+            3, flat0.numel(), generator=g, dtype=torch.float64, device=g.device
+        ).to(flat0)
         try:
+            with checked_indexing(flat0.device):
+                found = batched(moves)
             ok = probes.close(
-                batched(moves), torch.stack([read(v) for v in moves]), probes.rtol(flat0.dtype)
+                found, torch.stack([read(v) for v in moves]), probes.rtol(flat0.dtype)
             )
         except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
             ok = False

@@ -141,7 +141,9 @@ def onedraw_tril_step(
     W = torch.linalg.solve_triangular(LH, W.mT, upper=False)  # LH^-1 G LH^-T
     norm = float(_spectral_norm(0.5 * (W + W.mT)))
     b = min(float(rho), MAX_REL / norm) if norm > 0 else float(rho)
-    H_new = retract(H, G, torch.cholesky_inverse(LH), torch.tensor(b, dtype=H.dtype))
+    H_new = retract(
+        H, G, torch.cholesky_inverse(LH), torch.tensor(b, dtype=H.dtype, device=H.device)
+    )
     P_new = H_new + torch.diag_embed(p0)
     LP, info = torch.linalg.cholesky_ex(0.5 * (P_new + P_new.mT))
     if int(info) != 0:

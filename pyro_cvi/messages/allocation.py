@@ -81,7 +81,7 @@ def _jacobian(an, site: str, z: str, zv: torch.Tensor, values) -> Optional[torch
 
 
 def _positive(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    u = torch.rand(like.shape, generator=gen, dtype=torch.float64)
+    u = torch.rand(like.shape, generator=gen, dtype=torch.float64, device=gen.device)
     return (0.5 + 1.5 * u).to(like)
 
 
@@ -240,4 +240,6 @@ def _rate_numel(an, site: str, ref) -> int:
 
 def _rates(plan: AllocationPlan, logz: torch.Tensor, logw: torch.Tensor) -> torch.Tensor:
     terms = plan.c * torch.exp(logz[plan.i] + logw[plan.j])
-    return torch.zeros(plan.num_rates, dtype=terms.dtype).index_add_(0, plan.r, terms)
+    return torch.zeros(plan.num_rates, dtype=terms.dtype, device=terms.device).index_add_(
+        0, plan.r, terms
+    )

@@ -88,7 +88,9 @@ def monte_carlo_precisions(
     ``+-e_k``; one batched evaluation of :attr:`ChainRows.read`), unbiased for the expected
     natural parameter of eq. 20."""
     half = MC_DRAWS // 2
-    e = torch.randn(half, m.numel(), generator=generator, dtype=torch.float64).to(m)
+    e = torch.randn(
+        half, m.numel(), generator=generator, dtype=torch.float64, device=generator.device
+    ).to(m)
     e = torch.cat([e, -e])
     L = cholesky(S, jitter="grow", what="the covariance of q(u) of the chain's scales")
     assert rows.read is not None
@@ -120,7 +122,12 @@ def chain_log_factors(an, ctx, owned, draws: torch.Tensor, sites) -> Tuple[set, 
         if found is None or rows.read is not None or not set(rows.given) <= set(index):
             continue
         names, keep, e = found
-        cols = torch.cat([torch.arange(index[z][0], index[z][0] + index[z][1]) for z in rows.given])
+        cols = torch.cat(
+            [
+                torch.arange(index[z][0], index[z][0] + index[z][1], device=draws.device)
+                for z in rows.given
+            ]
+        )
         u = draws[:, cols] - rows.u0.to(draws)
         H = rows.H.to(draws)[keep]
         log_s = rows.L0.to(draws)[keep] + u @ H.mT

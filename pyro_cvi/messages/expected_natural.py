@@ -38,6 +38,7 @@ from torch.distributions import biject_to
 from ..model import probes
 from ..model.explain import EXACT, MONTE_CARLO
 from ..model.factor_roles import FactorSpec
+from ..model.index_guard import checked_indexing
 from ..model.tracing import run_model, unwrap
 from .expectations import particle_values
 
@@ -108,7 +109,9 @@ def _probe_rule(an, spec: FactorSpec, fam) -> Optional[str]:
         for p, z in ref.items():
             t = biject_to(an.structure.nodes[p]["fn"].support)
             u = t.inv(z)
-            noise = torch.randn(u.shape, generator=gen, dtype=torch.float64).to(u)
+            noise = torch.randn(u.shape, generator=gen, dtype=torch.float64, device=gen.device).to(
+                u
+            )
             other[p] = t(u + 0.7 * noise)
         e1 = eta(other)
         mid = eta({p: 0.5 * (ref[p] + other[p]) for p in ref})
@@ -127,13 +130,13 @@ def monte_carlo_messages_used(an) -> bool:
 def _weight(node, full: torch.Size) -> torch.Tensor:
     """The site's scale and masks over the base distribution's batch shape ``full``."""
     fn = node["fn"]
-    w = torch.ones(full, dtype=torch.get_default_dtype())
+    w = torch.ones(full, dtype=torch.get_default_dtype(), device=node["value"].device)
     d = fn
     while True:
         if isinstance(d, dist.MaskedDistribution):
             m = d._mask
             if m is False:
-                return torch.zeros(full)
+                return torch.zeros(full, device=node["value"].device)
             if m is not True:
                 m = m.reshape(m.shape + (1,) * (len(full) - len(d.batch_shape)))
                 w = w * m
@@ -203,7 +206,8 @@ def expected_natural(
         return None
     draws = _draws(ctx, num_samples)
     try:
-        batched = _batched(ctx, an, site, fam, draws, shapes)
+        with checked_indexing(_device_of(draws), trial=an not in _VECTORISE):
+            batched = _batched(ctx, an, site, fam, draws, shapes)
     except (RuntimeError, ValueError, IndexError, TypeError):
         batched = None
     if batched is not None and an not in _VECTORISE:  # checked once against one run per draw
@@ -220,7 +224,7 @@ def own_random_stream() -> Iterator[None]:
     without advancing it: the other messages see the draws they would see without these (a
     fit is reproducible, and unchanged where no message is used)."""
     state = torch.random.get_rng_state()
-    w = torch.arange(1, state.numel() + 1, dtype=torch.int64)
+    w = torch.arange(1, state.numel() + 1, dtype=torch.int64, device=state.device)
     seed = int((state.to(torch.int64) * w).sum()) % (2**63 - 1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -234,6 +238,10 @@ def batched_agrees(batched: Sequence[torch.Tensor], looped: Sequence[torch.Tenso
     return all(
         bool(torch.allclose(x[: len(y)], y, rtol=tol, atol=tol)) for x, y in zip(batched, looped)
     )
+
+
+def _device_of(draws: List[Dict[str, torch.Tensor]]) -> torch.device:
+    return next((v.device for d in draws for v in d.values()), torch.device("cpu"))
 
 
 def _draws(ctx, num_samples: int) -> List[Dict[str, torch.Tensor]]:

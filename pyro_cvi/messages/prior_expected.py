@@ -96,7 +96,9 @@ def remainder_moments(ctx, given, what: str, site: str) -> Tuple[torch.Tensor, t
     with torch.no_grad():
         loc, cov = pyro.param(rem.loc_name).detach(), rem.covariance()
     starts = {s.name: (s.start, s.size) for s in rem.sites}
-    idx = torch.cat([torch.arange(starts[x][0], starts[x][0] + starts[x][1]) for x in given])
+    idx = torch.cat(
+        [torch.arange(starts[x][0], starts[x][0] + starts[x][1], device=loc.device) for x in given]
+    )
     return loc[idx], cov[idx][:, idx]
 
 

@@ -24,6 +24,7 @@ from pyro.distributions.util import broadcast_shape
 from torch.distributions import Independent, TransformedDistribution
 
 from ..gaussian import centred_exp_mean
+from ..model.index_guard import checked_indexing
 from ..model.scale_factor import log_affine
 from ..model.tracing import run_model, subsample_values, unwrap
 from .expected_natural import MAX_RELATIVE_SE, batched_agrees, own_random_stream
@@ -126,6 +127,10 @@ def _per_draw(node, A, z_at, S: int, at_dim) -> Tuple[torch.Tensor, torch.Tensor
     return w, w * (y - c), c
 
 
+def _device_of(stacked: Dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(stacked.values())).device if stacked else torch.device("cpu")
+
+
 def _batched(ctx, factor, values: Dict[str, torch.Tensor], stacked, S: int, z_at):
     """The draws ``stacked`` (``{latent: S x value}``) as one model run in a particle plate
     (``None``: the model does not broadcast over it)."""
@@ -189,7 +194,8 @@ def _monte_carlo_rows(ctx, factor, at, z_at) -> RowBlock:
     out = None
     if info.vectorise is not False:
         try:
-            out = _batched(ctx, factor, values, stacked, S, z_at)
+            with checked_indexing(_device_of(stacked), trial=info.vectorise is None):
+                out = _batched(ctx, factor, values, stacked, S, z_at)
         except (RuntimeError, ValueError, IndexError, TypeError):
             out = None
         if out is not None and info.vectorise is None:  # checked once against a loop

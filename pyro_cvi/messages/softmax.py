@@ -108,7 +108,7 @@ def _at_points(eta: torch.Tensor, w: torch.Tensor) -> LSEMoments:
 
 def contrasts(K: int, dtype=torch.float64, device=None) -> torch.Tensor:
     """An orthonormal basis ``Q [K, K - 1]`` of the logit contrasts (``Q^T 1 = 0``)."""
-    C = torch.eye(K, dtype=torch.float64) - 1.0 / K
+    C = torch.eye(K, dtype=torch.float64, device=device) - 1.0 / K
     Q, _ = torch.linalg.qr(C[:, : K - 1])
     return Q.to(dtype=dtype, device=device)
 
@@ -153,7 +153,11 @@ def _pairwise(mean, cov, num_points):
 def _monte_carlo(mean, cov, num_samples, generator, draws=None):
     half = max(1, num_samples // 2)
     if draws is None:
-        eps = torch.randn((half,) + mean.shape, dtype=mean.dtype, generator=generator)
+        device = mean.device if generator is None else generator.device
+        eps = torch.randn(
+            (half,) + mean.shape, dtype=mean.dtype, generator=generator, device=device
+        )
+        eps = eps.to(mean.device)
     elif draws.shape != (half,) + mean.shape:
         raise ValueError(
             f"lse_expectations: draws must have shape {(half,) + tuple(mean.shape)} "

@@ -186,9 +186,9 @@ def _check(an, site: str, z: str, W: str, mu: Optional[str], tau: str) -> Option
 
     def rand(shape, positive=False):
         u = (
-            torch.rand(shape, generator=g, dtype=torch.float64)
+            torch.rand(shape, generator=g, dtype=torch.float64, device=g.device)
             if positive
-            else torch.randn(shape, generator=g, dtype=torch.float64)
+            else torch.randn(shape, generator=g, dtype=torch.float64, device=g.device)
         )
         return (0.5 + u if positive else u).to(X)
 
@@ -200,7 +200,7 @@ def _check(an, site: str, z: str, W: str, mu: Optional[str], tau: str) -> Option
 
     Ws = an.values[W].shape
     z1, W1, t1, t2 = rand((N, K)), rand(Ws), rand(t0.shape, True), rand(t0.shape, True)
-    m0 = {mu: torch.zeros(D, dtype=X.dtype)} if mu is not None else {}
+    m0 = {mu: torch.zeros(D, dtype=X.dtype, device=X.device)} if mu is not None else {}
     reads = [
         read(**{z: torch.zeros_like(z1), W: W1, tau: t1}, **m0),
         read(**{z: z1, W: torch.zeros_like(W1), tau: t2}, **m0),

@@ -272,7 +272,7 @@ def check_monomial(
     g = torch.Generator(device="cpu").manual_seed(1234)
 
     def rand(lo, hi):
-        u = torch.rand(z0.shape, generator=g, dtype=torch.float64)
+        u = torch.rand(z0.shape, generator=g, dtype=torch.float64, device=g.device)
         return (lo + (hi - lo) * u).to(dtype=z0.dtype, device=z0.device)
 
     # probe around a well-conditioned point (entries of comparable size), not the prior draw:
@@ -314,12 +314,12 @@ def find_identity_index(
         if vector:
             K = shape[-1]
             rows = shape.numel() // K
-            u = torch.rand(rows, K, generator=g, dtype=torch.float64)
+            u = torch.rand(rows, K, generator=g, dtype=torch.float64, device=g.device)
             tag = -torch.log(u.clamp(min=1e-12))  # Dirichlet(1, ..., 1) rows: distinct a.s.
             tag = tag / tag.sum(-1, keepdim=True)
         else:
             n = shape.numel()
-            perm = torch.randperm(n, generator=g)
+            perm = torch.randperm(n, generator=g, device=g.device)
             tag = (0.05 + 0.9 * (perm.to(torch.float64) + 0.5) / max(n, 1)).unsqueeze(-1)
         tag = tag.to(dtype=dtype, device=device)
         with torch.no_grad():

@@ -182,7 +182,9 @@ def _next_value(site) -> Optional[torch.Tensor]:
     K = support.shape[0]
     if fn.event_shape and v.shape[-1] == K and bool(((v == 0) | (v == 1)).all()):
         return v.roll(1, -1)  # one-hot
-    if fn.event_shape or not torch.equal(support.reshape(-1), torch.arange(K).to(support)):
+    if fn.event_shape or not torch.equal(
+        support.reshape(-1), torch.arange(K, device=support.device).to(support)
+    ):
         return None
     return (v + 1).remainder(K)
 
@@ -248,7 +250,7 @@ def hidden_dependencies(
             continue
         with torch.no_grad():
             u = t.inv(v)
-            r = torch.randn(u.shape, generator=g, dtype=torch.float64).to(u)
+            r = torch.randn(u.shape, generator=g, dtype=torch.float64, device=g.device).to(u)
             d = r.sign() * (2 * u.abs().mean().clamp_min(1.0) + r.abs())
             moved_at[n] = t(u + d)
     try:

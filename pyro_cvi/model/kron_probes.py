@@ -110,11 +110,11 @@ def kron_jacobian(
         return None
     g = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(2):  # A u against X U G^T
-        U = torch.randn(Dx, Kz, generator=g, dtype=torch.float64).to(X)
+        U = torch.randn(Dx, Kz, generator=g, dtype=torch.float64, device=g.device).to(X)
         (Au,) = torch.autograd.grad((atv * U).sum(), v, retain_graph=True, allow_unused=True)
         if Au is None or not agrees(Au.reshape(N, K), X @ U @ G.mT, Xa @ U.abs() @ Ga.mT):
             return None
-    Wt = torch.randn(N, K, generator=g, dtype=torch.float64).to(X)
+    Wt = torch.randn(N, K, generator=g, dtype=torch.float64, device=g.device).to(X)
     # (a scalar output, not grad_outputs: torch imports sympy for explicit grad_outputs)
     (wA,) = torch.autograd.grad(
         (flat * Wt.reshape(-1)).sum(), z, retain_graph=True, allow_unused=True

@@ -129,7 +129,9 @@ def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
     with torch.no_grad():
         out0 = read(flat0)
         g = torch.Generator().manual_seed(7)
-        d = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+        d = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64, device=g.device).to(
+            flat0
+        )
         out1 = read(flat0 + d)
     R = out0.numel() // 2
     if R != int(shape.numel()) or not bool(torch.isfinite(J).all()):

@@ -220,7 +220,8 @@ def perturbations(at: Dict[str, torch.Tensor], num_probes: int = 2, seed: int = 
         dz = {}
         for p, z0 in at.items():
             s = z0.abs().mean().clamp_min(1.0) if z0.numel() else 1.0
-            dz[p] = (s * torch.randn(z0.shape, generator=g, dtype=torch.float64)).to(z0)
+            e = torch.randn(z0.shape, generator=g, dtype=torch.float64, device=g.device)
+            dz[p] = ((s.to(g.device) if torch.is_tensor(s) else s) * e).to(z0)
         out.append(dz)
     if num_probes >= 2:
         dz = {}
@@ -293,7 +294,7 @@ def _probe_weights(value: torch.Tensor) -> torch.Tensor:
     """Random weights of the shape of ``value`` from the local generator (seeded: the user's
     RNG stream is not consumed, and the answer is the same every time)."""
     g = torch.Generator(device="cpu").manual_seed(11)
-    return torch.randn(value.shape, generator=g, dtype=torch.float64).to(value)
+    return torch.randn(value.shape, generator=g, dtype=torch.float64, device=g.device).to(value)
 
 
 #: autograd ops linear in each input (a sum, a copy, a selection, a reshaping): affine whatever

@@ -79,7 +79,8 @@ def _grads(out: torch.Tensor, leaves: Dict[str, torch.Tensor]) -> Dict[str, bool
     names = [n for n, v in leaves.items() if v.requires_grad]
     if not out.requires_grad or not names:
         return {n: False for n in leaves}
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64, device=g.device)
     gs = torch.autograd.grad(
         (out * w.to(out)).sum(), [leaves[n] for n in names], allow_unused=True, retain_graph=True
     )
@@ -166,7 +167,8 @@ def _closed_form(an, site: str, scale: torch.Tensor, reads) -> Optional[tuple]:
     index = nonzero.to(torch.int64).argmax(1)
     beta = B.gather(1, index[:, None])[:, 0]
     # confirm: log s(z e^d) = log s(z) + beta d[index] at a random move
-    d = 0.3 * torch.randn(zv.shape, generator=torch.Generator().manual_seed(5), dtype=zv.dtype)
+    g = torch.Generator().manual_seed(5)
+    d = 0.3 * torch.randn(zv.shape, generator=g, dtype=zv.dtype, device=g.device).to(zv.device)
     with torch.no_grad():
         moved = unwrap(an.run(**{z: zv.detach() * d.exp()}).nodes[site]["fn"])[0]
         s1 = moved.scale.expand(scale.shape).reshape(-1)

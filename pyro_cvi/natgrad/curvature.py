@@ -94,8 +94,8 @@ class DrawCurvature:
         """Forget every draw (the fit is rebuilt from the next ``min_draws``)."""
         dim = self.dim
         self.n = 0
-        z = torch.zeros(dim, dtype=torch.float64)
-        zz = torch.zeros(dim, dim, dtype=torch.float64)
+        z = torch.zeros(dim, dtype=torch.float64, device="cpu")  # (moved by the first add)
+        zz = torch.zeros(dim, dim, dtype=torch.float64, device="cpu")
         self.w, self.u, self.h, self.uu, self.hu = 0.0, z, z.clone(), zz, zz.clone()
         self.hh = z.clone()
         self.error, self.checked = 0.0, 0
@@ -113,7 +113,9 @@ class DrawCurvature:
         white = suu / torch.outer(s, s)
         white = 0.5 * (white + white.mT)
         ridge = 1e-8 * float(white.diagonal().mean()) + 1e-300
-        chol, info = torch.linalg.cholesky_ex(white + ridge * torch.eye(self.dim, dtype=s.dtype))
+        chol, info = torch.linalg.cholesky_ex(
+            white + ridge * torch.eye(self.dim, dtype=s.dtype, device=s.device)
+        )
         if int(info) != 0:
             return None
         a = torch.cholesky_solve((shu / s).mT, chol).mT / s
@@ -125,6 +127,9 @@ class DrawCurvature:
         f = self.forget
         self.n += 1
         self.w = f * self.w + 1.0
+        if self.u.device != u.device:  # (the accumulators follow the draws' device)
+            self.u, self.h, self.hh = self.u.to(u.device), self.h.to(u.device), self.hh.to(u.device)
+            self.uu, self.hu = self.uu.to(u.device), self.hu.to(u.device)
         self.u = f * self.u + u
         self.h = f * self.h + h
         self.uu = f * self.uu + torch.outer(u, u)
@@ -298,7 +303,7 @@ def tril_with_draw(
     if not use_cv:
         return None
     curv.active = True
-    eye = torch.eye(curv.dim, dtype=torch.float64)
+    eye = torch.eye(curv.dim, dtype=torch.float64, device=L64.device)
     lower_inv = torch.linalg.solve_triangular(L64, eye, upper=False)
     hess = torch.outer(r, eps) @ lower_inv
     G = 0.5 * (hess + hess.mT) + a - lower_inv.mT @ lower_inv

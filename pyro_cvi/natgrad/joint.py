@@ -257,7 +257,8 @@ def _at_previous(block, prev, e: torch.Tensor, full: bool, tril: bool = False):
 def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
     """``(e, u)``: ``n`` antithetic pairs ``e = [e_j; -e_j]`` from :func:`report_generator` and
     ``u = m + L e`` (``L = scale``, lower triangular where ``full``, else its diagonal)."""
-    e = torch.randn(n, block.dim, dtype=m.dtype, generator=report_generator(block, ctx))
+    g = report_generator(block, ctx)
+    e = torch.randn(n, block.dim, dtype=m.dtype, generator=g, device=g.device)
     e = torch.cat([e, -e]).to(m.device)
     return e, m + (e @ scale.mT if full else scale * e)
 

@@ -188,7 +188,7 @@ def _replay(
     (``None``: a shape that does not fit, so an operation between them was not element-wise).
     A reshape keeps the order of the elements: the next operation's input shape (or ``shape``
     at the end) is its output's."""
-    idx = torch.arange(u.numel()).reshape(u.shape)
+    idx = torch.arange(u.numel(), device=u.device).reshape(u.shape)
     reshaped = False
     for op in ops:
         kind = op[0]

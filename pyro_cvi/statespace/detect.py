@@ -407,12 +407,14 @@ def observation_rows(
     H = torch.stack(
         [jvp(_component(x.new_zeros(T, d), k), create_graph) for k in range(d)], -1
     )  # (R, d)
-    weights = torch.rand(d, generator=torch.Generator().manual_seed(3), dtype=x.dtype).to(x) + 0.5
+    g = torch.Generator().manual_seed(3)
+    weights = torch.rand(d, generator=g, dtype=x.dtype, device=g.device).to(x) + 0.5
     steps = torch.arange(1, T + 1, dtype=x.dtype, device=x.device)[:, None] * weights
     denom = H @ weights
     ratio = jvp(steps) / torch.where(denom == 0, torch.ones_like(denom), denom)
     t = torch.where(denom == 0, torch.zeros_like(ratio), ratio - 1).round().long().clamp(0, T - 1)
-    check = torch.randn(T, d, generator=torch.Generator().manual_seed(5), dtype=x.dtype).to(x)
+    g = torch.Generator().manual_seed(5)
+    check = torch.randn(T, d, generator=g, dtype=x.dtype, device=g.device).to(x)
     if not probes.close(jvp(check), (H.detach() * check[t]).sum(-1), probes.rtol(x.dtype)):
         raise ValueError("an element depends on more than one step")
     return t, H

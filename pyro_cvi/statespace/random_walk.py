@@ -89,7 +89,9 @@ def _random_walk(an, name: str) -> Optional[ChainSpec]:
         x0 = inc.states(an.ref[name].reshape(-1))
         g = torch.Generator(device="cpu").manual_seed(11)
         scale = float(x0.abs().mean().clamp_min(1.0))
-        dx = (scale * torch.randn(x0.shape, generator=g, dtype=torch.float64)).to(x0)
+        dx = (scale * torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device)).to(
+            x0
+        )
         with torch.no_grad():
             moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(shape)})
         try:

@@ -176,9 +176,9 @@ class MultiClassCVIOptimizer:
             gen, half = torch.Generator().manual_seed(self.seed), max(1, self.num_samples // 2)
             n, K = mean.shape
             draws = [
-                torch.randn((half, min(chunk, n - i), K), dtype=mean.dtype, generator=gen).to(
-                    mean.device
-                )
+                torch.randn(
+                    (half, min(chunk, n - i), K), dtype=mean.dtype, generator=gen, device=gen.device
+                ).to(mean.device)
                 for i in range(0, n, chunk)
             ]
             self._draw_cache = (key, draws)
