@@ -107,25 +107,23 @@ class Engine:
                 mean_trace = pyro.poutine.trace(init_messenger(init_to_mean)(self.model)).get_trace(
                     *args, **kwargs
                 )
-        init = BlockInit(
-            an.values,
-            prototype_trace,
-            init_trace,
-            init_loc_fn,
-            self.options.init_scale,
-            start_trace,
-            mean_trace,
-        )
+        start = (init_trace, init_loc_fn, self.options.init_scale, start_trace, mean_trace)
+        init = BlockInit(an.values, prototype_trace, *start)
         for block in self.blocks:
             block.setup(init)
         floats = (v for v in an.values.values() if v.is_floating_point())
         like = next(floats, torch.zeros(()))  # (a discrete latent's value is an integer)
         pyro.param(self.steps_name, lambda: torch.zeros((), dtype=like.dtype, device=like.device))
         self._tag_params()  # known to CVI() from the start, whatever the loss
+        # the data just analysed (the context reads its state; the first step's new_data
+        # finds it the same: no reanalysis, no RNG states saved)
+        state = model_state(self.model, args, kwargs)
+        self._state_for = (args, kwargs, state)
         with torch.no_grad():
             ctx = self.context(args, kwargs, subsample or {}, grads=False)
             for block in self.blocks:
                 block.initialise(ctx, fresh)
+        self._data_state = state
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
         o = self.options

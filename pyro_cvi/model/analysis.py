@@ -45,7 +45,7 @@ from .collapsed_group import collapsed_sites, collapsed_spec, infinite_support_e
 from .collapsed_group import families_summing_marked as choose_families
 from .discrete_glm import discrete_glm_factor, unites
 from .explain import explain
-from .factor_roles import FactorSpec, analyze_factor
+from .factor_roles import FactorSpec, factor_spec
 from .records import (
     COLLAPSED,
     CONJUGATE,
@@ -83,13 +83,7 @@ from .tracing import (
 )
 from .weights import leaf_latents, weighted_chain
 
-__all__ = [
-    "Analysis",
-    "SITE",
-    "NATURAL",
-    "LEAF_FORM",
-    "REMAINDER",
-]  # (the records: pyro_cvi.model.records)
+__all__ = ["Analysis", "SITE", "NATURAL", "LEAF_FORM", "REMAINDER"]  # (records: model.records)
 
 
 class Analysis:
@@ -220,12 +214,14 @@ class Analysis:
     def regroup(self) -> None:
         """Group the Gaussian blocks and classify every factor (again, after latents moved)."""
         self.specs: Dict[str, FactorSpec] = {}  # (asked while grouping; reset after)
+        self.kept_specs: Optional[dict] = {None: False}  # (read once: factor_spec)
         self.blocks = self._group_blocks()
         self.probe_cache.clear()  # (block indices may have changed)
-        self.specs = {}
+        self.specs, self.kept_specs[None] = {}, True
         self.owner: Dict[str, object] = {}
         self._classify()
         self.probe_cache.clear()
+        self.kept_specs = None
 
     # ------------------------------------------------------------------ model runs
     def run(self, **override):
@@ -305,7 +301,7 @@ class Analysis:
             deps = self.deps.get(site, set())
             self.specs[site] = collapsed_spec(site, deps, self.continuous, self.collapsed)
         if site not in self.specs:
-            self.specs[site] = analyze_factor(self, site)
+            self.specs[site] = factor_spec(self, site, getattr(self, "kept_specs", None))
         return self.specs[site]
 
     def latents_of(self, site: str) -> Set[str]:

@@ -20,7 +20,7 @@ from . import conjugate_pairs as cp
 from . import probes
 from .tracing import unwrap
 
-__all__ = ["FactorSpec", "analyze_factor", "minibatch_renames", "minibatch_spec"]
+__all__ = ["FactorSpec", "analyze_factor", "factor_spec", "minibatch_renames", "minibatch_spec"]
 
 
 @dataclass
@@ -44,10 +44,12 @@ class FactorSpec:
         return self.continuous | self.discrete
 
 
-def analyze_factor(an, site_name: str) -> FactorSpec:
+def analyze_factor(an, site_name: str, draws: Optional[list] = None) -> FactorSpec:
     """Classify one factor: exact (every parameter in a registered conjugate role) or not.
 
     ``an``: the :class:`~pyro_cvi.model.analysis.Analysis` (its traces, dependencies, families).
+    ``draws``, if given, receives ``(shape, dtype, device)`` of every draw it takes from
+    torch's random stream (the random projections of the dependency tests).
     """
     tr, leaves = an.leaf_trace()
     site = tr.nodes[site_name]
@@ -88,6 +90,8 @@ def analyze_factor(an, site_name: str) -> FactorSpec:
             t = pattern.read(base, name)
             pdeps: Set[str] = set()
             if torch.is_tensor(t) and t.requires_grad and names:
+                if draws is not None:
+                    draws.append((t.shape, t.dtype, t.device))
                 grads = torch.autograd.grad(
                     (t * torch.randn_like(t)).sum(),
                     [leaves[n] for n in names],
@@ -114,6 +118,36 @@ def analyze_factor(an, site_name: str) -> FactorSpec:
     spec.exact = True
     text = cp.roles_text(pattern, spec.roles)
     spec.reason = (f"{dname} {text} (probed)" if text else dname) + enumerated
+    return spec
+
+
+def factor_spec(an, site_name: str, kept: Optional[dict]) -> FactorSpec:
+    """:func:`analyze_factor`, once per regrouping where it can be: ``kept`` holds the specs
+    asked while the blocks are grouped (``kept[None]`` false) with the draws they took from
+    torch's random stream. The classification (``kept[None]`` true) reads a kept
+    spec instead of analysing the factor again (the same traces, dependencies and families:
+    the same spec) and replays its draws, so the stream moves as the analysis would have
+    moved it. A spec whose analysis took other draws (a model run that draws) is not kept."""
+    if kept is None:
+        return analyze_factor(an, site_name)
+    if kept[None]:
+        spec, draws = kept.pop(site_name, (None, None))
+        if spec is None:
+            return analyze_factor(an, site_name)
+        for shape, dtype, device in draws:
+            torch.randn(shape, dtype=dtype, device=device)
+        return spec
+    draws: list = []
+    before = torch.get_rng_state()
+    spec = analyze_factor(an, site_name, draws)
+    after = torch.get_rng_state()
+    if all(d[2].type == "cpu" for d in draws):
+        torch.set_rng_state(before)  # the replay must move the stream exactly as the analysis
+        for shape, dtype, device in draws:
+            torch.randn(shape, dtype=dtype, device=device)
+        if torch.equal(torch.get_rng_state(), after):
+            kept[site_name] = (spec, draws)
+        torch.set_rng_state(after)
     return spec
 
 
