@@ -5,8 +5,9 @@ numpyro's BNN regression (21 latents, full; ``SignalToNoise(report_pairs=64)``):
 
 * the recursion ``R_t = (1 - b)(R_{t-1} + D_t) + b F_t`` by hand, its restarts (another key,
   a value that is not finite) and its weight ``b`` read from earlier steps only;
-* the step is the same: the report's pairs come from the block's own generator and a
-  forward-only model run of their own, so ``q`` after 20 steps (and the backtracks) equal
+* the step is the same: the report's pairs come from the block's own generator and are rows
+  of the draw's batched model run that the gradient does not read, so ``q`` after 20 steps
+  (and the backtracks) equal
   those without a report, bit for bit;
 * unbiased for the current ``q`` at several step counts: over runs that share the trajectory
   (the report's seed changed, the step's draws not), the mean report equals an independent
