@@ -207,6 +207,31 @@ def test_the_tracked_report_leaves_the_steps_as_they_were(dtype, rule, none):
     assert tracked[-1] != without[-1]
 
 
+@DTYPES
+def test_the_pairs_are_rows_of_the_draws_own_batched_run(dtype):
+    """After the first step (the batched run checked on the draw alone, the pairs run after
+    it), each step runs the model once: the draw's row, the tracked pairs' ``2 n`` rows at the
+    current ``q`` and ``2 n`` at the previous one."""
+    n = 4
+    *_, guide, _, svi, args = _setup(dtype, Horizon(report_pairs=n))
+    svi.step(*args)
+    block = _block(guide)
+    assert block.vectorise
+    rows = []
+    log_joint = block._log_joint
+
+    def counted(ctx, u, others):
+        rows.append(u.shape[0])
+        return log_joint(ctx, u, others)
+
+    block._log_joint = counted
+    for _ in range(3):
+        rows.append("step")
+        svi.step(*args)
+    assert rows == ["step", 1 + 4 * n] * 3
+    assert block.control.tracked.var_d is not None
+
+
 @RULES
 @DTYPES
 def test_a_resumed_run_reports_what_the_uninterrupted_one_does(dtype, rule, none, tmp_path):
