@@ -8,8 +8,9 @@ classifier (139 latents, the diagonal one-draw step):
   and below 0.4 of one draw's report's (measured at 300 steps, two seeds: 15.9 and 15.0 nats
   from one draw, 5.8 and 4.9 with four pairs, 3.2 and 2.1 with 16:
   ``scripts/benchmark_report_spread.py``);
-* the step is the same: the pairs come from the block's own generator and a forward-only
-  model run of their own, so ``q`` after 20 steps equals ``q`` without them, bit for bit;
+* the step is the same: the pairs come from the block's own generator and are rows of the
+  draw's batched model run that the gradient does not read, so ``q`` after 20 steps equals
+  ``q`` without them, bit for bit;
 * its validation.
 """
 

@@ -5,8 +5,9 @@ numpyro's BNN regression (21 latents, full; ``SignalToNoise(report_pairs=64)``):
 
 * the recursion ``R_t = (1 - b)(R_{t-1} + D_t) + b F_t`` by hand, its restarts (another key,
   a value that is not finite) and its weight ``b`` read from earlier steps only;
-* the step is the same: the report's pairs come from the block's own generator and a
-  forward-only model run of their own, so ``q`` after 20 steps (and the backtracks) equal
+* the step is the same: the report's pairs come from the block's own generator and are rows
+  of the draw's batched model run that the gradient does not read, so ``q`` after 20 steps
+  (and the backtracks) equal
   those without a report, bit for bit;
 * unbiased for the current ``q`` at several step counts: over runs that share the trajectory
   (the report's seed changed, the step's draws not), the mean report equals an independent
@@ -204,6 +205,31 @@ def test_the_tracked_report_leaves_the_steps_as_they_were(dtype, rule, none):
     for n in a:
         assert torch.equal(a[n], b[n].detach()), n
     assert tracked[-1] != without[-1]
+
+
+@DTYPES
+def test_the_pairs_are_rows_of_the_draws_own_batched_run(dtype):
+    """After the first step (the batched run checked on the draw alone, the pairs run after
+    it), each step runs the model once: the draw's row, the tracked pairs' ``2 n`` rows at the
+    current ``q`` and ``2 n`` at the previous one."""
+    n = 4
+    *_, guide, _, svi, args = _setup(dtype, Horizon(report_pairs=n))
+    svi.step(*args)
+    block = _block(guide)
+    assert block.vectorise
+    rows = []
+    log_joint = block._log_joint
+
+    def counted(ctx, u, others):
+        rows.append(u.shape[0])
+        return log_joint(ctx, u, others)
+
+    block._log_joint = counted
+    for _ in range(3):
+        rows.append("step")
+        svi.step(*args)
+    assert rows == ["step", 1 + 4 * n] * 3
+    assert block.control.tracked.var_d is not None
 
 
 @RULES

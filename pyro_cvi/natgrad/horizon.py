@@ -76,8 +76,9 @@ class Horizon:
         :class:`TrackedReport`'s estimate (the same pairs also run at the previous ``q``).
         Pairs are off by default: each is two forward rows (four tracked) of the batched
         model run, cheap beside a step where the run's fixed cost dominates (the 13-8-3 wine
-        network: 16 tracked pairs about +3.5 ms on a 4.5 ms step) and several steps' cost
-        where its FLOPs do (a larger network: 4 untracked pairs doubled digits' step).
+        network: 8 tracked pairs about +1.9 ms on a 4.5 ms step, 16 about +3.4 ms) and several
+        steps' cost where its FLOPs do (a larger network: 4 untracked pairs doubled digits'
+        step). They are rows of the draw's own batched run (the gradient reads the draw's row).
     """
 
     lr: float = 0.2

@@ -101,10 +101,13 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     dz = eps @ sc.mT if full else sc * eps
     u = (m + dz).requires_grad_(True)
-    # the report's pairs run in a forward-only batched model run of their own (none where the
-    # model runs once per draw, or before the batched run is checked on the step's draw); a
-    # backward pass through the draw's run does not cross them
-    f = log_joint(u)
+    # the report's pairs run in the draw's own batched model run, as rows the gradient does
+    # not read (none where the model runs once per draw; at the first step the batched run is
+    # checked on the step's draw alone, and the pairs run after it): the run's fixed cost is
+    # paid once
+    f = None
+    if block.vectorise is None:
+        f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
     tracked = tracked_report(block, ctx) if n >= 2 else None
@@ -117,9 +120,15 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
         parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             u_prev, logdet_prev = _at_previous(block, prev, e2, full)
-            parts.append(u_prev)
-        with torch.no_grad():
-            rest = log_joint(torch.cat(parts))
+            parts.append(u_prev.detach())
+        if f is None:
+            f_all = log_joint(torch.cat([u] + parts))
+            f, rest = f_all[:K], f_all[K:].detach()
+        else:
+            with torch.no_grad():
+                rest = log_joint(torch.cat(parts))
+    elif f is None:
+        f = log_joint(u)
     prior = prior_split(block, p, u)
     # log q(u_k) from eps_k: -|eps_k|^2 / 2 - log |L| - D log(2 pi) / 2
     logdet = (sc.diagonal() if full else sc).abs().log().sum()

@@ -1,0 +1,126 @@
+"""The one-draw step's schedule and report against the two wine cells of the BNN benchmark
+(``scripts/benchmark_bnn.py``): for each configuration of :class:`~pyro_cvi.Horizon` (fields
+replaced in the default rule's step, as ``benchmark_bnn.py --horizon-options`` does) and seed,
+float32, one torch thread:
+
+* the loss reported at step 300 against a sharp estimate (4,000 antithetic pairs through the
+  block's batched log joint) of the bound of the ``q`` it was evaluated at (the ``q`` before
+  the last step); within 1 nat or 1% is the benchmark's criterion;
+* the same run continued to the CPU budget (6 s on wine, as the benchmark gives AutoCVI):
+  the sharp bound of the final ``q`` and the steps taken, to set beside IVON's bound at
+  equal CPU (``benchmark_bnn.py``'s rows).
+
+    python scripts/benchmark_onedraw_schedule.py --out F [--model bnn_wine] [--seeds 0,1,2,3,4]
+        [--budget 6] [--configs '{}' '{"plateau": 50, "report_pairs": 8}' ...] [--quick]
+
+Configurations run one after another (each over all seeds) in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from pyro.infer import SVI
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import benchmark_bnn as B  # noqa: E402
+from bench.bnn_models import MODELS  # noqa: E402
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, strategies  # noqa: E402
+
+STEPS = 300
+PAIRS = 4000
+
+
+def run(name: str, opts: dict, seed: int, budget: float, steps: int = STEPS) -> dict:
+    """One run under ``opts``: the step-``steps`` gap and the bound at ``budget`` CPU s."""
+    choose = strategies.Remainder.choose_step
+
+    def replaced(self, hierarchical):
+        step = choose(self, hierarchical)
+        return dataclasses.replace(step, **opts) if isinstance(step, Horizon) else step
+
+    strategies.Remainder.choose_step = replaced
+    try:
+        make, data = MODELS[name]
+        args = data(torch.float32)
+        model = make()
+        B._fresh(seed)
+        guide = AutoCVI(model)
+        svi = SVI(model, guide, CVI(), CVI_ELBO())
+        cpu, t, row = 0.0, 0, {"seed": seed}
+        while t < steps or cpu < budget:
+            if t == steps - 1:  # the q that the next step's loss is of
+                state = torch.get_rng_state()
+                evaluated = B._sharp_estimate(guide, args, pairs=PAIRS)
+                torch.set_rng_state(state)
+            t0 = time.process_time()
+            loss = float(svi.step(*args))
+            cpu += time.process_time() - t0
+            t += 1
+            if t == steps:
+                gap = loss - evaluated[0]
+                row.update(
+                    reported=loss,
+                    bound=evaluated[0],
+                    gap=gap,
+                    ok=abs(gap) <= max(B.TOL, 0.01 * abs(evaluated[0])),
+                    ms_per_step=1000 * cpu / steps,
+                )
+        row.update(steps=t, cpu=cpu, final_bound=B._sharp_estimate(guide, args, pairs=PAIRS))
+        return row
+    finally:
+        strategies.Remainder.choose_step = choose
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bnn_wine")
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--budget", type=float, default=None, help="CPU s (default: the benchmark's)")
+    ap.add_argument("--configs", nargs="+", default=["{}"], help="Horizon fields, JSON each")
+    ap.add_argument("--quick", action="store_true", help="one seed, a third of the budget")
+    ap.add_argument("--out", default=None, help="JSON of the rows (required)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(a.out) if a.out else ROOT / "results" / "quick" / "benchmark_onedraw_schedule.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    budget = a.budget if a.budget is not None else B.BUDGET[a.model]
+    seeds = [int(s) for s in a.seeds.split(",")]
+    if a.quick:
+        seeds, budget = seeds[:1], budget / 3
+    meta = {
+        "command": " ".join(sys.argv),
+        "model": a.model,
+        "budget_s": budget,
+        "torch": torch.__version__,
+        "load_at_start": os.getloadavg(),
+    }
+    results = []
+    for text in a.configs:
+        opts = json.loads(text)
+        rows = [run(a.model, opts, s, budget) for s in seeds]
+        ok = sum(r["ok"] for r in rows)
+        verdict = (
+            f"verdict {a.model} {json.dumps(opts)}: reported loss at {STEPS} steps within "
+            f"{B.TOL:g} nat or 1% of the bound in {ok}/{len(rows)}; bound at {budget:g} CPU s "
+            + ", ".join(f"{r['final_bound'][0]:.2f} ({r['steps']} steps)" for r in rows)
+        )
+        print(verdict, flush=True)
+        results.append({"options": opts, "rows": rows, "verdict": verdict})
+        out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
