@@ -25,8 +25,10 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from torch.distributions import biject_to
 
 from ..model import probes
+from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
 from ..statespace import detect
@@ -97,8 +99,15 @@ def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
             return None
         scales |= read
         sites.append(site)
-    if not sites or not scales:
+    if not sites or not scales or families.get(name) == "joint":
         return None
+    size = inc.length * inc.state_dim + sum(
+        int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel())
+        for z in scales
+        if z in an.values
+    )
+    if size <= JOINT_MAX_DIM and families.get(name) != "gaussian":
+        return None  # (the joint keeps it: no rows read)
     rows = _observation_rows(an, name, inc, sites)
     if rows is None:
         return None
@@ -112,12 +121,7 @@ def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
     tr, leaves = an.leaf_trace()
     spec = detect.ChainSpec((name,), inc.state_dim, inc.length, False, increments=inc)
     x0 = inc.states(an.ref[name].detach().reshape(-1))
-    g = torch.Generator(device="cpu").manual_seed(11)
-    dx = torch.randn(x0.shape, generator=g, dtype=torch.float64) * x0.abs().mean().clamp_min(1.0)
-    dx = dx.to(x0)
-    with torch.no_grad():
-        moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(inc.shape)})
-    out = {}
+    found = {}
     for site in sites:
         node = tr.nodes[site]
         fn = unwrap(node["fn"])[0]
@@ -128,10 +132,17 @@ def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
                 t, h = detect.observation_rows(spec, loc, leaves)
             except (ValueError, RuntimeError):
                 return None
-        h = h.detach()
-        c = loc.detach().reshape(-1) - (h * x0[t]).sum(-1)
+        found[site] = (shape, loc.detach().reshape(-1), t, h.detach())
+    g = torch.Generator(device="cpu").manual_seed(11)
+    dx = torch.randn(x0.shape, generator=g, dtype=torch.float64) * x0.abs().mean().clamp_min(1.0)
+    dx = dx.to(x0)
+    with torch.no_grad():  # (one probe run, for the rows found)
+        moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(inc.shape)})
+    out = {}
+    for site, (shape, loc, t, h) in found.items():
+        c = loc - (h * x0[t]).sum(-1)
         moved_loc = unwrap(moved.nodes[site]["fn"])[0].loc.expand(shape).reshape(-1)
-        pred = loc.detach().reshape(-1) + (h * dx[t]).sum(-1)
+        pred = loc + (h * dx[t]).sum(-1)
         if not probes.close(moved_loc, pred, probes.rtol(x0.dtype)):
             return None  # (a loc not affine in the states)
         out[site] = (t, h, c)
