@@ -10,6 +10,7 @@ the guide's site ``eps`` in its plate, and (slow) the fit against the exact grid
 the Monte Carlo path's reported loss against ``Trace_ELBO``.
 """
 
+import functools
 import math
 
 import pyro
@@ -25,24 +26,25 @@ from pyro_cvi.model.prior_factor import JOINT_MAX_DIM
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 
 
-def walk(y):
+def walk(y, start=None):
     """The walk in the plate-and-cumsum spelling (the first increment is the start,
-    ``N(0, 1)``)."""
+    ``N(0, 1)``, or ``N(0, sigma_level)`` with ``start="latent"``)."""
     T = y.shape[0]
     sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
     so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
     loc = torch.cat([y.new_zeros(1), y.new_full((T - 1,), 0.1)])
+    first = sl.reshape(1) if start == "latent" else y.new_ones(1)
     with pyro.plate("time", T):
-        eps = pyro.sample("eps", dist.Normal(loc, torch.cat([y.new_ones(1), sl.expand(T - 1)])))
+        eps = pyro.sample("eps", dist.Normal(loc, torch.cat([first, sl.expand(T - 1)])))
     with pyro.plate("obs_time", T):
         pyro.sample("y", dist.Normal(2.0 * eps.cumsum(-1) + 0.3, so), obs=y)
 
 
-def loop(y):
+def loop(y, start=None):
     """The same density as :func:`walk`, a ``pyro.markov`` loop."""
     sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
     so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
-    x = pyro.sample("x_0", dist.Normal(y.new_tensor(0.0), 1.0))
+    x = pyro.sample("x_0", dist.Normal(y.new_tensor(0.0), sl if start == "latent" else 1.0))
     pyro.sample("y_0", dist.Normal(2.0 * x + 0.3, so), obs=y[0])
     for t in pyro.markov(range(1, len(y))):
         x = pyro.sample(f"x_{t}", dist.Normal(x + 0.1, sl))
@@ -70,15 +72,19 @@ def _chain(guide):
 
 
 @DTYPES
-def test_the_cumsum_spelling_steps_as_the_markov_loop(dtype):
+@pytest.mark.parametrize("first", ["fixed", "latent"])
+def test_the_cumsum_spelling_steps_as_the_markov_loop(first, dtype):
     """From the same remainder ``q`` and the same random stream, three steps of the walk's block
     and of the loop's give the same losses and the same ``q(x)``; the guide samples ``eps`` in
-    its plate (``q(eps)``: the increments of ``q(x)``)."""
+    its plate (``q(eps)``: the increments of ``q(x)``). ``first``: the start's scale fixed, or
+    ``sigma_level`` (the loop's first prior then shared with the remainder too)."""
     T, steps = 12, 3
     y = data(T, dtype)
     out = {}
     start = None
-    for name, model, families in (("walk", walk, {"eps": "gaussian"}), ("loop", loop, None)):
+    spellings = (("walk", walk, {"eps": "gaussian"}), ("loop", loop, None))
+    for name, model, families in spellings:
+        model = functools.partial(model, start=first)
         guide, svi = setup(model, y, families or {"x_3": "gaussian"})
         store = pyro.get_param_store()
         if start is None:

@@ -202,6 +202,8 @@ def take_chain(an, names, obs, scales, families, scale_of, walk=None):
             "affine in the scales' unconstrained values"
         )
     spec = ScaledChainSpec(names, d, T, False, increments=inc, scales=order, rows=rows, rule=rule)
+    if inc is None and 0 in rows.steps and not detect.probe_loop(an, spec):
+        return None  # (x_0's prior is shared: no chain factor reads the transitions)
     # (``shared``: the step of each shared site, as explain() words it; the increments of a
     # walk are its transitions, step 1 in the wording)
     steps = {n: (1 if inc is not None else t) for t, n in enumerate(names) if scale_of[n]}

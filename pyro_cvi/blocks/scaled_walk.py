@@ -31,9 +31,8 @@ from ..model import probes
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
-from ..statespace import detect
+from ..statespace import detect, random_walk
 from ..statespace.increments import Increments
-from ..statespace.random_walk import RECOGNISE_RANDOM_WALKS
 from .scaled_markov import ScaledChainSpec, reads, take_chain
 
 __all__ = ["find_scaled_walks"]
@@ -43,7 +42,7 @@ def find_scaled_walks(an, used: set) -> List[ScaledChainSpec]:
     """Every plate-and-cumsum random walk with latent scales outside ``used`` that the rule
     takes (module docstring)."""
     families, remainder = getattr(an, "placed", (None, None))
-    if remainder is None or not RECOGNISE_RANDOM_WALKS:
+    if remainder is None or not random_walk.RECOGNISE_RANDOM_WALKS:
         return []
     leaves = an.leaf_trace()[1]
     out = []
