@@ -11,6 +11,11 @@ loop ``x_t ~ Normal(x_{t-1}, sigma_level)``, ``y_t ~ Normal(x_t, sigma_obs)`` (s
   remainder's one joint Gaussian (what the code before did up to 64 coordinates; from 65 to
   400 it fitted the states as one dense tree block at the expected prior, beyond 400 the joint).
 
+``--spellings cumsum`` fits the same density written the vectorised way
+(:func:`local_level_cumsum`: ``eps`` in a plate, ``x = eps.cumsum(-1)``, ``eps_0 ~ N(0, 1)``,
+``eps_t ~ N(0, sigma_level)``), whose walk takes the same block (``blocks/scaled_walk.py``);
+its ``joint`` way is ``families={"eps": "joint"}``.
+
 Each fit is scored by ``Trace_ELBO`` (``--eval-particles`` draws, not timed) and its posterior
 summaries are compared with the exact posterior: two scales on a 2-d grid of their logarithms
 (``--grid`` points a side), ``log p(y | scales)`` and the smoothed states by a Kalman filter at
@@ -53,6 +58,20 @@ def local_level(y):
     for t in pyro.markov(range(1, len(y))):
         x = pyro.sample(f"x_{t}", dist.Normal(x, sl))
         pyro.sample(f"y_{t}", dist.Normal(x, so), obs=y[t])
+
+
+def local_level_cumsum(y):
+    """:func:`local_level` written with a plate and ``cumsum`` (the same density)."""
+    T = len(y)
+    sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
+    so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
+    with pyro.plate("time", T):
+        eps = pyro.sample("eps", dist.Normal(0.0, torch.cat([y.new_ones(1), sl.expand(T - 1)])))
+    with pyro.plate("obs_time", T):
+        pyro.sample("y", dist.Normal(eps.cumsum(-1), so), obs=y)
+
+
+SPELLINGS = {"markov": local_level, "cumsum": local_level_cumsum}
 
 
 def simulate(T: int, seed: int = 0) -> torch.Tensor:
@@ -122,6 +141,13 @@ def q_summary(guide, T: int):
             if "x_0" in idx:
                 i = torch.tensor([idx[n] for n in names])
                 out["x"] = (loc[i], cov[i, i].sqrt())
+            if "eps" in idx:  # (x = cumsum(eps): its covariance L C L', L lower ones)
+                i = torch.arange(idx["eps"], idx["eps"] + T)
+                L = torch.ones(T, T, dtype=torch.float64).tril()
+                out["x"] = (loc[i].cumsum(0), (L @ cov[i][:, i] @ L.T).diagonal().sqrt())
+        elif getattr(b, "names", ()) == ("eps",):
+            m = b.marginals()
+            out["x"] = (m.mean[:, 0].detach().double(), m.cov[:, 0, 0].detach().double().sqrt())
         elif "x_0" in getattr(b, "names", ()):
             ms = [b.marginal(n) for n in names]
             out["x"] = (
@@ -139,20 +165,22 @@ def score(model, guide, y, particles):
     return float(t.mean()), float(t.std() / math.sqrt(len(v)))
 
 
-def run(T, dtype, way, steps, particles, ref):
+def run(T, dtype, way, steps, particles, ref, spelling="markov"):
     y = simulate(T).to(dtype)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    families = {f"x_{t}": "joint" for t in range(T)} if way == "joint" else None
-    guide = AutoCVI(local_level, families=families)
-    svi = SVI(local_level, guide, CVI(), CVI_ELBO())
+    model = SPELLINGS[spelling]
+    names = ["eps"] if spelling == "cumsum" else [f"x_{t}" for t in range(T)]
+    families = {n: "joint" for n in names} if way == "joint" else None
+    guide = AutoCVI(model, families=families)
+    svi = SVI(model, guide, CVI(), CVI_ELBO())
     t0 = time.process_time()
     guide(y)
     setup = time.process_time() - t0
     for _ in range(steps):
         svi.step(y)
     cpu = time.process_time() - t0
-    bound, se = score(local_level, guide, y, particles)
+    bound, se = score(model, guide, y, particles)
     s = q_summary(guide, T)
     xm, xs = s["x"]
     rx, rs = ref["x"]
@@ -178,6 +206,7 @@ def main():
     p.add_argument("--lengths", nargs="*", type=int, default=[100, 300, 1000])
     p.add_argument("--dtypes", nargs="*", default=["float64", "float32"])
     p.add_argument("--ways", nargs="*", default=["default", "joint"])
+    p.add_argument("--spellings", nargs="*", default=["markov"], choices=sorted(SPELLINGS))
     p.add_argument("--joint-max-length", type=int, default=300, help="longest T the joint runs")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval-particles", type=int, default=1000)
@@ -207,14 +236,15 @@ def main():
     payload = {"eval_particles": particles, "steps": steps, "rows": {}, "label": args.label}
     for T in lengths:
         ref = exact_posterior(simulate(T), args.grid)
-        for dt in dtypes:
+        for dt, spelling in [(dt, sp) for dt in dtypes for sp in args.spellings]:
             dtype = getattr(torch, dt)
             key = f"T={T}" + ("-f32" if dtype == torch.float32 else "")
+            key += "" if spelling == "markov" else f"-{spelling}"
             rec = {"exact": {k: v for k, v in ref.items() if k != "x"}}
             for way in args.ways:
                 if way == "joint" and T > args.joint_max_length:
                     continue
-                r = run(T, dtype, way, steps, particles, ref)
+                r = run(T, dtype, way, steps, particles, ref, spelling)
                 rec[way] = r
                 table.add(
                     key, way, f"{r['bound']:.2f} +- {r['se']:.2f}",
@@ -241,6 +271,16 @@ def main():
         f"{len(good)} of {len(good) + len(bad)} rows ({', '.join(good + bad) or '-'}); "
         f"worse on: {', '.join(bad) or 'none'}."
     )
+    rows = payload["rows"]
+    pairs = [(k, k[: -len("-cumsum")]) for k in rows if k.endswith("-cumsum")]
+    pairs = [(c, m) for c, m in pairs if "default" in rows.get(m, {}) and "default" in rows[c]]
+    if pairs:
+        gaps = [rows[c]["default"]["bound"] - rows[m]["default"]["bound"] for c, m in pairs]
+        line += (
+            " The cumsum spelling's default against the Markov loop's: "
+            + ", ".join(f"{m} {g:+.2f}" for (_, m), g in zip(pairs, gaps))
+            + "."
+        )
     print(line)
     cmd = "python scripts/benchmark_scaled_chain.py" + (" --quick" if args.quick else "")
     write_results(

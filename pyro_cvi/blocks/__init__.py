@@ -36,6 +36,7 @@ from .registry import (
 )
 from .remainder import RemainderBlock
 from .scaled_markov import ScaledMarkovBlock  # noqa: F401  (a chain beside its scales)
+from .scaled_walk import find_scaled_walks  # noqa: F401  (the same, written with cumsum)
 from .site_form import SiteFormBlock
 
 __all__ = [

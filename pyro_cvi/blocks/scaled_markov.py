@@ -90,7 +90,7 @@ def _plain_normal(node) -> bool:
     )
 
 
-def _reads(value, leaves: Dict[str, torch.Tensor]) -> set:
+def reads(value, leaves: Dict[str, torch.Tensor]) -> set:
     if not (torch.is_tensor(value) and value.requires_grad):
         return set()
     with torch.enable_grad():
@@ -114,7 +114,7 @@ def find_scaled_chains(an, used: set) -> List[ScaledChainSpec]:
     loc_of, scale_of = {}, {}
     for n in cand:
         base = unwrap(tr.nodes[n]["fn"])[0]
-        loc_of[n], scale_of[n] = _reads(base.loc, leaves), _reads(base.scale, leaves)
+        loc_of[n], scale_of[n] = reads(base.loc, leaves), reads(base.scale, leaves)
     parent = {n: next(iter(loc_of[n])) for n in cand if len(loc_of[n]) == 1 and loc_of[n] <= cand}
     children: Dict[str, List[str]] = {n: [] for n in cand}
     for n, p in parent.items():
@@ -151,13 +151,22 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
             return None
         if node["mask"] is not None or node["scale"] != 1.0 or an.minibatch_plate(site):
             return None
-        if _reads(base.loc, leaves) != touch or _reads(base.scale, leaves) & chain:
+        if reads(base.loc, leaves) != touch or reads(base.scale, leaves) & chain:
             return None
         read = deps - chain
         if read & (an.discrete | an.collapsed) or not read <= set(leaves):
             return None
         scales |= read
         obs[site] = names.index(next(iter(touch)))
+    return take_chain(an, names, obs, scales, families, scale_of)
+
+
+def take_chain(an, names, obs, scales, families, scale_of, walk=None):
+    """The :class:`ScaledChainSpec` of a chain whose factors' scales read ``scales`` (and
+    observations ``obs``: ``{site: step}``), where the rule takes it, else ``None``. ``walk``:
+    ``(Increments, {site: (t, h, c)})`` for the plate-and-cumsum spelling (one site ``eps``
+    of increments, :mod:`~pyro_cvi.blocks.scaled_walk`), its observations' rows read there."""
+    tr, leaves = an.leaf_trace()
     if not scales or scales & (an.discrete | an.collapsed | set(an.leaves)):
         return None
     params = [s["value"] for s in tr.nodes.values() if s["type"] == "param"]
@@ -167,8 +176,10 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
         if any(probes_params(v, zs, params) for v in (base.loc, base.scale)):
             return None  # (coefficients that move with parameters: the joint takes them)
     order = tuple(n for n in an.values if n in scales)
+    inc = walk[0] if walk is not None else None
     d = int(torch.Size(an.structure.nodes[names[0]]["fn"].event_shape).numel())
-    size = len(names) * d + sum(
+    d, T = (inc.state_dim, inc.length) if inc is not None else (d, len(names))
+    size = T * d + sum(
         int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel()) for z in order
     )
     placed = {families.get(n) for n in names}
@@ -183,7 +194,7 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
         )
     else:
         return None
-    rows = _setup_rows(an, names, obs, order)
+    rows = _setup_rows(an, names, obs, order, d, walk)
     if rows is None:
         return None
     if rows.read is not None:
@@ -191,8 +202,13 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
             f"; E[1/s^2] by Monte Carlo over q(u) ({MC_DRAWS} draws a step): log s is not "
             "affine in the scales' unconstrained values"
         )
-    spec = ScaledChainSpec(names, d, len(names), False, scales=order, rows=rows, rule=rule)
-    spec.shared = {**{n: t for t, n in enumerate(names) if scale_of[n]}, **obs}
+    spec = ScaledChainSpec(names, d, T, False, increments=inc, scales=order, rows=rows, rule=rule)
+    if inc is None and 0 in rows.steps and not detect.probe_loop(an, spec):
+        return None  # (x_0's prior is shared: no chain factor reads the transitions)
+    # (``shared``: the step of each shared site, as explain() words it; the increments of a
+    # walk are its transitions, step 1 in the wording)
+    steps = {n: (1 if inc is not None else t) for t, n in enumerate(names) if scale_of[n]}
+    spec.shared = {**steps, **obs}
     return spec
 
 
@@ -215,11 +231,12 @@ def _log_scales(tr, sites: Sequence[str]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
+def _setup_rows(an, names, obs: Dict[str, int], order, d: int, walk=None) -> Optional[ChainRows]:
     """The log scales of the shared factors, affine in the scales' unconstrained values
-    (finite differences, confirmed at a random move), and the observations' rows."""
+    (finite differences, confirmed at a random move), and the observations' rows (a walk's:
+    read by :mod:`~pyro_cvi.blocks.scaled_walk`, its increments' scales time-major)."""
     tr, leaves = an.leaf_trace()
-    steps = [n for n in names if _reads(unwrap(tr.nodes[n]["fn"])[0].scale, leaves)]
+    steps = [n for n in names if reads(unwrap(tr.nodes[n]["fn"])[0].scale, leaves)]
     sites = steps + list(obs)
     ts = {z: biject_to(an.structure.nodes[z]["fn"].support) for z in order}
     u0 = {z: ts[z].inv(an.ref[z].detach()).reshape(-1) for z in order}
@@ -263,8 +280,7 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
             return None
     # observations: y_r ~ N(h_r x_t + c_r, s_r): h by autograd, c at the reference
     obs_t, obs_h, obs_c = [], [], []
-    d = int(torch.Size(an.structure.nodes[names[0]]["fn"].event_shape).numel())
-    for site, t in obs.items():
+    for site, t in obs.items() if walk is None else ():
         node = tr.nodes[site]
         base = unwrap(node["fn"])[0]
         shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
@@ -276,13 +292,20 @@ def _setup_rows(an, names, obs: Dict[str, int], order) -> Optional[ChainRows]:
         obs_t.append(torch.full((loc.numel(),), t, dtype=torch.long))
         obs_h.append(h)
         obs_c.append(loc.detach() - h @ xt)
+    for t, h, c in walk[1].values() if walk is not None else ():
+        obs_t.append(t)
+        obs_h.append(h)
+        obs_c.append(c)
+    step_index = tuple(names.index(n) for n in steps)
+    if walk is not None:  # (every step of the walk is one element of its increments)
+        step_index = tuple(range(walk[0].length)) if steps else ()
     sizes_of = [int(_log_scales(tr, [s]).numel()) for s in sites]
     return ChainRows(
         given=order,
         u0=flat0.detach(),
         L0=L0.detach(),
         H=H.detach(),
-        steps=tuple(names.index(n) for n in steps),
+        steps=step_index,
         obs=tuple(obs),
         obs_t=torch.cat(obs_t) if obs_t else torch.zeros(0, dtype=torch.long),
         obs_h=torch.cat(obs_h) if obs_h else flat0.new_zeros(0, d),
@@ -307,6 +330,16 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
 
     def init_sites_at_prior_mean(self, trace, num_quad_points: int) -> None:
         """The sites of the other observations start at zero."""
+
+    def _site(self, t: int) -> str:
+        """The site of step ``t`` (a walk's increments hold every step)."""
+        return self.names[0] if self.chain.increments is not None else self.names[t]
+
+    def _solve(self, rows, keep_graph: bool = False, h0=...):
+        post = super()._solve(rows, keep_graph, h0)
+        if self.chain.increments is not None:  # (the block's z: the increments diff(x))
+            post.to_z = self.chain.increments.increments
+        return post
 
     def _fixed(self, ctx: StepContext) -> tuple:
         """The chain's prior and the observations' values read off the step's trace, kept
@@ -385,7 +418,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         """``H(q) + E_q[log p]`` of the steps this block owns: ``log Z - E_q[log sites]``
         (the expected rows included) less ``E_q[log p~_t]`` of the steps the remainder owns."""
         elbo = super().elbo(ctx, prior)
-        steps = [t for t in self.scaled.steps if self.names[t] not in self.owned]
+        steps = [t for t in self.scaled.steps if self._site(t) not in self.owned]
         return elbo - self._expected_log_prior(steps)
 
     def _expected_log_prior(self, steps: Sequence[int]) -> torch.Tensor:
@@ -418,7 +451,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         if post is None or post.cross is None or p is None or self._fixed_for is None:
             return None
         if self._elements is None:
-            sites = [self.names[t] for t in rows.steps] + list(rows.obs)
+            sites = list(dict.fromkeys(self._site(t) for t in rows.steps)) + list(rows.obs)
             self._elements = (
                 sites,
                 torch.repeat_interleave(torch.arange(len(sites)), torch.tensor(rows.sizes)),

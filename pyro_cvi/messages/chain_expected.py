@@ -141,6 +141,8 @@ def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, to
     """``{site: (mean, variance)}`` of the chain's shared factors among ``sites`` read by the
     remainder at ``expected_log_prior`` (module docstring), with the states at ``others``'
     draws; a factor whose draw is missing is left out (its term stays the draw's)."""
+    if block.chain.increments is not None:
+        return _walk_moments(block, ctx, set(sites), others)
     rows, post, prior = block.scaled, block.post, block.prior
     names, shapes = block.names, block.spec.shapes
     m, S = post.mean.detach(), post.cov.detach()
@@ -181,6 +183,35 @@ def chain_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, to
         shift = h @ (cur.detach().reshape(d).to(m) - m[t])
         var = ((h @ S[t]) * h).sum(-1)
         out[site] = (y.expand(shape) + shift.reshape(shape), var.reshape(shape))
+    return out
+
+
+def _walk_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`chain_moments` of a walk ``x = cumsum(eps)``: the increments' factor at
+    ``(E_q[eps], Var_q(eps))`` (its loc is free of the states), an observation at
+    ``y + h (x_k - m)`` with ``x_k = cumsum`` of ``others``' draw of ``eps``."""
+    rows, post, inc, name = block.scaled, block.post, block.chain.increments, block.names[0]
+    m, S = post.mean.detach(), post.cov.detach()
+    shape = block.spec.shapes[0]
+    out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    if rows.steps and name in sites:
+        var = inc.variance(S, post.cross.detach())
+        out[name] = (inc.increments(m).reshape(shape), var.reshape(shape))
+    if ctx is None or ctx.trace is None or name not in others:
+        return out
+    observed = block.observed(ctx)
+    x = inc.states(others[name].detach().reshape(-1).to(m))
+    start = 0
+    for j, site in enumerate(rows.obs):
+        sl = slice(start, start + rows.sizes[len(rows.sizes) - len(rows.obs) + j])
+        start = sl.stop
+        if site not in sites or site not in observed:
+            continue
+        t, h = rows.obs_t[sl], rows.obs_h[sl].to(m)
+        y, shp = observed[site]
+        shift = (h * (x[t] - m[t])).sum(-1)
+        var = ((h.unsqueeze(-2) @ S[t]).squeeze(-2) * h).sum(-1)
+        out[site] = (y.expand(shp) + shift.reshape(shp), var.reshape(shp))
     return out
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "ChainSpec",
     "find_chains",
     "prepare_loop",
+    "probe_loop",
     "chain_prior",
     "loop_transitions",
     "observation_rows",
@@ -247,6 +248,23 @@ def prepare_loop(spec: ChainSpec, trace, leaves, moved, label: str) -> None:
             f"sites {label}: the Normal chain's loc is not affine in the previous state "
             "(probed); write x_t ~ Normal(a * x_(t-1) + b, q)"
         )
+
+
+def probe_loop(an, spec: ChainSpec) -> bool:
+    """:func:`prepare_loop` at a probe run of its own (a random move of every state), for a
+    loop whose first site's prior no chain factor reads (shared with another block); ``False``
+    where the transitions are not affine."""
+    tr, leaves = an.leaf_trace()
+    g = torch.Generator().manual_seed(13)
+    moves = {n: torch.randn(an.ref[n].shape, generator=g, dtype=torch.float64) for n in spec.names}
+    with torch.no_grad():
+        moved = an.run(**{n: an.ref[n] + v.to(an.ref[n]) for n, v in moves.items()})
+    try:
+        with torch.enable_grad():
+            prepare_loop(spec, tr, leaves, moved, spec.names[0])
+    except ValueError:
+        return False
+    return True
 
 
 def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> LinearGaussianChain:

@@ -1,0 +1,151 @@
+"""A random walk written with a plate and ``cumsum`` whose scales are latents of the remainder.
+
+``with pyro.plate("time", T): eps = pyro.sample("eps", Normal(mu, s_e(u)))``,
+``x = eps.cumsum(0)`` (any further dims of ``eps`` are the state), observed as
+``y_r ~ Normal(h_r x_{t_r} + c_r, s_r(u))``: ``x = cumsum(eps)`` is a linear change of
+variables with a unit triangular Jacobian, so ``q(eps)`` and ``q(x)`` are the same Gaussian
+and the increments are the chain's transitions ``x_t = x_{t-1} + eps_t`` (``A = I``,
+``b_t = mu_t``, ``Q_t = diag s_t(u)^2``, ``x_0 = eps_0``). It is the
+``pyro.markov`` loop of :mod:`~pyro_cvi.blocks.scaled_markov` written the vectorised way, and
+takes the same block under the same rule (:func:`~pyro_cvi.blocks.scaled_markov.take_chain`):
+its one site ``eps`` holds every step; the guide's site stays ``eps``, in its plate.
+
+Found (:func:`find_scaled_walks`) where every factor of ``eps`` is an unmasked Normal
+observation in no subsampled plate whose loc reads ``eps`` only, each element affine in one
+step (:func:`~pyro_cvi.statespace.detect.observation_rows`, confirmed by one probe run), whose
+scale reads latents outside the walk; and ``eps``' own prior is an unmasked Normal whose loc
+reads no latent. The time dim is the first of ``eps``' value. A scale that reads the states
+(stochastic volatility), another likelihood, or a loc that reads another latent leaves the
+site where it was (the joint, a dense block at the expected prior, or the plain random walk of
+:mod:`~pyro_cvi.statespace.random_walk` when no scale is latent).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch.distributions import biject_to
+
+from ..model import probes
+from ..model.prior_factor import JOINT_MAX_DIM
+from ..model.structures import register_chain_finder
+from ..model.tracing import unwrap
+from ..statespace import detect, random_walk
+from ..statespace.increments import Increments
+from .scaled_markov import ScaledChainSpec, reads, take_chain
+
+__all__ = ["find_scaled_walks"]
+
+
+def find_scaled_walks(an, used: set) -> List[ScaledChainSpec]:
+    """Every plate-and-cumsum random walk with latent scales outside ``used`` that the rule
+    takes (module docstring)."""
+    families, remainder = getattr(an, "placed", (None, None))
+    if remainder is None or not random_walk.RECOGNISE_RANDOM_WALKS:
+        return []
+    leaves = an.leaf_trace()[1]
+    out = []
+    for name in an.values:
+        if name in an.continuous and name in leaves and name not in used:
+            spec = _scaled_walk(an, name, families or {})
+            if spec is not None:
+                out.append(spec)
+    return out
+
+
+def _increments(an, name: str) -> Optional[Increments]:
+    node = an.structure.nodes[name]
+    base, mask, _ = unwrap(node["fn"])
+    if not isinstance(base, torch.distributions.Normal) or mask is not None:
+        return None
+    if node["mask"] is not None or node["scale"] != 1.0 or an.deps.get(name, set()) & an.discrete:
+        return None
+    shape = an.values[name].shape
+    if node["fn"].shape() != shape or not len(shape) or shape[0] < detect.MIN_LOOP_LENGTH:
+        return None
+    if any(f.name in an.minibatch_plates for f in node["cond_indep_stack"]):
+        return None
+    return Increments(shape, 0)
+
+
+def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
+    inc = _increments(an, name)
+    if inc is None:
+        return None
+    tr, leaves = an.leaf_trace()
+    base = unwrap(tr.nodes[name]["fn"])[0]
+    own = reads(base.scale, leaves)
+    if reads(base.loc, leaves) or name in own:
+        return None
+    scales = set(own)
+    sites = []
+    for site, deps in an.deps.items():
+        if site == name or name not in deps:
+            continue
+        node = tr.nodes[site]
+        if site in an.latents or not node["is_observed"]:
+            return None
+        fn, mask, _ = unwrap(node["fn"])
+        if not isinstance(fn, torch.distributions.Normal) or mask is not None:
+            return None
+        if node["mask"] is not None or node["scale"] != 1.0 or an.minibatch_plate(site):
+            return None
+        if reads(fn.loc, leaves) != {name} or name in reads(fn.scale, leaves):
+            return None
+        read = deps - {name}
+        if read & (an.discrete | an.collapsed) or not read <= set(leaves):
+            return None
+        scales |= read
+        sites.append(site)
+    if not sites or not scales or families.get(name) == "joint":
+        return None
+    size = inc.length * inc.state_dim + sum(
+        int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel())
+        for z in scales
+        if z in an.values
+    )
+    if size <= JOINT_MAX_DIM and families.get(name) != "gaussian":
+        return None  # (the joint keeps it: no rows read)
+    rows = _observation_rows(an, name, inc, sites)
+    if rows is None:
+        return None
+    obs = dict.fromkeys(sites, 0)
+    return take_chain(an, (name,), obs, scales, families, {name: own}, (inc, rows))
+
+
+def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
+    """``{site: (t, h, c)}``: each element of the observation's loc (broadcast to its value)
+    is ``h' x_t + c`` (JVPs on the leaf trace, confirmed at one probe run), else ``None``."""
+    tr, leaves = an.leaf_trace()
+    spec = detect.ChainSpec((name,), inc.state_dim, inc.length, False, increments=inc)
+    x0 = inc.states(an.ref[name].detach().reshape(-1))
+    found = {}
+    for site in sites:
+        node = tr.nodes[site]
+        fn = unwrap(node["fn"])[0]
+        shape = torch.broadcast_shapes(fn.loc.shape, fn.scale.shape, node["value"].shape)
+        loc = fn.loc.expand(shape)
+        with torch.enable_grad():
+            try:
+                t, h = detect.observation_rows(spec, loc, leaves)
+            except (ValueError, RuntimeError):
+                return None
+        found[site] = (shape, loc.detach().reshape(-1), t, h.detach())
+    g = torch.Generator(device="cpu").manual_seed(11)
+    dx = torch.randn(x0.shape, generator=g, dtype=torch.float64) * x0.abs().mean().clamp_min(1.0)
+    dx = dx.to(x0)
+    with torch.no_grad():  # (one probe run, for the rows found)
+        moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(inc.shape)})
+    out = {}
+    for site, (shape, loc, t, h) in found.items():
+        c = loc - (h * x0[t]).sum(-1)
+        moved_loc = unwrap(moved.nodes[site]["fn"])[0].loc.expand(shape).reshape(-1)
+        pred = loc + (h * dx[t]).sum(-1)
+        if not probes.close(moved_loc, pred, probes.rtol(x0.dtype)):
+            return None  # (a loc not affine in the states)
+        out[site] = (t, h, c)
+    return out
+
+
+register_chain_finder(find_scaled_walks)
