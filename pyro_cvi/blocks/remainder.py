@@ -212,10 +212,8 @@ class RemainderBlock(Block):
             # at W = 0); s so that every marginal sd is init_scale. A fixed local generator:
             # the user's random stream is not consumed
             g = torch.Generator().manual_seed(0)
-            W = torch.randn(
-                D, self.rank, generator=g, dtype=loc.dtype, device=g.device
-            ) / math.sqrt(self.rank)
-            W = W.to(loc.device)
+            W = torch.randn(D, self.rank, generator=g, dtype=loc.dtype, device=g.device)
+            W = W.to(loc.device) / math.sqrt(self.rank)
             s0 = scale / (1.0 + (W * W).sum(-1)).sqrt()
             pyro.param(self.role_names[0], lambda: s0)
             pyro.param(self.role_names[1], lambda: W)

@@ -257,23 +257,19 @@ def _setup_rows(an, names, obs: Dict[str, int], order, d: int, walk=None) -> Opt
         cols.append((read(flat0 + e) - L0) / _STEP)
     H = torch.stack(cols, 1)
     g = torch.Generator().manual_seed(11)
-    dlt = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64, device=g.device).to(
-        flat0
-    )
+    cpu = dict(generator=g, dtype=torch.float64, device=g.device)  # (the generator's draws)
+    dlt = 0.3 * torch.randn(flat0.shape, **cpu).to(flat0)
     batched = None
     if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
         # log s not affine in the unconstrained scales: E[1/s^2] by Monte Carlo over q(u),
         # where one batched run reads the scales at many draws (else the joint takes it)
         batched = batched_log_scales(an, order, ts, u0, sites)
-        moves = flat0 + 0.3 * torch.randn(
-            3, flat0.numel(), generator=g, dtype=torch.float64, device=g.device
-        ).to(flat0)
+        moves = flat0 + 0.3 * torch.randn(3, flat0.numel(), **cpu).to(flat0)
         try:
             with checked_indexing(flat0.device):
                 found = batched(moves)
-            ok = probes.close(
-                found, torch.stack([read(v) for v in moves]), probes.rtol(flat0.dtype)
-            )
+            looped = torch.stack([read(v) for v in moves])
+            ok = probes.close(found, looped, probes.rtol(flat0.dtype))
         except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
             ok = False
         if not ok:

@@ -133,8 +133,8 @@ def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
                 return None
         found[site] = (shape, loc.detach().reshape(-1), t, h.detach())
     g = torch.Generator(device="cpu").manual_seed(11)
-    dx = torch.randn(x0.shape, generator=g, dtype=torch.float64) * x0.abs().mean().clamp_min(1.0)
-    dx = dx.to(x0)
+    scale = x0.abs().mean().clamp_min(1.0).to(g.device)
+    dx = (torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device) * scale).to(x0)
     with torch.no_grad():  # (one probe run, for the rows found)
         moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(inc.shape)})
     out = {}

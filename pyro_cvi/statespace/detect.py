@@ -256,7 +256,10 @@ def probe_loop(an, spec: ChainSpec) -> bool:
     where the transitions are not affine."""
     tr, leaves = an.leaf_trace()
     g = torch.Generator().manual_seed(13)
-    moves = {n: torch.randn(an.ref[n].shape, generator=g, dtype=torch.float64) for n in spec.names}
+    moves = {
+        n: torch.randn(an.ref[n].shape, generator=g, dtype=torch.float64, device=g.device)
+        for n in spec.names
+    }
     with torch.no_grad():
         moved = an.run(**{n: an.ref[n] + v.to(an.ref[n]) for n, v in moves.items()})
     try:
