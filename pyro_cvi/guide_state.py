@@ -113,8 +113,69 @@ def unbind_parameters(module: nn.Module) -> None:
 
 def sync_parameters(module: nn.Module) -> None:
     """Pyro's ``PyroModule`` rule for every bound parameter: the store wins where it has the
-    name; the module's tensor is put into the store where it has not."""
+    name; the module's tensor is put into the store where it has not. (Nothing to do when the
+    store and the module hold the very tensors they held after the last call: then it
+    returns after a look at those, :func:`_in_sync`.)"""
     store = pyro.get_param_store()
+    synced = module.__dict__.get(_SYNCED)
+    if synced is not None and synced[0] is module.__dict__.get(_BOUND):
+        if _in_sync(store, module, synced):
+            return
+    _sync(module, store)
+    module.__dict__[_SYNCED] = _synced_state(module, store)
+
+
+_SYNCED = "_cvi_synced"  # the module attribute holding :func:`_synced_state`
+
+
+def _synced_state(module: nn.Module, store) -> Optional[tuple]:
+    """``(bound names, [(store name, parameter, [(module, attribute, submodule)], owner,
+    leaf)])`` after a sync: every bound parameter with the submodules on its path, as
+    ``nn.Module`` finds them, ``None`` standing for ``module`` itself (so that it holds no
+    reference cycle); ``None`` where a path does not resolve, or ``getattr`` resolves it
+    otherwise: such a module is synced in full every time."""
+    bound = module.__dict__.get(_BOUND)
+    params = getattr(store, "_params", None)
+    if bound is None or not isinstance(params, dict):
+        return None
+    prefix, entries = module.param_prefix, []
+    for name in bound:
+        path = name[len(prefix) + 1 :].split(".")
+        owner, links = module, []
+        for part in path[:-1]:
+            child = owner._modules.get(part)
+            if child is None:
+                return None
+            links.append((None if owner is module else owner, part, child))
+            owner = child
+        param = owner._parameters.get(path[-1])
+        if param is None or params.get(name) is not param:
+            return None
+        try:
+            if len(path) > 1 and deep_getattr(module, ".".join(path[:-1])) is not owner:
+                return None
+        except AttributeError:
+            return None
+        entries.append((name, param, tuple(links), None if owner is module else owner, path[-1]))
+    return bound, entries
+
+
+def _in_sync(store, module: nn.Module, synced: tuple) -> bool:
+    """Whether the store and ``module`` still hold the parameters of ``synced``: the same
+    tensor under each name, at the same module path (then :func:`_sync` has nothing to do)."""
+    params = store._params
+    for name, param, links, owner, leaf in synced[1]:
+        if params.get(name) is not param:
+            return False
+        if (owner or module)._parameters.get(leaf) is not param:
+            return False
+        for parent, part, child in links:
+            if (parent or module)._modules.get(part) is not child:
+                return False
+    return True
+
+
+def _sync(module: nn.Module, store) -> None:
     prefix = module.param_prefix
     for name, param in bound_parameters(module).items():
         if name in store:
@@ -290,6 +351,7 @@ class GuideState:
         for p in self.parameters():
             p.__dict__.pop("unconstrained", None)  # a weakref the param store attaches
         state = self.__dict__.copy()
+        state.pop(_SYNCED, None)  # (the last sync's tensors: the copy syncs afresh)
         state["engine"] = None
         state["master"] = None
         model = self.model
@@ -413,6 +475,7 @@ def claim_prefix(guide: Any) -> None:
         others = [r() for r in refs]
         if not any(_holds_store_tensors(g) for g in others):
             break
+        del others  # (not held while the collector looks for dropped guides)
         if attempt == 0:
             gc.collect()  # a dropped guide in a reference cycle holds no claim
             continue
