@@ -185,8 +185,7 @@ class Engine:
     block_of = block_for
 
     def natural_targets(self, args, kwargs, subsample=None) -> Dict:
-        """The Algorithm 2 targets of every natural-parameter latent at the current q (no
-        step)."""
+        """The Algorithm 2 targets of every natural-parameter latent at the current q."""
         ctx = self.context(args, kwargs, subsample or {}, grads=False)
         out: Dict = {}
         for block in self.blocks:
@@ -254,8 +253,10 @@ class Engine:
         self._data_state = state
 
     def _tag_params(self) -> None:
-        """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
-        for name in self.param_names() + [self.steps_name]:
+        """Register this engine's parameters; ``pyro.param`` lets SVI capture them (the step
+        counter only where it is the only one: SVI finds the engine by any)."""
+        register_owner(stored(self.steps_name).unconstrained(), self)
+        for name in self.param_names() or [self.steps_name]:
             register_owner(pyro.param(name).unconstrained(), self)
 
     # ------------------------------------------------------------------ the current q
@@ -466,8 +467,7 @@ class Engine:
             for block in self.blocks:
                 for report in block.step(beta, ctx):
                     self._report(report)
-        with torch.no_grad():
-            stored(self.steps_name).add_(_ONE)
+        stored(self.steps_name).detach().add_(_ONE)  # (in place, as under no_grad)
 
     def sequential_order(self) -> List[str]:
         """Order of the sequential schedule: the user's list, or reverse model order."""

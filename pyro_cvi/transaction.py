@@ -84,7 +84,10 @@ class Transaction:
 
 
 def _unconstrained(name: str) -> torch.Tensor:
-    return pyro.get_param_store()[name].unconstrained()  # (no effect handler: a snapshot)
+    """The store's unconstrained tensor (no effect handler, no transform: a snapshot)."""
+    store = pyro.get_param_store()
+    params = getattr(store, "_params", None)
+    return params[name] if isinstance(params, dict) else store[name].unconstrained()
 
 
 def pending(engine) -> Optional[Transaction]:
