@@ -29,7 +29,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger, stored
-from .blocks.constant_terms import constant_terms
+from .blocks.constant_terms import elbo_terms
 from .blocks.registry import analysis_options
 from .context import GIVEN, Options, StepContext
 from .model.analysis import Analysis
@@ -343,22 +343,24 @@ class Engine:
         step's context is kept for :meth:`step`. (Autograd is on inside, also under
         ``torch.no_grad()`` as in ``SVI.evaluate_loss``: quadrature and the mean-field
         messages differentiate expectations.)"""
-        with torch.enable_grad():
-            if grads and self.control is not None:
-                return self._controlled_loss(args, kwargs, subsample)
-            try:
-                return self._loss(args, kwargs, subsample, grads, graph)
-            except (ValueError, RuntimeError, FloatingPointError) as e:
-                if not is_numerical_error(e) or not grads:
-                    raise
-                if float(pyro.param(self.steps_name).detach()) == 0:
-                    raise initial_failure(e) from e
-                raise ValueError(
-                    "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
-                    f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
-                    "CVI() (step_size='auto'), which undoes and shrinks such steps, or a "
-                    "smaller step_size."
-                ) from e
+        if not torch.is_grad_enabled():  # (entered only where it is off: the common case
+            with torch.enable_grad():  # is SVI.step, under grad mode)
+                return self.loss(args, kwargs, subsample, grads, graph)
+        if grads and self.control is not None:
+            return self._controlled_loss(args, kwargs, subsample)
+        try:
+            return self._loss(args, kwargs, subsample, grads, graph)
+        except (ValueError, RuntimeError, FloatingPointError) as e:
+            if not is_numerical_error(e) or not grads:
+                raise
+            if float(pyro.param(self.steps_name).detach()) == 0:
+                raise initial_failure(e) from e
+            raise ValueError(
+                "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
+                f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
+                "CVI() (step_size='auto'), which undoes and shrinks such steps, or a "
+                "smaller step_size."
+            ) from e
 
     # ------------------------------------------------------------------ step control
     def _param_values(self) -> Dict[str, torch.Tensor]:
@@ -413,12 +415,9 @@ class Engine:
         ctx = self.context(args, kwargs, subsample, grads, graph)
         if grads:
             self._tag_params()
-        elbo = constant_terms(self.analysis, ctx.trace, self.options.reducer)
-        for block in self.blocks:
-            elbo = elbo + block.messages(ctx)
+        elbo = elbo_terms(self.analysis, ctx, self.blocks, self.options.reducer)  # (ctx.elbo)
         self.pending = ctx if grads else None
         self.last_mc_var = ctx.mc_var
-        ctx.elbo = float(elbo.detach())
         if ctx.report_shift or ctx.elbo == 0.0:  # (x + 0.0 is x but for x = -0.0)
             elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
         # without learnable parameters in the model there is nothing to back-propagate into
