@@ -22,6 +22,7 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List, Optional
 
 import pyro
@@ -288,12 +289,11 @@ class Engine:
         kw = dict(grads=grads, graph=grads or graph, data_key=self.data_key)
         ctx = StepContext(self.model, args, kwargs, dict(subsample), **kw)
         ctx.steps = int(stored(self.steps_name)) if self.steps_name in pyro.get_param_store() else 0
-        ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
-            ctx.subsample, exclude, at_means
-        )
+        # (no closure over ctx: a context in a reference cycle would wait for the collector)
+        ctx.sample_q = partial(self.sample_q, ctx.subsample)
         ctx.marginal = lambda name: self.block_for(name).marginal(name)
         ctx.block_for = self.block_for
-        ctx.retrace = lambda: self._trace(ctx)
+        ctx.retrace = partial(self._trace, args, kwargs, ctx.subsample)
         ctx.report = self._report
         state = self._model_state(args, kwargs)
         if state is not None and state == self._checked and not ctx.subsample:
@@ -303,7 +303,7 @@ class Engine:
                 ctx.trace = DeferredTrace(lambda: self._checked_trace(ctx))
             return ctx
         if self._static_trace is not None and not ctx.subsample:
-            fresh = self._trace(ctx)  # a model that changed (or now raises) is still seen
+            fresh = self._trace(args, kwargs, ctx.subsample)  # (a changed model is seen)
             check_structure(fresh, self.structure)
             check_signature(fresh, self.signature)
             ctx.trace = self._static_trace
@@ -324,17 +324,17 @@ class Engine:
 
     def _checked_trace(self, ctx: StepContext):
         """The model traced at the current q, its observations and structure checked."""
-        trace = self._trace(ctx)
+        trace = self._trace(ctx.args, ctx.kwargs, ctx.subsample)
         check_observations(trace, self.structure)
         if self.signature is None:
             self.signature = signature(trace)
         check_signature(trace, self.signature)
         return trace
 
-    def _trace(self, ctx: StepContext):
+    def _trace(self, args, kwargs, subsample):
         """The model traced at the current q (:meth:`trace_values`) and the step's minibatch."""
-        values = {**self.trace_values(ctx.subsample), **ctx.subsample}
-        return trace_model(self.model, values, ctx.args, ctx.kwargs)
+        values = {**self.trace_values(subsample), **subsample}
+        return trace_model(self.model, values, args, kwargs)
 
     # ------------------------------------------------------------------ the loss
     def loss(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> torch.Tensor:
