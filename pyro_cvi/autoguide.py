@@ -339,11 +339,11 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         if any((f.full_size or f.size) != f.size for f in frames.values()):
             plates = self._create_plates(*args, **kwargs)
             out = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
-        for name, node in self.prototype_trace.nodes.items():
+        for name, node in self.prototype_trace.nodes.items() if self._minibatch_plates else ():
             if name not in out and name in self._minibatch_plates:
                 out[name] = node["fn"].sample()
         analysis = getattr(self.engine, "analysis", None)
-        if analysis is not None:  # observation-only plates (the prototype hides their indices)
+        if analysis is not None and analysis.minibatch_plates:  # observation-only plates
             for name in sorted(analysis.minibatch_plates - set(out)):
                 node = analysis.structure.nodes[name]
                 if node["fn"].subsample_size is not None:  # (not pyro.plate(subsample=idx))

@@ -21,6 +21,8 @@ from typing import Any, Callable, NoReturn, Optional, Union
 import torch
 from pyro.infer import ELBO
 from pyro.infer.autoguide import AutoGuideList
+from pyro.poutine.runtime import _PYRO_STACK
+from pyro.poutine.trace_messenger import TraceMessenger
 
 from .autoguide import AutoCVI
 from .methods.guide_list import PartsLoss, parts_loss
@@ -89,10 +91,22 @@ class CVI_ELBO(ELBO):
             return float(loss.detach())
         except BaseException:  # the step's transaction is rolled back (an interrupt, too)
             abort([cvi_guide.engine])
+            _drop_captured_grads()
             raise
 
     def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
+
+
+def _drop_captured_grads() -> None:
+    """A loss that failed after its backward pass: the gradients it wrote into the parameters
+    ``SVI.step`` captured (the model's hyperparameters) are dropped, as SVI drops them after a
+    step, so that they do not add to the next step's."""
+    for m in _PYRO_STACK:
+        if isinstance(m, TraceMessenger) and m.param_only:
+            for site in m.trace.nodes.values():
+                if site["type"] == "param":
+                    site["value"].unconstrained().grad = None
 
 
 def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI, PartsLoss]:

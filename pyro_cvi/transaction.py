@@ -18,7 +18,7 @@ by the engine (a loss evaluated without a step, e.g. ``svi.evaluate_loss``, keep
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Union
 
 import pyro
 import torch
@@ -54,7 +54,9 @@ class Transaction:
         store = pyro.get_param_store()
         self.names = set(store.keys())
         objs: List = [guide, guide.counts]
-        self.params: Dict[str, torch.Tensor] = {}
+        #: each parameter's values: a detached clone, or a CPU scalar's number (the step
+        #: counter: exact in its dtype, and cheaper to keep than a tensor)
+        self.params: Dict[str, Union[torch.Tensor, float, int, bool]] = {}
         engine = guide.engine
         if engine is not None:
             objs += [engine, engine.counts] + list(engine.blocks)
@@ -63,7 +65,8 @@ class Transaction:
                 objs.append(engine.control)
             for n in engine.param_names() + [engine.steps_name]:
                 if n in store:  # (a detached clone records no graph, also with grad mode on)
-                    self.params[n] = _unconstrained(n).detach().clone()
+                    u = _unconstrained(n)
+                    self.params[n] = u.item() if u.dim() == 0 and u.is_cpu else u.detach().clone()
         self.mementos = list({id(o): _Memento(o) for o in objs}.values())
 
     def rollback(self) -> None:
@@ -76,7 +79,10 @@ class Transaction:
             for n, v in self.params.items():
                 if n in store:
                     u = _unconstrained(n)
-                    if u.shape == v.shape:
+                    if not isinstance(v, torch.Tensor):
+                        if u.dim() == 0:
+                            u.fill_(v)
+                    elif u.shape == v.shape:
                         u.copy_(v)
                     u.grad = None
         for m in self.mementos:
