@@ -113,82 +113,57 @@ def unbind_parameters(module: nn.Module) -> None:
 
 def sync_parameters(module: nn.Module) -> None:
     """Pyro's ``PyroModule`` rule for every bound parameter: the store wins where it has the
-    name; the module's tensor is put into the store where it has not. (Nothing to do when the
-    store and the module hold the very tensors they held after the last call: then it
-    returns after a look at those, :func:`_in_sync`.)"""
+    name; the module's tensor is put into the store where it has not. (Where the store and the
+    module hold the tensors of the last sync, there is nothing to do: :func:`_in_sync`.)"""
     store = pyro.get_param_store()
+    params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
     synced = module.__dict__.get(_SYNCED)
-    if synced is not None and synced[0] is module.__dict__.get(_BOUND):
-        if _in_sync(store, module, synced):
+    if params is not None and synced is not None and synced[0] is module.__dict__.get(_BOUND):
+        if _in_sync(params, module, synced[1]):
             return
-    _sync(module, store)
-    module.__dict__[_SYNCED] = _synced_state(module, store)
-
-
-_SYNCED = "_cvi_synced"  # the module attribute holding :func:`_synced_state`
-
-
-def _synced_state(module: nn.Module, store) -> Optional[tuple]:
-    """``(bound names, [(store name, parameter, [(module, attribute, submodule)], owner,
-    leaf)])`` after a sync: every bound parameter with the submodules on its path, as
-    ``nn.Module`` finds them, ``None`` standing for ``module`` itself (so that it holds no
-    reference cycle); ``None`` where a path does not resolve, or ``getattr`` resolves it
-    otherwise: such a module is synced in full every time."""
-    bound = module.__dict__.get(_BOUND)
-    params = getattr(store, "_params", None)
-    if bound is None or not isinstance(params, dict):
-        return None
-    prefix, entries = module.param_prefix, []
-    for name in bound:
-        path = name[len(prefix) + 1 :].split(".")
-        owner, links = module, []
-        for part in path[:-1]:
-            child = owner._modules.get(part)
-            if child is None:
-                return None
-            links.append((None if owner is module else owner, part, child))
-            owner = child
-        param = owner._parameters.get(path[-1])
-        if param is None or params.get(name) is not param:
-            return None
-        try:
-            if len(path) > 1 and deep_getattr(module, ".".join(path[:-1])) is not owner:
-                return None
-        except AttributeError:
-            return None
-        entries.append((name, param, tuple(links), None if owner is module else owner, path[-1]))
-    return bound, entries
-
-
-def _in_sync(store, module: nn.Module, synced: tuple) -> bool:
-    """Whether the store and ``module`` still hold the parameters of ``synced``: the same
-    tensor under each name, at the same module path (then :func:`_sync` has nothing to do)."""
-    params = store._params
-    for name, param, links, owner, leaf in synced[1]:
-        if params.get(name) is not param:
-            return False
-        if (owner or module)._parameters.get(leaf) is not param:
-            return False
-        for parent, part, child in links:
-            if (parent or module)._modules.get(part) is not child:
-                return False
-    return True
-
-
-def _sync(module: nn.Module, store) -> None:
-    prefix = module.param_prefix
     for name, param in bound_parameters(module).items():
         if name in store:
             value = store.get_param(name).unconstrained()
             if value is not param:
                 if not isinstance(value, nn.Parameter):
                     value = _as_parameter(name, value)
-                _set(module, name[len(prefix) + 1 :], value)
+                _set(module, name[len(module.param_prefix) + 1 :], value)
         else:
             with torch.no_grad():
                 store[name] = param  # constraint real: the store keeps this very object
             if store.get_param(name).unconstrained() is not param:  # pragma: no cover
                 raise RuntimeError(f"the param store copied {name!r} instead of keeping it")
+    if params is not None:  # (the bound names, then per name the tensor and its path)
+        entries = [_entry(module, name) for name in module.__dict__.get(_BOUND, ())]
+        ok = None not in entries and _in_sync(params, module, entries)
+        module.__dict__[_SYNCED] = (module.__dict__.get(_BOUND), entries) if ok else None
+
+
+_SYNCED = "_cvi_synced"  # the module attribute: the last sync's tensors (:func:`_in_sync`)
+
+
+def _entry(module: nn.Module, name: str) -> Optional[tuple]:
+    """``(name, parameter, path, its submodules but module: no cycle)`` (``None``: none)."""
+    path = name[len(module.param_prefix) + 1 :].split(".")
+    try:
+        chain = tuple(deep_getattr(module, ".".join(path[: i + 1])) for i in range(len(path) - 1))
+    except AttributeError:
+        return None
+    param = (chain[-1] if chain else module)._parameters.get(path[-1])
+    return None if param is None else (name, param, tuple(path), chain)
+
+
+def _in_sync(params, module: nn.Module, entries) -> bool:
+    """Whether the store's ``params`` and ``module`` still hold the tensors of ``entries``."""
+    for name, param, path, chain in entries:
+        owner = module
+        for part, child in zip(path, chain):
+            if owner._modules.get(part) is not child:
+                return False
+            owner = child
+        if params.get(name) is not param or owner._parameters.get(path[-1]) is not param:
+            return False
+    return True
 
 
 def deep_getattr(obj, path: str):
@@ -351,7 +326,6 @@ class GuideState:
         for p in self.parameters():
             p.__dict__.pop("unconstrained", None)  # a weakref the param store attaches
         state = self.__dict__.copy()
-        state.pop(_SYNCED, None)  # (the last sync's tensors: the copy syncs afresh)
         state["engine"] = None
         state["master"] = None
         model = self.model

@@ -92,8 +92,8 @@ class Transaction:
 def _unconstrained(name: str) -> torch.Tensor:
     """The store's unconstrained tensor (no effect handler, no transform: a snapshot)."""
     store = pyro.get_param_store()
-    params = getattr(store, "_params", None)
-    return params[name] if isinstance(params, dict) else store[name].unconstrained()
+    params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
+    return params[name] if params is not None else store[name].unconstrained()
 
 
 def pending(engine) -> Optional[Transaction]:
