@@ -302,7 +302,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         graph to the model's parameters is kept (the gradient at fixed CVI parameters, q
         re-solved from the prior and sites). A transaction (:mod:`pyro_cvi.transaction`): a
         failed loss leaves the guide as it was; with ``grads`` it stays open until the step."""
-        with rolled_back(self, keep_open=grads):
+        with rolled_back(self, keep_open=grads) as txn:
             try:
                 self._ready(args, kwargs)  # first call, a restored guide, or a cleared store
                 if self.engine.new_data(args, kwargs):  # (without moving the loss's draws)
@@ -312,7 +312,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
                 loss = self.engine.loss(args, kwargs, sub, grads, graph)
                 if grads:  # a non-finite or exploding loss: an error, and back to the best q
                     check_loss(self.engine, -float(loss.detach()))
-                return loss
+                return txn.kept(loss)
             except (ZeroDivisionError, ValueError, RuntimeError):
                 with explained(args, kwargs, self.data_shapes):  # (in the data's terms)
                     raise

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from types import FrameType
-from typing import Any, Callable, NoReturn, Optional, Union
+from typing import Any, Callable, List, NoReturn, Optional, Union
 
 import torch
 from pyro.infer import ELBO
@@ -29,7 +29,7 @@ from .methods.guide_list import PartsLoss, parts_loss
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
 from .scale.distributed import tell_ranks
-from .transaction import abort
+from .transaction import abort, pending
 
 __all__ = ["CVI_ELBO"]
 
@@ -81,32 +81,35 @@ class CVI_ELBO(ELBO):
         try:
             elbo = cvi_guide.elbo(args, kwargs, grads=True)
         except BaseException as e:  # data-parallel: the other ranks raise too, not wait
+            abort([g for g in [getattr(cvi_guide, "engine", None)] if g is not None])  # (kept)
             tell_ranks(getattr(cvi_guide, "reducer", None), e)
             raise
         try:
             if not elbo.requires_grad:
                 return -float(elbo)  # (-x is exact: the same number as float(-x))
             loss = -elbo
+            txn = pending(cvi_guide.engine)
+            if txn is not None:  # (a rollback, now or at the next loss, drops their gradients)
+                txn.grads_of = _captured_params()
             loss.backward()
             return float(loss.detach())
         except BaseException:  # the step's transaction is rolled back (an interrupt, too)
             abort([cvi_guide.engine])
-            _drop_captured_grads()
             raise
 
     def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
 
 
-def _drop_captured_grads() -> None:
-    """A loss that failed after its backward pass: the gradients it wrote into the parameters
-    ``SVI.step`` captured (the model's hyperparameters) are dropped, as SVI drops them after a
-    step, so that they do not add to the next step's."""
+def _captured_params() -> List[torch.Tensor]:
+    """The parameters ``SVI.step``'s param capture holds (the model's hyperparameters): their
+    gradients from a step that is rolled back must not add to the next step's (SVI drops them
+    only after a step)."""
     for m in _PYRO_STACK:
         if isinstance(m, TraceMessenger) and m.param_only:
-            for site in m.trace.nodes.values():
-                if site["type"] == "param":
-                    site["value"].unconstrained().grad = None
+            nodes = m.trace.nodes.values()
+            return [s["value"].unconstrained() for s in nodes if s["type"] == "param"]
+    return []
 
 
 def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI, PartsLoss]:

@@ -68,6 +68,15 @@ class Transaction:
                     u = _unconstrained(n)
                     self.params[n] = u.item() if u.dim() == 0 and u.is_cpu else u.detach().clone()
         self.mementos = list({id(o): _Memento(o) for o in objs}.values())
+        #: other parameters whose gradients the loss wrote (dropped on a rollback)
+        self.grads_of: List[torch.Tensor] = []
+
+    def kept(self, value):
+        """``value``, the snapshot kept open for the update first (when asked: the body's last
+        act, so that an interrupt in the exit finds it open; the caller's abort undoes it)."""
+        if getattr(self, "keep_open", False) and self.guide.engine is not None:
+            keep(self.guide.engine, self)
+        return value
 
     def rollback(self) -> None:
         """Put the guide, its engine and its parameters back as they were at the snapshot."""
@@ -87,6 +96,8 @@ class Transaction:
                     u.grad = None
         for m in self.mementos:
             m.restore()
+        for p in self.grads_of:
+            p.grad = None
 
 
 def _unconstrained(name: str) -> torch.Tensor:
@@ -126,6 +137,7 @@ class rolled_back:
 
     def __enter__(self) -> Transaction:
         self.txn = Transaction(self.guide)
+        self.txn.keep_open = self.keep_open
         return self.txn
 
     def __exit__(self, kind, e, tb) -> bool:
