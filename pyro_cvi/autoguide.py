@@ -264,8 +264,7 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         """Analyse the model and set up the blocks (a restored or copied guide's kept)."""
         sync_parameters(self)
         self.engine = Engine(self.model, self._pyro_name, self.options)
-        self.engine.counts = self.counts
-        self.engine.warnings = self.warning_log
+        self.engine.counts, self.engine.warnings = self.counts, self.warning_log
         sub = self.draw_subsample(args, kwargs)
         with poutine.block(), StoredShapes(self.param_prefix):  # (hidden from an outer trace)
             self.engine.setup(args, kwargs, self.prototype_trace, self.init_loc_fn, sub)
@@ -291,31 +290,32 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
             with rng_preserved():
                 self._build_engine(args, kwargs)
         elif self.engine.params_missing() and (args or kwargs):
-            # the store was cleared under a live guide, and the model is run again: restart
-            unbind_parameters(self)
+            unbind_parameters(self)  # (the store was cleared under a live guide: restart)
             self._setup_prototype(*args, **kwargs)
-        else:  # (a query without data after a cleared store: the guide's own values return,
-            # as for Pyro's PyroModule guides)
+        else:  # (a query without data after a cleared store: the guide's values, as Pyro's)
             sync_parameters(self)
         return self.engine
 
     def elbo(self, args, kwargs, grads: bool = False, graph: bool = False) -> torch.Tensor:
-        """The ELBO of the current q for the model's arguments; with ``grads``, the natural
-        gradients are written into the CVI parameters' ``.grad`` for the next CVI step. With
-        ``grads`` or ``graph`` it keeps its graph to the model's parameters: its gradient is
-        that of the ELBO at fixed CVI parameters (``q`` re-solved from the prior and sites)."""
-        # a transaction: a loss that fails leaves the guide as it was; with ``grads`` it stays
-        # open until the optimizer's step (:mod:`pyro_cvi.transaction`)
-        with rolled_back(self, keep_open=grads), explained(args, kwargs, self.data_shapes):
-            self._ready(args, kwargs)  # first call, a restored guide, or a cleared store
-            if self.engine.new_data(args, kwargs):  # probed without moving the loss's draws
-                with rng_preserved():
-                    self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for)
-            sub = self.draw_subsample(args, kwargs)
-            loss = self.engine.loss(args, kwargs, sub, grads, graph)
-            if grads:  # a non-finite or exploding loss: an error, and back to the best q
-                check_loss(self.engine, -float(loss.detach()))
-            return loss
+        """The ELBO of the current q for the model's arguments. ``grads``: the natural gradients
+        go into the CVI parameters' ``.grad`` for the next CVI step; ``grads`` or ``graph``: its
+        graph to the model's parameters is kept (the gradient at fixed CVI parameters, q
+        re-solved from the prior and sites). A transaction (:mod:`pyro_cvi.transaction`): a
+        failed loss leaves the guide as it was; with ``grads`` it stays open until the step."""
+        with rolled_back(self, keep_open=grads) as txn:
+            try:
+                self._ready(args, kwargs)  # first call, a restored guide, or a cleared store
+                if self.engine.new_data(args, kwargs):  # (without moving the loss's draws)
+                    with rng_preserved():
+                        self.engine.reanalyse_if_new_data(args, kwargs, self._prototype_for)
+                sub = self.draw_subsample(args, kwargs)
+                loss = self.engine.loss(args, kwargs, sub, grads, graph)
+                if grads:  # a non-finite or exploding loss: an error, and back to the best q
+                    check_loss(self.engine, -float(loss.detach()))
+                return txn.kept(loss)
+            except (ZeroDivisionError, ValueError, RuntimeError):
+                with explained(args, kwargs, self.data_shapes):  # (in the data's terms)
+                    raise
 
     def _prototype_for(self, args, kwargs):
         """The prototype trace, or a fresh one when a subsampled plate's minibatch has another
@@ -339,11 +339,11 @@ class AutoCVI(GuideState, PackedLatent, Summaries, BoundChecked, CountedSteps, A
         if any((f.full_size or f.size) != f.size for f in frames.values()):
             plates = self._create_plates(*args, **kwargs)
             out = {n: p.indices for n, p in plates.items() if p.subsample_size != p.size}
-        for name, node in self.prototype_trace.nodes.items():
+        for name, node in self.prototype_trace.nodes.items() if self._minibatch_plates else ():
             if name not in out and name in self._minibatch_plates:
                 out[name] = node["fn"].sample()
         analysis = getattr(self.engine, "analysis", None)
-        if analysis is not None:  # observation-only plates (the prototype hides their indices)
+        if analysis is not None and analysis.minibatch_plates:  # observation-only plates
             for name in sorted(analysis.minibatch_plates - set(out)):
                 node = analysis.structure.nodes[name]
                 if node["fn"].subsample_size is not None:  # (not pyro.plate(subsample=idx))

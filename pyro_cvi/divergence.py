@@ -133,7 +133,8 @@ _BEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _values(engine) -> Dict[str, torch.Tensor]:
-    return {n: pyro.param(n).unconstrained().detach().clone() for n in engine.param_names()}
+    store = pyro.get_param_store()  # (read directly: no effect handler, as a snapshot)
+    return {n: store[n].unconstrained().detach().clone() for n in engine.param_names()}
 
 
 def _back_to(engine, values: Dict[str, torch.Tensor]):

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import inspect
 from types import FrameType
-from typing import Any, Callable, NoReturn, Optional, Union
+from typing import Any, Callable, List, NoReturn, Optional, Union
 
 import torch
 from pyro.infer import ELBO
 from pyro.infer.autoguide import AutoGuideList
+from pyro.poutine.runtime import _PYRO_STACK
+from pyro.poutine.trace_messenger import TraceMessenger
 
 from .autoguide import AutoCVI
 from .methods.guide_list import PartsLoss, parts_loss
 from .methods.structured_guide import AutoStructuredCVI
 from .optim import CVI
 from .scale.distributed import tell_ranks
-from .transaction import abort
+from .transaction import abort, pending
 
 __all__ = ["CVI_ELBO"]
 
@@ -79,12 +81,16 @@ class CVI_ELBO(ELBO):
         try:
             elbo = cvi_guide.elbo(args, kwargs, grads=True)
         except BaseException as e:  # data-parallel: the other ranks raise too, not wait
+            abort([g for g in [getattr(cvi_guide, "engine", None)] if g is not None])  # (kept)
             tell_ranks(getattr(cvi_guide, "reducer", None), e)
             raise
         try:
             if not elbo.requires_grad:
                 return -float(elbo)  # (-x is exact: the same number as float(-x))
             loss = -elbo
+            txn = pending(cvi_guide.engine)
+            if txn is not None:  # (a rollback, now or at the next loss, drops their gradients)
+                txn.grads_of = _captured_params()
             loss.backward()
             return float(loss.detach())
         except BaseException:  # the step's transaction is rolled back (an interrupt, too)
@@ -93,6 +99,17 @@ class CVI_ELBO(ELBO):
 
     def _get_trace(self, model: _Fn, guide: _Fn, args: Any, kwargs: Any) -> NoReturn:
         raise NotImplementedError("CVI_ELBO does not sample traces; it computes expectations")
+
+
+def _captured_params() -> List[torch.Tensor]:
+    """The parameters ``SVI.step``'s param capture holds (the model's hyperparameters): their
+    gradients from a step that is rolled back must not add to the next step's (SVI drops them
+    only after a step)."""
+    for m in _PYRO_STACK:
+        if isinstance(m, TraceMessenger) and m.param_only:
+            nodes = m.trace.nodes.values()
+            return [s["value"].unconstrained() for s in nodes if s["type"] == "param"]
+    return []
 
 
 def _checked(model: _Fn, guide: _Fn) -> Union[AutoCVI, AutoStructuredCVI, PartsLoss]:

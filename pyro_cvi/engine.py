@@ -22,6 +22,7 @@ vectorised), plus ``num_general_samples`` per Gaussian block with general factor
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List, Optional
 
 import pyro
@@ -29,7 +30,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger, stored
-from .blocks.constant_terms import constant_terms
+from .blocks.constant_terms import elbo_terms
 from .blocks.registry import analysis_options
 from .context import GIVEN, Options, StepContext
 from .model.analysis import Analysis
@@ -183,8 +184,7 @@ class Engine:
     block_of = block_for
 
     def natural_targets(self, args, kwargs, subsample=None) -> Dict:
-        """The Algorithm 2 targets of every natural-parameter latent at the current q (no
-        step)."""
+        """The Algorithm 2 targets of every natural-parameter latent at the current q."""
         ctx = self.context(args, kwargs, subsample or {}, grads=False)
         out: Dict = {}
         for block in self.blocks:
@@ -252,8 +252,10 @@ class Engine:
         self._data_state = state
 
     def _tag_params(self) -> None:
-        """Register this engine's parameters (``pyro.param`` also lets SVI capture them)."""
-        for name in self.param_names() + [self.steps_name]:
+        """Register this engine's parameters; ``pyro.param`` lets SVI capture them (the step
+        counter only where it is the only one: SVI finds the engine by any)."""
+        register_owner(stored(self.steps_name).unconstrained(), self)
+        for name in self.param_names() or [self.steps_name]:
             register_owner(pyro.param(name).unconstrained(), self)
 
     # ------------------------------------------------------------------ the current q
@@ -285,12 +287,11 @@ class Engine:
         kw = dict(grads=grads, graph=grads or graph, data_key=self.data_key)
         ctx = StepContext(self.model, args, kwargs, dict(subsample), **kw)
         ctx.steps = int(stored(self.steps_name)) if self.steps_name in pyro.get_param_store() else 0
-        ctx.sample_q = lambda exclude=(), at_means=False: self.sample_q(
-            ctx.subsample, exclude, at_means
-        )
+        # (no closure over ctx: a context in a reference cycle would wait for the collector)
+        ctx.sample_q = partial(self.sample_q, ctx.subsample)
         ctx.marginal = lambda name: self.block_for(name).marginal(name)
         ctx.block_for = self.block_for
-        ctx.retrace = lambda: self._trace(ctx)
+        ctx.retrace = partial(self._trace, args, kwargs, ctx.subsample)
         ctx.report = self._report
         state = self._model_state(args, kwargs)
         if state is not None and state == self._checked and not ctx.subsample:
@@ -300,7 +301,7 @@ class Engine:
                 ctx.trace = DeferredTrace(lambda: self._checked_trace(ctx))
             return ctx
         if self._static_trace is not None and not ctx.subsample:
-            fresh = self._trace(ctx)  # a model that changed (or now raises) is still seen
+            fresh = self._trace(args, kwargs, ctx.subsample)  # (a changed model is seen)
             check_structure(fresh, self.structure)
             check_signature(fresh, self.signature)
             ctx.trace = self._static_trace
@@ -321,17 +322,17 @@ class Engine:
 
     def _checked_trace(self, ctx: StepContext):
         """The model traced at the current q, its observations and structure checked."""
-        trace = self._trace(ctx)
+        trace = self._trace(ctx.args, ctx.kwargs, ctx.subsample)
         check_observations(trace, self.structure)
         if self.signature is None:
             self.signature = signature(trace)
         check_signature(trace, self.signature)
         return trace
 
-    def _trace(self, ctx: StepContext):
+    def _trace(self, args, kwargs, subsample):
         """The model traced at the current q (:meth:`trace_values`) and the step's minibatch."""
-        values = {**self.trace_values(ctx.subsample), **ctx.subsample}
-        return trace_model(self.model, values, ctx.args, ctx.kwargs)
+        values = {**self.trace_values(subsample), **subsample}
+        return trace_model(self.model, values, args, kwargs)
 
     # ------------------------------------------------------------------ the loss
     def loss(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> torch.Tensor:
@@ -340,22 +341,24 @@ class Engine:
         step's context is kept for :meth:`step`. (Autograd is on inside, also under
         ``torch.no_grad()`` as in ``SVI.evaluate_loss``: quadrature and the mean-field
         messages differentiate expectations.)"""
-        with torch.enable_grad():
-            if grads and self.control is not None:
-                return self._controlled_loss(args, kwargs, subsample)
-            try:
-                return self._loss(args, kwargs, subsample, grads, graph)
-            except (ValueError, RuntimeError, FloatingPointError) as e:
-                if not is_numerical_error(e) or not grads:
-                    raise
-                if float(pyro.param(self.steps_name).detach()) == 0:
-                    raise initial_failure(e) from e
-                raise ValueError(
-                    "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
-                    f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
-                    "CVI() (step_size='auto'), which undoes and shrinks such steps, or a "
-                    "smaller step_size."
-                ) from e
+        if not torch.is_grad_enabled():  # (entered only where it is off: the common case
+            with torch.enable_grad():  # is SVI.step, under grad mode)
+                return self.loss(args, kwargs, subsample, grads, graph)
+        if grads and self.control is not None:
+            return self._controlled_loss(args, kwargs, subsample)
+        try:
+            return self._loss(args, kwargs, subsample, grads, graph)
+        except (ValueError, RuntimeError, FloatingPointError) as e:
+            if not is_numerical_error(e) or not grads:
+                raise
+            if float(pyro.param(self.steps_name).detach()) == 0:
+                raise initial_failure(e) from e
+            raise ValueError(
+                "AutoCVI: q became invalid after a fixed-size CVI step (a numerical "
+                f"failure: {str(e).splitlines()[0][:200]}). Use the adaptive default "
+                "CVI() (step_size='auto'), which undoes and shrinks such steps, or a "
+                "smaller step_size."
+            ) from e
 
     # ------------------------------------------------------------------ step control
     def _param_values(self) -> Dict[str, torch.Tensor]:
@@ -410,12 +413,9 @@ class Engine:
         ctx = self.context(args, kwargs, subsample, grads, graph)
         if grads:
             self._tag_params()
-        elbo = constant_terms(self.analysis, ctx.trace, self.options.reducer)
-        for block in self.blocks:
-            elbo = elbo + block.messages(ctx)
+        elbo = elbo_terms(self.analysis, ctx, self.blocks, self.options.reducer)  # (ctx.elbo)
         self.pending = ctx if grads else None
         self.last_mc_var = ctx.mc_var
-        ctx.elbo = float(elbo.detach())
         if ctx.report_shift or ctx.elbo == 0.0:  # (x + 0.0 is x but for x = -0.0)
             elbo = elbo + ctx.report_shift  # (a constant: the gradient is the decision's)
         # without learnable parameters in the model there is nothing to back-propagate into
@@ -464,8 +464,7 @@ class Engine:
             for block in self.blocks:
                 for report in block.step(beta, ctx):
                     self._report(report)
-        with torch.no_grad():
-            stored(self.steps_name).add_(_ONE)
+        stored(self.steps_name).detach().add_(_ONE)  # (in place, as under no_grad)
 
     def sequential_order(self) -> List[str]:
         """Order of the sequential schedule: the user's list, or reverse model order."""

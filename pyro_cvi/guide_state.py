@@ -113,21 +113,57 @@ def unbind_parameters(module: nn.Module) -> None:
 
 def sync_parameters(module: nn.Module) -> None:
     """Pyro's ``PyroModule`` rule for every bound parameter: the store wins where it has the
-    name; the module's tensor is put into the store where it has not."""
+    name; the module's tensor is put into the store where it has not. (Where the store and the
+    module hold the tensors of the last sync, there is nothing to do: :func:`_in_sync`.)"""
     store = pyro.get_param_store()
-    prefix = module.param_prefix
+    params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
+    synced = module.__dict__.get(_SYNCED)
+    if params is not None and synced is not None and synced[0] is module.__dict__.get(_BOUND):
+        if _in_sync(params, module, synced[1]):
+            return
     for name, param in bound_parameters(module).items():
         if name in store:
             value = store.get_param(name).unconstrained()
             if value is not param:
                 if not isinstance(value, nn.Parameter):
                     value = _as_parameter(name, value)
-                _set(module, name[len(prefix) + 1 :], value)
+                _set(module, name[len(module.param_prefix) + 1 :], value)
         else:
             with torch.no_grad():
                 store[name] = param  # constraint real: the store keeps this very object
             if store.get_param(name).unconstrained() is not param:  # pragma: no cover
                 raise RuntimeError(f"the param store copied {name!r} instead of keeping it")
+    if params is not None:  # (the bound names, then per name the tensor and its path)
+        entries = [_entry(module, name) for name in module.__dict__.get(_BOUND, ())]
+        ok = None not in entries and _in_sync(params, module, entries)
+        module.__dict__[_SYNCED] = (module.__dict__.get(_BOUND), entries) if ok else None
+
+
+_SYNCED = "_cvi_synced"  # the module attribute: the last sync's tensors (:func:`_in_sync`)
+
+
+def _entry(module: nn.Module, name: str) -> Optional[tuple]:
+    """``(name, parameter, path, its submodules but module: no cycle)`` (``None``: none)."""
+    path = name[len(module.param_prefix) + 1 :].split(".")
+    try:
+        chain = tuple(deep_getattr(module, ".".join(path[: i + 1])) for i in range(len(path) - 1))
+    except AttributeError:
+        return None
+    param = (chain[-1] if chain else module)._parameters.get(path[-1])
+    return None if param is None else (name, param, tuple(path), chain)
+
+
+def _in_sync(params, module: nn.Module, entries) -> bool:
+    """Whether the store's ``params`` and ``module`` still hold the tensors of ``entries``."""
+    for name, param, path, chain in entries:
+        owner = module
+        for part, child in zip(path, chain):
+            if owner._modules.get(part) is not child:
+                return False
+            owner = child
+        if params.get(name) is not param or owner._parameters.get(path[-1]) is not param:
+            return False
+    return True
 
 
 def deep_getattr(obj, path: str):
@@ -413,6 +449,7 @@ def claim_prefix(guide: Any) -> None:
         others = [r() for r in refs]
         if not any(_holds_store_tensors(g) for g in others):
             break
+        del others  # (not held while the collector looks for dropped guides)
         if attempt == 0:
             gc.collect()  # a dropped guide in a reference cycle holds no claim
             continue

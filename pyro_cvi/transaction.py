@@ -18,7 +18,7 @@ by the engine (a loss evaluated without a step, e.g. ``svi.evaluate_loss``, keep
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Union
 
 import pyro
 import torch
@@ -54,7 +54,9 @@ class Transaction:
         store = pyro.get_param_store()
         self.names = set(store.keys())
         objs: List = [guide, guide.counts]
-        self.params: Dict[str, torch.Tensor] = {}
+        #: each parameter's values: a detached clone, or a CPU scalar's number (the step
+        #: counter: exact in its dtype, and cheaper to keep than a tensor)
+        self.params: Dict[str, Union[torch.Tensor, float, int, bool]] = {}
         engine = guide.engine
         if engine is not None:
             objs += [engine, engine.counts] + list(engine.blocks)
@@ -63,8 +65,18 @@ class Transaction:
                 objs.append(engine.control)
             for n in engine.param_names() + [engine.steps_name]:
                 if n in store:  # (a detached clone records no graph, also with grad mode on)
-                    self.params[n] = _unconstrained(n).detach().clone()
+                    u = _unconstrained(n)
+                    self.params[n] = u.item() if u.dim() == 0 and u.is_cpu else u.detach().clone()
         self.mementos = list({id(o): _Memento(o) for o in objs}.values())
+        #: other parameters whose gradients the loss wrote (dropped on a rollback)
+        self.grads_of: List[torch.Tensor] = []
+
+    def kept(self, value):
+        """``value``, the snapshot kept open for the update first (when asked: the body's last
+        act, so that an interrupt in the exit finds it open; the caller's abort undoes it)."""
+        if getattr(self, "keep_open", False) and self.guide.engine is not None:
+            keep(self.guide.engine, self)
+        return value
 
     def rollback(self) -> None:
         """Put the guide, its engine and its parameters back as they were at the snapshot."""
@@ -76,15 +88,23 @@ class Transaction:
             for n, v in self.params.items():
                 if n in store:
                     u = _unconstrained(n)
-                    if u.shape == v.shape:
+                    if not isinstance(v, torch.Tensor):
+                        if u.dim() == 0:
+                            u.fill_(v)
+                    elif u.shape == v.shape:
                         u.copy_(v)
                     u.grad = None
         for m in self.mementos:
             m.restore()
+        for p in self.grads_of:
+            p.grad = None
 
 
 def _unconstrained(name: str) -> torch.Tensor:
-    return pyro.get_param_store()[name].unconstrained()  # (no effect handler: a snapshot)
+    """The store's unconstrained tensor (no effect handler, no transform: a snapshot)."""
+    store = pyro.get_param_store()
+    params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
+    return params[name] if params is not None else store[name].unconstrained()
 
 
 def pending(engine) -> Optional[Transaction]:
@@ -117,6 +137,7 @@ class rolled_back:
 
     def __enter__(self) -> Transaction:
         self.txn = Transaction(self.guide)
+        self.txn.keep_open = self.keep_open
         return self.txn
 
     def __exit__(self, kind, e, tb) -> bool:

@@ -180,6 +180,49 @@ def test_interrupted_step_leaves_the_guide_as_it_was(case, pre):
     assert seen["before"] >= len(points) - 2  # (only a fault in the final bookkeeping commits)
 
 
+class _AtLine:
+    """A trace function that raises ``KeyboardInterrupt`` the first time line ``lineno`` of
+    pyro_cvi's file ``name`` runs."""
+
+    def __init__(self, name, lineno):
+        self.name, self.lineno, self.where = name, lineno, None
+
+    def __call__(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(PKG):
+            return None
+        code = frame.f_code.co_filename
+        if event == "line" and self.where is None and code.endswith(self.name):
+            if frame.f_lineno == self.lineno:
+                self.where = f"{self.name}:{self.lineno}"
+                raise KeyboardInterrupt(f"injected at {self.where}")
+        return self
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_a_step_interrupted_after_its_backward_pass_leaks_no_gradient(dtype):
+    """An interrupt right after ``loss.backward()`` in CVI_ELBO: the model's parameter ``b``
+    has its gradient then; the step is rolled back (its gradient dropped), and the next good step is the undisturbed
+    run's, so that gradient must not add to the next one's."""
+    source = (Path(PKG) / "elbo.py").read_text().splitlines()
+    after = next(i for i, line in enumerate(source, 1) if line.strip() == "loss.backward()") + 1
+    model, (X, y) = _logistic()
+    data = (X.to(dtype), y.to(dtype))
+    runs = []
+    for fault in (None, _AtLine("elbo.py", after)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = SVI(model, AutoCVI(model), CVI(step_size=0.7, optim_args={"lr": 0.05}), CVI_ELBO())
+        svi.step(*data)
+        if fault is not None:
+            before = _state()
+            with pytest.raises(KeyboardInterrupt), _traced(fault):
+                svi.step(*data)
+            assert fault.where is not None and _equal(_state(), before)
+            assert pyro.get_param_store()._params["b"].grad is None
+        runs.append((svi.step(*data), _state()))
+    assert runs[1][0] == runs[0][0] and _equal(runs[1][1], runs[0][1])
+
+
 def test_failed_first_step_with_inf_in_x_then_a_good_step():
     model, (X, y) = _logistic()
     pyro.clear_param_store()

@@ -52,8 +52,17 @@ def stored(name: str) -> torch.Tensor:
     """``pyro.param(name)`` of a parameter already in the param store, read from the store
     directly: the same tensor, without a trip through the effect handlers. (The engine
     declares its parameters with ``pyro.param`` once per step with gradients, where
-    ``SVI.step`` captures them; every other read in a step needs no handler.)"""
-    return pyro.get_param_store()[name]
+    ``SVI.step`` captures them; every other read in a step needs no handler.) A parameter the
+    store has handed out as its own constrained value (an identity transform: unconstrained)
+    is returned as it is, without the transform."""
+    store = pyro.get_param_store()
+    params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
+    value = params.get(name) if params is not None else None
+    if value is not None:
+        ref = value.__dict__.get("unconstrained")
+        if ref is not None and ref() is value:
+            return value  # (what ``store[name]`` returns: the identity transform of itself)
+    return store[name]
 
 
 class Incoming(NamedTuple):

@@ -13,7 +13,7 @@ from ..messages.expectations import site_weight
 from ..model.analysis import CONSTANT, Analysis
 from ..model.factor_roles import minibatch_renames
 
-__all__ = ["constant_terms"]
+__all__ = ["constant_terms", "elbo_terms"]
 
 
 def constant_terms(analysis: Analysis, trace, reducer=None) -> torch.Tensor:
@@ -33,3 +33,24 @@ def constant_terms(analysis: Analysis, trace, reducer=None) -> torch.Tensor:
     shared = torch.zeros_like(total)
     # (the rank's data in a data-parallel run)
     return shared + total if reducer is None else reducer.combine(shared, total)
+
+
+def elbo_terms(analysis: Analysis, ctx, blocks, reducer=None) -> torch.Tensor:
+    """:func:`constant_terms` plus each block's ELBO terms (``block.messages(ctx)``), summed in
+    that order; sets ``ctx.elbo`` to its value. Without constant factors the zero is left out
+    where ``0 + x`` is ``x`` (the dtype unchanged: a float32 or float64 sum); the one number
+    where it is not, ``x = -0.0``, is made ``0 + x`` after all (an ELBO of zero)."""
+    terms = None
+    if reducer is None and blocks and CONSTANT not in analysis.owner.values():
+        terms = blocks[0].messages(ctx)
+        if torch.promote_types(torch.get_default_dtype(), terms.dtype) != terms.dtype:
+            terms = torch.zeros(()) + terms  # (a narrower dtype: promoted, as the zero does)
+        blocks = blocks[1:]
+    elbo = constant_terms(analysis, ctx.trace, reducer) if terms is None else terms
+    for block in blocks:
+        elbo = elbo + block.messages(ctx)
+    ctx.elbo = float(elbo.detach())
+    if terms is not None and ctx.elbo == 0.0:
+        elbo = torch.zeros(()) + elbo  # (+0.0, as the sum from zero gives it)
+        ctx.elbo = float(elbo.detach())
+    return elbo

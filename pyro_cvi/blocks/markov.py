@@ -382,9 +382,8 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             new, counts = damped_step(old, target, beta, valid, max_halvings=MAX_HALVINGS_SOLVE)
         if counts.rejected:
             return counts
-        with torch.no_grad():
-            for p, v in zip(params, new):
-                p.copy_(v)
+        for p, v in zip(params, new):
+            p.detach().copy_(v)  # (in place, as under no_grad)
         self.rows = solved["rows"]  # (the rows of the new sites, as the last check built them)
         self.post = solved["post"]
         if self._solved_for is not None:  # q is solved for the new sites already

@@ -30,7 +30,6 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -160,18 +159,20 @@ def _function_items(fn, code: types.CodeType) -> list:
     return items
 
 
-_CODE_NAMES: weakref.WeakKeyDictionary[types.CodeType, Tuple[tuple, tuple, tuple]] = (
-    weakref.WeakKeyDictionary()
-)
+#: ``{id(code): (code, its names)}`` (the code held: no other takes its identity; bounded)
+_CODE_NAMES: Dict[int, Tuple[types.CodeType, Tuple[tuple, tuple, tuple]]] = {}
 
 
 def _code_names(code: types.CodeType) -> Tuple[tuple, tuple, tuple]:
     """``(free variables, global names, sorted attribute names)`` a code object reads (a code
     object is immutable: computed once per code object)."""
-    out = _CODE_NAMES.get(code)
-    if out is None:
-        out = (tuple(code.co_freevars), tuple(code.co_names), tuple(sorted(set(code.co_names))))
-        _CODE_NAMES[code] = out
+    hit = _CODE_NAMES.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    out = (tuple(code.co_freevars), tuple(code.co_names), tuple(sorted(set(code.co_names))))
+    if len(_CODE_NAMES) >= 4096:
+        _CODE_NAMES.clear()
+    _CODE_NAMES[id(code)] = (code, out)
     return out
 
 
@@ -204,9 +205,11 @@ def _collect(
     if budget[0] <= 0:
         return
     budget[0] -= 1
+    if _INERT.get(id(value)) is value:
+        return  # (a library's module or function, a class, a builtin: it names no data)
     if isinstance(value, torch.Tensor):
-        if isinstance(value, torch.nn.Parameter):
-            return
+        if type(value) is not torch.Tensor and isinstance(value, torch.nn.Parameter):
+            return  # (a plain tensor is tested first: the parameter test is slow)
         found.append((path, id(value), value._version, tuple(value.shape)))
         if state is not None:
             state.append(value.dtype)
@@ -227,9 +230,11 @@ def _collect(
         for k in list(value)[:MAX_ITEMS]:
             _collect(f"{path}[{k!r}]", value[k], attrs, depth - 1, found, budget, seen, state)
     elif isinstance(value, types.ModuleType) and _library(value.__name__):
-        return
+        _inert(value)
     elif isinstance(value, types.FunctionType):
-        if state is not None and not _library(getattr(value, "__module__", None)):
+        if _library(getattr(value, "__module__", None)):
+            _inert(value)
+        elif state is not None:
             # a helper of the model's own: what it reads may change the model too
             code = value.__code__
             for n, v in _function_items(value, code):
@@ -243,6 +248,22 @@ def _collect(
             v = _attribute(value, a)
             if v is not _MISSING:
                 _collect(f"{path}.{a}", v, attrs, depth - 1, found, budget, seen, state)
+    elif (inspect.isclass(value) or inspect.isroutine(value)) and not hasattr(
+        type(value), "__array__"
+    ):
+        _inert(value)  # (its attributes are not read: nothing, in either scan)
+
+
+#: ``{id: value}`` of values that name no data in either scan of :func:`_collect` whatever
+#: they hold (a library's module or function, a class, a builtin), so that the next scan skips
+#: them at once; held here, so that no other object takes one of their identities
+_INERT: Dict[int, object] = {}
+
+
+def _inert(value) -> None:
+    if len(_INERT) >= 4096:  # (bounded: classes made on the fly are not kept for ever)
+        _INERT.clear()
+    _INERT[id(value)] = value
 
 
 #: values recorded by value in :func:`model_state`

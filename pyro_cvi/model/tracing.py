@@ -147,6 +147,8 @@ def unwrap(fn) -> Tuple[torch.distributions.Distribution, Optional[torch.Tensor]
     site's batch shape, and ``log_prob`` of the base must be multiplied by ``mask`` and summed
     over ``reinterpreted_ndims`` rightmost dims to reproduce the site's ``log_prob``.
     """
+    if type(fn) in _UNWRAPPED:
+        return fn, None, 0  # (a type that is none of the wrappers: the common case, first)
     mask = None
     ndims = 0
     while True:
@@ -160,7 +162,13 @@ def unwrap(fn) -> Tuple[torch.distributions.Distribution, Optional[torch.Tensor]
         elif isinstance(fn, dist.ExpandedDistribution):
             fn = fn.base_dist
         else:
+            if fn.__class__ is type(fn) and not issubclass(type(fn), _WRAPPERS):
+                _UNWRAPPED.add(type(fn))
             return fn, mask, ndims
+
+
+_WRAPPERS = (dist.MaskedDistribution, torch.distributions.Independent, dist.ExpandedDistribution)
+_UNWRAPPED: set = set()  # distribution types that are none of the wrappers (unwrap)
 
 
 def subsample_scale(site) -> float:

@@ -82,7 +82,7 @@ def marginals(
             else:
                 fw = _forward_2_first(m0, P0, trans, OnFirst(es, js))
             log_z, flat = _backward(*fw)
-            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 6).flip(0)
+            v = torch.frombuffer(flat, dtype=torch.float64).view(T, 6)
             if like["dtype"] == torch.float64:
                 c4 = v.narrow(1, 2, 4)  # (p00, p01, p01, p11 per step)
                 if not math.isfinite(log_z) or not _valid(c4):
@@ -154,13 +154,14 @@ def _forward_repeated(m0, P0, row, es, js):
 
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
-    """:func:`.sequential._backward_2` without lag-one covariances: six floats per step, last
+    """:func:`.sequential._backward_2` without lag-one covariances: six floats per step, first
     step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations); :class:`_Fail` where
-    a variance is not positive (or NaN)."""
+    a variance is not positive (or NaN). (The pass goes last step first and writes each
+    step's six in reverse: one reversal of the whole list puts both in order.)"""
     s0, s1, s00, s01, s11 = last
     if not (s00 > 0.0 and s11 > 0.0):
         raise _Fail
-    out: List[float] = [s0, s1, s00, s01, s01, s11]
+    out: List[float] = [s11, s01, s01, s00, s1, s0]
     push = out.extend
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
         det = n00 * n11 - n01 * n01
@@ -179,5 +180,6 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
         s11 = f11 + h10 * g10 + h11 * g11
         if not (s00 > 0.0 and s11 > 0.0):
             raise _Fail
-        push((s0, s1, s00, s01, s01, s11))
+        push((s11, s01, s01, s00, s1, s0))
+    out.reverse()
     return log_z, array.array("d", out)
