@@ -201,8 +201,8 @@ class _AtLine:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_a_step_interrupted_after_its_backward_pass_leaks_no_gradient(dtype):
     """An interrupt right after ``loss.backward()`` in CVI_ELBO: the model's parameter ``b``
-    has its gradient then; the step is rolled back (its gradient dropped), and the next good step is the undisturbed
-    run's, so that gradient must not add to the next one's."""
+    has its gradient then; the step is rolled back (its gradient dropped), and the next good
+    step is the undisturbed run's, so that gradient must not add to the next one's."""
     source = (Path(PKG) / "elbo.py").read_text().splitlines()
     after = next(i for i, line in enumerate(source, 1) if line.strip() == "loss.backward()") + 1
     model, (X, y) = _logistic()
