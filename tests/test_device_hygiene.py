@@ -131,3 +131,20 @@ def test_a_trial_that_indexes_out_of_range_falls_back_as_on_the_cpu(monkeypatch,
     assert raised, "the guard did not see the out-of-range trial"
     assert guarded == plain
     assert index_guard.checked_indexing is checked_indexing  # (the module itself untouched)
+
+
+@pytest.mark.parametrize("spelling", ["cumsum", "loop"])
+def test_no_tensor_on_the_default_device_in_the_kalman_chains(spelling):
+    """The scaled chain's two finders (a plate-and-cumsum walk and a ``pyro.markov`` loop
+    beside latent scales, past the joint's 64 coordinates), with their set-up probes."""
+    import test_scaled_walk as walks
+
+    y = walks.data(70, torch.float32 if spelling == "cumsum" else torch.float64)
+    model = walks.walk if spelling == "cumsum" else walks.loop
+    audit = _FactoryAudit()
+    with audit:
+        guide, svi = walks.setup(model, y)
+        svi.step(y)
+        svi.step(y)
+    assert walks._chain(guide) is not None  # (the Kalman block, not the joint)
+    assert not audit.hits, f"{spelling}: tensors made without a device at {sorted(audit.hits)}"

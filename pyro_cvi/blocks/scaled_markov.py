@@ -285,7 +285,7 @@ def _setup_rows(an, names, obs: Dict[str, int], order, d: int, walk=None) -> Opt
         with torch.enable_grad():
             h = probes.jacobian(loc, x).detach().reshape(loc.numel(), d)
         xt = x.detach().reshape(d)
-        obs_t.append(torch.full((loc.numel(),), t, dtype=torch.long))
+        obs_t.append(torch.full((loc.numel(),), t, dtype=torch.long, device=loc.device))
         obs_h.append(h)
         obs_c.append(loc.detach() - h @ xt)
     for t, h, c in walk[1].values() if walk is not None else ():
@@ -318,7 +318,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         super().__init__(spec, prefix, owned, options)
         self.scaled = spec.chain.rows
         #: the steps whose transitions are scaled (``0``: the start), as an index
-        self._steps = torch.tensor(self.scaled.steps, dtype=torch.long)
+        self._steps = self.scaled.u0.new_tensor(self.scaled.steps, dtype=torch.long)
         self._extra: Optional[tuple] = None
         self._fixed_for: Optional[tuple] = None
         self._elements: Optional[tuple] = None
@@ -427,7 +427,7 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             r = m[0] - p.m0
             second = r * r + torch.diagonal(S[0])
             total = total + (-0.5 * torch.log(2 * math.pi / prec) - 0.5 * prec * second).sum()
-        t = torch.tensor([s for s in steps if s > 0], dtype=torch.long)
+        t = torch.tensor([s for s in steps if s > 0], dtype=torch.long, device=m.device)
         if t.numel():
             A, b = p.A[t - 1], p.b[t - 1]
             prec = 1.0 / torch.diagonal(p.Q[t - 1], dim1=-2, dim2=-1)
@@ -448,12 +448,11 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             return None
         if self._elements is None:
             sites = list(dict.fromkeys(self._site(t) for t in rows.steps)) + list(rows.obs)
-            self._elements = (
-                sites,
-                torch.repeat_interleave(torch.arange(len(sites)), torch.tensor(rows.sizes)),
-            )
+            sizes = torch.tensor(rows.sizes, device=post.mean.device)
+            which = torch.arange(len(sites), device=sizes.device).repeat_interleave(sizes)
+            self._elements = (sites, which)
         sites, which = self._elements
-        mine = torch.tensor([n in owned for n in sites], dtype=torch.bool)
+        mine = torch.tensor([n in owned for n in sites], dtype=torch.bool, device=which.device)
         if not bool(mine.any()):
             return None
         m, S = post.mean, post.cov
