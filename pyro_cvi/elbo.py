@@ -106,9 +106,9 @@ def _captured_params() -> List[torch.Tensor]:
     gradients from a step that is rolled back must not add to the next step's (SVI drops them
     only after a step)."""
     for m in _PYRO_STACK:
-        if isinstance(m, TraceMessenger) and m.param_only:
-            nodes = m.trace.nodes.values()
-            return [s["value"].unconstrained() for s in nodes if s["type"] == "param"]
+        if isinstance(m, TraceMessenger) and m.param_only and m.trace is not None:
+            values = [s["value"] for s in m.trace.nodes.values() if s["type"] == "param"]
+            return [v.unconstrained() for v in values if v is not None]
     return []
 
 

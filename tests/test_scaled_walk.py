@@ -255,3 +255,22 @@ def test_the_monte_carlo_walk_against_trace_elbo(dtype):
         reported = torch.tensor([svi.evaluate_loss(y) for _ in range(10)], dtype=torch.float64)
     tol = 3 * math.hypot(se, float(reported.std()) / math.sqrt(10)) + 0.05
     assert abs(float(reported.mean()) - bound) < tol, (reported.mean(), bound, se)
+
+
+@DTYPES
+@pytest.mark.parametrize("weight", ["ones", "weights"])
+def test_a_tensor_weighted_observation(weight, dtype):
+    """``poutine.scale`` with a tensor on the walk's observations: all ones is no weight (the
+    walk block); other weights tempered sites, which the block does not read (not taken), and
+    no error either way."""
+    T = JOINT_MAX_DIM + 6
+    y = data(T, dtype)
+    w = torch.ones(T, dtype=dtype) if weight == "ones" else torch.linspace(0.5, 1.5, T, dtype=dtype)
+
+    def weighted(y):
+        with pyro.poutine.scale(scale=w):
+            walk(y)
+
+    guide, svi = setup(weighted, y)
+    assert (_chain(guide) is not None) == (weight == "ones")
+    assert math.isfinite(svi.step(y))

@@ -55,6 +55,7 @@ from ..model.index_guard import checked_indexing
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import DeferredTrace, unwrap
+from ..model.weights import unit_scale
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
@@ -84,7 +85,7 @@ def _plain_normal(node) -> bool:
         isinstance(base, torch.distributions.Normal)
         and mask is None
         and node["mask"] is None
-        and node["scale"] == 1.0
+        and unit_scale(node["scale"])
         and not len(node["fn"].batch_shape)
         and len(node["fn"].event_shape) <= 1
     )
@@ -149,7 +150,7 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
         base, mask, _ = unwrap(node["fn"])
         if not isinstance(base, torch.distributions.Normal) or mask is not None:
             return None
-        if node["mask"] is not None or node["scale"] != 1.0 or an.minibatch_plate(site):
+        if node["mask"] is not None or not unit_scale(node["scale"]) or an.minibatch_plate(site):
             return None
         if reads(base.loc, leaves) != touch or reads(base.scale, leaves) & chain:
             return None

@@ -31,6 +31,7 @@ from ..model import probes
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
+from ..model.weights import unit_scale
 from ..statespace import detect, random_walk
 from ..statespace.increments import Increments
 from .scaled_markov import ScaledChainSpec, reads, take_chain
@@ -59,7 +60,11 @@ def _increments(an, name: str) -> Optional[Increments]:
     base, mask, _ = unwrap(node["fn"])
     if not isinstance(base, torch.distributions.Normal) or mask is not None:
         return None
-    if node["mask"] is not None or node["scale"] != 1.0 or an.deps.get(name, set()) & an.discrete:
+    if (
+        node["mask"] is not None
+        or not unit_scale(node["scale"])
+        or an.deps.get(name, set()) & an.discrete
+    ):
         return None
     shape = an.values[name].shape
     if node["fn"].shape() != shape or not len(shape) or shape[0] < detect.MIN_LOOP_LENGTH:
@@ -89,7 +94,7 @@ def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
         fn, mask, _ = unwrap(node["fn"])
         if not isinstance(fn, torch.distributions.Normal) or mask is not None:
             return None
-        if node["mask"] is not None or node["scale"] != 1.0 or an.minibatch_plate(site):
+        if node["mask"] is not None or not unit_scale(node["scale"]) or an.minibatch_plate(site):
             return None
         if reads(fn.loc, leaves) != {name} or name in reads(fn.scale, leaves):
             return None

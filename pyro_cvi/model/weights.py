@@ -5,13 +5,29 @@ site's weight and leaves ``log q`` alone, so a weight ``c`` tempers a prior into
 
 from __future__ import annotations
 
+import torch
+
 from .tracing import latent_weight, unwrap
 
-__all__ = ["UnboundedELBOError", "leaf_latents", "weighted_chain", "weighted_leaf"]
+__all__ = [
+    "UnboundedELBOError",
+    "leaf_latents",
+    "unit_scale",
+    "weighted_chain",
+    "weighted_leaf",
+]
 
 
 class UnboundedELBOError(ValueError):
     """A construct for which Trace_ELBO's objective has no maximum (raised at set-up)."""
+
+
+def unit_scale(scale) -> bool:
+    """Whether a site's ``scale`` (a number, or a tensor from ``poutine.scale``) is one
+    everywhere."""
+    if torch.is_tensor(scale):
+        return bool((scale == 1).all())
+    return scale == 1.0
 
 
 def weighted_leaf(name: str, site) -> bool:
