@@ -55,7 +55,7 @@ from ..model.index_guard import checked_indexing
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import DeferredTrace, unwrap
-from ..model.weights import unit_scale
+from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
@@ -144,13 +144,8 @@ def _scaled_chain(an, names, scale_of, families) -> Optional[ScaledChainSpec]:
         touch = deps & chain
         if site in chain or not touch:
             continue
-        node = tr.nodes[site]
-        if site in an.latents or not node["is_observed"] or len(touch) != 1:
-            return None
-        base, mask, _ = unwrap(node["fn"])
-        if not isinstance(base, torch.distributions.Normal) or mask is not None:
-            return None
-        if node["mask"] is not None or not unit_scale(node["scale"]) or an.minibatch_plate(site):
+        base = unweighted_normal_observation(an, site, tr.nodes[site])
+        if base is None or len(touch) != 1:
             return None
         if reads(base.loc, leaves) != touch or reads(base.scale, leaves) & chain:
             return None

@@ -31,7 +31,7 @@ from ..model import probes
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
-from ..model.weights import unit_scale
+from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect, random_walk
 from ..statespace.increments import Increments
 from .scaled_markov import ScaledChainSpec, reads, take_chain
@@ -88,13 +88,8 @@ def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
     for site, deps in an.deps.items():
         if site == name or name not in deps:
             continue
-        node = tr.nodes[site]
-        if site in an.latents or not node["is_observed"]:
-            return None
-        fn, mask, _ = unwrap(node["fn"])
-        if not isinstance(fn, torch.distributions.Normal) or mask is not None:
-            return None
-        if node["mask"] is not None or not unit_scale(node["scale"]) or an.minibatch_plate(site):
+        fn = unweighted_normal_observation(an, site, tr.nodes[site])
+        if fn is None:
             return None
         if reads(fn.loc, leaves) != {name} or name in reads(fn.scale, leaves):
             return None

@@ -5,7 +5,10 @@ site's weight and leaves ``log q`` alone, so a weight ``c`` tempers a prior into
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch.distributions import Normal
 
 from .tracing import latent_weight, unwrap
 
@@ -13,6 +16,7 @@ __all__ = [
     "UnboundedELBOError",
     "leaf_latents",
     "unit_scale",
+    "unweighted_normal_observation",
     "weighted_chain",
     "weighted_leaf",
 ]
@@ -28,6 +32,17 @@ def unit_scale(scale) -> bool:
     if torch.is_tensor(scale):
         return bool((scale == 1).all())
     return scale == 1.0
+
+
+def unweighted_normal_observation(an, site: str, node) -> Optional[Normal]:
+    """The ``Normal`` of an observed ``site`` with no mask, no weight other than one and no
+    minibatch plate (what a Kalman chain's observation rows can read), else ``None``."""
+    if site in an.latents or not node["is_observed"]:
+        return None
+    base, mask, _ = unwrap(node["fn"])
+    if not isinstance(base, Normal) or mask is not None or node["mask"] is not None:
+        return None
+    return None if not unit_scale(node["scale"]) or an.minibatch_plate(site) else base
 
 
 def weighted_leaf(name: str, site) -> bool:
