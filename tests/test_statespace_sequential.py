@@ -6,18 +6,19 @@ after step: the transition rows of the last chain are reused only while the chai
 import pytest
 import torch
 
-from pyro_cvi.statespace import LinearGaussianChain, Matern32, kalman, sequential, smooth
+from pyro_cvi.statespace import LinearGaussianChain, Matern12, Matern32, kalman, sequential, smooth
 from pyro_cvi.statespace.distribution import MarkovGP
 
 D64 = torch.float64
 
 
-def _gp_problem(T, seed, dtype=D64):
-    chain = MarkovGP(torch.arange(T, dtype=D64) * 0.5, Matern32(4.0, 1.5)).chain
+def _gp_problem(T, seed, dtype=D64, d=2):
+    kernel = Matern32(4.0, 1.5) if d == 2 else Matern12(4.0, 1.5)
+    chain = MarkovGP(torch.arange(T, dtype=D64) * 0.5, kernel).chain
     g = torch.Generator().manual_seed(seed)
-    eta = torch.zeros(T, 2, dtype=D64)
+    eta = torch.zeros(T, d, dtype=D64)
     eta[:, 0] = torch.randn(T, generator=g, dtype=D64)
-    J = torch.zeros(T, 2, 2, dtype=D64)
+    J = torch.zeros(T, d, d, dtype=D64)
     J[:, 0, 0] = torch.rand(T, generator=g, dtype=D64) * 2.0 + 0.1
     cast = LinearGaussianChain(*(t.to(dtype) for t in chain.tensors()))
     return cast, eta.to(dtype), J.to(dtype)
@@ -56,12 +57,13 @@ def test_reused_transitions_follow_changes_of_the_chain(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, D64], ids=["f32", "f64"])
 @pytest.mark.parametrize("lag_one", [False, True])
-def test_a_long_markov_gp_chain_equals_the_tree(lag_one, dtype):
-    """At the longest chain the rule gives the scalar pass (``d = 2``): ``q`` equal to the
-    tree's and the scan's (relative ``log Z``: it sums ``T`` terms)."""
-    T = kalman.SEQUENTIAL_MAX_T[2]
-    assert kalman.choose_smoother(T, 2) is kalman.SEQUENTIAL
-    chain, eta, J = _gp_problem(T, seed=2, dtype=dtype)
+@pytest.mark.parametrize("d", [1, 2])
+def test_a_long_markov_gp_chain_equals_the_tree(d, lag_one, dtype):
+    """At the longest chain the rule gives the scalar pass (Matern-1/2: ``d = 1``, Matern-3/2:
+    ``d = 2``): ``q`` equal to the tree's (relative ``log Z``: it sums ``T`` terms)."""
+    T = kalman.SEQUENTIAL_MAX_T[d]
+    assert kalman.choose_smoother(T, d) is kalman.SEQUENTIAL
+    chain, eta, J = _gp_problem(T, seed=2, dtype=dtype, d=d)
     a = smooth(chain, eta, J, lag_one=lag_one)
     b = smooth(chain, eta, J, lag_one=lag_one, method=kalman.TREE)
     _assert_same(a, b, dtype)
