@@ -107,8 +107,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         args.rounds = 2
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
-    import pyro_cvi.statespace.kalman as K
     from bench.reporting import Table, write_results
+
+    import pyro_cvi.statespace.kalman as K
 
     table = Table(
         "The scalar sequential pass against the tree with a scalar top: one Markov-GP CVI step",
