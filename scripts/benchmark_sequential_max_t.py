@@ -32,7 +32,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-GRID = {1: [600, 1000, 1400, 1900, 2600], 2: [1000, 1600, 2200, 3000, 4000]}
+GRID = {1: [600, 1000, 1400, 1700, 2000, 2300, 2600], 2: [1000, 1600, 2000, 2300, 2600, 3000, 4000]}
 QUICK_GRID = {1: [200, 400], 2: [200, 400]}
 
 
@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     ap.add_argument("--T", type=int, nargs="+", default=None, help="chain lengths (all d)")
-    ap.add_argument("--rounds", type=int, default=10, help="blocks of steps per way")
+    ap.add_argument("--rounds", type=int, default=16, help="blocks of steps per way")
     ap.add_argument("--quick", action="store_true", help="T = 200, 400; 2 rounds; results/quick/")
     ap.add_argument("--out", default="results/benchmark_sequential_max_t.json")
     args = ap.parse_args(argv)
