@@ -279,3 +279,38 @@ def test_a_start_offset_keeps_the_general_path(monkeypatch, dtype):
     b, sb, _ = fit(True)
     assert a == b and torch.equal(sa, sb)
     assert torch.isfinite(torch.tensor(a)).all()
+
+
+@DTYPES
+@pytest.mark.parametrize("kernel,d", [(Matern32, 2), (Matern12, 1)], ids=["d2", "d1"])
+def test_the_short_path_runs_to_its_own_length_limit(monkeypatch, dtype, kernel, d):
+    """``kalman.FIRST_SITES_MAX_T`` (not the general pass's ``SEQUENTIAL_MAX_T``) bounds the
+    short path: at the limit it is taken, bit for bit the general path through the scalar pass
+    (there: the tree with a scalar top, equal to 1e-10); one step longer it is not."""
+    from pyro_cvi.statespace import kalman
+
+    T = kalman.FIRST_SITES_MAX_T[d]
+    t, y = counts(T, dtype)
+    with monkeypatch.context() as m:
+        c = Counter(m)
+        fast, _ = run(gp_model(kernel), t, y, steps=3)
+        assert c.solved >= 3
+    with monkeypatch.context() as m:  # the general path through the scalar pass
+        c = Counter(m, off=True)
+        m.setitem(kalman.SEQUENTIAL_MAX_T, d, T)
+        general, _ = run(gp_model(kernel), t, y, steps=3)
+        assert c.solved == 0
+    assert_same(fast, general)
+    if dtype == torch.float64:  # the general path as the rule has it (the tree past its pass)
+        with monkeypatch.context() as m:
+            c = Counter(m, off=True)
+            tree, _ = run(gp_model(kernel), t, y, steps=3)
+        for (la, sa), (lb, sb) in zip(fast, tree):
+            assert abs(la - lb) <= 1e-10 * abs(lb)
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k], rtol=1e-10, atol=1e-10)
+    t, y = counts(T + 1, dtype)
+    with monkeypatch.context() as m:
+        c = Counter(m)
+        run(gp_model(kernel), t, y, steps=2)
+        assert c.solved == 0

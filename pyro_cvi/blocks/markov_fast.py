@@ -13,8 +13,8 @@ The same numbers as the general path of :mod:`.markov` (bit for bit), from less 
   closed form, the linear predictor has no graph and is finite, and no Monte Carlo is asked;
 * ``E_q[f_t]``, ``Var_q[f_t]`` are read off the marginals (``f_t = x_{t,0}``).
 
-Anything else (several factors, a start offset, lag-one covariances, a graph, a chain past the
-scalar pass's length, a failed pass) takes the general path, which decides as before.
+Anything else (several factors, a start offset, lag-one covariances, a graph, a chain past
+``kalman.FIRST_SITES_MAX_T``, a failed pass) takes the general path, which decides as before.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..messages.gaussian import (
 )
 from ..model.tracing import has_learnable_params, linear_param, unwrap
 from ..statespace import first_sites
-from ..statespace.kalman import SEQUENTIAL_MAX_T, LinearGaussianChain, Marginals
+from ..statespace.kalman import FIRST_SITES_MAX_T, LinearGaussianChain, Marginals
 from ..statespace.posterior import SiteRows
 
 __all__ = ["on_first", "FastPath", "MessagePlan", "expected_log_sites", "site_rows"]
@@ -136,7 +136,7 @@ class FastPath:
         """The marginals of ``q = prior x sites`` for rows flagged :func:`on_first`, or
         ``None`` (the general path)."""
         T, d = sr.length, sr.H.shape[-1]
-        if T > SEQUENTIAL_MAX_T.get(d, 0) or sr.w.requires_grad or sr.b.requires_grad:
+        if T > FIRST_SITES_MAX_T.get(d, 0) or sr.w.requires_grad or sr.b.requires_grad:
             return None
         rows = self._rows(prior)
         if rows is None:

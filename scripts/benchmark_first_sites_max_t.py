@@ -1,22 +1,24 @@
-"""Where the scalar sequential pass stops paying: ``kalman.SEQUENTIAL_MAX_T`` for ``d = 1, 2``.
+"""Where the Markov block's short path stops paying: ``kalman.FIRST_SITES_MAX_T``, d = 1, 2.
 
-A chain of ``d <= 2`` states and at most ``SEQUENTIAL_MAX_T[d]`` steps is smoothed by the
-scalar pass (:mod:`pyro_cvi.statespace.sequential`, and the Markov block's short path
-:mod:`pyro_cvi.statespace.first_sites`); a longer one by the tree with a scalar top
-(``kalman.TREE_SCALAR``). This script times one Markov-GP CVI step both ways, interleaved in one
-process (the machine's load falls on both alike): the problem of
-``scripts/benchmark_time_to_answer.py``'s ``markov`` part (``T`` regular inputs, Poisson counts,
-lengthscale 20, variance 1, 10 Gauss-Hermite points, ``CVI(step_size=1)``) with a Matern-1/2
-kernel (``d = 1``) or a Matern-3/2 (``d = 2``). After ten steps (converged: every later step
-does the same work) blocks of steps alternate between the two ways, in alternating order; the
-table gives the least and the median CPU ms per step of each (one thread, float64) and their
-ratio, and the crossing: the ``T`` where the ratio of the least times passes 1, interpolated
-linearly between the grid's points (``None`` when it does not pass 1 on the grid).
+A Gaussian process of ``d <= 2`` states observed through its first coordinate, of at most
+``FIRST_SITES_MAX_T[d]`` steps, is smoothed by the Markov block's short path
+(:mod:`pyro_cvi.statespace.first_sites`: the scalar pass fed by its rows); a longer one by the
+general path, the tree with a scalar top (``kalman.TREE_SCALAR``). (The general pass's own rule
+``SEQUENTIAL_MAX_T``, for sites on the whole state, is ``scripts/benchmark_kalman.py``'s.)
 
-    PYTHONPATH=. python scripts/benchmark_sequential_max_t.py
-    PYTHONPATH=. python scripts/benchmark_sequential_max_t.py --d 2 --T 1500 2200 3000
+This script times one Markov-GP CVI step both ways, interleaved in one process (the machine's
+load falls on both alike): the problem of ``scripts/benchmark_time_to_answer.py``'s ``markov``
+part (``T`` regular inputs, Poisson counts, lengthscale 20, variance 1, 10 Gauss-Hermite
+points, ``CVI(step_size=1)``) with a Matern-1/2 kernel (``d = 1``) or a Matern-3/2 (``d = 2``).
+After ten steps (converged: every later step does the same work) blocks of steps alternate
+between the two ways, in alternating order; the table gives the least and the median CPU ms
+per step of each (one thread, float64) and their ratio, and the crossing: the ``T`` where the
+ratio passes 1, interpolated linearly between the grid's points.
 
-Writes ``results/benchmark_sequential_max_t.json``.
+    PYTHONPATH=. python scripts/benchmark_first_sites_max_t.py
+    PYTHONPATH=. python scripts/benchmark_first_sites_max_t.py --d 2 --T 1500 2200 3000
+
+Writes ``results/benchmark_first_sites_max_t.json``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def time_both(d: int, T: int, rounds: int) -> dict:
         with pyro.plate("t", len(t)):
             pyro.sample("y", dist.Poisson(torch.exp(f)), obs=y)
 
-    kept = K.SEQUENTIAL_MAX_T[d]
+    kept = K.FIRST_SITES_MAX_T[d], K.SEQUENTIAL_MAX_T[d]
     ways = {"sequential": 10**9, "tree": 0}  # (0: every chain of this d takes the tree)
     pyro.clear_param_store()
     guide = AutoCVI(model, num_quad_points=10)
@@ -78,14 +80,14 @@ def time_both(d: int, T: int, rounds: int) -> dict:
             svi.step(t, y)
         for r in range(rounds):
             for way in ways if r % 2 == 0 else reversed(list(ways)):
-                K.SEQUENTIAL_MAX_T[d] = ways[way]  # (the short path reads the same dict)
+                K.FIRST_SITES_MAX_T[d] = K.SEQUENTIAL_MAX_T[d] = ways[way]
                 svi.step(t, y)  # (one step off the clock after the switch)
                 c = time.process_time()
                 for _ in range(n):
                     loss[way] = float(svi.step(t, y))
                 ms[way].append((time.process_time() - c) / n * 1e3)
     finally:
-        K.SEQUENTIAL_MAX_T[d] = kept
+        K.FIRST_SITES_MAX_T[d], K.SEQUENTIAL_MAX_T[d] = kept
     row = dict(d=d, T=T, steps_per_block=n, ms=ms, loss=loss)
     for way in ways:
         row[f"{way}_min"], row[f"{way}_median"] = min(ms[way]), statistics.median(ms[way])
@@ -101,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--T", type=int, nargs="+", default=None, help="chain lengths (all d)")
     ap.add_argument("--rounds", type=int, default=16, help="blocks of steps per way")
     ap.add_argument("--quick", action="store_true", help="T = 200, 400; 2 rounds; results/quick/")
-    ap.add_argument("--out", default="results/benchmark_sequential_max_t.json")
+    ap.add_argument("--out", default="results/benchmark_first_sites_max_t.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 2
@@ -112,11 +114,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     import pyro_cvi.statespace.kalman as K
 
     table = Table(
-        "The scalar sequential pass against the tree with a scalar top: one Markov-GP CVI step",
+        "The short path (scalar pass) against the tree with a scalar top: one Markov-GP CVI step",
         [
             ("d", "state dimension (Matern-1/2: 1, Matern-3/2: 2)"),
             ("T", "chain length"),
-            ("sequential ms", "least (median) CPU ms per step, the scalar pass"),
+            ("sequential ms", "least (median) CPU ms per step, the short path (scalar pass)"),
             ("tree ms", "least (median) CPU ms per step, the tree with a scalar top"),
             ("seq/tree", "least over least (median over median): below 1 the pass is faster"),
             ("-ELBO rel diff", "the two ways' last -ELBO, relative difference"),
@@ -146,16 +148,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
         found[d] = dict(
             least=crossing([r["T"] for r in mine], [r["ratio_min"] for r in mine]),
             median=crossing([r["T"] for r in mine], [r["ratio_median"] for r in mine]),
-            current=K.SEQUENTIAL_MAX_T[d],
+            current=K.FIRST_SITES_MAX_T[d],
         )
     table.print()
 
     def fmt(x: Optional[float]) -> str:
         return "not on the grid" if x is None else f"~{x:.0f}"
 
-    verdict = "Verdict: the pass is faster up to " + "; ".join(
+    verdict = "Verdict: the short path is faster up to " + "; ".join(
         f"d = {d}: {fmt(f['least'])} steps by the least times ({fmt(f['median'])} by the "
-        f"medians; SEQUENTIAL_MAX_T {f['current']})"
+        f"medians; FIRST_SITES_MAX_T {f['current']})"
         for d, f in found.items()
     ) + "."  # fmt: skip
     print(verdict)
@@ -163,10 +165,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         args.out,
         {"config": dict(threads=1, dtype="float64", rounds=args.rounds), "rows": rows,
          "crossing": {str(d): f for d, f in found.items()}},
-        title="SEQUENTIAL_MAX_T: the scalar pass against the tree, one Markov-GP step",
+        title="FIRST_SITES_MAX_T: the short path against the tree, one Markov-GP step",
         verdict=verdict,
         tables=[table],
-        command="PYTHONPATH=. python scripts/benchmark_sequential_max_t.py",
+        command="PYTHONPATH=. python scripts/benchmark_first_sites_max_t.py",
         text="Process CPU ms per step, one thread, blocks of steps alternating in one process.",
         quick=args.quick,
     )  # fmt: skip
