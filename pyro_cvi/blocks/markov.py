@@ -74,6 +74,7 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         self._steps_kept: Optional[tuple] = None  # (:meth:`_steps_and_coefficients`)
         self._fast = FastPath()  # (the short path of a GP observed through x_{t,0})
         self._refreshed: Optional[tuple] = None  # (refresh's context and sites, for elbo)
+        self._static_from = None  # (the trace of the last refresh that nothing can move)
         self.init_start_fields(f"{prefix}.init_h.{'+'.join(self.names)}")  # (init_loc_fn)
 
     def param_names(self) -> List[str]:
@@ -254,8 +255,15 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         sites (kept when neither changed and the prior has no hyperparameters). With
         ``ctx.graph``, where the prior or the offsets depend on the model's parameters, the
         smoother runs with graph (``log Z`` and the marginals): the ELBO's gradient is then its
-        derivative at fixed sites; the targets use the same marginals without graph."""
+        derivative at fixed sites; the targets use the same marginals without graph. Again on
+        that trace (a static model's, kept by the engine) with the sites it was solved for, and
+        nothing in it with a graph, there is nothing to redo: the same prior, rows and ``q``."""
         tr = ctx.trace
+        if tr is self._static_from and self._solved_for is not None:
+            sites = self._sites()
+            if self._solved_for[0] is tr and self._solved_for[1] == self._versions(sites):
+                self._refreshed, self._graph = (ctx, sites), None
+                return self.prior
         dynamic = any(f.dynamic for f in self.linear) or (self.chain.dynamic and not self.chain.ssm)
         leafy = self._leaf_trace(ctx) if dynamic else None
         self.prior = self._chain_prior(tr, ctx, leafy)
@@ -285,6 +293,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         elif moving or self.post is None or solved_for != self._solved_for:
             self.post = self._solve(self.rows)
         self._solved_for = solved_for if not moving else None
+        # (kept offsets: built without graph, see _offset)
+        kept = all(self._kept(f, r) for f, r in zip(self.linear, self.rows))
+        still = not (dynamic or moving) and kept and self._graph is None
+        self._static_from = tr if still else None
         return self.prior
 
     # ------------------------------------------------------------------ ELBO and targets
