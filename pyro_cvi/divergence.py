@@ -32,15 +32,16 @@ finite has no best ``q``: the step is undone and the error says the initial ``q`
 not comparable). A fit whose ``q`` starts far from the posterior can also stall without
 diverging: every step lands on a loss no better than the start's, beyond a noise that the far-off
 ``q`` makes enormous, so the step control shrinks the steps it reads as failures and ``q``
-stays where it started. After ``window`` steps (then every ``window / 2``), with ``l_0``
-the median of the first ``head`` losses, ``l_r`` and ``s_r`` the median and the scaled median
-absolute deviation (``1.4826 MAD``) of the last ``tail``, the fit has stalled when::
+stays where it started. Every ``tail`` steps from
+``2 tail``, with ``l_0`` the median of the ``tail`` losses before the last ``tail``, ``l_r`` and
+``s_r`` the median and the scaled median absolute deviation (``1.4826 MAD``) of the last
+``tail``, the fit has stalled when::
 
     l_0 - l_r < s_r    and    s_r > max(noise_floor, noise_rtol |l_r|)
 
-(it gained less than one loss's spread since the start, and that spread is far beyond a fit
-near its optimum, where ``log p - log q`` varies by a few nats). One ``RuntimeWarning`` per guide
-names the sites and what to do.
+(it gained less than one loss's spread over the last ``tail`` steps, and that spread is far
+beyond a fit near its optimum, where ``log p - log q`` varies by a few nats). One
+``RuntimeWarning`` per guide names the sites and what to do.
 """
 
 from __future__ import annotations
@@ -145,12 +146,9 @@ def _median(v) -> float:
 class Progress:
     """The no-progress test of the module docstring over one guide's training losses."""
 
-    window: int = 100
-    head: int = 10
     tail: int = 50
     noise_floor: float = 100.0
     noise_rtol: float = 0.01
-    first: list = field(default_factory=list)
     recent: deque = field(default_factory=deque)
     seen: int = 0
     warned: bool = False
@@ -160,22 +158,20 @@ class Progress:
         if self.warned or not math.isfinite(loss):
             return None
         self.seen += 1
-        if len(self.first) < self.head:
-            self.first.append(loss)
         self.recent.append(loss)
-        if len(self.recent) > self.tail:
+        if len(self.recent) > 2 * self.tail:
             self.recent.popleft()
-        n = self.seen
-        if n < self.window or (n - self.window) % max(1, self.window // 2):
+        if self.seen < 2 * self.tail or self.seen % self.tail:
             return None
-        tail = list(self.recent)
-        start, now = _median(self.first), _median(tail)
+        values = list(self.recent)
+        before, tail = values[: self.tail], values[self.tail :]
+        start, now = _median(before), _median(tail)
         spread = 1.4826 * _median([abs(v - now) for v in tail])
         if start - now < spread and spread > max(self.noise_floor, self.noise_rtol * abs(now)):
             self.warned = True
             return (
                 f"the -ELBO's median over the last {len(tail)} steps is {now:.6g}, against "
-                f"{start:.6g} over the first {len(self.first)}, and it spreads by {spread:.3g} "
+                f"{start:.6g} over the {len(before)} before, and it spreads by {spread:.3g} "
                 "from one step to the next (a fit near its optimum varies by a few nats)"
             )
         return None
@@ -215,12 +211,12 @@ def _stalled(engine, steps: int, reason: Optional[str]) -> None:
         return
     labels = [label for b in engine.blocks for label in b.labels]
     warnings.warn(
-        f"AutoCVI: the fit has made no progress in {steps} steps on sites {labels}: "
+        f"AutoCVI: the fit has made no progress by step {steps} on sites {labels}: "
         f"{reason}. q is stuck far from the posterior: from its start, every step lands on a "
-        "loss no better beyond that noise, and the step control shrinks the steps. Fixes: a "
-        "smaller initial scale (AutoCVI(init_scale=...), e.g. 1e-3 where a latent enters "
-        "through long cumulative sums), the full covariance with exact curvature "
-        "(AutoCVI(remainder=Remainder(covariance='full', curvature='hessian'))), or a chain "
+        "loss no better beyond that noise, and the step control shrinks the steps. Fixes: the "
+        "full covariance with exact curvature from a small initial scale "
+        "(AutoCVI(remainder=Remainder(covariance='full', curvature='hessian', "
+        "init_scale=1e-3)), where a latent enters through long cumulative sums), or a chain "
         "written with pyro.markov or one cumsum, which takes the exact Kalman block "
         "(guide.explain() shows each site's block).",
         RuntimeWarning,
