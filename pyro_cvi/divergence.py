@@ -212,13 +212,14 @@ def _stalled(engine, steps: int, reason: Optional[str]) -> None:
     labels = [label for b in engine.blocks for label in b.labels]
     warnings.warn(
         f"AutoCVI: the fit has made no progress by step {steps} on sites {labels}: "
-        f"{reason}. q is stuck far from the posterior: from its start, every step lands on a "
-        "loss no better beyond that noise, and the step control shrinks the steps. Fixes: the "
-        "full covariance with exact curvature from a small initial scale "
+        f"{reason}. q is stuck far from the posterior: its steps land on losses no better "
+        "beyond that noise, and the step control shrinks them. Fixes: where "
+        "Normal latents reach the data linearly (through cumulative sums), name them "
+        "AutoCVI(families={site: 'gaussian'}) (one exact dense block, O(D^3) a step) or write "
+        "the chain with pyro.markov or one cumsum (the exact Kalman block); else the full "
+        "covariance with exact curvature from a small initial scale "
         "(AutoCVI(remainder=Remainder(covariance='full', curvature='hessian', "
-        "init_scale=1e-3)), where a latent enters through long cumulative sums), or a chain "
-        "written with pyro.markov or one cumsum, which takes the exact Kalman block "
-        "(guide.explain() shows each site's block).",
+        "init_scale=1e-3))). guide.explain() shows each site's block.",
         RuntimeWarning,
         stacklevel=6,
     )
