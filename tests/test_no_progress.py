@@ -93,10 +93,9 @@ def _fit(model, y, steps, stop=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_long_cumsum_chain_in_the_remainder_warns(dtype):
     model, y = _llt(300, dtype)
-    found, losses = _fit(model, y, 110)
-    assert (
-        sorted(losses)[len(losses) // 2] > 1e5
-    )  # (the fit that does not move: the whole model in the remainder)
+    # float64 stalls at its start, float32 moves by step 75 and stalls at ~4e4; -log p(y) = 301.7
+    found, losses = _fit(model, y, 300, stop=True)
+    assert min(losses) > 3000.0
     assert len(found) == 1
     for word in ("eta", "eps", "families=", "init_scale=1e-3", "pyro.markov"):
         assert word in found[0]
