@@ -27,6 +27,21 @@ Carlo noise or the transient overshoot of a long fixed step, which recovers). Th
 is rolled back and the guide put back to its best ``q`` (cached solves and the adaptive step
 control start afresh), so the next ``svi.step`` continues from there. A first loss that is not
 finite has no best ``q``: the step is undone and the error says the initial ``q`` is invalid.
+
+**No progress** (:class:`Progress`, the same losses; not under minibatches, whose losses are
+not comparable). A fit whose ``q`` starts far from the posterior can also stall without
+diverging: every step lands on a loss no better than the start's, beyond a noise that the far-off
+``q`` makes enormous, so the step control shrinks the steps it reads as failures and ``q``
+stays where it started. Every ``tail`` steps from
+``2 tail``, with ``l_0`` the median of the ``tail`` losses before the last ``tail``, ``l_r`` and
+``s_r`` the median and the scaled median absolute deviation (``1.4826 MAD``) of the last
+``tail``, the fit has stalled when::
+
+    l_0 - l_r < s_r    and    s_r > max(noise_floor, noise_rtol |l_r|)
+
+(it gained less than one loss's spread over the last ``tail`` steps, and that spread is far
+beyond a fit near its optimum, where ``log p - log q`` varies by a few nats). One
+``RuntimeWarning`` per guide names the sites and what to do.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ from typing import Dict, Optional
 import pyro
 import torch
 
-__all__ = ["DivergenceError", "Monitor", "check_loss", "watch"]
+__all__ = ["DivergenceError", "Monitor", "Progress", "check_loss", "watch"]
 
 _MONITORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -121,12 +136,54 @@ class DivergenceError(ValueError):
     The guide holds its best ``q`` when this is raised."""
 
 
+def _median(v) -> float:
+    v = sorted(v)
+    n = len(v)
+    return 0.5 * (v[(n - 1) // 2] + v[n // 2])
+
+
+@dataclass
+class Progress:
+    """The no-progress test of the module docstring over one guide's training losses."""
+
+    tail: int = 50
+    noise_floor: float = 100.0
+    noise_rtol: float = 0.01
+    recent: deque = field(default_factory=deque)
+    seen: int = 0
+    warned: bool = False
+
+    def record(self, loss: float) -> Optional[str]:
+        """Record a finite loss; the warning's reason, once, when the fit has stalled."""
+        if self.warned or not math.isfinite(loss):
+            return None
+        self.seen += 1
+        self.recent.append(loss)
+        if len(self.recent) > 2 * self.tail:
+            self.recent.popleft()
+        if self.seen < 2 * self.tail or self.seen % self.tail:
+            return None
+        values = list(self.recent)
+        before, tail = values[: self.tail], values[self.tail :]
+        start, now = _median(before), _median(tail)
+        spread = 1.4826 * _median([abs(v - now) for v in tail])
+        if start - now < spread and spread > max(self.noise_floor, self.noise_rtol * abs(now)):
+            self.warned = True
+            return (
+                f"the -ELBO's median over the last {len(tail)} steps is {now:.6g}, against "
+                f"{start:.6g} over the {len(before)} before, and it spreads by {spread:.3g} "
+                "from one step to the next (a fit near its optimum varies by a few nats)"
+            )
+        return None
+
+
 @dataclass
 class _Best:
     loss: float = math.inf
     step: int = 0
     values: Dict[str, torch.Tensor] = field(default_factory=dict)
     seen: int = 0
+    progress: Progress = field(default_factory=Progress)
 
 
 _BEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -149,6 +206,25 @@ def _back_to(engine, values: Dict[str, torch.Tensor]):
     return restore
 
 
+def _stalled(engine, steps: int, reason: Optional[str]) -> None:
+    if reason is None:
+        return
+    labels = [label for b in engine.blocks for label in b.labels]
+    warnings.warn(
+        f"AutoCVI: the fit has made no progress by step {steps} on sites {labels}: "
+        f"{reason}. q is stuck far from the posterior: its steps land on losses no better "
+        "beyond that noise, and the step control shrinks them. Fixes: where "
+        "Normal latents reach the data linearly (through cumulative sums), name them "
+        "AutoCVI(families={site: 'gaussian'}) (one exact dense block, O(D^3) a step) or write "
+        "the chain with pyro.markov or one cumsum (the exact Kalman block); else the full "
+        "covariance with exact curvature from a small initial scale "
+        "(AutoCVI(remainder=Remainder(covariance='full', curvature='hessian', "
+        "init_scale=1e-3))). guide.explain() shows each site's block.",
+        RuntimeWarning,
+        stacklevel=6,
+    )
+
+
 def check_loss(engine, loss: float) -> None:
     """Record the training loss (the -ELBO) of ``engine``'s current ``q``; raise
     :class:`DivergenceError` if it diverged (see the module docstring). Called inside the
@@ -157,6 +233,8 @@ def check_loss(engine, loss: float) -> None:
     if best is None:
         best = _BEST[engine] = _Best()
     best.seen += 1
+    if not getattr(engine, "minibatch", False):
+        _stalled(engine, best.seen, best.progress.record(loss))
     if math.isfinite(loss) and loss <= best.loss:
         best.loss, best.step, best.values = loss, best.seen, _values(engine)
         return

@@ -83,3 +83,21 @@ def test_a_large_tree_stays_mean_field():
     svi = SVI(tree, guide, CVI(), CVI_ELBO())
     svi.step(data)
     assert "# y: q = gaussian (natural form)" in guide.explain(), guide.explain()
+
+
+@DTYPES
+def test_a_large_tree_named_gaussian_forms_its_joint_block(dtype):
+    """``families={site: "gaussian"}`` on a member keeps the dense joint block beyond
+    ``MAX_JOINT_DIM`` (the user's choice of its O(D^3) step): exact after a few steps."""
+    from pyro_cvi.model.gaussian_tree import MAX_JOINT_DIM
+
+    g = torch.Generator().manual_seed(4)
+    data = torch.randn(MAX_JOINT_DIM + 1, generator=g, dtype=torch.float64).to(dtype)
+    guide = AutoCVI(tree, families={"y": "gaussian"})
+    svi = SVI(tree, guide, CVI(), CVI_ELBO())
+    losses = [svi.step(data) for _ in range(3)]
+    text = guide.explain()
+    assert "natural form" not in text and f"D={MAX_JOINT_DIM + 2}" in text, text
+    exact = _exact_evidence(tree, data)
+    rtol = 1e-4 if dtype == torch.float32 else 1e-9
+    assert math.isclose(svi.evaluate_loss(data), exact, rel_tol=rtol), (losses, exact)

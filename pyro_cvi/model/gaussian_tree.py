@@ -10,7 +10,8 @@ information form (every conditional is the quadratic in the residual ``r = y - A
 with ``B_y = E_y - A_y`` (``E_y`` selects ``y``'s coordinates of the joint ``z``). A conjugate
 tree is then solved exactly in one step (Pyro's ``test_exact_tree``), where the mean field
 underestimated every variance. Trees whose joint block would exceed ``MAX_JOINT_DIM``
-coordinates stay mean-field (a dense block costs ``O(D^3)`` per step). The affine loc is read
+coordinates stay mean-field (a dense block costs ``O(D^3)`` per step), unless a member is named
+``AutoCVI(families={site: "gaussian"})``. The affine loc is read
 off autograd and confirmed at the block's probe runs (:func:`group`).
 """
 
@@ -193,10 +194,13 @@ def group(an, cand, union: Callable, probe_runs: Callable, reset: Callable):
         reset()
         blocks = union(cand)
         # a dense joint block costs O(D^3) per step: large trees stay mean-field (O(D))
+        # (a block with a member the user named families={site: "gaussian"} stays, at any size)
+        families = getattr(an, "placed", (None, None))[0] or {}
+        named = {n for n, f in families.items() if f == "gaussian"}
         big = {
             n
             for b in blocks
-            if b.chain is None and b.dim > MAX_JOINT_DIM
+            if b.chain is None and b.dim > MAX_JOINT_DIM and not set(b.names) & named
             for n in b.names
             if an.deps.get(n)
         }
