@@ -148,7 +148,7 @@ class Progress:
 
     tail: int = 50
     noise_floor: float = 100.0
-    noise_rtol: float = 0.01
+    noise_rtol: float = 0.1
     recent: deque = field(default_factory=deque)
     seen: int = 0
     warned: bool = False
