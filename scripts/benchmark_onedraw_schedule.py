@@ -7,12 +7,15 @@ float32, one torch thread:
   block's batched log joint) of the bound of the ``q`` it was evaluated at (the ``q`` before
   the last step), and of the ``q`` after it (the ``q`` the user holds, ``gap_after``: what
   ``benchmark_bnn.py``'s ``gap`` compares); within 1 nat or 1% is the benchmark's criterion;
+* with ``--redraws N``: ``N`` fresh one-draw reports at the ``q`` after step 300 (their mean,
+  spread, median, skew and the fraction below the bound: ``report_spread``);
 * the same run continued to the CPU budget (6 s on wine, as the benchmark gives AutoCVI):
   the sharp bound of the final ``q`` and the steps taken, to set beside IVON's bound at
   equal CPU (``benchmark_bnn.py``'s rows).
 
     python scripts/benchmark_onedraw_schedule.py --out F [--model bnn_wine] [--seeds 0,1,2,3,4]
-        [--budget 6] [--configs '{}' '{"plateau": 50, "report_pairs": 8}' ...] [--quick]
+        [--budget 6] [--configs '{}' '{"plateau": 50, "report_pairs": 8}' ...] [--redraws N]
+        [--quick]
 
 Configurations run one after another (each over all seeds) in one process.
 """
@@ -43,8 +46,27 @@ STEPS = 300
 PAIRS = 4000
 
 
-def run(name: str, opts: dict, seed: int, budget: float, steps: int = STEPS) -> dict:
-    """One run under ``opts``: the step-``steps`` gap and the bound at ``budget`` CPU s."""
+def spread(svi, args, bound: float, n: int) -> dict:
+    """``n`` redraws of the one-draw report at the current ``q`` (``svi.evaluate_loss``: the
+    step's own estimator, fresh draws) against its sharp ``bound``."""
+    v = torch.tensor([svi.evaluate_loss(*args) for _ in range(n)], dtype=torch.float64)
+    sd = v.std()
+    return {
+        "redraws": n,
+        "mean": float(v.mean()),
+        "se": float(sd / n**0.5),
+        "sd": float(sd),
+        "median": float(v.median()),
+        "skew": float((((v - v.mean()) / sd) ** 3).mean()),
+        "below_bound": float((v < bound).double().mean()),
+    }
+
+
+def run(
+    name: str, opts: dict, seed: int, budget: float, steps: int = STEPS, redraws: int = 0
+) -> dict:
+    """One run under ``opts``: the step-``steps`` gap and the bound at ``budget`` CPU s (with
+    ``redraws``: the one-draw report's spread at the ``q`` after step ``steps``)."""
     choose = strategies.Remainder.choose_step
 
     def replaced(self, hierarchical):
@@ -85,6 +107,8 @@ def run(name: str, opts: dict, seed: int, budget: float, steps: int = STEPS) -> 
                     ok_after=abs(gap_after) <= max(B.TOL, 0.01 * abs(after[0])),
                     ms_per_step=1000 * cpu / steps,
                 )
+                if redraws:
+                    row["report_spread"] = spread(svi, args, after[0], redraws)
         row.update(steps=t, cpu=cpu, final_bound=B._sharp_estimate(guide, args, pairs=PAIRS))
         return row
     finally:
@@ -97,6 +121,12 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--budget", type=float, default=None, help="CPU s (default: the benchmark's)")
     ap.add_argument("--configs", nargs="+", default=["{}"], help="Horizon fields, JSON each")
+    ap.add_argument(
+        "--redraws",
+        type=int,
+        default=0,
+        help="redraws of the one-draw report at the q after step 300 (its spread and skew)",
+    )
     ap.add_argument("--quick", action="store_true", help="one seed, a third of the budget")
     ap.add_argument("--out", default=None, help="JSON of the rows (required)")
     a = ap.parse_args(argv)
@@ -117,7 +147,7 @@ def main(argv=None):
     results = []
     for text in a.configs:
         opts = json.loads(text)
-        rows = [run(a.model, opts, s, budget) for s in seeds]
+        rows = [run(a.model, opts, s, budget, redraws=a.redraws) for s in seeds]
         ok = sum(r["ok"] for r in rows)
         ok_after = sum(r["ok_after"] for r in rows)
         verdict = (
