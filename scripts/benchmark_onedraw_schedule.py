@@ -9,6 +9,9 @@ float32, one torch thread:
   ``benchmark_bnn.py``'s ``gap`` compares); within 1 nat or 1% is the benchmark's criterion;
 * with ``--redraws N``: ``N`` fresh one-draw reports at the ``q`` after step 300 (their mean,
   spread, median, skew and the fraction below the bound: ``report_spread``);
+* with ``--average BETA``: the bound of the exponential average of the iterates' diagonal
+  ``(m, s)`` at step 300, its change over step 300, and at the budget (an iterate-averaging
+  step's ``q``, measured beside the step's own);
 * the same run continued to the CPU budget (6 s on wine, as the benchmark gives AutoCVI):
   the sharp bound of the final ``q`` and the steps taken, to set beside IVON's bound at
   equal CPU (``benchmark_bnn.py``'s rows).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -62,11 +66,59 @@ def spread(svi, args, bound: float, n: int) -> dict:
     }
 
 
+def sharp_at(guide, args, m: torch.Tensor, s: torch.Tensor, pairs: int = PAIRS, chunk=500):
+    """``-ELBO`` of the diagonal Gaussian ``N(m, diag(s^2))`` over the remainder's packed
+    coordinates (``B._sharp_estimate``'s estimator at given parameters): ``(mean, se)``."""
+    rem = guide.engine.kinds["remainder"][0]
+    ctx = guide.engine.context(args, {}, {}, False, False)
+    out, const = [], s.abs().log().sum() + 0.5 * rem.dim * math.log(2 * math.pi)
+    with torch.no_grad():
+        for k in range(0, pairs, chunk):
+            e = torch.randn(min(chunk, pairs - k), rem.dim, dtype=m.dtype)
+            e = torch.cat([e, -e])
+            log_q = -0.5 * e.pow(2).sum(-1) - const
+            per = (rem._log_joint(ctx, m + s * e, {}) - log_q).double()
+            n = per.shape[0] // 2
+            out.append(0.5 * (per[:n] + per[n:]))
+    v = torch.cat(out)
+    return float(-v.mean()), float(v.std() / math.sqrt(v.numel()))
+
+
+class Average:
+    """The bias-corrected exponential average (rate ``1 - beta``) of the remainder's diagonal
+    ``(m, s)`` over the steps: the ``q`` an iterate-averaging step would hand the user."""
+
+    def __init__(self, guide, beta: float):
+        self.rem, self.beta, self.n = guide.engine.kinds["remainder"][0], beta, 0
+        self.m = self.s = None
+
+    def update(self) -> None:
+        p = self.rem._values()
+        m, s = p[self.rem.loc_name].detach(), p[self.rem.role_names[0]].detach().abs()
+        if self.m is None:
+            self.m, self.s = torch.zeros_like(m), torch.zeros_like(s)
+        self.m = self.beta * self.m + (1 - self.beta) * m
+        self.s = self.beta * self.s + (1 - self.beta) * s
+        self.n += 1
+
+    def q(self):
+        c = 1.0 - self.beta**self.n
+        return self.m / c, self.s / c
+
+
 def run(
-    name: str, opts: dict, seed: int, budget: float, steps: int = STEPS, redraws: int = 0
+    name: str,
+    opts: dict,
+    seed: int,
+    budget: float,
+    steps: int = STEPS,
+    redraws: int = 0,
+    average: float = 0.0,
 ) -> dict:
     """One run under ``opts``: the step-``steps`` gap and the bound at ``budget`` CPU s (with
-    ``redraws``: the one-draw report's spread at the ``q`` after step ``steps``)."""
+    ``redraws``: the one-draw report's spread at the ``q`` after step ``steps``; with
+    ``average``: the bound of :class:`Average`'s ``q`` there, its change over that step, and
+    at ``budget``; the averaging's CPU is not counted)."""
     choose = strategies.Remainder.choose_step
 
     def replaced(self, hierarchical):
@@ -82,15 +134,30 @@ def run(
         guide = AutoCVI(model)
         svi = SVI(model, guide, CVI(), CVI_ELBO())
         cpu, t, row = 0.0, 0, {"seed": seed}
+        avg = None
         while t < steps or cpu < budget:
             if t == steps - 1:  # the q that the next step's loss is of
                 state = torch.get_rng_state()
                 evaluated = B._sharp_estimate(guide, args, pairs=PAIRS)
+                if avg is not None:
+                    avg_before = sharp_at(guide, args, *avg.q())
                 torch.set_rng_state(state)
             t0 = time.process_time()
             loss = float(svi.step(*args))
             cpu += time.process_time() - t0
             t += 1
+            if average:
+                avg = avg or Average(guide, average)
+                state = torch.get_rng_state()
+                avg.update()
+                if t == steps and t > 1:
+                    after_avg = sharp_at(guide, args, *avg.q())
+                    row.update(
+                        average=average,
+                        average_bound=after_avg[0],
+                        average_step_change=after_avg[0] - avg_before[0],
+                    )
+                torch.set_rng_state(state)
             if t == steps:
                 gap = loss - evaluated[0]
                 state = torch.get_rng_state()  # the q the user holds after the last step
@@ -110,6 +177,8 @@ def run(
                 if redraws:
                     row["report_spread"] = spread(svi, args, after[0], redraws)
         row.update(steps=t, cpu=cpu, final_bound=B._sharp_estimate(guide, args, pairs=PAIRS))
+        if avg is not None:
+            row["average_final_bound"] = sharp_at(guide, args, *avg.q())
         return row
     finally:
         strategies.Remainder.choose_step = choose
@@ -126,6 +195,12 @@ def main(argv=None):
         type=int,
         default=0,
         help="redraws of the one-draw report at the q after step 300 (its spread and skew)",
+    )
+    ap.add_argument(
+        "--average",
+        type=float,
+        default=0.0,
+        help="beta of an exponential average of the iterates (diagonal q) whose bound is measured",
     )
     ap.add_argument("--quick", action="store_true", help="one seed, a third of the budget")
     ap.add_argument("--out", default=None, help="JSON of the rows (required)")
@@ -147,7 +222,7 @@ def main(argv=None):
     results = []
     for text in a.configs:
         opts = json.loads(text)
-        rows = [run(a.model, opts, s, budget, redraws=a.redraws) for s in seeds]
+        rows = [run(a.model, opts, s, budget, redraws=a.redraws, average=a.average) for s in seeds]
         ok = sum(r["ok"] for r in rows)
         ok_after = sum(r["ok_after"] for r in rows)
         verdict = (
