@@ -11,7 +11,9 @@ float32, one torch thread:
   spread, median, skew and the fraction below the bound: ``report_spread``);
 * with ``--average BETA``: the bound of the exponential average of the iterates' diagonal
   ``(m, s)`` at step 300, its change over step 300, and at the budget (an iterate-averaging
-  step's ``q``, measured beside the step's own);
+  step's ``q``, measured beside the step's own); with ``--average-pairs N``, a
+  :class:`~pyro_cvi.natgrad.report.TrackedReport` of the average's bound from ``N`` pairs a
+  step over steps 201-300 against that bound;
 * the same run continued to the CPU budget (6 s on wine, as the benchmark gives AutoCVI):
   the sharp bound of the final ``q`` and the steps taken, to set beside IVON's bound at
   equal CPU (``benchmark_bnn.py``'s rows).
@@ -45,9 +47,12 @@ import benchmark_bnn as B  # noqa: E402
 from bench.bnn_models import MODELS  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, strategies  # noqa: E402
+from pyro_cvi.natgrad.report import TrackedReport  # noqa: E402
 
 STEPS = 300
 PAIRS = 4000
+#: the steps over which ``--average-pairs`` tracks the average's report up to step 300
+TRACK_STEPS = 100
 
 
 def spread(svi, args, bound: float, n: int) -> dict:
@@ -84,13 +89,40 @@ def sharp_at(guide, args, m: torch.Tensor, s: torch.Tensor, pairs: int = PAIRS, 
     return float(-v.mean()), float(v.std() / math.sqrt(v.numel()))
 
 
+def pair_losses(guide, args, m, s, e) -> torch.Tensor:
+    """``-(log p - log q)`` of ``N(m, diag(s^2))`` at the antithetic pairs ``m +- s e``,
+    averaged per pair (``e``: ``[n, D]``)."""
+    rem = guide.engine.kinds["remainder"][0]
+    ctx = guide.engine.context(args, {}, {}, False, False)
+    e2 = torch.cat([e, -e])
+    const = s.abs().log().sum() + 0.5 * rem.dim * math.log(2 * math.pi)
+    with torch.no_grad():
+        per = -(rem._log_joint(ctx, m + s * e2, {}) + 0.5 * e2.pow(2).sum(-1) + const).double()
+    n = e.shape[0]
+    return 0.5 * (per[:n] + per[n:])
+
+
 class Average:
     """The bias-corrected exponential average (rate ``1 - beta``) of the remainder's diagonal
     ``(m, s)`` over the steps: the ``q`` an iterate-averaging step would hand the user."""
 
-    def __init__(self, guide, beta: float):
+    def __init__(self, guide, beta: float, pairs: int = 0):
         self.rem, self.beta, self.n = guide.engine.kinds["remainder"][0], beta, 0
         self.m = self.s = None
+        #: a tracked report of the average's bound (``pairs`` tracked pairs a step)
+        self.pairs, self.tracked, self.value = pairs, TrackedReport(), None
+        self.gen = torch.Generator().manual_seed(0x5EED)
+
+    def report(self, guide, args) -> float:
+        """:class:`~pyro_cvi.natgrad.report.TrackedReport`'s estimate of the average's
+        ``-ELBO`` from ``pairs`` fresh pairs here and at the previous average."""
+        m, s = self.q()
+        prev = self.tracked.previous(1)
+        e = torch.randn(self.pairs, self.rem.dim, generator=self.gen, dtype=m.dtype)
+        now = pair_losses(guide, args, m, s, e)
+        before = None if prev is None else pair_losses(guide, args, prev["m"], prev["s"], e)
+        self.value = self.tracked.update(1, {"m": m, "s": s}, now, before)
+        return self.value
 
     def update(self) -> None:
         p = self.rem._values()
@@ -114,11 +146,14 @@ def run(
     steps: int = STEPS,
     redraws: int = 0,
     average: float = 0.0,
+    average_pairs: int = 0,
 ) -> dict:
     """One run under ``opts``: the step-``steps`` gap and the bound at ``budget`` CPU s (with
     ``redraws``: the one-draw report's spread at the ``q`` after step ``steps``; with
     ``average``: the bound of :class:`Average`'s ``q`` there, its change over that step, and
-    at ``budget``; the averaging's CPU is not counted)."""
+    at ``budget``; with ``average_pairs``: a tracked report of the average's bound over the
+    last ``TRACK_STEPS`` steps to ``steps``, against its sharp bound; none of this CPU is
+    counted)."""
     choose = strategies.Remainder.choose_step
 
     def replaced(self, hierarchical):
@@ -147,9 +182,11 @@ def run(
             cpu += time.process_time() - t0
             t += 1
             if average:
-                avg = avg or Average(guide, average)
+                avg = avg or Average(guide, average, average_pairs)
                 state = torch.get_rng_state()
                 avg.update()
+                if average_pairs and steps - TRACK_STEPS < t <= steps:
+                    avg.report(guide, args)
                 if t == steps and t > 1:
                     after_avg = sharp_at(guide, args, *avg.q())
                     row.update(
@@ -157,6 +194,14 @@ def run(
                         average_bound=after_avg[0],
                         average_step_change=after_avg[0] - avg_before[0],
                     )
+                    if average_pairs:
+                        gap = avg.value - after_avg[0]
+                        row.update(
+                            average_pairs=average_pairs,
+                            average_report=avg.value,
+                            average_gap=gap,
+                            average_ok=abs(gap) <= max(B.TOL, 0.01 * abs(after_avg[0])),
+                        )
                 torch.set_rng_state(state)
             if t == steps:
                 gap = loss - evaluated[0]
@@ -202,6 +247,12 @@ def main(argv=None):
         default=0.0,
         help="beta of an exponential average of the iterates (diagonal q) whose bound is measured",
     )
+    ap.add_argument(
+        "--average-pairs",
+        type=int,
+        default=0,
+        help="with --average: tracked report pairs of the average's bound (steps 201-300)",
+    )
     ap.add_argument("--quick", action="store_true", help="one seed, a third of the budget")
     ap.add_argument("--out", default=None, help="JSON of the rows (required)")
     a = ap.parse_args(argv)
@@ -222,7 +273,18 @@ def main(argv=None):
     results = []
     for text in a.configs:
         opts = json.loads(text)
-        rows = [run(a.model, opts, s, budget, redraws=a.redraws, average=a.average) for s in seeds]
+        rows = [
+            run(
+                a.model,
+                opts,
+                s,
+                budget,
+                redraws=a.redraws,
+                average=a.average,
+                average_pairs=a.average_pairs,
+            )
+            for s in seeds
+        ]
         ok = sum(r["ok"] for r in rows)
         ok_after = sum(r["ok_after"] for r in rows)
         verdict = (
