@@ -463,9 +463,16 @@ def verdict(rows, odes) -> list:
             if us:
                 ok = sum(u["ok"] for u in us)
                 ms = sum(u["ms_per_step"] for u in us if "ms_per_step" in u) / len(us)
+                ev = [
+                    abs(u["gap_evaluated"])
+                    <= max(TOL, 0.01 * abs(u["sharp_estimate_evaluated"][0]))
+                    for u in us
+                    if u.get("gap_evaluated") is not None
+                ]
+                of = f"; of the q it is the loss of: {sum(ev)}/{len(ev)}" if ev else ""
                 lines.append(
                     f"verdict {name}: reported loss{how} at {USER_STEPS} steps within {TOL:g} nat"
-                    f" or 1% of the bound in {ok}/{len(us)} ({ms:.1f} ms a step)"
+                    f" or 1% of the bound in {ok}/{len(us)} ({ms:.1f} ms a step{of})"
                 )
     for o in odes:
         ok = "within" if o["ratio"] <= 1.5 else "NOT within"
