@@ -265,9 +265,9 @@ def main(argv=None) -> int:
         line += f"; against {Path(a.compare).name}: {len(worse)} worse, {len(better)} better"
     print(line)
     payload["verdict"] = line
-    out = Path(a.out)
-    if a.quick and out == ROOT / "results" / "benchmark_dropin_zoo.json":
-        out = out.with_name("benchmark_dropin_zoo_quick.json")
+    from bench.reporting import quick_path
+
+    out = quick_path(a.out, a.quick)  # (--quick: results/quick/, git-ignored)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=1, default=str))
     print(f"wrote {out}")
