@@ -109,7 +109,6 @@ def evaluate(entry, model, guide, data, M: int, P: int):
 
 def run_one(entry, dtype, guide_name, optim_name, lr, steps, M, P):
     import pyro
-    import torch
     from pyro.infer import SVI
     from pyro.infer import autoguide as ag
 
@@ -166,8 +165,10 @@ def compare(rows, before):
         if o is None:
             continue
         if bool(o["error"]) != bool(r["error"]):
-            runs.append(f"{'/'.join(key(r))}: {'diverged' if o['error'] else 'ran'} -> "
-                        f"{'diverged' if r['error'] else 'ran'}")
+            runs.append(
+                f"{'/'.join(key(r))}: {'diverged' if o['error'] else 'ran'} -> "
+                f"{'diverged' if r['error'] else 'ran'}"
+            )
         a, b = o["bound"], r["bound"]
         tol = max(0.5, 3.0 * math.hypot(o["se"], r["se"]) if math.isfinite(a + b) else 0.5)
         text = f"{'/'.join(key(r))}: {a:.2f} -> {b:.2f}"
@@ -193,9 +194,10 @@ def main(argv=None) -> int:
     ap.add_argument("--checkout", default=None, help="the checkout whose pyro_cvi runs")
     a = ap.parse_args(argv)
     _setup(a.checkout)
-    import pyro_cvi
     import torch
     from zoo import ZOO
+
+    import pyro_cvi
 
     torch.set_num_threads(1)
     if a.quick:
@@ -236,7 +238,9 @@ def main(argv=None) -> int:
         adam = [
             x["bound"]
             for x in rows
-            if x["optim"].startswith("Adam") and x["model"] == r["model"] and x["dtype"] == r["dtype"]
+            if x["optim"].startswith("Adam")
+            and x["model"] == r["model"]
+            and x["dtype"] == r["dtype"]
         ]
         if adam:
             best = min(adam)
