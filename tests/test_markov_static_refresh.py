@@ -8,6 +8,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI
+from test_markov_fast_path import assert_same
 
 import pyro_cvi.blocks.markov as markov
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
@@ -78,14 +79,6 @@ def run(model, t, y, steps=8, edit_at=4, step_size=1.0):
         store = pyro.get_param_store()
         out.append((loss, {k: v.detach().clone() for k, v in store.items() if ".sites." in k}))
     return out
-
-
-def assert_same(a, b):
-    for (la, sa), (lb, sb) in zip(a, b):
-        assert la == lb
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), k
 
 
 @DTYPES
