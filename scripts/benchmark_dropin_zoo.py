@@ -32,6 +32,8 @@ import time
 import warnings
 from pathlib import Path
 
+from bench.zoo_runs import hide_discrete, latent_size, zoo_elbo
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,37 +58,8 @@ QUICK_MODELS = ("stochastic_volatility", "sparse_gamma_def", "eight_schools_nonc
 
 
 def _model(entry, dtype):
-    import pyro.poutine as poutine
-
     model, _ = entry.build(dtype)
-    if not entry.has_discrete:
-        return model
-
-    def enumerated(msg):
-        return msg["type"] == "sample" and msg["infer"].get("enumerate") == "parallel"
-
-    return model, poutine.block(model, hide_fn=enumerated)
-
-
-def _elbo(entry, **kw):
-    from pyro.infer import Trace_ELBO, TraceEnum_ELBO
-
-    if entry.has_discrete:
-        return TraceEnum_ELBO(max_plate_nesting=3, **kw)
-    return Trace_ELBO(**kw)
-
-
-def _latent_size(model, data) -> int:
-    import pyro.poutine as poutine
-    import torch
-
-    with torch.no_grad(), poutine.block():
-        tr = poutine.trace(model).get_trace(*data.args, **data.kwargs)
-    return sum(
-        int(s["value"].numel())
-        for s in tr.nodes.values()
-        if s["type"] == "sample" and not s["is_observed"]
-    )
+    return (model, hide_discrete(model)) if entry.has_discrete else model
 
 
 def evaluate(entry, model, guide, data, M: int, P: int):
@@ -95,7 +68,7 @@ def evaluate(entry, model, guide, data, M: int, P: int):
     import torch
 
     pyro.set_rng_seed(12345)
-    elbo = _elbo(entry, num_particles=P)
+    elbo = zoo_elbo(entry, num_particles=P)
     vals = []
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -125,7 +98,7 @@ def run_one(entry, dtype, guide_name, optim_name, lr, steps, M, P):
     pyro.set_rng_seed(0)
     guide = getattr(ag, guide_name)(hidden, **init)
     optim = CVI() if optim_name == "CVI" else pyro.optim.Adam({"lr": lr})
-    svi = SVI(model, guide, optim, _elbo(entry))
+    svi = SVI(model, guide, optim, zoo_elbo(entry))
     losses, error = [], None
     t0 = time.process_time()
     with warnings.catch_warnings():
@@ -212,7 +185,7 @@ def main(argv=None) -> int:
             dtype = getattr(torch, dt)
             built = _model(entry, dtype)
             hidden = built[1] if isinstance(built, tuple) else built
-            size = _latent_size(hidden, entry.data(dtype))
+            size = latent_size(hidden, entry.data(dtype))
             runs = [(g, "CVI", None) for g in a.guides]
             if not a.no_adam:
                 runs += [("AutoNormal", "Adam", lr) for lr in ADAM_LRS]

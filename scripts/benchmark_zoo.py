@@ -50,7 +50,6 @@ import warnings
 from pathlib import Path
 
 import pyro
-import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import (
@@ -63,6 +62,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tests/zoo
 from bench.reporting import Table, quick_path, write_results  # noqa: E402
+from bench.zoo_runs import hide_discrete, latent_size, zoo_elbo  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 from tests.zoo import ZOO  # noqa: E402
@@ -71,29 +71,19 @@ from tests.zoo import ZOO  # noqa: E402
 REASONS = {}
 
 
-def _hide_discrete(model):
-    """The model with its enumerated discrete sites hidden from a baseline autoguide."""
-
-    def enumerated(msg):
-        return msg["type"] == "sample" and msg["infer"].get("enumerate") == "parallel"
-
-    return poutine.block(model, hide_fn=enumerated)
+def _baseline_model(entry):
+    """The entry's model as a baseline autoguide sees it (enumerated sites hidden)."""
+    return hide_discrete(entry.model) if entry.has_discrete else entry.model
 
 
 def _elbo_cls(entry):
     return TraceEnum_ELBO if entry.has_discrete else Trace_ELBO
 
 
-def _elbo(entry, **kw):
-    if entry.has_discrete:
-        return TraceEnum_ELBO(max_plate_nesting=3, **kw)
-    return Trace_ELBO(**kw)
-
-
 def evaluate(entry, guide, data, M: int, P: int, model=None):
     """Common estimator: mean and standard error of the -ELBO over ``M`` calls of ``P``
     particles, the same for every guide of a model."""
-    elbo = _elbo(entry, num_particles=P)
+    elbo = zoo_elbo(entry, num_particles=P)
     model = entry.model if model is None else model
     vals = []
     with torch.no_grad(), warnings.catch_warnings():
@@ -159,7 +149,7 @@ def run_adam(entry, data, make_guide, lr: float, budget: float, desc: str):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = make_guide(entry)
-    elbo = _elbo(entry)
+    elbo = zoo_elbo(entry)
     svi = SVI(entry.model, guide, pyro.optim.Adam({"lr": lr}), elbo)
     steps, t0 = 0, time.perf_counter()
     with warnings.catch_warnings(), tqdm(desc=desc, leave=False, unit="step") as bar:
@@ -179,12 +169,12 @@ def _init_kwargs(entry):
 
 
 def _normal(entry):
-    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    model = _baseline_model(entry)
     return AutoNormal(model, **_init_kwargs(entry))
 
 
 def _mvn(entry):
-    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    model = _baseline_model(entry)
     return AutoMultivariateNormal(model, **_init_kwargs(entry))
 
 
@@ -332,7 +322,7 @@ NATGRAD_QUICK_MODELS = ("bayesian_regression", "poisson_regression", "eight_scho
 
 
 def _gaussian_guide(entry, cls):
-    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
+    model = _baseline_model(entry)
     return cls(model, **_init_kwargs(entry))
 
 
@@ -340,7 +330,7 @@ def _run_steps(entry, data, cls, optim, steps: int):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = _gaussian_guide(entry, cls)
-    svi = SVI(entry.model, guide, optim, _elbo(entry))
+    svi = SVI(entry.model, guide, optim, zoo_elbo(entry))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t0 = time.process_time()  # CPU seconds (one thread): robust to a loaded machine
@@ -359,7 +349,7 @@ def bench_natgrad(name, entry, quick: bool, M: int, P: int):
     lrs = (0.05,) if quick else (0.005, 0.01, 0.02, 0.05)
     rows = []
     for gname, cls in NATGRAD_GUIDES.items():
-        if cls is not AutoNormal and _latent_size(entry, data) > 300:
+        if cls is not AutoNormal and latent_size(_baseline_model(entry), data) > 300:
             continue
         row = {"model": name, "guide": gname, "cvi_steps": cvi_steps, "adam_steps": adam_steps}
         try:
@@ -382,17 +372,6 @@ def bench_natgrad(name, entry, quick: bool, M: int, P: int):
         row["time_ratio"] = row["cvi"]["time"] / best["time"] if best["time"] > 0 else None
         rows.append(row)
     return rows
-
-
-def _latent_size(entry, data) -> int:
-    model = _hide_discrete(entry.model) if entry.has_discrete else entry.model
-    with torch.no_grad(), poutine.block():
-        tr = poutine.trace(model).get_trace(*data.args, **data.kwargs)
-    return sum(
-        int(s["value"].numel())
-        for s in tr.nodes.values()
-        if s["type"] == "sample" and not s["is_observed"]
-    )
 
 
 NATGRAD_COLUMNS = [
