@@ -51,6 +51,7 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Dict, Optional
 
 import pyro
@@ -136,12 +137,6 @@ class DivergenceError(ValueError):
     The guide holds its best ``q`` when this is raised."""
 
 
-def _median(v) -> float:
-    v = sorted(v)
-    n = len(v)
-    return 0.5 * (v[(n - 1) // 2] + v[n // 2])
-
-
 @dataclass
 class Progress:
     """The no-progress test of the module docstring over one guide's training losses."""
@@ -165,8 +160,8 @@ class Progress:
             return None
         values = list(self.recent)
         before, tail = values[: self.tail], values[self.tail :]
-        start, now = _median(before), _median(tail)
-        spread = 1.4826 * _median([abs(v - now) for v in tail])
+        start, now = median(before), median(tail)
+        spread = 1.4826 * median([abs(v - now) for v in tail])
         if start - now < spread and spread > max(self.noise_floor, self.noise_rtol * abs(now)):
             self.warned = True
             return (
