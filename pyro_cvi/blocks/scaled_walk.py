@@ -34,7 +34,8 @@ from ..model.tracing import unwrap
 from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect, random_walk
 from ..statespace.increments import Increments
-from .scaled_markov import ScaledChainSpec, reads, take_chain
+from .scaled_markov import ScaledChainSpec, take_chain
+from .scaled_rows import reads
 
 __all__ = ["find_scaled_walks"]
 
