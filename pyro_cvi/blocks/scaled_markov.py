@@ -54,6 +54,7 @@ from ..model.structures import register_chain_finder
 from ..model.tracing import DeferredTrace, unwrap
 from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect
+from ..statespace.increments import NestedIncrements
 from ..statespace.kalman import LinearGaussianChain
 from .markov import ExpectedPriorMarkovBlock
 from .registry import register_block_kind
@@ -268,6 +269,12 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         (m0, P0, A, b, Q), resid, _ = self._fixed(ctx)
         z = self.z_at
         d = self.chain.state_dim
+        if self._nested:  # (a nested walk: the shared levels' precisions, the others fixed)
+            n = sum(rows.sizes[: len(rows.walk_sites)])
+            P0, Q = self._nested_variances(P0, Q, w[:n].to(z))
+            wo = w[n:].to(z)
+            self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * resid)
+            return LinearGaussianChain(m0, P0, A, b, Q)
         n = len(rows.steps) * d
         ws = w[:n].to(z).reshape(-1, d)
         Q = Q.clone()
@@ -280,6 +287,44 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         wo = w[n:].to(z)
         self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * resid)
         return LinearGaussianChain(m0, P0, A, b, Q)
+
+    @property
+    def _nested(self) -> bool:
+        return isinstance(self.chain.increments, NestedIncrements)
+
+    def _nested_variances(self, P0, Q, w):
+        """``P0``, ``Q`` of a nested walk with the shared sites' elements at ``1 / w`` (``w``:
+        their expected precisions, each site flattened in its shape, ``walk_sites`` order)."""
+        inc, rows = self.chain.increments, self.scaled
+        var = torch.cat([torch.diagonal(P0)[None], torch.diagonal(Q, dim1=-2, dim2=-1)], 0)
+        parts = list(inc.unlayout(var).split(inc.site_size))
+        given = dict(zip(rows.walk_sites, w.split(inc.site_size)))
+        parts = [1.0 / given[n] if n in given else v for n, v in zip(self.names, parts)]
+        var = inc.layout(torch.cat(parts))
+        return torch.diag(var[0]), torch.diag_embed(var[1:])
+
+    def _nested_terms(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``E_q[(e - mu)^2]`` and the prior's variance of every increment of a nested walk,
+        ``(T, d)`` each (``e_t = x_t - L x_(t-1)``: the smoother's marginals and lag-one
+        covariances)."""
+        post, p = self.post, self.prior
+        m, S, X = post.mean, post.cov, post.cross
+        A = p.A
+        C = S[1:] - A @ X.mT - X @ A.mT + A @ S[:-1] @ A.mT
+        r = m[1:] - (A @ m[:-1].unsqueeze(-1)).squeeze(-1) - p.b
+        r0 = m[0] - p.m0
+        second = torch.cat(
+            [(r0 * r0 + torch.diagonal(S[0]))[None], r * r + torch.diagonal(C, dim1=-2, dim2=-1)]
+        )
+        var = torch.cat([torch.diagonal(p.P0)[None], torch.diagonal(p.Q, dim1=-2, dim2=-1)])
+        return second, var
+
+    def _nested_sites(self, values: torch.Tensor, names) -> torch.Tensor:
+        """``(T, d)`` values of a nested walk's increments, the sites ``names``' elements (each
+        flattened in its shape), concatenated."""
+        inc = self.chain.increments
+        parts = dict(zip(self.names, inc.unlayout(values).split(inc.site_size)))
+        return torch.cat([parts[n] for n in names]) if names else values.new_zeros(0)
 
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
         """The expected chain at the current ``q(u)``, the sites' rows, and the smoother."""
@@ -296,6 +341,11 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         """``H(q) + E_q[log p]`` of the steps this block owns: ``log Z - E_q[log sites]``
         (the expected rows included) less ``E_q[log p~_t]`` of the steps the remainder owns."""
         elbo = super().elbo(ctx, prior)
+        if self._nested:  # (the elements of the shared sites the remainder owns)
+            theirs = [n for n in self.scaled.walk_sites if n not in self.owned]
+            second, var = self._nested_terms()
+            terms = -0.5 * torch.log(2 * math.pi * var) - 0.5 * second / var
+            return elbo - self._nested_sites(terms, theirs).sum()
         steps = [t for t in self.scaled.steps if self._site(t) not in self.owned]
         return elbo - self._expected_log_prior(steps)
 
@@ -330,6 +380,8 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             return None
         if self._elements is None:
             sites = list(dict.fromkeys(self._site(t) for t in rows.steps)) + list(rows.obs)
+            if self._nested:
+                sites = list(rows.walk_sites) + list(rows.obs)
             sizes = torch.tensor(rows.sizes, device=post.mean.device)
             which = torch.arange(len(sites), device=sizes.device).repeat_interleave(sizes)
             self._elements = (sites, which)
@@ -341,7 +393,9 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         d = m.shape[-1]
         parts = []
         t = self._steps
-        if t.numel():
+        if self._nested:
+            parts.append(self._nested_sites(self._nested_terms()[0], rows.walk_sites))
+        elif t.numel():
             first = t == 0
             r = m.new_zeros(t.numel(), d)
             v = m.new_zeros(t.numel(), d)
@@ -365,6 +419,15 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         e = torch.cat(parts).detach()
         keep = mine[which]
         return {n for n, k in zip(sites, mine.tolist()) if k}, keep, e[keep]
+
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        """A nested walk's site: its elements' Normal marginals (the joint over the block's
+        sites is :meth:`joint`)."""
+        if not self._nested:
+            return super().marginal(name)
+        q = self._q(torch.Size([self.spec.dim]))
+        mean, var = self.spec.split(q.mean)[name], self.spec.split(q.variance)[name]
+        return torch.distributions.Normal(mean, var.sqrt())
 
     def expected_moments(self, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """``{site: (mean, variance)}`` of the shared factors in ``sites`` for the remainder's

@@ -131,5 +131,6 @@ def setup_rows(an, names, obs: Dict[str, int], order, d: int, walk=None) -> Opti
         obs_h=torch.cat(obs_h) if obs_h else flat0.new_zeros(0, d),
         obs_c=torch.cat(obs_c) if obs_c else flat0.new_zeros(0),
         sizes=tuple(sizes_of),
+        walk_sites=tuple(steps) if walk is not None else (),
         read=batched,
     )

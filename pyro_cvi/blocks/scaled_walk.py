@@ -22,7 +22,8 @@ site where it was (the joint, a dense block at the expected prior, or the plain 
 
 from __future__ import annotations
 
-from typing import List, Optional
+import itertools
+from typing import List, Optional, Tuple
 
 import torch
 from torch.distributions import biject_to
@@ -33,11 +34,14 @@ from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
 from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect, random_walk
-from ..statespace.increments import Increments
+from ..statespace.increments import Increments, NestedIncrements
 from .scaled_markov import ScaledChainSpec, take_chain
 from .scaled_rows import reads
 
-__all__ = ["find_scaled_walks"]
+__all__ = ["MAX_LEVELS", "find_scaled_walks"]
+
+#: the most increments sites one walk nests (their orders are tried in turn)
+MAX_LEVELS = 4
 
 
 def find_scaled_walks(an, used: set) -> List[ScaledChainSpec]:
@@ -47,11 +51,12 @@ def find_scaled_walks(an, used: set) -> List[ScaledChainSpec]:
     if remainder is None or not random_walk.RECOGNISE_RANDOM_WALKS:
         return []
     leaves = an.leaf_trace()[1]
-    out = []
+    out: List[ScaledChainSpec] = []
     for name in an.values:
-        if name in an.continuous and name in leaves and name not in used:
+        taken = {n for c in out for n in c.names}
+        if name in an.continuous and name in leaves and name not in used | taken:
             spec = _scaled_walk(an, name, families or {})
-            if spec is not None:
+            if spec is not None and not set(spec.names) & used:
                 out.append(spec)
     return out
 
@@ -75,52 +80,79 @@ def _increments(an, name: str) -> Optional[Increments]:
     return Increments(shape, 0)
 
 
+def _group(an, name: str, tr, leaves) -> Optional[Tuple[List[str], List[str]]]:
+    """The walk's sites (``name`` and every latent the observations' locs read beside it,
+    model order) and its observations (Normal, unweighted), or ``None``."""
+    group, sites = {name}, []
+    while True:
+        found = set()
+        for site, deps in an.deps.items():
+            if site in group or site in sites or not deps & group:
+                continue
+            fn = unweighted_normal_observation(an, site, tr.nodes[site])
+            if fn is None:
+                return None
+            found |= reads(fn.loc, leaves)
+            sites.append(site)
+        if found <= group:
+            break
+        group |= found
+        if len(group) > MAX_LEVELS:
+            return None
+    return [n for n in an.values if n in group], sites
+
+
 def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
-    inc = _increments(an, name)
-    if inc is None:
+    if _increments(an, name) is None:
         return None
     tr, leaves = an.leaf_trace()
-    base = unwrap(tr.nodes[name]["fn"])[0]
-    own = reads(base.scale, leaves)
-    if reads(base.loc, leaves) or name in own:
+    grouped = _group(an, name, tr, leaves)
+    if grouped is None:
         return None
-    scales = set(own)
-    sites = []
-    for site, deps in an.deps.items():
-        if site == name or name not in deps:
-            continue
+    names, sites = grouped
+    incs = [_increments(an, n) for n in names]
+    if any(i is None or i.shape != incs[0].shape for i in incs) or not set(names) <= set(leaves):
+        return None
+    scales, scale_of = set(), {}
+    for n in names:
+        base = unwrap(tr.nodes[n]["fn"])[0]
+        scale_of[n] = reads(base.scale, leaves)
+        if reads(base.loc, leaves) or scale_of[n] & set(names):
+            return None
+        scales |= scale_of[n]
+    for site in sites:
         fn = unweighted_normal_observation(an, site, tr.nodes[site])
-        if fn is None:
+        if not reads(fn.loc, leaves) or reads(fn.scale, leaves) & set(names):
             return None
-        if reads(fn.loc, leaves) != {name} or name in reads(fn.scale, leaves):
-            return None
-        read = deps - {name}
+        read = an.deps[site] - set(names)
         if read & (an.discrete | an.collapsed) or not read <= set(leaves):
             return None
         scales |= read
-        sites.append(site)
-    if not sites or not scales or families.get(name) == "joint":
+    placed = {families.get(n) for n in names}
+    if not sites or not scales or "joint" in placed:
         return None
-    size = inc.length * inc.state_dim + sum(
+    size = len(names) * incs[0].length * incs[0].state_dim + sum(
         int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel())
         for z in scales
         if z in an.values
     )
-    if size <= JOINT_MAX_DIM and families.get(name) != "gaussian":
+    if size <= JOINT_MAX_DIM and "gaussian" not in placed:
         return None  # (the joint keeps it: no rows read)
-    rows = _observation_rows(an, name, inc, sites)
-    if rows is None:
-        return None
-    obs = dict.fromkeys(sites, 0)
-    return take_chain(an, (name,), obs, scales, families, {name: own}, (inc, rows))
+    for order in itertools.permutations(names) if len(names) > 1 else [tuple(names)]:
+        inc = incs[0] if len(names) == 1 else NestedIncrements(incs[0].shape, 0, sites=order)
+        rows = _observation_rows(an, order, inc, sites)
+        if rows is not None:
+            obs = dict.fromkeys(sites, 0)
+            return take_chain(an, order, obs, scales, families, scale_of, (inc, rows))
+    return None
 
 
-def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
+def _observation_rows(an, names, inc: Increments, sites) -> Optional[dict]:
     """``{site: (t, h, c)}``: each element of the observation's loc (broadcast to its value)
     is ``h' x_t + c`` (JVPs on the leaf trace, confirmed at one probe run), else ``None``."""
     tr, leaves = an.leaf_trace()
-    spec = detect.ChainSpec((name,), inc.state_dim, inc.length, False, increments=inc)
-    x0 = inc.states(an.ref[name].detach().reshape(-1))
+    spec = detect.ChainSpec(tuple(names), inc.state_dim, inc.length, False, increments=inc)
+    x0 = inc.states(torch.cat([an.ref[n].detach().reshape(-1) for n in names]))
     found = {}
     for site in sites:
         node = tr.nodes[site]
@@ -136,8 +168,9 @@ def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
     g = torch.Generator(device="cpu").manual_seed(11)
     scale = x0.abs().mean().clamp_min(1.0).to(g.device)
     dx = (torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device) * scale).to(x0)
+    moves = inc.increments(dx).split([an.ref[n].numel() for n in names])
     with torch.no_grad():  # (one probe run, for the rows found)
-        moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(inc.shape)})
+        moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, moves)})
     out = {}
     for site, (shape, loc, t, h) in found.items():
         c = loc - (h * x0[t]).sum(-1)
