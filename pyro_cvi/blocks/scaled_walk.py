@@ -23,6 +23,7 @@ site where it was (the joint, a dense block at the expected prior, or the plain 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -168,7 +169,11 @@ def _observation_rows(an, names, inc: Increments, sites) -> Optional[dict]:
     g = torch.Generator(device="cpu").manual_seed(11)
     scale = x0.abs().mean().clamp_min(1.0).to(g.device)
     dx = (torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device) * scale).to(x0)
-    moves = inc.increments(dx).split([an.ref[n].numel() for n in names])
+    moves = inc.increments(dx)
+    if isinstance(inc, NestedIncrements):  # (moved increments: see NestedIncrements.rows)
+        moves = dx.reshape(-1) / math.sqrt(inc.length)
+        dx = inc.states(moves)
+    moves = moves.split([an.ref[n].numel() for n in names])
     with torch.no_grad():  # (one probe run, for the rows found)
         moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, moves)})
     out = {}
