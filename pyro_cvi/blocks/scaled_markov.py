@@ -56,6 +56,7 @@ from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect
 from ..statespace.increments import NestedIncrements
 from ..statespace.kalman import LinearGaussianChain
+from ..statespace.posterior import conditional_entropy
 from .markov import ExpectedPriorMarkovBlock
 from .registry import register_block_kind
 from .scaled_rows import probes_params, reads, setup_rows
@@ -341,11 +342,15 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         """``H(q) + E_q[log p]`` of the steps this block owns: ``log Z - E_q[log sites]``
         (the expected rows included) less ``E_q[log p~_t]`` of the steps the remainder owns."""
         elbo = super().elbo(ctx, prior)
-        if self._nested:  # (the elements of the shared sites the remainder owns)
-            theirs = [n for n in self.scaled.walk_sites if n not in self.owned]
+        if self._nested and not self.linear:
+            # ``log Z - E_q[log sites] = H(q) + E_q[log p~]``: the entropy from the marginals and
+            # lag-one covariances, and the expected prior of the elements the block owns (the
+            # two sums cancel to a few digits when the level is large, in float32)
+            theirs = set(self.scaled.walk_sites) - self.owned
             second, var = self._nested_terms()
             terms = -0.5 * torch.log(2 * math.pi * var) - 0.5 * second / var
-            return elbo - self._nested_sites(terms, theirs).sum()
+            ours = [n for n in self.names if n not in theirs]
+            return conditional_entropy(self.post) + self._nested_sites(terms, ours).sum()
         steps = [t for t in self.scaled.steps if self._site(t) not in self.owned]
         return elbo - self._expected_log_prior(steps)
 
