@@ -21,6 +21,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.blocks.scaled_markov import ScaledMarkovBlock
 from pyro_cvi.model.prior_factor import JOINT_MAX_DIM
+from pyro_cvi.statespace.posterior import conditional_entropy
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 
@@ -249,3 +250,27 @@ def test_the_fit_against_the_exact_grid_answer(dtype):
     assert exact - 3 * se - 0.05 < bound < exact + 4.5, (bound, se, exact)
     tol = 3 * math.hypot(se, float(reported.std()) / math.sqrt(10)) + 0.05
     assert abs(float(reported.mean()) - bound) < tol, (reported.mean(), bound, se)
+
+
+@DTYPES
+def test_q_log_prob_and_entropy_against_the_dense_gaussian(dtype):
+    """``q(eta, eps)``'s ``log_prob`` (by the chain's conditionals) and its entropy (the block's
+    ELBO reads it) against the dense Gaussian of the same ``q``."""
+    T = 12
+    y = data(T, dtype)
+    guide, svi = setup(trend, y, {"eta": "gaussian"})
+    for _ in range(3):
+        svi.step(y)
+    block = _chain(guide)
+    q = block.joint()
+    with torch.no_grad():
+        draws = q.sample((3,))
+        dense = torch.distributions.MultivariateNormal(
+            q.mean.double(), covariance_matrix=q.covariance_matrix.double()
+        )
+        found = q.log_prob(draws)
+        entropy = conditional_entropy(block.post)
+    tol = 1e-8 if dtype == torch.float64 else 1e-3
+    assert found.shape == (3,) and found.dtype == dtype
+    assert torch.allclose(found.double(), dense.log_prob(draws.double()), rtol=tol, atol=tol)
+    assert abs(float(entropy) - float(dense.entropy())) < tol * (1 + abs(float(entropy)))
