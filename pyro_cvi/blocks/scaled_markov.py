@@ -278,6 +278,9 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             return LinearGaussianChain(m0, P0, A, b, Q)
         n = len(rows.steps) * d
         ws = w[:n].to(z).reshape(-1, d)
+        inc = self.chain.increments
+        if inc is not None and inc.dim != 0:  # (the site's elements, time-major)
+            ws = inc.layout(w[:n].to(z).reshape(inc.shape))
         Q = Q.clone()
         steps = self._steps
         later = steps > 0
@@ -414,7 +417,11 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
                 C = S[later] - A @ X.mT - X @ A.mT + A @ S[later - 1] @ A.mT
                 r[~first] = m[later] - (A @ m[later - 1].unsqueeze(-1)).squeeze(-1) - b
                 v[~first] = torch.diagonal(C, dim1=-2, dim2=-1)
-            parts.append((r * r + v).reshape(-1))
+            inc = self.chain.increments
+            if inc is not None and inc.dim != 0:  # (in the site's element order)
+                parts.append(inc.unlayout(r * r + v))
+            else:
+                parts.append((r * r + v).reshape(-1))
         if rows.obs:
             h = rows.obs_h.to(m)
             ot = rows.obs_t

@@ -74,7 +74,7 @@ def _increments(an, name: str) -> Optional[Increments]:
     ):
         return None
     shape = an.values[name].shape
-    if node["fn"].shape() != shape or not len(shape) or shape[0] < detect.MIN_LOOP_LENGTH:
+    if node["fn"].shape() != shape or max(shape, default=0) < detect.MIN_LOOP_LENGTH:
         return None
     if any(f.name in an.minibatch_plates for f in node["cond_indep_stack"]):
         return None
@@ -132,19 +132,22 @@ def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
     placed = {families.get(n) for n in names}
     if not sites or not scales or "joint" in placed:
         return None
-    size = len(names) * incs[0].length * incs[0].state_dim + sum(
+    size = len(names) * incs[0].shape.numel() + sum(
         int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel())
         for z in scales
         if z in an.values
     )
     if size <= JOINT_MAX_DIM and "gaussian" not in placed:
         return None  # (the joint keeps it: no rows read)
-    for order in itertools.permutations(names) if len(names) > 1 else [tuple(names)]:
-        inc = incs[0] if len(names) == 1 else NestedIncrements(incs[0].shape, 0, sites=order)
-        rows = _observation_rows(an, order, inc, sites)
-        if rows is not None:
-            obs = dict.fromkeys(sites, 0)
-            return take_chain(an, order, obs, scales, families, scale_of, (inc, rows))
+    shape = incs[0].shape
+    for dim in (a for a in range(len(shape)) if shape[a] >= detect.MIN_LOOP_LENGTH):
+        for order in itertools.permutations(names) if len(names) > 1 else [tuple(names)]:
+            one = len(names) == 1
+            inc = Increments(shape, dim) if one else NestedIncrements(shape, dim, sites=order)
+            rows = _observation_rows(an, order, inc, sites)
+            if rows is not None:
+                obs = dict.fromkeys(sites, 0)
+                return take_chain(an, order, obs, scales, families, scale_of, (inc, rows))
     return None
 
 
