@@ -1,7 +1,7 @@
 """A random walk written with a plate and ``cumsum`` whose scales are latents of the remainder.
 
 ``with pyro.plate("time", T): eps = pyro.sample("eps", Normal(mu, s_e(u)))``,
-``x = eps.cumsum(0)`` (any further dims of ``eps`` are the state), observed as
+``x = eps.cumsum(a)`` (any further dims of ``eps`` are the state), observed as
 ``y_r ~ Normal(h_r x_{t_r} + c_r, s_r(u))``: ``x = cumsum(eps)`` is a linear change of
 variables with a unit triangular Jacobian, so ``q(eps)`` and ``q(x)`` are the same Gaussian
 and the increments are the chain's transitions ``x_t = x_{t-1} + eps_t`` (``A = I``,
@@ -10,13 +10,22 @@ and the increments are the chain's transitions ``x_t = x_{t-1} + eps_t`` (``A = 
 takes the same block under the same rule (:func:`~pyro_cvi.blocks.scaled_markov.take_chain`):
 its one site ``eps`` holds every step; the guide's site stays ``eps``, in its plate.
 
-Found (:func:`find_scaled_walks`) where every factor of ``eps`` is an unmasked Normal
-observation in no subsampled plate whose loc reads ``eps`` only, each element affine in one
-step (:func:`~pyro_cvi.statespace.detect.observation_rows`, confirmed by one probe run), whose
-scale reads latents outside the walk; and ``eps``' own prior is an unmasked Normal whose loc
-reads no latent. The time dim is the first of ``eps``' value. A scale that reads the states
-(stochastic volatility), another likelihood, or a loc that reads another latent leaves the
-site where it was (the joint, a dense block at the expected prior, or the plain random walk of
+Several increments sites of one shape inside nested cumsums (a local linear trend: ``level =
+(eta.cumsum(-1) + eps).cumsum(-1)``) are one chain too
+(:class:`~pyro_cvi.statespace.increments.NestedIncrements`: ``x_t = L x_(t-1) + e_t``, the
+sites the innovations, diagonal ``Q``); the guide's sites stay ``eta`` and ``eps``.
+
+Found (:func:`find_scaled_walks`) where every factor of the sites is an unmasked Normal
+observation in no subsampled plate whose loc reads the sites only (the sites: ``eps`` and
+every latent those locs read beside it, at most :data:`MAX_LEVELS`, their nesting orders tried
+in turn), each element affine in one step
+(:func:`~pyro_cvi.statespace.detect.observation_rows`, confirmed by one probe run), whose
+scale reads latents outside the walk; and each site's own prior is an unmasked Normal whose
+loc reads no latent. The time dim is the first dim of the sites' value (with at least
+``MIN_LOOP_LENGTH`` elements) along which the rows read one step each. A scale that reads the
+states (stochastic volatility), another likelihood, a loc that reads another latent, or sites
+not nested (``cumsum(eta) + cumsum(eps)``) leave the sites where they were (the joint, a dense
+block at the expected prior, or the plain random walk of
 :mod:`~pyro_cvi.statespace.random_walk` when no scale is latent).
 """
 
