@@ -227,28 +227,27 @@ def test_the_grid_answer_is_converged():
     assert abs(dense - finer) < 0.02, (dense, finer)
 
 
-@pytest.mark.slow
 @DTYPES
 def test_the_fit_against_the_exact_grid_answer(dtype):
-    """T = 40, named ``'gaussian'``, 100 steps: the bound (``Trace_ELBO``) above ``-log p(y)``
+    """T = 30, named ``'gaussian'``, 60 steps: the bound (``Trace_ELBO``) above ``-log p(y)``
     less 3 SE and within 4.5 nats of it (the mean field between the states and the scales costs
-    ~3.5 nats here), and the reported loss within 3 SE (+ 0.05) of ``Trace_ELBO``."""
-    T = 40
+    ~3.5 nats here), and the reported loss within 3 SE (+ 0.1) of ``Trace_ELBO``."""
+    T = 30
     y = data(T, dtype)
     guide, svi = setup(trend, y, {"eta": "gaussian"})
     assert _chain(guide) is not None
-    for _ in range(100):
+    for _ in range(60):
         svi.step(y)
     with torch.no_grad():
         v = torch.tensor(
-            [Trace_ELBO(num_particles=50).loss(trend, guide, y) for _ in range(4)],
+            [Trace_ELBO(num_particles=25).loss(trend, guide, y) for _ in range(4)],
             dtype=torch.float64,
         )
-        reported = torch.tensor([svi.evaluate_loss(y) for _ in range(10)], dtype=torch.float64)
+        reported = torch.tensor([svi.evaluate_loss(y) for _ in range(5)], dtype=torch.float64)
     bound, se = float(v.mean()), float(v.std() / 2)
     exact = exact_trend(y)
     assert exact - 3 * se - 0.05 < bound < exact + 4.5, (bound, se, exact)
-    tol = 3 * math.hypot(se, float(reported.std()) / math.sqrt(10)) + 0.05
+    tol = 3 * math.hypot(se, float(reported.std()) / math.sqrt(5)) + 0.1
     assert abs(float(reported.mean()) - bound) < tol, (reported.mean(), bound, se)
 
 
