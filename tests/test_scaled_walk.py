@@ -274,3 +274,56 @@ def test_a_tensor_weighted_observation(weight, dtype):
     guide, svi = setup(weighted, y)
     assert (_chain(guide) is not None) == (weight == "ones")
     assert math.isfinite(svi.step(y))
+
+
+K_SERIES = 3
+
+
+def batched(y):
+    """``K`` walks in a plate left of the time plate, ``x = eps.cumsum(-1)`` (time last)."""
+    sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
+    so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
+    with pyro.plate("series", y.shape[0], dim=-2), pyro.plate("time", y.shape[1], dim=-1):
+        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.1), sl))
+        pyro.sample("y", dist.Normal(2.0 * eps.cumsum(-1) + 0.3, so), obs=y)
+
+
+def time_first(y):
+    """:func:`batched` with the time plate first (``y`` transposed)."""
+    sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
+    so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
+    with pyro.plate("time", y.shape[0], dim=-2), pyro.plate("series", y.shape[1], dim=-1):
+        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.1), sl))
+        pyro.sample("y", dist.Normal(2.0 * eps.cumsum(0) + 0.3, so), obs=y)
+
+
+@DTYPES
+def test_a_batched_walk_with_time_last_steps_as_time_first(dtype):
+    """``K`` walks whose time dim is the last: the block takes them with the time dim found
+    (a state of ``K``), and from the same ``q`` it steps as the time-first spelling."""
+    T, steps = 25, 3
+    y = torch.stack([data(T, dtype) + k for k in range(K_SERIES)])  # (K, T)
+    out, start = {}, None
+    for name, model, obs in (("last", batched, y), ("first", time_first, y.T.contiguous())):
+        guide, svi = setup(model, obs)
+        store = pyro.get_param_store()
+        if start is None:
+            start = {k: v.detach().clone() for k, v in store.items()}
+        for k, v in start.items():
+            store[k].data.copy_(v)
+        pyro.set_rng_seed(1)
+        for _ in range(steps):
+            svi.step(obs)
+        with torch.no_grad():
+            loss = svi.evaluate_loss(obs)
+        block = _chain(guide)
+        assert block is not None and block.chain.state_dim == K_SERIES
+        out[name] = (loss, block.post.mean, guide)
+    tol = 1e-9 if dtype == torch.float64 else 1e-3
+    (la, ma, ga), (lb, mb, _) = out["last"], out["first"]
+    assert abs(la - lb) < tol * max(1.0, abs(lb)), (la, lb)
+    assert torch.allclose(ma, mb, rtol=tol, atol=tol)
+    assert ga.engine.blocks[0].chain.increments.dim == 1
+    q = ga.engine.blocks[0].marginal("eps")
+    assert q.mean.shape == (K_SERIES, T)
+    assert torch.allclose(q.mean.T.cumsum(0), mb, rtol=tol, atol=tol)

@@ -43,28 +43,25 @@ from ..context import Options, StepContext
 from ..messages.chain_expected import (
     MC_DRAWS,
     ChainRows,
-    batched_log_scales,
     chain_moments,
     expected_precisions,
     monte_carlo_precisions,
 )
 from ..messages.prior_expected import remainder_moments
-from ..model import probes
 from ..model.analysis import BlockSpec
-from ..model.index_guard import checked_indexing
 from ..model.prior_factor import JOINT_MAX_DIM
 from ..model.structures import register_chain_finder
 from ..model.tracing import DeferredTrace, unwrap
 from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect
+from ..statespace.increments import NestedIncrements
 from ..statespace.kalman import LinearGaussianChain
+from ..statespace.posterior import conditional_entropy
 from .markov import ExpectedPriorMarkovBlock
 from .registry import register_block_kind
+from .scaled_rows import probes_params, reads, setup_rows
 
 __all__ = ["ScaledChainSpec", "ScaledMarkovBlock", "find_scaled_chains"]
-
-#: the move of the unconstrained scale coordinates that finds ``H`` (exact: affine)
-_STEP = 0.5
 
 
 @dataclass
@@ -89,16 +86,6 @@ def _plain_normal(node) -> bool:
         and not len(node["fn"].batch_shape)
         and len(node["fn"].event_shape) <= 1
     )
-
-
-def reads(value, leaves: Dict[str, torch.Tensor]) -> set:
-    if not (torch.is_tensor(value) and value.requires_grad):
-        return set()
-    with torch.enable_grad():
-        gs = torch.autograd.grad(
-            value.sum(), list(leaves.values()), allow_unused=True, retain_graph=True
-        )
-    return {n for n, g in zip(leaves, gs) if g is not None and bool(g.ne(0).any())}
 
 
 def find_scaled_chains(an, used: set) -> List[ScaledChainSpec]:
@@ -190,7 +177,7 @@ def take_chain(an, names, obs, scales, families, scale_of, walk=None):
         )
     else:
         return None
-    rows = _setup_rows(an, names, obs, order, d, walk)
+    rows = setup_rows(an, names, obs, order, d, walk)
     if rows is None:
         return None
     if rows.read is not None:
@@ -206,105 +193,6 @@ def take_chain(an, names, obs, scales, families, scale_of, walk=None):
     steps = {n: (1 if inc is not None else t) for t, n in enumerate(names) if scale_of[n]}
     spec.shared = {**steps, **obs}
     return spec
-
-
-def probes_params(value, zs, params) -> bool:
-    """Whether ``value``'s coefficients in ``zs`` move with learnable ``params``."""
-    return (
-        torch.is_tensor(value)
-        and value.requires_grad
-        and probes.depends_on_params(value, zs, params)
-    )
-
-
-def _log_scales(tr, sites: Sequence[str]) -> torch.Tensor:
-    parts = []
-    for s in sites:
-        node = tr.nodes[s]
-        base = unwrap(node["fn"])[0]
-        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
-        parts.append(torch.as_tensor(base.scale).detach().expand(shape).reshape(-1).log())
-    return torch.cat(parts)
-
-
-def _setup_rows(an, names, obs: Dict[str, int], order, d: int, walk=None) -> Optional[ChainRows]:
-    """The log scales of the shared factors, affine in the scales' unconstrained values
-    (finite differences, confirmed at a random move), and the observations' rows (a walk's:
-    read by :mod:`~pyro_cvi.blocks.scaled_walk`, its increments' scales time-major)."""
-    tr, leaves = an.leaf_trace()
-    steps = [n for n in names if reads(unwrap(tr.nodes[n]["fn"])[0].scale, leaves)]
-    sites = steps + list(obs)
-    ts = {z: biject_to(an.structure.nodes[z]["fn"].support) for z in order}
-    u0 = {z: ts[z].inv(an.ref[z].detach()).reshape(-1) for z in order}
-    flat0 = torch.cat([u0[z] for z in order])
-    sizes = [u0[z].numel() for z in order]
-
-    def read(flat):
-        parts = dict(zip(order, flat.split(sizes)))
-        vals = {z: ts[z](parts[z].reshape(an.ref[z].shape)) for z in order}
-        with torch.no_grad():
-            return _log_scales(an.run(**vals), sites)
-
-    L0 = read(flat0)
-    cols = []
-    for i in range(flat0.numel()):
-        e = torch.zeros_like(flat0)
-        e[i] = _STEP
-        cols.append((read(flat0 + e) - L0) / _STEP)
-    H = torch.stack(cols, 1)
-    g = torch.Generator().manual_seed(11)
-    cpu = dict(generator=g, dtype=torch.float64, device=g.device)  # (the generator's draws)
-    dlt = 0.3 * torch.randn(flat0.shape, **cpu).to(flat0)
-    batched = None
-    if not probes.close(read(flat0 + dlt), L0 + H @ dlt, probes.rtol(flat0.dtype)):
-        # log s not affine in the unconstrained scales: E[1/s^2] by Monte Carlo over q(u),
-        # where one batched run reads the scales at many draws (else the joint takes it)
-        batched = batched_log_scales(an, order, ts, u0, sites)
-        moves = flat0 + 0.3 * torch.randn(3, flat0.numel(), **cpu).to(flat0)
-        try:
-            with checked_indexing(flat0.device):
-                found = batched(moves)
-            looped = torch.stack([read(v) for v in moves])
-            ok = probes.close(found, looped, probes.rtol(flat0.dtype))
-        except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
-            ok = False
-        if not ok:
-            return None
-    # observations: y_r ~ N(h_r x_t + c_r, s_r): h by autograd, c at the reference
-    obs_t, obs_h, obs_c = [], [], []
-    for site, t in obs.items() if walk is None else ():
-        node = tr.nodes[site]
-        base = unwrap(node["fn"])[0]
-        shape = torch.broadcast_shapes(base.loc.shape, base.scale.shape, node["value"].shape)
-        loc = base.loc.expand(shape).reshape(-1)
-        x = leaves[names[t]]
-        with torch.enable_grad():
-            h = probes.jacobian(loc, x).detach().reshape(loc.numel(), d)
-        xt = x.detach().reshape(d)
-        obs_t.append(torch.full((loc.numel(),), t, dtype=torch.long, device=loc.device))
-        obs_h.append(h)
-        obs_c.append(loc.detach() - h @ xt)
-    for t, h, c in walk[1].values() if walk is not None else ():
-        obs_t.append(t)
-        obs_h.append(h)
-        obs_c.append(c)
-    step_index = tuple(names.index(n) for n in steps)
-    if walk is not None:  # (every step of the walk is one element of its increments)
-        step_index = tuple(range(walk[0].length)) if steps else ()
-    sizes_of = [int(_log_scales(tr, [s]).numel()) for s in sites]
-    return ChainRows(
-        given=order,
-        u0=flat0.detach(),
-        L0=L0.detach(),
-        H=H.detach(),
-        steps=step_index,
-        obs=tuple(obs),
-        obs_t=torch.cat(obs_t) if obs_t else torch.zeros(0, dtype=torch.long),
-        obs_h=torch.cat(obs_h) if obs_h else flat0.new_zeros(0, d),
-        obs_c=torch.cat(obs_c) if obs_c else flat0.new_zeros(0),
-        sizes=tuple(sizes_of),
-        read=batched,
-    )
 
 
 class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
@@ -382,8 +270,17 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         (m0, P0, A, b, Q), resid, _ = self._fixed(ctx)
         z = self.z_at
         d = self.chain.state_dim
+        if self._nested:  # (a nested walk: the shared levels' precisions, the others fixed)
+            n = sum(rows.sizes[: len(rows.walk_sites)])
+            P0, Q = self._nested_variances(P0, Q, w[:n].to(z))
+            wo = w[n:].to(z)
+            self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * resid)
+            return LinearGaussianChain(m0, P0, A, b, Q)
         n = len(rows.steps) * d
         ws = w[:n].to(z).reshape(-1, d)
+        inc = self.chain.increments
+        if inc is not None and inc.dim != 0:  # (the site's elements, time-major)
+            ws = inc.layout(w[:n].to(z).reshape(inc.shape))
         Q = Q.clone()
         steps = self._steps
         later = steps > 0
@@ -394,6 +291,44 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         wo = w[n:].to(z)
         self._extra = (rows.obs_t, rows.obs_h.to(z), wo, wo * resid)
         return LinearGaussianChain(m0, P0, A, b, Q)
+
+    @property
+    def _nested(self) -> bool:
+        return isinstance(self.chain.increments, NestedIncrements)
+
+    def _nested_variances(self, P0, Q, w):
+        """``P0``, ``Q`` of a nested walk with the shared sites' elements at ``1 / w`` (``w``:
+        their expected precisions, each site flattened in its shape, ``walk_sites`` order)."""
+        inc, rows = self.chain.increments, self.scaled
+        var = torch.cat([torch.diagonal(P0)[None], torch.diagonal(Q, dim1=-2, dim2=-1)], 0)
+        parts = list(inc.unlayout(var).split(inc.site_size))
+        given = dict(zip(rows.walk_sites, w.split(inc.site_size)))
+        parts = [1.0 / given[n] if n in given else v for n, v in zip(self.names, parts)]
+        var = inc.layout(torch.cat(parts))
+        return torch.diag(var[0]), torch.diag_embed(var[1:])
+
+    def _nested_terms(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``E_q[(e - mu)^2]`` and the prior's variance of every increment of a nested walk,
+        ``(T, d)`` each (``e_t = x_t - L x_(t-1)``: the smoother's marginals and lag-one
+        covariances)."""
+        post, p = self.post, self.prior
+        m, S, X = post.mean, post.cov, post.cross
+        A = p.A
+        C = S[1:] - A @ X.mT - X @ A.mT + A @ S[:-1] @ A.mT
+        r = m[1:] - (A @ m[:-1].unsqueeze(-1)).squeeze(-1) - p.b
+        r0 = m[0] - p.m0
+        second = torch.cat(
+            [(r0 * r0 + torch.diagonal(S[0]))[None], r * r + torch.diagonal(C, dim1=-2, dim2=-1)]
+        )
+        var = torch.cat([torch.diagonal(p.P0)[None], torch.diagonal(p.Q, dim1=-2, dim2=-1)])
+        return second, var
+
+    def _nested_sites(self, values: torch.Tensor, names) -> torch.Tensor:
+        """``(T, d)`` values of a nested walk's increments, the sites ``names``' elements (each
+        flattened in its shape), concatenated."""
+        inc = self.chain.increments
+        parts = dict(zip(self.names, inc.unlayout(values).split(inc.site_size)))
+        return torch.cat([parts[n] for n in names]) if names else values.new_zeros(0)
 
     def refresh(self, ctx: StepContext) -> LinearGaussianChain:
         """The expected chain at the current ``q(u)``, the sites' rows, and the smoother."""
@@ -410,6 +345,15 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         """``H(q) + E_q[log p]`` of the steps this block owns: ``log Z - E_q[log sites]``
         (the expected rows included) less ``E_q[log p~_t]`` of the steps the remainder owns."""
         elbo = super().elbo(ctx, prior)
+        if self._nested and not self.linear:
+            # ``log Z - E_q[log sites] = H(q) + E_q[log p~]``: the entropy from the marginals and
+            # lag-one covariances, and the expected prior of the elements the block owns (the
+            # two sums cancel to a few digits when the level is large, in float32)
+            theirs = set(self.scaled.walk_sites) - self.owned
+            second, var = self._nested_terms()
+            terms = -0.5 * torch.log(2 * math.pi * var) - 0.5 * second / var
+            ours = [n for n in self.names if n not in theirs]
+            return conditional_entropy(self.post) + self._nested_sites(terms, ours).sum()
         steps = [t for t in self.scaled.steps if self._site(t) not in self.owned]
         return elbo - self._expected_log_prior(steps)
 
@@ -444,6 +388,8 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
             return None
         if self._elements is None:
             sites = list(dict.fromkeys(self._site(t) for t in rows.steps)) + list(rows.obs)
+            if self._nested:
+                sites = list(rows.walk_sites) + list(rows.obs)
             sizes = torch.tensor(rows.sizes, device=post.mean.device)
             which = torch.arange(len(sites), device=sizes.device).repeat_interleave(sizes)
             self._elements = (sites, which)
@@ -455,7 +401,9 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         d = m.shape[-1]
         parts = []
         t = self._steps
-        if t.numel():
+        if self._nested:
+            parts.append(self._nested_sites(self._nested_terms()[0], rows.walk_sites))
+        elif t.numel():
             first = t == 0
             r = m.new_zeros(t.numel(), d)
             v = m.new_zeros(t.numel(), d)
@@ -469,7 +417,11 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
                 C = S[later] - A @ X.mT - X @ A.mT + A @ S[later - 1] @ A.mT
                 r[~first] = m[later] - (A @ m[later - 1].unsqueeze(-1)).squeeze(-1) - b
                 v[~first] = torch.diagonal(C, dim1=-2, dim2=-1)
-            parts.append((r * r + v).reshape(-1))
+            inc = self.chain.increments
+            if inc is not None and inc.dim != 0:  # (in the site's element order)
+                parts.append(inc.unlayout(r * r + v))
+            else:
+                parts.append((r * r + v).reshape(-1))
         if rows.obs:
             h = rows.obs_h.to(m)
             ot = rows.obs_t
@@ -479,6 +431,15 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         e = torch.cat(parts).detach()
         keep = mine[which]
         return {n for n, k in zip(sites, mine.tolist()) if k}, keep, e[keep]
+
+    def marginal(self, name: str) -> torch.distributions.Distribution:
+        """A nested walk's site: its elements' Normal marginals (the joint over the block's
+        sites is :meth:`joint`)."""
+        if not self._nested:
+            return super().marginal(name)
+        q = self._q(torch.Size([self.spec.dim]))
+        mean, var = self.spec.split(q.mean)[name], self.spec.split(q.variance)[name]
+        return torch.distributions.Normal(mean, var.sqrt())
 
     def expected_moments(self, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """``{site: (mean, variance)}`` of the shared factors in ``sites`` for the remainder's

@@ -1,7 +1,7 @@
 """A random walk written with a plate and ``cumsum`` whose scales are latents of the remainder.
 
 ``with pyro.plate("time", T): eps = pyro.sample("eps", Normal(mu, s_e(u)))``,
-``x = eps.cumsum(0)`` (any further dims of ``eps`` are the state), observed as
+``x = eps.cumsum(a)`` (any further dims of ``eps`` are the state), observed as
 ``y_r ~ Normal(h_r x_{t_r} + c_r, s_r(u))``: ``x = cumsum(eps)`` is a linear change of
 variables with a unit triangular Jacobian, so ``q(eps)`` and ``q(x)`` are the same Gaussian
 and the increments are the chain's transitions ``x_t = x_{t-1} + eps_t`` (``A = I``,
@@ -10,19 +10,30 @@ and the increments are the chain's transitions ``x_t = x_{t-1} + eps_t`` (``A = 
 takes the same block under the same rule (:func:`~pyro_cvi.blocks.scaled_markov.take_chain`):
 its one site ``eps`` holds every step; the guide's site stays ``eps``, in its plate.
 
-Found (:func:`find_scaled_walks`) where every factor of ``eps`` is an unmasked Normal
-observation in no subsampled plate whose loc reads ``eps`` only, each element affine in one
-step (:func:`~pyro_cvi.statespace.detect.observation_rows`, confirmed by one probe run), whose
-scale reads latents outside the walk; and ``eps``' own prior is an unmasked Normal whose loc
-reads no latent. The time dim is the first of ``eps``' value. A scale that reads the states
-(stochastic volatility), another likelihood, or a loc that reads another latent leaves the
-site where it was (the joint, a dense block at the expected prior, or the plain random walk of
+Several increments sites of one shape inside nested cumsums (a local linear trend: ``level =
+(eta.cumsum(-1) + eps).cumsum(-1)``) are one chain too
+(:class:`~pyro_cvi.statespace.increments.NestedIncrements`: ``x_t = L x_(t-1) + e_t``, the
+sites the innovations, diagonal ``Q``); the guide's sites stay ``eta`` and ``eps``.
+
+Found (:func:`find_scaled_walks`) where every factor of the sites is an unmasked Normal
+observation in no subsampled plate whose loc reads the sites only (the sites: ``eps`` and
+every latent those locs read beside it, at most :data:`MAX_LEVELS`, their nesting orders tried
+in turn), each element affine in one step
+(:func:`~pyro_cvi.statespace.detect.observation_rows`, confirmed by one probe run), whose
+scale reads latents outside the walk; and each site's own prior is an unmasked Normal whose
+loc reads no latent. The time dim is the first dim of the sites' value (with at least
+``MIN_LOOP_LENGTH`` elements) along which the rows read one step each. A scale that reads the
+states (stochastic volatility), another likelihood, a loc that reads another latent, or sites
+not nested (``cumsum(eta) + cumsum(eps)``) leave the sites where they were (the joint, a dense
+block at the expected prior, or the plain random walk of
 :mod:`~pyro_cvi.statespace.random_walk` when no scale is latent).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+import itertools
+import math
+from typing import List, Optional, Tuple
 
 import torch
 from torch.distributions import biject_to
@@ -33,10 +44,14 @@ from ..model.structures import register_chain_finder
 from ..model.tracing import unwrap
 from ..model.weights import unit_scale, unweighted_normal_observation
 from ..statespace import detect, random_walk
-from ..statespace.increments import Increments
-from .scaled_markov import ScaledChainSpec, reads, take_chain
+from ..statespace.increments import Increments, NestedIncrements
+from .scaled_markov import ScaledChainSpec, take_chain
+from .scaled_rows import reads
 
-__all__ = ["find_scaled_walks"]
+__all__ = ["MAX_LEVELS", "find_scaled_walks"]
+
+#: the most increments sites one walk nests (their orders are tried in turn)
+MAX_LEVELS = 4
 
 
 def find_scaled_walks(an, used: set) -> List[ScaledChainSpec]:
@@ -46,11 +61,12 @@ def find_scaled_walks(an, used: set) -> List[ScaledChainSpec]:
     if remainder is None or not random_walk.RECOGNISE_RANDOM_WALKS:
         return []
     leaves = an.leaf_trace()[1]
-    out = []
+    out: List[ScaledChainSpec] = []
     for name in an.values:
-        if name in an.continuous and name in leaves and name not in used:
+        taken = {n for c in out for n in c.names}
+        if name in an.continuous and name in leaves and name not in used | taken:
             spec = _scaled_walk(an, name, families or {})
-            if spec is not None:
+            if spec is not None and not set(spec.names) & used:
                 out.append(spec)
     return out
 
@@ -67,59 +83,89 @@ def _increments(an, name: str) -> Optional[Increments]:
     ):
         return None
     shape = an.values[name].shape
-    if node["fn"].shape() != shape or not len(shape) or shape[0] < detect.MIN_LOOP_LENGTH:
+    if node["fn"].shape() != shape or max(shape, default=0) < detect.MIN_LOOP_LENGTH:
         return None
     if any(f.name in an.minibatch_plates for f in node["cond_indep_stack"]):
         return None
     return Increments(shape, 0)
 
 
+def _group(an, name: str, tr, leaves) -> Optional[Tuple[List[str], List[str]]]:
+    """The walk's sites (``name`` and every latent the observations' locs read beside it,
+    model order) and its observations (Normal, unweighted), or ``None``."""
+    group, sites = {name}, []
+    while True:
+        found = set()
+        for site, deps in an.deps.items():
+            if site in group or site in sites or not deps & group:
+                continue
+            fn = unweighted_normal_observation(an, site, tr.nodes[site])
+            if fn is None:
+                return None
+            found |= reads(fn.loc, leaves)
+            sites.append(site)
+        if found <= group:
+            break
+        group |= found
+        if len(group) > MAX_LEVELS:
+            return None
+    return [n for n in an.values if n in group], sites
+
+
 def _scaled_walk(an, name: str, families) -> Optional[ScaledChainSpec]:
-    inc = _increments(an, name)
-    if inc is None:
+    if _increments(an, name) is None:
         return None
     tr, leaves = an.leaf_trace()
-    base = unwrap(tr.nodes[name]["fn"])[0]
-    own = reads(base.scale, leaves)
-    if reads(base.loc, leaves) or name in own:
+    grouped = _group(an, name, tr, leaves)
+    if grouped is None:
         return None
-    scales = set(own)
-    sites = []
-    for site, deps in an.deps.items():
-        if site == name or name not in deps:
-            continue
+    names, sites = grouped
+    incs = [_increments(an, n) for n in names]
+    if any(i is None or i.shape != incs[0].shape for i in incs) or not set(names) <= set(leaves):
+        return None
+    scales, scale_of = set(), {}
+    for n in names:
+        base = unwrap(tr.nodes[n]["fn"])[0]
+        scale_of[n] = reads(base.scale, leaves)
+        if reads(base.loc, leaves) or scale_of[n] & set(names):
+            return None
+        scales |= scale_of[n]
+    for site in sites:
         fn = unweighted_normal_observation(an, site, tr.nodes[site])
-        if fn is None:
+        if not reads(fn.loc, leaves) or reads(fn.scale, leaves) & set(names):
             return None
-        if reads(fn.loc, leaves) != {name} or name in reads(fn.scale, leaves):
-            return None
-        read = deps - {name}
+        read = an.deps[site] - set(names)
         if read & (an.discrete | an.collapsed) or not read <= set(leaves):
             return None
         scales |= read
-        sites.append(site)
-    if not sites or not scales or families.get(name) == "joint":
+    placed = {families.get(n) for n in names}
+    if not sites or not scales or "joint" in placed:
         return None
-    size = inc.length * inc.state_dim + sum(
+    size = len(names) * incs[0].shape.numel() + sum(
         int(biject_to(an.structure.nodes[z]["fn"].support).inv(an.values[z]).numel())
         for z in scales
         if z in an.values
     )
-    if size <= JOINT_MAX_DIM and families.get(name) != "gaussian":
+    if size <= JOINT_MAX_DIM and "gaussian" not in placed:
         return None  # (the joint keeps it: no rows read)
-    rows = _observation_rows(an, name, inc, sites)
-    if rows is None:
-        return None
-    obs = dict.fromkeys(sites, 0)
-    return take_chain(an, (name,), obs, scales, families, {name: own}, (inc, rows))
+    shape = incs[0].shape
+    for dim in (a for a in range(len(shape)) if shape[a] >= detect.MIN_LOOP_LENGTH):
+        for order in itertools.permutations(names) if len(names) > 1 else [tuple(names)]:
+            one = len(names) == 1
+            inc = Increments(shape, dim) if one else NestedIncrements(shape, dim, sites=order)
+            rows = _observation_rows(an, order, inc, sites)
+            if rows is not None:
+                obs = dict.fromkeys(sites, 0)
+                return take_chain(an, order, obs, scales, families, scale_of, (inc, rows))
+    return None
 
 
-def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
+def _observation_rows(an, names, inc: Increments, sites) -> Optional[dict]:
     """``{site: (t, h, c)}``: each element of the observation's loc (broadcast to its value)
     is ``h' x_t + c`` (JVPs on the leaf trace, confirmed at one probe run), else ``None``."""
     tr, leaves = an.leaf_trace()
-    spec = detect.ChainSpec((name,), inc.state_dim, inc.length, False, increments=inc)
-    x0 = inc.states(an.ref[name].detach().reshape(-1))
+    spec = detect.ChainSpec(tuple(names), inc.state_dim, inc.length, False, increments=inc)
+    x0 = inc.states(torch.cat([an.ref[n].detach().reshape(-1) for n in names]))
     found = {}
     for site in sites:
         node = tr.nodes[site]
@@ -135,8 +181,13 @@ def _observation_rows(an, name: str, inc: Increments, sites) -> Optional[dict]:
     g = torch.Generator(device="cpu").manual_seed(11)
     scale = x0.abs().mean().clamp_min(1.0).to(g.device)
     dx = (torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device) * scale).to(x0)
+    moves = inc.increments(dx)
+    if isinstance(inc, NestedIncrements):  # (moved increments: see NestedIncrements.rows)
+        moves = dx.reshape(-1) / math.sqrt(inc.length)
+        dx = inc.states(moves)
+    moves = moves.split([an.ref[n].numel() for n in names])
     with torch.no_grad():  # (one probe run, for the rows found)
-        moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(inc.shape)})
+        moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, moves)})
     out = {}
     for site, (shape, loc, t, h) in found.items():
         c = loc - (h * x0[t]).sum(-1)

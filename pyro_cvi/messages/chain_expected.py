@@ -64,6 +64,9 @@ class ChainRows:
     obs_c: torch.Tensor
     #: elements per shared site (the steps', then the observations')
     sizes: Tuple[int, ...] = ()
+    #: a walk's sites whose scales read the remainder (their elements head the rows, each
+    #: flattened in its own shape; ``()`` for a loop)
+    walk_sites: Tuple[str, ...] = ()
     #: where ``log s`` is not affine in ``u``: ``(K, U) -> (K, R)``, the log scales of every
     #: shared element at a batch of unconstrained values (one batched model run); ``L0`` and
     #: ``H`` are then unused and ``E[1/s^2]`` is a Monte Carlo average
@@ -190,17 +193,20 @@ def _walk_moments(block, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, to
     """:func:`chain_moments` of a walk ``x = cumsum(eps)``: the increments' factor at
     ``(E_q[eps], Var_q(eps))`` (its loc is free of the states), an observation at
     ``y + h (x_k - m)`` with ``x_k = cumsum`` of ``others``' draw of ``eps``."""
-    rows, post, inc, name = block.scaled, block.post, block.chain.increments, block.names[0]
+    rows, post, inc, names = block.scaled, block.post, block.chain.increments, block.names
     m, S = post.mean.detach(), post.cov.detach()
-    shape = block.spec.shapes[0]
     out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-    if rows.steps and name in sites:
-        var = inc.variance(S, post.cross.detach())
-        out[name] = (inc.increments(m).reshape(shape), var.reshape(shape))
-    if ctx is None or ctx.trace is None or name not in others:
+    walk = set(rows.walk_sites or (names if rows.steps else ())) & sites
+    if walk:  # (a nested walk's flat values: its sites' concatenated)
+        means = block.spec.split(inc.increments(m))
+        var = block.spec.split(inc.variance(S, post.cross.detach()))
+        for name, shape in zip(names, block.spec.shapes):
+            if name in walk:
+                out[name] = (means[name].reshape(shape), var[name].reshape(shape))
+    if ctx is None or ctx.trace is None or not all(n in others for n in names):
         return out
     observed = block.observed(ctx)
-    x = inc.states(others[name].detach().reshape(-1).to(m))
+    x = inc.states(torch.cat([others[n].detach().reshape(-1) for n in names]).to(m))
     start = 0
     for j, site in enumerate(rows.obs):
         sl = slice(start, start + rows.sizes[len(rows.sizes) - len(rows.obs) + j])

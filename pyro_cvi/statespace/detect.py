@@ -278,7 +278,7 @@ def chain_prior(spec: ChainSpec, trace, A: Optional[torch.Tensor] = None) -> Lin
     if isinstance(spec.increments, HiddenStates):
         return hmm_chain(unwrap(trace.nodes[spec.names[0]]["fn"])[0])
     if spec.increments is not None:
-        return walk_prior(spec.increments, unwrap(trace.nodes[spec.names[0]]["fn"])[0])
+        return spec.increments.prior([unwrap(trace.nodes[n]["fn"])[0] for n in spec.names])
     parts = [_normal_parts(trace.nodes[n]["fn"]) for n in spec.names]
     weights = loop_weights(spec, trace)
     if weights is not None:  # p^c: the same Normal with its covariance divided by c
@@ -359,16 +359,6 @@ def tempered_constant(spec: ChainSpec, trace) -> Optional[torch.Tensor]:
     return total
 
 
-def walk_prior(inc: Increments, base) -> LinearGaussianChain:
-    """The chain of ``x = cumsum(eps)``, ``eps ~ Normal(mu, s)`` independent: ``A = I``,
-    ``b_t = mu_t``, ``Q_t = diag s_t^2``, ``m0 = mu_0``, ``P0 = diag s_0^2``."""
-    loc = inc.layout(base.loc.expand(inc.shape))
-    var = inc.layout((base.scale**2).expand(inc.shape))
-    T, d = loc.shape
-    eye = torch.eye(d, dtype=loc.dtype, device=loc.device).expand(T - 1, d, d)
-    return LinearGaussianChain(loc[0], torch.diag(var[0]), eye, loc[1:], torch.diag_embed(var[1:]))
-
-
 #: the margin over the tolerance of :func:`_spans_steps`'s early refusal (the full check decides
 #: anything closer)
 SPAN_MARGIN = 100.0
@@ -412,6 +402,8 @@ def observation_rows(
         t = spec.names.index(touched)
         H = probes.jacobian(flat, leaves[touched], create_graph=create_graph).reshape(R, d)
         return torch.full((R,), t, dtype=torch.long, device=flat.device), H
+    if len(spec.names) > 1:  # (a nested walk's several sites)
+        return spec.increments.rows(flat, [leaves[n] for n in spec.names], create_graph)
     x = leaves[spec.names[0]]
     if _spans_steps(spec, flat, x):
         raise ValueError("an element depends on more than one step")

@@ -7,15 +7,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from pyro.distributions import TorchDistribution, constraints
 
-from .increments import Increments
+from .increments import Increments, NestedIncrements
 from .kalman import LinearGaussianChain, Marginals, log_prob_chain, sample_posterior
 
-__all__ = ["SiteRows", "MarkovPosterior", "IncrementPosterior"]
+__all__ = [
+    "SiteRows",
+    "MarkovPosterior",
+    "IncrementPosterior",
+    "conditional_entropy",
+    "conditional_log_prob",
+]
 
 
 @dataclass
@@ -186,6 +193,8 @@ class IncrementPosterior(_ChainQ):
             q = self.states  # log q(y) = log p(y) + sum_r log site_r(y) - log Z
             prior = self.layout.prior_log_prob(q.prior, flat)
             return prior + q.site_terms(x) - q.post.log_z.detach()
+        if isinstance(self.layout, NestedIncrements):  # (no log Z: see conditional_log_prob)
+            return conditional_log_prob(self.states.post, x)
         return self.states.log_prob(x)
 
     def sample(self, sample_shape=()) -> torch.Tensor:
@@ -212,3 +221,35 @@ def chain_precision(chain: LinearGaussianChain, J: torch.Tensor) -> torch.Tensor
         out[idx[1:], :, idx[:-1], :] = off
         out[idx[:-1], :, idx[1:], :] = off.transpose(-1, -2)
     return out.reshape(T * d, T * d)
+
+
+def _conditionals(post: Marginals):
+    """``q(x_t | x_(t-1)) = N(m_t + G_t (x_(t-1) - m_(t-1)), C_t)`` of a Markov ``q`` from its
+    marginals and lag-one covariances (float64): ``G_t = X_t S_(t-1)^-1``, ``C_t = S_t - G_t
+    X_t'``, and ``C_0 = S_0``."""
+    S, X = post.cov.detach().double(), post.cross.detach().double()
+    G = torch.linalg.solve(S[:-1], X.mT).mT
+    C = S[1:] - G @ X.mT
+    C = torch.cat([S[:1], 0.5 * (C + C.mT)], 0)
+    return G, torch.linalg.cholesky(C)
+
+
+def conditional_entropy(post: Marginals) -> torch.Tensor:
+    """``H(q) = H(x_0) + sum_t H(x_t | x_(t-1))`` of a Markov ``q`` (:func:`_conditionals`):
+    the entropy without ``log Z - E_q[log sites]``, two sums that cancel to a few digits when
+    the states are large (a trend's level in float32)."""
+    _, L = _conditionals(post)
+    T, d = post.mean.shape
+    half_logdet = torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum()
+    return (half_logdet + 0.5 * T * d * (1.0 + math.log(2 * math.pi))).to(post.mean)
+
+
+def conditional_log_prob(post: Marginals, x: torch.Tensor) -> torch.Tensor:
+    """``log q(x)`` of states ``(..., T, d)`` as ``log q(x_0) + sum_t log q(x_t | x_(t-1))``
+    (:func:`_conditionals`; no ``log Z``)."""
+    G, L = _conditionals(post)
+    m, xd = post.mean.detach().double(), x.double()
+    loc = m[1:] + ((xd[..., :-1, :] - m[:-1]).unsqueeze(-2) @ G.mT).squeeze(-2)
+    loc = torch.cat([m[:1].expand(xd.shape[:-2] + (1, m.shape[-1])), loc], -2)
+    lp = torch.distributions.MultivariateNormal(loc, scale_tril=L).log_prob(xd)
+    return lp.sum(-1).to(x)
