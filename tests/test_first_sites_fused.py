@@ -5,13 +5,21 @@ for (:func:`~pyro_cvi.statespace.sequential._forward_2_first`, then
 smoothed means and covariances, on sites of widely spread magnitudes, with masked (zero) sites,
 from rows in either dtype's values, and it fails (:class:`_Fail`) where the two-pass form does."""
 
+import array
 import math
 
 import pytest
 import torch
 
 from pyro_cvi.statespace.first_sites import _backward, _smooth_repeated
-from pyro_cvi.statespace.sequential import OnFirst, _Fail, _forward_2_first, _Repeated
+from pyro_cvi.statespace.sequential import (
+    OnFirst,
+    _Fail,
+    _forward_2_first,
+    _Repeated,
+    doubles,
+    packed,
+)
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 
@@ -61,3 +69,23 @@ def test_fused_pass_fails_where_the_two_pass_form_does():
                 _two_pass(m0, P0, row, es, j2)
             with pytest.raises(_Fail):
                 _smooth_repeated(m0, P0, row, es, j2)
+
+
+@DTYPES
+def test_doubles_are_torch_tensor_bit_for_bit(dtype):
+    # the passes' lists of Python floats, packed in one C pass: the same bits as
+    # ``torch.tensor`` (and the same narrowing to float32 after), signed zeros, subnormals,
+    # infinities and NaN payloads included; an empty list too
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(997, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
+        -320, 309, (997,), generator=g
+    ).to(torch.float64)
+    values = wide.tolist() + [0.0, -0.0, 5e-324, -5e-324, math.inf, -math.inf, math.nan, 1, -3]
+    for vals in (values, values[:1], []):
+        assert packed(vals).tobytes() == array.array("d", vals).tobytes()
+        got = doubles(vals).to(dtype)
+        want = torch.tensor(vals, dtype=torch.float64).to(dtype)
+        assert got.dtype == dtype and got.shape == (len(vals),)
+        bits = torch.int64 if dtype == torch.float64 else torch.int32
+        assert torch.equal(got.view(bits), want.view(bits))
+        assert torch.equal(got.view(bits), torch.tensor(vals, dtype=dtype).view(bits))

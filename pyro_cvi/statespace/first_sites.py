@@ -16,7 +16,6 @@ path decides, as before.
 
 from __future__ import annotations
 
-import array
 import math
 from typing import List, Optional, Tuple
 
@@ -32,6 +31,8 @@ from .sequential import (
     _pass_1,
     _Repeated,
     _transition_rows,
+    doubles,
+    packed,
 )
 
 __all__ = ["applies", "transitions", "marginals"]
@@ -73,8 +74,8 @@ def marginals(
     try:
         if d == 1:
             log_z, ms, Ps, _ = _pass_1(m0, P0, trans, list(zip(es, js)), False)
-            mean = torch.tensor(ms, **like).reshape(T, 1)
-            cov = torch.tensor(Ps, **like).reshape(T, 1, 1)
+            mean = doubles(ms).to(**like).reshape(T, 1)
+            cov = doubles(Ps).to(**like).reshape(T, 1, 1)
             var = cov.view(T, 1)
         else:
             if isinstance(trans, _Repeated):
@@ -172,7 +173,7 @@ def _smooth_repeated(m0, P0, row, es, js):
             raise _Fail
         push((s11, s01, s01, s00, s1, s0))
     out.reverse()
-    return log_z, array.array("d", out)
+    return log_z, packed(out)
 
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
@@ -204,4 +205,4 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
             raise _Fail
         push((s11, s01, s01, s00, s1, s0))
     out.reverse()
-    return log_z, array.array("d", out)
+    return log_z, packed(out)
