@@ -33,8 +33,10 @@ class _Memento:
     """The instance attributes of one object (a shallow copy: rebinding is undone; the
     attribute values themselves are never mutated in place by a step)."""
 
+    __slots__ = ("obj", "saved")
+
     def __init__(self, obj):
-        self.obj, self.saved = obj, dict(vars(obj))
+        self.obj, self.saved = obj, vars(obj).copy()  # (dict.copy: a quarter of dict()'s time)
 
     def restore(self) -> None:
         d = vars(self.obj)

@@ -16,7 +16,6 @@ path decides, as before.
 
 from __future__ import annotations
 
-import array
 import math
 from typing import List, Optional, Tuple
 
@@ -32,6 +31,8 @@ from .sequential import (
     _pass_1,
     _Repeated,
     _transition_rows,
+    doubles,
+    packed,
 )
 
 __all__ = ["applies", "transitions", "marginals"]
@@ -73,15 +74,14 @@ def marginals(
     try:
         if d == 1:
             log_z, ms, Ps, _ = _pass_1(m0, P0, trans, list(zip(es, js)), False)
-            mean = torch.tensor(ms, **like).reshape(T, 1)
-            cov = torch.tensor(Ps, **like).reshape(T, 1, 1)
+            mean = doubles(ms).to(**like).reshape(T, 1)
+            cov = doubles(Ps).to(**like).reshape(T, 1, 1)
             var = cov.view(T, 1)
         else:
             if isinstance(trans, _Repeated):
-                fw = _forward_repeated(m0, P0, trans.row, es, js)
+                log_z, flat = _smooth_repeated(m0, P0, trans.row, es, js)
             else:
-                fw = _forward_2_first(m0, P0, trans, OnFirst(es, js))
-            log_z, flat = _backward(*fw)
+                log_z, flat = _backward(*_forward_2_first(m0, P0, trans, OnFirst(es, js)))
             v = torch.frombuffer(flat, dtype=torch.float64).view(T, 6)
             if like["dtype"] == torch.float64:
                 c4 = v.narrow(1, 2, 4)  # (p00, p01, p01, p11 per step)
@@ -110,9 +110,11 @@ def _f64(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.to(torch.float64)
 
 
-def _forward_repeated(m0, P0, row, es, js):
+def _smooth_repeated(m0, P0, row, es, js):
     """:func:`.sequential._forward_2_first` with one transition row for every step, read into
-    locals once (the same operations)."""
+    locals once, then :func:`_backward` in the same frame (the same operations in the same
+    order: the filter writes each step's prediction straight into the names the next step
+    reads, the smoother starts from the last filtered state without a call)."""
     m0_, m1_ = m0
     p00, p01, _, p11 = P0
     p01 = 0.5 * (p01 + P0[2])
@@ -128,18 +130,17 @@ def _forward_repeated(m0, P0, row, es, js):
             raise _Fail
         jm = j * m0_
         r = e - jm
-        k0, k1 = p00 / s, p01 / s
+        k0, k1 = p00 / s, p01 / s  # (the filtered covariance is (k0, k1, f11))
         log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
-        m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
-        p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
-        c00, c01 = a00 * p00 + a01 * p01, a00 * p01 + a01 * p11  # C = A P^f
-        c10, c11 = a10 * p00 + a11 * p01, a10 * p01 + a11 * p11
-        n0, n1 = a00 * m0_ + a01 * m1_ + b0, a10 * m0_ + a11 * m1_ + b1
-        n00 = c00 * a00 + c01 * a01 + q00  # P_{t+1} = C A' + Q
-        n01 = c00 * a10 + c01 * a11 + q01
-        n11 = c10 * a10 + c11 * a11 + q11
-        push((m0_, m1_, p00, p01, p11, c00, c01, c10, c11, n0, n1, n00, n01, n11))
-        m0_, m1_, p00, p01, p11 = n0, n1, n00, n01, n11
+        f0, f1 = m0_ + k0 * r, m1_ + k1 * r
+        f11 = p11 - p01 * k1 * j
+        c00, c01 = a00 * k0 + a01 * k1, a00 * k1 + a01 * f11  # C = A P^f
+        c10, c11 = a10 * k0 + a11 * k1, a10 * k1 + a11 * f11
+        m0_, m1_ = a00 * f0 + a01 * f1 + b0, a10 * f0 + a11 * f1 + b1
+        p00 = c00 * a00 + c01 * a01 + q00  # P_{t+1} = C A' + Q
+        p01 = c00 * a10 + c01 * a11 + q01
+        p11 = c10 * a10 + c11 * a11 + q11
+        push((f0, f1, k0, k1, f11, c00, c01, c10, c11, m0_, m1_, p00, p01, p11))
     e, j = es[last], js[last]  # (the loop's update, once more)
     s = 1.0 + p00 * j
     if not s > 0.0:
@@ -148,9 +149,31 @@ def _forward_repeated(m0, P0, row, es, js):
     r = e - jm
     k0, k1 = p00 / s, p01 / s
     log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
-    m0_, m1_ = m0_ + k0 * r, m1_ + k1 * r
-    p00, p01, p11 = k0, k1, p11 - p01 * k1 * j
-    return log_z, steps, (m0_, m1_, p00, p01, p11)
+    s0, s1, s00, s01, s11 = m0_ + k0 * r, m1_ + k1 * r, k0, k1, p11 - p01 * k1 * j
+    if not (s00 > 0.0 and s11 > 0.0):
+        raise _Fail
+    out: List[float] = [s11, s01, s01, s00, s1, s0]
+    push = out.extend
+    for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
+        det = n00 * n11 - n01 * n01
+        if not det > 0.0:
+            raise _Fail
+        i00, i01, i11 = n11 / det, -n01 / det, n00 / det  # P_{t+1}^-1
+        g00, g01 = c00 * i00 + c10 * i01, c00 * i01 + c10 * i11  # G = C' P_{t+1}^-1
+        g10, g11 = c01 * i00 + c11 * i01, c01 * i01 + c11 * i11
+        d0, d1 = s0 - n0, s1 - n1
+        D00, D01, D11 = s00 - n00, s01 - n01, s11 - n11
+        h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
+        h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
+        s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
+        s00 = f00 + h00 * g00 + h01 * g01
+        s01 = f01 + h00 * g10 + h01 * g11
+        s11 = f11 + h10 * g10 + h11 * g11
+        if not (s00 > 0.0 and s11 > 0.0):
+            raise _Fail
+        push((s11, s01, s01, s00, s1, s0))
+    out.reverse()
+    return log_z, packed(out)
 
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
@@ -182,4 +205,4 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
             raise _Fail
         push((s11, s01, s01, s00, s1, s0))
     out.reverse()
-    return log_z, array.array("d", out)
+    return log_z, packed(out)
