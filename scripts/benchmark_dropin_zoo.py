@@ -58,8 +58,9 @@ QUICK_MODELS = ("stochastic_volatility", "sparse_gamma_def", "eight_schools_nonc
 
 
 def _model(entry, dtype):
-    model, _ = entry.build(dtype)
-    return (model, hide_discrete(model)) if entry.has_discrete else model
+    """``(model or (model, model with its discrete sites hidden), guide kwargs for dtype)``."""
+    model, kwargs = entry.build(dtype)
+    return ((model, hide_discrete(model)) if entry.has_discrete else model), kwargs
 
 
 def evaluate(entry, model, guide, data, M: int, P: int):
@@ -88,9 +89,8 @@ def run_one(entry, dtype, guide_name, optim_name, lr, steps, M, P):
     from pyro_cvi import CVI
 
     data = entry.data(dtype)
-    built = _model(entry, dtype)
+    built, kwargs = _model(entry, dtype)  # (the entry's own kwargs hold float64 init values)
     model, hidden = (built, built) if not isinstance(built, tuple) else built
-    kwargs = entry.guide_kwargs
     init = {"init_loc_fn": kwargs["init_loc_fn"]} if "init_loc_fn" in kwargs else {}
     row = {"model": entry.name, "dtype": str(dtype).split(".")[-1], "guide": guide_name}
     row["optim"] = optim_name if lr is None else f"{optim_name} {lr:g}"
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         entry = ZOO[name]
         for dt in a.dtypes:
             dtype = getattr(torch, dt)
-            built = _model(entry, dtype)
+            built, _ = _model(entry, dtype)
             hidden = built[1] if isinstance(built, tuple) else built
             size = latent_size(hidden, entry.data(dtype))
             runs = [(g, "CVI", None) for g in a.guides]
