@@ -91,12 +91,16 @@ def prior_split(block, params: Dict[str, torch.Tensor], draws: torch.Tensor) -> 
     return known_prior_expectation(m, var, block.prior_loc, p0) - at_draws
 
 
-def onedraw_messages(block, ctx, p, log_joint, K: int):
+def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     """The one-draw step's directions: the gradient of the log joint at ``K`` draws, the
     known Gaussian priors exact; the loss is ``mean_k [f(u_k) - log q(u_k)] + E_q[log
-    prior]``, unbiased for the bound. ``p``: the block's parameter values; ``log_joint(u)``:
-    the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
+    prior]``, unbiased for the bound. ``p``: the block's parameter values (the step's
+    iterate); ``shown``: the ``q`` the guide holds where it is not ``p`` (the iterates'
+    average): the report's pairs are its, at least ``AVERAGE_PAIRS`` of them (the reported
+    loss is its bound, the step control's decision the draw's). ``log_joint(u)``: the log
+    joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
+    q = p if shown is None else shown
     full = block.form == "full"
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     dz = eps @ sc.mT if full else sc * eps
@@ -109,14 +113,14 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     if block.vectorise is None:
         f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
-    n = getattr(block.rule, "report_pairs", 0) if batched else 0
+    n = block.rule.pairs(shown is not None) if batched else 0
     tracked = tracked_report(block, ctx) if n >= 2 else None
     key = prev = None
     if tracked is not None:
         key = report_key(block, ctx)
         prev = tracked.previous(key)
     if n > 0:
-        e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
+        e2, u2 = antithetic_draws(block, ctx, q[block.loc_name], q[block.role_names[0]], n, full)
         parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             u_prev, logdet_prev = _at_previous(block, prev, e2, full)
@@ -138,15 +142,17 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     ctx.add_mc_samples(per_t)
     if n > 0:
         with torch.no_grad():
-            const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
-            pairs = paired_report(block, p, parts[0], rest[: 2 * n], e2, const)
+            sq = q[block.role_names[0]]
+            logdet_q = (sq.diagonal() if full else sq).abs().log().sum()
+            const = logdet_q + 0.5 * block.dim * math.log(2 * math.pi)
+            pairs = paired_report(block, q, parts[0], rest[: 2 * n], e2, const)
             value = float(pairs.mean())
             if tracked is not None:
                 before = None
                 if prev is not None:
                     c0 = logdet_prev + 0.5 * block.dim * math.log(2 * math.pi)
                     before = paired_report(block, prev, parts[1], rest[2 * n :], e2, c0)
-                value = tracked.update(key, p, pairs, before)
+                value = tracked.update(key, q, pairs, before)
         # the reported value is the pairs' (or their tracked) mean, the step control's
         # decision the draw's
         ctx.report_shift += value - float(per_t.detach().mean())
