@@ -370,13 +370,11 @@ class RemainderBlock(Block):
             new = {self.loc_name: m2, sn: s2, Wn: W2}
         counts = StepCounts()
         if all(bool(torch.isfinite(v).all()) for v in new.values()):
-            if averaged and self.vectorise is False:  # no batched run for q-bar's report
-                self.control.stop_averaging()
-            elif averaged:  # the guide holds the average, the control the iterate
-                new = self.control.average_in(new)
+            if averaged:  # the guide holds the average, the control the iterate
+                new = self.control.average_in(new, batched=self.vectorise is not False)
             for n, v in new.items():
                 write(n, v, self.constraints)
-            if averaged:  # (harmless once stopped: the iterate is gone)
+            if averaged:
                 self.control.written(self._values())
             self.control.observe(d)
         else:

@@ -269,8 +269,13 @@ class HorizonControl:
             self.iterate, self.sums, self.n_avg, self.shown = _clone(store), None, 0, None
         return self.iterate
 
-    def average_in(self, new: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Keep the step's new iterate ``new`` and return the average to write."""
+    def average_in(self, new: Dict[str, torch.Tensor], batched: bool) -> Dict[str, torch.Tensor]:
+        """Keep the step's new iterate ``new`` and return the average to write; where the log
+        joint is not ``batched`` over draws (no cheap report of the average), ``new``: the
+        guide holds the iterate from then on."""
+        if not batched:
+            self.stop_averaging()
+            return new
         b = self.rule.average
         self.iterate = _clone(new)
         if self.sums is None:
@@ -283,7 +288,7 @@ class HorizonControl:
 
     def written(self, store: Dict[str, torch.Tensor]) -> None:
         """The guide's parameters as written after :meth:`average_in`."""
-        self.shown = _clone(store)
+        self.shown = _clone(store) if self.averaging else None
 
     def stop_averaging(self) -> None:
         """The guide holds the iterate from now on (a log joint run once per draw)."""
