@@ -1,9 +1,9 @@
-"""The remainder's log joint at a batch of draws ``u_k`` of its unconstrained Gaussian:
-``log p(x, T(u_k)) + log |T'(u_k)|`` over the factors it owns, the discrete latents it holds
-summed out (Pyro's TraceEnum contraction), the other blocks' latents at ``others`` (their
-draws from ``q``, for factors shared with exact blocks). One model run with a particle plate
-left of the model's plates when the model broadcasts over it (checked once against one run per
-draw), else one run per draw. The prior of a block latent read at expected natural parameters
+"""The remainder's log joint at a batch of draws ``u_k`` of its unconstrained Gaussian: ``log p(x,
+T(u_k)) + log |T'(u_k)|`` over the factors it owns, the discrete latents it holds summed out
+(Pyro's TraceEnum contraction), the other blocks' latents at ``others`` (their draws from ``q``,
+for factors shared with exact blocks). One model run with a particle plate left of the model's
+plates when the model broadcasts over it (checked once against one run per draw, on two rows at
+least), else one run per draw. The prior of a block latent read at expected natural parameters
 (kind ``conjugate (E prior)``) enters Rao-Blackwellised over the block's ``q``
 (:func:`rao_blackwellised`), not at the block's draw; the factors a chain at its expected
 precisions shares with the remainder enter in one closed-form expression of the draws
@@ -56,15 +56,19 @@ def _sums(block, ctx: StepContext, draws: torch.Tensor, others, mo) -> torch.Ten
     looped = _looped(block, ctx, draws, others, mo)
     tol = 1e-3 if looped.dtype in (torch.float32, torch.float16) else 1e-7
     block.vectorise = False
+    rows, ref = draws, looped.detach()
+    if draws.shape[0] == 1:  # one row cannot show rows mixed up: q's mean beside the draw
+        mean = pyro.param(block.loc_name).detach().to(draws)[None]
+        with torch.no_grad():
+            ref = torch.cat([ref, _looped(block, ctx, mean, others, mo)])
+        rows = torch.cat([draws.detach(), mean])
     for way in (_vectorised, _vmapped):
         try:
             with checked_indexing(draws.device, trial=way is _vectorised):
-                found = way(block, ctx, draws, others, mo)
+                found = way(block, ctx, rows, others, mo)
         except _REFUSED:
             found = None
-        if found is not None and bool(
-            torch.allclose(found.detach(), looped.detach(), rtol=tol, atol=tol)
-        ):
+        if found is not None and bool(torch.allclose(found.detach(), ref, rtol=tol, atol=tol)):
             block.vectorise = way
             break
     return looped
