@@ -58,13 +58,10 @@ import torch
 
 from .report import TrackedReport
 
-__all__ = ["AVERAGE_PAIRS", "Horizon", "HorizonControl", "RESTART_COS"]
+__all__ = ["Horizon", "HorizonControl", "RESTART_COS"]
 
 #: the momentum restarts when the new gradient's cosine with it is below minus this
 RESTART_COS = 0.5
-
-#: the least tracked report pairs of the average's bound (``average > 0``, a batched log joint)
-AVERAGE_PAIRS = 2
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,8 @@ class Horizon:
         network: 8 tracked pairs about +1.9 ms on a 4.5 ms step, 16 about +3.4 ms) and several
         steps' cost where its FLOPs do (a larger network: 4 untracked pairs doubled digits'
         step). They are rows of the draw's own batched run (the gradient reads the draw's row).
-        With ``average > 0`` they are of the average's ``q`` (at least :data:`AVERAGE_PAIRS`,
-        tracked).
+        With ``average > 0`` they are of the average's ``q``; with none, the reported loss is
+        a tracked report of the average's bound from one draw a step (two forward rows).
     :param average: ``beta`` of the iterates' exponential average that the guide holds (the
         module docstring; 0: the guide holds the iterate, the step as before, bit for bit).
         It needs the log joint batched over draws (the report's pairs run in the step's
@@ -140,10 +137,6 @@ class Horizon:
             raise ValueError(
                 f"Horizon(average={self.average!r}): a number in [0, 1) (0: no averaging)"
             )
-
-    def pairs(self, averaged: bool) -> int:
-        """The report's pairs a step (``averaged``: the guide holds the average)."""
-        return max(self.report_pairs, AVERAGE_PAIRS) if averaged else self.report_pairs
 
     def control(self) -> HorizonControl:
         return HorizonControl(self)

@@ -96,9 +96,12 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     known Gaussian priors exact; the loss is ``mean_k [f(u_k) - log q(u_k)] + E_q[log
     prior]``, unbiased for the bound. ``p``: the block's parameter values (the step's
     iterate); ``shown``: the ``q`` the guide holds where it is not ``p`` (the iterates'
-    average): the report's pairs are its, at least ``AVERAGE_PAIRS`` of them (the reported
-    loss is its bound, the step control's decision the draw's). ``log_joint(u)``: the log
-    joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
+    average): the report is of its bound (the step control's decision the draw's), from the
+    rule's ``report_pairs``, or where there are none, one draw ``e`` a step at ``shown`` and
+    at the previous ``shown`` (two rows of the batched run; ``TrackedReport`` with common
+    random numbers: the average moves little a step, so the difference is sharp and the
+    report averages over about ``1 / B_MIN`` steps' draws). ``log_joint(u)``: the log joint
+    at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
     q = p if shown is None else shown
     full = block.form == "full"
@@ -113,14 +116,18 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     if block.vectorise is None:
         f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
-    n = block.rule.pairs(shown is not None) if batched else 0
-    tracked = tracked_report(block, ctx) if n >= 2 else None
+    n = getattr(block.rule, "report_pairs", 0) if batched else 0
+    single = batched and shown is not None and n == 0  # one draw, no antithetic twin
+    n = 1 if single else n
+    tracked = tracked_report(block, ctx) if n >= 2 or single else None
     key = prev = None
     if tracked is not None:
         key = report_key(block, ctx)
         prev = tracked.previous(key)
     if n > 0:
-        e2, u2 = antithetic_draws(block, ctx, q[block.loc_name], q[block.role_names[0]], n, full)
+        e2, u2 = antithetic_draws(
+            block, ctx, q[block.loc_name], q[block.role_names[0]], n, full, not single
+        )
         parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             u_prev, logdet_prev = _at_previous(block, prev, e2, full)
@@ -145,13 +152,14 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
             sq = q[block.role_names[0]]
             logdet_q = (sq.diagonal() if full else sq).abs().log().sum()
             const = logdet_q + 0.5 * block.dim * math.log(2 * math.pi)
-            pairs = paired_report(block, q, parts[0], rest[: 2 * n], e2, const)
+            r = e2.shape[0]
+            pairs = paired_report(block, q, parts[0], rest[:r], e2, const)
             value = float(pairs.mean())
             if tracked is not None:
                 before = None
                 if prev is not None:
                     c0 = logdet_prev + 0.5 * block.dim * math.log(2 * math.pi)
-                    before = paired_report(block, prev, parts[1], rest[2 * n :], e2, c0)
+                    before = paired_report(block, prev, parts[1], rest[r:], e2, c0)
                 value = tracked.update(key, q, pairs, before)
         # the reported value is the pairs' (or their tracked) mean, the step control's
         # decision the draw's
@@ -269,12 +277,15 @@ def _at_previous(block, prev, e: torch.Tensor, full: bool, tril: bool = False):
     return u, (sp.diagonal() if full else sp).abs().log().sum()
 
 
-def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
+def antithetic_draws(
+    block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool, anti: bool = True
+):
     """``(e, u)``: ``n`` antithetic pairs ``e = [e_j; -e_j]`` from :func:`report_generator` and
-    ``u = m + L e`` (``L = scale``, lower triangular where ``full``, else its diagonal)."""
+    ``u = m + L e`` (``L = scale``, lower triangular where ``full``, else its diagonal);
+    ``anti=False``: ``n`` draws ``e_j`` alone."""
     g = report_generator(block, ctx)
     e = torch.randn(n, block.dim, dtype=m.dtype, generator=g, device=g.device)
-    e = torch.cat([e, -e]).to(m.device)
+    e = (torch.cat([e, -e]) if anti else e).to(m.device)
     return e, m + (e @ scale.mT if full else scale * e)
 
 
@@ -295,14 +306,15 @@ def paired_report(block, p, u2, f2, e2, const) -> torch.Tensor:
     ``f(u) + E_q[log prior] - log prior(u) - log q(u)``, minus the zero-mean quadratic
     ``((u - m)^T P0 (u - m) - tr(P0 S)) / 2`` (the known prior's fluctuation, which
     ``-log q`` would cancel if the prior were left in ``f``). The linear term cancels in each
-    pair; the pairs are independent of each other."""
+    pair; the pairs are independent of each other. An odd number of rows: single draws, each
+    its own estimate."""
     dz2 = u2 - p[block.loc_name]
     var = marginal_var(block.form, p, block.role_names)
     p0 = block.prior_prec
     quad = 0.5 * ((dz2 * dz2 * p0).sum(-1) - (p0 * var).sum())
     per = f2 + prior_split(block, p, u2) + 0.5 * e2.pow(2).sum(-1) + const - quad
     n = per.shape[0] // 2
-    return 0.5 * (per[:n] + per[n:])
+    return per if per.shape[0] % 2 else 0.5 * (per[:n] + per[n:])
 
 
 def known_priors(analysis, sites, dim: int):

@@ -1,0 +1,161 @@
+"""Iterate averaging in the one-draw Horizon step (``Horizon(average=beta)``,
+:mod:`pyro_cvi.natgrad.horizon`): the step draws from and moves its iterate, the guide holds
+the bias-corrected exponential average ``q-bar`` of the iterates' parameters:
+
+* ``q-bar`` is that average, recomputed here from the iterates, and ``median()`` is its mean;
+* the reported loss is ``q-bar``'s bound: against an independent ``Trace_ELBO`` of the guide;
+* ``average=0`` is the step without averaging: its parameters are the averaging run's iterates,
+  bit for bit;
+* a checkpoint round trip restores ``q-bar`` and the iterate: the resumed run is the
+  uninterrupted one, bit for bit;
+* a long run (slow): 20,000 steps reach the closed-form Gaussian posterior.
+"""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+from pyro_cvi import CVI, CVI_ELBO, AutoCVI, Horizon, Remainder
+from pyro_cvi.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+FORMS = pytest.mark.parametrize("form", ["full", "diag"])
+
+
+def tanh_regression(X, y):
+    w = pyro.sample("w", dist.Normal(X.new_zeros(X.shape[1]), 1.0).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(X.new_tensor(-0.5), 0.5))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Normal(2.0 * torch.tanh(X @ w), s), obs=y)
+
+
+def _tanh_data(dtype):
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    y = 2.0 * torch.tanh(X @ torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64))
+    y = y + 0.5 * torch.randn(40, generator=g, dtype=torch.float64)
+    return X.to(dtype), y.to(dtype)
+
+
+def _setup(dtype, form="full", seed=0, **rule):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    args = _tanh_data(dtype)
+    guide = AutoCVI(tanh_regression, remainder=Remainder(covariance=form, step=Horizon(**rule)))
+    optim = CVI()
+    return guide, optim, SVI(tanh_regression, guide, optim, CVI_ELBO()), args
+
+
+def _block(guide):
+    (block,) = guide.engine.kinds["remainder"]
+    return block
+
+
+@DTYPES
+@FORMS
+def test_the_guide_holds_the_average_of_the_iterates(dtype, form):
+    guide, _, svi, args = _setup(dtype, form)
+    beta, sums, iterates = 0.99, None, []
+    for _ in range(40):
+        svi.step(*args)
+        block = _block(guide)
+        it = block.control.iterate
+        iterates.append({k: v.double() for k, v in it.items()})
+        new = iterates[-1]
+        sums = {k: (1 - beta) * v for k, v in new.items()} if sums is None else {
+            k: beta * sums[k] + (1 - beta) * v for k, v in new.items()
+        }  # fmt: skip
+    assert block.onedraw and block.control.averaging and block.vectorise
+    held = block._values()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for k, v in held.items():
+        expect = sums[k] / (1 - beta**40)
+        assert torch.allclose(v.double(), expect, rtol=tol, atol=tol), k
+    # the iterate moved away from the average, and the guide's median is the average's mean
+    loc = block.loc_name
+    assert float((iterates[-1][loc] - held[loc].double()).abs().max()) > 1e-3
+    med = guide.median(*args)
+    w = held[loc][:3] if block.names[0] == "w" else held[loc][1:]
+    assert torch.allclose(med["w"], w.to(med["w"]))
+
+
+@pytest.mark.slow
+@DTYPES
+def test_the_reported_loss_is_the_bound_of_the_averaged_guide(dtype):
+    """At step 300 the reported loss (a tracked report of ``q-bar``'s bound before the step)
+    against 2,000 Trace_ELBO draws of the guide, taken before that step."""
+    guide, _, svi, args = _setup(dtype)
+    for _ in range(299):
+        svi.step(*args)
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        v = torch.tensor([Trace_ELBO().loss(tanh_regression, guide, *args) for _ in range(2000)])
+    torch.set_rng_state(state)
+    reported = svi.step(*args)
+    est, se = float(v.mean()), float(v.double().std()) / math.sqrt(v.numel())
+    # the report's own spread: about sqrt(b / 2) of one pair's, b >= B_MIN
+    assert abs(reported - est) < 0.05 + 4 * se, (reported, est, se)
+    assert float(v.std()) > 0.3  # (not a trivially sharp bound)
+
+
+@DTYPES
+@FORMS
+def test_no_averaging_is_the_plain_step(dtype, form):
+    """``average=0``: the guide's parameters are the step's, and they are the averaging run's
+    iterates (the average changes what the guide holds and reports, never the step's draws;
+    to rounding: the report's pairs are rows of the draw's batched model run)."""
+    guide, _, svi, args = _setup(dtype, form, average=0.0)
+    plain = []
+    for _ in range(30):
+        svi.step(*args)
+        plain.append({k: v.clone() for k, v in _block(guide)._values().items()})
+    assert _block(guide).control.iterate is None
+    guide, _, svi, args = _setup(dtype, form)
+    for t in range(30):
+        svi.step(*args)
+        it = _block(guide).control.iterate
+        tol = 1e-4 if dtype == torch.float32 else 1e-10
+        assert all(torch.allclose(it[k], plain[t][k], rtol=tol, atol=tol) for k in it), t
+
+
+@DTYPES
+def test_a_checkpoint_round_trip_restores_the_average_and_the_iterate(dtype, tmp_path):
+    guide, optim, svi, args = _setup(dtype)
+    for _ in range(20):
+        svi.step(*args)
+    save_checkpoint(tmp_path / "run.pt", optim, guide)
+    uninterrupted = [svi.step(*args) for _ in range(10)]
+    held = {k: v.clone() for k, v in _block(guide)._values().items()}
+    it = {k: v.clone() for k, v in _block(guide).control.iterate.items()}
+    guide, optim, svi, args = _setup(dtype, seed=123)
+    load_checkpoint(tmp_path / "run.pt", optim, guide)
+    svi = SVI(tanh_regression, guide, optim, CVI_ELBO())
+    resumed = [svi.step(*args) for _ in range(10)]
+    assert resumed == uninterrupted
+    block = _block(guide)
+    assert all(torch.equal(v, held[k]) for k, v in block._values().items())
+    assert all(torch.equal(v, it[k]) for k, v in block.control.iterate.items())
+
+
+@DTYPES
+def test_a_store_set_from_outside_restarts_the_average(dtype):
+    guide, _, svi, args = _setup(dtype)
+    for _ in range(10):
+        svi.step(*args)
+    block = _block(guide)
+    with torch.no_grad():
+        pyro.param(block.loc_name).zero_()
+    svi.step(*args)  # the step starts from the store's values: the average restarts
+    assert block.control.n_avg == 1
+    it = block.control.iterate
+    assert all(torch.allclose(v, it[k], rtol=1e-5, atol=0) for k, v in block._values().items())
+    assert float(it[block.loc_name].abs().max()) < 1.0  # (from zero, not from the old mean)
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="average"):
+        Horizon(average=1.0)
