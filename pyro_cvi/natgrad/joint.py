@@ -214,7 +214,12 @@ def report_key(block, ctx):
         for name, v in store.named_parameters()
         if not name.startswith(prefix)
     )
-    return data_key(ctx.args, ctx.kwargs) + closure_key(ctx.model) + params
+    # the closure's tensors: the engine's key (its re-analysis check reads their versions each
+    # step and renews the key where they changed), else read here (a scan of the model's code)
+    closure = getattr(ctx, "data_key", None)
+    if closure is None:
+        closure = closure_key(ctx.model)
+    return data_key(ctx.args, ctx.kwargs) + (closure,) + params
 
 
 #: the report's base seed (its draws are the block's own, see :func:`report_generator`)
