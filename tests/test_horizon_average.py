@@ -42,6 +42,7 @@ def _tanh_data(dtype):
 
 
 def _setup(dtype, form="full", seed=0, **rule):
+    rule.setdefault("average", 0.99)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     args = _tanh_data(dtype)
@@ -156,6 +157,14 @@ def test_a_store_set_from_outside_restarts_the_average(dtype):
     assert float(it[block.loc_name].abs().max()) < 1.0  # (from zero, not from the old mean)
 
 
-def test_validation():
+def test_validation_and_the_default():
     with pytest.raises(ValueError, match="average"):
         Horizon(average=1.0)
+    # by default the diagonal form averages, the full one does not (measured: the module's
+    # docstring)
+    assert Horizon().beta("diag") == 0.99 and Horizon().beta("full") == 0.0
+    assert Horizon(average=0.0).beta("diag") == 0.0 and Horizon(average=0.9).beta("full") == 0.9
+    for form, on in (("diag", True), ("full", False)):
+        guide, _, svi, args = _setup(torch.float64, form, average=None)
+        svi.step(*args)
+        assert _block(guide).control.averaging is on

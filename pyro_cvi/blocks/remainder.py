@@ -154,7 +154,8 @@ class RemainderBlock(Block):
         if self.hessian:
             self.control = NoiseControl(start=1.0)
         else:
-            self.control = self.rule.control()
+            onedraw = isinstance(self.rule, Horizon)
+            self.control = self.rule.control(self.form) if onedraw else self.rule.control()
         if not self.onedraw:
             self.prior_prec = torch.zeros_like(self.prior_prec)
         # the default on a small full form: Price's Hessians (natgrad/joint.price_by_default),

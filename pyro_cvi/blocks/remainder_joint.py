@@ -28,7 +28,7 @@ from ..model.tracing import run_model
 __all__ = ["rao_blackwellised", "remainder_log_joint"]
 
 
-_REFUSED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
+_REFUSED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError, AssertionError)
 
 
 def remainder_log_joint(block, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
