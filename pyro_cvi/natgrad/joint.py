@@ -98,10 +98,10 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     iterate); ``shown``: the ``q`` the guide holds where it is not ``p`` (the iterates'
     average): the report is of its bound (the step control's decision the draw's), from the
     rule's ``report_pairs``, or where there are none, one draw ``e`` a step at ``shown`` and
-    at the previous ``shown`` (two rows of the batched run; ``TrackedReport`` with common
-    random numbers: the average moves little a step, so the difference is sharp and the
-    report averages over about ``1 / B_MIN`` steps' draws). ``log_joint(u)``: the log joint
-    at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
+    at the previous ``shown`` (two rows of the batched run, :func:`alternating_draw`;
+    ``TrackedReport`` with common random numbers: the average moves little a step, so the
+    difference is sharp and the report averages over many steps' draws). ``log_joint(u)``:
+    the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
     q = p if shown is None else shown
     full = block.form == "full"
@@ -125,9 +125,11 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
         key = report_key(block, ctx)
         prev = tracked.previous(key)
     if n > 0:
-        e2, u2 = antithetic_draws(
-            block, ctx, q[block.loc_name], q[block.role_names[0]], n, full, not single
-        )
+        qm, qs = q[block.loc_name], q[block.role_names[0]]
+        if single:
+            e2, u2 = alternating_draw(block, ctx, qm, qs, full)
+        else:
+            e2, u2 = antithetic_draws(block, ctx, qm, qs, n, full)
         parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             u_prev, logdet_prev = _at_previous(block, prev, e2, full)
@@ -282,15 +284,24 @@ def _at_previous(block, prev, e: torch.Tensor, full: bool, tril: bool = False):
     return u, (sp.diagonal() if full else sp).abs().log().sum()
 
 
-def antithetic_draws(
-    block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool, anti: bool = True
-):
+def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, full: bool):
     """``(e, u)``: ``n`` antithetic pairs ``e = [e_j; -e_j]`` from :func:`report_generator` and
-    ``u = m + L e`` (``L = scale``, lower triangular where ``full``, else its diagonal);
-    ``anti=False``: ``n`` draws ``e_j`` alone."""
+    ``u = m + L e`` (``L = scale``, lower triangular where ``full``, else its diagonal)."""
     g = report_generator(block, ctx)
     e = torch.randn(n, block.dim, dtype=m.dtype, generator=g, device=g.device)
-    e = (torch.cat([e, -e]) if anti else e).to(m.device)
+    e = torch.cat([e, -e]).to(m.device)
+    return e, m + (e @ scale.mT if full else scale * e)
+
+
+def alternating_draw(block, ctx, m: torch.Tensor, scale: torch.Tensor, full: bool):
+    """``(e, u)``: the single report draw of a step, ``e`` from a generator seeded by the pair
+    of steps ``(2 j, 2 j + 1)`` that holds the guide's step counter and negated at the odd
+    one: consecutive steps' draws are antithetic, so the linear terms of a tracked report's
+    fresh values and differences cancel over two steps (a pair's gain at one row a step)."""
+    steps = int(getattr(ctx, "steps", 0) or 0)
+    g = torch.Generator().manual_seed(REPORT_SEED + 1_000_003 * (steps - steps % 2) + 499)
+    e = torch.randn(1, block.dim, dtype=m.dtype, generator=g, device=g.device).to(m.device)
+    e = -e if steps % 2 else e
     return e, m + (e @ scale.mT if full else scale * e)
 
 
