@@ -97,9 +97,10 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     prior]``, unbiased for the bound. ``p``: the block's parameter values (the step's
     iterate); ``shown``: the ``q`` the guide holds where it is not ``p`` (the iterates'
     average): the report is of its bound (the step control's decision the draw's), from the
-    rule's ``report_pairs``, or where there are none, one draw ``e`` a step at ``shown`` and
-    at the previous ``shown`` (two rows of the batched run, :func:`alternating_draw`;
-    ``TrackedReport`` with common random numbers: the average moves little a step, so the
+    rule's ``report_pairs``, else the block's ``average_pairs`` (by the log joint's work,
+    :mod:`pyro_cvi.blocks.remainder_joint`), or where there are none, one draw ``e`` a step
+    at ``shown`` and at the previous ``shown`` (two rows of the batched run,
+    :func:`alternating_draw`; ``TrackedReport`` with common random numbers: the average moves little a step, so the
     difference is sharp and the report averages over many steps' draws). ``log_joint(u)``:
     the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
@@ -117,6 +118,8 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
         f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
+    if batched and shown is not None and n == 0:  # the averaged guide's report: by its work
+        n = getattr(block, "average_pairs", 0)
     single = batched and shown is not None and n == 0  # one draw, no antithetic twin
     n = 1 if single else n
     tracked = tracked_report(block, ctx) if n >= 2 or single else None
