@@ -100,9 +100,10 @@ def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     rule's ``report_pairs``, else the block's ``average_pairs`` (by the log joint's work,
     :mod:`pyro_cvi.blocks.remainder_joint`), or where there are none, one draw ``e`` a step
     at ``shown`` and at the previous ``shown`` (two rows of the batched run,
-    :func:`alternating_draw`; ``TrackedReport`` with common random numbers: the average moves little a step, so the
-    difference is sharp and the report averages over many steps' draws). ``log_joint(u)``:
-    the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
+    :func:`alternating_draw`; ``TrackedReport`` with common random numbers: the average moves
+    little a step, so the difference is sharp and the report averages over many steps'
+    draws). ``log_joint(u)``: the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G}
+    or None)``."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
     q = p if shown is None else shown
     full = block.form == "full"
