@@ -138,8 +138,11 @@ def test_a_checkpoint_round_trip_restores_the_average_and_the_iterate(dtype, tmp
     resumed = [svi.step(*args) for _ in range(10)]
     assert resumed == uninterrupted
     block = _block(guide)
-    assert all(torch.equal(v, held[k]) for k, v in block._values().items())
-    assert all(torch.equal(v, it[k]) for k, v in block.control.iterate.items())
+    # to rounding: the resumed guide's first step checks its batched run against one run per
+    # draw and steps from the latter's values
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for now, then in ((block.control.iterate, it), (block._values(), held)):
+        assert all(torch.allclose(v, then[k], rtol=tol, atol=tol * 0.01) for k, v in now.items())
 
 
 @DTYPES
