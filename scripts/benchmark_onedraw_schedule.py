@@ -11,7 +11,9 @@ float32, one torch thread:
   spread, median, skew and the fraction below the bound: ``report_spread``);
 * with ``--average BETA``: the bound of the exponential average of the iterates' diagonal
   ``(m, s)`` at step 300, its change over step 300, and at the budget (an iterate-averaging
-  step's ``q``, measured beside the step's own); with ``--average-pairs N``, a
+  step's ``q``, measured beside the step's own; the prototype of ``Horizon(average=...)``,
+  which the library now does on the diagonal form by default: run it with the config
+  ``'{"average": 0}'`` to average the plain step's iterates); with ``--average-pairs N``, a
   :class:`~pyro_cvi.natgrad.report.TrackedReport` of the average's bound from ``N`` pairs a
   step over steps 201-300 against that bound;
 * the same run continued to the CPU budget (6 s on wine, as the benchmark gives AutoCVI):

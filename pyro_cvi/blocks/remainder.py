@@ -154,7 +154,8 @@ class RemainderBlock(Block):
         if self.hessian:
             self.control = NoiseControl(start=1.0)
         else:
-            self.control = self.rule.control()
+            onedraw = isinstance(self.rule, Horizon)
+            self.control = self.rule.control(self.form) if onedraw else self.rule.control()
         if not self.onedraw:
             self.prior_prec = torch.zeros_like(self.prior_prec)
         # the default on a small full form: Price's Hessians (natgrad/joint.price_by_default),
@@ -236,20 +237,6 @@ class RemainderBlock(Block):
         eps2 = torch.randn(K, W.shape[-1], dtype=m.dtype, device=m.device)
         return m + s * (eps + eps2 @ W.mT)
 
-    def _entropy(self, params: Dict[str, torch.Tensor]) -> torch.Tensor:
-        m = params[self.loc_name]
-        const = 0.5 * self.dim * (1.0 + math.log(2 * math.pi))
-        if self.form == "full":
-            L = params[self.role_names[0]]
-            return L.diagonal().abs().log().sum() + const
-        s = params[self.role_names[0]]
-        h = s.log().sum() + const
-        if self.form == "lowrank":
-            W = params[self.role_names[1]]
-            eye = torch.eye(W.shape[-1], dtype=m.dtype, device=m.device)
-            h = h + 0.5 * torch.logdet(eye + W.mT @ W)
-        return h
-
     def _log_q(self, u: torch.Tensor) -> torch.Tensor:
         """``log q(u)`` at draws ``u`` (with their graph; none to the parameters)."""
         if self.form == "full" and u.dim() == 2:  # (without building the distribution)
@@ -305,6 +292,9 @@ class RemainderBlock(Block):
             if self.hessian or (self.onedraw and self.form != "lowrank"):
                 if self.hessian:
                     elbo, grads = price_messages(self, ctx, p, log_joint, self._log_q, K)
+                elif ctx.grads and self._averaged():  # a step: the iterate's draw, q-bar's report
+                    it = self.control.step_params(p)
+                    elbo, grads = onedraw_messages(self, ctx, it, log_joint, K, shown=p)
                 else:
                     elbo, grads = onedraw_messages(self, ctx, p, log_joint, K)
                 self._grads = grads if grads is not None else self._grads
@@ -330,6 +320,11 @@ class RemainderBlock(Block):
                 }
         return elbo
 
+    def _averaged(self) -> bool:
+        """Whether the guide holds the one-draw step's iterates' average (``Horizon.average``;
+        diagonal and full forms), the control the iterate."""
+        return self.onedraw and self.form != "lowrank" and self.control.averaging
+
     def _log_joint(self, ctx: StepContext, draws: torch.Tensor, others) -> torch.Tensor:
         """``log p(x, T(u_k)) + log |T'(u_k)|`` of each draw (:mod:`.remainder_joint`)."""
         return remainder_log_joint(self, ctx, draws, others)
@@ -341,7 +336,8 @@ class RemainderBlock(Block):
         ceiling = ctx.max_beta if ctx is not None and ctx.max_beta is not None else beta
         self.control.ceiling = float(ceiling)
         b_prec, b_mean = self.control.step_sizes()
-        p = self._values()
+        averaged = self._averaged()
+        p = self.control.step_params(self._values()) if averaged else self._values()
         m = p[self.loc_name]
         if self.onedraw:
             grads[self.loc_name] = onedraw_direction(self, p, grads[self.loc_name])
@@ -375,8 +371,12 @@ class RemainderBlock(Block):
             new = {self.loc_name: m2, sn: s2, Wn: W2}
         counts = StepCounts()
         if all(bool(torch.isfinite(v).all()) for v in new.values()):
+            if averaged:  # the guide holds the average, the control the iterate
+                new = self.control.average_in(new, batched=self.vectorise is not False)
             for n, v in new.items():
                 write(n, v, self.constraints)
+            if averaged:
+                self.control.written(self._values())
             self.control.observe(d)
         else:
             counts.rejected += 1

@@ -91,12 +91,21 @@ def prior_split(block, params: Dict[str, torch.Tensor], draws: torch.Tensor) -> 
     return known_prior_expectation(m, var, block.prior_loc, p0) - at_draws
 
 
-def onedraw_messages(block, ctx, p, log_joint, K: int):
+def onedraw_messages(block, ctx, p, log_joint, K: int, shown=None):
     """The one-draw step's directions: the gradient of the log joint at ``K`` draws, the
     known Gaussian priors exact; the loss is ``mean_k [f(u_k) - log q(u_k)] + E_q[log
-    prior]``, unbiased for the bound. ``p``: the block's parameter values; ``log_joint(u)``:
-    the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G} or None)``."""
+    prior]``, unbiased for the bound. ``p``: the block's parameter values (the step's
+    iterate); ``shown``: the ``q`` the guide holds where it is not ``p`` (the iterates'
+    average): the report is of its bound (the step control's decision the draw's), from the
+    rule's ``report_pairs``, else the block's ``average_pairs`` (by the log joint's work,
+    :mod:`pyro_cvi.blocks.remainder_joint`), or where there are none, one draw ``e`` a step
+    at ``shown`` and at the previous ``shown`` (two rows of the batched run,
+    :func:`alternating_draw`; ``TrackedReport`` with common random numbers: the average moves
+    little a step, so the difference is sharp and the report averages over many steps'
+    draws). ``log_joint(u)``: the log joint at draws. Returns ``(elbo, {loc: -mean r, "G": G}
+    or None)``."""
     m, sc = p[block.loc_name], p[block.role_names[0]]
+    q = p if shown is None else shown
     full = block.form == "full"
     eps = torch.randn(K, block.dim, dtype=m.dtype, device=m.device)
     dz = eps @ sc.mT if full else sc * eps
@@ -110,13 +119,21 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
         f = log_joint(u)
     batched = block.vectorise is not None and block.vectorise is not False
     n = getattr(block.rule, "report_pairs", 0) if batched else 0
-    tracked = tracked_report(block, ctx) if n >= 2 else None
+    if batched and shown is not None and n == 0:  # the averaged guide's report: by its work
+        n = getattr(block, "average_pairs", 0)
+    single = batched and shown is not None and n == 0  # one draw, no antithetic twin
+    n = 1 if single else n
+    tracked = tracked_report(block, ctx) if n >= 2 or single else None
     key = prev = None
     if tracked is not None:
         key = report_key(block, ctx)
         prev = tracked.previous(key)
     if n > 0:
-        e2, u2 = antithetic_draws(block, ctx, m, sc, n, full)
+        qm, qs = q[block.loc_name], q[block.role_names[0]]
+        if single:
+            e2, u2 = alternating_draw(block, ctx, qm, qs, full)
+        else:
+            e2, u2 = antithetic_draws(block, ctx, qm, qs, n, full)
         parts = [u2.detach()]
         if prev is not None:  # the same pairs at the previous q (common random numbers)
             u_prev, logdet_prev = _at_previous(block, prev, e2, full)
@@ -138,15 +155,18 @@ def onedraw_messages(block, ctx, p, log_joint, K: int):
     ctx.add_mc_samples(per_t)
     if n > 0:
         with torch.no_grad():
-            const = logdet + 0.5 * block.dim * math.log(2 * math.pi)
-            pairs = paired_report(block, p, parts[0], rest[: 2 * n], e2, const)
+            sq = q[block.role_names[0]]
+            logdet_q = (sq.diagonal() if full else sq).abs().log().sum()
+            const = logdet_q + 0.5 * block.dim * math.log(2 * math.pi)
+            r = e2.shape[0]
+            pairs = paired_report(block, q, parts[0], rest[:r], e2, const)
             value = float(pairs.mean())
             if tracked is not None:
                 before = None
                 if prev is not None:
                     c0 = logdet_prev + 0.5 * block.dim * math.log(2 * math.pi)
-                    before = paired_report(block, prev, parts[1], rest[2 * n :], e2, c0)
-                value = tracked.update(key, p, pairs, before)
+                    before = paired_report(block, prev, parts[1], rest[r:], e2, c0)
+                value = tracked.update(key, q, pairs, before)
         # the reported value is the pairs' (or their tracked) mean, the step control's
         # decision the draw's
         ctx.report_shift += value - float(per_t.detach().mean())
@@ -200,7 +220,12 @@ def report_key(block, ctx):
         for name, v in store.named_parameters()
         if not name.startswith(prefix)
     )
-    return data_key(ctx.args, ctx.kwargs) + closure_key(ctx.model) + params
+    # the closure's tensors: the engine's key (its re-analysis check reads their versions each
+    # step and renews the key where they changed), else read here (a scan of the model's code)
+    closure = getattr(ctx, "data_key", None)
+    if closure is None:
+        closure = closure_key(ctx.model)
+    return data_key(ctx.args, ctx.kwargs) + (closure,) + params
 
 
 #: the report's base seed (its draws are the block's own, see :func:`report_generator`)
@@ -272,6 +297,18 @@ def antithetic_draws(block, ctx, m: torch.Tensor, scale: torch.Tensor, n: int, f
     return e, m + (e @ scale.mT if full else scale * e)
 
 
+def alternating_draw(block, ctx, m: torch.Tensor, scale: torch.Tensor, full: bool):
+    """``(e, u)``: the single report draw of a step, ``e`` from a generator seeded by the pair
+    of steps ``(2 j, 2 j + 1)`` that holds the guide's step counter and negated at the odd
+    one: consecutive steps' draws are antithetic, so the linear terms of a tracked report's
+    fresh values and differences cancel over two steps (a pair's gain at one row a step)."""
+    steps = int(getattr(ctx, "steps", 0) or 0)
+    g = torch.Generator().manual_seed(REPORT_SEED + 1_000_003 * (steps - steps % 2) + 499)
+    e = torch.randn(1, block.dim, dtype=m.dtype, generator=g, device=g.device).to(m.device)
+    e = -e if steps % 2 else e
+    return e, m + (e @ scale.mT if full else scale * e)
+
+
 def report_generator(block, ctx) -> torch.Generator:
     """A generator of the block's own for the report's draws (the step's draws come from the
     user's stream, as without a report), seeded by the guide's step counter and the report's
@@ -289,14 +326,15 @@ def paired_report(block, p, u2, f2, e2, const) -> torch.Tensor:
     ``f(u) + E_q[log prior] - log prior(u) - log q(u)``, minus the zero-mean quadratic
     ``((u - m)^T P0 (u - m) - tr(P0 S)) / 2`` (the known prior's fluctuation, which
     ``-log q`` would cancel if the prior were left in ``f``). The linear term cancels in each
-    pair; the pairs are independent of each other."""
+    pair; the pairs are independent of each other. An odd number of rows: single draws, each
+    its own estimate."""
     dz2 = u2 - p[block.loc_name]
     var = marginal_var(block.form, p, block.role_names)
     p0 = block.prior_prec
     quad = 0.5 * ((dz2 * dz2 * p0).sum(-1) - (p0 * var).sum())
     per = f2 + prior_split(block, p, u2) + 0.5 * e2.pow(2).sum(-1) + const - quad
     n = per.shape[0] // 2
-    return 0.5 * (per[:n] + per[n:])
+    return per if per.shape[0] % 2 else 0.5 * (per[:n] + per[n:])
 
 
 def known_priors(analysis, sites, dim: int):

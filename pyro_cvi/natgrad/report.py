@@ -27,7 +27,11 @@ class TrackedReport:
     the running variances of earlier steps (never this step's draws) and kept in
     ``[B_MIN, 1]``. It restarts from ``F_t`` (``b = 1``) where the log joint may have changed
     since the previous ``q`` (other data, a minibatch, the model's parameters: the ``key``),
-    where there is no previous ``q`` or it is not finite."""
+    where there is no previous ``q`` or it is not finite.
+
+    From one draw a step (no spread within the step) the variances are running means over the
+    steps: ``var F`` of the fresh value's residual ``F_t - (R_{t-1} + D_t)`` and ``var D`` of
+    ``D_t^2`` (an upper bound: it includes the bound's change), from the previous steps."""
 
     #: the running variances' averaging rate, and the least weight of a fresh estimate
     RATE = 0.1
@@ -55,18 +59,24 @@ class TrackedReport:
         """``R_t`` from this step's pairs at ``q_t`` and (where :meth:`previous` gave a ``q``)
         the same pairs at ``q_{t-1}``; keeps ``(R_t, q_t)``."""
         pairs = pairs.double()
-        fresh, var_f = float(pairs.mean()), float(pairs.var())
+        one = pairs.numel() < 2
+        fresh = float(pairs.mean())
+        var_f = None if one else float(pairs.var())
         value = fresh
         if prev is not None:
             d = pairs - prev.double()
-            var_d = float(d.var())
+            var_d = float(d.pow(2).mean()) if one else float(d.var())
             b = 1.0
             if self.var_d is not None and self.var_f:
                 b = min(1.0, max(self.B_MIN, math.sqrt(self.var_d / self.var_f)))
-            value = (1.0 - b) * (self.value + float(d.mean())) + b * fresh
+            carried = self.value + float(d.mean())
+            value = (1.0 - b) * carried + b * fresh
             self.var_d = var_d if self.var_d is None else self._avg(self.var_d, var_d)
-        self.var_f = var_f if self.var_f is None else self._avg(self.var_f, var_f)
-        if not (math.isfinite(value) and math.isfinite(self.var_f)):
+            if one:  # the fresh value's spread about the carried estimate
+                var_f = (fresh - carried) ** 2
+        if var_f is not None:
+            self.var_f = var_f if self.var_f is None else self._avg(self.var_f, var_f)
+        if not (math.isfinite(value) and math.isfinite(self.var_f or 0.0)):
             self.value = self.params = self.var_f = self.var_d = None
             return fresh
         self.value, self.key = value, key
