@@ -149,31 +149,8 @@ def _smooth_repeated(m0, P0, row, es, js):
     r = e - jm
     k0, k1 = p00 / s, p01 / s
     log_z += m0_ * (e - 0.5 * jm) + 0.5 * r * r * k0 - 0.5 * log(s)
-    s0, s1, s00, s01, s11 = m0_ + k0 * r, m1_ + k1 * r, k0, k1, p11 - p01 * k1 * j
-    if not (s00 > 0.0 and s11 > 0.0):
-        raise _Fail
-    out: List[float] = [s11, s01, s01, s00, s1, s0]
-    push = out.extend
-    for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
-        det = n00 * n11 - n01 * n01
-        if not det > 0.0:
-            raise _Fail
-        i00, i01, i11 = n11 / det, -n01 / det, n00 / det  # P_{t+1}^-1
-        g00, g01 = c00 * i00 + c10 * i01, c00 * i01 + c10 * i11  # G = C' P_{t+1}^-1
-        g10, g11 = c01 * i00 + c11 * i01, c01 * i01 + c11 * i11
-        d0, d1 = s0 - n0, s1 - n1
-        D00, D01, D11 = s00 - n00, s01 - n01, s11 - n11
-        h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
-        h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
-        s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
-        s00 = f00 + h00 * g00 + h01 * g01
-        s01 = f01 + h00 * g10 + h01 * g11
-        s11 = f11 + h10 * g10 + h11 * g11
-        if not (s00 > 0.0 and s11 > 0.0):
-            raise _Fail
-        push((s11, s01, s01, s00, s1, s0))
-    out.reverse()
-    return log_z, packed(out)
+    final = (m0_ + k0 * r, m1_ + k1 * r, k0, k1, p11 - p01 * k1 * j)
+    return _backward(log_z, steps, final)
 
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
