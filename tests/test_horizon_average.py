@@ -171,6 +171,10 @@ def test_validation_and_the_default():
         guide, _, svi, args = _setup(torch.float64, form, average=None)
         svi.step(*args)
         assert _block(guide).control.averaging is on
+    # none by default where the model learns parameters beside the Gaussian (their gradient is
+    # read at the iterate's draw; tests/test_hyper_gradients.py); a number is kept
+    assert Horizon().beta("diag", learns=True) == 0.0
+    assert Horizon(average=0.9).beta("diag", learns=True) == 0.9
 
 
 def lognormal_regression(X, y):
@@ -183,12 +187,13 @@ def lognormal_regression(X, y):
 
 
 @pytest.mark.slow
-@DTYPES
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["f32"])
 def test_twenty_thousand_averaged_steps_reach_the_exact_posterior(dtype):
     """The default diagonal form (averaging on) over 20,000 steps of a model whose posterior
-    is Gaussian in ``(z, log s)``: ``q-bar``'s means are the exact ones, its variances the
-    diagonal form's optimum (the conditional variances ``1 / P_ii``), and the last reported
-    loss is its bound (within 0.3 nat of 2,000 Trace_ELBO draws of the guide)."""
+    is Gaussian in ``(z, log s)``, in float32, where rounding accumulates first (~65 s in the
+    suite; float64 takes the same path in the fast tests): ``q-bar``'s means are the exact
+    ones, its variances the diagonal form's optimum (the conditional variances ``1 / P_ii``),
+    and the last reported loss is its bound (within 0.3 nat of 2,000 Trace_ELBO draws)."""
     g = torch.Generator().manual_seed(0)
     X = torch.randn(30, 2, generator=g, dtype=torch.float64)
     y = torch.exp(

@@ -262,3 +262,24 @@ def test_a_learnable_prior_scale_beside_the_one_draw_remainder(dtype):
     assert s0.grad is not None and bool(torch.isfinite(s0.grad))
     auto = float(s0.grad)
     assert abs(auto - fd) < (1e-4 if dtype == torch.float64 else 5e-2) * max(1.0, abs(fd))
+
+
+def test_a_learnable_prior_scale_keeps_the_plain_one_draw_step():
+    """The remainder of the factor model above takes the one-draw step on its diagonal form,
+    whose iterates are not averaged by default beside a learnable parameter of the model."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 4, generator=g, dtype=torch.float64)
+
+    def model(X):
+        W = pyro.sample("W", dist.Normal(X.new_zeros(2, 4), 1.0).to_event(2))
+        s0 = pyro.param("s0", torch.tensor(1.0, dtype=X.dtype))
+        sigma = pyro.sample("sigma", dist.HalfNormal(s0))
+        with pyro.plate("data", 30):
+            z = pyro.sample("z", dist.Normal(X.new_zeros(2), 1.0).to_event(1))
+            pyro.sample("obs", dist.Normal(z @ W, sigma).to_event(1), obs=X)
+
+    pyro.clear_param_store()
+    guide = AutoCVI(model)
+    SVI(model, guide, CVI(), CVI_ELBO()).step(X)
+    (block,) = [b for b in guide.engine.blocks if getattr(b, "onedraw", False)]
+    assert block.form == "diag" and block.control.beta == 0.0 and not block.control.averaging

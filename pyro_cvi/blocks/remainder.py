@@ -149,13 +149,13 @@ class RemainderBlock(Block):
         #: the one-draw step of :mod:`pyro_cvi.natgrad.horizon` (else the reparameterised
         #: gradients in the parameters, or Price's Hessians, under the noise control)
         self.onedraw = isinstance(self.rule, Horizon) and not self.hessian
-        # the warm-up guards against a reparameterised gradient of S far from the optimum;
-        # Price's Hessian target has no such term: full steps from the start
-        if self.hessian:
+        if self.hessian:  # (Price's Hessian target: full steps from the start, no warm-up)
             self.control = NoiseControl(start=1.0)
+        elif isinstance(self.rule, Horizon):  # (no default averaging where the model learns)
+            learns = any(s["type"] == "param" for s in self.analysis.structure.nodes.values())
+            self.control = self.rule.control(self.form, learns)
         else:
-            onedraw = isinstance(self.rule, Horizon)
-            self.control = self.rule.control(self.form) if onedraw else self.rule.control()
+            self.control = self.rule.control()
         if not self.onedraw:
             self.prior_prec = torch.zeros_like(self.prior_prec)
         # the default on a small full form: Price's Hessians (natgrad/joint.price_by_default),

@@ -148,14 +148,16 @@ class Horizon:
                 f"Horizon(average={self.average!r}): None or a number in [0, 1) (0: no averaging)"
             )
 
-    def beta(self, form: Optional[str]) -> float:
-        """The average's ``beta`` on a Gaussian of covariance ``form`` (0: none)."""
+    def beta(self, form: Optional[str], learns: bool = False) -> float:
+        """The average's ``beta`` on a Gaussian of covariance ``form`` (0: none). By default
+        none where the model ``learns`` parameters beside it: their gradient is read at the
+        iterate's draw, while the loss reports the average."""
         if self.average is not None:
             return float(self.average)
-        return AUTO_AVERAGE if form == "diag" else 0.0
+        return AUTO_AVERAGE if form == "diag" and not learns else 0.0
 
-    def control(self, form: Optional[str] = None) -> HorizonControl:
-        return HorizonControl(self, form)
+    def control(self, form: Optional[str] = None, learns: bool = False) -> HorizonControl:
+        return HorizonControl(self, form, learns)
 
 
 class HorizonControl:
@@ -163,10 +165,10 @@ class HorizonControl:
     gradient's moving average. ``ceiling`` (the user's step size, if smaller) caps both
     sizes."""
 
-    def __init__(self, rule: Horizon, form: Optional[str] = None):
+    def __init__(self, rule: Horizon, form: Optional[str] = None, learns: bool = False):
         self.rule = rule
-        #: the average's ``beta`` (``rule.beta(form)``; 0: none)
-        self.beta = rule.beta(form)
+        #: the average's ``beta`` (``rule.beta(form, learns)``; 0: none)
+        self.beta = rule.beta(form, learns)
         self.ceiling = 1.0
         self.t = 0
         self.gbar: Optional[torch.Tensor] = None
