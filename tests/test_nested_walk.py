@@ -16,10 +16,9 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import Trace_ELBO
+from test_scaled_walk import _chain, setup, steps_from
 
-from pyro_cvi import CVI, CVI_ELBO, AutoCVI
-from pyro_cvi.blocks.scaled_markov import ScaledMarkovBlock
 from pyro_cvi.model.prior_factor import JOINT_MAX_DIM
 from pyro_cvi.statespace.posterior import conditional_entropy
 
@@ -63,20 +62,6 @@ def data(T, dtype):
     return (level + 0.5 * torch.randn(T, generator=g, dtype=torch.float64)).to(dtype)
 
 
-def setup(model, y, families=None):
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    guide = AutoCVI(model, families=families)
-    svi = SVI(model, guide, CVI(), CVI_ELBO())
-    guide(y)
-    return guide, svi
-
-
-def _chain(guide):
-    found = [b for b in guide.engine.blocks if isinstance(b, ScaledMarkovBlock)]
-    return found[0] if found else None
-
-
 @DTYPES
 def test_the_two_cumsums_step_as_the_two_state_loop(dtype):
     """From the same remainder ``q`` and random stream, three steps of the trend's block and of
@@ -89,17 +74,7 @@ def test_the_two_cumsums_step_as_the_two_state_loop(dtype):
         ("trend", trend, {"eta": "gaussian"}),
         ("loop", trend_loop, {"x_3": "gaussian"}),
     ):
-        guide, svi = setup(model, y, families)
-        store = pyro.get_param_store()
-        if start is None:
-            start = {k: v.detach().clone() for k, v in store.items()}
-        for k, v in start.items():
-            store[k].data.copy_(v)
-        pyro.set_rng_seed(1)
-        for _ in range(steps):
-            svi.step(y)
-        with torch.no_grad():
-            loss = svi.evaluate_loss(y)
+        guide, loss, start = steps_from(model, y, families, start, steps)
         block = _chain(guide)
         assert block is not None
         assert guide.engine.analysis.remainder == ["sigma_level", "sigma_slope", "sigma_obs"]

@@ -71,6 +71,24 @@ def _chain(guide):
     return found[0] if found else None
 
 
+def steps_from(model, y, families, start, steps):
+    """``(guide, loss, start)``: ``steps`` steps of ``model`` from the parameters ``start`` (the
+    first set-up's own where ``None``) and random stream 1, then the loss of the ``q`` reached:
+    two spellings compared from the same ``q``."""
+    guide, svi = setup(model, y, families)
+    store = pyro.get_param_store()
+    if start is None:
+        start = {k: v.detach().clone() for k, v in store.items()}
+    for k, v in start.items():
+        store[k].data.copy_(v)
+    pyro.set_rng_seed(1)
+    for _ in range(steps):
+        svi.step(y)
+    with torch.no_grad():
+        loss = svi.evaluate_loss(y)
+    return guide, loss, start
+
+
 @DTYPES
 @pytest.mark.parametrize("first", ["fixed", "latent"])
 def test_the_cumsum_spelling_steps_as_the_markov_loop(first, dtype):
@@ -85,17 +103,7 @@ def test_the_cumsum_spelling_steps_as_the_markov_loop(first, dtype):
     spellings = (("walk", walk, {"eps": "gaussian"}), ("loop", loop, None))
     for name, model, families in spellings:
         model = functools.partial(model, start=first)
-        guide, svi = setup(model, y, families or {"x_3": "gaussian"})
-        store = pyro.get_param_store()
-        if start is None:
-            start = {k: v.detach().clone() for k, v in store.items()}
-        for k, v in start.items():
-            store[k].data.copy_(v)
-        pyro.set_rng_seed(1)
-        for _ in range(steps):
-            svi.step(y)
-        with torch.no_grad():
-            loss = svi.evaluate_loss(y)
+        guide, loss, start = steps_from(model, y, families or {"x_3": "gaussian"}, start, steps)
         block = _chain(guide)
         assert block is not None and guide.engine.analysis.remainder == [
             "sigma_level",
@@ -305,17 +313,7 @@ def test_a_batched_walk_with_time_last_steps_as_time_first(dtype):
     y = torch.stack([data(T, dtype) + k for k in range(K_SERIES)])  # (K, T)
     out, start = {}, None
     for name, model, obs in (("last", batched, y), ("first", time_first, y.T.contiguous())):
-        guide, svi = setup(model, obs)
-        store = pyro.get_param_store()
-        if start is None:
-            start = {k: v.detach().clone() for k, v in store.items()}
-        for k, v in start.items():
-            store[k].data.copy_(v)
-        pyro.set_rng_seed(1)
-        for _ in range(steps):
-            svi.step(obs)
-        with torch.no_grad():
-            loss = svi.evaluate_loss(obs)
+        guide, loss, start = steps_from(model, obs, None, start, steps)
         block = _chain(guide)
         assert block is not None and block.chain.state_dim == K_SERIES
         out[name] = (loss, block.post.mean, guide)
