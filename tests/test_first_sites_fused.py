@@ -14,6 +14,7 @@ import torch
 from pyro_cvi.statespace.first_sites import _backward, _smooth_repeated
 from pyro_cvi.statespace.sequential import (
     OnFirst,
+    _backward_2,
     _Fail,
     _forward_2_first,
     _Repeated,
@@ -56,6 +57,29 @@ def test_fused_pass_is_the_two_pass_form_bit_for_bit(dtype, T):
     log_z0, flat0 = _two_pass(m0, P0, row, es, js)
     assert math.isfinite(log_z) and log_z == log_z0
     assert len(flat) == 6 * T and flat.tobytes() == flat0.tobytes()
+
+
+@DTYPES
+@pytest.mark.parametrize("T", [1, 2, 200])
+def test_backward_is_the_general_smoother_bit_for_bit(dtype, T):
+    # the short path's smoother (its gains by ``-q``, its steps packed as it goes) against the
+    # general pass's (``sequential._backward_2``: ten floats per step, last step first), on
+    # the same filter output: the same means and covariances, every bit
+    g = torch.Generator().manual_seed(T + 7)
+    m0, P0, row = _rows(dtype, lengthscale=3.0)
+    scale = 10.0 ** torch.randint(-3, 3, (2, T), generator=g)
+    e = torch.randn(T, generator=g, dtype=torch.float64) * scale[0]
+    j = torch.rand(T, generator=g, dtype=torch.float64) * scale[1]
+    e[::5], j[::5] = 0.0, 0.0
+    es, js = e.to(dtype).to(torch.float64).tolist(), j.to(dtype).to(torch.float64).tolist()
+    filtered = _forward_2_first(m0, P0, _Repeated(row, T - 1), OnFirst(es, js))
+    log_z, flat = _backward(*filtered)
+    log_z0, flat0 = _backward_2(*filtered, False)
+    want = torch.frombuffer(flat0, dtype=torch.float64).view(T, 10).flip(0)[:, :6]
+    got = torch.frombuffer(flat, dtype=torch.float64).view(T, 6)
+    assert log_z == log_z0 and math.isfinite(log_z)
+    assert torch.equal(got.view(torch.int64), want.contiguous().view(torch.int64))
+    assert bool((got[:, 2] > 0).all()) and bool((got[:, 5] > 0).all())  # (variances)
 
 
 def test_fused_pass_fails_where_the_two_pass_form_does():

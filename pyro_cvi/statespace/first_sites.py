@@ -16,7 +16,9 @@ path decides, as before.
 
 from __future__ import annotations
 
+import array
 import math
+import struct
 from typing import List, Optional, Tuple
 
 import torch
@@ -32,10 +34,11 @@ from .sequential import (
     _Repeated,
     _transition_rows,
     doubles,
-    packed,
 )
 
 __all__ = ["applies", "transitions", "marginals"]
+
+_SIX = struct.Struct("6d")  # (one smoothed step: mean, covariance row-major)
 
 
 def applies(chain: LinearGaussianChain) -> bool:
@@ -155,31 +158,36 @@ def _smooth_repeated(m0, P0, row, es, js):
 
 def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, ...]):
     """:func:`.sequential._backward_2` without lag-one covariances: six floats per step, first
-    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations); :class:`_Fail` where
-    a variance is not positive (or NaN). (The pass goes last step first and writes each
-    step's six in reverse: one reversal of the whole list puts both in order.)"""
+    step first, ``(m0, m1, p00, p01, p01, p11)`` (the same operations, but for signs: with
+    ``q = n01 / det``, ``c * (-q)`` is ``-(c q)`` and ``a + (-(c q))`` is ``a - c q`` bit for
+    bit); :class:`_Fail` where a variance is not positive (or NaN). (The pass goes last step
+    first and packs each step's six as it goes, one C call, not six floats kept; the packed
+    steps are joined in order at the end.)"""
     s0, s1, s00, s01, s11 = last
     if not (s00 > 0.0 and s11 > 0.0):
         raise _Fail
-    out: List[float] = [s11, s01, s01, s00, s1, s0]
-    push = out.extend
+    pack = _SIX.pack
+    out: List[bytes] = [pack(s0, s1, s00, s01, s01, s11)]
+    push = out.append
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
         det = n00 * n11 - n01 * n01
         if not det > 0.0:
             raise _Fail
-        i00, i01, i11 = n11 / det, -n01 / det, n00 / det  # P_{t+1}^-1
-        g00, g01 = c00 * i00 + c10 * i01, c00 * i01 + c10 * i11  # G = C' P_{t+1}^-1
-        g10, g11 = c01 * i00 + c11 * i01, c01 * i01 + c11 * i11
+        i00, q, i11 = n11 / det, n01 / det, n00 / det  # P_{t+1}^-1 = (i00, -q, -q, i11)
+        g00, g01 = c00 * i00 - c10 * q, c10 * i11 - c00 * q  # G = C' P_{t+1}^-1
+        g10, g11 = c01 * i00 - c11 * q, c11 * i11 - c01 * q
         d0, d1 = s0 - n0, s1 - n1
         D00, D01, D11 = s00 - n00, s01 - n01, s11 - n11
-        h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D
-        h10, h11 = g10 * D00 + g11 * D01, g10 * D01 + g11 * D11
+        h00, h01 = g00 * D00 + g01 * D01, g00 * D01 + g01 * D11  # G D (its h10 inline below)
+        h11 = g10 * D01 + g11 * D11
         s0, s1 = f0 + g00 * d0 + g01 * d1, f1 + g10 * d0 + g11 * d1
         s00 = f00 + h00 * g00 + h01 * g01
         s01 = f01 + h00 * g10 + h01 * g11
-        s11 = f11 + h10 * g10 + h11 * g11
+        s11 = f11 + (g10 * D00 + g11 * D01) * g10 + h11 * g11
         if not (s00 > 0.0 and s11 > 0.0):
             raise _Fail
-        push((s11, s01, s01, s00, s1, s0))
+        push(pack(s0, s1, s00, s01, s01, s11))
     out.reverse()
-    return log_z, packed(out)
+    flat = array.array("d")
+    flat.frombytes(b"".join(out))
+    return log_z, flat
