@@ -267,6 +267,38 @@ def test_the_rule_picks_the_tree_for_long_chains_and_large_states():
         assert kalman.choose_smoother(T + 1, d) is kalman.TREE_SCALAR
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_sites_on_the_whole_state_take_the_tree_earlier(dtype, monkeypatch):
+    """``d = 2`` past ``SEQUENTIAL_FULL_SITES_MAX_T``: sites on the whole state go to the tree
+    with a scalar top, sites on the first coordinate stay with the scalar pass (to
+    ``SEQUENTIAL_MAX_T``); the answer is the scalar pass's, to rounding."""
+    T = kalman.SEQUENTIAL_FULL_SITES_MAX_T[2] + 1
+    assert T <= kalman.SEQUENTIAL_MAX_T[2]
+    chain, eta, J = _chain(T, 2, seed=3)
+    first_eta = torch.stack([eta[:, 0], torch.zeros_like(eta[:, 0])], -1)
+    first_J = torch.zeros_like(J)
+    first_J[:, 0, 0] = J[:, 0, 0]
+    seq = kalman.SEQUENTIAL
+    assert kalman.sites_smoother(seq, eta, J) is kalman.TREE_SCALAR
+    assert kalman.sites_smoother(seq, first_eta, first_J) is seq
+    assert kalman.sites_smoother(seq, eta[:-1], J[:-1]) is seq  # (at the limit itself)
+    assert kalman.sites_smoother(kalman.TREE, eta, J) is kalman.TREE
+    parts = (chain.m0, chain.P0, chain.A, chain.b, chain.Q)
+    chain, eta, J = LinearGaussianChain(*(p.to(dtype) for p in parts)), eta.to(dtype), J.to(dtype)
+    used = []
+    tree_call = type(kalman.TREE_SCALAR).__call__
+    monkeypatch.setattr(
+        type(kalman.TREE_SCALAR), "__call__", lambda *a, **k: used.append(1) or tree_call(*a, **k)
+    )
+    got = smooth(chain, eta, J)
+    want = smooth(chain, eta, J, method=seq)
+    assert used  # (smooth took the tree by the rule, the scalar pass when named)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
+    assert torch.allclose(got.log_z, want.log_z, **tol)
+    assert torch.allclose(got.mean, want.mean, **tol)
+    assert torch.allclose(got.cov, want.cov, **tol)
+
+
 @pytest.mark.parametrize("d", [1, 2])
 def test_the_sequential_pass_hands_batched_and_differentiable_problems_on(d, monkeypatch):
     """Batched chains and ``keep_graph`` go to the tensor strategy: the same numbers as the

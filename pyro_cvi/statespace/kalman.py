@@ -292,6 +292,11 @@ SCAN_MIN_T = 4
 #: ``scripts/benchmark_kalman.py``). ``d = 1``: the crossing in ``benchmark_kalman.py``
 #: (1000-1500 steps) moved up a little for the pass's own output path.
 SEQUENTIAL_MAX_T = {1: 1400, 2: 2200}
+#: The same for ``d = 2`` sites on the whole state (not on the first coordinate only: the
+#: pass's general form, three times the update's operations), above which such a chain takes
+#: the tree with a scalar top: one ``smooth`` both ways interleaved (random stable chain, one
+#: thread, under load) crosses near 1500 steps without lag-one covariances and near 1300 with.
+SEQUENTIAL_FULL_SITES_MAX_T = {2: 1400}
 #: The same for the Markov block's short path (:mod:`.first_sites`: a GP observed through its
 #: first coordinate, fed by its rows directly), which costs less per step than the pass above:
 #: where a Markov-GP CVI step is as fast with it as with the tree with a scalar top, measured by
@@ -321,6 +326,18 @@ def choose_smoother(T: int, d: int):
     return TREE_SCALAR if d in SEQUENTIAL_MAX_T else tensor_smoother(T, d)
 
 
+def sites_smoother(strategy: Callable, eta: torch.Tensor, J: torch.Tensor) -> Callable:
+    """``strategy`` (:func:`choose_smoother`'s pick), or the tree with a scalar top where it
+    is the scalar pass on a chain of ``d = 2`` past ``SEQUENTIAL_FULL_SITES_MAX_T`` whose
+    sites are not all on the first coordinate (one chain: batched ones go on as before)."""
+    T, d = eta.shape[-2], eta.shape[-1]
+    if strategy is not SEQUENTIAL or T <= SEQUENTIAL_FULL_SITES_MAX_T.get(d, T):
+        return strategy
+    if eta.dim() != 2 or J.dim() != 3 or _sequential._first_coordinate(eta, J):
+        return strategy
+    return TREE_SCALAR
+
+
 def smooth(
     chain: LinearGaussianChain,
     eta: torch.Tensor,
@@ -336,9 +353,11 @@ def smooth(
     and to ``eta`` and ``J``: ``q`` is then differentiable in the model's parameters at fixed
     sites. Without, nothing records a graph. Leading batch dims: independent chains.
     ``method``: :data:`TREE`, :data:`SCAN` or :data:`SEQUENTIAL` (same numbers); default by
-    :func:`choose_smoother`.
+    :func:`choose_smoother` and the sites (:func:`sites_smoother`).
     """
-    strategy = method if method is not None else choose_smoother(eta.shape[-2], eta.shape[-1])
+    strategy = method
+    if method is None:
+        strategy = sites_smoother(choose_smoother(eta.shape[-2], eta.shape[-1]), eta, J)
     # (a strategy with its own no-graph output, the scalar pass: its result as it is)
     own = getattr(strategy, "marginals", None) if not keep_graph and method is None else None
     if own is not None:
