@@ -122,8 +122,7 @@ def _smooth_repeated(m0, P0, row, es, js):
     p00, p01, _, p11 = P0
     p01 = 0.5 * (p01 + P0[2])
     log_z = 0.0
-    steps: List[Tuple[float, ...]] = []
-    push = steps.append
+    steps: List[Tuple[float, ...]] = []  # (appended as steps.append: 3.11's list fast path)
     log = math.log
     a00, a01, a10, a11, b0, b1, q00, q01, _, q11 = row
     last = len(es) - 1
@@ -143,7 +142,7 @@ def _smooth_repeated(m0, P0, row, es, js):
         p00 = c00 * a00 + c01 * a01 + q00  # P_{t+1} = C A' + Q
         p01 = c00 * a10 + c01 * a11 + q01
         p11 = c10 * a10 + c11 * a11 + q11
-        push((f0, f1, k0, k1, f11, c00, c01, c10, c11, m0_, m1_, p00, p01, p11))
+        steps.append((f0, f1, k0, k1, f11, c00, c01, c10, c11, m0_, m1_, p00, p01, p11))
     e, j = es[last], js[last]  # (the loop's update, once more)
     s = 1.0 + p00 * j
     if not s > 0.0:
@@ -168,7 +167,6 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
         raise _Fail
     pack = _SIX.pack
     out: List[bytes] = [pack(s0, s1, s00, s01, s01, s11)]
-    push = out.append
     for f0, f1, f00, f01, f11, c00, c01, c10, c11, n0, n1, n00, n01, n11 in reversed(steps):
         det = n00 * n11 - n01 * n01
         if not det > 0.0:
@@ -186,7 +184,7 @@ def _backward(log_z: float, steps: List[Tuple[float, ...]], last: Tuple[float, .
         s11 = f11 + (g10 * D00 + g11 * D01) * g10 + h11 * g11
         if not (s00 > 0.0 and s11 > 0.0):
             raise _Fail
-        push(pack(s0, s1, s00, s01, s01, s11))
+        out.append(pack(s0, s1, s00, s01, s01, s11))
     out.reverse()
     flat = array.array("d")
     flat.frombytes(b"".join(out))
