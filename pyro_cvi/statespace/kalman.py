@@ -294,8 +294,9 @@ SCAN_MIN_T = 4
 SEQUENTIAL_MAX_T = {1: 1400, 2: 2200}
 #: The same for ``d = 2`` sites on the whole state (not on the first coordinate only: the
 #: pass's general form, three times the update's operations), above which such a chain takes
-#: the tree with a scalar top: one ``smooth`` both ways interleaved (random stable chain, one
-#: thread, under load) crosses near 1500 steps without lag-one covariances and near 1300 with.
+#: the tree with a scalar top: one ``smooth`` both ways interleaved
+#: (``scripts/benchmark_sequential_sites_max_t.py``, random stable chain, one thread, under
+#: load) crosses near 1450 steps without lag-one covariances and near 1250 with.
 SEQUENTIAL_FULL_SITES_MAX_T = {2: 1400}
 #: The same for the Markov block's short path (:mod:`.first_sites`: a GP observed through its
 #: first coordinate, fed by its rows directly), which costs less per step than the pass above:
