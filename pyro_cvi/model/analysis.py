@@ -65,6 +65,7 @@ from .records import (
     LatentInfo,
     centred_logits,
 )
+from .prior_factor import beside_factor
 from .remainder import apply_remainder, remainder_factor, remainder_sets
 from .structures import find_chains
 from .tracing import (
@@ -321,6 +322,8 @@ class Analysis:
                 self.owner[site] = REMAINDER_OWNER
                 self.remainder_factors.append(remainder_factor(site))
                 cross_factor(self, site, inside)
+                if (beside := beside_factor(self, site)) is not None:  # (model/remainder.py)
+                    self.latents[site].factors.append(beside)
                 continue
             lat = self.latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}
