@@ -127,7 +127,11 @@ def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
 
     flat0 = torch.cat([u0[x] for x in order] + z0)
     with torch.enable_grad():
-        J = torch.autograd.functional.jacobian(read, flat0.clone())
+        if inside:
+            J = torch.autograd.functional.jacobian(read, flat0.clone())
+        else:  # (a latent alone, R rows on a few coordinates: one backward pass per column)
+            flat = flat0.clone().requires_grad_(True)
+            J = probes.jacobian(read(flat), flat).detach()
     with torch.no_grad():
         out0 = read(flat0)
         g = torch.Generator().manual_seed(7)
