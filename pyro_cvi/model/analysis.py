@@ -46,6 +46,7 @@ from .collapsed_group import families_summing_marked as choose_families
 from .discrete_glm import discrete_glm_factor, unites
 from .explain import explain
 from .factor_roles import FactorSpec, factor_spec
+from .prior_factor import beside_factor
 from .records import (
     COLLAPSED,
     CONJUGATE,
@@ -65,7 +66,6 @@ from .records import (
     LatentInfo,
     centred_logits,
 )
-from .prior_factor import beside_factor
 from .remainder import apply_remainder, remainder_factor, remainder_sets
 from .structures import find_chains
 from .tracing import (

@@ -33,8 +33,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch.distributions import biject_to
 
-from . import probes
-from . import gaussian_tree
+from . import gaussian_tree, probes
 from .records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC, Factor
 from .tracing import latent_weight, unwrap
 
