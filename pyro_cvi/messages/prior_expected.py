@@ -43,6 +43,7 @@ from ..model.records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC
 from ..model.tracing import unwrap
 
 __all__ = [
+    "beside_message",
     "block_moments",
     "expected_log_prior",
     "expected_prior",
@@ -78,6 +79,21 @@ def expected_prior(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
     m, S = remainder_moments(ctx, info.given, f"the prior of {factor.site!r}", factor.site)
     e_prec, e_loc = expected_prior_moments(info, m, S)
     return e_prec, e_loc / e_prec
+
+
+def beside_message(ctx, factor, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The exact message of a natural-form Gaussian latent's own prior (kind
+    ``CONJUGATE_PRIOR``, the latent kept beside the remainder): ``log N(theta; loc, s)`` is
+    ``E[loc/s^2] theta - E[1/s^2] theta^2 / 2 + const`` under the remainder's ``q``, so its
+    gradient in the mean parameters ``(E[theta], E[theta^2])`` is ``(E[loc/s^2], -E[1/s^2]/2)``
+    (eq. 20), in the latent's ``shape``."""
+    e_prec, e_loc = expected_prior_moments(factor.scale, *_given_moments(ctx, factor))
+    return e_loc.reshape(shape), (-0.5 * e_prec).reshape(shape)
+
+
+def _given_moments(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
+    what = f"the prior of {factor.site!r}"
+    return remainder_moments(ctx, factor.scale.given, what, factor.site)
 
 
 def remainder_moments(ctx, given, what: str, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +162,9 @@ def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch
             if moments is not None:
                 shape = an.values[f.site].shape
                 out[f.site] = (moments[0].reshape(shape), moments[1].reshape(shape))
+    for name in getattr(an, "prior_beside", {}):  # natural-form latents beside it
+        if name in owned:
+            out[name] = _natural_moments(ctx.block_for(name), name)
     for site, parts in shared.items():
         moments = shared_moments(ctx, site, parts, others)
         if moments is not None:
@@ -202,6 +221,15 @@ def _joint_moments(block, names) -> Tuple[torch.Tensor, torch.Tensor]:
         return post.loc.detach(), torch.matmul(L, L.mT).detach()
     idx = torch.cat([index_of(n) for n in names])
     return post.loc[idx].detach(), post.covariance()[idx][:, idx].detach()
+
+
+def _natural_moments(block, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, variance)`` (detached) of a natural-form Gaussian latent's mean-field ``q``,
+    ``eta = (m / v, -1 / (2 v))``, in its shape."""
+    nb = block.natural[name] if hasattr(block, "natural") else block
+    eta1, eta2 = (t.detach() for t in nb.natural({}))
+    var = -0.5 / eta2
+    return eta1 * var, var
 
 
 def _residual_moments(block, site: str, info, others):

@@ -205,6 +205,12 @@ def group(an, cand, union: Callable, probe_runs: Callable, reset: Callable):
             if an.deps.get(n)
         }
         if big:
+            # (remembered with the tree's size: such members keep an exact mean-field block
+            # beside the remainder, model/remainder.remainder_sets)
+            sizes = an.__dict__.setdefault("dropped_trees", {})
+            for b in blocks:
+                for n in set(b.names) & big:
+                    sizes[n] = (b.dim, tuple(b.names))
             cand = [n for n in cand if n not in big]
             continue
         bad = _tree_rows(an, blocks, probe_runs)

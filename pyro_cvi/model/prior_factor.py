@@ -33,13 +33,14 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch.distributions import biject_to
 
-from . import probes
+from . import gaussian_tree, probes
 from .records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC, Factor
 from .tracing import latent_weight, unwrap
 
 __all__ = [
     "JOINT_MAX_DIM",
     "PriorInfo",
+    "beside_factor",
     "chain_expected_factor",
     "prior_applies",
     "prior_factor",
@@ -125,7 +126,11 @@ def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
 
     flat0 = torch.cat([u0[x] for x in order] + z0)
     with torch.enable_grad():
-        J = torch.autograd.functional.jacobian(read, flat0.clone())
+        if inside:
+            J = torch.autograd.functional.jacobian(read, flat0.clone())
+        else:  # (a latent alone, R rows on a few coordinates: one backward pass per column)
+            flat = flat0.clone().requires_grad_(True)
+            J = probes.jacobian(read(flat), flat).detach()
     with torch.no_grad():
         out0 = read(flat0)
         g = torch.Generator().manual_seed(7)
@@ -190,6 +195,30 @@ def prior_factor(an, site: str, block) -> Optional[Factor]:
         f"{rule})"
     )
     return Factor(site, block.label, CONJUGATE_PRIOR, why, scale=info)
+
+
+def beside_factor(an, site: str) -> Optional[Factor]:
+    """The expected-prior message of a natural-form Gaussian latent kept beside the remainder
+    (:func:`~pyro_cvi.model.remainder.beside_candidates`: a member of a linear-Gaussian tree
+    too large for one joint block): the natural parameters ``(E[loc/s^2], -E[1/s^2]/2)`` of
+    its own prior, in closed form under the remainder's ``q``; ``None`` for any other site."""
+    dropped = getattr(an, "prior_beside", {}).get(site)
+    if dropped is None:
+        return None
+    info = prior_info(an, site, (site,))
+    if info is None:
+        return None
+    size, tree = dropped
+    given = ", ".join(info.given)
+    why = (
+        f"Normal prior of {site}, loc and log scale affine in the unconstrained {given}: "
+        f"natural parameters (E[loc/s^2], -E[1/s^2]/2) in closed form under the remainder's q "
+        f"(eq. 20; mean field by default: the tree ({', '.join(tree)}) would hold {size} "
+        f"coordinates, more than {gaussian_tree.MAX_JOINT_DIM} in one joint block; "
+        f"families={{{site!r}: 'gaussian'}} keeps the tree, {{{site!r}: 'joint'}} the "
+        f"remainder's joint)"
+    )
+    return Factor(site, site, CONJUGATE_PRIOR, why, scale=info)
 
 
 def chain_expected_factor(site: str, block) -> Optional[Factor]:
