@@ -35,6 +35,7 @@ from ..model.analysis import LINEAR, BlockSpec
 from ..model.structures import ChainRules, register_chain_finder
 from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
+from ..statespace.increments import NestedIncrements
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
 from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows, chain_neg_kl
 from ..statespace.random_walk import find_random_walks
@@ -446,6 +447,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         return self.spec.label
 
     def marginal(self, name: str) -> torch.distributions.Distribution:
+        if isinstance(self.chain.increments, NestedIncrements):  # (a site's elements' Normals;
+            q = self._q(torch.Size([self.spec.dim]))  # the joint over the sites: joint())
+            mean, var = self.spec.split(q.mean)[name], self.spec.split(q.variance)[name]
+            return torch.distributions.Normal(mean, var.sqrt())
         if self.chain.ssm or self.chain.increments is not None:
             return self._q(self.spec.shapes[0])
         t = self.names.index(name)
