@@ -101,7 +101,8 @@ class _ChainQ(TorchDistribution):
 
 class MarkovPosterior(_ChainQ):
     """``q`` of a Markov block over its states (any ``event_shape`` with ``T * d`` elements):
-    ``log_prob`` is exact, O(T d^3); ``sample`` draws by perturbation (needs every site
+    ``log_prob`` is exact, O(T d^3) (below float64 with a large ``log Z``, by the
+    conditionals); ``sample`` draws by perturbation (needs every site
     ``w_r >= 0``, true for log-concave likelihoods)."""
 
     def __init__(self, prior: LinearGaussianChain, rows: SiteRows, post: Marginals, event_shape):
@@ -139,11 +140,27 @@ class MarkovPosterior(_ChainQ):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         x = self._states(value)
+        if self._by_conditionals(x):
+            return conditional_log_prob(self.post, x)
         if x.dim() > 2:
             return torch.stack([self.log_prob(v) for v in x.reshape((-1,) + x.shape[-2:])]).reshape(
                 x.shape[:-2]
             )
         return log_prob_chain(self.prior, x) + self.site_terms(x) - self.post.log_z.detach()
+
+    def _by_conditionals(self, x: torch.Tensor) -> bool:
+        """Whether ``log q(x)`` is read by :func:`conditional_log_prob` instead of ``log p(x) +
+        sites(x) - log Z``: below float64, where ``eps |log Z|`` passes :data:`KL_ROUNDING`
+        (the two cancel as in :func:`chain_neg_kl`), with the lag-one covariances at hand and
+        no graph to keep."""
+        lz, post = self.post.log_z, self.post
+        return (
+            lz.dtype != torch.float64
+            and post.cross is not None
+            and not x.requires_grad
+            and not self.prior.requires_grad()
+            and torch.finfo(lz.dtype).eps * float(lz.detach().abs()) > KL_ROUNDING
+        )
 
     def site_terms(self, x: torch.Tensor) -> torch.Tensor:
         """``sum_t eta_t' x_t - x_t' J_t x_t / 2`` of states ``(..., T, d)``."""
