@@ -8,7 +8,8 @@ float64 guide, and report that guide's loss (the float32 fit's bound, evaluated 
 less the float64 fit's. Losses are ``CVI_ELBO``'s: exact for the Kalman blocks and closed-form
 factors, a Monte Carlo estimate over the remainder's ``q`` (the mean of ``--draws`` random
 streams where a model has one). Models: a local level (``x = cumsum(eps)``, fixed scales,
-observed with sd 0.01 and 0.1, T = 1,000 and 10,000), the Poisson Markov GP of
+observed with sd 0.01 and 0.1, T = 1,000 and 10,000), a local linear trend with fixed scales
+written with two cumsums (T = 1,000, near 20, sd 0.05), the Poisson Markov GP of
 ``scripts/benchmark_peers.py`` (Matern-3/2, lengthscale 20) at T = 10,000, and the zoo's chain
 models. Prints a table and writes ``results/benchmark_markov_float32.json``.
 
@@ -53,6 +54,26 @@ def _level(T: int, sd: float):
             eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), 0.1))
         with pyro.plate("obs", y.shape[0]):
             pyro.sample("y", dist.Normal(eps.cumsum(-1), sd), obs=y)
+
+    return model, (y,), {}
+
+
+def _trend(T: int, sd: float):
+    """A local linear trend with fixed scales in two cumsums (a nested walk) near 20."""
+    import pyro
+    import pyro.distributions as dist
+
+    g = torch.Generator().manual_seed(0)
+    slope = (0.02 * torch.randn(T, generator=g, dtype=D64)).cumsum(0)
+    level = 20.0 + (slope + 0.1 * torch.randn(T, generator=g, dtype=D64)).cumsum(0)
+    y = level + sd * torch.randn(T, generator=g, dtype=D64)
+
+    def model(y):
+        with pyro.plate("time", y.shape[0]):
+            eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), 0.02))
+            eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), 0.1))
+        with pyro.plate("obs_time", y.shape[0]):
+            pyro.sample("y", dist.Normal((eta.cumsum(-1) + eps).cumsum(-1), sd), obs=y)
 
     return model, (y,), {}
 
@@ -156,6 +177,7 @@ def cases(quick: bool) -> List[tuple]:
     out = [
         ("local level T=1000 sd=0.01", lambda: _level(1000, 0.01), 20),
         ("local level T=1000 sd=0.1", lambda: _level(1000, 0.1), 20),
+        ("nested trend T=1000 sd=0.05", lambda: _trend(1000, 0.05), 20),
     ]
     if not quick:
         out += [
