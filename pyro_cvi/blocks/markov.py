@@ -35,8 +35,9 @@ from ..model.analysis import LINEAR, BlockSpec
 from ..model.structures import ChainRules, register_chain_finder
 from ..model.tracing import linear_param, trace_model, unwrap
 from ..statespace import detect
+from ..statespace.increments import NestedIncrements
 from ..statespace.kalman import LinearGaussianChain, Marginals, NotPositiveDefinite, smooth
-from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows
+from ..statespace.posterior import IncrementPosterior, MarkovPosterior, SiteRows, chain_neg_kl
 from ..statespace.random_walk import find_random_walks
 from ..update import MAX_HALVINGS_SOLVE, StepCounts, damped_step, targets_from_grads
 from .base import stored
@@ -301,10 +302,12 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
 
     # ------------------------------------------------------------------ ELBO and targets
     def elbo(self, ctx: StepContext, prior: LinearGaussianChain) -> torch.Tensor:
-        """``log Z - E_q[log sites]`` (= ``-KL``) plus the observations' expected
-        log-densities; with ``ctx.grads``, ``target - lambda_tilde`` goes into ``.grad``."""
+        """``log Z - E_q[log sites]`` (= ``-KL``; below float64 where it rounds badly, from the
+        conditionals: :func:`~pyro_cvi.statespace.posterior.chain_neg_kl`) plus the
+        observations' expected log-densities; with ``ctx.grads``, ``target - lambda_tilde``
+        goes into ``.grad``."""
         post, tr = self.post, ctx.trace
-        sr = self._site_rows(self.rows)
+        sr = plain = self._site_rows(self.rows)
         on_first = sr.__dict__.get("_on_first")
         if on_first:  # f_t = x_{t,0}
             f_mean, f_var = post.mean[:, 0], post.cov[:, 0, 0]
@@ -316,9 +319,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
             sr = self._site_rows(graph_rows)
             g_mean, g_var = sr.moments(valued.mean, valued.cov)
         if on_first and self._graph is None:
-            elbo = valued.log_z - expected_log_sites(sr, g_mean, g_var)
+            terms = expected_log_sites(sr, g_mean, g_var)
         else:
-            elbo = valued.log_z - sr.expected_log_sites(g_mean, g_var)
+            terms = sr.expected_log_sites(g_mean, g_var)
+        elbo = chain_neg_kl(valued.log_z, terms, prior, post, plain)  # (-KL: float64 as was)
         if self.chain.weighted:  # a tempered prior: the constant of N^c = N(S / c) (detect)
             shift = detect.tempered_constant(self.chain, tr)
             elbo = elbo + (shift if ctx.graph else shift.detach())
@@ -443,6 +447,10 @@ class MarkovBlock(ChainInitStart, SiteFormBlock):
         return self.spec.label
 
     def marginal(self, name: str) -> torch.distributions.Distribution:
+        if isinstance(self.chain.increments, NestedIncrements):  # (a site's elements' Normals;
+            q = self._q(torch.Size([self.spec.dim]))  # the joint over the sites: joint())
+            mean, var = self.spec.split(q.mean)[name], self.spec.split(q.variance)[name]
+            return torch.distributions.Normal(mean, var.sqrt())
         if self.chain.ssm or self.chain.increments is not None:
             return self._q(self.spec.shapes[0])
         t = self.names.index(name)

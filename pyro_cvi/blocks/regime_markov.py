@@ -20,7 +20,9 @@ without ``s``), so at ``beta = 1`` ``q(x)`` is the exact VMP update given ``q(s)
 
 The mean field owns the factors that read ``s`` (their expected log densities, and the
 message to ``q(s)``); this block's ELBO is ``log Z - E_q[log sites] - sum E_q[log p~_t]`` over
-those steps: the entropy of ``q(x)`` plus the factors it owns.
+those steps (its first two terms, ``-KL(q || p~)``, from the conditionals where they round
+badly: :func:`~pyro_cvi.statespace.posterior.chain_neg_kl`): the entropy of ``q(x)`` plus
+the factors it owns.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..model.analysis import BlockSpec
 from ..model.records import CONJUGATE_ENUM, LINEAR_ENUM
 from ..model.tracing import run_model, unwrap
 from ..statespace.kalman import LinearGaussianChain
+from ..statespace.posterior import chain_neg_kl
 from .markov import ExpectedPriorMarkovBlock
 from .registry import register_block_kind
 
@@ -222,7 +225,7 @@ class RegimeMarkovBlock(ExpectedPriorMarkovBlock):
         post = self.post
         sr = self._site_rows(self.rows)
         f_mean, f_var = sr.moments(post.mean, post.cov)
-        elbo = post.log_z - sr.expected_log_sites(f_mean, f_var)
+        elbo = chain_neg_kl(post.log_z, sr.expected_log_sites(f_mean, f_var), self.prior, post, sr)
         sites, i = self._sites(), 0
         for f, r in zip(self.linear, self.rows):
             sl = slice(i, i + r.c.shape[0])

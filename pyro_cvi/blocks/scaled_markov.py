@@ -432,15 +432,6 @@ class ScaledMarkovBlock(ExpectedPriorMarkovBlock):
         keep = mine[which]
         return {n for n, k in zip(sites, mine.tolist()) if k}, keep, e[keep]
 
-    def marginal(self, name: str) -> torch.distributions.Distribution:
-        """A nested walk's site: its elements' Normal marginals (the joint over the block's
-        sites is :meth:`joint`)."""
-        if not self._nested:
-            return super().marginal(name)
-        q = self._q(torch.Size([self.spec.dim]))
-        mean, var = self.spec.split(q.mean)[name], self.spec.split(q.variance)[name]
-        return torch.distributions.Normal(mean, var.sqrt())
-
     def expected_moments(self, ctx, sites, others) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """``{site: (mean, variance)}`` of the shared factors in ``sites`` for the remainder's
         Rao-Blackwellised read (:func:`~pyro_cvi.messages.chain_expected.chain_moments`)."""

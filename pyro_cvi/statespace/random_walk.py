@@ -15,34 +15,45 @@ from the model's source):
   ``diff(dx)``), are confirmed by a random JVP, and affinity by one probe run at
   ``eps + diff(dx)``.
 
+Several such sites of one shape inside nested cumsums, read together by their observations
+(a local linear trend with fixed scales: ``level = (eta.cumsum(-1) + eps).cumsum(-1)``), are
+one chain too (:class:`~.increments.NestedIncrements`: ``x_t = L x_(t-1) + e_t``, the sites the
+innovations): every factor of the group depends on its sites only (at most
+:data:`MAX_NESTED`, their nesting orders tried in turn), with rows and a probe run as above.
+
 Anything else (a reversed or partial cumsum, an element seeing two steps, another latent in
-a factor) leaves the site to the dense Gaussian block. Switch the detection off with
-``RECOGNISE_RANDOM_WALKS = False``.
+a factor, walks side by side) leaves the site to the dense Gaussian block. Switch the
+detection off with ``RECOGNISE_RANDOM_WALKS = False``.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Set
+import itertools
+import math
+from typing import List, Optional, Set, Tuple
 
 import torch
 
 from ..model.tracing import linear_candidates, linear_param, unwrap
 from .detect import MIN_LOOP_LENGTH, ChainSpec, observation_factor, observation_rows
-from .increments import Increments
+from .increments import Increments, NestedIncrements
 
-__all__ = ["RECOGNISE_RANDOM_WALKS", "find_random_walks"]
+__all__ = ["MAX_NESTED", "RECOGNISE_RANDOM_WALKS", "find_random_walks"]
 
 RECOGNISE_RANDOM_WALKS = True
+#: the most increments sites one nested walk holds (their orders are tried in turn)
+MAX_NESTED = 4
 
 
 def find_random_walks(an, used: Set[str]) -> List[ChainSpec]:
     """Every random-walk chain of the model (``an``: the Analysis) outside ``used``."""
     if not RECOGNISE_RANDOM_WALKS:
         return []
-    out = []
+    out: List[ChainSpec] = []
     for name in an.values:
-        if name in an.continuous and name not in used:
-            spec = _random_walk(an, name)
+        taken = used | {n for c in out for n in c.names}
+        if name in an.continuous and name not in taken:
+            spec = _random_walk(an, name) or _nested_walk(an, name, taken)
             if spec is not None:
                 out.append(spec)
     return out
@@ -58,13 +69,16 @@ def _increments_prior(an, name: str) -> bool:
     return not any(f.name in an.minibatch_plates for f in site["cond_indep_stack"])
 
 
-def _observations(an, name: str) -> Optional[List[str]]:
-    """The factors of ``name``: each depends on it alone and is a registered likelihood."""
+def _observations(an, name: str, group: Optional[Set[str]] = None) -> Optional[List[str]]:
+    """The factors of ``name``: each depends on it alone (on latents of ``group`` only) and
+    is an observation in no subsampled plate."""
     out = []
     for site, deps in an.deps.items():
         if name not in deps or site in an.leaves:
             continue
-        if deps != {name} or site in an.values or an.minibatch_plate(site) is not None:
+        if not deps <= (group or {name}) or site in an.values:
+            return None
+        if an.minibatch_plate(site) is not None:
             return None
         out.append(site)
     return out or None
@@ -105,6 +119,72 @@ def _random_walk(an, name: str) -> Optional[ChainSpec]:
         spec.probe = (dx, moved)
         return spec
     return None
+
+
+def _group(an, name: str) -> Optional[Tuple[List[str], List[str]]]:
+    """The latents that ``name``'s observations read beside it, closed over theirs (model
+    order, at most :data:`MAX_NESTED`), and all their observations, or ``None``."""
+    group = {name}
+    while True:
+        grown = set(group)
+        for site, deps in an.deps.items():
+            if deps & group and site not in an.leaves and site not in an.values:
+                grown |= deps
+        if grown == group:
+            break
+        if len(grown) > MAX_NESTED or not grown <= set(an.values):
+            return None
+        group = grown
+    sites = [_observations(an, n, group) for n in group]
+    if len(group) < 2 or any(s is None for s in sites):
+        return None
+    return [n for n in an.values if n in group], list(dict.fromkeys(sum(sites, [])))
+
+
+def _nested_walk(an, name: str, taken: Set[str]) -> Optional[ChainSpec]:
+    """Increments sites nested in cumsums that their observations read together (module
+    docstring): one chain, or ``None``."""
+    grouped = _group(an, name) if _increments_prior(an, name) else None
+    if grouped is None:
+        return None
+    names, sites = grouped
+    shape = an.values[name].shape
+    if set(names) & taken or not all(
+        _increments_prior(an, n) and an.values[n].shape == shape for n in names
+    ):
+        return None
+    tr, leaves = an.leaf_trace()
+    for dim in (a for a in range(len(shape)) if shape[a] >= MIN_LOOP_LENGTH):
+        for order in itertools.permutations(names):
+            inc = NestedIncrements(shape, dim, sites=order)
+            spec = ChainSpec(order, inc.state_dim, inc.length, False, increments=inc)
+            if all(_one_step_rows(spec, tr, leaves, site) for site in sites):
+                return _probed(an, spec, sites, tr, leaves)
+    return None
+
+
+def _probed(an, spec: ChainSpec, sites, tr, leaves) -> Optional[ChainSpec]:
+    """``spec`` with its observations confirmed by one probe run that moves the increments
+    (a direction of the states would move them by differences the nested cumsums cancel
+    again), or ``None``."""
+    inc, names = spec.increments, spec.names
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x0 = inc.states(torch.cat([an.ref[n].detach().reshape(-1) for n in names]))
+    scale = float(x0.abs().mean().clamp_min(1.0)) / math.sqrt(inc.length)
+    moves = scale * torch.randn(x0.numel(), generator=g, dtype=torch.float64, device=g.device)
+    moves = moves.to(x0)
+    dx = inc.states(moves)
+    parts = moves.split([an.ref[n].numel() for n in names])
+    with torch.no_grad():
+        moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, parts)})
+    try:
+        for site in sites:
+            base = unwrap(tr.nodes[site]["fn"])[0]
+            spec.observations[site] = observation_factor(site, spec, base, tr, leaves, moved, dx)
+    except ValueError:
+        return None
+    spec.probe = (dx, moved)
+    return spec
 
 
 def _one_step_rows(spec: ChainSpec, tr, leaves, site: str) -> bool:
