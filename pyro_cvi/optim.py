@@ -31,6 +31,8 @@ It works the same under ``SVI.step`` and a hand-written loop (``loss.loss_and_gr
 
 from __future__ import annotations
 
+import math
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
@@ -41,7 +43,7 @@ from pyro.optim import PyroOptim
 from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
 from .natgrad.gp_models import HYPER_LR, GPHyperparameters
-from .natgrad.guard import LossGuard
+from .natgrad.guard import SUSPECTS, LossGuard
 from .natgrad.observe import current, forget, observer
 from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
@@ -182,6 +184,7 @@ class CVI(PyroOptim):
                 "by natural gradients"
             )
         self.t += 1
+        self.gaussians.before = {}  # (a skipped step below undoes nothing)
         value = loss() if loss is not None and groups else None
         if loss is not None and not groups:
             forget(params)
@@ -193,6 +196,17 @@ class CVI(PyroOptim):
                     self.gaussians.controls.pop(g.label, None)
                 raise
             if not take:  # a suspect loss (natgrad.guard): the whole step is skipped
+                if not math.isfinite(value):
+                    warnings.warn(
+                        f"CVI(): the loss of this step is {value} for the Gaussians "
+                        f"{[g.label for g in groups]} (a draw of q where the model's log "
+                        "density overflows?): the step was skipped and the guide keeps its q; "
+                        f"{SUSPECTS} such losses in a row put it back to its best q and raise "
+                        "DivergenceError. Fixes: the adaptive CVI() instead of a fixed "
+                        "step_size (or a smaller one), more particles in the ELBO, or float64.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 self.t -= 1
                 for p in params:
                     p.grad = None
@@ -233,6 +247,27 @@ class CVI(PyroOptim):
         for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
             p.grad = None
         return list(engines.values())
+
+    def owns(self, leaves: frozenset) -> bool:
+        """Whether a Gaussian parameter this optimizer steps is among ``leaves`` (the ids of
+        raw parameters; :mod:`pyro_cvi.natgrad.observe`)."""
+        store = pyro.get_param_store()
+        names = self.guard.values
+        return any(n in store and id(store[n].unconstrained()) in leaves for n in names)
+
+    def refuse_draw(self) -> Optional[str]:
+        """The loss drew a latent value outside the model's support
+        (:mod:`pyro_cvi.natgrad.observe`): where the last step of this optimizer moved Pyro's
+        Gaussians, that step is undone and their step controls start afresh; returns the
+        sentence the error adds, or ``None`` where it moved none (AutoCVI alone: its own step
+        control handles its losses; the first loss: the initial q) and the loss goes on."""
+        if not self.gaussians.before:
+            return None
+        labels = self.gaussians.undo()
+        return (
+            f"The last natural-gradient step of the Gaussians {labels} was undone (the guide "
+            "holds the q the previous loss evaluated), and their step controls start afresh."
+        )
 
     def _get_optim_args(self, param: Any) -> Dict[str, Any]:
         # (PyroOptim asks once per parameter, when it builds the parameter's torch optimizer)
