@@ -184,7 +184,7 @@ class CVI(PyroOptim):
                 "by natural gradients"
             )
         self.t += 1
-        self.gaussians.before = {}  # (a skipped step below undoes nothing)
+        self.gaussians.before = []  # (a skipped step below undoes nothing)
         value = loss() if loss is not None and groups else None
         if loss is not None and not groups:
             forget(params)
@@ -249,11 +249,9 @@ class CVI(PyroOptim):
         return list(engines.values())
 
     def owns(self, leaves: frozenset) -> bool:
-        """Whether a Gaussian parameter this optimizer steps is among ``leaves`` (the ids of
-        raw parameters; :mod:`pyro_cvi.natgrad.observe`)."""
-        store = pyro.get_param_store()
-        names = self.guard.values
-        return any(n in store and id(store[n].unconstrained()) in leaves for n in names)
+        """Whether a parameter the last step of this optimizer moved is among ``leaves`` (the
+        ids of raw parameters; :mod:`pyro_cvi.natgrad.observe`)."""
+        return any(id(raw) in leaves for raw, _ in self.gaussians.before)
 
     def refuse_draw(self) -> Optional[str]:
         """The loss drew a latent value outside the model's support

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from pyro.distributions import constraints
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
@@ -176,7 +177,7 @@ class SiteObserver(Messenger):
             else:
                 support = getattr(msg["fn"], "support", None)
                 try:
-                    ok = support is None or bool(support.check(value).all())
+                    ok = _inside(support, value)
                 except (NotImplementedError, RuntimeError, ValueError, TypeError):
                     ok = True  # a dependent or unusual support: the loss checks it
                 if not ok:
@@ -265,6 +266,22 @@ class SiteObserver(Messenger):
                     lp = torch.where(mask, lp, torch.zeros_like(lp))
                 total += sign * float((lp * scale).sum())
         return -total / (runs * particles)
+
+
+def _inside(support: Any, value: torch.Tensor) -> bool:
+    """Whether ``value`` lies in ``support`` as the guide's map onto it reaches it: a bound
+    (``positive``, ``nonnegative``, ``greater_than``) strictly (``exp`` never reaches it; a
+    value on it underflowed), any other support by its own check; the real line always."""
+    base = support
+    while isinstance(base, constraints.independent):
+        base = base.base_constraint
+    if base is None or base is constraints.real:
+        return True
+    if isinstance(base, (constraints.greater_than, constraints.greater_than_eq)):
+        return bool((value > base.lower_bound).all())
+    if isinstance(base, constraints.less_than):
+        return bool((value < base.upper_bound).all())
+    return bool(support.check(value).all())
 
 
 def _has_params(fn: Any, depth: int = 0) -> bool:

@@ -64,8 +64,8 @@ class GaussianStepper:
         self.site_locs: set = set()
         #: the curvature fitted from the draws of each diagonal Gaussian (by label)
         self.curvatures: Dict[str, DrawCurvature] = {}
-        #: the raw values the last step overwrote, by param name (:meth:`undo`)
-        self.before: Dict[str, torch.Tensor] = {}
+        #: the raw parameters the last step overwrote, with their values before it (:meth:`undo`)
+        self.before: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.before_labels: List[str] = []
 
     def observe(self, sites: Mapping[str, GuideSite]) -> None:
@@ -177,14 +177,15 @@ class GaussianStepper:
         """One step of every Gaussian in ``groups``; ``beta_of(control)`` gives its sizes
         ``(b, b for the mean or None: the same)``. ``adaptive``: also cap each step by a trust
         region (see :func:`pyro_cvi.gaussian.steps.tril_step`)."""
-        self.before, self.before_labels = {}, [g.label for g in groups]
+        self.before, self.before_labels = [], [g.label for g in groups]
         if not groups:
             return
         store = pyro.get_param_store()
         cons = store.get_state()["constraints"]
         for g in groups:
             for _, n in g.names:
-                self.before[n] = store[n].unconstrained().detach().clone()
+                raw = store[n].unconstrained()
+                self.before.append((raw, raw.detach().clone()))
             control = self.controls.get(g.label)
             if control is None:
                 control = self.controls[g.label] = _control(g.family)
@@ -227,12 +228,10 @@ class GaussianStepper:
     def undo(self) -> List[str]:
         """Put back the raw values the last :meth:`step` overwrote (bit for bit) and let every
         step control start afresh; the labels of the Gaussians put back."""
-        store = pyro.get_param_store()
         with torch.no_grad():
-            for n, v in self.before.items():
-                if n in store and store[n].unconstrained().shape == v.shape:
-                    store[n].unconstrained().copy_(v)
-        self.before = {}
+            for raw, value in self.before:
+                raw.copy_(value)
+        self.before = []
         self.controls.clear()
         labels, self.before_labels = self.before_labels, []
         return labels
