@@ -100,9 +100,10 @@ def _set_loc(guide_name: str, value: float) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 def test_a_draw_outside_the_support_is_refused(dtype, guide_cls, loc, why):
     """``log w`` at +-1e4: ``w = exp(log w)`` is ``inf`` (not finite) or ``0`` (outside the
-    image ``(0, inf)`` of the guide's map onto the Gamma prior's support) in both dtypes; without the check torch raises its own
-    constraint error in the Exponential likelihood. The error names ``w``; the guide is back
-    at the q before the last step, bit for bit; the next step runs from it."""
+    image ``(0, inf)`` of the guide's map onto the Gamma prior's support) in both dtypes;
+    without the check torch raises its own constraint error in the Exponential likelihood.
+    The error names ``w``; the guide is back at the q before the last step, bit for bit; the
+    next step runs from it."""
     svi, y, before, _ = _stepped(dtype, guide_cls)
     _set_loc(guide_cls.__name__, loc)
     with pytest.raises(DivergenceError, match=f"latent site 'w' that {why}") as info:
