@@ -106,6 +106,8 @@ class CVI(PyroOptim):
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
         #: divergence of the Gaussians of Pyro's guides, from the loss svi.step got
         self.guard = LossGuard()
+        #: steps in a row skipped for non-finite gradients (:meth:`_infinite_gradients`)
+        self.infinite_steps = 0
         observer(self)  # sees the guide's sites while the loss runs (natgrad.observe)
         #: what the last step did with each parameter (:meth:`explain`)
         self.last_rules: List[Tuple[str, str, str]] = []
@@ -188,6 +190,7 @@ class CVI(PyroOptim):
         value = loss() if loss is not None and groups else None
         if loss is not None and not groups:
             forget(params)
+        take, why = True, None
         if groups and value is not None:
             try:
                 take = self.guard.check(value, groups)
@@ -195,24 +198,28 @@ class CVI(PyroOptim):
                 for g in groups:  # the step control of each Gaussian starts afresh
                     self.gaussians.controls.pop(g.label, None)
                 raise
-            if not take:  # a suspect loss (natgrad.guard): the whole step is skipped
-                if not math.isfinite(value):
-                    warnings.warn(
-                        f"CVI(): the loss of this step is {value} for the Gaussians "
-                        f"{[g.label for g in groups]} (a draw of q where the model's log "
-                        "density overflows?): the step was skipped and the guide keeps its q; "
-                        f"{SUSPECTS} such losses in a row put it back to its best q and raise "
-                        "DivergenceError. Fixes: the adaptive CVI() instead of a fixed "
-                        "step_size (or a smaller one), more particles in the ELBO, or float64.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                self.t -= 1
-                for p in params:
-                    p.grad = None
-                abort(engines.values())  # AutoCVI guides back to where their loss began
-                self.last_rules = [(n, "skipped (suspect loss)", w) for n, _, w in self.last_rules]
-                return []
+            if not take and not math.isfinite(value):
+                why = f"its loss is {value}"
+        if take and groups:
+            why = self._infinite_gradients(groups, others)
+            take = why is None
+        if not take:  # a suspect loss (natgrad.guard) or gradients: the whole step is skipped
+            if why is not None:
+                warnings.warn(
+                    f"CVI(): this step was skipped ({why}; a draw of q where the model's "
+                    "log density overflows, or on the edge of a support in float32?): the "
+                    f"guide keeps its q; {SUSPECTS} such steps in a row raise DivergenceError. "
+                    "Fixes: the adaptive CVI() instead of a fixed step_size (or a smaller "
+                    "one), more particles in the ELBO, or float64.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self.t -= 1
+            for p in params:
+                p.grad = None
+            abort(engines.values())  # AutoCVI guides back to where their loss began
+            self.last_rules = [(n, "skipped (suspect loss)", w) for n, _, w in self.last_rules]
+            return []
         if self.auto:
             for key, engine in engines.items():
                 self.engines[key] = weakref.ref(engine)
@@ -247,6 +254,31 @@ class CVI(PyroOptim):
         for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
             p.grad = None
         return list(engines.values())
+
+    def _infinite_gradients(self, groups: List[Any], others: List[torch.Tensor]) -> Optional[str]:
+        """``None`` where every gradient of the Gaussians' and the other parameters is finite;
+        else what is not (the step is skipped; the ``SUSPECTS``-th such step in a row raises
+        :class:`~pyro_cvi.DivergenceError`, the guide as it was)."""
+        store = pyro.get_param_store()
+        named = [(n, store[n].unconstrained()) for g in groups for _, n in g.names if n in store]
+        named += [(store.param_name(p) or "a parameter", p) for p in others]
+        grads = [(n, p.grad) for n, p in named if p.grad is not None]
+        if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+            self.infinite_steps = 0
+            return None
+        bad = sorted({n for n, g in grads if not bool(torch.isfinite(g).all())})
+        self.infinite_steps += 1
+        if self.infinite_steps >= SUSPECTS:
+            self.infinite_steps = 0
+            raise DivergenceError(
+                f"CVI(): the gradients of {bad} were not finite {SUSPECTS} steps in a row (a q "
+                "whose draws overflow the model's log density, or reach the edge of a support "
+                "in float32: a Dirichlet's or a Gamma's coordinate drawn past the dtype's "
+                "range); those steps were skipped and the guide keeps its q. Fixes: the "
+                "adaptive CVI() instead of a fixed step_size (or a smaller one), more particles "
+                "in the ELBO, or float64."
+            )
+        return f"the gradients of {bad} are not finite"
 
     def owns(self, leaves: frozenset) -> bool:
         """Whether a parameter the last step of this optimizer moved is among ``leaves`` (the

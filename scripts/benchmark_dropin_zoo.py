@@ -173,7 +173,7 @@ def sweep_one(entry, dtype, guide_name, step_size, steps):
                 break
         row["steps_done"] = i + 1
         if not math.isfinite(loss):
-            if any(str(w.message).startswith("CVI(): the loss of this step") for w in said):
+            if any(str(w.message).startswith("CVI(): this step was skipped") for w in said):
                 row["warned"] += 1  # skipped with a warning that says so: not silent
                 continue
             row["kind"], row["error"] = "nonfinite", f"step {i}: loss {loss}"
