@@ -155,3 +155,52 @@ def test_a_skipped_non_finite_loss_warns_and_keeps_q(dtype):
     assert _same(_raw("AutoNormal"), after)
     assert math.isfinite(svi.step(y))
     assert not _same(_raw("AutoNormal"), after)
+
+
+def _loss_and_grads(elbo, model, guide, *args):
+    """One loss of a hand-written loop: ``(loss, the raw parameters it touched)``."""
+    with pyro.poutine.trace(param_only=True) as tr:
+        loss = elbo.loss_and_grads(model, guide, *args)
+    return loss, [s["value"].unconstrained() for s in tr.trace.nodes.values()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_non_finite_gradients_skip_the_step_and_three_in_a_row_raise(dtype):
+    """A finite loss whose gradients are not finite (a draw on the edge of a support: the
+    lda model in float32): the whole step is skipped with a warning (the Gaussians and the
+    inner optimizer's parameter bit for bit); the third such step in a row raises
+    DivergenceError naming the parameter; an ordinary step then runs."""
+
+    def model(y):
+        w = pyro.sample("w", dist.Gamma(y.new_tensor(2.0), y.new_tensor(1.0)))
+        shift = pyro.param("shift", y.new_tensor(0.0))  # (the inner optimizer's)
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Exponential(w), obs=y * shift.exp())
+
+    y = torch.tensor([0.5, 1.5, 0.8, 2.0], dtype=dtype)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(3)
+    guide = ag.AutoNormal(model)
+    optim, elbo = CVI(step_size=0.5), Trace_ELBO()
+    _, params = _loss_and_grads(elbo, model, guide, y)
+    optim(params)
+    for p in params:
+        p.grad = None
+    before = {n: v.unconstrained().detach().clone() for n, v in pyro.get_param_store().items()}
+    for k in range(3):
+        loss, params = _loss_and_grads(elbo, model, guide, y)
+        assert math.isfinite(loss)
+        pyro.get_param_store()["AutoNormal.locs.w"].unconstrained().grad.fill_(math.nan)
+        if k < 2:
+            with pytest.warns(RuntimeWarning, match=r"skipped \(the gradients of \['AutoNormal"):
+                optim(params)
+        else:
+            with pytest.raises(DivergenceError, match="not finite 3 steps in a row"):
+                optim(params)
+        now = pyro.get_param_store()
+        assert all(torch.equal(now[n].unconstrained(), v) for n, v in before.items())
+        assert all(p.grad is None for p in params)
+    _, params = _loss_and_grads(elbo, model, guide, y)
+    optim(params)
+    now = pyro.get_param_store()
+    assert all(not torch.equal(now[n].unconstrained(), v) for n, v in before.items())
