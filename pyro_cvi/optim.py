@@ -285,6 +285,10 @@ class CVI(PyroOptim):
         ids of raw parameters; :mod:`pyro_cvi.natgrad.observe`)."""
         return any(id(raw) in leaves for raw, _ in self.gaussians.before)
 
+    def can_undo(self) -> bool:
+        """Whether the last step moved Pyro's Gaussians (:meth:`refuse_draw` can undo it)."""
+        return bool(self.gaussians.before)
+
     def refuse_draw(self) -> Optional[str]:
         """The loss drew a latent value outside the model's support
         (:mod:`pyro_cvi.natgrad.observe`): where the last step of this optimizer moved Pyro's

@@ -170,6 +170,8 @@ class SiteObserver(Messenger):
         value = msg["value"]
         if not value.is_floating_point() or msg["infer"].get("_enumerate_dim") is not None:
             return
+        if not any(o.can_undo() for o in list(_OWNERS)):
+            return  # no step to undo (AutoCVI alone, or the first loss): as before
         why = None
         with torch.no_grad():
             if not bool(torch.isfinite(value).all()):
@@ -314,7 +316,7 @@ def observer(owner: object) -> SiteObserver:
     obs.take()
     obs.log, obs.broken = [], False
     _STATE["users"] += 1
-    if hasattr(owner, "refuse_draw"):
+    if hasattr(owner, "refuse_draw") and hasattr(owner, "can_undo"):
         _OWNERS.add(owner)
     weakref.finalize(owner, _release)
     return obs
