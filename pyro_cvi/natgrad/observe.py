@@ -16,8 +16,9 @@ bottom) and it sees the site exactly as the loss's own trace does (a site hidden
   whose value is not finite or fails its prior's support (a draw of ``q`` far in its tails after
   a step, overflowed to ``inf`` or underflowed to a boundary) is refused *before* the model
   builds a distribution from it (where torch would raise a bare constraint error): each live
-  ``CVI()`` that owns this guide's parameters puts its Gaussians back to their best ``q``
-  (:meth:`pyro_cvi.CVI.refuse_draw`) and :class:`~pyro_cvi.DivergenceError` names the site;
+  ``CVI()`` whose last step moved this guide's Gaussians undoes that step, bit for bit
+  (:meth:`pyro_cvi.CVI.refuse_draw`), and :class:`~pyro_cvi.DivergenceError` names the site
+  (nothing is checked where no such step exists: AutoCVI alone, or the first loss);
 * for the divergence guard, ``(sign, fn, value, scale, mask)`` of every sample site, from
   which :meth:`SiteObserver.take_loss` forms the ``-ELBO`` estimate of the particles seen
   since the last step, ``-(sum log p - sum log q) / particles`` (Trace_ELBO's own estimate,
@@ -300,7 +301,7 @@ def _has_params(fn: Any, depth: int = 0) -> bool:
 
 
 _STATE: Dict[str, Any] = {"observer": None, "users": 0}
-#: the live ``CVI()`` optimizers (:meth:`SiteObserver._check_draw` asks them to restore)
+#: the live ``CVI()`` optimizers (:meth:`SiteObserver._check_draw` asks them to undo a step)
 _OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
