@@ -263,7 +263,7 @@ class CVI(PyroOptim):
         named = [(n, store[n].unconstrained()) for g in groups for _, n in g.names if n in store]
         named += [(store.param_name(p) or "a parameter", p) for p in others]
         grads = [(n, p.grad) for n, p in named if p.grad is not None]
-        if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+        if not grads or _all_finite([g for _, g in grads]):
             self.infinite_steps = 0
             return None
         bad = sorted({n for n, g in grads if not bool(torch.isfinite(g).all())})
@@ -375,6 +375,14 @@ class _Labels:
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
+
+
+def _all_finite(tensors: List[torch.Tensor]) -> bool:
+    """Whether every entry of ``tensors`` is finite (one pass where they concatenate)."""
+    try:
+        return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all())
+    except RuntimeError:  # (devices that do not concatenate)
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:
