@@ -212,7 +212,7 @@ class CVI(PyroOptim):
                     "Fixes: the adaptive CVI() instead of a fixed step_size (or a smaller "
                     "one), more particles in the ELBO, or float64.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,  # (the caller of svi.step)
                 )
             self.t -= 1
             for p in params:
