@@ -34,7 +34,19 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Tuple,
+    Type,
+    Union,
+    cast,
+)
 
 import pyro
 import torch
@@ -260,7 +272,8 @@ class CVI(PyroOptim):
         else what is not (the step is skipped; the ``SUSPECTS``-th such step in a row raises
         :class:`~pyro_cvi.DivergenceError`, the guide as it was)."""
         store = pyro.get_param_store()
-        named = [(n, store[n].unconstrained()) for g in groups for _, n in g.names if n in store]
+        raw = store.get_state()["params"]  # (name -> unconstrained tensor)
+        named = [(n, raw[n]) for g in groups for _, n in g.names if n in raw]
         named += [(store.param_name(p) or "a parameter", p) for p in others]
         grads = [(n, p.grad) for n, p in named if p.grad is not None]
         if not grads or _all_finite([g for _, g in grads]):
@@ -280,7 +293,7 @@ class CVI(PyroOptim):
             )
         return f"the gradients of {bad} are not finite"
 
-    def owns(self, leaves: frozenset) -> bool:
+    def owns(self, leaves: FrozenSet[int]) -> bool:
         """Whether a parameter the last step of this optimizer moved is among ``leaves`` (the
         ids of raw parameters; :mod:`pyro_cvi.natgrad.observe`)."""
         return any(id(raw) in leaves for raw, _ in self.gaussians.before)
