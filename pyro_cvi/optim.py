@@ -31,8 +31,22 @@ It works the same under ``SVI.step`` and a hand-written loop (``loss.loss_and_gr
 
 from __future__ import annotations
 
+import math
+import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Tuple,
+    Type,
+    Union,
+    cast,
+)
 
 import pyro
 import torch
@@ -41,7 +55,7 @@ from pyro.optim import PyroOptim
 from .divergence import DivergenceError, watch
 from .natgrad import GaussianStepper
 from .natgrad.gp_models import HYPER_LR, GPHyperparameters
-from .natgrad.guard import LossGuard
+from .natgrad.guard import SUSPECTS, LossGuard
 from .natgrad.observe import current, forget, observer
 from .scale.distributed import tell_ranks
 from .step_sizes import Schedule, as_schedule
@@ -104,6 +118,8 @@ class CVI(PyroOptim):
         self.gaussians = GaussianStepper(gaussian_step, gaussians)
         #: divergence of the Gaussians of Pyro's guides, from the loss svi.step got
         self.guard = LossGuard()
+        #: steps in a row skipped for non-finite gradients (:meth:`_infinite_gradients`)
+        self.infinite_steps = 0
         observer(self)  # sees the guide's sites while the loss runs (natgrad.observe)
         #: what the last step did with each parameter (:meth:`explain`)
         self.last_rules: List[Tuple[str, str, str]] = []
@@ -182,9 +198,11 @@ class CVI(PyroOptim):
                 "by natural gradients"
             )
         self.t += 1
+        self.gaussians.before = []  # (a skipped step below undoes nothing)
         value = loss() if loss is not None and groups else None
         if loss is not None and not groups:
             forget(params)
+        take, why = True, None
         if groups and value is not None:
             try:
                 take = self.guard.check(value, groups)
@@ -192,13 +210,28 @@ class CVI(PyroOptim):
                 for g in groups:  # the step control of each Gaussian starts afresh
                     self.gaussians.controls.pop(g.label, None)
                 raise
-            if not take:  # a suspect loss (natgrad.guard): the whole step is skipped
-                self.t -= 1
-                for p in params:
-                    p.grad = None
-                abort(engines.values())  # AutoCVI guides back to where their loss began
-                self.last_rules = [(n, "skipped (suspect loss)", w) for n, _, w in self.last_rules]
-                return []
+            if not take and not math.isfinite(value):
+                why = f"its loss is {value}"
+        if take and groups:
+            why = self._infinite_gradients(groups, others)
+            take = why is None
+        if not take:  # a suspect loss (natgrad.guard) or gradients: the whole step is skipped
+            if why is not None:
+                warnings.warn(
+                    f"CVI(): this step was skipped ({why}; a draw of q where the model's "
+                    "log density overflows, or on the edge of a support in float32?): the "
+                    f"guide keeps its q; {SUSPECTS} such steps in a row raise DivergenceError. "
+                    "Fixes: the adaptive CVI() instead of a fixed step_size (or a smaller "
+                    "one), more particles in the ELBO, or float64.",
+                    RuntimeWarning,
+                    stacklevel=4,  # (the caller of svi.step)
+                )
+            self.t -= 1
+            for p in params:
+                p.grad = None
+            abort(engines.values())  # AutoCVI guides back to where their loss began
+            self.last_rules = [(n, "skipped (suspect loss)", w) for n, _, w in self.last_rules]
+            return []
         if self.auto:
             for key, engine in engines.items():
                 self.engines[key] = weakref.ref(engine)
@@ -233,6 +266,55 @@ class CVI(PyroOptim):
         for p in others:  # consumed: an interrupt before SVI zeroes them must not leak them
             p.grad = None
         return list(engines.values())
+
+    def _infinite_gradients(self, groups: List[Any], others: List[torch.Tensor]) -> Optional[str]:
+        """``None`` where every gradient of the Gaussians' and the other parameters is finite;
+        else what is not (the step is skipped; the ``SUSPECTS``-th such step in a row raises
+        :class:`~pyro_cvi.DivergenceError`, the guide as it was)."""
+        store = pyro.get_param_store()
+        raw = store.get_state()["params"]  # (name -> unconstrained tensor)
+        named = [(n, raw[n]) for g in groups for _, n in g.names if n in raw]
+        named += [(store.param_name(p) or "a parameter", p) for p in others]
+        grads = [(n, p.grad) for n, p in named if p.grad is not None]
+        if not grads or _all_finite([g for _, g in grads]):
+            self.infinite_steps = 0
+            return None
+        bad = sorted({n for n, g in grads if not bool(torch.isfinite(g).all())})
+        self.infinite_steps += 1
+        if self.infinite_steps >= SUSPECTS:
+            self.infinite_steps = 0
+            raise DivergenceError(
+                f"CVI(): the gradients of {bad} were not finite {SUSPECTS} steps in a row (a q "
+                "whose draws overflow the model's log density, or reach the edge of a support "
+                "in float32: a Dirichlet's or a Gamma's coordinate drawn past the dtype's "
+                "range); those steps were skipped and the guide keeps its q. Fixes: the "
+                "adaptive CVI() instead of a fixed step_size (or a smaller one), more particles "
+                "in the ELBO, or float64."
+            )
+        return f"the gradients of {bad} are not finite"
+
+    def owns(self, leaves: FrozenSet[int]) -> bool:
+        """Whether a parameter the last step of this optimizer moved is among ``leaves`` (the
+        ids of raw parameters; :mod:`pyro_cvi.natgrad.observe`)."""
+        return any(id(raw) in leaves for raw, _ in self.gaussians.before)
+
+    def can_undo(self) -> bool:
+        """Whether the last step moved Pyro's Gaussians (:meth:`refuse_draw` can undo it)."""
+        return bool(self.gaussians.before)
+
+    def refuse_draw(self) -> Optional[str]:
+        """The loss drew a latent value outside the model's support
+        (:mod:`pyro_cvi.natgrad.observe`): where the last step of this optimizer moved Pyro's
+        Gaussians, that step is undone and their step controls start afresh; returns the
+        sentence the error adds, or ``None`` where it moved none (AutoCVI alone: its own step
+        control handles its losses; the first loss: the initial q) and the loss goes on."""
+        if not self.gaussians.before:
+            return None
+        labels = self.gaussians.undo()
+        return (
+            f"The last natural-gradient step of the Gaussians {labels} was undone (the guide "
+            "holds the q the previous loss evaluated), and their step controls start afresh."
+        )
 
     def _get_optim_args(self, param: Any) -> Dict[str, Any]:
         # (PyroOptim asks once per parameter, when it builds the parameter's torch optimizer)
@@ -306,6 +388,14 @@ class _Labels:
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
+
+
+def _all_finite(tensors: List[torch.Tensor]) -> bool:
+    """Whether every entry of ``tensors`` is finite (one pass where they concatenate)."""
+    try:
+        return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all())
+    except RuntimeError:  # (devices that do not concatenate)
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _ceiling(max_beta: float) -> Callable[[Any], Tuple[float, float]]:

@@ -14,12 +14,18 @@ Every guide is scored by one estimator: the -ELBO over ``M`` calls of ``P`` part
 seed), with its standard error. A run that raises (``DivergenceError``) is scored at the ``q``
 it was left with (the guard puts back its best ``q``) and counted as diverged.
 
+``--errors`` sweeps for failures instead (no bound, no Adam): every model x guide x dtype with the
+adaptive step and a fixed step (``--fixed``, 0.5) for ``--steps`` steps (30 by default there),
+listing each exception that is not the project's own (raised outside ``pyro_cvi``: a raw torch or
+Pyro error) and each non-finite loss returned without an error.
+
 ``--checkout PATH`` runs the ``pyro_cvi`` of another checkout (the zoo stays this one's), for a
 before/after table: ``--compare BEFORE.json`` compares this run with a record, row by row
 (``worse``: bound higher by more than ``max(0.5 nat, 3 combined se)``).
 
     python scripts/benchmark_dropin_zoo.py [--quick] [--models ...] [--dtypes float32 float64]
         [--out results/benchmark_dropin_zoo.json] [--compare BEFORE.json] [--checkout PATH]
+    python scripts/benchmark_dropin_zoo.py --errors [--steps 30] [--fixed 0.5] [--models ...]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import math
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -125,6 +132,94 @@ def run_one(entry, dtype, guide_name, optim_name, lr, steps, M, P):
     return row
 
 
+def raised_where(error: BaseException) -> str:
+    """``"own"`` where the innermost frame that raised is ``pyro_cvi``'s (a project error, which
+    names the site and says what to do), else ``"raw"`` (torch's or Pyro's own message)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    last = frames[-1].filename if frames else ""
+    return "own" if "/pyro_cvi/" in last.replace("\\", "/") else "raw"
+
+
+def sweep_one(entry, dtype, guide_name, step_size, steps):
+    """One ``CVI(step_size)`` run for the error sweep: a row with ``kind`` ``"ok"``, ``"own"``
+    (a project error), ``"raw"`` (an error raised outside ``pyro_cvi``) or ``"nonfinite"`` (a
+    non-finite loss returned without an error or ``CVI()``'s warning that the step was
+    skipped; ``warned`` counts those with the warning)."""
+    import pyro
+    from pyro.infer import SVI
+    from pyro.infer import autoguide as ag
+
+    from pyro_cvi import CVI
+
+    data = entry.data(dtype)
+    built, kwargs = _model(entry, dtype)
+    model, hidden = (built, built) if not isinstance(built, tuple) else built
+    init = {"init_loc_fn": kwargs["init_loc_fn"]} if "init_loc_fn" in kwargs else {}
+    row = {"model": entry.name, "dtype": str(dtype).split(".")[-1], "guide": guide_name}
+    row["step"] = "auto" if step_size == "auto" else f"fixed {step_size:g}"
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = getattr(ag, guide_name)(hidden, **init)
+    svi = SVI(model, guide, CVI(step_size=step_size), zoo_elbo(entry))
+    row["kind"], row["error"], row["steps_done"], row["warned"] = "ok", None, 0, 0
+    for i in range(steps):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                loss = float(svi.step(*data.args, **data.kwargs))
+            except Exception as e:
+                row["kind"] = raised_where(e)
+                row["error"] = f"step {i}: {type(e).__name__}: {str(e)[:200]}"
+                break
+        row["steps_done"] = i + 1
+        if not math.isfinite(loss):
+            if any(str(w.message).startswith("CVI(): this step was skipped") for w in said):
+                row["warned"] += 1  # skipped with a warning that says so: not silent
+                continue
+            row["kind"], row["error"] = "nonfinite", f"step {i}: loss {loss}"
+            break
+    return row
+
+
+def sweep(names, dtypes, guides, steps, fixed, out) -> int:
+    """The error sweep (``--errors``): prints a line per failing run, then the verdict."""
+    import torch
+    from zoo import ZOO
+
+    rows = []
+    for name in names:
+        entry = ZOO[name]
+        for dt in dtypes:
+            dtype = getattr(torch, dt)
+            built, _ = _model(entry, dtype)
+            hidden = built[1] if isinstance(built, tuple) else built
+            size = latent_size(hidden, entry.data(dtype))
+            for g in guides:
+                if g in GUIDES[2:] and size > JOINT_MAX:
+                    continue
+                for step in ("auto", fixed):
+                    r = sweep_one(entry, dtype, g, step, steps)
+                    rows.append(r)
+                    if r["kind"] != "ok":
+                        print(
+                            f"{name:28s} {dt:8s} {g:30s} {r['step']:9s} {r['kind']:9s} "
+                            f"{r['error'][:150]}",
+                            flush=True,
+                        )
+    bad = [r for r in rows if r["kind"] in ("raw", "nonfinite")]
+    own = [r for r in rows if r["kind"] == "own"]
+    line = (
+        f"Verdict: {len(rows)} runs of {steps} steps; {len(bad)} raw errors or silent non-finite "
+        f"losses, {len(own)} project errors, {len(rows) - len(bad) - len(own)} ran"
+    )
+    print(line)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows, "verdict": line}, indent=1))
+    print(f"wrote {path}")
+    return 1 if bad else 0
+
+
 def key(row):
     return (row["model"], row["dtype"], row["guide"], row["optim"])
 
@@ -157,7 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", default=None, help="zoo keys (default: all)")
     ap.add_argument("--dtypes", nargs="*", default=["float32", "float64"])
     ap.add_argument("--guides", nargs="*", default=list(GUIDES))
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=None, help="300 (--errors: 30)")
+    ap.add_argument("--errors", action="store_true", help="sweep for errors (see above)")
+    ap.add_argument("--fixed", type=float, default=0.5, help="--errors: the fixed step")
     ap.add_argument("--no-adam", action="store_true", help="skip AutoNormal + Adam")
     ap.add_argument("--M", type=int, default=10, help="calls of the bound estimator")
     ap.add_argument("--P", type=int, default=10, help="particles per call")
@@ -173,6 +270,14 @@ def main(argv=None) -> int:
     import pyro_cvi
 
     torch.set_num_threads(1)
+    if a.errors:
+        out = (
+            a.out
+            if "--out" in (argv or sys.argv)
+            else str(ROOT / "results/quick/dropin_errors.json")
+        )
+        return sweep(a.models or list(ZOO), a.dtypes, a.guides, a.steps or 30, a.fixed, out)
+    a.steps = a.steps or 300
     if a.quick:
         a.models = a.models or list(QUICK_MODELS)
         a.dtypes, a.steps = ["float64"], 100

@@ -12,6 +12,13 @@ bottom) and it sees the site exactly as the loss's own trace does (a site hidden
   (``msg["done"]``: the model's sites replayed from the guide's trace, enumerated sites) -
   the distribution object, hence the autograd graph from the raw parameters to the
   distribution's parameters (:mod:`pyro_cvi.natgrad.sites` reads it);
+* **draws outside the model's support**: a latent site of the model replayed from the guide
+  whose value is not finite or fails its prior's support (a draw of ``q`` far in its tails after
+  a step, overflowed to ``inf`` or underflowed to a boundary) is refused *before* the model
+  builds a distribution from it (where torch would raise a bare constraint error): each live
+  ``CVI()`` whose last step moved this guide's Gaussians undoes that step, bit for bit
+  (:meth:`pyro_cvi.CVI.refuse_draw`), and :class:`~pyro_cvi.DivergenceError` names the site
+  (nothing is checked where no such step exists: AutoCVI alone, or the first loss);
 * for the divergence guard, ``(sign, fn, value, scale, mask)`` of every sample site, from
   which :meth:`SiteObserver.take_loss` forms the ``-ELBO`` estimate of the particles seen
   since the last step, ``-(sum log p - sum log q) / particles`` (Trace_ELBO's own estimate,
@@ -49,9 +56,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from pyro.distributions import constraints
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
+from ..divergence import DivergenceError
 from .gp_models import owning_gp_model
 
 __all__ = ["GuideSite", "SiteObserver", "current", "forget", "observer"]
@@ -117,6 +126,8 @@ class SiteObserver(Messenger):
                 particles = int(frame.size)
         scale = msg["scale"]
         guide = not done and not observed
+        if done and not observed and torch.is_tensor(msg["value"]):
+            self._check_draw(msg)
         leaves: Leaves = None
         if guide and _STATE["users"] > 1:
             leaves = _leaves(fn)
@@ -153,6 +164,42 @@ class SiteObserver(Messenger):
         sign = -1 if guide else 1
         entry = (sign, fn, msg["value"], scale, msg["mask"], msg["name"], particles, leaves)
         self.log.append(entry)
+
+    def _check_draw(self, msg: Any) -> None:
+        """Refuse a latent value replayed into the model that is not finite or is outside its
+        prior's support (see the module docstring); enumerated and integer values pass."""
+        value = msg["value"]
+        if not value.is_floating_point() or msg["infer"].get("_enumerate_dim") is not None:
+            return
+        if not any(o.can_undo() for o in list(_OWNERS)):
+            return  # no step to undo (AutoCVI alone, or the first loss): as before
+        why = None
+        with torch.no_grad():
+            if not bool(torch.isfinite(value).all()):
+                why = "is not finite"
+            else:
+                support = getattr(msg["fn"], "support", None)
+                try:
+                    ok = _inside(support, value)
+                except (NotImplementedError, RuntimeError, ValueError, TypeError):
+                    ok = True  # a dependent or unusual support: the loss checks it
+                if not ok:
+                    why = f"is outside the support of its prior ({support})"
+        if why is None:
+            return
+        leaves = frozenset().union(*[k[1] for k in self.sites if k[1] is not None])
+        owners = [o for o in list(_OWNERS) if _STATE["users"] <= 1 or o.owns(leaves)]
+        notes = [n for n in (o.refuse_draw() for o in owners) if n is not None]
+        if not notes:  # no optimizer that steps Pyro's Gaussians: the loss goes on as before
+            return
+        self.sites, self.log, self.broken = {}, [], False  # this loss run is abandoned
+        raise DivergenceError(
+            f"CVI(): the guide drew a value of the latent site {msg['name']!r} that {why} "
+            f"(in {value.dtype}): q is too wide or too far out there to be evaluated. "
+            + " ".join(n for n in notes if n)
+            + " Fixes: the adaptive CVI() instead of a fixed step_size (or a smaller one), a "
+            "smaller init_scale of the guide, init_loc_fn=... inside the support, or float64."
+        )
 
     def take(self, params: Optional[Sequence[torch.Tensor]] = None) -> Dict[str, GuideSite]:
         """The guide sites seen since the last call (and forget them); with ``params``, only
@@ -224,6 +271,22 @@ class SiteObserver(Messenger):
         return -total / (runs * particles)
 
 
+def _inside(support: Any, value: torch.Tensor) -> bool:
+    """Whether ``value`` lies in ``support`` as the guide's map onto it reaches it: a bound
+    (``positive``, ``nonnegative``, ``greater_than``) strictly (``exp`` never reaches it; a
+    value on it underflowed), any other support by its own check; the real line always."""
+    base = support
+    while isinstance(base, constraints.independent):
+        base = base.base_constraint
+    if base is None or base is constraints.real:
+        return True
+    if isinstance(base, (constraints.greater_than, constraints.greater_than_eq)):
+        return bool((value > base.lower_bound).all())
+    if isinstance(base, constraints.less_than):
+        return bool((value < base.upper_bound).all())
+    return bool(support.check(value).all())
+
+
 def _has_params(fn: Any, depth: int = 0) -> bool:
     """Whether a tensor of the distribution (or of one it wraps) requires grad."""
     if depth > 8:
@@ -238,6 +301,8 @@ def _has_params(fn: Any, depth: int = 0) -> bool:
 
 
 _STATE: Dict[str, Any] = {"observer": None, "users": 0}
+#: the live ``CVI()`` optimizers (:meth:`SiteObserver._check_draw` asks them to undo a step)
+_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def observer(owner: object) -> SiteObserver:
@@ -252,6 +317,8 @@ def observer(owner: object) -> SiteObserver:
     obs.take()
     obs.log, obs.broken = [], False
     _STATE["users"] += 1
+    if hasattr(owner, "refuse_draw") and hasattr(owner, "can_undo"):
+        _OWNERS.add(owner)
     weakref.finalize(owner, _release)
     return obs
 

@@ -64,6 +64,9 @@ class GaussianStepper:
         self.site_locs: set = set()
         #: the curvature fitted from the draws of each diagonal Gaussian (by label)
         self.curvatures: Dict[str, DrawCurvature] = {}
+        #: the raw parameters the last step overwrote, with their values before it (:meth:`undo`)
+        self.before: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.before_labels: List[str] = []
 
     def observe(self, sites: Mapping[str, GuideSite]) -> None:
         """Analyse the guide sites the loss just ran (:mod:`pyro_cvi.natgrad.sites`); an empty
@@ -174,10 +177,15 @@ class GaussianStepper:
         """One step of every Gaussian in ``groups``; ``beta_of(control)`` gives its sizes
         ``(b, b for the mean or None: the same)``. ``adaptive``: also cap each step by a trust
         region (see :func:`pyro_cvi.gaussian.steps.tril_step`)."""
+        self.before, self.before_labels = [], [g.label for g in groups]
         if not groups:
             return
-        cons = pyro.get_param_store().get_state()["constraints"]
+        store = pyro.get_param_store()
+        cons = store.get_state()["constraints"]
         for g in groups:
+            for _, n in g.names:
+                raw = store[n].unconstrained()
+                self.before.append((raw, raw.detach().clone()))
             control = self.controls.get(g.label)
             if control is None:
                 control = self.controls[g.label] = _control(g.family)
@@ -216,6 +224,17 @@ class GaussianStepper:
                     RuntimeWarning,
                     stacklevel=4,
                 )
+
+    def undo(self) -> List[str]:
+        """Put back the raw values the last :meth:`step` overwrote (bit for bit) and let every
+        step control start afresh; the labels of the Gaussians put back."""
+        with torch.no_grad():
+            for raw, value in self.before:
+                raw.copy_(value)
+        self.before = []
+        self.controls.clear()
+        labels, self.before_labels = self.before_labels, []
+        return labels
 
     def _fit(self, g: GaussianGroup) -> Optional[Tuple[torch.Tensor, DrawCurvature]]:
         """``(draw, curvature fit)`` of a diagonal or full-covariance Gaussian with one draw
