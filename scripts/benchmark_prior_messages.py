@@ -205,12 +205,23 @@ GROUP_MODELS = {
 }
 
 
-def groups_rows(groups, dtypes, steps, particles, model_name="many_schools", ways=None, repeats=5):
+def groups_rows(
+    groups,
+    dtypes,
+    steps,
+    particles,
+    model_name="many_schools",
+    ways=None,
+    repeats=5,
+    checkpoints=(),
+):
     """A model of :data:`GROUP_MODELS` with ``G`` groups, each spelling of :data:`GROUP_WAYS`
     (the default takes the tree up to ``MAX_JOINT_DIM`` coordinates, else the group latent's
     exact block beside the remainder where the rule allows): ``-ELBO`` (``Trace_ELBO``,
     ``particles`` x 5, not timed), CPU seconds (set-up and steps, one thread) and the
-    process's peak memory so far."""
+    process's peak memory so far; at each step count in ``checkpoints`` a ``Trace_ELBO``
+    estimate (``particles``, not timed, the random-number state restored after it so that the
+    fit's trajectory is the one without checkpoints)."""
     import resource
 
     model, data, latent = GROUP_MODELS[model_name]
@@ -229,9 +240,18 @@ def groups_rows(groups, dtypes, steps, particles, model_name="many_schools", way
                 t = time.process_time()
                 guide = AutoCVI(model, families=families)
                 svi = SVI(model, guide, CVI(), CVI_ELBO())
-                losses = [svi.step(*args) for _ in range(steps)]
+                losses, curve = [], []
+                for i in range(1, steps + 1):
+                    losses.append(svi.step(*args))
+                    if i in checkpoints and i < steps:
+                        cpu = time.process_time() - t
+                        state = torch.get_rng_state()
+                        curve.append((i, cpu, score(model, guide, args, {}, particles)[0]))
+                        torch.set_rng_state(state)
+                        t = time.process_time() - cpu
                 cpu = time.process_time() - t
                 bound, se = score(model, guide, args, {}, particles, repeats=repeats)
+                curve.append((steps, cpu, bound))
                 an = guide.engine.analysis
                 out[key] = {
                     "groups": G,
@@ -241,11 +261,12 @@ def groups_rows(groups, dtypes, steps, particles, model_name="many_schools", way
                     "se": se,
                     "cpu": cpu,
                     "last_loss": float(losses[-1]),
+                    "curve": curve,
                     "remainder": list(an.remainder),
                     "beside": sorted(getattr(an, "prior_beside", {})),
                     "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 }
-                print(key, f"{bound:.2f} +- {se:.2f}", f"{cpu:.1f} s", flush=True)
+                print(key, f"{bound:.2f} +- {se:.2f}", f"{cpu:.1f} s", curve[:-1], flush=True)
     return out
 
 
@@ -258,6 +279,7 @@ def groups_main(args):
         args.model,
         args.ways,
         args.repeats,
+        set(args.checkpoints),
     )
     v = GROUP_MODELS[args.model][2]
     table = Table(
@@ -313,6 +335,7 @@ def main():
     p.add_argument("--models", nargs="*", default=None)
     p.add_argument("--dtypes", nargs="*", default=["float64", "float32"])
     p.add_argument("--groups", nargs="*", type=int, default=None, help="group counts")
+    p.add_argument("--checkpoints", nargs="*", type=int, default=[], help="steps to score at")
     p.add_argument("--repeats", type=int, default=5, help="Trace_ELBO estimates (--groups)")
     p.add_argument("--model", default="many_schools", choices=sorted(GROUP_MODELS))
     p.add_argument("--ways", nargs="*", default=None, help="spellings of --groups (all)")
