@@ -23,6 +23,12 @@ Usage::
     python scripts/benchmark_prior_messages.py --quick
     python scripts/benchmark_prior_messages.py --out results/benchmark_prior_messages.json
     python scripts/benchmark_prior_messages.py --groups 150 500 1000 5000 --eval-particles 50
+    python scripts/benchmark_prior_messages.py --groups 150 500 --model grouped_regression \
+        --dtypes float64 --steps 300 --eval-particles 50 --repeats 6
+    python scripts/benchmark_prior_messages.py --groups 500 --model grouped_regression \
+        --dtypes float64 --steps 900 --checkpoints 50 100 200 300 450 600 750 \
+        --eval-particles 50 --repeats 6 --ways default tree \
+        --out results/benchmark_groups_grouped_regression_curve.json
 """
 
 from __future__ import annotations
