@@ -23,6 +23,12 @@ Usage::
     python scripts/benchmark_prior_messages.py --quick
     python scripts/benchmark_prior_messages.py --out results/benchmark_prior_messages.json
     python scripts/benchmark_prior_messages.py --groups 150 500 1000 5000 --eval-particles 50
+    python scripts/benchmark_prior_messages.py --groups 150 500 --model grouped_regression \
+        --dtypes float64 --steps 300 --eval-particles 50 --repeats 6
+    python scripts/benchmark_prior_messages.py --groups 500 --model grouped_regression \
+        --dtypes float64 --steps 900 --checkpoints 50 100 200 300 450 600 750 \
+        --eval-particles 50 --repeats 6 --ways default tree \
+        --out results/benchmark_groups_grouped_regression_curve.json
 """
 
 from __future__ import annotations
@@ -189,39 +195,69 @@ def run(name, dtype, way, particles, quick):
     }
 
 
-#: ``--groups``: spelling -> (families, the most groups it runs at: a dense joint costs O(G^3))
+#: ``--groups``: spelling -> (family of the group latent, the most groups it runs at: a dense
+#: joint costs O(G^3))
 GROUP_WAYS = {
     "default": (None, None),
-    "tree": ({"theta": "gaussian"}, 1000),
-    "named mean field": ({"theta": "gaussian_diag"}, None),
-    "joint": ({"theta": "joint"}, 500),
+    "tree": ("gaussian", 1000),
+    "named mean field": ("gaussian_diag", None),
+    "joint": ("joint", 500),
+}
+
+#: ``--model``: name -> (model, data of G groups, the group latent)
+GROUP_MODELS = {
+    "many_schools": (many_schools, schools_data, "theta"),
+    "grouped_regression": (grouped_regression, grouped_data, "a"),
 }
 
 
-def groups_rows(groups, dtypes, steps, particles):
-    """``many_schools`` with ``G`` groups, each spelling of :data:`GROUP_WAYS` (the default
-    takes the tree up to ``MAX_JOINT_DIM`` coordinates, else ``theta``'s exact block beside
-    the remainder): ``-ELBO`` (``Trace_ELBO``, ``particles`` x 5, not timed), CPU seconds
-    (set-up and steps, one thread) and the process's peak memory so far."""
+def groups_rows(
+    groups,
+    dtypes,
+    steps,
+    particles,
+    model_name="many_schools",
+    ways=None,
+    repeats=5,
+    checkpoints=(),
+):
+    """A model of :data:`GROUP_MODELS` with ``G`` groups, each spelling of :data:`GROUP_WAYS`
+    (the default takes the tree up to ``MAX_JOINT_DIM`` coordinates, else the group latent's
+    exact block beside the remainder where the rule allows): ``-ELBO`` (``Trace_ELBO``,
+    ``particles`` x 5, not timed), CPU seconds (set-up and steps, one thread) and the
+    process's peak memory so far; at each step count in ``checkpoints`` a ``Trace_ELBO``
+    estimate (``particles``, not timed, the random-number state restored after it so that the
+    fit's trajectory is the one without checkpoints)."""
     import resource
 
+    model, data, latent = GROUP_MODELS[model_name]
     out = {}
     for G in groups:
         for dt in dtypes:
             dtype = getattr(torch, dt)
-            args, _ = schools_data(G)(dtype)
-            for way, (families, most) in GROUP_WAYS.items():
+            args, _ = data(G)(dtype)
+            for way, (family, most) in GROUP_WAYS.items():
                 key = f"{G}-{way}" + ("-f32" if dtype == torch.float32 else "")
-                if most is not None and G > most:
+                if (most is not None and G > most) or (ways and way not in ways):
                     continue
+                families = None if family is None else {latent: family}
                 pyro.clear_param_store()
                 pyro.set_rng_seed(0)
                 t = time.process_time()
-                guide = AutoCVI(many_schools, families=families)
-                svi = SVI(many_schools, guide, CVI(), CVI_ELBO())
-                losses = [svi.step(*args) for _ in range(steps)]
+                guide = AutoCVI(model, families=families)
+                svi = SVI(model, guide, CVI(), CVI_ELBO())
+                losses, curve = [], []
+                for i in range(1, steps + 1):
+                    losses.append(svi.step(*args))
+                    if i in checkpoints and i < steps:
+                        cpu = time.process_time() - t
+                        state = torch.get_rng_state()
+                        curve.append((i, cpu, score(model, guide, args, {}, particles)[0]))
+                        torch.set_rng_state(state)
+                        t = time.process_time() - cpu
                 cpu = time.process_time() - t
-                bound, se = score(many_schools, guide, args, {}, particles, repeats=5)
+                bound, se = score(model, guide, args, {}, particles, repeats=repeats)
+                curve.append((steps, cpu, bound))
                 an = guide.engine.analysis
                 out[key] = {
                     "groups": G,
@@ -231,23 +267,34 @@ def groups_rows(groups, dtypes, steps, particles):
                     "se": se,
                     "cpu": cpu,
                     "last_loss": float(losses[-1]),
+                    "curve": curve,
                     "remainder": list(an.remainder),
                     "beside": sorted(getattr(an, "prior_beside", {})),
                     "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 }
-                print(key, f"{bound:.2f} +- {se:.2f}", f"{cpu:.1f} s", flush=True)
+                print(key, f"{bound:.2f} +- {se:.2f}", f"{cpu:.1f} s", curve[:-1], flush=True)
     return out
 
 
 def groups_main(args):
-    rows = groups_rows(args.groups, args.dtypes, args.steps, args.eval_particles)
+    rows = groups_rows(
+        args.groups,
+        args.dtypes,
+        args.steps,
+        args.eval_particles,
+        args.model,
+        args.ways,
+        args.repeats,
+        set(args.checkpoints),
+    )
+    v = GROUP_MODELS[args.model][2]
     table = Table(
-        f"many_schools with G groups, {args.steps} steps: the default against other spellings",
+        f"{args.model} with G groups, {args.steps} steps: the default against other spellings",
         [
-            ("G, way", "groups; default: no families= (theta beside the remainder over "
-             f"{gaussian_tree.MAX_JOINT_DIM} tree coordinates); tree: {{theta: gaussian}}; "
-             "named mean field: {theta: gaussian_diag}; joint: {theta: joint}"),
-            ("-ELBO", "Trace_ELBO estimate (5 x eval particles) +- SE"),
+            ("G, way", f"groups; default: no families= ({v} beside the remainder over "
+             f"{gaussian_tree.MAX_JOINT_DIM} tree coordinates where the rule allows); tree: "
+             f"{{{v}: gaussian}}; named mean field: {{{v}: gaussian_diag}}; joint: {{{v}: joint}}"),
+            ("-ELBO", "Trace_ELBO estimate (repeats x eval particles) +- SE"),
             ("CPU s", "set-up and steps, one thread (scoring not timed)"),
             ("peak MB", "the process's peak resident memory after the row (monotone)"),
             ("remainder", "the remainder's latents"),
@@ -268,8 +315,9 @@ def groups_main(args):
             for o in rows.values()
             if o["groups"] == r["groups"] and o["dtype"] == r["dtype"] and o["way"] != "default"
         ]
-        worst.append((r["bound"] - min(others), key))
-    gap, where = max(worst)
+        if others:
+            worst.append((r["bound"] - min(others), key))
+    gap, where = max(worst) if worst else (float("nan"), "-")
     line = (
         f"Verdict: the default's -ELBO minus the best other spelling's is at most {gap:+.2f} "
         f"nat over the rows (at {where})."
@@ -281,8 +329,7 @@ def groups_main(args):
         title="Hierarchical models with many groups: the default against other spellings",
         verdict=line,
         tables=[table],
-        command="python scripts/benchmark_prior_messages.py --groups "
-        + " ".join(map(str, args.groups)),
+        command=" ".join(sys.argv if sys.argv[0].startswith("python") else ["python", *sys.argv]),
     )
 
 
@@ -293,14 +340,19 @@ def main():
     p.add_argument("--eval-particles", type=int, default=400)
     p.add_argument("--models", nargs="*", default=None)
     p.add_argument("--dtypes", nargs="*", default=["float64", "float32"])
-    p.add_argument("--groups", nargs="*", type=int, default=None, help="many_schools sizes")
+    p.add_argument("--groups", nargs="*", type=int, default=None, help="group counts")
+    p.add_argument("--checkpoints", nargs="*", type=int, default=[], help="steps to score at")
+    p.add_argument("--repeats", type=int, default=5, help="Trace_ELBO estimates (--groups)")
+    p.add_argument("--model", default="many_schools", choices=sorted(GROUP_MODELS))
+    p.add_argument("--ways", nargs="*", default=None, help="spellings of --groups (all)")
     p.add_argument("--steps", type=int, default=100, help="steps per run (with --groups)")
     args = p.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     if args.groups:
         if args.out == p.get_default("out"):
-            args.out = "results/benchmark_groups.json"
+            suffix = "" if args.model == "many_schools" else f"_{args.model}"
+            args.out = f"results/benchmark_groups{suffix}.json"
         return groups_main(args)
     names = args.models or (
         ["eight_schools_centered", "schools_100"]
