@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         out = (
             a.out
             if "--out" in (argv or sys.argv)
-            else str(ROOT / "results/quick/dropin_errors.json")
+            else str(ROOT / "results/quick/benchmark_dropin_zoo_errors.json")
         )
         return sweep(a.models or list(ZOO), a.dtypes, a.guides, a.steps or 30, a.fixed, out)
     a.steps = a.steps or 300
