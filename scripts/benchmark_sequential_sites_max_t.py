@@ -77,7 +77,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--lag-one", action="store_true", help="with lag-one covariances")
     ap.add_argument("--calls", type=int, default=12, help="timed calls per way and point")
     ap.add_argument("--out", default=None, help="the JSON (default: results/...)")
+    ap.add_argument(
+        "--quick", action="store_true", help="two lengths, 3 calls; JSON under results/quick/"
+    )
     args = ap.parse_args(argv)
+    if args.quick:
+        args.T, args.calls = args.T or [400, 1400], 3
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     Ts = args.T or GRID
@@ -129,6 +134,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         command="PYTHONPATH=. python scripts/benchmark_sequential_sites_max_t.py"
         + (" --lag-one" if args.lag_one else ""),
         text="Process CPU ms on one thread, float64, median per call, interleaved.",
+        quick=args.quick,
     )
     return {"rows": rows, "crossings": crossings}
 

@@ -18,6 +18,7 @@ NOT_BENCHMARKS = {
     "strip_tqdm_warning.py",
     "make_nuts_references.py",  # writes the reference posteriors of tests/zoo
     "run_gpytorch_examples.py",  # runs GPyTorch's example tests with the strategy swapped
+    "count_markov_step_instructions.py",  # prints callgrind's count; writes no JSON
 }
 BENCHMARKS = sorted(p for p in SCRIPTS.glob("*.py") if p.name not in NOT_BENCHMARKS)
 
