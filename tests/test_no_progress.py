@@ -3,6 +3,7 @@ whose losses gain less than their own spread since the start, a spread far beyon
 its optimum, warns once, naming its sites and what to do; a converging fit never does."""
 
 import math
+import statistics
 import warnings
 
 import pyro
@@ -115,6 +116,12 @@ def test_a_long_cumsum_chain_in_the_remainder_warns(dtype):
     # (by default the two cumsums take the Kalman block: ``'joint'`` keeps them in the remainder)
     found, losses = _fit(model, y, 400, stop=True, families={"eta": "joint"})
     assert min(losses) > 3000.0
+    if dtype == torch.float32 and not found:
+        # float32 can still creep down (seeds 0 and 2 on one thread: 42e3 -> 31e3 and 27e3 ->
+        # 21e3 over the last 150 steps): no warning then is the rule (a gain beyond the spread)
+        gain = statistics.median(losses[-50:]) / statistics.median(losses[-200:-150])
+        assert gain < 0.9
+        return
     assert len(found) == 1
     for word in ("eta", "eps", "families=", "init_scale=1e-3", "pyro.markov"):
         assert word in found[0]
