@@ -33,7 +33,7 @@ Diagonal covariance, elementwise over ``event_shape``:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import pyro.distributions as dist
 import torch
@@ -55,6 +55,7 @@ from ..gaussian.conversions import (
     scale_tril_from_precision,
     symmetrise,
 )
+from ..gaussian.selection import SelectionJacobian, square_matvec
 from ..linalg import cholesky
 from .base import ExponentialFamily, Params, _float_value, sum_rightmost
 
@@ -274,14 +275,17 @@ class Gaussian(ExponentialFamily):
         """``E z = mu1``, reshaped to ``batch + event_shape``."""
         return _plug_in_mean(self, nat, mean)
 
-    def variance_along(self, mean: Params, A: Tensor) -> Tensor:
+    def variance_along(self, mean: Params, A: Union[Tensor, SelectionJacobian]) -> Tensor:
         """``diag(A V A^T)`` with ``V = mu2 - mu1 mu1^T`` per batch element; ``A`` is
-        ``(R, batch numel * D)`` (the flattened batched latent)."""
+        ``(R, batch numel * D)`` (the flattened batched latent). A selection ``A`` (one
+        non-zero ``c_r`` per row, at coordinate ``k_r``) reads ``c_r^2 V[k_r, k_r]``."""
         m, m2 = mean
         if self.event_dim == 0:
-            return A.square() @ (m2 - m.square()).reshape(-1)
+            return square_matvec(A, (m2 - m.square()).reshape(-1))
         D = self.dim
         cov = m2 - m.unsqueeze(-1) * m.unsqueeze(-2)
+        if isinstance(A, SelectionJacobian):
+            return A.square().matvec(cov.diagonal(dim1=-2, dim2=-1).reshape(-1))
         Ab = A.reshape(A.shape[0], -1, D)
         return torch.einsum("rbi,bij,rbj->r", Ab, cov.reshape(-1, D, D), Ab)
 
@@ -389,10 +393,11 @@ class GaussianDiag(ExponentialFamily):
         """``E z = mu1``."""
         return _plug_in_mean(self, nat, mean)
 
-    def variance_along(self, mean: Params, A: Tensor) -> Tensor:
-        """``diag(A diag(v) A^T) = A^2 v`` with ``v = mu2 - mu1^2`` flattened."""
+    def variance_along(self, mean: Params, A: Union[Tensor, SelectionJacobian]) -> Tensor:
+        """``diag(A diag(v) A^T) = A^2 v`` with ``v = mu2 - mu1^2`` flattened (for a selection
+        ``A``: ``c^2 * v[idx]``, the same numbers without the dense ``A^2``)."""
         m, m2 = mean
-        return A.square() @ (m2 - m.square()).reshape(-1)
+        return square_matvec(A, (m2 - m.square()).reshape(-1))
 
     def marginal_variance(self, mean: Params) -> Tensor:
         """``mu2 - mu1^2``."""

@@ -13,7 +13,7 @@ because it is multilinear in the ``mu``'s.
 
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Set, Tuple, Union
 
 import pyro.distributions as dist
 import torch
@@ -21,10 +21,15 @@ import torch.nn.functional as F
 from pyro.distributions.util import broadcast_shape, scale_and_mask
 
 from ..families.base import sum_rightmost
+from ..gaussian.selection import SelectionJacobian, dense
 from ..model import conjugate_pairs as cp
 from ..model.factor_roles import FactorSpec
 from ..model.probes import jacobian
+from ..model.selection_probes import selection_jacobian
 from ..model.tracing import unwrap
+
+#: a dense ``(R, D)`` Jacobian or a selection of one non-zero per row
+Jacobian = Union[torch.Tensor, SelectionJacobian]
 
 __all__ = [
     "QState",
@@ -84,15 +89,16 @@ class QState:
         """q probabilities of a discrete latent over its values (last dim), differentiable."""
         return self.fam[name].probs(self.mu[name])
 
-    def variance(self, jacobians: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """``Var(sum_p A_p z_p)`` under q: blocks joint, natural-form latents independent."""
+    def variance(self, jacobians: Dict[str, Jacobian]) -> torch.Tensor:
+        """``Var(sum_p A_p z_p)`` under q: blocks joint, natural-form latents independent
+        (a selection ``A_p`` of a natural-form latent is never formed densely)."""
         total, per_block = 0.0, {}
         for p, A in jacobians.items():
             block = self.block_of.get(p)
             if block is None:
                 total = total + self.fam[p].variance_along(self.mu[p], A)
             else:
-                per_block.setdefault(id(block), (block, {}))[1][p] = A
+                per_block.setdefault(id(block), (block, {}))[1][p] = dense(A)
         for block, parts in per_block.values():
             total = total + block.variance_along(parts)
         return total
@@ -160,11 +166,14 @@ class FactorMoments:
 
     def _jacobian(self, name, p, t):
         """``d theta / d z_p`` (affine, so constant): cached per data and minibatch unless it
-        depends on learnable parameters."""
+        depends on learnable parameters. A large one with one non-zero per row is kept as a
+        selection (:mod:`~pyro_cvi.model.selection_probes`), never formed densely."""
         hit = self.cache.get((self.spec.site, name, p))
         if hit is not None and hit[0] == self.key and not self.spec.dynamic:
             return hit[1]
-        A = jacobian(t, self.q.cond[p]).detach()
+        A = selection_jacobian(t, self.q.cond[p])
+        if A is None:
+            A = jacobian(t, self.q.cond[p]).detach()
         self.cache[(self.spec.site, name, p)] = (self.key, A)
         return A
 

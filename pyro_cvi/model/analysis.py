@@ -455,14 +455,7 @@ class Analysis:
             if set(loc.parents) - set(block.names):
                 why = f"{spec.reason}: loc also affine in another Gaussian q"
                 return Factor(spec.site, label, GENERAL, why)
-            ref = next(iter(spec.jacobians.values()))
-            A = torch.cat(
-                [
-                    spec.jacobians.get(n, ref.new_zeros(ref.shape[0], k))
-                    for n, k in zip(block.names, block.sizes)
-                ],
-                1,
-            )
+            A = torch.cat([spec.dense_jacobian(n, k) for n, k in zip(block.names, block.sizes)], 1)
             why = f"{spec.reason}: rows with E_q[precision], given {others} (eq. 20)"
             return Factor(spec.site, label, CONJUGATE, why, "loc", A, spec.dynamic, True)
         enumerated = enumerated_factor(self, spec, block) or discrete_glm_factor(self, spec, block)

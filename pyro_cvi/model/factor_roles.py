@@ -16,8 +16,10 @@ from typing import Dict, Optional, Set, Union
 
 import torch
 
+from ..gaussian.selection import SelectionJacobian, dense
 from . import conjugate_pairs as cp
 from . import probes
+from .selection_probes import selection_jacobian
 from .tracing import unwrap
 
 __all__ = ["FactorSpec", "analyze_factor", "factor_spec", "minibatch_renames", "minibatch_spec"]
@@ -35,13 +37,23 @@ class FactorSpec:
     value_kind: str = "observed"  # observed | discrete | latent
     continuous: Set[str] = field(default_factory=set)  # continuous latents (incl. its value)
     discrete: Set[str] = field(default_factory=set)  # discrete latents (incl. its value)
-    jacobians: Dict[str, torch.Tensor] = field(default_factory=dict)  # affine loc: (R, D)
+    # affine loc: (R, D), a SelectionJacobian where large and one non-zero per row
+    jacobians: Dict[str, Union[torch.Tensor, SelectionJacobian]] = field(default_factory=dict)
     dynamic: bool = False  # an affine coefficient depends on learnable parameters
     collapsed: bool = False  # in the collapsed group (summed over discrete latents, collapsed.py)
 
     @property
     def latents(self) -> Set[str]:
         return self.continuous | self.discrete
+
+    def dense_jacobian(self, name: str, columns: int) -> torch.Tensor:
+        """The affine loc's Jacobian in ``name`` as a dense ``(R, D)`` matrix (a selection
+        formed), zeros ``(R, columns)`` where the loc does not depend on ``name``."""
+        A = self.jacobians.get(name)
+        if A is not None:
+            return dense(A)
+        ref = next(iter(self.jacobians.values()))
+        return torch.zeros(ref.shape[0], columns, dtype=ref.dtype, device=ref.device)
 
 
 def analyze_factor(an, site_name: str, draws: Optional[list] = None) -> FactorSpec:
@@ -197,7 +209,7 @@ def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
         if not probes.affine_graph(t, [leaves[p] for p in sorted(pdeps)]):
             return f"is not affine in {', '.join(sorted(pdeps))} (a non-linear operation)"
         with torch.enable_grad():
-            jac = {p: probes.jacobian(t, leaves[p]).detach() for p in sorted(pdeps)}
+            jac = {p: _affine_jacobian(t, leaves[p]) for p in sorted(pdeps)}
         if not probes.check_affine(read, {p: an.ref[p] for p in pdeps}, jac, f0=t.detach()):
             return f"is not affine in {', '.join(sorted(pdeps))} (probed)"
         spec.jacobians.update(jac)
@@ -219,6 +231,13 @@ def _role(an, spec, name, t, pdeps, kinds, fams) -> Union[cp.Role, str]:
                 return why
             return cp.Role(cp.IDENTITY, (p,), idx)
     return f"depends on {listed}: no conjugate pattern"
+
+
+def _affine_jacobian(t: torch.Tensor, z: torch.Tensor) -> Union[torch.Tensor, SelectionJacobian]:
+    """``d t / d z`` of an affine ``t``: a selection where it is a large one (never formed
+    densely, :mod:`~pyro_cvi.model.selection_probes`), else the dense matrix."""
+    sel = selection_jacobian(t, z)
+    return sel if sel is not None else probes.jacobian(t, z).detach()
 
 
 def _sequential_minibatch_plate(an, node) -> Optional[str]:

@@ -8,10 +8,11 @@ points and comparing with its Jacobian. All probes share one tolerance policy,
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..gaussian.selection import SelectionJacobian
 from .kron_probes import kron_jacobian, kron_product, matvec
 
 __all__ = [
@@ -236,7 +237,7 @@ def perturbations(at: Dict[str, torch.Tensor], num_probes: int = 2, seed: int = 
 def affine_at(
     f0: torch.Tensor,
     moved: Sequence[Tuple[Dict[str, torch.Tensor], torch.Tensor]],
-    jacobians: Dict[str, torch.Tensor],
+    jacobians: Dict[str, Union[torch.Tensor, SelectionJacobian]],
 ) -> bool:
     """Confirm ``f(z0 + dz) = f(z0) + sum_p A_p dz_p`` for every probe ``(dz, f(z0 + dz))``."""
     f0 = f0.reshape(-1)
@@ -246,7 +247,9 @@ def affine_at(
             pred = f0.clone()
             for p, A in jacobians.items():
                 if p in dz:
-                    pred = pred + matvec(A, dz[p].reshape(-1))
+                    d = dz[p].reshape(-1)
+                    sel = isinstance(A, SelectionJacobian)
+                    pred = pred + (A.matvec(d) if sel else matvec(A, d))
             if not close(f.reshape(-1), pred, tol):
                 return False
     return True
@@ -255,7 +258,7 @@ def affine_at(
 def check_affine(
     fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor],
     at: Dict[str, torch.Tensor],
-    jacobians: Dict[str, torch.Tensor],
+    jacobians: Dict[str, Union[torch.Tensor, SelectionJacobian]],
     num_probes: int = 2,
     f0: Optional[torch.Tensor] = None,
 ) -> bool:
