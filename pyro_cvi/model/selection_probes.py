@@ -32,14 +32,16 @@ _FLOAT32_MAX_COLUMNS = 1 << 22
 def selection_jacobian(
     out: torch.Tensor,
     z: torch.Tensor,
-    min_entries: int = SELECTION_MIN_ENTRIES,
+    min_entries: Optional[int] = None,
     seed: int = 13,
 ) -> Optional[SelectionJacobian]:
     """``d out / d z`` as a :class:`~pyro_cvi.gaussian.selection.SelectionJacobian` where it
     has at most one non-zero per row (confirmed at random products), else ``None`` (the caller
     forms the dense Jacobian). ``None`` too below ``min_entries`` dense entries, or where ``out``
-    has no autograd record to ``z``."""
+    has no autograd record to ``z``. ``min_entries`` defaults to :data:`SELECTION_MIN_ENTRIES`."""
     R, D = out.numel(), z.numel()
+    if min_entries is None:
+        min_entries = SELECTION_MIN_ENTRIES
     if R * D < min_entries or R == 0 or D == 0 or not out.requires_grad:
         return None
     if out.dtype != torch.float64 and D >= _FLOAT32_MAX_COLUMNS:
