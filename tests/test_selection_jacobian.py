@@ -90,7 +90,10 @@ def graphs(dtype):
     mask = (torch.rand(2000, generator=g) < 0.7).to(dtype)
     ze = leaf(G, 3)
     zb = leaf(G)
+    onehot = torch.zeros(2000, G, dtype=dtype)
+    onehot[torch.arange(2000), idx] = c * mask
     return {
+        "one-hot design": (onehot @ z, z),
         "broadcast": (zb.expand(4, G) * 1.0, zb),
         "scaled gather": (z[idx] * c + 2.0, z),
         "zero rows": (z[idx] * mask, z),
@@ -103,7 +106,15 @@ def graphs(dtype):
 @DTYPES
 @pytest.mark.parametrize(
     "name",
-    ["broadcast", "scaled gather", "zero rows", "batch shape", "event latent", "index_select"],
+    [
+        "one-hot design",
+        "broadcast",
+        "scaled gather",
+        "zero rows",
+        "batch shape",
+        "event latent",
+        "index_select",
+    ],
 )
 def test_the_probe_reads_the_dense_jacobian_bit_for_bit(dtype, name):
     out, z = graphs(dtype)[name]

@@ -7,6 +7,7 @@ structure: ``A 1 = c`` and ``A (1, 2, ..., D) = c * (idx + 1)``, so ``idx = A(1.
 It is then confirmed, not assumed: ``A v = c * v[idx]`` and ``A^T w = sum_r c_r w_r e_{idx_r}``
 at random ``v``, ``w`` (a row with a second non-zero, or one that sums to zero, fails them)
 within the probes' tolerance. Cost: ``O(R + D)`` per pass instead of the ``R x D`` matrix.
+A product ``X @ z`` is read off autograd's record instead (a one-hot design ``X`` selects).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..gaussian.selection import SelectionJacobian
-from .probes import close, rtol
+from .probes import close, matvec_matrix, rtol
 
 __all__ = ["SELECTION_MIN_ENTRIES", "selection_jacobian"]
 
@@ -46,6 +47,9 @@ def selection_jacobian(
         return None
     if out.dtype != torch.float64 and D >= _FLOAT32_MAX_COLUMNS:
         return None
+    X = matvec_matrix(out, z)
+    if X is not None:  # ``X @ z``: the matrix is on the record (a one-hot design selects)
+        return _from_matrix(X)
     flat = out.reshape(-1)
     u = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
     with torch.enable_grad():
@@ -79,3 +83,12 @@ def selection_jacobian(
     if atw is None or not close(atw.reshape(-1), A.rmatvec(w), tol):
         return None
     return A
+
+
+def _from_matrix(X: torch.Tensor) -> Optional[SelectionJacobian]:
+    """The selection equal to ``X`` entry for entry, where ``X`` has one non-zero a row."""
+    live = X != 0
+    if bool((live.sum(1) > 1).any()):
+        return None
+    index = live.to(torch.uint8).argmax(1)
+    return SelectionJacobian(index, X.detach().gather(1, index[:, None]).squeeze(1), X.shape[1])
