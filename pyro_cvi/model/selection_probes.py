@@ -66,19 +66,19 @@ def selection_jacobian(
         (g,) = torch.autograd.grad((atu * v).sum(), u, retain_graph=True, allow_unused=True)
         return torch.zeros_like(u) if g is None else g.detach()
 
-    kw = dict(dtype=out.dtype, device=out.device)
-    coef = times(torch.ones(D, **kw))
-    pos = times(torch.arange(1, D + 1, **kw))
+    dt, dev = out.dtype, out.device
+    coef = times(torch.ones(D, dtype=dt, device=dev))
+    pos = times(torch.arange(1, D + 1, dtype=dt, device=dev))
     live = coef != 0
     ratio = torch.where(live, pos / torch.where(live, coef, torch.ones_like(coef)), 1.0)
     index = (ratio.round() - 1).clamp(0, D - 1).long()
     A = SelectionJacobian(index, coef, D)
     g = torch.Generator(device="cpu").manual_seed(seed)
     tol = rtol(out.dtype)
-    v = torch.randn(D, generator=g, dtype=torch.float64).to(**kw)
+    v = torch.randn(D, generator=g, dtype=torch.float64).to(dtype=dt, device=dev)
     if not close(times(v), A.matvec(v), tol):
         return None
-    w = torch.randn(R, generator=g, dtype=torch.float64).to(**kw)
+    w = torch.randn(R, generator=g, dtype=torch.float64).to(dtype=dt, device=dev)
     (atw,) = torch.autograd.grad((flat * w).sum(), z, retain_graph=True, allow_unused=True)
     if atw is None or not close(atw.reshape(-1), A.rmatvec(w), tol):
         return None
