@@ -190,9 +190,6 @@ def _same_q_losses(model, args, dtype, steps, kind, seed=0, guides=None):
                 store[k].data.copy_(v.to(store[k].dtype))
         blocks = [b for b in guide.engine.blocks if type(b).__name__ == kind]
         assert len(blocks) == 1, [type(b).__name__ for b in guide.engine.blocks]
-        for b in guide.engine.blocks:
-            if hasattr(b, "forget"):
-                b.forget()
         pyro.set_rng_seed(seed)
         with torch.no_grad():
             losses.append(svi.evaluate_loss(*a))

@@ -28,52 +28,62 @@ def _tensors(names: Sequence[str]) -> Tuple[Optional[torch.Tensor], ...]:
     params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
     if params is None:
         return tuple(store[n].unconstrained() if n in store else None for n in names)
-    return tuple(params.get(n) for n in names)
+    return tuple(map(params.get, names))
 
 
 class SeenParams:
-    """One record of the parameters ``names`` (module docstring); never changed in place (a
-    transaction's rollback rebinds the engine's record with the parameters)."""
+    """One record of the parameters ``names`` (module docstring): per parameter in the store,
+    ``(name, tensor, version, values)``. Never changed in place (a transaction's rollback
+    rebinds the engine's record together with the parameters)."""
 
-    __slots__ = ("names", "held", "versions", "values")
+    __slots__ = ("names", "items")
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], held: Optional[Sequence] = None) -> None:
         self.names = tuple(names)
-        self.held = _tensors(self.names)
-        self.versions = tuple(-1 if t is None else t._version for t in self.held)
-        self.values = tuple(None if t is None else t.detach().clone() for t in self.held)
+        held = _tensors(self.names) if held is None else held
+        if len(held) == 1 and held[0] is not None:  # (the common case, without a generator)
+            t = held[0]
+            self.items = ((self.names[0], t, t._version, t.detach().clone()),)
+            return
+        kept = [(n, t) for n, t in zip(self.names, held) if t is not None]
+        self.items = tuple((n, t, t._version, t.detach().clone()) for n, t in kept)
 
-    def moved(self, names: Sequence[str]) -> bool:
-        """Whether a parameter of ``names`` was set from outside since the record (other names
-        than the record's, e.g. after a new analysis, are not compared: ``False``)."""
-        if tuple(names) != self.names:
-            return False
-        now_held = zip(_tensors(self.names), self.held, self.versions, self.values)
-        for now, held, version, value in now_held:
-            if now is not held:
-                return True
-            if now is None:
-                continue
-            if now._version != version or not torch.equal(now.detach(), value):
+    def again(self) -> SeenParams:
+        """A new record of the same tensors (the engine wrote them in place)."""
+        if len(self.items) != len(self.names):  # (one was missing: look again)
+            return SeenParams(self.names)
+        return SeenParams(self.names, [item[1] for item in self.items])
+
+    def moved(self) -> bool:
+        """Whether a recorded parameter was set from outside since the record: another tensor
+        in the store, another version, or other values (the names are the engine's while the
+        record stands: a new analysis drops it)."""
+        store = pyro.get_param_store()
+        params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
+        for name, held, version, value in self.items:
+            t = params.get(name) if params is not None else _tensors((name,))[0]
+            if t is not held or t._version != version or not torch.equal(t, value):
                 return True
         return False
 
-    def stale(self, names: Sequence[str]) -> bool:
-        """Whether the engine's own writes since the record may have changed ``names``: other
-        names, another tensor or another version (no values read: cheap)."""
-        if tuple(names) != self.names:
-            return True
-        now = _tensors(self.names)
-        return any(a is not b or (a is not None and a._version != v)
-                   for a, b, v in zip(now, self.held, self.versions))  # fmt: skip
+    def stale(self) -> bool:
+        """Whether the engine's own writes since the record changed a parameter (its version:
+        the engine writes in place, under its counter)."""
+        for item in self.items:
+            if item[1]._version != item[2]:
+                return True
+        return False
 
 
-def _record(engine, out):
-    """``out``, the engine's parameters recorded first where its own writes may have changed
-    them (:meth:`SeenParams.stale`)."""
-    names, seen = engine.param_names(), getattr(engine, "seen", None)
-    if seen is None or seen.stale(names):
-        engine.seen = SeenParams(names)
+def _record(engine, out, always: bool = False):
+    """``out``, the engine's parameters recorded first (``always``, or where its own writes may
+    have changed them: :meth:`SeenParams.stale`). The names are the engine's while a record
+    stands (a new analysis, which may change them, drops it)."""
+    seen = getattr(engine, "seen", None)
+    if seen is None:
+        engine.seen = SeenParams(engine.param_names())
+    elif always or seen.stale():
+        engine.seen = seen.again()
     return out
 
 
@@ -85,7 +95,7 @@ def watched(loss: Callable) -> Callable:
     @functools.wraps(loss)
     def run(engine, *args, **kwargs):
         seen = getattr(engine, "seen", None)
-        if seen is not None and seen.moved(engine.param_names()):
+        if seen is not None and seen.moved():
             engine.invalidate()
         return _record(engine, loss(engine, *args, **kwargs))
 
@@ -97,6 +107,6 @@ def recorded(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def run(engine, *args, **kwargs):
-        return _record(engine, method(engine, *args, **kwargs))
+        return _record(engine, method(engine, *args, **kwargs), always=True)
 
     return run
