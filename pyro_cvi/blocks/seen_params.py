@@ -14,12 +14,16 @@ parameters were set from outside, and every block's ``q`` is rebuilt from them.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar
 
 import pyro
 import torch
 
 __all__ = ["SeenParams", "recorded", "watched"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+#: per parameter: its name, the store's tensor, its version and a copy of its values
+Item = Tuple[str, torch.Tensor, int, torch.Tensor]
 
 
 def _tensors(names: Sequence[str]) -> Tuple[Optional[torch.Tensor], ...]:
@@ -27,8 +31,12 @@ def _tensors(names: Sequence[str]) -> Tuple[Optional[torch.Tensor], ...]:
     store = pyro.get_param_store()
     params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
     if params is None:
-        return tuple(store[n].unconstrained() if n in store else None for n in names)
+        return tuple(_unconstrained(store, n) for n in names)
     return tuple(map(params.get, names))
+
+
+def _unconstrained(store: Any, name: str) -> Optional[torch.Tensor]:
+    return store.get_param(name).unconstrained() if name in store else None
 
 
 class SeenParams:
@@ -38,8 +46,11 @@ class SeenParams:
 
     __slots__ = ("names", "items")
 
-    def __init__(self, names: Sequence[str], held: Optional[Sequence] = None) -> None:
+    def __init__(
+        self, names: Sequence[str], held: Optional[Sequence[Optional[torch.Tensor]]] = None
+    ) -> None:
         self.names = tuple(names)
+        self.items: Tuple[Item, ...]
         held = _tensors(self.names) if held is None else held
         if len(held) == 1 and held[0] is not None:  # (the common case, without a generator)
             t = held[0]
@@ -75,7 +86,7 @@ class SeenParams:
         return False
 
 
-def _record(engine, out, always: bool = False):
+def _record(engine: Any, out: Any, always: bool = False) -> Any:
     """``out``, the engine's parameters recorded first (``always``, or where its own writes may
     have changed them: :meth:`SeenParams.stale`). The names are the engine's while a record
     stands (a new analysis, which may change them, drops it)."""
@@ -87,26 +98,26 @@ def _record(engine, out, always: bool = False):
     return out
 
 
-def watched(loss: Callable) -> Callable:
+def watched(loss: F) -> F:
     """``Engine.loss`` that first sees parameters set from outside since the engine's record
     (then every block's ``q`` is rebuilt from them, and the step control starts afresh:
     ``engine.invalidate()``) and records them after."""
 
     @functools.wraps(loss)
-    def run(engine, *args, **kwargs):
+    def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
         seen = getattr(engine, "seen", None)
         if seen is not None and seen.moved():
             engine.invalidate()
         return _record(engine, loss(engine, *args, **kwargs))
 
-    return run
+    return run  # type: ignore[return-value]
 
 
-def recorded(method: Callable) -> Callable:
+def recorded(method: F) -> F:
     """An engine method that writes the parameters (the step), recording them after."""
 
     @functools.wraps(method)
-    def run(engine, *args, **kwargs):
+    def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
         return _record(engine, method(engine, *args, **kwargs), always=True)
 
-    return run
+    return run  # type: ignore[return-value]
