@@ -7,8 +7,9 @@ has a version counter of its own; ``with torch.no_grad(): p.copy_(v)``;
 ``store.set_state(...)``, ``store[k] = v``: another tensor) would leave the old ``q``. So the
 engine records each parameter whenever it has written them (the store's unconstrained tensor
 itself, its version and a copy of its values) and compares them at the next loss: another
-tensor, another version or other values (``torch.equal``, the ``.data`` case) mean the
-parameters were set from outside, and every block's ``q`` is rebuilt from them.
+tensor or other values (``torch.equal``: also the ``.data`` case) mean the parameters were set
+from outside, and every block's ``q`` is rebuilt from them. (A version alone proves nothing:
+a transaction's rollback copies the same values back.)
 """
 
 from __future__ import annotations
@@ -67,14 +68,14 @@ class SeenParams:
 
     def moved(self) -> bool:
         """Whether a recorded parameter was set from outside since the record: another tensor
-        in the store, another version, or other values (the names are the engine's while the
-        record stands: a new analysis drops it)."""
+        in the store or other values (the names are the engine's while the record stands: a
+        new analysis drops it)."""
         store = pyro.get_param_store()
         params = getattr(store.keys(), "mapping", None)  # (the store's own dict, read-only)
-        for name, held, version, value in self.items:
+        for name, held, _, value in self.items:
             t = params.get(name) if params is not None else _tensors((name,))[0]
-            if t is not held or t._version != version or not torch.equal(t, value):
-                return True
+            if t is not held or not torch.equal(t, value):  # (a rollback's copy: versions
+                return True  # move, values stay)
         return False
 
     def stale(self) -> bool:
