@@ -32,6 +32,7 @@ from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 from .blocks import Block, BlockInit, Found, StepReport, build_blocks, init_messenger, stored
 from .blocks.constant_terms import elbo_terms
 from .blocks.registry import analysis_options
+from .blocks.seen_params import recorded, watched
 from .context import GIVEN, Options, StepContext
 from .model.analysis import Analysis
 from .model.signature import check_signature, closure_key, data_key, model_state, signature
@@ -127,7 +128,7 @@ class Engine:
         self._data_state = state
 
     def _analyse(self, args, kwargs, prototype_trace) -> None:
-        o = self.options
+        o, self.seen = self.options, None  # (the parameters as the engine left them: none yet)
         with torch.enable_grad():  # (its probes differentiate, also under evaluate_loss)
             an = Analysis(
                 self.model,
@@ -220,7 +221,7 @@ class Engine:
     def invalidate(self) -> None:
         """The parameters were set from outside (a checkpoint): drop every cached ``q``."""
         self.pending, self.control, self._static_trace = None, None, None
-        self._checked = None
+        self._checked = self.seen = None
         for block in self.blocks:
             block.forget()
 
@@ -335,6 +336,7 @@ class Engine:
         return trace_model(self.model, values, args, kwargs)
 
     # ------------------------------------------------------------------ the loss
+    @watched  # (parameters set from outside since the engine's last write: q afresh)
     def loss(self, args, kwargs, subsample, grads: bool, graph: bool = False) -> torch.Tensor:
         """The ELBO of the current q (exact where closed forms exist, an unbiased estimate
         otherwise); with ``grads``, the natural gradients of every block are written and the
@@ -422,6 +424,7 @@ class Engine:
         return elbo if self._has_params or GIVEN in kwargs else elbo.detach()
 
     # ------------------------------------------------------------------ the step
+    @recorded
     def step(self, beta: Optional[float]) -> None:
         """Apply the pending step (the last loss computed with gradients) with step size beta
         (``None``: the adaptive step of :attr:`control`, see :meth:`enable_control`)."""

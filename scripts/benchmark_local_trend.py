@@ -38,32 +38,19 @@ from pyro.infer import SVI, Trace_ELBO
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 
+import trend_models as tm  # noqa: E402
 from bench.reporting import Table, fmt, write_results  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
 
-
-def _scales(y):
-    sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
-    ss = pyro.sample("sigma_slope", dist.HalfNormal(y.new_tensor(0.2)))
-    so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
-    return sl, ss, so
-
-
-def trend(y):
-    sl, ss, so = _scales(y)
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), ss))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), sl))
-    level = (eta.cumsum(-1) + eps).cumsum(-1)
-    with pyro.plate("obs_time", y.shape[0]):
-        pyro.sample("y", dist.Normal(level, so), obs=y)
+trend = tm.trend(tm.latent_scales)
 
 
 def trend_markov(y):
     """A 2-d ``pyro.markov`` loop on ``(level, slope)`` with ``x_0 ~ N(0, I)``."""
-    sl, ss, so = _scales(y)
+    sl, ss, so = tm.latent_scales(y)
     A = y.new_tensor([[1.0, 1.0], [0.0, 1.0]])
     s = torch.stack([sl, ss])
     x = pyro.sample("x_0", dist.Normal(y.new_zeros(2), 1.0).to_event(1))
@@ -74,35 +61,13 @@ def trend_markov(y):
 
 
 def simulate(T: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    slope = (0.02 * torch.randn(T, generator=g, dtype=torch.float64)).cumsum(0)
-    level = (slope + 0.2 * torch.randn(T, generator=g, dtype=torch.float64)).cumsum(0)
-    return level + 0.5 * torch.randn(T, generator=g, dtype=torch.float64)
+    return tm.simulate(T)
 
 
 def exact_trend(y: torch.Tensor, n: int = 80) -> float:
     """``-log p(y)`` of :func:`trend`: ``log p(y | scales)`` by a Kalman filter on ``(slope,
-    level)`` (``x_(-1) = 0``, ``A = [[1, 0], [1, 1]]``, ``Q = [[ss^2, ss^2], [ss^2, ss^2 +
-    sl^2]]``) at every point of an ``n^3`` grid of the log scales, integrated by the rule."""
-    y = y.double()
-    axes = [torch.linspace(a, b, n, dtype=torch.float64) for a, b in ((-6, 1), (-9, 0.5), (-5, 1))]
-    la, lb, lc = (v.reshape(-1) for v in torch.meshgrid(*axes, indexing="ij"))
-    sl2, ss2, so2 = torch.exp(2 * la), torch.exp(2 * lb), torch.exp(2 * lc)
-    m1, m2, p11, p12, p22, ll = (torch.zeros_like(sl2) for _ in range(6))
-    for t in range(len(y)):
-        m2 = m2 + m1
-        p11, p12, p22 = p11 + ss2, p11 + p12 + ss2, p22 + 2 * p12 + p11 + ss2 + sl2
-        S = p22 + so2
-        r = y[t] - m2
-        ll = ll - 0.5 * (torch.log(2 * math.pi * S) + r * r / S)
-        k1, k2 = p12 / S, p22 / S
-        m1, m2 = m1 + k1 * r, m2 + k2 * r
-        p11, p12, p22 = p11 - k1 * p12, p12 - k1 * p22, p22 - k2 * p22
-    for v, s in zip((la, lb, lc), (1.0, 0.2, 1.0)):
-        half = dist.HalfNormal(torch.tensor(s, dtype=torch.float64))
-        ll = ll + half.log_prob(v.exp()) + v
-    h = sum(math.log(float(a[1] - a[0])) for a in axes)
-    return float(-(torch.logsumexp(ll, 0) + h))
+    level)`` at every point of an ``n^3`` grid of the log scales, integrated by the rule."""
+    return tm.grid_neg_log_evidence(y, n, ((-6, 1), (-9, 0.5), (-5, 1)))
 
 
 def run(T, dtype, way, steps, particles):

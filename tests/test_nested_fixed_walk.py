@@ -10,12 +10,11 @@ loop, the bound against the exact evidence (a Kalman filter), the guide's sites 
 plate, the float32 loss of the float64 fit's ``q``, and where it does not apply.
 """
 
-import math
-
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+import trend_models as tm
 from test_markov_float32 import _same_q_losses
 from test_scaled_walk import steps_from
 
@@ -24,34 +23,12 @@ from pyro_cvi.statespace.increments import NestedIncrements
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 SLOPE, LEVEL, OBS = 0.02, 0.1, 0.5
-
-
-def trend(y):
-    """The local linear trend with two cumsums and fixed scales."""
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), SLOPE))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), LEVEL))
-    level = (eta.cumsum(-1) + eps).cumsum(-1)
-    with pyro.plate("obs_time", y.shape[0]):
-        pyro.sample("y", dist.Normal(level, OBS), obs=y)
-
-
-def trend_loop(y):
-    """The same density, a ``pyro.markov`` loop on ``x_t = (slope_t, level_t - slope_t)``."""
-    s = y.new_tensor([SLOPE, LEVEL])
-    A = y.new_tensor([[1.0, 0.0], [1.0, 1.0]])
-    x = pyro.sample("x_0", dist.Normal(y.new_zeros(2), s).to_event(1))
-    pyro.sample("y_0", dist.Normal(x.sum(), OBS), obs=y[0])
-    for t in pyro.markov(range(1, len(y))):
-        x = pyro.sample(f"x_{t}", dist.Normal(A @ x, s).to_event(1))
-        pyro.sample(f"y_{t}", dist.Normal(x.sum(), OBS), obs=y[t])
+FIXED = tm.fixed_scales(LEVEL, SLOPE, OBS)
+trend, trend_loop = tm.trend(FIXED), tm.trend_loop(FIXED)
 
 
 def data(T, dtype, obs=OBS, offset=0.0):
-    g = torch.Generator().manual_seed(0)
-    slope = (SLOPE * torch.randn(T, generator=g, dtype=torch.float64)).cumsum(0)
-    level = offset + (slope + LEVEL * torch.randn(T, generator=g, dtype=torch.float64)).cumsum(0)
-    return (level + obs * torch.randn(T, generator=g, dtype=torch.float64)).to(dtype)
+    return tm.simulate(T, dtype, level=LEVEL, obs=obs, offset=offset, slope=SLOPE)
 
 
 def _chain(guide):
@@ -61,19 +38,7 @@ def _chain(guide):
 
 def exact_neg_log_evidence(y: torch.Tensor, obs: float = OBS) -> float:
     """``-log p(y)`` by a Kalman filter on ``(slope, level)`` (``x_(-1) = 0``)."""
-    y = y.double()
-    ss2, sl2, so2 = SLOPE**2, LEVEL**2, obs**2
-    m1 = m2 = p11 = p12 = p22 = ll = 0.0
-    for t in range(len(y)):
-        m2 = m2 + m1
-        p11, p12, p22 = p11 + ss2, p11 + p12 + ss2, p22 + 2 * p12 + p11 + ss2 + sl2
-        S = p22 + so2
-        r = float(y[t]) - m2
-        ll -= 0.5 * (math.log(2 * math.pi * S) + r * r / S)
-        k1, k2 = p12 / S, p22 / S
-        m1, m2 = m1 + k1 * r, m2 + k2 * r
-        p11, p12, p22 = p11 - k1 * p12, p12 - k1 * p22, p22 - k2 * p22
-    return -ll
+    return tm.neg_log_evidence(y, LEVEL, SLOPE, obs)
 
 
 @DTYPES
@@ -98,18 +63,7 @@ def test_the_two_cumsums_step_as_the_two_state_loop(dtype):
     assert torch.allclose(mt, ml, rtol=tol, atol=tol) and torch.allclose(vt, vl, rtol=tol, atol=tol)
     exact = exact_neg_log_evidence(y)
     assert abs(lt - exact) < (1e-8 if dtype == torch.float64 else 1e-3) * abs(exact), (lt, exact)
-    tr = pyro.poutine.trace(gt).get_trace(y)
-    for site in ("eta", "eps"):
-        node = tr.nodes[site]
-        assert node["value"].shape == (T,) and node["value"].dtype == dtype
-        assert [f.name for f in node["cond_indep_stack"]] == ["time"]
-    block = _chain(gt)
-    slope, rest = mt[:, 0], mt[:, 1]
-    eta = torch.cat([slope[:1], slope.diff()])
-    eps = torch.cat([rest[:1], rest[1:] - rest[:-1] - slope[:-1]])
-    assert torch.allclose(block.marginal("eta").mean, eta, rtol=tol, atol=tol)
-    assert torch.allclose(block.marginal("eps").mean, eps, rtol=tol, atol=tol)
-    assert torch.allclose(gt.median(y)["eps"], eps, rtol=tol, atol=tol)
+    tm.check_guide_sites(gt, _chain(gt), y, mt, tol)
 
 
 @DTYPES
@@ -119,13 +73,7 @@ def test_the_explain_wording_and_the_long_chain(dtype):
     ``-log p(y)``."""
     T, obs = 1000, 0.05
     y64 = data(T, torch.float64, obs=obs, offset=20.0)
-
-    def model(y):
-        with pyro.plate("time", y.shape[0]):
-            eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), SLOPE))
-            eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), LEVEL))
-        with pyro.plate("obs_time", y.shape[0]):
-            pyro.sample("y", dist.Normal((eta.cumsum(-1) + eps).cumsum(-1), obs), obs=y)
+    model = tm.trend(tm.fixed_scales(LEVEL, SLOPE, obs))
 
     g64, l64, _ = steps_from(model, y64, None, None, 2)
     text = g64.explain()
@@ -138,21 +86,7 @@ def test_the_explain_wording_and_the_long_chain(dtype):
     assert abs(loss - ref) < tol, (loss, ref)
 
 
-def parallel(y):
-    """Two walks side by side (``cumsum(eta) + cumsum(eps)``): not nested cumsums."""
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), SLOPE))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), LEVEL))
-        pyro.sample("y", dist.Normal(eta.cumsum(-1) + eps.cumsum(-1), OBS), obs=y)
-
-
-def shifted(y):
-    """The observation's loc reads another latent beside the two walks."""
-    mu = pyro.sample("mu", dist.Normal(y.new_tensor(0.0), 1.0))
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), SLOPE))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), LEVEL))
-        pyro.sample("y", dist.Normal((eta.cumsum(-1) + eps).cumsum(-1) + mu, OBS), obs=y)
+parallel, shifted = tm.beside(FIXED, "parallel"), tm.beside(FIXED, "shifted")
 
 
 def prior_reads(y):

@@ -16,6 +16,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+import trend_models as tm
 from pyro.infer import Trace_ELBO
 from test_scaled_walk import _chain, setup, steps_from
 
@@ -25,41 +26,12 @@ from pyro_cvi.statespace.posterior import conditional_entropy
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 
 
-def _scales(y):
-    sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
-    ss = pyro.sample("sigma_slope", dist.HalfNormal(y.new_tensor(0.2)))
-    so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
-    return sl, ss, so
-
-
-def trend(y):
-    """The local linear trend with two cumsums."""
-    sl, ss, so = _scales(y)
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), ss))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), sl))
-    level = (eta.cumsum(-1) + eps).cumsum(-1)
-    with pyro.plate("obs_time", y.shape[0]):
-        pyro.sample("y", dist.Normal(level, so), obs=y)
-
-
-def trend_loop(y):
-    """The same density, a ``pyro.markov`` loop on ``x_t = (slope_t, level_t - slope_t)``."""
-    sl, ss, so = _scales(y)
-    s = torch.stack([ss, sl])
-    A = y.new_tensor([[1.0, 0.0], [1.0, 1.0]])
-    x = pyro.sample("x_0", dist.Normal(y.new_zeros(2), s).to_event(1))
-    pyro.sample("y_0", dist.Normal(x.sum(), so), obs=y[0])
-    for t in pyro.markov(range(1, len(y))):
-        x = pyro.sample(f"x_{t}", dist.Normal(A @ x, s).to_event(1))
-        pyro.sample(f"y_{t}", dist.Normal(x.sum(), so), obs=y[t])
+_scales = tm.latent_scales
+trend, trend_loop = tm.trend(_scales), tm.trend_loop(_scales)
 
 
 def data(T, dtype):
-    g = torch.Generator().manual_seed(0)
-    slope = (0.02 * torch.randn(T, generator=g, dtype=torch.float64)).cumsum(0)
-    level = (slope + 0.2 * torch.randn(T, generator=g, dtype=torch.float64)).cumsum(0)
-    return (level + 0.5 * torch.randn(T, generator=g, dtype=torch.float64)).to(dtype)
+    return tm.simulate(T, dtype)
 
 
 @DTYPES
@@ -83,19 +55,7 @@ def test_the_two_cumsums_step_as_the_two_state_loop(dtype):
     (lt, mt, vt, gt), (ll, ml, vl, _) = out["trend"], out["loop"]
     assert abs(lt - ll) < tol * max(1.0, abs(ll)), (lt, ll)
     assert torch.allclose(mt, ml, rtol=tol, atol=tol) and torch.allclose(vt, vl, rtol=tol, atol=tol)
-    tr = pyro.poutine.trace(gt).get_trace(y)
-    for site in ("eta", "eps"):
-        node = tr.nodes[site]
-        assert node["value"].shape == (T,) and node["value"].dtype == dtype
-        assert [f.name for f in node["cond_indep_stack"]] == ["time"]
-    block = gt.engine.blocks[0]
-    # (eta = diff(slope), eps_t = rest_t - rest_(t-1) - slope_(t-1))
-    slope, rest = mt[:, 0], mt[:, 1]
-    eta = torch.cat([slope[:1], slope.diff()])
-    eps = torch.cat([rest[:1], rest[1:] - rest[:-1] - slope[:-1]])
-    assert torch.allclose(block.marginal("eta").mean, eta, rtol=tol, atol=tol)
-    assert torch.allclose(block.marginal("eps").mean, eps, rtol=tol, atol=tol)
-    assert torch.allclose(gt.median(y)["eps"], eps, rtol=tol, atol=tol)
+    tm.check_guide_sites(gt, gt.engine.blocks[0], y, mt, tol)
 
 
 def reversed_trend(y):
@@ -138,23 +98,7 @@ def counts(y):
         pyro.sample("y", dist.Poisson((eta.cumsum(-1) + eps).cumsum(-1).exp()), obs=y)
 
 
-def shifted(y):
-    """The observation's loc reads another latent beside the two walks."""
-    sl, ss, so = _scales(y)
-    mu = pyro.sample("mu", dist.Normal(y.new_tensor(0.0), 1.0))
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), ss))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), sl))
-        pyro.sample("y", dist.Normal((eta.cumsum(-1) + eps).cumsum(-1) + mu, so), obs=y)
-
-
-def parallel(y):
-    """Two walks side by side (``cumsum(eta) + cumsum(eps)``): not nested cumsums."""
-    sl, ss, so = _scales(y)
-    with pyro.plate("time", y.shape[0]):
-        eta = pyro.sample("eta", dist.Normal(y.new_tensor(0.0), ss))
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), sl))
-        pyro.sample("y", dist.Normal(eta.cumsum(-1) + eps.cumsum(-1), so), obs=y)
+shifted, parallel = tm.beside(_scales, "shifted"), tm.beside(_scales, "parallel")
 
 
 @DTYPES
@@ -170,28 +114,8 @@ def test_where_the_nested_walk_does_not_apply(model, dtype):
 
 
 def exact_trend(y: torch.Tensor, n: int = 40) -> float:
-    """``-log p(y)`` of :func:`trend` on an ``n^3`` grid of the log scales, ``log p(y | scales)``
-    by a Kalman filter on ``(slope, level)`` (``x_(-1) = 0``, ``A = [[1, 0], [1, 1]]``,
-    ``Q = [[ss^2, ss^2], [ss^2, ss^2 + sl^2]]``)."""
-    y = y.double()
-    axes = [torch.linspace(a, b, n, dtype=torch.float64) for a, b in ((-5, 1), (-9, 0.5), (-4, 1))]
-    la, lb, lc = (v.reshape(-1) for v in torch.meshgrid(*axes, indexing="ij"))
-    sl2, ss2, so2 = torch.exp(2 * la), torch.exp(2 * lb), torch.exp(2 * lc)
-    m1, m2, p11, p12, p22, ll = (torch.zeros_like(sl2) for _ in range(6))
-    for t in range(len(y)):
-        m2 = m2 + m1
-        p11, p12, p22 = p11 + ss2, p11 + p12 + ss2, p22 + 2 * p12 + p11 + ss2 + sl2
-        S = p22 + so2
-        r = y[t] - m2
-        ll = ll - 0.5 * (torch.log(2 * math.pi * S) + r * r / S)
-        k1, k2 = p12 / S, p22 / S
-        m1, m2 = m1 + k1 * r, m2 + k2 * r
-        p11, p12, p22 = p11 - k1 * p12, p12 - k1 * p22, p22 - k2 * p22
-    for v, s in zip((la, lb, lc), (1.0, 0.2, 1.0)):
-        half = dist.HalfNormal(torch.tensor(s, dtype=torch.float64))
-        ll = ll + half.log_prob(v.exp()) + v
-    h = sum(math.log(float(a[1] - a[0])) for a in axes)
-    return float(-(torch.logsumexp(ll, 0) + h))
+    """``-log p(y)`` of :func:`trend` on an ``n^3`` grid of the log scales."""
+    return tm.grid_neg_log_evidence(y, n, ((-5, 1), (-9, 0.5), (-4, 1)))
 
 
 def test_the_grid_answer_is_converged():

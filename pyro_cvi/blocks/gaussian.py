@@ -445,7 +445,7 @@ class GaussianBlock(InitLocStart, LaplaceStart, PlateSites, EnumeratedSites, Sit
 
     def forget(self) -> None:
         """The parameters were set from outside (a step undone): rebuild ``q`` from them."""
-        self._refreshed_from = None
+        self._refreshed_from, self._others = None, {}  # (a plate's sums: maybe set too)
         if self.post is not None:
             self._sync_rows()
             self.post = self._solve()

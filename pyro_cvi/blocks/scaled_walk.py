@@ -32,7 +32,6 @@ block at the expected prior, or the plain random walk of
 from __future__ import annotations
 
 import itertools
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -165,7 +164,6 @@ def _observation_rows(an, names, inc: Increments, sites) -> Optional[dict]:
     is ``h' x_t + c`` (JVPs on the leaf trace, confirmed at one probe run), else ``None``."""
     tr, leaves = an.leaf_trace()
     spec = detect.ChainSpec(tuple(names), inc.state_dim, inc.length, False, increments=inc)
-    x0 = inc.states(torch.cat([an.ref[n].detach().reshape(-1) for n in names]))
     found = {}
     for site in sites:
         node = tr.nodes[site]
@@ -178,16 +176,7 @@ def _observation_rows(an, names, inc: Increments, sites) -> Optional[dict]:
             except (ValueError, RuntimeError):
                 return None
         found[site] = (shape, loc.detach().reshape(-1), t, h.detach())
-    g = torch.Generator(device="cpu").manual_seed(11)
-    scale = x0.abs().mean().clamp_min(1.0).to(g.device)
-    dx = (torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device) * scale).to(x0)
-    moves = inc.increments(dx)
-    if isinstance(inc, NestedIncrements):  # (moved increments: see NestedIncrements.rows)
-        moves = dx.reshape(-1) / math.sqrt(inc.length)
-        dx = inc.states(moves)
-    moves = moves.split([an.ref[n].numel() for n in names])
-    with torch.no_grad():  # (one probe run, for the rows found)
-        moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, moves)})
+    x0, dx, moved = random_walk.probe_run(an, names, inc)  # (one probe run, for the rows)
     out = {}
     for site, (shape, loc, t, h) in found.items():
         c = loc - (h * x0[t]).sum(-1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import List, Optional, Set, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ from ..model.tracing import linear_candidates, linear_param, unwrap
 from .detect import MIN_LOOP_LENGTH, ChainSpec, observation_factor, observation_rows
 from .increments import Increments, NestedIncrements
 
-__all__ = ["MAX_NESTED", "RECOGNISE_RANDOM_WALKS", "find_random_walks"]
+__all__ = ["MAX_NESTED", "RECOGNISE_RANDOM_WALKS", "find_random_walks", "probe_run"]
 
 RECOGNISE_RANDOM_WALKS = True
 #: the most increments sites one nested walk holds (their orders are tried in turn)
@@ -99,15 +99,7 @@ def _random_walk(an, name: str) -> Optional[ChainSpec]:
         spec = ChainSpec((name,), inc.state_dim, inc.length, False, increments=inc)
         if not all(_one_step_rows(spec, tr, leaves, site) for site in sites):
             continue  # rejected on the leaf trace: no probe run needed
-        # one probe run, moved by a random direction of the states (O(1) per step)
-        x0 = inc.states(an.ref[name].reshape(-1))
-        g = torch.Generator(device="cpu").manual_seed(11)
-        scale = float(x0.abs().mean().clamp_min(1.0))
-        dx = (scale * torch.randn(x0.shape, generator=g, dtype=torch.float64, device=g.device)).to(
-            x0
-        )
-        with torch.no_grad():
-            moved = an.run(**{name: an.ref[name] + inc.increments(dx).reshape(shape)})
+        _, dx, moved = probe_run(an, (name,), inc)
         try:
             for site in sites:
                 base = unwrap(tr.nodes[site]["fn"])[0]
@@ -167,16 +159,7 @@ def _probed(an, spec: ChainSpec, sites, tr, leaves) -> Optional[ChainSpec]:
     """``spec`` with its observations confirmed by one probe run that moves the increments
     (a direction of the states would move them by differences the nested cumsums cancel
     again), or ``None``."""
-    inc, names = spec.increments, spec.names
-    g = torch.Generator(device="cpu").manual_seed(11)
-    x0 = inc.states(torch.cat([an.ref[n].detach().reshape(-1) for n in names]))
-    scale = float(x0.abs().mean().clamp_min(1.0)) / math.sqrt(inc.length)
-    moves = scale * torch.randn(x0.numel(), generator=g, dtype=torch.float64, device=g.device)
-    moves = moves.to(x0)
-    dx = inc.states(moves)
-    parts = moves.split([an.ref[n].numel() for n in names])
-    with torch.no_grad():
-        moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, parts)})
+    _, dx, moved = probe_run(an, spec.names, spec.increments)
     try:
         for site in sites:
             base = unwrap(tr.nodes[site]["fn"])[0]
@@ -185,6 +168,31 @@ def _probed(an, spec: ChainSpec, sites, tr, leaves) -> Optional[ChainSpec]:
         return None
     spec.probe = (dx, moved)
     return spec
+
+
+def probe_run(an, names: Sequence[str], inc: Increments) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+    """One probe run of the model (``an``: the Analysis) with the walk's sites ``names`` moved
+    by a fixed random direction (seed 11, scaled by ``s = max(1, mean |x_0|)``): ``(x_0, dx,
+    the moved trace)``, ``x_0`` the states at the reference values, ``dx`` the states' move.
+
+    One site moves its states by ``dx = s r`` (``eps = diff(dx)``); nested sites move their
+    increments by ``s r / sqrt(T)`` (``dx`` their states): a direction of the states would move
+    them by differences that the nested cumsums cancel again (``T^1.5`` rounding in float32).
+    ``r`` is drawn and scaled in float64, then rounded once to the states' dtype."""
+    x0 = inc.states(torch.cat([an.ref[n].detach().reshape(-1) for n in names]))
+    g = torch.Generator(device="cpu").manual_seed(11)
+    r = torch.randn(x0.numel(), generator=g, dtype=torch.float64, device=g.device)
+    scale = float(x0.abs().mean().clamp_min(1.0))
+    if isinstance(inc, NestedIncrements):
+        moves = (scale / math.sqrt(inc.length) * r).to(x0)
+        dx = inc.states(moves)
+    else:
+        dx = (scale * r.reshape(x0.shape)).to(x0)
+        moves = inc.increments(dx)
+    parts = moves.split([an.ref[n].numel() for n in names])
+    with torch.no_grad():
+        moved = an.run(**{n: an.ref[n] + v.reshape(an.ref[n].shape) for n, v in zip(names, parts)})
+    return x0, dx, moved
 
 
 def _one_step_rows(spec: ChainSpec, tr, leaves, site: str) -> bool:
