@@ -314,3 +314,28 @@ def test_the_short_path_runs_to_its_own_length_limit(monkeypatch, dtype, kernel,
         c = Counter(m)
         run(gp_model(kernel), t, y, steps=2)
         assert c.solved == 0
+
+
+def scalar_loop(y):
+    """A ``pyro.markov`` loop of one scalar Poisson count per step: each factor's message plan
+    reads 0-dim moments."""
+    x = pyro.sample("x_0", dist.Normal(y.new_tensor(0.0), 1.0))
+    pyro.sample("y_0", dist.Poisson(x.exp()), obs=y[0])
+    for t in pyro.markov(range(1, len(y))):
+        x = pyro.sample(f"x_{t}", dist.Normal(x, 0.3))
+        pyro.sample(f"y_{t}", dist.Poisson(x.exp()), obs=y[t])
+
+
+def test_scalar_factors_keep_the_datas_dtype():
+    """From the second step on, the messages come from the plans (0-dim moments): in float32
+    they stay float32 (a float64 constant promoted them, and setting ``.grad`` then raised),
+    and the losses follow float64's."""
+    losses = {}
+    for dtype in (torch.float32, torch.float64):
+        _, y = counts(12, dtype)
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = SVI(scalar_loop, AutoCVI(scalar_loop), CVI(), CVI_ELBO())
+        losses[dtype] = torch.tensor([svi.step(y) for _ in range(6)], dtype=torch.float64)
+    assert float(losses[torch.float64][-1]) < 0.7 * float(losses[torch.float64][0])
+    assert torch.allclose(losses[torch.float32], losses[torch.float64], rtol=1e-4)

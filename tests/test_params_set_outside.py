@@ -159,8 +159,6 @@ def test_values_set_from_outside_are_those_of_a_fresh_guide(case, how, auto, dty
     next step's loss and the values after it are a fresh guide's over the same store, and the
     loss differs from the one before the values were put back (a stale ``q`` fails)."""
     model, data, kinds = CASES[case]
-    if case == "loop" and dtype == torch.float32:
-        pytest.xfail("a pyro.markov loop of Poisson counts fails its second float32 step on main")
     args = tuple(a.to(dtype) for a in data())
     optim = CVI if auto else (lambda: CVI(step_size=0.5))
     pyro.set_rng_seed(0)

@@ -46,6 +46,16 @@ _UNREAD = object()  # (a site seen once: its plan is read when it is seen again)
 # as Python's (a CPU scalar operand is read in the other operand's dtype either way), without
 # wrapping a Python number into a tensor at every operation
 _HALF, _NEG_HALF, _TWO = (torch.tensor(v, dtype=torch.float64) for v in (0.5, -0.5, 2.0))
+_BY_DTYPE: dict = {torch.float64: (_HALF, _NEG_HALF, _TWO)}
+
+
+def _halves(dtype: torch.dtype) -> tuple:
+    """``(0.5, -0.5, 2)`` as 0-dim tensors of ``dtype``: a factor of one scalar observation has
+    0-dim moments, with which a float64 constant would promote a float32 message."""
+    kept = _BY_DTYPE.get(dtype)
+    if kept is None:
+        kept = _BY_DTYPE[dtype] = tuple(torch.tensor(v, dtype=dtype) for v in (0.5, -0.5, 2.0))
+    return kept
 
 
 def expected_log_sites(sr: SiteRows, f_mean: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
@@ -113,9 +123,10 @@ class MessagePlan:
             mean, var = mean.reshape(self.shape), var.reshape(self.shape)
         if self.log_y_factorial is not None:  # (site_natural_params inlined: the same ops)
             y = self.y
-            rate = torch.exp(mean + _HALF * var)
-            f, gm, gv = y * mean - rate - self.log_y_factorial, y - rate, _NEG_HALF * rate
-            lam1, lam2 = gm - _TWO * gv * mean, gv
+            half, neg_half, two = _halves(mean.dtype)
+            rate = torch.exp(mean + half * var)
+            f, gm, gv = y * mean - rate - self.log_y_factorial, y - rate, neg_half * rate
+            lam1, lam2 = gm - two * gv * mean, gv
         else:
             f, gm, gv = self.closed(self.weight, self.y, mean, var)
             lam1, lam2 = site_natural_params(mean, gm, gv)
