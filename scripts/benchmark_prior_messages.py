@@ -270,6 +270,7 @@ def groups_rows(
                     "curve": curve,
                     "remainder": list(an.remainder),
                     "beside": sorted(getattr(an, "prior_beside", {})),
+                    "observed_beside": sorted(getattr(an, "observed_beside", {})),
                     "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 }
                 print(key, f"{bound:.2f} +- {se:.2f}", f"{cpu:.1f} s", curve[:-1], flush=True)
