@@ -120,8 +120,9 @@ def observation_message(ctx, factor, shape: torch.Size) -> Tuple[torch.Tensor, t
     info = factor.scale
     e_prec, e_loc = expected_prior_moments(info, *_given_moments(ctx, factor))
     y = _observed(ctx, factor.site, info).to(e_prec)
-    eta1 = info.A.to(e_prec).T @ (y * e_prec - e_loc)
-    eta2 = -0.5 * (info.A2.to(e_prec).T @ e_prec)
+    _, At, _, A2t = info.rows
+    eta1 = torch.mv(At, y * e_prec - e_loc)
+    eta2 = -0.5 * torch.mv(A2t, e_prec)
     return eta1.reshape(shape), eta2.reshape(shape)
 
 
@@ -287,8 +288,9 @@ def _observed_moments(an, ctx, site: str, name: str, z: torch.Tensor):
     info = observation_info(an, site, name)
     m, v = _natural_moments(ctx.block_for(name), name)
     y = _observed(ctx, site, info).to(m)
-    shift = info.A.to(m) @ (z.detach().reshape(-1).to(m) - m.reshape(-1))
-    var = info.A2.to(m) @ v.reshape(-1)
+    A, _, A2, _ = info.rows
+    shift = torch.mv(A, z.detach().reshape(-1).to(m) - m.reshape(-1))
+    var = torch.mv(A2, v.reshape(-1))
     shape = an.structure.nodes[site]["value"].shape
     return (y + shift).reshape(shape), var.reshape(shape)
 

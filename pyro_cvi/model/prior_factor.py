@@ -80,8 +80,8 @@ class PriorInfo:
     #: flattened values (``(R, size)``; the remainder's Rao-Blackwellised side reads them)
     inside: Tuple[str, ...] = ()
     A: Optional[torch.Tensor] = None
-    #: an observation's ``A * A`` (its expected precision rows, :func:`observation_info`)
-    A2: Optional[torch.Tensor] = None
+    #: an observation's rows (:func:`observation_info`): ``(A, A', A*A, (A*A)')``, sparse
+    rows: Optional[Tuple[torch.Tensor, ...]] = None
     #: an observation's flattened value at the analysis (its data)
     y0: Optional[torch.Tensor] = None
 
@@ -240,7 +240,10 @@ def _observation_info(an, site: str, name: str) -> Optional[PriorInfo]:
     loc0 = out0[:R] - A @ z0.reshape(-1)
     G = dict(zip(order, Ju[:R].split(sizes, dim=1)))
     H = dict(zip(order, Ju[R:].split(sizes, dim=1)))
-    return PriorInfo(order, u0, loc0, out0[R:], G, H, True, (name,), A, A * A, y.reshape(-1))
+    rows = tuple(
+        a.to_sparse().coalesce() for a in (A, A.T.contiguous(), A * A, (A * A).T.contiguous())
+    )
+    return PriorInfo(order, u0, loc0, out0[R:], G, H, True, (name,), A, rows, y.reshape(-1))
 
 
 def prior_applies(an, name: str, block) -> Optional[PriorInfo]:
