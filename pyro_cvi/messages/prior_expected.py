@@ -135,8 +135,9 @@ def _observed(ctx, site: str, info) -> torch.Tensor:
 
 
 def _given_moments(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
-    what = f"the prior of {factor.site!r}"
-    return remainder_moments(ctx, factor.scale.given, what, factor.site)
+    site, name = factor.site, factor.latent
+    what = f"the prior of {site!r}" if site == name else f"observation {site!r} of {name!r}"
+    return remainder_moments(ctx, factor.scale.given, what, name)
 
 
 def remainder_moments(ctx, given, what: str, site: str) -> Tuple[torch.Tensor, torch.Tensor]:

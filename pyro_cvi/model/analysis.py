@@ -322,7 +322,7 @@ class Analysis:
                 self.owner[site] = REMAINDER_OWNER
                 self.remainder_factors.append(remainder_factor(site))
                 cross_factor(self, site, inside)
-                for name, beside in beside_factors(self, site):  # (model/remainder.py)
+                for name, beside in beside_factors(self, site):  # (model/beside.py)
                     self.latents[name].factors.append(beside)
                 continue
             lat = self.latents_of(site) - self.collapsed
