@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench.reporting import Table, fmt, write_results  # noqa: E402
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI  # noqa: E402
+from pyro_cvi.divergence import DivergenceError  # noqa: E402
 from pyro_cvi.model import gaussian_tree  # noqa: E402
 from pyro_cvi.model.prior_factor import JOINT_MAX_DIM  # noqa: E402
 
@@ -248,13 +249,19 @@ def groups_rows(
                 svi = SVI(model, guide, CVI(), CVI_ELBO())
                 losses, curve = [], []
                 for i in range(1, steps + 1):
-                    losses.append(svi.step(*args))
+                    try:
+                        losses.append(svi.step(*args))
+                    except DivergenceError as e:  # (the row is left out, said so)
+                        print(key, "diverged:", str(e).splitlines()[0][:160], flush=True)
+                        break
                     if i in checkpoints and i < steps:
                         cpu = time.process_time() - t
                         state = torch.get_rng_state()
                         curve.append((i, cpu, score(model, guide, args, {}, particles)[0]))
                         torch.set_rng_state(state)
                         t = time.process_time() - cpu
+                if len(losses) < steps:
+                    continue
                 cpu = time.process_time() - t
                 bound, se = score(model, guide, args, {}, particles, repeats=repeats)
                 curve.append((steps, cpu, bound))
@@ -270,6 +277,7 @@ def groups_rows(
                     "curve": curve,
                     "remainder": list(an.remainder),
                     "beside": sorted(getattr(an, "prior_beside", {})),
+                    "observed_beside": sorted(getattr(an, "observed_beside", {})),
                     "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 }
                 print(key, f"{bound:.2f} +- {se:.2f}", f"{cpu:.1f} s", curve[:-1], flush=True)

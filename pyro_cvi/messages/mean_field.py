@@ -28,7 +28,6 @@ from ..context import Options, StepContext
 from ..model import conjugate_pairs as cp
 from ..model.analysis import MEANFIELD
 from ..model.factor_roles import minibatch_renames, minibatch_spec
-from ..model.records import CONJUGATE_PRIOR
 from ..model.replication import replicated_sites
 from ..model.tracing import run_model
 from .augmented import augmented_plan
@@ -36,7 +35,7 @@ from .expectations import QState, expected_log_prob
 from .expected_natural import expected_natural, expected_natural_rule
 from .montecarlo import monte_carlo
 from .precision import jensen_gap, precision_messages, precision_sites
-from .prior_expected import beside_message
+from .prior_expected import beside_messages
 
 #: joint draws of ``q`` per Monte Carlo expected message (at least; ``num_general_samples``)
 EXPECTED_MESSAGE_SAMPLES = 16
@@ -186,12 +185,11 @@ def compute(
                 if value:  # the remainder read its factors at E[tau]: the Jensen gap
                     gap = jensen_gap(expected[n][0], q.values("mean")[n], q.geo[n])
                     elbo = elbo + gap * share
-        for n in names:  # a prior the remainder owns, exact given its q (prior_expected)
-            for f in analysis.latents[n].factors:
-                if f.kind == CONJUGATE_PRIOR and f.site == n:
-                    msg = beside_message(ctx, f, q.mu[n][0].shape)
-                    old = expected.get(n)
-                    expected[n] = msg if old is None else tuple(a + b for a, b in zip(old, msg))
+        for n in names:  # the remainder's factors, exact given its q (prior_expected)
+            msg = beside_messages(ctx, analysis.latents[n].factors, n, q.mu[n][0].shape)
+            if msg is not None:
+                old = expected.get(n)
+                expected[n] = msg if old is None else tuple(a + b for a, b in zip(old, msg))
         for site, msg in list(own_msgs.items()) + list(aug_msgs.items()):
             if site in expected:
                 msg = tuple(a.reshape(b.shape) + b for a, b in zip(expected[site], msg))

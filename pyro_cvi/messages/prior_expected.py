@@ -39,15 +39,18 @@ import torch
 from pyro.distributions.util import broadcast_shape, sum_rightmost
 
 from ..gaussian import centred_exp_mean
+from ..model.prior_factor import PriorInfo, observation_info
 from ..model.records import CONJUGATE_PRIOR, CONJUGATE_SCALE, CONJUGATE_SCALE_MC
 from ..model.tracing import unwrap
 
 __all__ = [
     "beside_message",
+    "beside_messages",
     "block_moments",
     "expected_log_prior",
     "expected_prior",
     "expected_prior_moments",
+    "observation_message",
     "remainder_moments",
     "shared_moments",
 ]
@@ -91,9 +94,50 @@ def beside_message(ctx, factor, shape: torch.Size) -> Tuple[torch.Tensor, torch.
     return e_loc.reshape(shape), (-0.5 * e_prec).reshape(shape)
 
 
+def beside_messages(ctx, factors, name: str, shape: torch.Size):
+    """The sum of the exact messages the remainder's factors send natural-form latent
+    ``name`` kept beside it (:mod:`~pyro_cvi.model.beside`): its own prior's
+    (:func:`beside_message`) and its observations' (:func:`observation_message`), in its
+    ``shape``; ``None`` where it has none."""
+    total = None
+    for f in factors:
+        if f.kind == CONJUGATE_PRIOR and f.site == name:
+            msg = beside_message(ctx, f, shape)
+        elif f.kind == CONJUGATE_SCALE and f.site != name and isinstance(f.scale, PriorInfo):
+            msg = observation_message(ctx, f, shape)
+        else:
+            continue
+        total = msg if total is None else tuple(a + b for a, b in zip(total, msg))
+    return total
+
+
+def observation_message(ctx, factor, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The exact message of observed ``y ~ Normal(A z + c(u), s(u))`` to natural-form ``z``
+    (:func:`~pyro_cvi.model.prior_factor.observation_info`): given ``u`` its log-density is
+    ``(A z)' (y - c) / s^2 - (A z)^2 / (2 s^2) + const`` per row and, ``z`` mean field, its
+    gradient in ``(E[z], E[z^2])`` is ``(A' E[(y - c)/s^2], -(A*A)' E[1/s^2] / 2)``
+    (eq. 20), the expectations in closed form under the remainder's ``q`` (as the prior's)."""
+    info = factor.scale
+    e_prec, e_loc = expected_prior_moments(info, *_given_moments(ctx, factor))
+    y = _observed(ctx, factor.site, info).to(e_prec)
+    _, At, _, A2t = info.rows
+    eta1 = torch.mv(At, y * e_prec - e_loc)
+    eta2 = -0.5 * torch.mv(A2t, e_prec)
+    return eta1.reshape(shape), eta2.reshape(shape)
+
+
+def _observed(ctx, site: str, info) -> torch.Tensor:
+    """The step's observed value of ``site`` (its data; the analysed one without a trace)."""
+    tr = ctx.trace
+    if tr is None or site not in tr.nodes:
+        return info.y0
+    return tr.nodes[site]["value"].detach().reshape(-1)
+
+
 def _given_moments(ctx, factor) -> Tuple[torch.Tensor, torch.Tensor]:
-    what = f"the prior of {factor.site!r}"
-    return remainder_moments(ctx, factor.scale.given, what, factor.site)
+    site, name = factor.site, factor.latent
+    what = f"the prior of {site!r}" if site == name else f"observation {site!r} of {name!r}"
+    return remainder_moments(ctx, factor.scale.given, what, name)
 
 
 def remainder_moments(ctx, given, what: str, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +184,9 @@ def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch
       ``log N(E[theta - A z]; c, s) - Var[theta - A z] / (2 s^2)``;
     * an observed Normal shared with exact blocks as their expected-scale rows (kinds
       ``CONJUGATE_SCALE``, ``CONJUGATE_SCALE_MC``: ``y ~ Normal(sum_b A_b z_b + c, s)``, ``A_b``
-      free of every latent, ``s`` and ``c`` of the remainder), :func:`shared_moments`."""
+      free of every latent, ``s`` and ``c`` of the remainder), :func:`shared_moments`;
+    * an observation of a natural-form latent kept beside the remainder
+      (``an.observed_beside``), :func:`_observed_moments`."""
     out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
     if ctx is None or ctx.block_for is None or an.remainder_discrete:
         return out
@@ -165,6 +211,9 @@ def block_moments(an, ctx, owned, others) -> Dict[str, Tuple[torch.Tensor, torch
     for name in getattr(an, "prior_beside", {}):  # natural-form latents beside it
         if name in owned:
             out[name] = _natural_moments(ctx.block_for(name), name)
+    for site, name in getattr(an, "observed_beside", {}).items():  # their observations
+        if site in owned and name in others:
+            out[site] = _observed_moments(an, ctx, site, name, others[name])
     for site, parts in shared.items():
         moments = shared_moments(ctx, site, parts, others)
         if moments is not None:
@@ -230,6 +279,21 @@ def _natural_moments(block, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     eta1, eta2 = (t.detach() for t in nb.natural({}))
     var = -0.5 / eta2
     return eta1 * var, var
+
+
+def _observed_moments(an, ctx, site: str, name: str, z: torch.Tensor):
+    """``(y + A (z - m), diag(A V A'))`` of observation ``site`` of natural-form ``name``
+    (``q = N(m, V)``, ``V`` diagonal; ``z``: the run's draw), so that the run's
+    ``log N(y; A z + c, s)`` at :func:`expected_log_prior` is ``E_q(z)[log N(y; A z + c, s)]``
+    (the module docstring), free of the draw."""
+    info = observation_info(an, site, name)
+    m, v = _natural_moments(ctx.block_for(name), name)
+    y = _observed(ctx, site, info).to(m)
+    A, _, A2, _ = info.rows
+    shift = torch.mv(A, z.detach().reshape(-1).to(m) - m.reshape(-1))
+    var = torch.mv(A2, v.reshape(-1))
+    shape = an.structure.nodes[site]["value"].shape
+    return (y + shift).reshape(shape), var.reshape(shape)
 
 
 def _residual_moments(block, site: str, info, others):

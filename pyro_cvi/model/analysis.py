@@ -46,7 +46,7 @@ from .collapsed_group import families_summing_marked as choose_families
 from .discrete_glm import discrete_glm_factor, unites
 from .explain import explain
 from .factor_roles import FactorSpec, factor_spec
-from .prior_factor import beside_factor
+from .prior_factor import beside_factors
 from .records import (
     COLLAPSED,
     CONJUGATE,
@@ -322,8 +322,8 @@ class Analysis:
                 self.owner[site] = REMAINDER_OWNER
                 self.remainder_factors.append(remainder_factor(site))
                 cross_factor(self, site, inside)
-                if (beside := beside_factor(self, site)) is not None:  # (model/remainder.py)
-                    self.latents[site].factors.append(beside)
+                for name, beside in beside_factors(self, site):  # (model/beside.py)
+                    self.latents[name].factors.append(beside)
                 continue
             lat = self.latents_of(site) - self.collapsed
             blocks = {self.latents[n].block for n in lat if self.latents[n].form == SITE}

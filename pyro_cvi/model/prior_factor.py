@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+from pyro.distributions.util import broadcast_shape
 from torch.distributions import biject_to
 
 from . import gaussian_tree, probes
@@ -41,7 +42,9 @@ __all__ = [
     "JOINT_MAX_DIM",
     "PriorInfo",
     "beside_factor",
+    "beside_factors",
     "chain_expected_factor",
+    "observation_info",
     "prior_applies",
     "prior_factor",
     "prior_info",
@@ -77,6 +80,10 @@ class PriorInfo:
     #: flattened values (``(R, size)``; the remainder's Rao-Blackwellised side reads them)
     inside: Tuple[str, ...] = ()
     A: Optional[torch.Tensor] = None
+    #: an observation's rows (:func:`observation_info`): ``(A, A', A*A, (A*A)')``, sparse
+    rows: Optional[Tuple[torch.Tensor, ...]] = None
+    #: an observation's flattened value at the analysis (its data)
+    y0: Optional[torch.Tensor] = None
 
 
 def prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
@@ -158,6 +165,87 @@ def _prior_info(an, name: str, names: Sequence[str]) -> Optional[PriorInfo]:
     return PriorInfo(order, u0, loc0.detach(), out0[R:].detach(), G, H, reads_block, read, A)
 
 
+def observation_info(an, site: str, name: str) -> Optional[PriorInfo]:
+    """The affine set-up of observed Normal ``site`` beside natural-form latent ``name``:
+    ``loc = A z + c0 + G (u - u0)``, ``log s = log_scale0 + H (u - u0)`` (``z``: ``name``'s
+    flattened value, ``A`` free of every latent, ``u``: the other latents' unconstrained
+    values), or ``None`` (a weighted, subsampled or hidden-draw site, an observed value with a
+    gradient, a scale reading ``name``, not jointly affine: probed at a random move). Given
+    ``u`` its log-density is Gaussian in ``z``, so its message to ``name`` is the expected
+    natural parameter ``(A' E[(y - c)/s^2], -(A*A)' E[1/s^2] / 2)`` (eq. 20)."""
+    cache = an.__dict__.setdefault("_prior_infos", {})
+    key = ("observed", site, name)
+    if key not in cache:
+        cache[key] = _observation_info(an, site, name)
+    return cache[key]
+
+
+def _observation_info(an, site: str, name: str) -> Optional[PriorInfo]:
+    tr, leaves = an.leaf_trace()
+    node = tr.nodes[site]
+    if not node["is_observed"] or site in an.random_sites or name not in leaves:
+        return None
+    if an.minibatch_plate(site) is not None or latent_weight(node) is not None:
+        return None
+    base, y = unwrap(node["fn"])[0], node["value"]
+    if type(base).__name__ != "Normal" or not isinstance(base, torch.distributions.Normal):
+        return None
+    if not torch.is_tensor(y) or y.requires_grad:
+        return None
+    given = an.latents_of(site) - {name}
+    bad = an.collapsed | an.remainder_discrete | set(an.discrete)
+    if not given or given & bad or not given <= set(leaves):
+        return None
+    order = tuple(n for n in an.values if n in given)
+    ts = {x: biject_to(an.structure.nodes[x]["fn"].support) for x in order}
+    u0 = {x: ts[x].inv(an.ref[x].detach()).reshape(-1) for x in order}
+    sizes = [u0[x].numel() for x in order]
+    shape = torch.Size(broadcast_shape(base.loc.shape, base.scale.shape, y.shape))
+    if shape != y.shape:
+        return None  # (an observation broadcast over its parameters' dims)
+    z0 = an.ref[name].detach()
+
+    def read(flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        parts = dict(zip(order, flat.split(sizes)))
+        values = {x: ts[x](parts[x].reshape(an.ref[x].shape)) for x in order}
+        b = unwrap(an.run(**values, **{name: z}).nodes[site]["fn"])[0]
+        loc = torch.as_tensor(b.loc).expand(shape).reshape(-1)
+        return torch.cat([loc, torch.as_tensor(b.scale).expand(shape).log().reshape(-1)])
+
+    flat0 = torch.cat([u0[x] for x in order])
+    R = int(shape.numel())
+    with torch.enable_grad():
+        flat, z = flat0.clone().requires_grad_(True), z0.clone().requires_grad_(True)
+        out = read(flat, z)
+        if out.numel() != 2 * R:
+            return None
+        Ju = probes.jacobian(out, flat).detach()
+        (gs,) = torch.autograd.grad(
+            (out[R:] * torch.randn_like(out[R:])).sum(), z, allow_unused=True, retain_graph=True
+        )
+        if gs is not None and bool(gs.ne(0).any()):
+            return None  # the scale reads the latent: not conjugate to it
+        A = probes.jacobian(out[:R], z).detach()
+    with torch.no_grad():
+        out0 = out.detach()
+        g = torch.Generator().manual_seed(7)
+        d = 0.3 * torch.randn(flat0.shape, generator=g, dtype=torch.float64).to(flat0)
+        dz = 0.3 * torch.randn(z0.shape, generator=g, dtype=torch.float64).to(z0)
+        out1 = read(flat0 + d, z0 + dz)
+    if not bool(torch.isfinite(Ju).all() & torch.isfinite(A).all()):
+        return None
+    moved = out0 + Ju @ d + torch.cat([A @ dz.reshape(-1), A.new_zeros(R)])
+    if not probes.close(out1, moved, probes.rtol(flat0.dtype)):
+        return None  # not jointly affine (a coefficient moving with another latent)
+    loc0 = out0[:R] - A @ z0.reshape(-1)
+    G = dict(zip(order, Ju[:R].split(sizes, dim=1)))
+    H = dict(zip(order, Ju[R:].split(sizes, dim=1)))
+    rows = tuple(
+        a.to_sparse().coalesce() for a in (A, A.T.contiguous(), A * A, (A * A).T.contiguous())
+    )
+    return PriorInfo(order, u0, loc0, out0[R:], G, H, True, (name,), A, rows, y.reshape(-1))
+
+
 def prior_applies(an, name: str, block) -> Optional[PriorInfo]:
     """:func:`prior_info` where the block can take it: a member of its linear-Gaussian tree
     with a latent scale (the block reads its conditional, and the plug-in's part of the
@@ -219,6 +307,26 @@ def beside_factor(an, site: str) -> Optional[Factor]:
         f"remainder's joint)"
     )
     return Factor(site, site, CONJUGATE_PRIOR, why, scale=info)
+
+
+def beside_factors(an, site: str):
+    """``[(latent, factor record)]`` that factor ``site``, owned by the remainder, sends to
+    natural-form latents kept beside it: a latent's own prior (:func:`beside_factor`) and an
+    observation whose loc is affine in it (:func:`observation_info`, ``an.observed_beside``)."""
+    out = []
+    if (prior := beside_factor(an, site)) is not None:
+        out.append((site, prior))
+    name = getattr(an, "observed_beside", {}).get(site)
+    info = observation_info(an, site, name) if name is not None else None
+    if info is not None:
+        given = ", ".join(info.given)
+        why = (
+            f"Normal loc affine in {name} (A: {tuple(info.A.shape)}), loc's offset and log "
+            f"scale affine in the unconstrained {given}: natural parameters (A' E[(y - c)/s^2], "
+            f"-(A*A)' E[1/s^2]/2) in closed form under the remainder's q (eq. 20)"
+        )
+        out.append((name, Factor(site, name, CONJUGATE_SCALE, why, "loc", scale=info)))
+    return out
 
 
 def chain_expected_factor(site: str, block) -> Optional[Factor]:

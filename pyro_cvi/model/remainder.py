@@ -36,8 +36,8 @@ others whose prior scale is a remainder latent (a random walk's increments under
 scale, :func:`scaled_gaussians`) make the remainder take Price's dense Hessians, as a kept
 precision does.
 Members of a linear-Gaussian tree too large for one joint block (``theta_j ~ Normal(mu, tau)``
-over many groups) keep natural-form Gaussian blocks beside it, their prior's expected natural
-parameters in closed form (:func:`beside_candidates`).
+over many groups) keep natural-form Gaussian blocks beside it, their prior's and their
+observations' expected natural parameters in closed form (:mod:`~pyro_cvi.model.beside`).
 A component stays as it was (mean field) where the remainder cannot hold it: a
 latent inside a subsampled plate (its sites change per minibatch), a latent whose ``q`` family
 the user chose (``AutoCVI(families=...)``, other than ``"gaussian"``), or a data-parallel run.
@@ -53,7 +53,8 @@ from torch.distributions import biject_to
 from ..families.gamma import Gamma
 from . import conjugate_pairs as cp
 from . import probes
-from .prior_factor import JOINT_MAX_DIM, prior_applies, prior_info
+from .beside import beside_candidates, observed_beside, observed_blocks, shares_remainder
+from .prior_factor import JOINT_MAX_DIM, prior_applies
 from .records import COLLAPSED, GENERAL, NATGRAD, NATURAL, REMAINDER, SITE, Factor
 from .tracing import is_random, unwrap
 
@@ -135,70 +136,38 @@ def remainder_sets(
     beside = beside_candidates(an, families)
     out, own = _settle(an, chosen, moves, named | beside)
     an.prior_rule = {n: "named" for n in own - beside}
-    an.prior_beside = {n: an.dropped_trees[n] for n in own & beside}
+    _record_beside(an, own & beside, out[0])
     size = joint_dim(an, out[0])
     auto = _prior_candidates(an) - named - joint if size > JOINT_MAX_DIM else set()
     if not auto:
         return out
     out, own = _settle(an, chosen, moves, named | auto | beside)
     an.prior_rule = {n: "named" if n in named else size for n in own - beside}
-    an.prior_beside = {n: an.dropped_trees[n] for n in own & beside}
+    _record_beside(an, own & beside, out[0])
     return out
 
 
-def beside_candidates(an, families: Optional[Dict[str, str]] = None) -> Set[str]:
-    """Members of a linear-Gaussian tree too large for one joint block
-    (:data:`~pyro_cvi.model.gaussian_tree.MAX_JOINT_DIM`), now natural-form Gaussians, whose
-    Normal prior reads other latents in the affine way of
-    :func:`~pyro_cvi.model.prior_factor.prior_info` and whose every other factor is exact for
-    them. Given the remainder's ``u`` such a prior is Gaussian in the latent, so its message is
-    the expected natural parameter ``(E[loc/s^2], -E[1/s^2]/2)`` in closed form (eq. 20): the
-    latent keeps an exact mean-field block beside the remainder (Algorithm 2: a conjugate
-    conditional keeps its block whatever its neighbours), where the remainder's joint Gaussian
-    would hold every member (one draw's gradient on ``D > MAX_JOINT_DIM`` coordinates). The
-    tree's root (``mu``) joins the scale (``tau``) in the remainder, a joint Gaussian of a few
-    coordinates that keeps their correlation; ``q(theta)`` is the conjugate posterior given
-    it at every step. Against the joint tree (which also keeps ``mu``-``theta`` correlation)
-    this gives up about 0.1-0.2 nat; a natural-form ``mu`` beside it fits no better (500
-    groups, float64). A latent the user names in ``families`` keeps the user's choice."""
-    out: Set[str] = set()
-    for n in getattr(an, "dropped_trees", {}):
-        info = an.latents.get(n)
-        if n in (families or {}) or info is None or info.form != NATURAL:
-            continue
-        if info.family is None or not info.family.is_gaussian:
-            continue
-        own = [f for f in info.factors if f.site == n]
-        rest = [f for f in info.factors if f.site != n]
-        if len(own) != 1 or any(f.kind in (GENERAL, COLLAPSED) for f in rest):
-            continue
-        if prior_info(an, n, (n,)) is not None:
-            out.add(n)
-    return out
+def _record_beside(an, names: Set[str], members: List[str]) -> None:
+    """``an.prior_beside``: ``{latent kept beside: its dropped tree}``; ``an.observed_beside``:
+    ``{observation the remainder owns: the latent it sends exact messages}``."""
+    an.prior_beside = {n: an.dropped_trees[n] for n in names}
+    an.observed_beside = observed_beside(an, names, set(members))
 
 
 def _settle(an, chosen: Set[str], moves, own: Set[str]):
     """:func:`_remainder_sets` with the block latents ``own`` whose prior's parents all end in
     the remainder (its closed form) and, for a natural-form latent among them
     (:func:`beside_candidates`), whose other factors hold none of its latents (they stay
-    the mean field's exact factors); ``(its result, those latents)``."""
+    the mean field's exact factors) or are observations conjugate to it
+    (:func:`~pyro_cvi.model.beside.shares_remainder`); ``(its result, those latents)``."""
     while True:
         out, kept = _remainder_sets(an, chosen, moves, own)
         members = set(out[0])
         late = {n for n in kept & own if an.latents_of(n) - _block_names(an, n) - members}
-        late |= {n for n in kept & own if _shares_remainder(an, n, members)}
+        late |= {n for n in kept & own if shares_remainder(an, n, members)}
         if not late:
             return out, kept & own
         own = own - late
-
-
-def _shares_remainder(an, name: str, members: Set[str]) -> bool:
-    """Whether natural-form latent ``name`` has a factor other than its own prior that holds a
-    remainder latent (the remainder would own it: no exact message to ``name``)."""
-    info = an.latents.get(name)
-    if info is None or info.form != NATURAL:
-        return False
-    return any(f.site != name and an.latents_of(f.site) & members for f in info.factors)
 
 
 def _prior_candidates(an) -> Set[str]:
@@ -238,7 +207,7 @@ def _remainder_sets(an, chosen: Set[str], moves, own: Set[str]):
     # a chain whose scales the remainder holds keeps its Kalman block beside it (its
     # expected messages, blocks/scaled_markov.py)
     kept_blocks = _kept_blocks(an, seeds, moves, own) | {n for c in scaled for n in c.names}
-    kept_blocks |= natural
+    kept_blocks = (kept_blocks - observed_blocks(an, natural)) | natural
     comp = _components(an, nodes - kept_blocks - set(precisions))
     roots = {comp[s] for s in seeds}
     if any(comp.get(n) in roots for n in an.discrete):  # such a component takes its Gaussian
