@@ -64,22 +64,22 @@ def non_centred(sigma, y):
             pyro.sample("obs", dist.Normal(mu + tau * z, sigma), obs=y.T)
 
 
-def fit(dtype, steps, families=None, model=many_schools, groups=GROUPS):
+def fit(dtype, steps, families=None, model=many_schools, groups=GROUPS, data=schools_data):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    args, _ = schools_data(groups)(dtype)
+    args, _ = data(groups)(dtype)
     guide = AutoCVI(model, families=families)
     svi = SVI(model, guide, CVI(), CVI_ELBO())
     losses = [svi.step(*args) for _ in range(steps)]
     return guide, args, losses
 
 
-def bound(model, guide, args, particles=200, repeats=5):
+def bound(model, guide, args, particles=200, repeats=5, vectorize=True):
     """``-ELBO`` by ``Trace_ELBO`` (mean, standard error over ``repeats`` estimates)."""
     with torch.no_grad():
         v = torch.tensor(
             [
-                Trace_ELBO(num_particles=particles, vectorize_particles=True).loss(
+                Trace_ELBO(num_particles=particles, vectorize_particles=vectorize).loss(
                     model, guide, *args
                 )
                 for _ in range(repeats)

@@ -26,7 +26,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 from pyro_cvi.messages.prior_expected import block_moments, expected_log_prior
@@ -35,10 +35,12 @@ from pyro_cvi.model.records import CONJUGATE_PRIOR, CONJUGATE_SCALE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from benchmark_prior_messages import grouped_data, grouped_regression  # noqa: E402
+from test_large_trees import GROUPS, LIMIT  # noqa: E402
+from test_large_trees import bound as tree_bound  # noqa: E402
+from test_large_trees import fit as fit_tree  # noqa: E402
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 GH_NODES, GH_WEIGHTS = numpy.polynomial.hermite_e.hermegauss(40)
-GROUPS, LIMIT = 30, 20
 
 
 @pytest.fixture
@@ -60,23 +62,12 @@ def shifted_scale(group, x, y, num_groups: int):
 
 
 def fit(dtype, steps, families=None, model=grouped_regression, groups=GROUPS):
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    args, _ = grouped_data(groups)(dtype)
-    guide = AutoCVI(model, families=families)
-    svi = SVI(model, guide, CVI(), CVI_ELBO())
-    losses = [svi.step(*args) for _ in range(steps)]
-    return guide, args, losses
+    return fit_tree(dtype, steps, families, model, groups, grouped_data)
 
 
 def bound(model, guide, args, particles=100, repeats=5):
-    """``-ELBO`` by ``Trace_ELBO`` (mean, standard error over ``repeats`` estimates)."""
-    with torch.no_grad():
-        v = torch.tensor(
-            [Trace_ELBO(num_particles=particles).loss(model, guide, *args) for _ in range(repeats)],
-            dtype=torch.float64,
-        )
-    return float(v.mean()), float(v.std() / math.sqrt(repeats))
+    """``-ELBO`` by ``Trace_ELBO`` (particles in a loop: ``a[group]`` indexes the plate)."""
+    return tree_bound(model, guide, args, particles, repeats, vectorize=False)
 
 
 def remainder_marginal(guide, names):
