@@ -234,6 +234,8 @@ def _observation_info(an, site: str, name: str) -> Optional[PriorInfo]:
         out1 = read(flat0 + d, z0 + dz)
     if not bool(torch.isfinite(Ju).all() & torch.isfinite(A).all()):
         return None
+    if bool((A.ne(0).sum(1) > 1).any()):
+        return None  # a row reads two members (a chain's cumsum): they are not independent
     moved = out0 + Ju @ d + torch.cat([A @ dz.reshape(-1), A.new_zeros(R)])
     if not probes.close(out1, moved, probes.rtol(flat0.dtype)):
         return None  # not jointly affine (a coefficient moving with another latent)
