@@ -198,7 +198,7 @@ def _same_q_losses(model, args, dtype, steps, kind, seed=0, guides=None):
     return losses
 
 
-def _scaled_walk(y):
+def scaled_walk(y):
     sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
     so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
     with pyro.plate("time", y.shape[0]):
@@ -254,7 +254,7 @@ KINDS = {
     # a walk whose scales are remainder latents (blocks/scaled_markov.py), 600 steps observed
     # with sd 0.01 near 30: the old form was 0.09 nats off
     "scaled_walk": lambda: (
-        _scaled_walk,
+        scaled_walk,
         (_level_data(600, 0.01, offset=30.0),),
         30,
         "ScaledMarkovBlock",

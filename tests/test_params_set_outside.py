@@ -22,6 +22,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI
+from test_markov_float32 import scaled_walk  # a walk whose scales are remainder latents
 
 from pyro_cvi import CVI, CVI_ELBO, AutoCVI
 
@@ -66,16 +67,6 @@ def logistic(x, y):
     w = pyro.sample("w", dist.Normal(x.new_zeros(3), 1.0).to_event(1))
     with pyro.plate("n", len(y)):
         pyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
-
-
-def scaled_walk(y):
-    """A walk whose scales are remainder latents."""
-    sl = pyro.sample("sigma_level", dist.HalfNormal(y.new_tensor(1.0)))
-    so = pyro.sample("sigma_obs", dist.HalfNormal(y.new_tensor(1.0)))
-    with pyro.plate("time", y.shape[0]):
-        eps = pyro.sample("eps", dist.Normal(y.new_tensor(0.0), sl))
-    with pyro.plate("obs_time", y.shape[0]):
-        pyro.sample("y", dist.Normal(eps.cumsum(-1), so), obs=y)
 
 
 def _logistic_data():

@@ -9,7 +9,14 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["kron_jacobian", "kron_product", "kron_factors_of", "matvec", "KRON_FEATURE_TRIES"]
+__all__ = [
+    "kron_jacobian",
+    "kron_product",
+    "kron_factors_of",
+    "matvec",
+    "transposed",
+    "KRON_FEATURE_TRIES",
+]
 
 #: the dense products made by :func:`kron_product` (weakly held, by identity): their version
 #: and factors
@@ -65,12 +72,7 @@ def kron_jacobian(
     N = R // max(K, 1)
     if K < 2 or Kz < 2 or N < 2 or Dx < 2:
         return None
-    flat = out.reshape(-1)
-    v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
-    with torch.enable_grad():
-        (atv,) = torch.autograd.grad(
-            (flat * v).sum(), z, retain_graph=True, create_graph=True, allow_unused=True
-        )
+    v, atv = transposed(out, z)
     if atv is None or not atv.requires_grad:
         return None
 
@@ -117,8 +119,22 @@ def kron_jacobian(
     Wt = torch.randn(N, K, generator=g, dtype=torch.float64, device=g.device).to(X)
     # (a scalar output, not grad_outputs: torch imports sympy for explicit grad_outputs)
     (wA,) = torch.autograd.grad(
-        (flat * Wt.reshape(-1)).sum(), z, retain_graph=True, allow_unused=True
+        (out.reshape(-1) * Wt.reshape(-1)).sum(), z, retain_graph=True, allow_unused=True
     )
     if wA is None or not agrees(wA, X.mT @ Wt @ G, Xa.mT @ Wt.abs() @ Ga):
         return None
     return X.detach(), G.detach()
+
+
+def transposed(out: torch.Tensor, z: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(v, A^T v)`` for ``A = d out / d z`` at a zero vector ``v`` that requires grad: ``A^T v``
+    keeps its graph to ``v``, so a backward pass of ``(A^T v)_j`` in ``v`` reads column ``j``
+    of ``A`` and one of ``(A^T v) . u`` reads ``A u`` (reverse of reverse). ``A^T v`` is
+    ``None`` where ``out`` does not reach ``z``."""
+    v = torch.zeros(out.numel(), dtype=out.dtype, device=out.device, requires_grad=True)
+    with torch.enable_grad():
+        # (a scalar output, not grad_outputs=v: torch imports sympy for explicit grad_outputs)
+        (atv,) = torch.autograd.grad(
+            (out.reshape(-1) * v).sum(), z, retain_graph=True, create_graph=True, allow_unused=True
+        )
+    return v, atv

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..gaussian.selection import SelectionJacobian
-from .kron_probes import kron_jacobian, kron_product, matvec
+from .kron_probes import kron_jacobian, kron_product, matvec, transposed
 
 __all__ = [
     "jacobian",
@@ -93,11 +93,7 @@ def jacobian(
                 )
                 rows.append(torch.zeros_like(z).reshape(-1) if g is None else g.reshape(-1))
             return torch.stack(rows, 0) if rows else flat.new_zeros(0, D)
-        v = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
-        # (a scalar output, not grad_outputs=v: torch imports sympy for explicit grad_outputs)
-        (atv,) = torch.autograd.grad(
-            (flat * v).sum(), z, retain_graph=True, create_graph=True, allow_unused=True
-        )
+        v, atv = transposed(out, z)
         if atv is None:  # ``out`` does not depend on ``z``
             return flat.new_zeros(R, D)
         atv = atv.reshape(-1)

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..gaussian.selection import SelectionJacobian
+from .kron_probes import transposed
 from .probes import close, matvec_matrix, rtol
 
 __all__ = ["SELECTION_MIN_ENTRIES", "selection_jacobian"]
@@ -51,12 +52,7 @@ def selection_jacobian(
     if X is not None:  # ``X @ z``: the matrix is on the record (a one-hot design selects)
         return _from_matrix(X)
     flat = out.reshape(-1)
-    u = torch.zeros(R, dtype=out.dtype, device=out.device, requires_grad=True)
-    with torch.enable_grad():
-        # (a scalar output, not grad_outputs=u: torch imports sympy for explicit grad_outputs)
-        (atu,) = torch.autograd.grad(
-            (flat * u).sum(), z, retain_graph=True, create_graph=True, allow_unused=True
-        )
+    u, atu = transposed(out, z)
     if atu is None or not atu.requires_grad:
         return None
     atu = atu.reshape(-1)
