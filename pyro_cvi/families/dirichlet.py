@@ -109,6 +109,18 @@ class Dirichlet(ExponentialFamily):
         return ok.reshape(ok.shape[: ok.dim() - self.event_dim] + (-1,)).all(-1)
 
     # CVI helpers --------------------------------------------------------------------------------
+    def mean_grad(self, nat: Params, grad_nat: Params) -> Params:
+        """``F^{-1} g`` in closed form (eq. 72): ``F = diag(t) - c 1 1^T`` with
+        ``t_k = psi'(alpha_k)``, ``c = psi'(alpha_0)``, so by Sherman-Morrison
+        ``F^{-1} g = g / t + (c s_g / (1 - c s_1)) / t``, ``s_g = sum_k g_k / t_k``,
+        ``s_1 = sum_k 1 / t_k`` (``1 - c s_1 > 0``: ``F`` is positive definite)."""
+        alpha = nat[0].detach() + 1
+        inv_t = 1.0 / torch.polygamma(1, alpha)
+        c = torch.polygamma(1, alpha.sum(-1, keepdim=True))
+        g = grad_nat[0].detach() * inv_t
+        s_g, s_1 = g.sum(-1, keepdim=True), inv_t.sum(-1, keepdim=True)
+        return (g + inv_t * (c * s_g / (1 - c * s_1)),)
+
     def natural_at(self, value: Tensor, prior_nat: Optional[Params] = None) -> Params:
         """Mean ``alpha / alpha_0 = value`` (entries clamped below at ``1e-6``) with the prior's
         total concentration ``alpha_0`` (at least ``K``; else ``K``): ``(alpha_0 v - 1,)``."""
